@@ -1,0 +1,41 @@
+"""megatron_qrl: low-precision rollouts for Megatron-core RL, fast and stable."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_qrl",
+    version="0.1.0",
+    description=(
+        "Quantized (INT8/FP8/W4A16/NVFP4) SGLang rollouts for Megatron-core RL, with the "
+        "rollout-aligned training forward and off-policy corrections that keep them stable."
+    ),
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_qrl", "megatron_qrl.*"]),
+    package_data={"megatron_qrl": ["data/*", "data/**/*"]},
+    install_requires=[
+        # torch is never resolved from an open range on a fresh machine: install with
+        # `-c constraints-cpu.txt` (CPU) or on top of the machine's CUDA torch (GPU).
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "nvidia-modelopt>=0.47.0",
+        # modelopt imports these without declaring them (measured with 0.47.0)
+        "requests",
+        "huggingface_hub",
+        "transformers>=4.51",
+        "safetensors",
+        "numpy",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.6"],
+        "ray": ["ray>=2.40"],
+        # GPU-only: neither installs nor imports on a CPU machine; imported lazily.
+        "gpu": ["transformer-engine[pytorch]>=2.8", "sglang>=0.5.17"],
+    },
+    entry_points={
+        "console_scripts": [
+            "qrl-quant-report=megatron_qrl.quant.report:main",
+        ],
+    },
+)
