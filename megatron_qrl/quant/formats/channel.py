@@ -1,0 +1,120 @@
+"""W8A8 per-output-channel formats: ``int8`` (SGLang ``w8a8_int8``) and ``fp8`` (``w8a8_fp8``).
+
+Weights: one fp32 scale per output channel, ``weight_scale`` of shape [out, 1]; codes follow
+ModelOpt's fake quantizer exactly (``tensor_quant._tensor_quant`` / ``_fp8_eager``):
+``s = MAX / amax_row``, ``codes = cast(w * s)``, dequantize ``codes * (1 / s)``.
+Activations: dynamic per token (SGLang ``per_token_quant_int8`` / per-token
+``scaled_fp8_quant``): ``s_x = max(amax_token, 1e-10) / MAX``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..numerics import FP8_E4M3_MAX, ZERO_AMAX_EPS, amax, cast_e4m3, round_half_away
+from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+
+_ACT_EPS = 1e-10
+
+
+class _PerChannelSpec(QuantSpec):
+    granularity = "channel"
+    activation = "per_token"
+    bits_per_weight = 8.0
+    _max: float
+
+    def _codes(self, w32: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _row_scale(self, w32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(quantize multiplier s = MAX/amax, zero-row mask) per output channel, [out, 1]."""
+        a = amax(w32, dim=1)
+        zero = a <= ZERO_AMAX_EPS
+        return self._max / torch.where(zero, torch.ones_like(a), a), zero
+
+    def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+        return q.codes.float() * q.scale
+
+    def _packed_suffixes(self):
+        return ("weight", "weight_scale")
+
+    def _pack(self, module, q):
+        return [(f"{module}.weight", q.codes), (f"{module}.weight_scale", q.scale)]
+
+    def _unpack(self, module, tensors, dtype):
+        codes = _lookup(tensors, f"{module}.weight")
+        scale = _lookup(tensors, f"{module}.weight_scale").float().reshape(-1, 1)
+        return QuantizedWeight(self.name, codes, scale, None, tuple(codes.shape), dtype)
+
+    def hf_quantization_config(self):
+        return {"quant_method": self.sglang_quantization}
+
+
+@register_spec
+class Int8Spec(_PerChannelSpec):
+    """INT8 symmetric per output channel (narrow range [-127, 127]); INT8 dynamic per token."""
+
+    name = "int8"
+    description = "W8A8 INT8: weights per output channel, activations dynamic per token"
+    weight_format = "int8"
+    sglang_quantization = "w8a8_int8"
+    _max = 127.0
+
+    def _quantize(self, w, global_amax):
+        w32 = w.float()
+        s, zero = self._row_scale(w32)
+        codes = torch.clamp(torch.round(w32 * s), -127, 127)
+        codes = torch.where(zero, 0.0, codes).to(torch.int8)  # ModelOpt: amax ~0 -> codes 0
+        scale = torch.where(zero, 1.0, 1.0 / s)
+        return QuantizedWeight(self.name, codes, scale, None, tuple(w.shape), w.dtype)
+
+    def _act(self, x):
+        a = torch.clamp(amax(x, dim=-1), min=_ACT_EPS)
+        q = torch.clamp(round_half_away(x * (127.0 / a)), -128, 127)
+        return q * (a / 127.0)
+
+    def modelopt_config(self):
+        import modelopt.torch.quantization as mtq
+
+        cfg = copy.deepcopy(mtq.INT8_DEFAULT_CFG)
+        _set_input_quantizer(cfg, {"num_bits": 8, "axis": None, "type": "dynamic",
+                                   "block_sizes": {-1: None}})
+        return cfg
+
+
+@register_spec
+class FP8Spec(_PerChannelSpec):
+    """FP8 E4M3 per output channel; FP8 E4M3 dynamic per token."""
+
+    name = "fp8"
+    description = "W8A8 FP8 E4M3: weights per output channel, activations dynamic per token"
+    weight_format = "float8_e4m3fn"
+    sglang_quantization = "w8a8_fp8"
+    _max = FP8_E4M3_MAX
+
+    def _quantize(self, w, global_amax):
+        s, _ = self._row_scale(w.float())
+        codes = cast_e4m3(w.float() * s)
+        return QuantizedWeight(self.name, codes, 1.0 / s, None, tuple(w.shape), w.dtype)
+
+    def _act(self, x):
+        a = torch.clamp(amax(x, dim=-1), min=_ACT_EPS)
+        s = a / FP8_E4M3_MAX
+        return cast_e4m3(x / s).float() * s
+
+    def modelopt_config(self):
+        import modelopt.torch.quantization as mtq
+
+        return copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG)
+
+
+def _set_input_quantizer(cfg: dict, qcfg: dict) -> None:
+    """Replace the ``*input_quantizer`` entry of a ModelOpt 0.47 list-style config."""
+    for entry in cfg["quant_cfg"]:
+        if entry.get("quantizer_name") == "*input_quantizer":
+            entry["cfg"] = qcfg
+            entry.pop("enable", None)
+            return
+    raise ValueError("ModelOpt config has no '*input_quantizer' entry to replace")

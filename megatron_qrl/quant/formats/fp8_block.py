@@ -1,0 +1,99 @@
+"""``fp8_block``: FP8 E4M3 weights in 128x128 blocks, activations in dynamic 1x128 groups.
+
+The DeepSeek-V3 layout SGLang loads with ``quant_method: fp8`` and
+``weight_block_size: [128, 128]``: ``weight`` float8_e4m3fn [out, in] and
+``weight_scale_inv`` fp32 [ceil(out/128), ceil(in/128)] — despite its name, the multiplier
+applied at dequantization (``w = codes * weight_scale_inv``). Per block, codes follow
+ModelOpt's FP8 fake quantizer (``_fp8_eager``): ``s = 448 / amax_block``,
+``codes = e4m3(w * s)``, ``weight_scale_inv = 1 / s``. Activations follow SGLang's
+``per_token_group_quant_fp8``: ``s_x = max(amax_group, 1e-10) / 448``,
+``x_q = e4m3(clamp(x / s_x))``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..numerics import FP8_E4M3_MAX, ZERO_AMAX_EPS, amax, cast_e4m3, from_blocks_2d, to_blocks_2d
+from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+
+BLOCK = 128
+_ACT_EPS = 1e-10
+
+
+@register_spec
+class FP8BlockSpec(QuantSpec):
+    """FP8 E4M3 with one scale per 128x128 weight block and per 1x128 activation group."""
+
+    name = "fp8_block"
+    description = "FP8 E4M3, 128x128 weight blocks (weight_scale_inv), activations 1x128 groups"
+    weight_format = "float8_e4m3fn"
+    granularity = "block"
+    block = (BLOCK, BLOCK)
+    activation = "per_token_group"
+    act_group = BLOCK
+    sglang_quantization = "fp8"
+    bits_per_weight = 8.0 + 32.0 / (BLOCK * BLOCK)
+
+    def _check_shape(self, shape, name):
+        # SGLang quantizes activations in groups of 128 along the input dim, so the input
+        # dim must be a multiple of 128; partial output blocks are allowed (DeepSeek layout).
+        if shape[1] % BLOCK:
+            raise ValueError(
+                f"fp8_block: {name} has in_features={shape[1]}, not a multiple of {BLOCK} "
+                "(SGLang's 1x128 activation groups need it); use fp8 (per channel) instead"
+            )
+
+    def _quantize(self, w, global_amax):
+        blocks, shape = to_blocks_2d(w.float(), BLOCK, BLOCK)
+        a = amax(blocks, dim=(1, 3))  # [nb, 1, kb, 1]
+        s = FP8_E4M3_MAX / torch.where(a <= ZERO_AMAX_EPS, torch.ones_like(a), a)
+        codes = from_blocks_2d(cast_e4m3(blocks * s), shape)
+        scale_inv = (1.0 / s)[:, 0, :, 0].contiguous()
+        return QuantizedWeight(self.name, codes, scale_inv, None, shape, w.dtype)
+
+    def _dequantize(self, q):
+        blocks, shape = to_blocks_2d(q.codes.float(), BLOCK, BLOCK)
+        return from_blocks_2d(blocks * q.scale[:, None, :, None], shape)
+
+    def _packed_suffixes(self):
+        return ("weight", "weight_scale_inv")
+
+    def _pack(self, module, q):
+        return [(f"{module}.weight", q.codes), (f"{module}.weight_scale_inv", q.scale)]
+
+    def _unpack(self, module, tensors, dtype):
+        codes = _lookup(tensors, f"{module}.weight")
+        scale = _lookup(tensors, f"{module}.weight_scale_inv").float()
+        return QuantizedWeight(self.name, codes, scale, None, tuple(codes.shape), dtype)
+
+    def _act(self, x):
+        if x.shape[-1] % BLOCK:
+            raise ValueError(f"fp8_block: activation dim {x.shape[-1]} is not a multiple of 128")
+        g = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+        s = torch.clamp(amax(g, dim=-1), min=_ACT_EPS) / FP8_E4M3_MAX
+        q = cast_e4m3(g / s).float() * s
+        return q.reshape(x.shape)
+
+    def hf_quantization_config(self):
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK],
+        }
+
+    def modelopt_config(self):
+        import modelopt.torch.quantization as mtq
+
+        cfg = copy.deepcopy(mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
+        for entry in cfg["quant_cfg"]:
+            if entry.get("quantizer_name") == "*input_quantizer":
+                entry.pop("enable", None)
+                entry["cfg"] = {
+                    "num_bits": (4, 3),
+                    "block_sizes": {-1: BLOCK, "type": "dynamic"},
+                }
+        return cfg

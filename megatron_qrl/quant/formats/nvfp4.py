@@ -1,0 +1,105 @@
+"""``nvfp4``: E2M1 weights in blocks of 16, FP8-E4M3 block scales, one FP32 tensor scale.
+
+QeRL (seed 002), NVFP4 as in ALGORITHMS.md section 3: ``W_hat = s_fp32 * (s_e4m3 * W_q)``.
+Numerics are ModelOpt's ``NVFP4QTensor.quantize`` exactly:
+``s_fp32 = amax(W) / (6 * 448)``; per block ``s_blk = e4m3(clamp(amax_blk / (6 s_fp32),
+2^-9, 448))`` (0 -> 1); ``W_q = e2m1(W / (s_blk * s_fp32))`` (nearest, ties to even,
+saturating at 6). Packed for SGLang ``modelopt_fp4``: ``weight`` uint8 [out, in/2] (element
+2i in the low nibble), ``weight_scale`` float8_e4m3fn [out, in/16], ``weight_scale_2`` fp32
+scalar and ``input_scale`` fp32 scalar (1.0: the rollout is weight-only W4A16 on Hopper).
+
+q/k/v and gate/up must share ``s_fp32`` (SGLang fuses them and keeps one scale): use
+:meth:`QuantSpec.pack_state_dict` or pass ``global_amax`` of the fused group.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..numerics import (
+    E2M1_MAX,
+    FP8_E4M3_MAX,
+    amax,
+    e2m1_decode,
+    e2m1_encode,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+
+BLOCK = 16
+_E4M3_MIN_SUBNORMAL = 2.0**-9
+
+
+@register_spec
+class NVFP4Spec(QuantSpec):
+    """NVFP4 weights (W4A16 on Hopper; W4A4 only on Blackwell, not enabled here)."""
+
+    name = "nvfp4"
+    description = "NVFP4: E2M1 blocks of 16, E4M3 block scales, FP32 tensor scale (W4A16)"
+    weight_format = "e2m1"
+    granularity = "block"
+    block = (1, BLOCK)
+    sglang_quantization = "modelopt_fp4"
+    shares_tensor_scale = True
+    bits_per_weight = 4.0 + 8.0 / BLOCK
+
+    def _check_shape(self, shape, name):
+        if shape[1] % BLOCK:
+            raise ValueError(
+                f"nvfp4: {name} has in_features={shape[1]}, not a multiple of {BLOCK}"
+            )
+
+    def _quantize(self, w, global_amax):
+        w32 = w.float()
+        ga = amax(w32, dim=(0, 1), keepdim=False) if global_amax is None else global_amax
+        s2 = ga / (E2M1_MAX * FP8_E4M3_MAX)
+        if float(s2) == 0.0:  # all-zero tensor: any positive scale gives all-zero codes
+            s2 = torch.ones_like(s2)
+        out, k = w.shape
+        blocks = w32.reshape(out, k // BLOCK, BLOCK)
+        s_blk = amax(blocks, dim=-1) / (E2M1_MAX * s2)
+        s_blk = torch.where(s_blk == 0, torch.ones_like(s_blk), s_blk)
+        s_blk = s_blk.clamp(_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        scaled = blocks / (s_blk.float() * s2)
+        codes = e2m1_encode(scaled).reshape(out, k)
+        return QuantizedWeight(self.name, codes, s_blk.squeeze(-1), s2.float(), (out, k), w.dtype)
+
+    def _dequantize(self, q):
+        out, k = q.shape
+        vals = e2m1_decode(q.codes).reshape(out, k // BLOCK, BLOCK)
+        per_block = q.scale.float() * q.global_scale
+        return (vals * per_block.unsqueeze(-1)).reshape(out, k)
+
+    def _packed_suffixes(self):
+        return ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+    def _pack(self, module, q):
+        return [
+            (f"{module}.weight", pack_nibbles(q.codes)),
+            (f"{module}.weight_scale", q.scale),
+            (f"{module}.weight_scale_2", q.global_scale.reshape(())),
+            (f"{module}.input_scale", torch.ones((), dtype=torch.float32)),
+        ]
+
+    def _unpack(self, module, tensors, dtype):
+        codes = unpack_nibbles(_lookup(tensors, f"{module}.weight"))
+        scale = _lookup(tensors, f"{module}.weight_scale")
+        s2 = _lookup(tensors, f"{module}.weight_scale_2").float().reshape(())
+        return QuantizedWeight(self.name, codes, scale, s2, tuple(codes.shape), dtype)
+
+    def hf_quantization_config(self):
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": BLOCK,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": ["lm_head", "*.mlp.gate", "*.shared_expert_gate"],
+        }
+
+    def modelopt_config(self):
+        import modelopt.torch.quantization as mtq
+
+        return copy.deepcopy(mtq.W4A16_NVFP4_CFG)

@@ -1,0 +1,106 @@
+"""``w4a16``: INT4 symmetric weights in groups of 128 along the input dim, BF16 activations.
+
+Loaded by SGLang as compressed-tensors ``pack-quantized`` (Marlin W4A16 kernels): per linear
+``weight_packed`` int32 [out, in/8] (eight int4 values per word, offset +8, lowest nibble
+first), ``weight_scale`` bf16 [out, in/128] and ``weight_shape`` int64 [2].
+
+Numerics: ModelOpt's INT4 blockwise rule (``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``:
+``scale = amax_group / 7``, codes in [-7, 7]) with ONE deliberate difference: the scale is
+stored in bf16, because that is what the Marlin kernel multiplies by, so the codes are
+rounded against the bf16 scale: ``s = bf16(amax_g / 7)``, ``q = clamp(round(w / s), -8, 7)``,
+``w_hat = q * s``. (compressed-tensors' own minmax observer uses ``amax / 7.5``; both produce
+valid pack-quantized checkpoints — we keep ModelOpt's so AWQ/PTQ exports agree.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..numerics import ZERO_AMAX_EPS, amax, pack_int4_to_int32, unpack_int32_to_int4
+from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+
+GROUP = 128
+SCALE_DTYPE = torch.bfloat16
+
+
+@register_spec
+class W4A16Spec(QuantSpec):
+    """INT4 symmetric, group 128 along input, bf16 scales; activations unquantized."""
+
+    name = "w4a16"
+    description = "W4A16 INT4 symmetric, groups of 128 along input (compressed-tensors, Marlin)"
+    weight_format = "int4"
+    granularity = "group"
+    block = (1, GROUP)
+    sglang_quantization = "compressed-tensors"
+    bits_per_weight = 4.0 + 16.0 / GROUP
+
+    def _check_shape(self, shape, name):
+        if shape[1] % GROUP:
+            raise ValueError(
+                f"w4a16: {name} has in_features={shape[1]}, not a multiple of the group size "
+                f"{GROUP} (Marlin needs whole groups); keep this layer in bf16 or use int8/fp8"
+            )
+
+    def _quantize(self, w, global_amax):
+        out, k = w.shape
+        g = w.float().reshape(out, k // GROUP, GROUP)
+        a = amax(g, dim=-1)  # [out, k/G, 1]
+        s = torch.where(a <= ZERO_AMAX_EPS, torch.ones_like(a), a / 7.0).to(SCALE_DTYPE)
+        q = torch.clamp(torch.round(g / s.float()), -8, 7).to(torch.int8).reshape(out, k)
+        return QuantizedWeight(self.name, q, s.squeeze(-1), None, (out, k), w.dtype)
+
+    def _dequantize(self, q):
+        out, k = q.shape
+        g = q.codes.float().reshape(out, k // GROUP, GROUP)
+        return (g * q.scale.float().unsqueeze(-1)).reshape(out, k)
+
+    def _packed_suffixes(self):
+        return ("weight_packed", "weight_scale", "weight_shape")
+
+    def _pack(self, module, q):
+        return [
+            (f"{module}.weight_packed", pack_int4_to_int32(q.codes)),
+            (f"{module}.weight_scale", q.scale),
+            (f"{module}.weight_shape", torch.tensor(q.shape, dtype=torch.int64)),
+        ]
+
+    def _unpack(self, module, tensors, dtype):
+        shape = tuple(int(v) for v in _lookup(tensors, f"{module}.weight_shape"))
+        codes = unpack_int32_to_int4(_lookup(tensors, f"{module}.weight_packed"))
+        codes = codes[:, : shape[1]]
+        scale = _lookup(tensors, f"{module}.weight_scale")
+        return QuantizedWeight(self.name, codes, scale, None, shape, dtype)
+
+    def hf_quantization_config(self):
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": GROUP,
+                        "dynamic": False,
+                        "actorder": None,
+                        "observer": "minmax",
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+            "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"],
+            "kv_cache_scheme": None,
+        }
+
+    def modelopt_config(self):
+        import modelopt.torch.quantization as mtq
+
+        return copy.deepcopy(mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)

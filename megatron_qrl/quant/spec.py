@@ -1,0 +1,288 @@
+"""The QuantSpec: one frozen object per format, from which every consumer is derived.
+
+One spec gives (DESIGN.md, "The one idea that holds it together"):
+1. the exact reference quantizer (pure torch, CPU): :meth:`QuantSpec.quantize_weight`,
+   :meth:`QuantSpec.dequantize`, :meth:`QuantSpec.fake_quant_weight`,
+   :meth:`QuantSpec.fake_quant_activation`;
+2. the rollout side: the SGLang ``--quantization`` method, :meth:`QuantSpec.pack` (the tensors
+   SGLang's loader expects, names and dtypes) and :meth:`QuantSpec.hf_quantization_config`;
+3. the training side (``te_quant``) uses 1. with a straight-through gradient;
+4. :meth:`QuantSpec.modelopt_config` for PTQ/export and numerics cross-checks.
+The contract held by the tests: ``dequantize(unpack(pack(w))) == fake_quant_weight(w)`` bit
+for bit, for every format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from . import targets
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """The exact result of quantizing one [out, in] weight.
+
+    ``codes`` are unpacked (one element per weight: int8 values, int4 values in int8,
+    float8_e4m3fn values, or E2M1 4-bit codes in uint8); ``scale`` is the dequantization
+    multiplier in the format's own layout (per channel ``[out, 1]``, per 128x128 block
+    ``[ceil(out/128), ceil(in/128)]``, per group ``[out, in/g]``); ``global_scale`` is the fp32
+    per-tensor scale of two-level formats (NVFP4), else None.
+    """
+
+    spec: str
+    codes: torch.Tensor
+    scale: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: a quantize-dequantize function; backward: identity (STE, Bengio et al. 2013)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):  # noqa: D401
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A quantization format, identical for the rollout engine and the trainer.
+
+    Subclasses set the class-level description fields and implement the four hooks
+    ``_quantize``, ``_dequantize``, ``_pack``, ``_unpack`` (and ``_act`` for W8A8 formats).
+    Instances are created once by :func:`register_spec`; obtain them with ``get_spec(name)``.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    weight_format: ClassVar[str]  # "none" | "int8" | "float8_e4m3fn" | "int4" | "e2m1"
+    granularity: ClassVar[str]  # "none" | "channel" | "block" | "group"
+    block: ClassVar[tuple[int, int] | None] = None  # (rows, cols) covered by one scale
+    activation: ClassVar[str] = "none"  # "none" | "per_token" | "per_token_group"
+    act_group: ClassVar[int | None] = None
+    sglang_quantization: ClassVar[str | None] = None
+    shares_tensor_scale: ClassVar[bool] = False  # one per-tensor scale per fused group
+    bits_per_weight: ClassVar[float] = 16.0
+
+    # ---- public API -------------------------------------------------------------------
+    @property
+    def quantizes_weights(self) -> bool:
+        return self.weight_format != "none"
+
+    @property
+    def quantizes_activations(self) -> bool:
+        return self.activation != "none"
+
+    def is_quantized(self, hf_name: str) -> bool:
+        """True if this format stores ``hf_name`` in low precision on the rollout side."""
+        return self.quantizes_weights and targets.is_quantized(hf_name)
+
+    def quantize_weight(
+        self,
+        w: torch.Tensor,
+        *,
+        global_amax: torch.Tensor | float | None = None,
+        name: str = "weight",
+    ) -> QuantizedWeight:
+        """Quantize a [out, in] weight exactly as the rollout engine will hold it.
+
+        ``global_amax`` overrides the per-tensor amax of two-level formats (NVFP4) so that the
+        members of a fused group (q/k/v, gate/up) share one scale; ignored elsewhere.
+        """
+        self._check_weight(w, name)
+        ga = None
+        if global_amax is not None:
+            ga = torch.as_tensor(global_amax, dtype=torch.float32, device=w.device).reshape(())
+        with torch.no_grad():
+            return self._quantize(w.detach(), ga)
+
+    def dequantize(self, q: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight the rollout engine computes with, in ``dtype`` (default: the original)."""
+        if q.spec != self.name:
+            raise ValueError(f"{self.name}.dequantize got a weight quantized with {q.spec!r}")
+        with torch.no_grad():
+            return self._dequantize(q).to(dtype or q.dtype)
+
+    def fake_quant_weight(
+        self, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """``dequantize(quantize_weight(w))`` with a straight-through gradient into ``w``."""
+        if not self.quantizes_weights:
+            return w
+        return _StraightThrough.apply(
+            w, lambda x: self.dequantize(self.quantize_weight(x, global_amax=global_amax))
+        )
+
+    def fake_quant_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """Dynamic activation quantization of W8A8 formats (STE); identity for weight-only."""
+        if not self.quantizes_activations:
+            return x
+        return _StraightThrough.apply(x, lambda t: self._act(t.detach().float()).to(t.dtype))
+
+    def pack(
+        self, hf_name: str, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors SGLang's loader expects for HF tensor ``hf_name`` (names, dtypes, layout).
+
+        Tensors this format leaves in high precision come back unchanged.
+        """
+        if not self.is_quantized(hf_name):
+            return [(hf_name, w)]
+        q = self.quantize_weight(w, global_amax=global_amax, name=hf_name)
+        return self._pack(targets.module_name(hf_name), q)
+
+    def unpack(
+        self,
+        hf_name: str,
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> QuantizedWeight | torch.Tensor:
+        """Inverse of :meth:`pack` (reads only this module's tensors from ``tensors``).
+
+        Returns a :class:`QuantizedWeight` for quantized weights, else the stored tensor.
+        """
+        if not self.is_quantized(hf_name):
+            return _lookup(tensors, hf_name)
+        return self._unpack(targets.module_name(hf_name), tensors, dtype)
+
+    def packed_names(self, hf_name: str) -> tuple[str, ...]:
+        """Names :meth:`pack` emits for ``hf_name`` (cheap, no quantization)."""
+        if not self.is_quantized(hf_name):
+            return (hf_name,)
+        mod = targets.module_name(hf_name)
+        return tuple(f"{mod}.{suffix}" for suffix in self._packed_suffixes())
+
+    def pack_state_dict(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export).
+
+        For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are
+        held back until the group is complete and packed with one shared amax.
+        """
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, w in named_tensors:
+            group = self.fusion_group(name)
+            if group is None:
+                yield from self.pack(name, w)
+                continue
+            key, members = group
+            got = pending.setdefault(key, {})
+            got[name] = w
+            if len(got) == len(members):
+                del pending[key]
+                shared = max(float(_amax_all(got[m])) for m in members)
+                for m in members:
+                    yield from self.pack(m, got[m], global_amax=shared)
+        if pending:
+            missing = {k: sorted(v) for k, v in pending.items()}
+            raise ValueError(
+                f"{self.name}: fused groups incomplete at end of stream (q/k/v and gate/up "
+                f"must be sent together so they share one scale): {missing}"
+            )
+
+    def fusion_group(self, hf_name: str) -> tuple[str, tuple[str, ...]] | None:
+        """Fused group whose members must share a per-tensor scale (None if not needed)."""
+        if not (self.shares_tensor_scale and self.is_quantized(hf_name)):
+            return None
+        return targets.fusion_group(hf_name)
+
+    def hf_quantization_config(self) -> dict[str, Any] | None:
+        """The ``quantization_config`` block of config.json SGLang reads (None for bf16)."""
+        raise NotImplementedError
+
+    def modelopt_config(self) -> dict[str, Any]:
+        """A ModelOpt ``mtq.quantize`` config with the same numerics (see each format)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"QuantSpec({self.name!r}: {self.description})"
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _quantize(self, w: torch.Tensor, global_amax: torch.Tensor | None) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _unpack(
+        self, module: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def _packed_suffixes(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_shape(self, shape: tuple[int, int], name: str) -> None:
+        """Formats with block/group constraints raise here (clear error naming the tensor)."""
+
+    # ---- shared validation -----------------------------------------------------------
+    def _check_weight(self, w: torch.Tensor, name: str) -> None:
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"{self.name}: {name} must be a 2-D [out, in] tensor, got {shape}")
+        if w.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{self.name}: {name} has dtype {w.dtype}; expected fp32/bf16/fp16")
+        if not bool(torch.isfinite(w).all()):
+            bad = int((~torch.isfinite(w)).sum())
+            raise ValueError(
+                f"{self.name}: {name} has {bad} non-finite values (NaN/Inf); "
+                "the checkpoint or the last optimizer step is broken"
+            )
+        self._check_shape(tuple(w.shape), name)
+
+
+def _amax_all(w: torch.Tensor) -> torch.Tensor:
+    return w.detach().float().abs().amax()
+
+
+def _lookup(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return tensors[key]
+    except KeyError:
+        raise KeyError(f"packed tensor {key!r} is missing (have {len(tensors)} tensors)") from None
+
+
+_REGISTRY: dict[str, QuantSpec] = {}
+
+
+def register_spec(cls: type[QuantSpec]) -> type[QuantSpec]:
+    """Class decorator: instantiate the format once and add it to the registry."""
+    name = cls.name
+    if name in _REGISTRY:
+        raise ValueError(f"quantization format {name!r} is already registered")
+    _REGISTRY[name] = cls()
+    return cls
+
+
+def get_spec(name: str) -> QuantSpec:
+    """The registered format ``name`` (``--qrl-rollout-format``)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown quantization format {name!r}; choose one of {sorted(_REGISTRY)}"
+        ) from None
+
+
+def list_specs() -> list[str]:
+    """Names of all registered formats, in registration order."""
+    return list(_REGISTRY)
