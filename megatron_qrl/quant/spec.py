@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -60,21 +60,29 @@ class _StraightThrough(torch.autograd.Function):
 class QuantSpec:
     """A quantization format, identical for the rollout engine and the trainer.
 
-    Subclasses set the class-level description fields and implement the four hooks
-    ``_quantize``, ``_dequantize``, ``_pack``, ``_unpack`` (and ``_act`` for W8A8 formats).
-    Instances are created once by :func:`register_spec`; obtain them with ``get_spec(name)``.
+    Each format is a frozen dataclass subclass that sets these fields' defaults and
+    implements the hooks ``_quantize``, ``_dequantize``, ``_pack``, ``_unpack``,
+    ``_packed_suffixes`` (and ``_act`` for W8A8 formats). Instances are created once by
+    :func:`register_spec`; obtain them with ``get_spec(name)``.
     """
 
-    name: ClassVar[str]
-    description: ClassVar[str]
-    weight_format: ClassVar[str]  # "none" | "int8" | "float8_e4m3fn" | "int4" | "e2m1"
-    granularity: ClassVar[str]  # "none" | "channel" | "block" | "group"
-    block: ClassVar[tuple[int, int] | None] = None  # (rows, cols) covered by one scale
-    activation: ClassVar[str] = "none"  # "none" | "per_token" | "per_token_group"
-    act_group: ClassVar[int | None] = None
-    sglang_quantization: ClassVar[str | None] = None
-    shares_tensor_scale: ClassVar[bool] = False  # one per-tensor scale per fused group
-    bits_per_weight: ClassVar[float] = 16.0
+    name: str = ""
+    """Registry key and ``--qrl-rollout-format`` value."""
+    description: str = ""
+    weight_format: str = "none"
+    """``none`` | ``int8`` | ``float8_e4m3fn`` | ``int4`` | ``e2m1``."""
+    granularity: str = "none"
+    """``none`` | ``channel`` | ``block`` | ``group``: what one weight scale covers."""
+    block: tuple[int, int] | None = None
+    """(rows, cols) covered by one weight scale for block/group formats."""
+    activation: str = "none"
+    """``none`` | ``per_token`` | ``per_token_group``: dynamic activation quantization."""
+    act_group: int | None = None
+    sglang_quantization: str | None = None
+    """SGLang ``--quantization`` method that loads the packed tensors."""
+    shares_tensor_scale: bool = False
+    """True if one per-tensor scale must be shared by a fused group (q/k/v, gate/up)."""
+    bits_per_weight: float = 16.0
 
     # ---- public API -------------------------------------------------------------------
     @property

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..spec import QuantSpec, register_spec
 
 
 @register_spec
+@dataclass(frozen=True)
 class BF16Spec(QuantSpec):
     """Everything stays in the checkpoint's dtype; SGLang runs without ``--quantization``."""
 
-    name = "bf16"
-    description = "no quantization (BF16 weights and activations)"
-    weight_format = "none"
-    granularity = "none"
+    name: str = "bf16"
+    description: str = "no quantization (BF16 weights and activations)"
+    weight_format: str = "none"
+    granularity: str = "none"
 
     def hf_quantization_config(self):
         return None

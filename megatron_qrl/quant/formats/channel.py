@@ -10,6 +10,8 @@ Activations: dynamic per token (SGLang ``per_token_quant_int8`` / per-token
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -19,11 +21,12 @@ from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
 _ACT_EPS = 1e-10
 
 
+@dataclass(frozen=True)
 class _PerChannelSpec(QuantSpec):
-    granularity = "channel"
-    activation = "per_token"
-    bits_per_weight = 8.0
-    _max: float
+    granularity: str = "channel"
+    activation: str = "per_token"
+    bits_per_weight: float = 8.0
+    _max: ClassVar[float]
 
     def _codes(self, w32: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -53,14 +56,15 @@ class _PerChannelSpec(QuantSpec):
 
 
 @register_spec
+@dataclass(frozen=True)
 class Int8Spec(_PerChannelSpec):
     """INT8 symmetric per output channel (narrow range [-127, 127]); INT8 dynamic per token."""
 
-    name = "int8"
-    description = "W8A8 INT8: weights per output channel, activations dynamic per token"
-    weight_format = "int8"
-    sglang_quantization = "w8a8_int8"
-    _max = 127.0
+    name: str = "int8"
+    description: str = "W8A8 INT8: weights per output channel, activations dynamic per token"
+    weight_format: str = "int8"
+    sglang_quantization: str | None = "w8a8_int8"
+    _max: ClassVar[float] = 127.0
 
     def _quantize(self, w, global_amax):
         w32 = w.float()
@@ -85,14 +89,15 @@ class Int8Spec(_PerChannelSpec):
 
 
 @register_spec
+@dataclass(frozen=True)
 class FP8Spec(_PerChannelSpec):
     """FP8 E4M3 per output channel; FP8 E4M3 dynamic per token."""
 
-    name = "fp8"
-    description = "W8A8 FP8 E4M3: weights per output channel, activations dynamic per token"
-    weight_format = "float8_e4m3fn"
-    sglang_quantization = "w8a8_fp8"
-    _max = FP8_E4M3_MAX
+    name: str = "fp8"
+    description: str = "W8A8 FP8 E4M3: weights per output channel, activations dynamic per token"
+    weight_format: str = "float8_e4m3fn"
+    sglang_quantization: str | None = "w8a8_fp8"
+    _max: ClassVar[float] = FP8_E4M3_MAX
 
     def _quantize(self, w, global_amax):
         s, _ = self._row_scale(w.float())

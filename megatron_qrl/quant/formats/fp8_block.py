@@ -13,6 +13,7 @@ ModelOpt's FP8 fake quantizer (``_fp8_eager``): ``s = 448 / amax_block``,
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
@@ -24,18 +25,19 @@ _ACT_EPS = 1e-10
 
 
 @register_spec
+@dataclass(frozen=True)
 class FP8BlockSpec(QuantSpec):
     """FP8 E4M3 with one scale per 128x128 weight block and per 1x128 activation group."""
 
-    name = "fp8_block"
-    description = "FP8 E4M3, 128x128 weight blocks (weight_scale_inv), activations 1x128 groups"
-    weight_format = "float8_e4m3fn"
-    granularity = "block"
-    block = (BLOCK, BLOCK)
-    activation = "per_token_group"
-    act_group = BLOCK
-    sglang_quantization = "fp8"
-    bits_per_weight = 8.0 + 32.0 / (BLOCK * BLOCK)
+    name: str = "fp8_block"
+    description: str = "FP8 E4M3, 128x128 weight blocks (weight_scale_inv), activations 1x128 groups"
+    weight_format: str = "float8_e4m3fn"
+    granularity: str = "block"
+    block: tuple[int, int] | None = (BLOCK, BLOCK)
+    activation: str = "per_token_group"
+    act_group: int | None = BLOCK
+    sglang_quantization: str | None = "fp8"
+    bits_per_weight: float = 8.0 + 32.0 / (BLOCK * BLOCK)
 
     def _check_shape(self, shape, name):
         # SGLang quantizes activations in groups of 128 along the input dim, so the input

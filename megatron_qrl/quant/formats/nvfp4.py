@@ -15,6 +15,7 @@ q/k/v and gate/up must share ``s_fp32`` (SGLang fuses them and keeps one scale):
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
@@ -34,17 +35,18 @@ _E4M3_MIN_SUBNORMAL = 2.0**-9
 
 
 @register_spec
+@dataclass(frozen=True)
 class NVFP4Spec(QuantSpec):
     """NVFP4 weights (W4A16 on Hopper; W4A4 only on Blackwell, not enabled here)."""
 
-    name = "nvfp4"
-    description = "NVFP4: E2M1 blocks of 16, E4M3 block scales, FP32 tensor scale (W4A16)"
-    weight_format = "e2m1"
-    granularity = "block"
-    block = (1, BLOCK)
-    sglang_quantization = "modelopt_fp4"
-    shares_tensor_scale = True
-    bits_per_weight = 4.0 + 8.0 / BLOCK
+    name: str = "nvfp4"
+    description: str = "NVFP4: E2M1 blocks of 16, E4M3 block scales, FP32 tensor scale (W4A16)"
+    weight_format: str = "e2m1"
+    granularity: str = "block"
+    block: tuple[int, int] | None = (1, BLOCK)
+    sglang_quantization: str | None = "modelopt_fp4"
+    shares_tensor_scale: bool = True
+    bits_per_weight: float = 4.0 + 8.0 / BLOCK
 
     def _check_shape(self, shape, name):
         if shape[1] % BLOCK:

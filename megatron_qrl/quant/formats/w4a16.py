@@ -15,6 +15,7 @@ valid pack-quantized checkpoints — we keep ModelOpt's so AWQ/PTQ exports agree
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
@@ -26,16 +27,17 @@ SCALE_DTYPE = torch.bfloat16
 
 
 @register_spec
+@dataclass(frozen=True)
 class W4A16Spec(QuantSpec):
     """INT4 symmetric, group 128 along input, bf16 scales; activations unquantized."""
 
-    name = "w4a16"
-    description = "W4A16 INT4 symmetric, groups of 128 along input (compressed-tensors, Marlin)"
-    weight_format = "int4"
-    granularity = "group"
-    block = (1, GROUP)
-    sglang_quantization = "compressed-tensors"
-    bits_per_weight = 4.0 + 16.0 / GROUP
+    name: str = "w4a16"
+    description: str = "W4A16 INT4 symmetric, groups of 128 along input (compressed-tensors, Marlin)"
+    weight_format: str = "int4"
+    granularity: str = "group"
+    block: tuple[int, int] | None = (1, GROUP)
+    sglang_quantization: str | None = "compressed-tensors"
+    bits_per_weight: float = 4.0 + 16.0 / GROUP
 
     def _check_shape(self, shape, name):
         if shape[1] % GROUP:
