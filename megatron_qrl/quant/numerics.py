@@ -28,6 +28,13 @@ def amax(x: torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = True) -> t
     return x.float().abs().amax(dim=dim, keepdim=keepdim)
 
 
+def bf16_ceil(x: torch.Tensor) -> torch.Tensor:
+    """Smallest bf16-representable value >= x (fp32 in, fp32 out; x finite, >= 0)."""
+    b = x.float().to(torch.bfloat16)
+    up = torch.nextafter(b, torch.full_like(b, float("inf")))
+    return torch.where(b.float() < x.float(), up, b).float()
+
+
 def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Saturating cast to ``float8_e4m3fn`` (round-to-nearest-even, clamp to +-448 first)."""
     return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)

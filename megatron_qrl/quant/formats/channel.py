@@ -3,8 +3,10 @@
 Weights: one fp32 scale per output channel, ``weight_scale`` of shape [out, 1]; codes follow
 ModelOpt's fake quantizer exactly (``tensor_quant._tensor_quant`` / ``_fp8_eager``):
 ``s = MAX / amax_row``, ``codes = cast(w * s)``, dequantize ``codes * (1 / s)``.
-Activations: dynamic per token (SGLang ``per_token_quant_int8`` / per-token
-``scaled_fp8_quant``): ``s_x = max(amax_token, 1e-10) / MAX``.
+Activations: dynamic per token, as SGLang 0.5.17's kernels compute them:
+``per_token_quant_int8`` (Triton): ``s_x = max(amax, 1e-10) / 127``,
+``q = round_half_away(x * (127 / max(amax, 1e-10)))``; ``sgl_per_token_quant_fp8``:
+``s_x = amax / 448``, ``q = e4m3(clamp(x * (1 / s_x)))`` (inverse 0 for an all-zero token).
 """
 
 from __future__ import annotations
@@ -105,9 +107,10 @@ class FP8Spec(_PerChannelSpec):
         return QuantizedWeight(self.name, codes, 1.0 / s, None, tuple(w.shape), w.dtype)
 
     def _act(self, x):
-        a = torch.clamp(amax(x, dim=-1), min=_ACT_EPS)
-        s = a / FP8_E4M3_MAX
-        return cast_e4m3(x / s).float() * s
+        # sgl_per_token_quant_fp8: no eps floor; an all-zero token gets inverse scale 0
+        s = amax(x, dim=-1) / FP8_E4M3_MAX
+        inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / torch.where(s == 0, 1.0, s))
+        return cast_e4m3(x * inv).float() * s
 
     def modelopt_config(self):
         import modelopt.torch.quantization as mtq

@@ -6,8 +6,8 @@ The DeepSeek-V3 layout SGLang loads with ``quant_method: fp8`` and
 applied at dequantization (``w = codes * weight_scale_inv``). Per block, codes follow
 ModelOpt's FP8 fake quantizer (``_fp8_eager``): ``s = 448 / amax_block``,
 ``codes = e4m3(w * s)``, ``weight_scale_inv = 1 / s``. Activations follow SGLang's
-``per_token_group_quant_fp8``: ``s_x = max(amax_group, 1e-10) / 448``,
-``x_q = e4m3(clamp(x / s_x))``.
+``per_token_group_quant_fp8``: ``a = max(amax_group, 1e-10)``,
+``x_q = e4m3(clamp(x * (448 / a)))``, dequantization scale ``a * (1 / 448)``.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class FP8BlockSpec(QuantSpec):
         if x.shape[-1] % BLOCK:
             raise ValueError(f"fp8_block: activation dim {x.shape[-1]} is not a multiple of 128")
         g = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-        s = torch.clamp(amax(g, dim=-1), min=_ACT_EPS) / FP8_E4M3_MAX
-        q = cast_e4m3(g / s).float() * s
+        a = torch.clamp(amax(g, dim=-1), min=_ACT_EPS)
+        q = cast_e4m3(g * (FP8_E4M3_MAX / a)).float() * (a * (1.0 / FP8_E4M3_MAX))
         return q.reshape(x.shape)
 
     def hf_quantization_config(self):

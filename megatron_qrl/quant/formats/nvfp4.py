@@ -1,12 +1,17 @@
 """``nvfp4``: E2M1 weights in blocks of 16, FP8-E4M3 block scales, one FP32 tensor scale.
 
 QeRL (seed 002), NVFP4 as in ALGORITHMS.md section 3: ``W_hat = s_fp32 * (s_e4m3 * W_q)``.
-Numerics are ModelOpt's ``NVFP4QTensor.quantize`` exactly:
-``s_fp32 = amax(W) / (6 * 448)``; per block ``s_blk = e4m3(clamp(amax_blk / (6 s_fp32),
+Numerics are ModelOpt's ``NVFP4QTensor.quantize`` given our tensor scale:
+``s_fp32 = bf16_ceil(amax(W) / (6 * 448))``; per block ``s_blk = e4m3(clamp(amax_blk / (6 s_fp32),
 2^-9, 448))`` (0 -> 1); ``W_q = e2m1(W / (s_blk * s_fp32))`` (nearest, ties to even,
 saturating at 6). Packed for SGLang ``modelopt_fp4``: ``weight`` uint8 [out, in/2] (element
 2i in the low nibble), ``weight_scale`` float8_e4m3fn [out, in/16], ``weight_scale_2`` fp32
 scalar and ``input_scale`` fp32 scalar (1.0: the rollout is weight-only W4A16 on Hopper).
+
+One deliberate difference from ModelOpt's default: SGLang's Marlin FP4 path (Hopper) casts
+``weight_scale_2`` to bf16 and dequantizes ``e2m1 * e4m3 * bf16(s_fp32)`` in bf16. We round
+the tensor scale UP to the nearest bf16 value (no block scale can then exceed 448), so the
+engine's bf16 copy equals ours exactly and the product is rounded once on both sides.
 
 q/k/v and gate/up must share ``s_fp32`` (SGLang fuses them and keeps one scale): use
 :meth:`QuantSpec.pack_state_dict` or pass ``global_amax`` of the fused group.
@@ -23,6 +28,7 @@ from ..numerics import (
     E2M1_MAX,
     FP8_E4M3_MAX,
     amax,
+    bf16_ceil,
     e2m1_decode,
     e2m1_encode,
     pack_nibbles,
@@ -57,7 +63,7 @@ class NVFP4Spec(QuantSpec):
     def _quantize(self, w, global_amax):
         w32 = w.float()
         ga = amax(w32, dim=(0, 1), keepdim=False) if global_amax is None else global_amax
-        s2 = ga / (E2M1_MAX * FP8_E4M3_MAX)
+        s2 = bf16_ceil(ga / (E2M1_MAX * FP8_E4M3_MAX))
         if float(s2) == 0.0:  # all-zero tensor: any positive scale gives all-zero codes
             s2 = torch.ones_like(s2)
         out, k = w.shape
@@ -93,12 +99,15 @@ class NVFP4Spec(QuantSpec):
         return QuantizedWeight(self.name, codes, scale, s2, tuple(codes.shape), dtype)
 
     def hf_quantization_config(self):
+        # SGLang ModelOptFp4Config.from_config, flat config.json form; ``ignore`` globs are
+        # matched against the full module path or any dotted part (lm_head is quantized
+        # unless excluded).
         return {
             "quant_method": "modelopt",
             "quant_algo": "NVFP4",
             "group_size": BLOCK,
-            "kv_cache_quant_algo": None,
-            "exclude_modules": ["lm_head", "*.mlp.gate", "*.shared_expert_gate"],
+            "ignore": ["lm_head", "*.mlp.gate", "*.shared_expert_gate", "*embed_tokens"],
+            "kv_cache_scheme": None,
         }
 
     def modelopt_config(self):

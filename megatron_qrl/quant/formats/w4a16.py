@@ -96,10 +96,13 @@ class W4A16Spec(QuantSpec):
                     },
                     "input_activations": None,
                     "output_activations": None,
+                    "format": "pack-quantized",
                 }
             },
+            # matched with re.match (anchored at the start) by SGLang's should_ignore_layer
             "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"],
             "kv_cache_scheme": None,
+            "sparsity_config": {},
         }
 
     def modelopt_config(self):
