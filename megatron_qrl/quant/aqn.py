@@ -103,6 +103,7 @@ def is_aqn_target(name: str, targets: Iterable[str] = DEFAULT_AQN_TARGETS) -> bo
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+@torch.no_grad()
 def _noisy(name: str, tensor: torch.Tensor, sigma: float, gen: torch.Generator) -> torch.Tensor:
     if not tensor.is_floating_point():
         raise ValueError(f"AQN: norm gain {name!r} has dtype {tensor.dtype}, expected floating")

@@ -244,6 +244,7 @@ def uaq_plan(names: Iterable[str], config: Mapping[str, object]) -> dict[str, st
     return {name: req.get(name, opt.get(name, _KEEP)) for name in names}
 
 
+@torch.no_grad()
 def _scaled(name: str, tensor: torch.Tensor, action: str, scale: float) -> torch.Tensor:
     if not tensor.is_floating_point():
         raise ValueError(f"UAQ: tensor {name!r} has dtype {tensor.dtype}, expected floating")
