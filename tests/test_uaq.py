@@ -16,6 +16,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.uaq import (
     AlreadyScaledError,
     apply_uaq,
@@ -201,9 +202,14 @@ def test_sgd_gradient_grows_by_s():
 
 
 def _int8_fake_quant(w):
-    # TODO(lead): switch to megatron_qrl.quant.get_spec("int8").fake_quant_weight once merged
+    """The rollout's INT8 weights: symmetric per output channel, step = amax_row / 127."""
+    return get_spec("int8").fake_quant_weight(w)
+
+
+def test_int8_spec_is_the_per_channel_grid_these_tests_assume():
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(6))
     step = w.abs().amax(dim=1, keepdim=True) / 127.0
-    return torch.round(w / step).clamp(-127, 127) * step
+    torch.testing.assert_close(_int8_fake_quant(w), torch.round(w / step) * step, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("s", [1.0, 1.5, 2.0])
@@ -224,7 +230,7 @@ def test_update_survives_quantization_only_with_uaq(s):
     u = (torch.rand(w.shape, generator=torch.Generator().manual_seed(3)) * 2 - 1) * 0.44
     u[torch.round(sd[name] / step).abs() == 127] = 0.0
     q0 = _int8_fake_quant(w)
-    assert torch.equal(q0, w) or s != 1.0
+    torch.testing.assert_close(q0, w, rtol=1e-6, atol=0)  # W/s stays on its grid (+- 1 ulp)
     a = 0.44
     for update, bound in ((s * u * step, 1 / (2 * s * s)), (u * step, 1 / (2 * s))):  # SGD, Adam
         changed = (_int8_fake_quant(w + update) != q0).float().mean().item()
