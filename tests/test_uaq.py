@@ -171,6 +171,8 @@ def test_uaq_does_not_mutate_input():
     out = apply_uaq(sd, _config(model), S)
     assert out is not sd and set(out) == set(sd)
     assert all(torch.equal(sd[k], before[k]) for k in sd)
+    params = dict(model.named_parameters())  # trainable leaves: outputs stay out of autograd
+    assert all(t.grad_fn is None for t in apply_uaq(params, _config(model), S).values())
 
 
 def test_uaq_bf16_rounds_once_from_fp32():
