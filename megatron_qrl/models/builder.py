@@ -1,0 +1,165 @@
+"""Build a megatron-core ``GPTModel`` for a Qwen3 / Qwen3-MoE :class:`ModelArch`.
+
+:func:`config_and_spec` is the one place the ``TransformerConfig`` and the layer
+``ModuleSpec`` are made; callers that swap linear layers (the rollout-aligned forward) pass
+``spec_hook``, a function ``(ModuleSpec, TransformerConfig) -> ModuleSpec`` applied last.
+The local (pure torch) spec is used where Transformer Engine is not importable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_qrl.models.hf_config import ModelArch
+from megatron_qrl.utils.optional import available
+
+SpecHook = Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor / expert parallel sizes the model is built for."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE only); must divide the number of experts."""
+    etp: int = 1
+    """Expert tensor-parallel size; 1 keeps every expert whole on its rank."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism; None turns it on when tp > 1 (MoE with TP > 1 needs it to train)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelLayout.{name} must be >= 1, got {getattr(self, name)}")
+
+    def check(self, arch: ModelArch) -> None:
+        """Raise a ValueError naming the size that does not divide ``arch``'s dimensions."""
+        if arch.num_kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp} must divide num_key_value_heads={arch.num_kv_heads}")
+        if arch.vocab_size % self.tp:
+            raise ValueError(f"tp={self.tp} must divide vocab_size={arch.vocab_size}")
+        if self.ep > 1 and (not arch.is_moe or arch.num_experts % self.ep):
+            raise ValueError(f"ep={self.ep} must divide num_experts={arch.num_experts} (MoE only)")
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with Megatron's norm constructor; marks its gain ``.sequence_parallel``.
+
+    Megatron's ``WrappedTorchNorm`` (local spec) asserts ``not config.sequence_parallel``;
+    with SP the gain's gradient must be all-reduced over TP, which Megatron's DDP/finalize
+    step does for parameters carrying ``sequence_parallel=True``.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def use_transformer_engine() -> bool:
+    """True when Transformer Engine imports here (the TE spec is then used by default)."""
+    return available("transformer_engine.pytorch")[0]
+
+
+def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
+                       params_dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """The megatron-core ``TransformerConfig`` of ``arch`` at ``layout``; ``overrides`` win."""
+    from megatron.core.transformer import TransformerConfig
+
+    layout = layout or ParallelLayout()
+    layout.check(arch)
+    sp = layout.tp > 1 if layout.sequence_parallel is None else layout.sequence_parallel
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, qk_layernorm=True,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, sequence_parallel=sp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16, pipeline_dtype=params_dtype,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            # softmax over top-k logits == renormalised top-k of the full softmax
+            moe_router_pre_softmax=not arch.norm_topk_prob, moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=arch.router_aux_loss_coef,
+            moe_grouped_gemm=False,
+        )
+    if arch.is_moe:
+        kwargs.update(moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall")
+    if not use_transformer_engine():
+        # megatron-core 0.16.1 without TE: the alltoall dispatcher builds a torch.cuda.Stream
+        # in __init__, so the CPU build uses the allgather dispatcher (same maths, dropless).
+        kwargs.update(use_cpu_initialization=True)
+        if arch.is_moe:
+            kwargs.update(moe_token_dispatcher_type="allgather")
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: ModelArch, config: Any, use_te: bool | None = None,
+               spec_hook: SpecHook | None = None) -> Any:
+    """The decoder block spec: TE spec if ``use_te`` (default: TE importable), else local.
+
+    ``spec_hook`` maps the decoder LAYER ``ModuleSpec`` (before it is repeated over layers).
+    The local spec gets :class:`SequenceParallelRMSNorm` for every norm, the final one too.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    use_te = use_transformer_engine() if use_te is None else use_te
+    num_experts = arch.num_experts if arch.is_moe else None
+    if use_te:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=arch.is_moe, qk_layernorm=True)
+        from megatron.core.extensions.transformer_engine import TENorm
+        final_norm: Any = TENorm
+    else:
+        spec = specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+            normalization="RMSNorm")
+        sub = spec.submodules
+        sub.input_layernorm = SequenceParallelRMSNorm
+        sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+        sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+        sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+        final_norm = SequenceParallelRMSNorm
+    if spec_hook is not None:
+        spec = spec_hook(spec, config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers,
+                                      layer_norm=final_norm)
+
+
+def config_and_spec(arch: ModelArch, layout: ParallelLayout | None = None,
+                    params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                    spec_hook: SpecHook | None = None, **overrides: Any) -> tuple[Any, Any]:
+    """``(TransformerConfig, decoder block spec)`` of ``arch``; see the module docstring."""
+    config = transformer_config(arch, layout, params_dtype, **overrides)
+    return config, layer_spec(arch, config, use_te, spec_hook)
+
+
+def build_gpt_model(arch: ModelArch, config: Any, spec: Any, pg_collection: Any = None,
+                    pre_process: bool = True, post_process: bool = True) -> Any:
+    """A megatron-core ``GPTModel`` of ``arch`` (RoPE, untied or tied output layer)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings, pre_process=pre_process,
+        post_process=post_process, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+        pg_collection=pg_collection,
+    )

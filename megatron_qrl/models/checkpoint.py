@@ -1,0 +1,96 @@
+"""Megatron dist checkpoints that carry their HF config and tokenizer.
+
+Layout of a checkpoint directory::
+
+    megatron_qrl.json   metadata: architecture, dtype, saved layout, applied UAQ scale
+    hf/                 the HF config.json + tokenizer files of the source model
+    model/              megatron-core dist_checkpointing (torch_dist) shards; loadable at
+                        any TP/EP that divides the model (megatron re-shards on load)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
+
+METADATA_NAME = "megatron_qrl.json"
+FORMAT = "megatron_qrl.dist_ckpt.v1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_dtype(cfg: dict[str, Any]) -> torch.dtype:
+    """The parameter dtype named by an HF config (``dtype`` or ``torch_dtype``; default fp32)."""
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"config.json: dtype {name!r} not in {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_metadata(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any], ModelArch]:
+    """``(metadata, hf_config, arch)`` of a checkpoint written by :func:`save_checkpoint`."""
+    root = Path(ckpt_dir)
+    meta_path = root / METADATA_NAME
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"{meta_path} not found: --megatron-dir must be a checkpoint written by "
+            "tools/convert_hf_to_megatron.py")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    cfg_path = root / "hf" / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: the checkpoint lost its HF config")
+    cfg = json.loads(cfg_path.read_text())
+    return meta, cfg, arch_from_dict(cfg, str(cfg_path))
+
+
+def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, metadata: dict[str, Any]) -> None:
+    """Save ``model`` with dist_checkpointing into ``out_dir/model`` and write the metadata.
+
+    ``out_dir/hf`` must already hold the HF side files. Collective over all ranks.
+    """
+    from megatron.core import dist_checkpointing
+
+    model_dir = Path(out_dir) / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        meta = {"format": FORMAT, **metadata}
+        (Path(out_dir) / METADATA_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+
+def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Load ``ckpt_dir/model`` into ``model`` (any TP/EP layout). Collective over all ranks."""
+    from megatron.core import dist_checkpointing
+
+    model_dir = Path(ckpt_dir) / "model"
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir} not found: not a megatron_qrl checkpoint directory")
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
+    model.load_state_dict(state, strict=False)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | Path) -> Iterator[Path]:
+    """Yield a temp directory next to ``out``; rename it to ``out`` only if the body succeeds."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose a new --out or remove it first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
