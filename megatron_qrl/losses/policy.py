@@ -189,4 +189,5 @@ def compute_policy_loss(
         metrics["entropy"] = masked_mean(entropy.detach().float(), mask)
     metrics["num_tokens"] = mask.sum().float()
     metrics["loss"] = loss.detach()
-    return loss, {k: v.detach().float() for k, v in metrics.items()}
+    # Clone: Megatron's schedule scales the returned loss IN PLACE; a detached view would follow.
+    return loss, {k: v.detach().float().clone() for k, v in metrics.items()}
