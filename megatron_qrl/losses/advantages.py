@@ -3,9 +3,9 @@
 Responses are grouped by an index tensor (``group_index[i]`` = the prompt of response i;
 any integer ids, groups need not be contiguous or equal-sized).
 
-- GRPO (Shao et al. 2024, DeepSeekMath eq. 3 outcome supervision):
+- GRPO (Shao et al. 2024, DeepSeekMath section 4.1.2, outcome supervision):
   ``A_i = (r_i - mean_g r) / (std_g r + eps)``.
-- Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3): ``A_i = r_i - mean_g r``.
+- Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``A_i = r_i - mean_g r``.
 
 A group whose rewards are all equal (including a group of one) gets exactly zero advantage,
 never NaN: it carries no learning signal.

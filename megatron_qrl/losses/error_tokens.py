@@ -142,14 +142,11 @@ def filter_error_tokens(
         new_mask = valid & ~seq_has_err.unsqueeze(-1)
     else:
         new_mask = valid
-    fvalid = valid.float()
     metrics = {
         "error_token_rate": masked_mean(err.float(), valid),
         "error_repetition_rate": masked_mean(rep.float(), valid),
         "error_improbable_rate": masked_mean(bad.float(), valid),
         "error_seq_rate": masked_mean(seq_has_err.float(), valid.any(dim=-1)),
-        "error_dropped_token_frac": 1.0 - new_mask.float().sum() / fvalid.sum().clamp_min(1.0)
-        if bool(valid.any())
-        else torch.zeros((), device=valid.device),
+        "error_dropped_token_frac": masked_mean((valid & ~new_mask).float(), valid),
     }
     return new_mask, metrics

@@ -41,7 +41,7 @@ def aggregate_token_loss(per_token: Tensor, mask: Tensor, aggregation: str) -> T
     - ``token_mean`` (DAPO): ``sum_{i,t} m l / sum_{i,t} m``.
     - ``seq_mean_token_mean`` (GRPO): ``mean_i (sum_t m l / sum_t m)`` over rows with at
       least one valid token (fully masked rows are left out, never NaN).
-    - ``seq_mean_token_sum_norm`` (Dr.GRPO, Liu et al. 2025 eq. 3): ``sum_{i,t} m l / (B * S)``
+    - ``seq_mean_token_sum_norm`` (Dr.GRPO, Liu et al. 2025; ALGORITHMS.md section 1): ``sum_{i,t} m l / (B * S)``
       with ``B`` rows and ``S`` = the padded length (a constant normaliser, no length bias).
     """
     if aggregation == "token_mean":
