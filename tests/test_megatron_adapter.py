@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
-from megatron_qrl.losses import LOSS_KINDS, PolicyLossConfig, compute_policy_loss
+from megatron_qrl.losses import LOSS_KINDS, ErrorTokenConfig, PolicyLossConfig, compute_policy_loss
 from megatron_qrl.losses.megatron_adapter import (
     PolicyLossFunc,
     policy_forward_step,
@@ -144,8 +144,10 @@ def _train_body(rank, world_size, port, steps):
                 ddp, opt, _ = build_tiny_gpt(tp=1, lr=1e-3)
                 before = {k: v for k, v in gathered_state(ddp).items() if not k.endswith(".grad")}
                 cfg = PolicyLossConfig(kind=kind, dual_clip_c=3.0 if kind != "tbpo" else None)
-                loss_fn = PolicyLossFunc(cfg)
-                losses = []
+                loss_fn = PolicyLossFunc(
+                    cfg, error_tokens=ErrorTokenConfig(tau=-4.0, behav_gap=0.5)
+                )
+                losses, err_rates = [], []
                 for step in range(steps):
                     batches = _batches(2, seed=step)
                     _fill_log_probs(ddp, loss_fn, batches)
@@ -154,9 +156,15 @@ def _train_body(rank, world_size, port, steps):
                     ok, grad_norm, _ = opt.step()
                     assert ok
                     losses.append([m["loss"].item() for m in store] + [float(grad_norm)])
+                    err_rates += [m["error_token_rate"].item() for m in store]
                 after = gathered_state(ddp)
                 changed = sum(not torch.equal(v, after[k]) for k, v in before.items())
-                results[kind] = {"losses": losses, "changed": changed, "total": len(before)}
+                results[kind] = {
+                    "losses": losses,
+                    "changed": changed,
+                    "total": len(before),
+                    "err": err_rates,
+                }
         return results
     finally:
         destroy_cpu_distributed()
@@ -170,3 +178,4 @@ def test_tiny_gpt_trains_with_every_kind():
         assert torch.isfinite(flat).all(), (kind, r["losses"])
         assert (flat[:, -1] > 0).all(), (kind, "zero grad norm")
         assert r["changed"] == r["total"], (kind, r["changed"], r["total"])
+        assert all(0.0 <= e < 0.5 for e in r["err"]) and max(r["err"]) > 0, (kind, r["err"])
