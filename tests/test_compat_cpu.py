@@ -38,7 +38,16 @@ def test_enable_is_idempotent_and_reversible():
         assert torch.cuda.current_device is original
 
 
-def test_device_mode_redirects_cuda_factories_only_inside():
+@pytest.fixture
+def restore_cpu_shim():
+    """Leave the pytest process as found: the shim is process-wide once enabled."""
+    was_enabled = cpu_megatron_enabled()
+    yield
+    if not was_enabled:
+        disable_cpu_megatron()
+
+
+def test_device_mode_redirects_cuda_factories_only_inside(restore_cpu_shim):
     with cpu_device_mode():
         t = torch.zeros(2, device="cuda")
         u = torch.tensor([1.0], device=torch.device("cuda", 0)).cuda().to("cuda")

@@ -11,12 +11,12 @@ tensor-parallel collectives over gloo, the optimizer's local ``multi_tensor_*`` 
 runs on CPU unchanged. This module is the ONE shim that bridges those spots; nothing else
 in ``megatron_qrl`` patches Megatron or torch.
 
-Versions: written and tested against megatron-core 0.16.1 with torch 2.13 (CPU build).
-The patched names (``torch.cuda.current_device``, ``torch.cuda.manual_seed``,
-``torch.cuda.get_rng_state``/``set_rng_state``,
-``megatron.core.tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state``) exist
-unchanged from megatron-core 0.12 to 0.16; later versions are expected to work as long as
-those names exist (``enable_cpu_megatron`` raises a clear error if one disappears).
+Versions: written and tested against megatron-core 0.16.1 with torch 2.13 (CPU build); aimed
+at >= 0.16.1. It relies only on the names ``torch.cuda.current_device``,
+``torch.cuda.manual_seed``, ``torch.cuda.get_rng_state``/``set_rng_state`` and
+``megatron.core.tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state``;
+``enable_cpu_megatron`` raises a clear error if one of them disappears in a later release.
+Not applied, and refused, when CUDA is available.
 
 Use, explicitly and never at import time::
 
@@ -104,8 +104,8 @@ def enable_cpu_megatron() -> None:
         if not hasattr(owner, name):
             raise RuntimeError(
                 f"enable_cpu_megatron(): `{owner.__name__}.{name}` does not exist in this "
-                "torch/megatron-core version; megatron_qrl/compat/cpu.py supports megatron-core "
-                "0.12-0.16 — update the shim for this version."
+                "torch/megatron-core version; megatron_qrl/compat/cpu.py was written for "
+                "megatron-core 0.16.1 — update the shim for this version."
             )
         setattr(owner, name, _marked(getattr(owner, name), replacement))
 
