@@ -364,3 +364,8 @@ def test_uaq_on_an_already_scaled_checkpoint(tmp_path):
 def test_args_without_qrl_flags_are_rejected():
     with pytest.raises(QrlArgumentError, match="add_qrl_args"):
         qrl_configs_from_args(argparse.Namespace(lr=1.0))
+
+
+def test_preset_help_lists_every_preset():
+    help_text = next(s.help for s in flag_specs(default_config_classes()[0]) if s.flag == "--qrl-preset")
+    assert all(name in help_text for name in PRESETS)

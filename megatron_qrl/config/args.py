@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,38 +46,43 @@ __all__ = [
 
 GROUP_TITLE = "megatron_qrl"
 
-# (key, module, class name, flag prefix): config classes of other packages, imported lazily
-# so that this module works whether or not they are installed.
-LAZY_GROUPS: tuple[tuple[str, str, str, str], ...] = (
-    ("loss", "megatron_qrl.losses", "PolicyLossConfig", "loss"),
-    ("error_tokens", "megatron_qrl.losses", "ErrorTokenConfig", "error-tokens"),
+# (key, module, class name, flag prefix, {field: constant of the class's module holding the
+# field's choices}): config classes of other packages, imported lazily so that this module
+# works whether or not they are installed.
+LAZY_GROUPS: tuple[tuple[str, str, str, str, dict[str, str]], ...] = (
+    ("loss", "megatron_qrl.losses", "PolicyLossConfig", "loss",
+     {"kind": "LOSS_KINDS", "tbpo_mask": "TBPO_MASK_RULES", "aggregation": "AGGREGATIONS"}),
+    ("error_tokens", "megatron_qrl.losses", "ErrorTokenConfig", "error-tokens",
+     {"action": "ERROR_TOKEN_ACTIONS"}),
 )
+LAZY_DEFAULTS: dict[str, dict[str, object]] = {"loss": {"kind": "ppo_clip"}}
+"""Command-line defaults of lazy-group fields that have none upstream."""
 
 
 class QrlArgumentError(ValueError):
     """A ``--qrl-*`` value or combination is invalid; the message names the flags."""
 
 
-def _loss_overrides(losses: Any) -> dict[str, dict[str, Any]]:
-    """Defaults and choices that PolicyLossConfig does not carry in its annotations."""
-    over: dict[str, dict[str, Any]] = {"kind": {"default": "ppo_clip"}}
-    for fname, const in (("kind", "LOSS_KINDS"), ("tbpo_mask", "TBPO_MASK_RULES"),
-                         ("aggregation", "AGGREGATIONS")):
-        if hasattr(losses, const):
-            over.setdefault(fname, {})["choices"] = tuple(getattr(losses, const))
+def _lazy_overrides(key: str, cls: type, choices: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Defaults and choices that a foreign dataclass does not carry in its annotations."""
+    home = inspect.getmodule(cls)
+    over: dict[str, dict[str, Any]] = {f: {"default": v} for f, v in LAZY_DEFAULTS.get(key, {}).items()}
+    for fname, const in choices.items():
+        if hasattr(home, const):
+            over.setdefault(fname, {})["choices"] = tuple(getattr(home, const))
     return over
 
 
 def _lazy_groups() -> list[ConfigGroup]:
     out = []
-    for key, module, name, prefix in LAZY_GROUPS:
+    for key, module, name, prefix, choices in LAZY_GROUPS:
         if importlib.util.find_spec(module) is None:
             continue  # not installed in this checkout: its flags are simply absent
         mod = importlib.import_module(module)  # a real import error inside it propagates
         if not hasattr(mod, name):
             continue
-        overrides = _loss_overrides(mod) if key == "loss" else {}
-        out.append(ConfigGroup(key, getattr(mod, name), prefix, overrides))
+        cls = getattr(mod, name)
+        out.append(ConfigGroup(key, cls, prefix, _lazy_overrides(key, cls, choices)))
     return out
 
 
@@ -101,7 +107,7 @@ def default_config_classes() -> list[ConfigGroup]:
 
 def _missing_prefixes(groups: Sequence[ConfigGroup]) -> tuple[str, ...]:
     present = {g.key for g in groups}
-    return tuple(f"--qrl-{p}-" for key, _, _, p in LAZY_GROUPS if key not in present)
+    return tuple(f"--qrl-{g[3]}-" for g in LAZY_GROUPS if g[0] not in present)
 
 
 def add_qrl_args(parser: argparse.ArgumentParser,
