@@ -137,15 +137,15 @@ def test_foreign_dataclass_with_prefix_aqn():
         qrl_configs_from_args(bad, [group])
 
 
-def megatron_parser() -> tuple[argparse.ArgumentParser, str]:
-    """Megatron-LM's parser when megatron.training is installed, else the same construction
-    Megatron-LM's ``parse_args(extra_args_provider=...)`` performs (argparse, allow_abbrev
-    False, its own flags first, then ``parser = extra_args_provider(parser)``)."""
-    if importlib.util.find_spec("megatron.training") is not None:  # pragma: no cover
-        from megatron.training.arguments import add_megatron_arguments
+MEGATRON_ARGV = ["--lr", "1e-5", "--tensor-model-parallel-size", "2",
+                 "--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "fp8"]
 
-        parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
-        return add_qrl_args(add_megatron_arguments(parser)), "megatron.training"
+
+def megatron_like_parse_args(extra_args_provider, argv):
+    """The construction Megatron-LM's ``parse_args(extra_args_provider=...)`` performs:
+    ``argparse.ArgumentParser(description=..., allow_abbrev=False)``, its own argument
+    groups, then ``parser = extra_args_provider(parser)`` and ``parser.parse_args()``.
+    (megatron-core 0.16.1's wheel has no ``megatron.training``, so this is what runs here.)"""
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     group = parser.add_argument_group(title="training")
     group.add_argument("--lr", type=float, default=None)
@@ -153,22 +153,28 @@ def megatron_parser() -> tuple[argparse.ArgumentParser, str]:
     group.add_argument("--micro-batch-size", type=int, default=None)
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    extra_args_provider = add_qrl_args
     parser = extra_args_provider(parser)
-    return parser, "argparse like Megatron-LM parse_args"
+    return parser, parser.parse_args(argv)
 
 
-def test_flags_attach_to_a_megatron_parser():
-    parser, how = megatron_parser()
-    assert how in ("megatron.training", "argparse like Megatron-LM parse_args")
+@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
+                    reason="megatron.training is not installed (the megatron-core wheel lacks it)")
+def test_flags_attach_to_megatron_lm_parse_args(monkeypatch):  # pragma: no cover
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr("sys.argv", ["train.py", *MEGATRON_ARGV])
+    args = parse_args(extra_args_provider=add_qrl_args, ignore_unknown_args=True)
+    assert validate_qrl_args(args, gpu_capability=None)["rollout"].format == "fp8"
+
+
+def test_flags_attach_to_a_megatron_style_parser():
+    parser, args = megatron_like_parse_args(add_qrl_args, MEGATRON_ARGV)
     titles = [g.title for g in parser._action_groups]
     assert titles.count(GROUP_TITLE) == 1
     ours = next(g for g in parser._action_groups if g.title == GROUP_TITLE)
     flags = [o for a in ours._group_actions for o in a.option_strings]
     assert flags and all(f.startswith(("--qrl-", "--no-qrl-")) for f in flags)
     assert all(a.help for a in ours._group_actions)
-    args = parser.parse_args(["--lr", "1e-5", "--tensor-model-parallel-size", "2",
-                              "--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "fp8"])
     assert args.lr == 1e-5 and args.tensor_model_parallel_size == 2
     configs = validate_qrl_args(args, gpu_capability=None)
     assert configs["rollout"].format == "fp8" and configs["run"].steps == PRESETS["tiny-cpu"]["--qrl-steps"]

@@ -253,11 +253,6 @@ def add_group_args(parser_or_group: Any, group: ConfigGroup) -> list[FlagSpec]:
     return specs
 
 
-def build_group(group: ConfigGroup, values: Mapping[str, Any]) -> Any:
-    """Instantiate ``group.cls`` from ``{field: value}``; its ``__post_init__`` checks each field."""
-    return group.cls(**values)
-
-
 def specs_by_flag(groups: Sequence[ConfigGroup]) -> dict[str, FlagSpec]:
     """``{flag: FlagSpec}`` over ``groups``; a flag declared twice is an error."""
     keys = [g.key for g in groups]
