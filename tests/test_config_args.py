@@ -375,3 +375,15 @@ def test_args_without_qrl_flags_are_rejected():
 def test_preset_help_lists_every_preset():
     help_text = next(s.help for s in flag_specs(default_config_classes()[0]) if s.flag == "--qrl-preset")
     assert all(name in help_text for name in PRESETS)
+
+
+def test_run_level_helpers():
+    p = full_parser()
+    configs = qrl_configs_from_args(p.parse_args(["--qrl-preset", "tiny-cpu,qarl", "--qrl-seed", "7",
+                                                  "--qrl-rollout-stop", "\n", "=="]))
+    assert configs["run"].resolved_output_dir() == "qrl_runs/tiny-cpu+qarl-seed7"
+    assert configs["rollout"].stop == ("\n", "==") and configs["rollout"].spec.name == "fp8"
+    run = qrl_configs_from_args(p.parse_args(["--qrl-output-dir", "/x/y"]))["run"]
+    assert run.resolved_output_dir() == "/x/y"
+    with pytest.raises(QrlArgumentError, match="--qrl-rollout-stop strings must be non-empty"):
+        qrl_configs_from_args(p.parse_args(["--qrl-rollout-stop", ""]))
