@@ -26,6 +26,7 @@ setup(
         "numpy",
         "tqdm",
         "matplotlib",
+        "sympy",  # megatron_qrl.rewards.math (symbolic answer comparison)
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6"],

@@ -1,0 +1,224 @@
+"""``--qrl-*`` flags for Megatron RL runs: generate, build, validate.
+
+Usable as Megatron's ``extra_args_provider``::
+
+    from megatron.training.arguments import parse_args
+    from megatron_qrl.config import add_qrl_args, validate_qrl_args
+    args = parse_args(extra_args_provider=add_qrl_args)
+    configs = validate_qrl_args(args)      # {"run": RunConfig, "rollout": ..., "loss": ...}
+
+All flags live in one argument group titled ``megatron_qrl`` and start with ``--qrl-``. The
+flag set is generated from :func:`default_config_classes` (see ``generator``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..quant.aqn import AQNConfig
+from .checkpoint_info import read_checkpoint_info
+from .checks import CheckEnv, combination_problems, combination_warnings
+from .generator import ConfigGroup, FlagSpec, add_group_args, explicit_dests, specs_by_flag
+from .presets import PRESETS, preset_names
+from .run import (
+    RolloutConfig,
+    RoutingReplayConfig,
+    RunConfig,
+    TaskConfig,
+    TrainForwardConfig,
+    UAQConfig,
+)
+
+__all__ = [
+    "GROUP_TITLE",
+    "QrlArgumentError",
+    "add_qrl_args",
+    "default_config_classes",
+    "effective_values",
+    "qrl_configs_from_args",
+    "validate_qrl_args",
+]
+
+GROUP_TITLE = "megatron_qrl"
+
+# (key, module, class name, flag prefix, {field: constant of the class's module holding the
+# field's choices}): config classes of other packages, imported lazily so that this module
+# works whether or not they are installed.
+LAZY_GROUPS: tuple[tuple[str, str, str, str, dict[str, str]], ...] = (
+    ("loss", "megatron_qrl.losses", "PolicyLossConfig", "loss",
+     {"kind": "LOSS_KINDS", "tbpo_mask": "TBPO_MASK_RULES", "aggregation": "AGGREGATIONS"}),
+    ("error_tokens", "megatron_qrl.losses", "ErrorTokenConfig", "error-tokens",
+     {"action": "ERROR_TOKEN_ACTIONS"}),
+)
+LAZY_DEFAULTS: dict[str, dict[str, object]] = {"loss": {"kind": "ppo_clip"}}
+"""Command-line defaults of lazy-group fields that have none upstream."""
+
+
+class QrlArgumentError(ValueError):
+    """A ``--qrl-*`` value or combination is invalid; the message names the flags."""
+
+
+def _lazy_overrides(key: str, cls: type, choices: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Defaults and choices that a foreign dataclass does not carry in its annotations."""
+    home = inspect.getmodule(cls)
+    over: dict[str, dict[str, Any]] = {f: {"default": v} for f, v in LAZY_DEFAULTS.get(key, {}).items()}
+    for fname, const in choices.items():
+        if hasattr(home, const):
+            over.setdefault(fname, {})["choices"] = tuple(getattr(home, const))
+    return over
+
+
+def _lazy_groups() -> list[ConfigGroup]:
+    out = []
+    for key, module, name, prefix, choices in LAZY_GROUPS:
+        if importlib.util.find_spec(module) is None:
+            continue  # not installed in this checkout: its flags are simply absent
+        mod = importlib.import_module(module)  # a real import error inside it propagates
+        if not hasattr(mod, name):
+            continue
+        cls = getattr(mod, name)
+        out.append(ConfigGroup(key, cls, prefix, _lazy_overrides(key, cls, choices)))
+    return out
+
+
+def default_config_classes() -> list[ConfigGroup]:
+    """Every config group behind the ``--qrl-*`` flags, in help order.
+
+    ``PolicyLossConfig`` (``--qrl-loss-*``) and ``ErrorTokenConfig`` (``--qrl-error-tokens-*``)
+    come from ``megatron_qrl.losses`` when it is installed; the loss ``kind`` defaults to
+    ``ppo_clip`` on the command line (the dataclass has no default).
+    """
+    return [
+        ConfigGroup("run", RunConfig, ""),
+        ConfigGroup("rollout", RolloutConfig, "rollout"),
+        ConfigGroup("train", TrainForwardConfig, "train"),
+        ConfigGroup("routing", RoutingReplayConfig, "routing"),
+        *_lazy_groups(),
+        ConfigGroup("uaq", UAQConfig, "uaq"),
+        ConfigGroup("aqn", AQNConfig, "aqn"),
+        ConfigGroup("task", TaskConfig, "task"),
+    ]
+
+
+def _missing_prefixes(groups: Sequence[ConfigGroup]) -> tuple[str, ...]:
+    present = {g.key for g in groups}
+    return tuple(f"--qrl-{g[3]}-" for g in LAZY_GROUPS if g[0] not in present)
+
+
+def add_qrl_args(parser: argparse.ArgumentParser,
+                 groups: Sequence[ConfigGroup] | None = None) -> argparse.ArgumentParser:
+    """Add every ``--qrl-*`` flag to ``parser`` in one argument group; return ``parser``."""
+    groups = default_config_classes() if groups is None else list(groups)
+    specs_by_flag(groups)  # rejects a flag generated twice before touching the parser
+    arg_group = parser.add_argument_group(
+        title=GROUP_TITLE,
+        description="megatron_qrl: quantized rollouts for Megatron RL (flags from config "
+                    "dataclasses; --qrl-preset applies named flag sets, user flags win)")
+    for g in groups:
+        add_group_args(arg_group, g)
+    return parser
+
+
+def effective_values(args: argparse.Namespace, groups: Sequence[ConfigGroup] | None = None,
+                     presets: Mapping[str, Mapping[str, Any]] = PRESETS) -> dict[str, Any]:
+    """``{dest: value}`` of every ``--qrl-*`` flag after presets (user flags win)."""
+    groups = default_config_classes() if groups is None else list(groups)
+    specs = specs_by_flag(groups)
+    missing = [s.flag for s in specs.values() if not hasattr(args, s.dest)]
+    if missing:
+        raise QrlArgumentError(f"args lack {', '.join(missing[:3])}...: parse them with a parser "
+                               "that add_qrl_args(parser) extended")
+    values = {s.dest: getattr(args, s.dest) for s in specs.values()}
+    preset = values.get("qrl_preset")
+    if not preset:
+        return values
+    explicit, skip = explicit_dests(args), _missing_prefixes(groups)
+    try:
+        names = preset_names(preset, presets)
+    except ValueError as exc:
+        raise QrlArgumentError(str(exc)) from None
+    for name in names:
+        for flag, value in presets[name].items():
+            if flag in specs:
+                if specs[flag].dest not in explicit:
+                    values[specs[flag].dest] = value
+            elif not (skip and flag.startswith(skip)):
+                raise QrlArgumentError(f"--qrl-preset {name} sets {flag}, which no config "
+                                       "group generates (fix megatron_qrl/config/presets.py)")
+    return values
+
+
+def _build(group: ConfigGroup, specs: Sequence[FlagSpec], values: Mapping[str, Any]) -> Any:
+    kwargs = {}
+    for s in specs:
+        if values[s.dest] is None and s.default is None and not s.optional:
+            raise QrlArgumentError(f"{s.flag} is required ({s.help})")
+        kwargs[s.field] = values[s.dest]
+    try:
+        return group.cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        if "--qrl-" not in text:
+            stem = f"--qrl-{group.prefix}-*" if group.prefix else "--qrl-*"
+            text = f"{stem} ({group.cls.__name__}): {text}"
+        raise QrlArgumentError(text) from None
+
+
+def qrl_configs_from_args(args: argparse.Namespace,
+                          groups: Sequence[ConfigGroup] | None = None) -> dict[str, Any]:
+    """``{group key: dataclass instance}`` from parsed args (presets applied, fields checked)."""
+    groups = default_config_classes() if groups is None else list(groups)
+    values = effective_values(args, groups)
+    specs = specs_by_flag(groups).values()
+    return {g.key: _build(g, [s for s in specs if s.group == g.key], values) for g in groups}
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
+
+
+def _check_env(configs: Mapping[str, Any], gpu_capability: Any, checkpoint_metadata: Any,
+               model_config: Any) -> CheckEnv:
+    run = configs["run"]
+    if run.model == "checkpoint" and (checkpoint_metadata is None or model_config is None):
+        try:
+            meta, cfg = read_checkpoint_info(run.checkpoint)
+        except (OSError, ValueError) as exc:
+            raise QrlArgumentError(str(exc)) from None
+        checkpoint_metadata = meta if checkpoint_metadata is None else checkpoint_metadata
+        model_config = cfg if model_config is None else model_config
+    if gpu_capability == "auto":
+        gpu_capability = _gpu_capability()
+    return CheckEnv(gpu_capability, checkpoint_metadata, model_config)
+
+
+def validate_qrl_args(args: argparse.Namespace, *, groups: Sequence[ConfigGroup] | None = None,
+                      gpu_capability: tuple[int, int] | None | str = "auto",
+                      checkpoint_metadata: Mapping[str, Any] | None = None,
+                      model_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Build the configs, reject impossible combinations, write effective values to ``args``.
+
+    Raises :class:`QrlArgumentError` with ONE message listing every problem, each naming its
+    flags. ``gpu_capability`` defaults to the local GPU's; ``checkpoint_metadata`` and
+    ``model_config`` default to what ``--qrl-checkpoint`` holds (with ``--qrl-model
+    checkpoint``). Returns ``{group key: dataclass instance}``.
+    """
+    groups = default_config_classes() if groups is None else list(groups)
+    configs = qrl_configs_from_args(args, groups)
+    env = _check_env(configs, gpu_capability, checkpoint_metadata, model_config)
+    problems = combination_problems(configs, env)
+    if problems:
+        raise QrlArgumentError("invalid --qrl-* flag combination:\n  - " + "\n  - ".join(problems))
+    combination_warnings(configs)
+    for dest, value in effective_values(args, groups).items():
+        setattr(args, dest, value)
+    return configs

@@ -1,0 +1,123 @@
+"""Named ``--qrl-*`` flag sets: ``--qrl-preset NAME[,NAME...]``.
+
+A preset maps flag names to (already typed) values. Presets apply BEFORE the user's flags:
+a flag given on the command line always wins, whatever its position. Several presets apply
+in order (later ones win), so a machine preset combines with a paper mode, e.g.
+``--qrl-preset qwen3-4b-1gpu,qurl``.
+
+Machine / job presets:
+
+* ``tiny-cpu``: the CPU default job. Tiny Qwen3-MoE on the char tokenizer, synthetic
+  addition, supervised warm-up then RL with INT8 rollouts, aligned forward and ACR.
+* ``qwen3-4b-1gpu``: Qwen3-4B on one GPU, SGLang rollouts (needs ``--qrl-checkpoint``).
+* ``qwen3-30b-a3b``: Qwen3-30B-A3B, multi-node, FP8-block SGLang rollouts, routing replay
+  (needs ``--qrl-checkpoint``; TP/EP layout are Megatron flags in examples/).
+
+Paper modes (ALGORITHMS.md):
+
+* ``qurl`` (QuRL, seed 000): INT8 W8A8 rollouts, ACR (eq. 9), UAQ s=1.5 (eq. 10-12).
+  QuRL uses UAQ at lr 1e-6 only (validation warns at lr >= 1e-5). Paper modes never set
+  the learning rate: it belongs to the model/machine preset.
+* ``qerl`` (QeRL, seed 002): NVFP4 (W4A16) rollouts + AQN with TIS correcting the noise.
+  LoRA is not part of megatron_qrl yet.
+* ``rlquant-qaft`` (rlquant, seed 003): QAFT-STE read as the aligned forward with INT8
+  weights (our int8 is per output channel, the paper's STE scale is per tensor) and plain
+  GRPO (ppo_clip, sequence-mean aggregation). PTQ-after-RL is a tool, not a run mode.
+* ``qarl`` (QaRL, seed 004): rollout-aligned forward + TBPO (sequence-level) with FP8
+  rollouts, error tokens masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["PRESETS", "preset_names"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-cpu": {
+        "--qrl-model": "tiny-moe",
+        "--qrl-rollout-format": "int8",
+        "--qrl-rollout-engine": "reference",
+        "--qrl-rollout-n-samples-per-prompt": 8,
+        "--qrl-rollout-max-new-tokens": 8,
+        "--qrl-train-forward": "aligned",
+        "--qrl-routing-replay": "recompute",
+        "--qrl-loss-kind": "acr",
+        "--qrl-loss-eps-high": 0.28,
+        "--qrl-task-digits-min": 1,
+        "--qrl-task-digits-max": 2,
+        "--qrl-task-num-prompts": 512,
+        "--qrl-steps": 40,
+        "--qrl-sft-steps": 150,
+        "--qrl-lr": 3e-4,
+        "--qrl-sft-lr": 3e-3,
+        "--qrl-prompts-per-step": 8,
+        "--qrl-micro-batch-size": 32,
+        "--qrl-updates-per-step": 2,
+        "--qrl-save-interval": 10,
+    },
+    "qwen3-4b-1gpu": {
+        "--qrl-model": "checkpoint",
+        "--qrl-rollout-engine": "sglang",
+        "--qrl-rollout-format": "fp8",
+        "--qrl-rollout-n-samples-per-prompt": 8,
+        "--qrl-rollout-max-new-tokens": 1024,
+        "--qrl-loss-kind": "tis",
+        "--qrl-steps": 200,
+        "--qrl-lr": 1e-6,
+        "--qrl-prompts-per-step": 32,
+        "--qrl-micro-batch-size": 4,
+        "--qrl-save-interval": 50,
+    },
+    "qwen3-30b-a3b": {
+        "--qrl-model": "checkpoint",
+        "--qrl-rollout-engine": "sglang",
+        "--qrl-rollout-format": "fp8_block",
+        "--qrl-rollout-n-samples-per-prompt": 8,
+        "--qrl-rollout-max-new-tokens": 4096,
+        "--qrl-routing-replay": "all",
+        "--qrl-loss-kind": "tis",
+        "--qrl-steps": 300,
+        "--qrl-lr": 1e-6,
+        "--qrl-prompts-per-step": 64,
+        "--qrl-micro-batch-size": 1,
+        "--qrl-updates-per-step": 4,
+        "--qrl-save-interval": 25,
+    },
+    "qurl": {
+        "--qrl-rollout-format": "int8",
+        "--qrl-loss-kind": "acr",
+        "--qrl-loss-tis-cap": 2.0,
+        "--qrl-uaq-scale": 1.5,
+    },
+    "qerl": {
+        "--qrl-rollout-format": "nvfp4",
+        "--qrl-aqn-enabled": True,
+        "--qrl-loss-kind": "tis",
+    },
+    "rlquant-qaft": {
+        "--qrl-rollout-format": "int8",
+        "--qrl-train-forward": "aligned",
+        "--qrl-loss-kind": "ppo_clip",
+        "--qrl-loss-aggregation": "seq_mean_token_mean",
+    },
+    "qarl": {
+        "--qrl-rollout-format": "fp8",
+        "--qrl-train-forward": "aligned",
+        "--qrl-loss-kind": "tbpo",
+        "--qrl-loss-aggregation": "seq_mean_token_mean",
+        "--qrl-error-tokens-action": "mask",
+    },
+}
+"""name -> {flag: value}; values are typed as the flag's dataclass field."""
+
+
+def preset_names(value: str, presets: Mapping[str, Mapping[str, Any]] = PRESETS) -> list[str]:
+    """The preset names in ``--qrl-preset`` ``value`` (comma-separated), each checked."""
+    names = [n.strip() for n in value.split(",")]
+    for n in names:
+        if n not in presets:
+            raise ValueError(f"--qrl-preset {n!r} is unknown; choose from {', '.join(presets)} "
+                             "(several: comma-separated)")
+    return names

@@ -1,0 +1,259 @@
+"""Run-level configs of the RL loop; each field's docstring is its ``--qrl-*`` help.
+
+Flags (prefix in brackets): RolloutConfig [rollout], TrainForwardConfig [train],
+RoutingReplayConfig [routing], UAQConfig [uaq], TaskConfig [task], RunConfig [none].
+Each ``__post_init__`` checks its own fields; combinations are checked by
+:func:`megatron_qrl.config.validate_qrl_args`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..quant import get_spec, list_specs
+from ..quant.uaq import validate_uaq_scale
+from .presets import preset_names
+
+__all__ = [
+    "RolloutConfig",
+    "RoutingReplayConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrainForwardConfig",
+    "UAQConfig",
+]
+
+
+def _int(flag: str, value: object, minimum: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def _real(flag: str, value: object, low: float, high: float = math.inf,
+          low_open: bool = False) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = ok and math.isfinite(float(value)) and float(value) <= high
+    ok = ok and (float(value) > low if low_open else float(value) >= low)
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{flag} must be a finite number in {bracket}{low}, {high}], got {value!r}")
+
+
+def _choice(flag: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass
+class RolloutConfig:
+    """How the rollout engine samples: format, engine, sampling parameters."""
+
+    format: str = field(default="bf16", metadata={"choices": list_specs})
+    """QuantSpec format of the rollout weights (megatron_qrl.quant registry); the same spec
+    drives weight sync and the aligned training forward."""
+
+    engine: Literal["reference", "sglang"] = "reference"
+    """Rollout engine: reference (transformers model on CPU/GPU, weights from the packed
+    tensors) or sglang (GPU)."""
+
+    n_samples_per_prompt: int = 8
+    """Group size G: responses sampled per prompt (GRPO groups)."""
+
+    max_new_tokens: int = 1024
+    """Maximum number of generated tokens per response."""
+
+    temperature: float = 1.0
+    """Sampling temperature (> 0; RL samples at 1.0 so log-probs are the policy's)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest token set with probability >= top_p (1 = off)."""
+
+    top_k: int = -1
+    """Keep the top_k most likely tokens (-1 = off)."""
+
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation of a response ends after the first one it produces."""
+
+    nvfp4_w4a4: bool = False
+    """NVFP4 rollouts with FP4 activations too (W4A4); needs a Blackwell GPU (compute
+    capability >= 10). Off: NVFP4 is weight-only (W4A16, Marlin on Hopper)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in list_specs():
+            raise ValueError(f"--qrl-rollout-format {self.format!r} is not a registered "
+                             f"QuantSpec; choose one of {', '.join(list_specs())}")
+        _choice("--qrl-rollout-engine", self.engine, ("reference", "sglang"))
+        _int("--qrl-rollout-n-samples-per-prompt", self.n_samples_per_prompt, 1)
+        _int("--qrl-rollout-max-new-tokens", self.max_new_tokens, 1)
+        _real("--qrl-rollout-temperature", self.temperature, 0.0, low_open=True)
+        _real("--qrl-rollout-top-p", self.top_p, 0.0, 1.0, low_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (
+                self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"--qrl-rollout-top-k must be -1 (off) or >= 1, got {self.top_k!r}")
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"--qrl-rollout-stop strings must be non-empty, got {self.stop!r}")
+
+    @property
+    def spec(self):
+        """The QuantSpec named by ``format``."""
+        return get_spec(self.format)
+
+
+@dataclass
+class TrainForwardConfig:
+    """Which forward the trainer runs for pi_prox recompute and the update."""
+
+    forward: Literal["bf16", "aligned"] = "bf16"
+    """bf16: plain BF16 forward. aligned: QaRL rollout-aligned forward, every quantized linear
+    uses exactly the rollout's quantized weights (and activation quantization for W8A8),
+    straight-through to the BF16 masters; needs a quantized --qrl-rollout-format."""
+
+    def __post_init__(self) -> None:
+        _choice("--qrl-train-forward", self.forward, ("bf16", "aligned"))
+
+
+@dataclass
+class RoutingReplayConfig:
+    """MoE routing replay: reuse the rollout's top-k experts in the trainer forward."""
+
+    replay: Literal["off", "recompute", "all"] = "off"
+    """off; recompute (pi_prox recompute only); all (recompute and the update forward).
+    MoE models only."""
+
+    def __post_init__(self) -> None:
+        _choice("--qrl-routing-replay", self.replay, ("off", "recompute", "all"))
+
+
+@dataclass
+class UAQConfig:
+    """UAQ (QuRL eq. 10-12): invariant rescaling applied once before RL."""
+
+    scale: float = 1.0
+    """UAQ scale s: norm gains * s, the linears they feed / s (QuRL uses 1.5 at lr < 1e-5).
+    1 = off."""
+
+    def __post_init__(self) -> None:
+        validate_uaq_scale(self.scale)
+
+    @property
+    def enabled(self) -> bool:
+        return self.scale != 1.0
+
+
+@dataclass
+class TaskConfig:
+    """Prompts and reward: a JSONL prompt file or the built-in synthetic addition task."""
+
+    prompts: str | None = None
+    """JSONL file with one {"prompt": ..., "answer": ...} object per line; none = the
+    synthetic multi-digit addition task below."""
+
+    digits_min: int = 1
+    """Synthetic addition: fewest digits of an operand."""
+
+    digits_max: int = 3
+    """Synthetic addition: most digits of an operand."""
+
+    num_prompts: int = 512
+    """Synthetic addition: number of distinct prompts generated (seeded by --qrl-seed)."""
+
+    format_bonus: float = 0.1
+    """Reward for a well-formatted response (rlquant study: 1.0 correct + 0.1 format, so
+    rewards are in {0, 0.1, 1.1}); 0 disables."""
+
+    def __post_init__(self) -> None:
+        _int("--qrl-task-digits-min", self.digits_min, 1)
+        _int("--qrl-task-digits-max", self.digits_max, 1)
+        if self.digits_max < self.digits_min:
+            raise ValueError(f"--qrl-task-digits-max ({self.digits_max}) must be >= "
+                             f"--qrl-task-digits-min ({self.digits_min})")
+        if self.digits_max > 18:
+            raise ValueError(f"--qrl-task-digits-max must be <= 18, got {self.digits_max}")
+        _int("--qrl-task-num-prompts", self.num_prompts, 1)
+        _real("--qrl-task-format-bonus", self.format_bonus, 0.0, 1.0)
+        if self.prompts is not None and not (isinstance(self.prompts, str) and self.prompts):
+            raise ValueError(f"--qrl-task-prompts must be a file path, got {self.prompts!r}")
+
+
+@dataclass
+class RunConfig:
+    """Run length, optimisation, batches, seed, output and checkpoints."""
+
+    preset: str | None = None
+    """Named flag set(s) applied before the user's flags (user flags win); a comma-separated
+    list applies several in order, later ones winning (e.g. qwen3-4b-1gpu,qurl). Names:
+    tiny-cpu, qwen3-4b-1gpu, qwen3-30b-a3b, qurl, qerl, rlquant-qaft, qarl."""
+
+    model: Literal["tiny-moe", "tiny-dense", "checkpoint"] = "tiny-moe"
+    """tiny-moe / tiny-dense: the built-in tiny Qwen3(-MoE) sized for the char tokenizer
+    (CPU job); checkpoint: start from --qrl-checkpoint."""
+
+    checkpoint: str | None = None
+    """Model to start from with --qrl-model checkpoint: an HF directory (config.json +
+    *.safetensors) or a megatron_qrl checkpoint (megatron_qrl.json + hf/ + model/)."""
+
+    steps: int = 100
+    """Number of RL steps (one rollout batch and its optimizer update(s) each)."""
+
+    sft_steps: int = 0
+    """Supervised warm-up steps on the task's answers before RL (0 = none)."""
+
+    lr: float = 1e-6
+    """Learning rate of the RL phase (Adam)."""
+
+    sft_lr: float = 1e-3
+    """Learning rate of the supervised warm-up."""
+
+    prompts_per_step: int = 16
+    """Prompts per RL step; the rollout batch holds prompts_per_step * n_samples_per_prompt
+    responses."""
+
+    micro_batch_size: int = 8
+    """Responses per trainer forward/backward micro batch."""
+
+    updates_per_step: int = 1
+    """Optimizer steps per rollout batch (mini batches); > 1 makes pi_theta move away from
+    pi_prox within a step, which is what the clipping acts on."""
+
+    seed: int = 1234
+    """Seed of the model init, task generation, sampling and AQN noise."""
+
+    output_dir: str | None = None
+    """Directory for metrics.jsonl, plots and checkpoints; none = qrl_runs/<preset>-seed<seed>
+    (printed at start; ',' in the preset becomes '+')."""
+
+    save_interval: int = 0
+    """Save an (atomic) checkpoint every N steps; 0 = only at the end."""
+
+    resume: bool = False
+    """Resume from the latest checkpoint in the output directory (reproduces the next step
+    exactly on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.preset is not None:
+            preset_names(self.preset)  # raises naming the unknown preset
+        _choice("--qrl-model", self.model, ("tiny-moe", "tiny-dense", "checkpoint"))
+        if self.model == "checkpoint" and not self.checkpoint:
+            raise ValueError("--qrl-model checkpoint needs --qrl-checkpoint DIR")
+        if self.model != "checkpoint" and self.checkpoint:
+            raise ValueError(f"--qrl-checkpoint is given but --qrl-model is {self.model}; "
+                             "add --qrl-model checkpoint (or drop --qrl-checkpoint)")
+        for flag, value, low in (("--qrl-steps", self.steps, 0),
+                                 ("--qrl-sft-steps", self.sft_steps, 0),
+                                 ("--qrl-prompts-per-step", self.prompts_per_step, 1),
+                                 ("--qrl-micro-batch-size", self.micro_batch_size, 1),
+                                 ("--qrl-updates-per-step", self.updates_per_step, 1),
+                                 ("--qrl-seed", self.seed, 0),
+                                 ("--qrl-save-interval", self.save_interval, 0)):
+            _int(flag, value, low)
+        _real("--qrl-lr", self.lr, 0.0, low_open=True)
+        _real("--qrl-sft-lr", self.sft_lr, 0.0, low_open=True)
+
+    def resolved_output_dir(self) -> str:
+        """``output_dir``, or the deterministic default ``qrl_runs/<preset>-seed<seed>``."""
+        name = (self.preset or "custom").replace(",", "+")
+        return self.output_dir or f"qrl_runs/{name}-seed{self.seed}"

@@ -1,0 +1,64 @@
+"""Synthetic verifiable task: multi-digit addition, deterministic per seed.
+
+A problem is ``{"prompt": "12+345=", "answer": "357"}``. Each operand has a number of
+digits drawn uniformly from ``[digits_min, digits_max]`` and is uniform among the integers
+with exactly that many digits (1 digit: 0..9). Prompts are distinct; the list depends only
+on ``(n, seed, digits_min, digits_max)`` (``random.Random(seed)``, no global state).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from ..utils.io import atomic_write_text
+
+__all__ = ["addition_problems", "count_addition_problems", "write_jsonl"]
+
+
+def _check(digits_min: int, digits_max: int) -> None:
+    if not 1 <= digits_min <= digits_max <= 18:
+        raise ValueError(f"addition task: need 1 <= digits_min <= digits_max <= 18 "
+                         f"(--qrl-task-digits-min/max), got {digits_min}, {digits_max}")
+
+
+def _operands(digits_min: int, digits_max: int) -> int:
+    return 10 ** digits_max - (10 ** (digits_min - 1) if digits_min > 1 else 0)
+
+
+def count_addition_problems(digits_min: int, digits_max: int) -> int:
+    """Number of distinct prompts ``a+b=`` with both operands in the digit range."""
+    _check(digits_min, digits_max)
+    return _operands(digits_min, digits_max) ** 2
+
+
+def _operand(rng: random.Random, digits_min: int, digits_max: int) -> int:
+    d = rng.randint(digits_min, digits_max)
+    low = 0 if d == 1 else 10 ** (d - 1)
+    return rng.randint(low, 10 ** d - 1)
+
+
+def addition_problems(n: int, seed: int, digits_min: int = 1, digits_max: int = 3) -> list[dict]:
+    """``n`` distinct addition problems ``{"prompt", "answer"}`` (see the module docstring)."""
+    _check(digits_min, digits_max)
+    total = count_addition_problems(digits_min, digits_max)
+    if not 1 <= n <= total:
+        raise ValueError(f"addition task: num_prompts={n} (--qrl-task-num-prompts) must be in "
+                         f"[1, {total}] for {digits_min}..{digits_max} digits")
+    rng = random.Random(seed)
+    seen: set[tuple[int, int]] = set()
+    out = []
+    while len(out) < n:
+        a, b = _operand(rng, digits_min, digits_max), _operand(rng, digits_min, digits_max)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        out.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    return out
+
+
+def write_jsonl(path: str | Path, records: list[dict]) -> Path:
+    """Write ``records`` one JSON object per line, atomically."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return atomic_write_text(path, text)
