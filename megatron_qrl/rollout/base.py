@@ -1,0 +1,137 @@
+"""The rollout-engine interface every engine implements, and the weight-sync manifest.
+
+Weight sync (trainer -> engine), identical for every engine::
+
+    stream = spec.pack_state_dict(apply_aqn(iter_hf_tensors(model, arch), sigma, gen))
+    manifest = WeightManifest()
+    engine.update_weights(manifest.record(stream), version=step)
+    engine.verify(manifest)          # raises WeightSyncError naming the first bad tensor
+
+``manifest.record`` passes the stream through lazily while fingerprinting each tensor, so
+nothing is materialised twice on the sender.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+class WeightSyncError(RuntimeError):
+    """The engine holds something other than what the trainer sent (names the tensor)."""
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """A content fingerprint of a tensor: dtype, shape and a blake2b of its raw bytes."""
+    t = t.detach().contiguous().cpu()
+    raw = t.view(torch.uint8) if t.numel() and t.dim() else t.reshape(1).view(torch.uint8)
+    h = hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{h}"
+
+
+@dataclass
+class WeightManifest:
+    """What the trainer sent in one sync: ``name -> checksum``, in send order."""
+
+    checksums: dict[str, str] = field(default_factory=dict)
+
+    def record(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass ``stream`` through, fingerprinting every tensor (duplicates are an error)."""
+        for name, t in stream:
+            if name in self.checksums:
+                raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
+            self.checksums[name] = tensor_checksum(t)
+            yield name, t
+
+    def compare(self, held: dict[str, str]) -> None:
+        """Raise :class:`WeightSyncError` on the first tensor missing or different in ``held``."""
+        for name, want in self.checksums.items():
+            got = held.get(name)
+            if got is None:
+                raise WeightSyncError(f"engine did not receive tensor {name!r}")
+            if got != want:
+                raise WeightSyncError(
+                    f"engine holds a different {name!r}: sent {want}, engine has {got}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling controls shared by every engine (SGLang names where they exist)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k, as in SGLang."""
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    """Stop strings; needs an engine with a tokenizer (``decode``)."""
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationOutput:
+    """One generate() call: ``B`` samples, right-padded to the longest response ``T``.
+
+    ``routed_experts``: int [B, P + T, num_moe_layers, top_k] — the experts the engine's router
+    chose for every prompt and response token (None for dense models or engines that cannot
+    report them); prompt rows are left-aligned, padded with -1.
+    """
+
+    prompt_ids: list[list[int]]
+    output_ids: torch.Tensor  # int64 [B, T], pad 0 past the end
+    logprobs: torch.Tensor  # fp32 [B, T], log pi_behav of each sampled token, 0 past the end
+    mask: torch.Tensor  # bool [B, T]
+    finish_reasons: list[str]  # "stop" | "length"
+    weight_version: int
+    routed_experts: torch.Tensor | None = None
+
+    def responses(self) -> list[list[int]]:
+        """The generated token ids of each sample, without padding."""
+        return [row[m].tolist() for row, m in zip(self.output_ids, self.mask)]
+
+
+class RolloutEngine(ABC):
+    """A generation engine that receives packed low-precision weights from the trainer."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the packed ``(hf_name, tensor)`` stream; afterwards ``weight_version() == version``."""
+
+    @abstractmethod
+    def held_checksums(self) -> dict[str, str]:
+        """Fingerprints of the tensors the engine holds now (see :func:`tensor_checksum`)."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Sample one response per prompt (repeat a prompt for group sampling)."""
+
+    @abstractmethod
+    def weight_version(self) -> int:
+        """Version of the last completed :meth:`update_weights` (-1 before the first)."""
+
+    def verify(self, manifest: WeightManifest) -> None:
+        """Check that the engine holds exactly what ``manifest`` recorded."""
+        manifest.compare(self.held_checksums())
+
+    def release_memory(self) -> None:
+        """Free accelerator memory while the trainer runs (colocated mode); no-op by default."""
+
+    def resume_memory(self) -> None:
+        """Undo :meth:`release_memory`; no-op by default."""
+
+    def shutdown(self) -> None:
+        """Stop the engine; no-op by default."""
