@@ -1,0 +1,63 @@
+"""Atomic driver checkpoints and ``--qrl-resume``.
+
+A checkpoint is ``<output-dir>/checkpoints/step_<NNNNNN>.pt`` (written to a temporary file
+and renamed): ``next_step`` (global step to run next), the model and optimizer state, the
+torch RNG state and the effective ``--qrl-*`` values it was made with. Every step draws its
+randomness from ``(seed, step)`` (see ``steps.step_seed``), so restoring this state
+reproduces the next step exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_qrl.utils.io import atomic_torch_save
+
+__all__ = ["CKPT_DIR", "latest_checkpoint", "load_driver_checkpoint", "save_driver_checkpoint"]
+
+CKPT_DIR = "checkpoints"
+_NAME = re.compile(r"^step_(\d{6,})\.pt$")
+_RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_output_dir")
+"""Flags that may differ between a run and its resumption (run length, saving, resume)."""
+
+
+def save_driver_checkpoint(output_dir: str | Path, next_step: int, trainer_state: dict,
+                           flags: dict[str, Any], keep: int = 2) -> Path:
+    """Write the checkpoint for ``next_step`` atomically; keep the newest ``keep``."""
+    root = Path(output_dir) / CKPT_DIR
+    path = root / f"step_{next_step:06d}.pt"
+    atomic_torch_save({"next_step": next_step, "trainer": trainer_state,
+                       "rng": torch.get_rng_state(), "flags": flags}, path)
+    for old in sorted(p for p in root.iterdir() if _NAME.match(p.name))[:-keep]:
+        old.unlink()
+    return path
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint with the largest step in ``output_dir`` (None if there is none)."""
+    root = Path(output_dir) / CKPT_DIR
+    if not root.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
+    return found[-1][1] if found else None
+
+
+def load_driver_checkpoint(output_dir: str | Path, flags: dict[str, Any]) -> dict[str, Any]:
+    """The latest checkpoint's content; errors name the directory / the flag that changed."""
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        raise FileNotFoundError(f"--qrl-resume: no checkpoint in {Path(output_dir) / CKPT_DIR}; "
+                                "run without --qrl-resume first (or check --qrl-output-dir)")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    saved = state.get("flags", {})
+    changed = [k for k in flags if k not in _RESUME_KEYS_IGNORED and k in saved
+               and saved[k] != flags[k]]
+    if changed:
+        diffs = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {flags[k]!r}" for k in changed)
+        raise ValueError(f"--qrl-resume: {path} was written with other flags ({diffs}); resume "
+                         "with the same flags or use another --qrl-output-dir")
+    return state

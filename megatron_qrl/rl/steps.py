@@ -1,0 +1,167 @@
+"""One supervised warm-up step and one RL step of the driver (pure orchestration).
+
+RL step (issue 6, item 2): sample prompts -> group sampling (``n`` per prompt) on the engine
+-> rewards -> GRPO advantages -> pi_prox recompute on the trainer (forward only, routing
+replay if on) -> ``updates_per_step`` optimizer steps with the chosen policy loss through
+the losses' Megatron adapter -> weight sync (AQN on the engine copy) -> metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_qrl.data import CharTokenizer
+from megatron_qrl.data.dataset import PromptRecord
+from megatron_qrl.losses import grpo_advantages
+from megatron_qrl.rewards import score_math
+from megatron_qrl.rl.batch import pack_samples, sft_batch, split_batch
+from megatron_qrl.rl.forward import ForwardPlan
+from megatron_qrl.rl.trainer import PolicyTrainer
+from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
+
+__all__ = ["StepContext", "rl_step", "sample_indices", "sft_step", "step_seed"]
+
+
+def step_seed(seed: int, step: int, salt: int) -> int:
+    """A seed that depends only on ``(seed, step, salt)``: steps never share RNG state, so a
+    resumed run samples exactly what the uninterrupted one did."""
+    return (seed * 1_000_003 + step * 7_919 + salt * 104_729) % (2**62)
+
+
+def sample_indices(num_records: int, k: int, seed: int, step: int) -> list[int]:
+    """``k`` record indices for ``step`` (without replacement when ``k <= num_records``)."""
+    gen = torch.Generator().manual_seed(step_seed(seed, step, 1))
+    if k <= num_records:
+        return torch.randperm(num_records, generator=gen)[:k].tolist()
+    return torch.randint(num_records, (k,), generator=gen).tolist()
+
+
+@dataclass
+class StepContext:
+    """Everything a step needs (built once by the driver)."""
+
+    configs: dict[str, Any]
+    tokenizer: CharTokenizer
+    records: Sequence[PromptRecord]
+    trainer: PolicyTrainer
+    engine: RolloutEngine
+    plan: ForwardPlan
+    loss_fn: Callable
+    sync: Callable[[int], Any]
+    """``sync(version)``: push the trainer's weights to the engine as ``version``."""
+
+    def prompt_ids(self, rec: PromptRecord) -> list[int]:
+        return [self.tokenizer.bos_id, *self.tokenizer.encode(rec.prompt)]
+
+
+def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = False):
+    from megatron_qrl.losses.megatron_adapter import vocab_parallel_log_probs
+
+    lp = vocab_parallel_log_probs(output_tensor, batch["labels"])
+    mask = batch["loss_mask"].float()
+    loss = -(lp * mask).sum() / mask.sum().clamp_min(1.0)
+    correct = (lp > -0.6931).float()  # the answer token has probability > 1/2
+    return loss, {"sft_loss": loss.detach(),
+                  "sft_token_acc": (correct * mask).sum() / mask.sum().clamp_min(1.0)}
+
+
+def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
+    """One supervised step on ``prompts_per_step * n`` task answers (+ ``<eos>``)."""
+    run = ctx.configs["run"]
+    size = run.prompts_per_step * ctx.configs["rollout"].n_samples_per_prompt
+    t0 = time.perf_counter()
+    recs = [ctx.records[i] for i in sample_indices(len(ctx.records), size, run.seed, step)]
+    batch = sft_batch([ctx.prompt_ids(r) for r in recs],
+                      [[*ctx.tokenizer.encode(r.answer), ctx.tokenizer.eos_id] for r in recs])
+    metrics, grad_norm = ctx.trainer.train_step(split_batch(batch, run.micro_batch_size), _sft_loss)
+    return {"step": step, "phase": "sft", "reward_mean": None, "mismatch_kl": None,
+            "clip_frac": None, "error_token_rate": None, "time_rollout_s": 0.0,
+            "time_train_s": time.perf_counter() - t0, "time_sync_s": 0.0,
+            "grad_norm": grad_norm, **metrics}
+
+
+def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str]]:
+    run, ro = ctx.configs["run"], ctx.configs["rollout"]
+    n = ro.n_samples_per_prompt
+    recs = [ctx.records[i] for i in sample_indices(len(ctx.records), run.prompts_per_step,
+                                                    run.seed, step)]
+    prompts = [ctx.prompt_ids(r) for r in recs for _ in range(n)]
+    sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+                              top_p=ro.top_p, top_k=ro.top_k, stop=tuple(ro.stop),
+                              stop_token_ids=(ctx.tokenizer.eos_id,),
+                              seed=step_seed(run.seed, step, 2))
+    out = ctx.engine.generate(prompts, sampling)
+    responses = out.responses()
+    vocab = ctx.tokenizer.vocab_size  # ids of the padded vocabulary tail decode to nothing
+    texts = [ctx.tokenizer.decode([i for i in r if i < vocab]) for r in responses]
+    bonus = ctx.configs["task"].format_bonus
+    rewards = torch.tensor([score_math(t, recs[i // n].answer, bonus).reward
+                            for i, t in enumerate(texts)], dtype=torch.float32)
+    lps = [row[m] for row, m in zip(out.logprobs, out.mask)]
+    batch = pack_samples(prompts, responses, lps, ctx.tokenizer.pad_id, out.routed_experts)
+    groups = torch.arange(len(recs)).repeat_interleave(n)
+    batch["advantages"] = grpo_advantages(rewards, groups)
+    return batch, rewards, texts
+
+
+def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
+    """One RL step (rollout, recompute, updates, sync); returns its metrics record.
+
+    ``step`` is the global step (metrics, seeds), ``rl_index`` the 0-based RL step (AQN stage).
+    """
+    run = ctx.configs["run"]
+    t0 = time.perf_counter()
+    batch, rewards, texts = _rollout(ctx, step)
+    t1 = time.perf_counter()
+    mbs = split_batch(batch, run.micro_batch_size)
+    old = ctx.trainer.log_probs(mbs, ctx.loss_fn, ctx.plan.recompute_replay)
+    for mb, lp in zip(mbs, old):
+        mb["old_log_probs"] = lp
+    t2 = time.perf_counter()
+    per_update = len(mbs) // run.updates_per_step
+    updates = [ctx.trainer.train_step(mbs[u * per_update:(u + 1) * per_update], ctx.loss_fn,
+                                      ctx.plan.update_replay)
+               for u in range(run.updates_per_step)]
+    t3 = time.perf_counter()
+    ctx.sync(step + 1)
+    t4 = time.perf_counter()
+    return _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+
+
+def _record(step: int, rewards: torch.Tensor, texts: list[str], batch: dict,
+            updates: list[tuple[dict, float]], t: tuple[float, ...]) -> dict[str, Any]:
+    first = updates[0][0]  # the first update sees pi_theta == pi_prox: its KL is the mismatch
+    keys = {k for m, _ in updates for k in m}
+    agg = {k: (max if k.endswith("_max") else _mean)([m[k] for m, _ in updates if k in m])
+           for k in keys}
+    mask = batch["loss_mask"]
+    return {
+        "step": step, "phase": "rl", "reward_mean": float(rewards.mean()),
+        "accuracy": float((rewards >= 1.0).float().mean()),
+        "mismatch_kl": first.get("kl_behav_prox_k3"),
+        "clip_frac": agg.get("clip_frac_low", 0.0) + agg.get("clip_frac_high", 0.0),
+        "error_token_rate": agg.get("error_token_rate"),
+        "response_len": float(mask.sum(1).float().mean()),
+        "time_rollout_s": t[1] - t[0], "time_recompute_s": t[2] - t[1],
+        "time_train_s": t[3] - t[2], "time_sync_s": t[4] - t[3],
+        "grad_norm": _mean([g for _, g in updates]), "sample": texts[0],
+        **{k: v for k, v in agg.items() if k not in ("loss",)},
+    }
+
+
+def _mean(v: Sequence[float]) -> float:
+    return sum(v) / len(v)
+
+
+def make_loss_fn(configs: dict[str, Any]) -> Callable:
+    """The policy loss (losses' Megatron adapter) for ``--qrl-loss-*`` / ``--qrl-error-tokens-*``."""
+    from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
+
+    return partial(PolicyLossFunc(configs["loss"], configs["error_tokens"],
+                                  temperature=configs["rollout"].temperature))

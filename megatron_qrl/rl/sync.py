@@ -1,0 +1,74 @@
+"""Weight sync trainer -> engine, and the engine factory of the single-process driver.
+
+The one sync path, identical for every engine (issue 6, item 1)::
+
+    iter_hf_tensors -> apply_aqn (engine copy only) -> spec.pack_state_dict
+        -> manifest.record -> engine.update_weights -> engine.verify
+
+The trainer's weights are never modified: AQN noise draws a new tensor for each norm gain
+it perturbs (QeRL, ALGORITHMS.md), seeded by ``(seed, version)`` so a resumed run sends the
+same noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
+from megatron_qrl.quant.spec import QuantSpec
+from megatron_qrl.rollout.base import RolloutEngine, WeightManifest
+
+__all__ = ["SyncResult", "make_engine", "sync_weights"]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one sync sent."""
+
+    version: int
+    num_tensors: int
+    aqn_sigma: float
+
+
+def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutEngine,
+                 spec: QuantSpec, version: int, aqn: AQNConfig | None = None, seed: int = 0,
+                 aqn_step: int = 0, total_steps: int = 1) -> SyncResult:
+    """Send ``hf_stream`` (the trainer's HF-named weights) to ``engine`` as ``version``.
+
+    AQN (if enabled) uses the sigma of ``aqn_step`` of ``total_steps`` (QeRL's staged decay)
+    and the generator ``AQNConfig.generator(seed, version)``. Raises
+    :class:`megatron_qrl.rollout.WeightSyncError` naming the tensor if the engine holds
+    something else afterwards.
+    """
+    sigma = aqn.sigma(aqn_step, total_steps) if aqn is not None else 0.0
+    stream = hf_stream
+    if sigma > 0.0:
+        stream = apply_aqn(stream, sigma, AQNConfig.generator(seed, version))
+    manifest = WeightManifest()
+    engine.update_weights(manifest.record(spec.pack_state_dict(stream)), version=version)
+    engine.verify(manifest)
+    if engine.weight_version() != version:
+        raise RuntimeError(f"engine reports weight version {engine.weight_version()} after an "
+                           f"update to version {version}")
+    return SyncResult(version, len(manifest.checksums), sigma)
+
+
+def make_engine(rollout_cfg: Any, hf_config: dict, seed: int) -> RolloutEngine:
+    """The rollout engine named by ``--qrl-rollout-engine`` for the single-process driver."""
+    if rollout_cfg.engine == "reference":
+        try:
+            from megatron_qrl.rollout.reference import ReferenceEngine
+        except ImportError as exc:
+            raise RuntimeError(
+                "--qrl-rollout-engine reference needs megatron_qrl.rollout.reference, which this "
+                f"checkout does not have ({exc}); update megatron_qrl") from None
+        return ReferenceEngine(hf_config, rollout_cfg.format, device="cpu",
+                               dtype=torch.float32, seed=seed)
+    raise NotImplementedError(
+        f"--qrl-rollout-engine {rollout_cfg.engine}: the single-process driver (qrl-train) runs "
+        "the reference engine only; SGLang engines need the Ray driver (colocated / "
+        "disaggregated), which is not implemented yet. Use --qrl-rollout-engine reference")

@@ -1,0 +1,169 @@
+"""The trainer side of the RL loop: a megatron-core GPTModel, its DDP wrapper and optimizer.
+
+:func:`build_policy` is the ONE place the policy model is built; the rollout-aligned forward
+(``spec_hook`` from ``megatron_qrl.te_quant``) and routing replay (a ``replay`` context
+factory from ``megatron_qrl.moe``) plug in through its arguments (see :mod:`.forward`).
+
+Every forward / backward goes through megatron-core's ``get_forward_backward_func()``:
+- :meth:`PolicyTrainer.log_probs`: forward only, ``collect_non_loss_data=True``; the loss
+  function returns the per-token log-probs (pi_prox recompute);
+- :meth:`PolicyTrainer.train_step`: forward + backward over micro batches and one optimizer
+  step (the policy loss through the losses' Megatron adapter, or the SFT loss).
+
+Run inside an initialised megatron job (:func:`megatron_qrl.models.runtime.single_process_megatron`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_qrl.models.builder import SpecHook
+from megatron_qrl.models.hf_config import ModelArch
+
+ReplayFactory = Callable[[torch.Tensor], contextlib.AbstractContextManager]
+"""``routed_experts [B, S, layers, top_k] -> context`` in which the router replays them."""
+
+
+@dataclass
+class PolicyModel:
+    """A DDP-wrapped megatron-core model, its optimizer and config."""
+
+    ddp: Any
+    optimizer: Any
+    config: Any
+    arch: ModelArch
+
+
+def build_policy(arch: ModelArch, lr: float, spec_hook: SpecHook | None = None,
+                 clip_grad: float = 1.0, weight_decay: float = 0.0) -> PolicyModel:
+    """Build the policy (fp32 masters), wrap it in megatron DDP and make an Adam optimizer.
+
+    ``spec_hook``: maps the decoder layer ModuleSpec (the aligned forward swaps its linears).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron_qrl.models.runtime import build_model
+
+    model = build_model(arch, spec_hook=spec_hook)
+    config = model.config
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    return PolicyModel(ddp, make_optimizer(ddp, lr, clip_grad, weight_decay), config, arch)
+
+
+def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Any:
+    """A fresh megatron-core Adam optimizer over ``ddp`` (new moments; used per phase)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    return get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
+                        adam_beta2=0.99), [ddp])
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set the learning rate of every parameter group of a megatron optimizer."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: ReplayFactory | None):
+    batch = next(data_iterator)
+    ctx = replay(batch["routed_experts"]) if replay is not None and "routed_experts" in batch \
+        else contextlib.nullcontext()
+    with ctx:
+        logits = model(batch["tokens"], batch["position_ids"], None)
+    return logits, partial(loss_fn, batch)
+
+
+class PolicyTrainer:
+    """Forward-only log-probs and optimizer steps of one :class:`PolicyModel`."""
+
+    def __init__(self, policy: PolicyModel) -> None:
+        self.policy = policy
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel (no DDP wrapper)."""
+        return self.policy.ddp.module
+
+    def _run(self, microbatches: Sequence[dict], loss_fn: Callable, forward_only: bool,
+             replay: ReplayFactory | None) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not microbatches:
+            raise ValueError("PolicyTrainer: no micro batches given")
+        b, s = microbatches[0]["tokens"].shape
+        return get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay),
+            data_iterator=iter(microbatches), model=[self.policy.ddp],
+            num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+            forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    @torch.no_grad()
+    def log_probs(self, microbatches: Sequence[dict], loss_fn: Callable,
+                  replay: ReplayFactory | None = None) -> list[torch.Tensor]:
+        """Per-token log-probs of ``labels`` for every micro batch (no grad; pi_prox)."""
+        self.policy.ddp.eval()
+        try:
+            store = self._run(microbatches, loss_fn, True, replay)
+        finally:
+            self.policy.ddp.train()
+        return [d["log_probs"].float() for d in store]
+
+    def train_step(self, microbatches: Sequence[dict], loss_fn: Callable,
+                   replay: ReplayFactory | None = None) -> tuple[dict[str, float], float]:
+        """Forward/backward over ``microbatches`` and one optimizer step.
+
+        Returns the loss function's metrics averaged over micro batches and the grad norm.
+        """
+        ddp, optimizer = self.policy.ddp, self.policy.optimizer
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        store = self._run(microbatches, loss_fn, False, replay)
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
+                               "--qrl-lr / --qrl-sft-lr")
+        return average_metrics(store), float(grad_norm if grad_norm is not None else 0.0)
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` of the current weights (one process: no collectives)."""
+        from megatron_qrl.models.streaming import iter_hf_tensors
+
+        return iter_hf_tensors(self.module, self.policy.arch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state for a checkpoint."""
+        return {"model": {k: v.detach().clone() for k, v in self.module.state_dict().items()
+                          if v is not None and torch.is_tensor(v)},
+                "optimizer": self.policy.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (exactly: parameters, Adam moments and step counts)."""
+        missing, unexpected = self.module.load_state_dict(state["model"], strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        self.policy.optimizer.load_state_dict(state["optimizer"])
+
+
+def average_metrics(store: Sequence[dict]) -> dict[str, float]:
+    """Mean (max for ``*_max`` keys) over micro batches of each scalar metric."""
+    sums: dict[str, list[float]] = {}
+    for d in store:
+        for k, v in d.items():
+            if torch.is_tensor(v) and v.numel() == 1:
+                sums.setdefault(k, []).append(float(v))
+            elif isinstance(v, (int, float)):
+                sums.setdefault(k, []).append(float(v))
+    return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in sums.items()}
