@@ -88,7 +88,10 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
 def _postfix(rec: dict[str, Any]) -> dict[str, str]:
     if rec["phase"] == "sft":
         return {"sft_loss": f"{rec.get('sft_loss', 0):.3f}"}
-    f = (lambda v: "n/a" if v is None else f"{v:.3g}")
+
+    def f(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.3g}"
+
     return {"reward": f(rec["reward_mean"]), "kl": f(rec["mismatch_kl"]),
             "clip": f(rec["clip_frac"]), "err": f(rec["error_token_rate"]),
             "t(ro/rc/tr/sy)": "/".join(f"{rec[k]:.2f}" for k in (

@@ -51,6 +51,7 @@ def build_policy(arch: ModelArch, lr: float, spec_hook: SpecHook | None = None,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
+
     from megatron_qrl.models.runtime import build_model
 
     model = build_model(arch, spec_hook=spec_hook)
