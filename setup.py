@@ -37,6 +37,7 @@ setup(
     entry_points={
         "console_scripts": [
             "qrl-quant-report=megatron_qrl.quant.report:main",
+            "qrl-train=megatron_qrl.rl.cli:main",
         ],
     },
 )

@@ -7,7 +7,8 @@
 Every ``--qrl-*`` flag of :func:`megatron_qrl.config.add_qrl_args` applies. Launcher-only
 flags: ``--qrl-compare`` (run the compare variants, see :mod:`.compare`), ``--qrl-mode``
 (``single``; the Ray modes ``colocated`` / ``disaggregated`` are not implemented yet and
-say so), ``--qrl-no-progress``.
+say so), ``--qrl-no-progress``. Megatron flags (model shape, TP/EP) for the Ray modes follow
+a ``--`` (see examples/run_qwen3_30b_a3b.sh).
 """
 
 from __future__ import annotations
@@ -57,9 +58,18 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
 
     Raises :class:`QrlArgumentError` (one message naming the flags) on bad values.
     """
+    argv = list(argv)
+    megatron_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     args = build_parser().parse_args(_with_default_preset(argv))
+    args.megatron_argv = megatron_argv
     configs = validate_qrl_args(args)
     flags = effective_values(args)
+    if args.qrl_mode == "single" and megatron_argv:
+        raise QrlArgumentError(
+            f"Megatron flags after '--' ({' '.join(megatron_argv[:4])} ...) are for the Ray "
+            "driver (--qrl-mode colocated / disaggregated); the single-process job builds the "
+            "model from --qrl-model")
     if args.qrl_mode != "single":
         raise QrlArgumentError(
             f"--qrl-mode {args.qrl_mode}: the Ray driver (engine and trainer on Ray actors, "

@@ -1,0 +1,49 @@
+"""examples/: the launch scripts parse, source their model shapes and pass valid flags."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_qrl.rl.cli import parse_configs
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SCRIPTS = sorted(EXAMPLES.glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_syntax_and_model_shape(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert 'source "${HERE}/models/' in script.read_text()
+
+
+def _captured_args(tmp_path, script, env=None):
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "qrl-train").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    (fake / "qrl-train").chmod(0o755)
+    (fake / "ray").write_text("#!/usr/bin/env bash\nexit 0\n")
+    (fake / "ray").chmod(0o755)
+    run_env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", **(env or {}))
+    out = subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True,
+                         env=run_env)
+    return out.stdout.splitlines()
+
+
+def test_tiny_cpu_script_runs_the_default_job(tmp_path):
+    argv = _captured_args(tmp_path, EXAMPLES / "run_tiny_cpu.sh", {"SEED": "7"})
+    configs, flags, _ = parse_configs(argv)
+    assert flags["qrl_preset"] == "tiny-cpu" and configs["run"].seed == 7
+    assert configs["run"].resolved_output_dir() == "qrl_runs/tiny-cpu-seed7"
+
+
+def test_multinode_script_layout(tmp_path):
+    argv = _captured_args(tmp_path, EXAMPLES / "run_qwen3_30b_a3b.sh",
+                          {"CKPT": str(tmp_path), "VARIANT": "nvfp4"})
+    qrl, megatron = argv[: argv.index("--")], argv[argv.index("--") + 1:]
+    assert qrl[:2] == ["--qrl-mode", "disaggregated"]
+    assert "qwen3-30b-a3b,qerl" in qrl
+    for flag, value in (("--tensor-model-parallel-size", "2"),
+                        ("--expert-model-parallel-size", "8"), ("--num-experts", "128")):
+        assert megatron[megatron.index(flag) + 1] == value
