@@ -169,11 +169,17 @@ def references(dirs: dict, engines: dict, prompts, models: list[str], device: st
             row: dict = {}
             try:
                 row["bf16_ref"] = compare(eng, *teacher_force(base, prompts, eng["output_ids"]))
+                tf = {}
                 for tag, dt in (("aligned", torch.bfloat16), ("aligned_fp32", torch.float32)):
                     m = aligned_model(base, dirs[(k, fmt)], spec, names, dtype=dt)
-                    row[tag] = compare(eng, *teacher_force(m, prompts, eng["output_ids"]))
+                    tf[tag] = teacher_force(m, prompts, eng["output_ids"])
+                    row[tag] = compare(eng, *tf[tag])
                     row["n_dequantized"] = m._qrl_n_dequantized
                     del m
+                # the same reference in bf16 vs fp32: how far rounding noise alone moves it
+                # (dynamic activation quantization amplifies it; weight-only formats do not)
+                as_engine = {"output_ids": eng["output_ids"], "output_logprobs": tf["aligned"][0]}
+                row["aligned_bf16_vs_fp32"] = compare(as_engine, *tf["aligned_fp32"])
             except Exception as exc:  # noqa: BLE001 - reported per format
                 import traceback
 
@@ -218,14 +224,15 @@ def fmt_cell(m: dict | None) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| model | format | engine | start s | aligned bf16: agree / max / mean abs dlogprob "
-            "| aligned fp32 | bf16 (unquantized) ref |\n|---|---|---|---|---|---|---|\n")
+            "| aligned fp32 | bf16 (unquantized) ref | aligned bf16 vs aligned fp32 |\n"
+            "|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
         status = "ok" if r["engine"].get("ok") else "FAILED"
         ref = r.get("ref", {})
         body += (f"| {r['model']} | {r['format']} | {status} | {r['engine'].get('startup_s', '-')} "
                  f"| {fmt_cell(ref.get('aligned'))} | {fmt_cell(ref.get('aligned_fp32'))} "
-                 f"| {fmt_cell(ref.get('bf16_ref'))} |\n")
+                 f"| {fmt_cell(ref.get('bf16_ref'))} | {fmt_cell(ref.get('aligned_bf16_vs_fp32'))} |\n")
     errs = ""
     for r in rows:
         e = r["engine"]
