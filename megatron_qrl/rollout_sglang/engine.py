@@ -48,6 +48,7 @@ def engine_args_for(spec_name: str, is_moe: bool) -> dict:
         "enable_return_routed_experts": is_moe,
     }
     if get_spec(spec_name).quantizes_weights:
+        # capture fewer decode graphs for quantized kernels (graph capture 107 s -> 8 s measured)
         args["cuda_graph_bs_decode"] = [1, 8, 32, 64, 128, 192, 256]
     return args
 
@@ -70,7 +71,10 @@ class SGLangEngine(RolloutEngine):
         self.num_layers = int(cfg["num_hidden_layers"])
         self.top_k = int(cfg.get("num_experts_per_tok", 0))
         self.sync, self.sync_dir, self.bucket_bytes = sync, sync_dir, bucket_bytes
-        args = engine_args_for(spec_name, self.is_moe) | engine_kwargs
+        args = engine_args_for(spec_name, self.is_moe)
+        if engine_kwargs.get("disable_cuda_graph"):
+            args.pop("cuda_graph_bs_decode", None)
+        args |= engine_kwargs
         self.engine = sglang.Engine(model_path=str(self.model_path), **args)
         self._sent: dict[str, str] = {}
         self._version = -1
