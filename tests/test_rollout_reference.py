@@ -115,3 +115,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert seen == {0, 1}
     tok, lp = sample_next(logits, SamplingParams(temperature=0), gen)
     assert tok.item() == 0 and torch.isclose(lp, torch.log(torch.tensor([0.5]))).all()
+
+
+def test_sglang_engine_refuses_sync_paths_measured_broken_before_importing_sglang():
+    from megatron_qrl.rollout_sglang.engine import SGLangEngine
+
+    with pytest.raises(NotImplementedError, match=r"cannot update 'int8' weights in place"):
+        SGLangEngine("/nonexistent", "int8", sync="tensor")

@@ -36,6 +36,30 @@ from ..utils.optional import require
 
 FEATURE = "--qrl-rollout-engine sglang"
 
+# In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
+# (tests/gpu/test_sglang_engine.py, 2026-11-29): True works, False fails, absent = not yet run.
+# int8: both paths raise "'Parameter' object has no attribute 'weight_loader'" — w8a8_int8
+# replaces its parameters after loading, so SGLang cannot reload them in place;
+# fp8_block over update_weights_from_tensor killed the engine, over disk it works.
+SYNC_SUPPORT: dict[tuple[str, str], bool] = {
+    ("bf16", "tensor"): True,
+    ("fp8_block", "disk"): True,
+    ("fp8_block", "tensor"): False,
+    ("int8", "tensor"): False,
+    ("int8", "disk"): False,
+}
+
+
+def check_sync_supported(spec_name: str, sync: str) -> None:
+    """Raise for a (format, sync path) known not to work on SGLang 0.5.17."""
+    if SYNC_SUPPORT.get((spec_name, sync), True):
+        return
+    works = sorted(f"{f}/{p}" for (f, p), ok in SYNC_SUPPORT.items() if ok)
+    raise NotImplementedError(
+        f"SGLang 0.5.17 cannot update {spec_name!r} weights in place with sync={sync!r} "
+        f"(measured on H200; see SYNC_SUPPORT in {__name__}). Known to work: {works}; "
+        "use --qrl-rollout-engine reference, or another format / sync path")
+
 
 def engine_args_for(spec_name: str, is_moe: bool) -> dict:
     """Engine arguments that work on the H200 recipe (shared/gpu/sglang-h200) for a format."""
@@ -63,6 +87,7 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"sync must be 'tensor' or 'disk', got {sync!r}")
         if sync == "disk" and sync_dir is None:
             raise ValueError("sync='disk' needs sync_dir (a fast local directory, e.g. /dev/shm)")
+        check_sync_supported(spec_name, sync)
         sglang = require("sglang", FEATURE)
         self.spec = get_spec(spec_name)
         self.model_path = Path(model_path)
