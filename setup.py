@@ -26,6 +26,8 @@ setup(
         "numpy",
         "tqdm",
         "matplotlib",
+        # megatron-core dist_checkpointing's writer imports it lazily (measured with 0.16.1)
+        "psutil",
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6"],

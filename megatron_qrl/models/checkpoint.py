@@ -61,9 +61,12 @@ def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, metadata: dict[
     """
     from megatron.core import dist_checkpointing
 
+    from megatron_qrl.compat.dist_ckpt_cpu import cuda_synchronize_noop
+
     model_dir = Path(out_dir) / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+    with cuda_synchronize_noop():
+        dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         meta = {"format": FORMAT, **metadata}
         (Path(out_dir) / METADATA_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
