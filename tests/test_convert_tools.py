@@ -37,10 +37,13 @@ def _weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind, overrides", [("dense", {"tie_word_embeddings": True}),
-                                             ("moe", {})])
-def test_round_trip_is_bit_exact(tmp_path, kind, overrides):
-    hf = make_tiny_hf(tmp_path / "hf", kind, **overrides)
+@pytest.mark.parametrize("kind, dtype, overrides", [
+    ("dense", torch.float32, {"tie_word_embeddings": True}),
+    ("dense", torch.bfloat16, {}),
+    ("moe", torch.float32, {}),
+])
+def test_round_trip_is_bit_exact(tmp_path, kind, dtype, overrides):
+    hf = make_tiny_hf(tmp_path / "hf", kind, dtype=dtype, **overrides)
     assert TO_MEGATRON.main(["--hf-dir", str(hf), "--out", str(tmp_path / "mg")]) == 0
     meta, cfg, arch = read_metadata(tmp_path / "mg")
     assert meta["saved_layout"] == {"tp": 1, "ep": 1} and meta["uaq_scale"] is None
@@ -50,6 +53,7 @@ def test_round_trip_is_bit_exact(tmp_path, kind, overrides):
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[n], after[n]) and before[n].dtype == after[n].dtype for n in before)
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == cfg
+    assert meta["dtype"] == str(dtype).removeprefix("torch.")
     ids = tokens()
     assert torch.equal(hf_logits(hf, ids), hf_logits(tmp_path / "back", ids))
     assert not list(tmp_path.glob(".*tmp-*"))  # temp dirs renamed or removed

@@ -58,7 +58,10 @@ def _check_layout(arch, hf_dir, ckpt_dir, ids, ref, tp, ep) -> dict:
     model = build_model(arch, ParallelLayout(tp=tp, ep=ep))
     load_checkpoint(model, ckpt_dir)
     diff_ckpt = (_megatron_logits(model, ids) - ref).abs().max().item()
-    mismatched = [n for n, t in iter_hf_tensors(model, arch, groups) if not torch.equal(t, reader.get(n))]
+    streamed = list(iter_hf_tensors(model, arch, groups))
+    mismatched = [n for n, t in streamed if not torch.equal(t, reader.get(n))]
+    if sorted(n for n, _ in streamed) != sorted(reader.names()):
+        mismatched.append("streamed names != checkpoint names")
     return {"diff_hf": diff_hf, "diff_ckpt": diff_ckpt, "stream_mismatch": mismatched}
 
 
@@ -81,11 +84,12 @@ def _worker(rank, world_size, port, cases):
 def tiny(tmp_path_factory):
     ids = tokens(batch=2, seq=8)
     out = {}
-    for kind in ("dense", "moe"):
-        root = tmp_path_factory.mktemp(kind)
-        hf_dir = make_tiny_hf(root / "hf", kind)
+    for key, kind, extra in (("dense", "dense", {}), ("moe", "moe", {}),
+                             ("dense_tied", "dense", {"tie_word_embeddings": True})):
+        root = tmp_path_factory.mktemp(key)
+        hf_dir = make_tiny_hf(root / "hf", kind, **extra)
         convert_hf_to_megatron(hf_dir, root / "megatron")
-        out[kind] = (str(hf_dir), str(root / "megatron"), ids, hf_logits(hf_dir, ids))
+        out[key] = (str(hf_dir), str(root / "megatron"), ids, hf_logits(hf_dir, ids))
     return out
 
 
@@ -108,7 +112,8 @@ def test_tp1_parity(tiny):
 
 @pytest.mark.slow
 def test_tp2_and_ep2_parity(tiny):
-    cases = {"dense_tp2": (*tiny["dense"], 2, 1), "moe_tp2": (*tiny["moe"], 2, 1),
+    cases = {"dense_tp2": (*tiny["dense"], 2, 1), "dense_tied_tp2": (*tiny["dense_tied"], 2, 1),
+             "moe_tp2": (*tiny["moe"], 2, 1),
              "moe_ep2": (*tiny["moe"], 1, 2)}
     _assert_ok(run_distributed(_worker, 2, cases), MEASURED)
 

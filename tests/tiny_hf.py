@@ -19,7 +19,8 @@ def tiny_config(kind: str, **overrides) -> dict:
     return cfg
 
 
-def make_tiny_hf(out_dir: Path, kind: str, seed: int = 0, **overrides) -> Path:
+def make_tiny_hf(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 **overrides) -> Path:
     """Save a random tiny HF model of ``kind`` to ``out_dir``; return the directory.
 
     Every weight is random (norm gains around 1, not exactly 1) so a swapped or transposed
@@ -40,7 +41,7 @@ def make_tiny_hf(out_dir: Path, kind: str, seed: int = 0, **overrides) -> Path:
             else:
                 param.normal_(0.0, 0.1)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.to(dtype).save_pretrained(out_dir)
     (out_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     return out_dir
 
