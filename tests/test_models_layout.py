@@ -71,6 +71,7 @@ def test_rules_local_te_and_experts():
                           "model.layers.0.mlp.experts.6.up_proj.weight")
     assert canonical_name("decoder.layers.0.mlp.experts.linear_fc2.weight3") == \
         "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert rule_for("module.module.embedding.word_embeddings.weight", arch).kind == "column"
     assert rule_for("decoder.layers.0.mlp.router.weight", arch).hf_names == (
         "model.layers.0.mlp.gate.weight",)
     with pytest.raises(KeyError, match="linear_fc1"):

@@ -55,6 +55,11 @@ def _check_layout(arch, hf_dir, ckpt_dir, ids, ref, tp, ep) -> dict:
         model.train()
         pos = torch.arange(ids.shape[1])[None].expand_as(ids)
         model(ids, pos, attention_mask=None).float().pow(2).mean().backward()
+        for name, param in model.named_parameters():
+            if "norm" in name:  # SP-aware norms: megatron all-reduces these grads over TP
+                assert param.sequence_parallel, name
+            if "norm" in name or "router" in name or "linear_qkv" in name:
+                assert param.grad is not None and param.grad.isfinite().all(), name
     model = build_model(arch, ParallelLayout(tp=tp, ep=ep))
     load_checkpoint(model, ckpt_dir)
     diff_ckpt = (_megatron_logits(model, ids) - ref).abs().max().item()

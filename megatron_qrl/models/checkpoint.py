@@ -80,7 +80,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir} not found: not a megatron_qrl checkpoint directory")
     state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=True)
 
 
 @contextlib.contextmanager
