@@ -8,12 +8,14 @@ original safetensors bit for bit.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_qrl.models.checkpoint import load_checkpoint
-from megatron_qrl.models.convert import convert_hf_to_megatron
+from megatron_qrl.models.convert import convert_hf_to_megatron, convert_megatron_to_hf
 from megatron_qrl.models.hf_config import load_hf_config
 from megatron_qrl.models.hf_io import HFCheckpointReader
 from tests.mp_utils import run_distributed
@@ -37,7 +39,7 @@ def _megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_layout(arch, hf_dir, ckpt_dir, ids, ref, tp, ep) -> dict:
+def _check_layout(arch, hf_dir, ckpt_dir, ids, ref, tp, ep, save_dir=None) -> dict:
     from megatron_qrl.models.builder import ParallelLayout
     from megatron_qrl.models.runtime import build_model
     from megatron_qrl.models.streaming import (
@@ -67,10 +69,20 @@ def _check_layout(arch, hf_dir, ckpt_dir, ids, ref, tp, ep) -> dict:
     mismatched = [n for n, t in streamed if not torch.equal(t, reader.get(n))]
     if sorted(n for n, _ in streamed) != sorted(reader.names()):
         mismatched.append("streamed names != checkpoint names")
+    if save_dir is not None:  # save at this layout; the parent converts it back at TP=1
+        from megatron_qrl.models.checkpoint import save_checkpoint
+        from megatron_qrl.models.hf_io import copy_side_files
+
+        if dist.get_rank() == 0:
+            (Path(save_dir) / "hf").mkdir(parents=True)
+            copy_side_files(Path(ckpt_dir) / "hf", Path(save_dir) / "hf")
+        dist.barrier()
+        save_checkpoint(model, save_dir, {"architecture": arch.architecture, "dtype": "float32",
+                                          "saved_layout": {"tp": tp, "ep": ep}, "uaq_scale": None})
     return {"diff_hf": diff_hf, "diff_ckpt": diff_ckpt, "stream_mismatch": mismatched}
 
 
-def _worker(rank, world_size, port, cases):
+def _worker(rank, world_size, port, cases, save_dir=None):
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
 
     results = {}
@@ -79,7 +91,7 @@ def _worker(rank, world_size, port, cases):
             init_cpu_distributed(rank, world_size, port, tp=tp, ep=ep, etp=1)
             _, arch = load_hf_config(hf_dir)
             with cpu_device_mode():
-                results[key] = _check_layout(arch, hf_dir, ckpt_dir, ids, ref, tp, ep)
+                results[key] = _check_layout(arch, hf_dir, ckpt_dir, ids, ref, tp, ep, save_dir)
     finally:
         destroy_cpu_distributed()
     return results
@@ -124,7 +136,12 @@ def test_tp2_and_ep2_parity(tiny):
 
 
 @pytest.mark.slow
-def test_tp2_x_ep2_parity(tiny):
+def test_tp2_x_ep2_parity_and_save_at_tp2_x_ep2(tiny, tmp_path):
     cases = {"moe_tp2xep2": (*tiny["moe"], 2, 2)}
-    _assert_ok(run_distributed(_worker, 4, cases, timeout_s=600), MEASURED)
+    saved = tmp_path / "saved_tp2_ep2"
+    _assert_ok(run_distributed(_worker, 4, cases, save_dir=str(saved), timeout_s=600), MEASURED)
     print("max |logit diff| (hf loader, dist ckpt):", MEASURED)
+    convert_megatron_to_hf(saved, tmp_path / "back")  # re-sharded to TP=1, EP=1 on load
+    original, back = HFCheckpointReader(tiny["moe"][0]), HFCheckpointReader(tmp_path / "back")
+    assert sorted(original.names()) == sorted(back.names())
+    assert all(torch.equal(original.get(n), back.get(n)) for n in original.names())
