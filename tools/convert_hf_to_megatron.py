@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
