@@ -44,6 +44,8 @@ def _weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 ])
 def test_round_trip_is_bit_exact(tmp_path, kind, dtype, overrides):
     hf = make_tiny_hf(tmp_path / "hf", kind, dtype=dtype, **overrides)
+    cfg_path = hf / "config.json"  # config.json's dtype may disagree: the stored dtype wins
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "dtype": "float32"}))
     assert TO_MEGATRON.main(["--hf-dir", str(hf), "--out", str(tmp_path / "mg")]) == 0
     meta, cfg, arch = read_metadata(tmp_path / "mg")
     assert meta["saved_layout"] == {"tp": 1, "ep": 1} and meta["uaq_scale"] is None

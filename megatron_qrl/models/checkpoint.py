@@ -28,14 +28,6 @@ FORMAT = "megatron_qrl.dist_ckpt.v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_dtype(cfg: dict[str, Any]) -> torch.dtype:
-    """The parameter dtype named by an HF config (``dtype`` or ``torch_dtype``; default fp32)."""
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if name not in DTYPES:
-        raise ValueError(f"config.json: dtype {name!r} not in {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
 def read_metadata(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any], ModelArch]:
     """``(metadata, hf_config, arch)`` of a checkpoint written by :func:`save_checkpoint`."""
     root = Path(ckpt_dir)

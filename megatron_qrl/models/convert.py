@@ -17,7 +17,6 @@ from tqdm import tqdm
 
 from megatron_qrl.models.checkpoint import (
     atomic_output_dir,
-    hf_dtype,
     load_checkpoint,
     read_metadata,
     save_checkpoint,
@@ -64,7 +63,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, uaq_scale: float
     if uaq_scale is not None:
         get_tensor = _uaq_state(reader, cfg, uaq_scale).__getitem__
         cfg = {**cfg, UAQ_CONFIG_KEY: uaq_scale}
-    dtype = hf_dtype(cfg)
+    # the stored dtype, not config.json's: the conversion must be bit-exact
+    dtype = reader.dtype("model.embed_tokens.weight")
     meta = {"architecture": arch.architecture, "dtype": str(dtype).removeprefix("torch."),
             "saved_layout": {"tp": 1, "ep": 1}, "uaq_scale": cfg.get(UAQ_CONFIG_KEY),
             "source": str(hf_dir.resolve())}
