@@ -131,7 +131,7 @@ def write_safetensors(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str | 
         if current and size + nbytes > max_shard_bytes:
             flush()
             size = 0
-        current[name] = tensor.contiguous()
+        current[name] = tensor.detach().to("cpu").contiguous()
         size += nbytes
         total += nbytes
     flush()
