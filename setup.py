@@ -27,6 +27,8 @@ setup(
         "tqdm",
         "matplotlib",
         "sympy",  # megatron_qrl.rewards.math (symbolic answer comparison)
+        # megatron-core dist_checkpointing's writer imports it lazily (measured with 0.16.1)
+        "psutil",
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6"],

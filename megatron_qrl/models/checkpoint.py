@@ -28,14 +28,6 @@ FORMAT = "megatron_qrl.dist_ckpt.v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_dtype(cfg: dict[str, Any]) -> torch.dtype:
-    """The parameter dtype named by an HF config (``dtype`` or ``torch_dtype``; default fp32)."""
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if name not in DTYPES:
-        raise ValueError(f"config.json: dtype {name!r} not in {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
 def read_metadata(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any], ModelArch]:
     """``(metadata, hf_config, arch)`` of a checkpoint written by :func:`save_checkpoint`."""
     root = Path(ckpt_dir)
@@ -61,9 +53,12 @@ def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, metadata: dict[
     """
     from megatron.core import dist_checkpointing
 
+    from megatron_qrl.compat.dist_ckpt_cpu import cuda_synchronize_noop
+
     model_dir = Path(out_dir) / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+    with cuda_synchronize_noop():
+        dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         meta = {"format": FORMAT, **metadata}
         (Path(out_dir) / METADATA_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -77,7 +72,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir} not found: not a megatron_qrl checkpoint directory")
     state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=True)
 
 
 @contextlib.contextmanager

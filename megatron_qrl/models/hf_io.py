@@ -21,6 +21,9 @@ SIDE_FILE_GLOBS = ("config.json", "generation_config.json", "tokenizer*", "vocab
                    "chat_template*")
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 class CheckpointMismatchError(ValueError):
     """The safetensors files do not hold the tensors config.json describes."""
 
@@ -57,6 +60,15 @@ class HFCheckpointReader:
         """Shape of ``name`` without reading its data."""
         with safe_open(str(self._path(name)), framework="pt") as handle:
             return tuple(handle.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Stored dtype of ``name`` without reading its data."""
+        with safe_open(str(self._path(name)), framework="pt") as handle:
+            code = handle.get_slice(name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise CheckpointMismatchError(f"{self._path(name)}: tensor {name} has dtype {code}, "
+                                          f"expected one of {sorted(_SAFETENSORS_DTYPES)}")
+        return _SAFETENSORS_DTYPES[code]
 
     def get(self, name: str) -> torch.Tensor:
         """The full tensor ``name``."""
@@ -119,7 +131,7 @@ def write_safetensors(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str | 
         if current and size + nbytes > max_shard_bytes:
             flush()
             size = 0
-        current[name] = tensor.contiguous()
+        current[name] = tensor.detach().to("cpu").contiguous()
         size += nbytes
         total += nbytes
     flush()

@@ -1,0 +1,229 @@
+"""The SGLang rollout engine behind :class:`~megatron_qrl.rollout.base.RolloutEngine`.
+
+In-process ``sglang.Engine`` started on an HF directory exported for the spec
+(``tools/export_quantized.py``), so its layers are built for the low-bit format. Weight
+sync takes the same packed stream as every engine:
+- ``sync="tensor"``: buckets of packed tensors through ``update_weights_from_tensor``
+  (colocated; the tensors stay on the GPU);
+- ``sync="disk"``: the stream is written as safetensors to ``sync_dir`` and loaded with
+  ``update_weights_from_disk``, which re-runs each layer's post-load processing (Marlin
+  repacking, transposes) — the robust path for formats whose loaded layout differs from the
+  checkpoint's.
+After every sync the engine's ``weight_version`` must equal the version sent, or the run
+stops (:class:`WeightSyncError`). Requires a CUDA GPU and SGLang; imports fail with a
+message naming the ``[gpu]`` extra.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..quant import get_spec
+from ..rollout.base import (
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    WeightSyncError,
+    tensor_checksum,
+)
+from ..utils.optional import require
+
+FEATURE = "--qrl-rollout-engine sglang"
+
+# In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
+# (tests/gpu/test_sglang_engine.py, 2026-11-29): True works, False fails, absent = not yet run.
+# int8: both paths raise "'Parameter' object has no attribute 'weight_loader'" — w8a8_int8
+# replaces its parameters after loading, so SGLang cannot reload them in place;
+# fp8_block over update_weights_from_tensor killed the engine, over disk it works.
+SYNC_SUPPORT: dict[tuple[str, str], bool] = {
+    ("bf16", "tensor"): True,
+    ("fp8_block", "disk"): True,
+    ("fp8_block", "tensor"): False,
+    ("int8", "tensor"): False,
+    ("int8", "disk"): False,
+}
+
+
+def check_sync_supported(spec_name: str, sync: str) -> None:
+    """Raise for a (format, sync path) known not to work on SGLang 0.5.17."""
+    if SYNC_SUPPORT.get((spec_name, sync), True):
+        return
+    works = sorted(f"{f}/{p}" for (f, p), ok in SYNC_SUPPORT.items() if ok)
+    raise NotImplementedError(
+        f"SGLang 0.5.17 cannot update {spec_name!r} weights in place with sync={sync!r} "
+        f"(measured on H200; see SYNC_SUPPORT in {__name__}). Known to work: {works}; "
+        "use --qrl-rollout-engine reference, or another format / sync path")
+
+
+def engine_args_for(spec_name: str, is_moe: bool) -> dict:
+    """Engine arguments that work on the H200 recipe (shared/gpu/sglang-h200) for a format."""
+    args = {
+        "skip_tokenizer_init": True,
+        "grammar_backend": "none",
+        "sampling_backend": "pytorch",
+        "attention_backend": "triton",
+        "mem_fraction_static": 0.5,
+        "enable_return_routed_experts": is_moe,
+    }
+    if get_spec(spec_name).quantizes_weights:
+        # capture fewer decode graphs for quantized kernels (graph capture 107 s -> 8 s measured)
+        args["cuda_graph_bs_decode"] = [1, 8, 32, 64, 128, 192, 256]
+    return args
+
+
+class SGLangEngine(RolloutEngine):
+    """``sglang.Engine`` in this process, fed QuantSpec-packed weights."""
+
+    def __init__(self, model_path: str | Path, spec_name: str, *, sync: str = "tensor",
+                 sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
+                 **engine_kwargs):
+        if sync not in ("tensor", "disk"):
+            raise ValueError(f"sync must be 'tensor' or 'disk', got {sync!r}")
+        if sync == "disk" and sync_dir is None:
+            raise ValueError("sync='disk' needs sync_dir (a fast local directory, e.g. /dev/shm)")
+        check_sync_supported(spec_name, sync)
+        sglang = require("sglang", FEATURE)
+        self.spec = get_spec(spec_name)
+        self.model_path = Path(model_path)
+        cfg = _read_config(self.model_path)
+        self.is_moe = "num_experts" in cfg or "num_local_experts" in cfg
+        self.num_layers = int(cfg["num_hidden_layers"])
+        self.top_k = int(cfg.get("num_experts_per_tok", 0))
+        self.sync, self.sync_dir, self.bucket_bytes = sync, sync_dir, bucket_bytes
+        args = engine_args_for(spec_name, self.is_moe)
+        if engine_kwargs.get("disable_cuda_graph"):
+            args.pop("cuda_graph_bs_decode", None)
+        args |= engine_kwargs
+        self.engine = sglang.Engine(model_path=str(self.model_path), **args)
+        self._sent: dict[str, str] = {}
+        self._version = -1
+
+    # ---- weights ---------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        sent: dict[str, str] = {}
+        if self.sync == "tensor":
+            self._sync_tensor(named_tensors, version, sent)
+        else:
+            self._sync_disk(named_tensors, version, sent)
+        got = self.engine.get_server_info().get("weight_version")
+        if str(got) != str(version):
+            raise WeightSyncError(f"SGLang reports weight_version {got!r} after sending version "
+                                  f"{version}; the engine did not apply the update")
+        self._sent, self._version = sent, version
+
+    def _sync_tensor(self, stream, version, sent) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+
+        def flush(last: bool) -> None:
+            payload = self.engine._serialize_tensors_per_rank(bucket, None)
+            req = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=payload, load_format=None, flush_cache=last,
+                weight_version=str(version) if last else None)
+            ok, msg = self.engine.loop.run_until_complete(
+                self.engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
+            if not ok:
+                raise WeightSyncError(f"SGLang rejected a weight bucket ({bucket[0][0]} ...): {msg}")
+
+        for name, t in stream:
+            t = t.detach().to("cuda", non_blocking=True).contiguous()
+            sent[name] = tensor_checksum(t)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= self.bucket_bytes:
+                flush(last=False)
+                bucket, size = [], 0
+        flush(last=True)
+
+    def _sync_disk(self, stream, version, sent) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        from ..models.hf_io import copy_side_files, write_safetensors
+
+        target = Path(self.sync_dir) / f"v{version}"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+
+        def fingerprint():
+            for name, t in stream:
+                sent[name] = tensor_checksum(t)
+                yield name, t
+
+        write_safetensors(fingerprint(), target)
+        copy_side_files(self.model_path, target)
+        req = UpdateWeightFromDiskReqInput(model_path=str(target), weight_version=str(version))
+        ok, msg = self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.update_weights_from_disk(req, None))[:2]
+        shutil.rmtree(target, ignore_errors=True)
+        if not ok:
+            raise WeightSyncError(f"SGLang failed to load the synced weights: {msg}")
+
+    def held_checksums(self) -> dict[str, str]:
+        """Checksums of the tensors SGLang acknowledged in the last sync (it holds them in its
+        own post-processed layout, which cannot be fingerprinted against the packed form)."""
+        return dict(self._sent)
+
+    def weight_version(self) -> int:
+        return self._version
+
+    # ---- generation ------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        if self._version < 0:
+            raise WeightSyncError("generate() before the first update_weights()")
+        params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                  "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                  "stop_token_ids": list(sampling.stop_token_ids), "stop": list(sampling.stop)}
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        outs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=params,
+                                    return_logprob=True, return_routed_experts=self.is_moe)
+        return self._to_output(prompts, outs)
+
+    def _to_output(self, prompts, outs) -> GenerationOutput:
+        b = len(outs)
+        resp = [list(o["output_ids"]) for o in outs]
+        t = max(len(r) for r in resp)
+        ids = torch.zeros(b, t, dtype=torch.long)
+        lp = torch.zeros(b, t)
+        for i, o in enumerate(outs):
+            n = len(resp[i])
+            ids[i, :n] = torch.tensor(resp[i], dtype=torch.long)
+            lp[i, :n] = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]][:n])
+        mask = torch.arange(t)[None] < torch.tensor([len(r) for r in resp])[:, None]
+        reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+        experts = None
+        if self.is_moe:
+            experts = torch.full((b, max(map(len, prompts)) + t, self.num_layers, self.top_k), -1)
+            for i, o in enumerate(outs):
+                flat = np.frombuffer(base64.b64decode(o["meta_info"]["routed_experts"]), np.int32)
+                rows = torch.from_numpy(flat.copy()).view(-1, self.num_layers, self.top_k)
+                experts[i, : rows.shape[0]] = rows.long()
+        return GenerationOutput([list(p) for p in prompts], ids, lp, mask, reasons,
+                                self._version, experts)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory_occupation()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _read_config(path: Path) -> dict:
+    import json
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: start the SGLang engine on a directory "
+                                "written by tools/export_quantized.py")
+    return json.loads(cfg_file.read_text())

@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Convert an HF Qwen3 / Qwen3-MoE safetensors directory to a Megatron dist checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf-dir IN --out OUT [--uaq-scale S]
+    python tools/convert_hf_to_megatron.py --hf-dir IN --dry-run
+
+The checkpoint carries the HF config and tokenizer files (OUT/hf) and loads at any TP/EP.
+``--dry-run`` builds the model on the meta device and prints total / active parameters
+(``--hf-dir`` may then be a config.json file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--out", help="output checkpoint directory (must not exist)")
+    p.add_argument("--uaq-scale", type=float, default=None,
+                   help="fold QuRL UAQ scale s into the weights (norms x s, consumers / s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the model on the meta device, print parameter counts, write nothing")
+    args = p.parse_args(argv)
+    if not args.dry_run and not args.out:
+        p.error("--out is required unless --dry-run is given")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_qrl.models.convert import convert_hf_to_megatron, dry_run
+
+    try:
+        if args.dry_run:
+            counts = dry_run(args.hf_dir)
+            print(f"total parameters:  {counts['total']:,} ({counts['total'] / 1e9:.2f}B)")
+            print(f"active parameters: {counts['active']:,} ({counts['active'] / 1e9:.2f}B)")
+            return 0
+        out = convert_hf_to_megatron(args.hf_dir, args.out, args.uaq_scale, show_progress=True)
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
