@@ -2,7 +2,7 @@
 
 A transformers Qwen3(-MoE) model whose weights come from the packed stream through
 ``spec.unpack`` / ``spec.dequantize`` (quant.hf_reference), activation fake-quant for W8A8,
-and plain (no KV cache) ancestral sampling seeded by ``SamplingParams.seed``.
+and batched ancestral sampling (no KV cache) seeded by ``SamplingParams.seed``.
 """
 
 from __future__ import annotations
@@ -50,23 +50,35 @@ class TinyEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts, sampling) -> GenerationOutput:
+        """Batched: left-padded prompts, attention mask and explicit positions, no KV cache."""
         gen = torch.Generator().manual_seed(int(sampling.seed or 0))
         b, t_max = len(prompts), sampling.max_new_tokens
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        att = torch.zeros(b, width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            att[i, width - len(p):] = 1
         out_ids = torch.zeros(b, t_max, dtype=torch.long)
         lps = torch.zeros(b, t_max)
         mask = torch.zeros(b, t_max, dtype=torch.bool)
-        reasons = ["length"] * b
-        for i, p in enumerate(prompts):
-            seq = list(p)
-            for t in range(t_max):
-                logits = self.model(torch.tensor([seq])).logits[0, -1].float()
-                logp = torch.log_softmax(logits / sampling.temperature, -1)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-                out_ids[i, t], lps[i, t], mask[i, t] = tok, logp[tok], True
-                seq.append(tok)
-                if tok in sampling.stop_token_ids:
-                    reasons[i] = "stop"
-                    break
+        alive = torch.ones(b, dtype=torch.bool)
+        stops = torch.tensor(sampling.stop_token_ids or (-1,))
+        for t in range(t_max):
+            pos = (att.cumsum(-1) - 1).clamp_min(0)
+            logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos).logits
+            logp = torch.log_softmax(logits[:, -1].float() / sampling.temperature, -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            out_ids[:, t] = torch.where(alive, tok, 0)
+            lps[:, t] = torch.where(alive, logp.gather(-1, tok[:, None]).squeeze(-1), 0.0)
+            mask[:, t] = alive
+            ids = torch.cat([ids, tok[:, None]], -1)
+            att = torch.cat([att, alive.long()[:, None]], -1)
+            alive = alive & ~torch.isin(tok, stops)
+            if not alive.any():
+                break
+        reasons = ["length" if mask[i, -1] and not torch.isin(out_ids[i, -1], stops) else "stop"
+                   for i in range(b)]
         return GenerationOutput([list(p) for p in prompts], out_ids, lps, mask, reasons,
                                 self.version)
 

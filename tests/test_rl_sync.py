@@ -1,0 +1,50 @@
+"""Weight sync: AQN only on the engine copy, verification names a corrupted tensor."""
+
+import pytest
+import torch
+
+from megatron_qrl.data import CharTokenizer, tiny_moe_config
+from megatron_qrl.quant import get_spec
+from megatron_qrl.quant.aqn import AQNConfig
+from megatron_qrl.quant.hf_reference import hf_tensors
+from megatron_qrl.rl.sync import sync_weights
+from megatron_qrl.rollout.base import WeightSyncError, tensor_checksum
+from tests.rl_engine_double import TinyEngine
+
+
+def _source():
+    cfg = tiny_moe_config(CharTokenizer().vocab_size)
+    src = TinyEngine(cfg, "bf16", seed=3)  # its transformers model is the "trainer" here
+    return cfg, {n: t.clone() for n, t in hf_tensors(src.model)}
+
+
+def test_sync_sends_packed_weights_and_aqn_only_on_engine_copy():
+    cfg, weights = _source()
+    before = {n: t.clone() for n, t in weights.items()}
+    engine = TinyEngine(cfg, "int8", seed=0)
+    spec = get_spec("int8")
+    aqn = AQNConfig(enabled=True, sigma_start=1e-2, sigma_end=1e-3, num_stages=2)
+    res = sync_weights(iter(weights.items()), engine, spec, version=5, aqn=aqn, seed=1,
+                       aqn_step=1, total_steps=2)
+    assert engine.weight_version() == 5 and res.aqn_sigma > 0
+    assert res.num_tensors == len(engine.held_checksums())
+    for n in weights:
+        assert torch.equal(weights[n], before[n]), n  # the trainer's weights are untouched
+    norm = "model.layers.0.input_layernorm.weight"
+    assert engine.held_checksums()[norm] != tensor_checksum(dict(spec.pack(norm, weights[norm]))[norm])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert spec.packed_names(q) != (q,)  # int8: packed (weight + scale), not the fp32 tensor
+    assert all(n in engine.held_checksums() for n in spec.packed_names(q))
+
+
+def test_sync_verification_names_the_bad_tensor():
+    cfg, weights = _source()
+
+    class Corrupting(TinyEngine):
+        def held_checksums(self):
+            held = super().held_checksums()
+            held["model.norm.weight"] = "float32[1]:deadbeef"
+            return held
+
+    with pytest.raises(WeightSyncError, match="model.norm.weight"):
+        sync_weights(iter(weights.items()), Corrupting(cfg, "bf16"), get_spec("bf16"), 1)
