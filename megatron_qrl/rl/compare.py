@@ -1,6 +1,6 @@
 """``qrl-train --qrl-compare``: the same RL budget for each rollout format / loss, one table.
 
-One supervised warm-up is run first (``<out>/sft``); every variant starts RL from its weights
+One supervised warm-up (plain forward) is run first (``<out>/sft``); every variant starts RL from its weights
 with the same seed, prompts and step count, in ``<out>/<variant>``; the table (``compare.md``)
 and the bar chart (``compare.png``) summarise the RL steps (final reward, mean KL(behav||prox),
 max prox/behav ratio, clip fraction, error-token rate; ``utils.metrics.COMPARE_COLUMNS``).
@@ -76,7 +76,9 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
 
     out = Path(out_dir)
     sft_dir = out / "sft"
-    configs, flags = parse([*argv, "--qrl-steps", "0", "--qrl-output-dir", str(sft_dir)])
+    # the shared warm-up trains the BF16 masters with the plain forward (no rollouts)
+    configs, flags = parse([*argv, "--qrl-steps", "0", "--qrl-train-forward", "bf16",
+                            "--qrl-output-dir", str(sft_dir)])
     if configs["run"].sft_steps:
         log(f"[compare] supervised warm-up ({configs['run'].sft_steps} steps) -> {sft_dir}")
         run(configs, flags)
