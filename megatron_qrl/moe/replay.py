@@ -115,19 +115,24 @@ class _LayerReplay:
         return scores.gather(1, idx), idx
 
 
+def check_replay_config(config: Any) -> None:
+    """Raise a clear error for router settings routing replay cannot honour."""
+    if config.moe_expert_capacity_factor is not None:
+        raise ValueError("routing replay needs token dropping off: unset "
+                         "moe_expert_capacity_factor (--moe-expert-capacity-factor)")
+    if config.moe_router_fusion:
+        raise ValueError("routing replay needs the unfused router: set moe_router_fusion=False")
+    if config.moe_router_score_function != "softmax" or config.moe_router_num_groups:
+        raise ValueError("routing replay supports softmax top-k routing without groups "
+                         "(Qwen3-MoE); this config uses another router")
+
+
 class ReplayTopKRouter(TopKRouter):
     """megatron-core ``TopKRouter`` that can take its top-k experts from the rollout."""
 
     def __init__(self, config: Any, pg_collection: Any = None, *, replay: RoutingReplay) -> None:
+        check_replay_config(config)
         super().__init__(config=config, pg_collection=pg_collection)
-        if config.moe_expert_capacity_factor is not None:
-            raise ValueError("routing replay needs token dropping off: unset "
-                             "moe_expert_capacity_factor (--moe-expert-capacity-factor)")
-        if config.moe_router_fusion:
-            raise ValueError("routing replay needs the unfused router: set moe_router_fusion=False")
-        if config.moe_router_score_function != "softmax" or config.moe_router_num_groups:
-            raise ValueError("routing replay supports softmax top-k routing without groups "
-                             "(Qwen3-MoE); this config uses another router")
         self.replay = replay
         self.router_replay = _LayerReplay(self)
 
