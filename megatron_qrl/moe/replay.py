@@ -154,11 +154,11 @@ def replay_spec_hook(replay: RoutingReplay) -> Callable[[Any, Any], Any]:
     """A ``spec_hook`` for ``models.builder`` that gives every MoE layer a replay router."""
 
     def hook(layer_spec: Any, config: Any) -> Any:
-        import copy
-
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        spec = copy.deepcopy(layer_spec)
+        from megatron_qrl.te_quant.spec_hook import copy_spec
+
+        spec = copy_spec(layer_spec)
         if spec.submodules.mlp.module is not MoELayer:
             raise ValueError("--qrl-routing-replay needs an MoE model; this one is dense (use off)")
         if config.moe_router_pre_softmax is None:
