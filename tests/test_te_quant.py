@@ -140,3 +140,28 @@ def test_layer_kinds_switch_and_router_stays_bf16(megatron):
     assert type(layer.mlp.router).__name__ == "TopKRouter"
     with pytest.raises(ValueError, match="unknown layer kinds"):
         state.only(("lm_head",)).__enter__()
+
+
+def test_cache_refreshed_by_megatron_optimizer_step(megatron):
+    """The hook finds the torch optimizer inside megatron-core's optimizer (DDP main grads)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_qrl.compat import cpu_device_mode
+
+    _, _, state, model = _aligned("dense", "int8")
+    with cpu_device_mode():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp])
+        state.attach_to_optimizer(opt)
+        qkv = model.decoder.layers[0].self_attention.linear_qkv
+        x = ids()
+        pos = torch.arange(x.shape[1])[None].expand_as(x)
+        ddp.zero_grad_buffer()
+        for _ in range(2):
+            ddp(x, pos, attention_mask=None).float().pow(2).mean().backward()
+        before = qkv.quantized_weight().clone()
+        assert qkv.qrl_recomputes == 1 and qkv.weight.main_grad.abs().max() > 0
+        ok, _, _ = opt.step()
+        assert ok and state.version == 1
+        assert not torch.equal(before, qkv.quantized_weight()) and qkv.qrl_recomputes == 2
