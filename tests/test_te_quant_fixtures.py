@@ -20,20 +20,21 @@ _MOE_ONLY = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sp
              "mlp_only_layers", "moe_intermediate_size")
 
 
-def tiny_cfg(kind: str) -> dict:
+def tiny_cfg(kind: str, **overrides) -> dict:
     """config.json dict of the format-friendly tiny ``kind`` (``moe`` | ``dense``) model."""
     cfg = json.loads((CONFIG_DIR / "quant_report_qwen3_moe.json").read_text())
+    cfg.update(overrides)
     if kind == "dense":
         cfg = {k: v for k, v in cfg.items() if k not in _MOE_ONLY}
         cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
     return cfg
 
 
-def tiny_hf(kind: str, seed: int = 0) -> tuple[torch.nn.Module, ModelArch]:
+def tiny_hf(kind: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, ModelArch]:
     """A random fp32 transformers model of ``kind`` and its :class:`ModelArch`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = tiny_cfg(kind)
+    cfg = tiny_cfg(kind, **overrides)
     kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
     cls_cfg, cls = ((Qwen3MoeConfig, Qwen3MoeForCausalLM) if kind == "moe"
                     else (Qwen3Config, Qwen3ForCausalLM))

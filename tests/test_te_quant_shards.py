@@ -14,6 +14,7 @@ from tests.mp_utils import run_distributed
 
 HEADS, KV, HD, HIDDEN, FFN = 4, 2, 128, 256, 512
 FORMATS = ["int8", "fp8", "fp8_block", "w4a16", "nvfp4"]
+GQA_TP2 = {"num_attention_heads": 4, "num_key_value_heads": 2}  # kv heads divisible by TP=2
 
 
 def _hf_tensors() -> dict[str, torch.Tensor]:
@@ -111,3 +112,49 @@ def test_trainer_forward_from_flags():
         trainer_forward(TrainForwardConfig("aligned"), "bf16", RoutingReplayConfig("off"), dense)
     with pytest.raises(ValueError, match="needs an MoE model"):
         trainer_forward(TrainForwardConfig("bf16"), "int8", RoutingReplayConfig("all"), dense)
+
+
+def _tp_model_worker(rank, world_size, port, kind, tensors, x, formats):
+    from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
+    from megatron_qrl.te_quant.attribution import megatron_logits
+    from tests.test_te_quant_fixtures import build, quiet_torch_trace, tiny_cfg
+
+    init_cpu_distributed(rank, world_size, port, tp=world_size)
+    try:
+        with quiet_torch_trace(), cpu_device_mode():
+            arch = arch_from_dict(tiny_cfg(kind, **GQA_TP2))
+            state = AlignedForwardState("bf16")
+            model = build(arch, tensors, aligned_spec_hook(state),
+                          layout=ParallelLayout(tp=world_size)).eval()
+            out = {}
+            for fmt in formats:
+                state.spec = get_spec(fmt)
+                state.mark_weights_updated()
+                out[fmt] = megatron_logits(model, x)
+            return out
+    finally:
+        destroy_cpu_distributed()
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_aligned_forward_matches_reference():
+    """Dense model at TP=2 with sequence parallelism: per-token activation quantization of the
+    row-parallel inputs (split over TP) and shard-quantized weights == the HF reference."""
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.quant.hf_reference import quantized_copy
+    from tests.test_te_quant_fixtures import hf_state, ids, tiny_hf
+
+    hf, _ = tiny_hf("dense", **GQA_TP2)
+    x = ids(seed=0)  # a batch without rounding-boundary flips (see test_te_quant.py docstring)
+    formats = ["int8", "fp8_block", "nvfp4"]
+    got = run_distributed(_tp_model_worker, 2, "dense", hf_state(hf), x, formats)
+    for fmt in formats:
+        with torch.no_grad():
+            ref = quantized_copy(hf, get_spec(fmt))(input_ids=x).logits
+        for rank_out in got:
+            diff = (rank_out[fmt] - ref).abs().max().item()
+            assert diff <= 1e-4, (fmt, diff)
