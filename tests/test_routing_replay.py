@@ -79,9 +79,11 @@ def test_replay_forces_recorded_experts_and_gates_flow():
             model(x, pos, attention_mask=None)
         assert torch.equal(seen[0][1][1].nonzero()[:, 1].reshape(-1, 2), own[:, 0].sort(-1).values)
         replay.mode = "all"
-        with replay.use(forced, phase="update"):
+        with replay.use(None, phase="update"):
+            replay.set_micro_batch(forced)  # as forward_step_func does per micro-batch
             model(x, pos, attention_mask=None)
         assert torch.equal(seen[0][1][1].nonzero()[:, 1].reshape(-1, 2), forced[:, 0].sort(-1).values)
+        assert replay.expert_ids is None  # restored on exit
         with pytest.raises(ValueError, match="top_k=2"), replay.use(forced[..., :1], "recompute"):
             pass
         bad = copy.copy(model.decoder.layers[0].mlp.router.config)

@@ -75,6 +75,19 @@ class RoutingReplay:
         finally:
             self.expert_ids, self.phase = saved
 
+    def set_micro_batch(self, expert_ids: torch.Tensor | None) -> None:
+        """Replace the replay ids inside a ``use(...)`` block (call from ``forward_step_func``
+        before each micro-batch's forward; the schedule runs them one after another).
+
+        With activation recompute of MoE layers the router runs again in the backward and
+        reads the ids current THEN; with pipeline parallelism (interleaved micro-batches)
+        that is another micro-batch's, so keep MoE layers out of recompute when replaying.
+        """
+        if expert_ids is not None:
+            self._check(expert_ids)
+        self.expert_ids = expert_ids
+        self.recorded = {}
+
     def _check(self, ids: torch.Tensor) -> None:
         if ids.dim() != 3 or (self.top_k and ids.shape[2] != self.top_k):
             raise ValueError(f"routing replay: expert ids must be [tokens, num_moe_layers, top_k="
