@@ -1,0 +1,37 @@
+"""Rollout-aligned training forward (QaRL): the trainer computes with the rollout's quantized weights.
+
+>>> fwd = trainer_forward(TrainForwardConfig("aligned"), "int8", RoutingReplayConfig("all"), arch)
+>>> model = build_model(arch, spec_hook=fwd.spec_hook, **fwd.config_overrides)
+>>> fwd.aligned.attach_to_optimizer(optimizer)
+>>> with fwd.replay.use(rollout_expert_ids, phase="recompute"): ...
+
+or by hand:
+
+>>> state = AlignedForwardState("int8")
+>>> model = build_model(arch, spec_hook=aligned_spec_hook(state))   # models.runtime
+>>> state.attach_to_optimizer(optimizer)   # cached Q(W) refreshed after each step
+
+``te_recipes`` maps formats to Transformer Engine recipes where TE's numerics equal the spec's.
+"""
+
+from megatron_qrl.te_quant.forward import TrainerForward, trainer_forward
+from megatron_qrl.te_quant.linears import AlignedColumnParallelLinear, AlignedRowParallelLinear
+from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard
+from megatron_qrl.te_quant.spec_hook import aligned_spec_hook, compose_hooks
+from megatron_qrl.te_quant.state import AlignedForwardState
+from megatron_qrl.te_quant.te_recipes import RECIPES, te_config_overrides, te_recipe_for
+
+__all__ = [
+    "AlignedColumnParallelLinear",
+    "AlignedForwardState",
+    "AlignedRowParallelLinear",
+    "FusionLayout",
+    "RECIPES",
+    "TrainerForward",
+    "aligned_spec_hook",
+    "compose_hooks",
+    "quantize_shard",
+    "te_config_overrides",
+    "te_recipe_for",
+    "trainer_forward",
+]

@@ -1,0 +1,132 @@
+"""Quantize a tensor-parallel SHARD of a (possibly fused) Megatron weight exactly as the rollout does.
+
+The rollout quantizes the HF tensors (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ...)
+whole. A Megatron rank holds a shard of a fused weight: ``linear_qkv`` interleaved per query
+group, ``linear_fc1`` as ``[gate_r; up_r]``, row-parallel weights split along the input dim.
+:func:`quantize_shard` splits the local weight into its HF components, quantizes each one as
+the matching slice of the HF tensor and re-fuses, so the result equals the rows/columns of
+``spec.dequantize(spec.quantize_weight(hf_tensor))`` that this rank holds, bit for bit:
+
+- per-tensor scales (NVFP4's ``weight_scale_2``): the amax is the max over the fused group's
+  members (SGLang fuses q/k/v and gate/up, see ``quant.targets.fusion_group``) and is
+  all-reduced (MAX) over the tensor-parallel group;
+- block / group scales: exact when no block straddles two shards, i.e. when the shard's extent
+  along the split dimension is a multiple of the block; otherwise a clear error;
+- per-output-channel scales on a row-parallel (input-split) weight span every shard: the full
+  weight is all-gathered once (the result is cached until the next optimizer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_qrl.quant import QuantSpec
+
+
+@dataclass(frozen=True)
+class FusionLayout:
+    """How a Megatron weight is made of HF tensors (see ``models.layout``)."""
+
+    kind: str = "plain"
+    """``plain`` (one HF tensor), ``qkv`` (interleaved per query group) or ``gate_up``."""
+    heads_per_group: int = 1
+    """Query heads per KV group (``qkv`` only)."""
+    head_dim: int = 0
+    """Rows per head (``qkv`` only)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("plain", "qkv", "gate_up"):
+            raise ValueError(f"FusionLayout.kind must be plain|qkv|gate_up, got {self.kind!r}")
+        if self.kind == "qkv" and self.head_dim <= 0:
+            raise ValueError("FusionLayout(kind='qkv') needs head_dim > 0")
+
+    def split(self, w: torch.Tensor) -> list[torch.Tensor]:
+        """The HF components of a local weight shard, in HF order."""
+        if self.kind == "gate_up":
+            return list(w.chunk(2, dim=0))
+        if self.kind == "qkv":
+            per = (self.heads_per_group + 2) * self.head_dim
+            if w.shape[0] % per:
+                raise ValueError(f"linear_qkv shard has {w.shape[0]} rows, not a multiple of "
+                                 f"(heads_per_group + 2) * head_dim = {per}")
+            g = w.reshape(w.shape[0] // per, per, w.shape[1])
+            q, k, v = torch.split(g, [self.heads_per_group * self.head_dim, self.head_dim,
+                                      self.head_dim], dim=1)
+            return [t.reshape(-1, w.shape[1]) for t in (q, k, v)]
+        return [w]
+
+    def fuse(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`split`."""
+        if self.kind == "gate_up":
+            return torch.cat(parts, dim=0)
+        if self.kind == "qkv":
+            q, k, v = parts
+            groups = k.shape[0] // self.head_dim
+            cols = q.shape[1]
+            return torch.cat([q.reshape(groups, -1, cols), k.reshape(groups, -1, cols),
+                              v.reshape(groups, -1, cols)], dim=1).reshape(-1, cols)
+        return parts[0]
+
+
+def _group_size(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _shared_amax(spec: QuantSpec, parts: list[torch.Tensor], group) -> torch.Tensor | None:
+    """Per-tensor amax shared by the fused members and all TP shards (two-level formats)."""
+    if not spec.shares_tensor_scale:
+        return None
+    amax = torch.stack([p.detach().float().abs().amax() for p in parts]).amax()
+    if _group_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _check_blocks(spec: QuantSpec, parts: list[torch.Tensor], parallel_dim: int, name: str) -> None:
+    """Raise if a quantization block would straddle two TP shards."""
+    if spec.block is None:
+        return
+    block = spec.block[parallel_dim]
+    for part in parts:
+        extent = part.shape[parallel_dim]
+        if extent % block:
+            what = "rows (output features)" if parallel_dim == 0 else "columns (input features)"
+            raise ValueError(
+                f"{spec.name}: {name} has {extent} {what} per tensor-parallel rank, not a multiple "
+                f"of the {spec.name} block {spec.block}; a block would straddle two ranks and the "
+                "trainer could not match the rollout. Use a tensor-parallel size that keeps "
+                "whole blocks per rank, or a per-channel format (int8 / fp8)")
+
+
+def _gather_cols(w: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    parts = [torch.empty_like(w) for _ in range(_group_size(group))]
+    dist.all_gather(parts, w.contiguous(), group=group)
+    return torch.cat(parts, dim=1), dist.get_rank(group)
+
+
+def quantize_shard(spec: QuantSpec, w: torch.Tensor, layout: FusionLayout = FusionLayout(),
+                   parallel_dim: int = 0, group=None, name: str = "weight") -> torch.Tensor:
+    """``dequantize(quantize(.))`` of this rank's shard of the HF tensors (no autograd).
+
+    ``parallel_dim``: 0 for column-parallel (output rows split), 1 for row-parallel (input
+    columns split); ``group``: the tensor-parallel group the weight is split over (None: 1).
+    """
+    w = w.detach()
+    parts = layout.split(w)
+    tp = _group_size(group)
+    gather = tp > 1 and parallel_dim == 1 and spec.granularity == "channel"
+    if tp > 1 and not gather:
+        _check_blocks(spec, parts, parallel_dim, name)
+    if gather:  # per-row scales need the whole row: quantize the full weight, keep our columns
+        full, rank = _gather_cols(w, group)
+        q = quantize_shard(spec, full, layout, 0, None, name)
+        return q.narrow(1, rank * w.shape[1], w.shape[1]).contiguous()
+    amax = _shared_amax(spec, parts, group)
+    out = [spec.dequantize(spec.quantize_weight(p, global_amax=amax, name=name), dtype=w.dtype)
+           for p in parts]
+    return layout.fuse(out)

@@ -1,0 +1,89 @@
+"""Shared state of one model's rollout-aligned forward: weight version and enabled layer kinds.
+
+One :class:`AlignedForwardState` is created per model by :func:`~megatron_qrl.te_quant.
+spec_hook.aligned_spec_hook` and handed to every aligned linear through its ``ModuleSpec``
+params (no module-level caches). The quantized weights are cached in the linears and
+recomputed lazily on the first forward after the weights changed: the version counter is
+bumped by :meth:`AlignedForwardState.mark_weights_updated` (called automatically after
+``optimizer.step()`` once :meth:`AlignedForwardState.attach_to_optimizer` hooked the
+optimizer), and a parameter's own ``torch`` version counter also invalidates the cache when
+the weight was changed in place through autograd-visible ops (``param.add_``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from megatron_qrl.quant import QuantSpec, get_spec
+from megatron_qrl.quant.targets import LAYER_KINDS
+
+
+class AlignedForwardState:
+    """What the aligned linears of one model read at forward time."""
+
+    def __init__(self, spec: QuantSpec | str, kinds: Iterable[str] = LAYER_KINDS) -> None:
+        self.spec: QuantSpec = get_spec(spec) if isinstance(spec, str) else spec
+        """The rollout format the forward is aligned to."""
+        self.version: int = 0
+        """Bumped after every optimizer step; part of each linear's cache key."""
+        self.enabled_kinds: frozenset[str] = self._check_kinds(kinds)
+        """Layer kinds (``attention``, ``mlp``, ``experts``) that run quantized now."""
+        self._hooks: list[Any] = []
+
+    @staticmethod
+    def _check_kinds(kinds: Iterable[str]) -> frozenset[str]:
+        kinds = frozenset(kinds)
+        bad = sorted(kinds - set(LAYER_KINDS))
+        if bad:
+            raise ValueError(f"unknown layer kinds {bad}; choose from {list(LAYER_KINDS)}")
+        return kinds
+
+    def mark_weights_updated(self) -> None:
+        """Invalidate every cached quantized weight (call after ``optimizer.step()``)."""
+        self.version += 1
+
+    def is_enabled(self, kind: str) -> bool:
+        """True if linears of layer kind ``kind`` run quantized now."""
+        return self.spec.quantizes_weights and kind in self.enabled_kinds
+
+    @contextmanager
+    def only(self, kinds: Iterable[str]) -> Iterator[None]:
+        """Quantize only ``kinds`` inside the block (``()``: the plain BF16 forward)."""
+        saved = self.enabled_kinds
+        self.enabled_kinds = self._check_kinds(kinds)
+        try:
+            yield
+        finally:
+            self.enabled_kinds = saved
+
+    def attach_to_optimizer(self, optimizer: Any) -> None:
+        """Bump the version after every step of ``optimizer``.
+
+        Accepts a ``torch.optim.Optimizer`` or a megatron-core ``MegatronOptimizer`` /
+        ``ChainedOptimizer`` (the hook goes on the inner torch optimizers; the cache is only
+        invalidated there and recomputed at the next forward, after Megatron copied the
+        updated main params into the model params).
+        """
+        found = list({id(o): o for o in _torch_optimizers(optimizer)}.values())
+        if not found:
+            raise TypeError(
+                f"attach_to_optimizer: {type(optimizer).__name__} holds no torch.optim.Optimizer; "
+                "call state.mark_weights_updated() after each step instead")
+        for opt in found:
+            self._hooks.append(opt.register_step_post_hook(
+                lambda *_args, **_kw: self.mark_weights_updated()))
+
+
+def _torch_optimizers(optimizer: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        yield optimizer
+        return
+    for child in getattr(optimizer, "chained_optimizers", None) or ():
+        yield from _torch_optimizers(child)
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None and inner is not optimizer:
+        yield from _torch_optimizers(inner)

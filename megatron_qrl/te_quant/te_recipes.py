@@ -1,0 +1,117 @@
+"""Transformer Engine recipes for the aligned forward, used only where TE's numerics equal the spec's.
+
+The aligned forward must reproduce the rollout's quantized GEMM (QaRL, ALGORITHMS.md section 5).
+A TE recipe qualifies only if its weight and activation quantizers produce the same values as
+the spec's reference quantizer; the table below records, per rollout format, the candidate
+recipe, the GPUs that run it and whether its numerics match:
+
+- ``fp8_block`` -> ``Float8BlockScaling`` (Hopper, SM 9.x): 128x128 weight blocks, 1x128
+  activation groups, E4M3 with ``scale = 448 / amax``, as SGLang's block FP8. TE constrains the
+  scales to powers of two by default; ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` (set by
+  :func:`make_te_recipe` before TE is imported) gives fp32 scales. Equality is asserted by
+  ``tests/gpu/test_te_recipes.py`` (not yet run on a GPU: until it passes there the fake-quant
+  path stays the default).
+- ``fp8`` -> ``Float8CurrentScaling`` does NOT match: TE scales each whole tensor once, the
+  spec (SGLang ``w8a8_fp8``) uses per-output-channel weight and per-token activation scales.
+  The aligned forward uses the straight-through fake-quant path.
+- ``nvfp4`` -> ``NVFP4BlockScaling`` (Blackwell, SM 10.x) does NOT match: it also quantizes
+  activations (W4A4) and uses 16x16 weight blocks for the backward; the spec is W4A16.
+- ``int8``, ``w4a16``: no TE recipe; fake-quant path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_qrl.utils.optional import available
+
+
+@dataclass(frozen=True)
+class TERecipe:
+    """A TE recipe candidate for one rollout format."""
+
+    format: str
+    """The ``--qrl-rollout-format`` it would serve."""
+    recipe: str
+    """The ``transformer_engine.common.recipe`` class name."""
+    megatron: dict[str, str]
+    """``TransformerConfig`` fields that make megatron-core wrap its TE layers in this recipe."""
+    capabilities: tuple[int, ...]
+    """CUDA compute-capability majors that run it (9: Hopper, 10: Blackwell)."""
+    matches_spec: bool
+    """True if TE's quantized values equal the spec's reference quantizer."""
+    why: str
+    """What differs (or what makes it equal)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment TE must see before it is imported."""
+
+
+RECIPES: dict[str, TERecipe] = {
+    "fp8_block": TERecipe(
+        "fp8_block", "Float8BlockScaling", {"fp8": "e4m3", "fp8_recipe": "blockwise"}, (9,), True,
+        "128x128 weight / 1x128 activation blocks, fp32 scales 448/amax (as SGLang block FP8)",
+        {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}),
+    "fp8": TERecipe(
+        "fp8", "Float8CurrentScaling", {"fp8": "e4m3", "fp8_recipe": "tensorwise"}, (9, 10), False,
+        "one scale per tensor; the rollout uses per-channel weight and per-token activation scales"),
+    "nvfp4": TERecipe(
+        "nvfp4", "NVFP4BlockScaling", {"fp4": "nvfp4", "fp4_recipe": "nvfp4"}, (10,), False,
+        "W4A4 (activations quantized too); the rollout's nvfp4 is W4A16"),
+}
+"""Rollout format -> TE recipe candidate (formats not listed have none)."""
+
+
+def _gpu() -> tuple[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU", 0
+    return torch.cuda.get_device_name(), torch.cuda.get_device_capability()[0]
+
+
+def te_recipe_for(fmt: str, gpu: tuple[str, int] | None = None) -> TERecipe:
+    """The TE recipe serving ``fmt`` on this GPU; one clear ValueError otherwise.
+
+    ``gpu``: ``(name, capability major)``, default: the current CUDA device.
+    """
+    name, major = gpu or _gpu()
+    recipe = RECIPES.get(fmt)
+    fallback = "use the default straight-through fake-quant aligned forward (no TE recipe)"
+    if recipe is None:
+        raise ValueError(f"no Transformer Engine recipe computes {fmt!r}; {fallback}")
+    if not recipe.matches_spec:
+        raise ValueError(f"TE {recipe.recipe} does not reproduce the {fmt!r} rollout "
+                         f"({recipe.why}); {fallback}")
+    if major not in recipe.capabilities:
+        runnable = sorted(f for f, r in RECIPES.items() if r.matches_spec and major in r.capabilities)
+        raise ValueError(
+            f"TE {recipe.recipe} (for {fmt!r}) needs compute capability "
+            f"{'/'.join(f'{c}.x' for c in recipe.capabilities)}; this GPU is {name} "
+            f"(SM {major}.x). Alternatives: {fallback}"
+            + (f", or a format with a TE recipe on this GPU: {runnable}" if runnable else ""))
+    return recipe
+
+
+def make_te_recipe(recipe: TERecipe) -> Any:
+    """Instantiate the TE recipe object (sets ``recipe.env`` first; TE must be importable)."""
+    ok, reason = available("transformer_engine.pytorch")
+    if not ok:
+        raise ImportError(f"Transformer Engine is not importable: {reason}")
+    for key, value in recipe.env.items():
+        if os.environ.get(key, value) != value:
+            raise ValueError(f"{key}={os.environ[key]} is set; {recipe.recipe} for "
+                             f"{recipe.format} needs {key}={value}")
+        os.environ[key] = value
+    from transformer_engine.common import recipe as te_recipe
+
+    return getattr(te_recipe, recipe.recipe)()
+
+
+def te_config_overrides(fmt: str, gpu: tuple[str, int] | None = None) -> dict[str, str]:
+    """``TransformerConfig`` overrides for the TE path of ``fmt`` (megatron wraps TE autocast)."""
+    recipe = te_recipe_for(fmt, gpu)
+    for key, value in recipe.env.items():
+        os.environ.setdefault(key, value)
+    return dict(recipe.megatron)

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Which layer types cause the train/rollout mismatch? KL(pi_aligned || pi_bf16) per layer type.
+
+    python tools/mismatch_report.py --hf-dir DIR --format int8 --out report.png
+
+Runs the Megatron trainer forward of the HF model in DIR with the rollout-aligned
+quantization enabled in one layer type at a time (attention, dense mlp or experts) and in
+all of them, prints the token-mean / max KL against the BF16 forward (and, for MoE, how
+often the top-k routing still agrees with BF16), and writes a bar chart. Prompts are random
+token ids unless --prompts names a text/JSONL file (then DIR needs a tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_qrl.quant import list_specs  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-dir", required=True, help="HF Qwen3 / Qwen3-MoE directory")
+    p.add_argument("--format", required=True, choices=[f for f in list_specs() if f != "bf16"],
+                   help="rollout QuantSpec name")
+    p.add_argument("--out", required=True, help="PNG bar chart to write")
+    p.add_argument("--prompts", default=None, help="text (one per line) or JSONL with 'prompt'")
+    p.add_argument("--batch", type=int, default=4, help="number of sequences")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    args = p.parse_args(argv)
+    from megatron_qrl.models.hf_config import load_hf_config
+    from megatron_qrl.te_quant.attribution import format_table, plot_rows, prompt_ids, run_report
+
+    try:
+        _, arch = load_hf_config(args.hf_dir)
+        ids = prompt_ids(args.hf_dir, args.prompts, args.batch, args.seq_len, arch.vocab_size,
+                         args.seed)
+        _, rows = run_report(args.hf_dir, args.format, ids)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"mismatch_report: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows, args.format))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plot_rows(rows, args.format, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
