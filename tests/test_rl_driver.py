@@ -99,18 +99,30 @@ def test_cli_defaults_to_tiny_cpu_preset():
     assert configs["rollout"].format == "int8" and configs["run"].sft_steps > 0
 
 
-def test_unavailable_forward_is_an_error_not_a_fallback():
+def test_forward_plan_follows_the_flags():
+    from megatron_qrl.data import CharTokenizer, tiny_dense_config, tiny_moe_config
+    from megatron_qrl.models import arch_from_dict
     from megatron_qrl.rl.forward import ForwardUnavailableError, forward_plan
 
-    configs, _, _ = parse_configs(["--qrl-routing-replay", "off"])
-    assert configs["train"].forward == "aligned"
+    vocab = CharTokenizer().vocab_size
+    moe, dense = arch_from_dict(tiny_moe_config(vocab)), arch_from_dict(tiny_dense_config(vocab))
+    configs, _, _ = parse_configs([])
+    assert configs["train"].forward == "aligned" and configs["routing"].replay == "recompute"
     if importlib.util.find_spec("megatron_qrl.te_quant") is None:
         with pytest.raises(ForwardUnavailableError, match="--qrl-train-forward aligned"):
-            forward_plan(configs)
-    else:
-        assert forward_plan(configs).spec_hook is not None
-    plain, _, _ = parse_configs(["--qrl-train-forward", "bf16", "--qrl-routing-replay", "off"])
-    assert forward_plan(plain).spec_hook is None
+            forward_plan(configs, moe)
+        return
+    plan = forward_plan(configs, moe)
+    assert plan.spec_hook is not None and plan.aligned is not None
+    assert plan.replay is not None and plan.replay.mode == "recompute"
+    assert plan.aligned.spec.name == "int8"
+    plain, _, _ = parse_configs(["--qrl-model", "tiny-dense", "--qrl-train-forward", "bf16",
+                                 "--qrl-routing-replay", "off"])
+    p = forward_plan(plain, dense)
+    assert p.spec_hook is None and p.aligned is None and p.replay is None
+    version = plan.aligned.version
+    plan.weights_changed()
+    assert plan.aligned.version == version + 1
 
 
 def test_checkpoint_model_is_refused_clearly(tmp_path):

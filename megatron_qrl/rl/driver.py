@@ -79,9 +79,10 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
     configs = ctx.configs
     policy = ctx.trainer.policy
     if not resumed:
-        policy.optimizer = make_optimizer(policy.ddp, configs["run"].lr)
+        policy.set_optimizer(make_optimizer(policy.ddp, configs["run"].lr))
         if configs["uaq"].enabled:
             _apply_uaq(ctx.trainer, data, configs["uaq"].scale)
+            policy.plan.weights_changed()
     ctx.sync(step)
 
 
@@ -101,11 +102,12 @@ def _postfix(rec: dict[str, Any]) -> dict[str, str]:
 def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory,
            start_weights: dict | None) -> StepContext:
     run = configs["run"]
-    plan = forward_plan(configs)
+    plan = forward_plan(configs, data.arch)
     _seed_megatron(run.seed)
-    trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, spec_hook=plan.spec_hook))
+    trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, plan))
     if start_weights is not None:
         trainer.module.load_state_dict(start_weights, strict=False)
+        plan.weights_changed()
     engine = engine_factory(configs["rollout"], data.hf_config, run.seed)
     spec, aqn = configs["rollout"].spec, configs["aqn"]
 
@@ -141,7 +143,7 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
         state = load_driver_checkpoint(out, flags)
         start = state["next_step"]
         if start > sft_steps:
-            ctx.trainer.policy.optimizer = make_optimizer(ctx.trainer.policy.ddp, run.lr)
+            ctx.trainer.policy.set_optimizer(make_optimizer(ctx.trainer.policy.ddp, run.lr))
             resumed = True
         ctx.trainer.load_state_dict(state["trainer"])
         torch.set_rng_state(state["rng"])

@@ -1,17 +1,18 @@
 """Which training forward the driver builds: plain, or rollout-aligned (QaRL) + routing replay.
 
-``--qrl-train-forward aligned`` needs the spec provider of ``megatron_qrl.te_quant``
-(``aligned_spec_hook(spec)``) and ``--qrl-routing-replay`` the replay context of
-``megatron_qrl.moe`` (``replay_context(routed_experts)``). Both are looked up here, once;
-when the installed megatron_qrl lacks them the run stops with an error naming the flag —
-never a silent fallback to the plain forward.
+One call, :func:`forward_plan`, turns ``--qrl-train-forward`` / ``--qrl-routing-replay`` into
+what :func:`megatron_qrl.rl.trainer.build_policy` needs, through
+``megatron_qrl.te_quant.trainer_forward``: the spec hook (aligned linears, replay routers),
+the aligned-forward state (its cached quantized weights are invalidated after every
+optimizer step and after every external weight change) and the routing-replay context.
+When the installed megatron_qrl lacks those packages a requested feature is an error naming
+the flag — never a silent fallback to the plain forward.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ForwardPlan", "ForwardUnavailableError", "forward_plan"]
@@ -21,42 +22,49 @@ class ForwardUnavailableError(RuntimeError):
     """A requested training forward is not available in this megatron_qrl installation."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class ForwardPlan:
-    """The spec hook for :func:`megatron_qrl.rl.trainer.build_policy` and the replay factories."""
+    """Spec hook, config overrides and the state objects the loop drives."""
 
-    spec_hook: Callable | None = None
-    recompute_replay: Callable | None = None
-    """Replay context for the pi_prox recompute (``recompute`` and ``all``)."""
-    update_replay: Callable | None = None
-    """Replay context for the update forward (``all`` only)."""
+    spec_hook: Any = None
+    """``models.builder.SpecHook`` or None (upstream spec)."""
+    aligned: Any = None
+    """``te_quant.AlignedForwardState`` (aligned fake-quant forward) or None."""
+    replay: Any = None
+    """``moe.RoutingReplay`` (MoE models) or None; its mode decides where ids are replayed."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """``TransformerConfig`` overrides (Transformer Engine recipes)."""
+
+    def weights_changed(self) -> None:
+        """Invalidate cached quantized weights (after a load / UAQ; steps do it themselves)."""
+        if self.aligned is not None:
+            self.aligned.mark_weights_updated()
+
+    def attach(self, optimizer: Any) -> None:
+        """Hook the aligned-forward cache to ``optimizer``'s steps."""
+        if self.aligned is not None:
+            self.aligned.attach_to_optimizer(optimizer)
 
 
-def _lookup(module: str, name: str, flag: str) -> Callable:
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise ForwardUnavailableError(
-            f"{flag} needs {module} ({exc}); it is not part of this megatron_qrl installation. "
-            "Run without the flag (e.g. --qrl-train-forward bf16 / --qrl-routing-replay off) "
-            "or update megatron_qrl") from None
-    fn = getattr(mod, name, None)
-    if fn is None:
-        raise ForwardUnavailableError(f"{flag}: {module} has no {name}(); update megatron_qrl")
-    return fn
-
-
-def forward_plan(configs: dict[str, Any]) -> ForwardPlan:
-    """Resolve ``--qrl-train-forward`` / ``--qrl-routing-replay`` into hooks (errors name the flag)."""
+def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
+    """Resolve ``--qrl-train-forward`` / ``--qrl-routing-replay`` for ``arch`` (errors name the flag)."""
     train, routing, rollout = configs["train"], configs["routing"], configs["rollout"]
-    hook = None
-    if train.forward == "aligned":
-        make = _lookup("megatron_qrl.te_quant", "aligned_spec_hook",
-                       "--qrl-train-forward aligned")
-        hook = make(rollout.spec)
-    replay = None
-    if routing.replay != "off":
-        replay = _lookup("megatron_qrl.moe", "replay_context",
-                         f"--qrl-routing-replay {routing.replay}")
-    return ForwardPlan(spec_hook=hook, recompute_replay=replay,
-                       update_replay=replay if routing.replay == "all" else None)
+    needed = train.forward == "aligned" or routing.replay != "off" or arch.is_moe
+    if not needed:
+        return ForwardPlan()
+    try:
+        te_quant = importlib.import_module("megatron_qrl.te_quant")
+    except ImportError as exc:
+        if train.forward == "bf16" and routing.replay == "off":
+            return ForwardPlan()  # nothing was asked for; routing metrics need te_quant/moe
+        flag = ("--qrl-train-forward aligned" if train.forward == "aligned"
+                else f"--qrl-routing-replay {routing.replay}")
+        raise ForwardUnavailableError(
+            f"{flag} needs megatron_qrl.te_quant / megatron_qrl.moe ({exc}); they are not part "
+            "of this megatron_qrl installation. Run with --qrl-train-forward bf16 "
+            "--qrl-routing-replay off or update megatron_qrl") from None
+    try:
+        fwd = te_quant.trainer_forward(train, rollout.format, routing, arch)
+    except ValueError as exc:
+        raise ForwardUnavailableError(str(exc)) from None
+    return ForwardPlan(fwd.spec_hook, fwd.aligned, fwd.replay, dict(fwd.config_overrides))

@@ -120,13 +120,12 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     batch, rewards, texts = _rollout(ctx, step)
     t1 = time.perf_counter()
     mbs = split_batch(batch, run.micro_batch_size)
-    old = ctx.trainer.log_probs(mbs, ctx.loss_fn, ctx.plan.recompute_replay)
+    old = ctx.trainer.log_probs(mbs, ctx.loss_fn)
     for mb, lp in zip(mbs, old):
         mb["old_log_probs"] = lp
     t2 = time.perf_counter()
     per_update = len(mbs) // run.updates_per_step
-    updates = [ctx.trainer.train_step(mbs[u * per_update:(u + 1) * per_update], ctx.loss_fn,
-                                      ctx.plan.update_replay)
+    updates = [ctx.trainer.train_step(mbs[u * per_update:(u + 1) * per_update], ctx.loss_fn)
                for u in range(run.updates_per_step)]
     t3 = time.perf_counter()
     ctx.sync(step + 1)

@@ -1,8 +1,8 @@
 """The trainer side of the RL loop: a megatron-core GPTModel, its DDP wrapper and optimizer.
 
 :func:`build_policy` is the ONE place the policy model is built; the rollout-aligned forward
-(``spec_hook`` from ``megatron_qrl.te_quant``) and routing replay (a ``replay`` context
-factory from ``megatron_qrl.moe``) plug in through its arguments (see :mod:`.forward`).
+and routing replay plug in through its :class:`~megatron_qrl.rl.forward.ForwardPlan` (spec
+hook, config overrides, aligned-forward state, ``moe.RoutingReplay``).
 
 Every forward / backward goes through megatron-core's ``get_forward_backward_func()``:
 - :meth:`PolicyTrainer.log_probs`: forward only, ``collect_non_loss_data=True``; the loss
@@ -23,11 +23,8 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.models.builder import SpecHook
 from megatron_qrl.models.hf_config import ModelArch
-
-ReplayFactory = Callable[[torch.Tensor], contextlib.AbstractContextManager]
-"""``routed_experts [B, S, layers, top_k] -> context`` in which the router replays them."""
+from megatron_qrl.rl.forward import ForwardPlan
 
 
 @dataclass
@@ -38,14 +35,22 @@ class PolicyModel:
     optimizer: Any
     config: Any
     arch: ModelArch
+    plan: ForwardPlan
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Use ``optimizer`` from now on (the aligned-forward cache follows its steps)."""
+        self.optimizer = optimizer
+        self.plan.attach(optimizer)
 
 
-def build_policy(arch: ModelArch, lr: float, spec_hook: SpecHook | None = None,
+def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
                  clip_grad: float = 1.0, weight_decay: float = 0.0) -> PolicyModel:
     """Build the policy (fp32 masters), wrap it in megatron DDP and make an Adam optimizer.
 
-    ``spec_hook``: maps the decoder layer ModuleSpec (the aligned forward swaps its linears).
+    ``plan.spec_hook`` maps the decoder layer ModuleSpec (aligned linears, replay routers);
+    ``plan.config_overrides`` go to the ``TransformerConfig``.
     """
+    plan = plan or ForwardPlan()
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -54,11 +59,13 @@ def build_policy(arch: ModelArch, lr: float, spec_hook: SpecHook | None = None,
 
     from megatron_qrl.models.runtime import build_model
 
-    model = build_model(arch, spec_hook=spec_hook)
+    model = build_model(arch, spec_hook=plan.spec_hook, **plan.config_overrides)
     config = model.config
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
-    return PolicyModel(ddp, make_optimizer(ddp, lr, clip_grad, weight_decay), config, arch)
+    policy = PolicyModel(ddp, None, config, arch, plan)
+    policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay))
+    return policy
 
 
 def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Any:
@@ -76,12 +83,20 @@ def set_lr(optimizer: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: ReplayFactory | None):
+def _replay_ids(batch: dict) -> torch.Tensor | None:
+    """The rollout's experts in megatron token order; positions the engine never routed
+    (padding, the last sampled token: -1) get expert 0 — their logits are never in the loss."""
+    from megatron_qrl.moe import tokens_from_batch
+
+    ids = batch.get("routed_experts")
+    return None if ids is None else tokens_from_batch(ids.clamp_min(0))
+
+
+def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any):
     batch = next(data_iterator)
-    ctx = replay(batch["routed_experts"]) if replay is not None and "routed_experts" in batch \
-        else contextlib.nullcontext()
-    with ctx:
-        logits = model(batch["tokens"], batch["position_ids"], None)
+    if replay is not None:
+        replay.set_micro_batch(_replay_ids(batch))
+    logits = model(batch["tokens"], batch["position_ids"], None)
     return logits, partial(loss_fn, batch)
 
 
@@ -96,32 +111,35 @@ class PolicyTrainer:
         """The bare GPTModel (no DDP wrapper)."""
         return self.policy.ddp.module
 
-    def _run(self, microbatches: Sequence[dict], loss_fn: Callable, forward_only: bool,
-             replay: ReplayFactory | None) -> list:
+    def _run(self, microbatches: Sequence[dict], loss_fn: Callable, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not microbatches:
             raise ValueError("PolicyTrainer: no micro batches given")
         b, s = microbatches[0]["tokens"].shape
-        return get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay),
-            data_iterator=iter(microbatches), model=[self.policy.ddp],
-            num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-            forward_only=forward_only, collect_non_loss_data=forward_only)
+        replay = self.policy.plan.replay
+        ctx = replay.use(None, "recompute" if forward_only else "update") \
+            if replay is not None else contextlib.nullcontext()
+        with ctx:
+            return get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay),
+                data_iterator=iter(microbatches), model=[self.policy.ddp],
+                num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+                forward_only=forward_only, collect_non_loss_data=forward_only)
 
     @torch.no_grad()
-    def log_probs(self, microbatches: Sequence[dict], loss_fn: Callable,
-                  replay: ReplayFactory | None = None) -> list[torch.Tensor]:
-        """Per-token log-probs of ``labels`` for every micro batch (no grad; pi_prox)."""
+    def log_probs(self, microbatches: Sequence[dict], loss_fn: Callable) -> list[torch.Tensor]:
+        """Per-token log-probs of ``labels`` for every micro batch (no grad; pi_prox; routing
+        replayed when ``--qrl-routing-replay`` is recompute or all)."""
         self.policy.ddp.eval()
         try:
-            store = self._run(microbatches, loss_fn, True, replay)
+            store = self._run(microbatches, loss_fn, True)
         finally:
             self.policy.ddp.train()
         return [d["log_probs"].float() for d in store]
 
-    def train_step(self, microbatches: Sequence[dict], loss_fn: Callable,
-                   replay: ReplayFactory | None = None) -> tuple[dict[str, float], float]:
+    def train_step(self, microbatches: Sequence[dict], loss_fn: Callable
+                   ) -> tuple[dict[str, float], float]:
         """Forward/backward over ``microbatches`` and one optimizer step.
 
         Returns the loss function's metrics averaged over micro batches and the grad norm.
@@ -129,7 +147,7 @@ class PolicyTrainer:
         ddp, optimizer = self.policy.ddp, self.policy.optimizer
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        store = self._run(microbatches, loss_fn, False, replay)
+        store = self._run(microbatches, loss_fn, False)
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
@@ -156,6 +174,7 @@ class PolicyTrainer:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         self.policy.optimizer.load_state_dict(state["optimizer"])
+        self.policy.plan.weights_changed()
 
 
 def average_metrics(store: Sequence[dict]) -> dict[str, float]:
