@@ -33,6 +33,10 @@ class TinyEngine(RolloutEngine):
         self.names = hf_tensor_names(self.model)
         self.held: dict[str, str] = {}
         self.version = -1
+        self._routed: list[torch.Tensor] = []
+        gates = [m for n, m in self.model.named_modules() if n.endswith("mlp.gate")]
+        for gate in gates:
+            gate.register_forward_hook(lambda _m, _a, out: self._routed.append(out[2]))
 
     def update_weights(self, named_tensors, version: int) -> None:
         packed = {}
@@ -66,6 +70,7 @@ class TinyEngine(RolloutEngine):
         stops = torch.tensor(sampling.stop_token_ids or (-1,))
         for t in range(t_max):
             pos = (att.cumsum(-1) - 1).clamp_min(0)
+            self._routed = []
             logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos).logits
             logp = torch.log_softmax(logits[:, -1].float() / sampling.temperature, -1)
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
@@ -77,10 +82,23 @@ class TinyEngine(RolloutEngine):
             alive = alive & ~torch.isin(tok, stops)
             if not alive.any():
                 break
+        routed = self._routed_experts(b, width, [len(p) for p in prompts], t_max)
         reasons = ["length" if mask[i, -1] and not torch.isin(out_ids[i, -1], stops) else "stop"
                    for i in range(b)]
         return GenerationOutput([list(p) for p in prompts], out_ids, lps, mask, reasons,
-                                self.version)
+                                self.version, routed)
+
+    def _routed_experts(self, b, width, plens, t_max):
+        """[B, P + T, layers, top_k] of the last forward, rows re-aligned to start at 0."""
+        if not self._routed:
+            return None
+        ids = torch.stack(self._routed, dim=1)  # [B * S, layers, k]
+        ids = ids.reshape(b, -1, *ids.shape[1:])
+        out = torch.full((b, max(plens) + t_max, *ids.shape[2:]), -1, dtype=torch.long)
+        for i, plen in enumerate(plens):
+            row = ids[i, width - plen:]
+            out[i, : row.shape[0]] = row
+        return out
 
 
 def tiny_engine_factory(rollout_cfg, hf_config, seed):
