@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.utils.io import atomic_torch_save
 
 __all__ = ["CKPT_DIR", "latest_checkpoint", "load_driver_checkpoint", "save_driver_checkpoint"]
@@ -58,6 +59,6 @@ def load_driver_checkpoint(output_dir: str | Path, flags: dict[str, Any]) -> dic
                and saved[k] != flags[k]]
     if changed:
         diffs = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {flags[k]!r}" for k in changed)
-        raise ValueError(f"--qrl-resume: {path} was written with other flags ({diffs}); resume "
+        raise QrlArgumentError(f"--qrl-resume: {path} was written with other flags ({diffs}); resume "
                          "with the same flags or use another --qrl-output-dir")
     return state

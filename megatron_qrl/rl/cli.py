@@ -88,8 +88,8 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         configs, flags, args = parse_configs(argv)
     except QrlArgumentError as exc:
         build_parser().error(str(exc))
-    from megatron_qrl.models.runtime import single_process_megatron
     from megatron_qrl.rl.driver import run_job
+    from megatron_qrl.rl.forward import ForwardUnavailableError
     from megatron_qrl.rl.sync import make_engine
 
     factory = engine_factory or make_engine
@@ -97,6 +97,19 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
 
     def run(cfg: dict, fl: dict, **kw: Any) -> list[dict]:
         return run_job(cfg, fl, engine_factory=factory, progress=progress, **kw)
+
+    try:
+        _launch(args, configs, flags, argv, run)
+    except (FileExistsError, FileNotFoundError, NotImplementedError, QrlArgumentError,
+            ForwardUnavailableError) as exc:  # user-fixable: one line, no traceback
+        print(f"qrl-train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
+            run: Any) -> None:
+    from megatron_qrl.models.runtime import single_process_megatron
 
     with single_process_megatron():
         if args.qrl_compare:
@@ -112,7 +125,6 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         else:
             records = run(configs, flags)
             _summary(records)
-    return 0
 
 
 def _summary(records: Sequence[dict]) -> None:
