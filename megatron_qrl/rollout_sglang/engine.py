@@ -32,6 +32,7 @@ from ..rollout.base import (
     WeightSyncError,
     tensor_checksum,
 )
+from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
 
 FEATURE = "--qrl-rollout-engine sglang"
