@@ -35,19 +35,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megatron_qrl.models.convert import convert_hf_to_megatron, dry_run
+    from megatron_qrl.utils.cli import run_tool
 
-    try:
-        if args.dry_run:
-            counts = dry_run(args.hf_dir)
-            print(f"total parameters:  {counts['total']:,} ({counts['total'] / 1e9:.2f}B)")
-            print(f"active parameters: {counts['active']:,} ({counts['active'] / 1e9:.2f}B)")
-            return 0
-        out = convert_hf_to_megatron(args.hf_dir, args.out, args.uaq_scale, show_progress=True)
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
+    def work():
+        if not args.dry_run:
+            return convert_hf_to_megatron(args.hf_dir, args.out, args.uaq_scale, show_progress=True)
+        counts = dry_run(args.hf_dir)
+        print(f"total parameters:  {counts['total']:,} ({counts['total'] / 1e9:.2f}B)")
+        print(f"active parameters: {counts['active']:,} ({counts['active'] / 1e9:.2f}B)")
+        return None
+
+    return run_tool("convert_hf_to_megatron", work)
 
 
 if __name__ == "__main__":

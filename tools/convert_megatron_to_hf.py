@@ -25,14 +25,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megatron_qrl.models.convert import convert_megatron_to_hf
+    from megatron_qrl.utils.cli import run_tool
 
-    try:
-        out = convert_megatron_to_hf(args.megatron_dir, args.out, show_progress=True)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
+    return run_tool("convert_megatron_to_hf", lambda: convert_megatron_to_hf(
+        args.megatron_dir, args.out, show_progress=True))
 
 
 if __name__ == "__main__":

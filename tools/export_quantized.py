@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_qrl.quant import list_specs  # noqa: E402
 from megatron_qrl.quant.export import export_quantized  # noqa: E402
+from megatron_qrl.utils.cli import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,14 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
     args = p.parse_args(argv)
-    try:
-        out = export_quantized(args.hf_dir, args.format, args.out, overwrite=args.overwrite,
-                               max_shard_bytes=int(args.max_shard_gb * 2**30))
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"export_quantized: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
+    return run_tool("export_quantized", lambda: export_quantized(
+        args.hf_dir, args.format, args.out, overwrite=args.overwrite,
+        max_shard_bytes=int(args.max_shard_gb * 2**30)))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from ..rollout.base import (
     WeightSyncError,
     tensor_checksum,
 )
+from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
 
 FEATURE = "--qrl-rollout-engine sglang"
@@ -183,9 +184,22 @@ class SGLangEngine(RolloutEngine):
                   "stop_token_ids": list(sampling.stop_token_ids), "stop": list(sampling.stop)}
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
-        outs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=params,
-                                    return_logprob=True, return_routed_experts=self.is_moe)
+        try:
+            outs = self.engine.generate(input_ids=[list(p) for p in prompts],
+                                        sampling_params=params, return_logprob=True,
+                                        return_routed_experts=self.is_moe)
+        except Exception as exc:
+            if not self._alive():
+                raise EngineDiedError(f"an SGLang engine process exited: {exc}") from exc
+            raise
         return self._to_output(prompts, outs)
+
+    def _alive(self) -> bool:
+        """True while every scheduler / detokenizer child process still runs."""
+        import psutil
+
+        return all(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in self.engine.get_all_child_pids())
 
     def _to_output(self, prompts, outs) -> GenerationOutput:
         b = len(outs)
