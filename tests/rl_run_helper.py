@@ -1,4 +1,8 @@
-"""``python tests/rl_run_helper.py ARGS``: qrl-train with the test engine double (tests only)."""
+"""``python tests/rl_run_helper.py [--double] ARGS``: qrl-train in a subprocess (tests only).
+
+Default: the product path (the reference engine of ``--qrl-rollout-engine reference``);
+``--double``: the test engine double of tests/rl_engine_double.py.
+"""
 
 import sys
 import warnings
@@ -13,4 +17,8 @@ from rl_engine_double import tiny_engine_factory  # noqa: E402
 from megatron_qrl.rl.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], engine_factory=tiny_engine_factory))
+    argv = sys.argv[1:]
+    factory = None
+    if argv[:1] == ["--double"]:
+        argv, factory = argv[1:], tiny_engine_factory
+    sys.exit(main(argv, engine_factory=factory))

@@ -133,3 +133,15 @@ def test_checkpoint_model_is_refused_clearly(tmp_path):
     configs["run"].model = "checkpoint"
     with pytest.raises(NotImplementedError, match="--qrl-model checkpoint"):
         prepare_job(configs)
+
+
+def test_existing_output_dir_is_a_one_line_error(tmp_path):
+    out = tmp_path / "run"
+    argv = [sys.executable, str(HELPER), "--double", *TINY, "--qrl-sft-steps", "1",
+            "--qrl-steps", "0", "--qrl-output-dir", str(out)]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2
+    assert "qrl-train: error:" in again.stderr and "--qrl-resume" in again.stderr
+    assert "Traceback" not in again.stderr
