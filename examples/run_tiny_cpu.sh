@@ -12,8 +12,8 @@ SEED="${SEED:-1234}"
 OUT="${OUT:-qrl_runs/tiny-cpu-seed${SEED}}"
 
 JOB_ARGS=(--qrl-preset tiny-cpu --qrl-seed "${SEED}" --qrl-output-dir "${OUT}")
-# FORWARD_ARGS: the preset asks for the QaRL aligned forward + routing replay; override with
-# FORWARD_ARGS="--qrl-train-forward bf16 --qrl-routing-replay off" where those are absent.
+# FORWARD_ARGS: the preset runs the QaRL aligned forward + routing replay in the recompute;
+# e.g. FORWARD_ARGS="--qrl-train-forward bf16 --qrl-loss-kind tis" for the plain forward.
 read -r -a FORWARD_ARGS <<< "${FORWARD_ARGS:-}"
 EXTRA_ARGS=()
 if [[ "${COMPARE:-0}" == 1 ]]; then EXTRA_ARGS+=(--qrl-compare); fi
