@@ -81,7 +81,7 @@ def test_resume_without_checkpoint_and_changed_flags(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--qrl-mode", "colocated"], "--qrl-mode colocated"),
+    (["--qrl-mode", "colocated", "--", "--tp", "2"], "--qrl-mode colocated"),
     (["--qrl-compare", "--qrl-resume"], "--qrl-compare cannot be combined"),
     (["--", "--num-layers", "2"], "Megatron flags after '--'"),
     (["--qrl-rollout-engine", "sglang"], "--qrl-rollout-engine sglang"),

@@ -6,9 +6,10 @@
 
 Every ``--qrl-*`` flag of :func:`megatron_qrl.config.add_qrl_args` applies. Launcher-only
 flags: ``--qrl-compare`` (run the compare variants, see :mod:`.compare`), ``--qrl-mode``
-(``single``; the Ray modes ``colocated`` / ``disaggregated`` are not implemented yet and
-say so), ``--qrl-no-progress``. Megatron flags (model shape, TP/EP) for the Ray modes follow
-a ``--`` (see examples/run_qwen3_30b_a3b.sh).
+(``single``, or the Ray modes ``colocated`` / ``disaggregated`` of :mod:`.ray_modes`: the
+rollout engine in a Ray actor, the trainer in this process), ``--qrl-no-progress``.
+Megatron flags after ``--`` (model shape, TP/EP, see examples/run_qwen3_30b_a3b.sh) are
+refused until a Megatron-flag trainer exists.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "compare.md / compare.png in the output directory")
     launch.add_argument("--qrl-mode", choices=MODES, default="single",
                         help="single: one process, reference engine (CPU default). colocated "
-                             "/ disaggregated: Ray modes (not implemented yet)")
+                             "/ disaggregated: rollout engine in a Ray actor (same / own "
+                             "placement-group bundle), trainer in this process")
     launch.add_argument("--qrl-no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -65,15 +67,11 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     args.megatron_argv = megatron_argv
     configs = validate_qrl_args(args)
     flags = effective_values(args)
-    if args.qrl_mode == "single" and megatron_argv:
+    if megatron_argv:
         raise QrlArgumentError(
-            f"Megatron flags after '--' ({' '.join(megatron_argv[:4])} ...) are for the Ray "
-            "driver (--qrl-mode colocated / disaggregated); the single-process job builds the "
-            "model from --qrl-model")
-    if args.qrl_mode != "single":
-        raise QrlArgumentError(
-            f"--qrl-mode {args.qrl_mode}: the Ray driver (engine and trainer on Ray actors, "
-            "placement groups) is not implemented yet; use --qrl-mode single")
+            f"Megatron flags after '--' ({' '.join(megatron_argv[:4])} ...): qrl-train's "
+            f"trainer (--qrl-mode {args.qrl_mode} too) builds the model from --qrl-model; a "
+            "Megatron-flag trainer is not implemented yet, drop the flags after '--'")
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")
@@ -99,7 +97,14 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         return run_job(cfg, fl, engine_factory=factory, progress=progress, **kw)
 
     try:
-        _launch(args, configs, flags, argv, run)
+        if args.qrl_mode == "single":
+            _launch(args, configs, flags, argv, run)
+        else:
+            from megatron_qrl.rl.ray_modes import RaySession
+
+            with RaySession(args.qrl_mode) as session:
+                factory = engine_factory or session.engine_factory
+                _launch(args, configs, flags, argv, run)
     except (FileExistsError, FileNotFoundError, NotImplementedError, QrlArgumentError,
             ForwardUnavailableError) as exc:  # user-fixable: one line, no traceback
         print(f"qrl-train: error: {exc}", file=sys.stderr)

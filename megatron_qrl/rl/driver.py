@@ -116,6 +116,8 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
                             aqn_step=min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
                             total_steps=max(run.steps, 1))
 
+    if hasattr(engine, "bind_resync"):  # Ray modes: a restarted engine actor re-syncs
+        engine.bind_resync(sync)
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
                        make_loss_fn(configs), sync)
 

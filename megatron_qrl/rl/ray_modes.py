@@ -1,0 +1,209 @@
+"""The Ray modes of ``qrl-train``: the rollout engine in a Ray actor, placed by a placement group.
+
+``--qrl-mode disaggregated``: a placement group with one bundle for the engine and one for
+the trainer (``STRICT_SPREAD`` over nodes when the cluster has more than one, else ``PACK``);
+the engine actor runs in bundle 0, the trainer stays in the driver process (bundle 1 reserves
+its share). ``--qrl-mode colocated``: one bundle shared by the engine actor and the trainer;
+the engine's memory is released after each rollout (before recompute + training) and
+resumed before the next weight sync::
+
+    sync(v) -> generate -> release_memory -> recompute, train -> resume_memory -> sync(v+1)
+
+Weight sync, verification and seeding are the single-process ones (:mod:`megatron_qrl.rl.sync`),
+so with the same seed a Ray mode produces the same metrics as ``--qrl-mode single``. The
+actor is supervised: if it dies, :class:`EngineSupervisor` starts a new actor in the same
+bundle, re-packs and re-sends the trainer's current weights (the driver binds its ``sync``
+through :meth:`RayRolloutEngine.bind_resync`) and retries the rollout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_qrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine
+from megatron_qrl.rollout.supervisor import EngineSupervisor
+
+__all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "placement_layout"]
+
+RAY_MODES = ("colocated", "disaggregated")
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass(frozen=True)
+class PlacementLayout:
+    """Bundles of the job's placement group and which one the engine actor uses."""
+
+    bundles: list[dict[str, float]]
+    strategy: str
+    engine_bundle: int
+    engine_resources: dict[str, float]
+
+
+def placement_layout(mode: str, num_nodes: int, engine_gpus: float = 0.0,
+                     trainer_gpus: float = 0.0) -> PlacementLayout:
+    """The placement group of ``mode`` on a cluster of ``num_nodes`` alive nodes."""
+    if mode not in RAY_MODES:
+        raise ValueError(f"--qrl-mode {mode!r}: the Ray modes are {RAY_MODES}")
+    if num_nodes < 1:
+        raise ValueError(f"the Ray cluster has no alive node (num_nodes={num_nodes})")
+
+    def res(gpus: float) -> dict[str, float]:
+        return {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
+
+    if mode == "colocated":
+        shared = res(max(engine_gpus, trainer_gpus))
+        return PlacementLayout([shared], "PACK", 0, dict(shared))
+    strategy = "STRICT_SPREAD" if num_nodes > 1 else "PACK"
+    return PlacementLayout([res(engine_gpus), res(trainer_gpus)], strategy, 0, res(engine_gpus))
+
+
+def _init_ray() -> bool:
+    """Connect to ``RAY_ADDRESS`` (or start a local cluster); True if this call started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    return True
+
+
+class RaySession:
+    """Ray + the placement group of one ``qrl-train`` invocation (a context manager).
+
+    ``session.engine_factory`` has the driver's ``(rollout_cfg, hf_config, seed) -> engine``
+    signature and builds a supervised :class:`RayRolloutEngine`.
+    """
+
+    def __init__(self, mode: str, pg_timeout_s: float = 120.0, max_restarts: int = 2):
+        if mode not in RAY_MODES:
+            raise ValueError(f"--qrl-mode {mode!r}: the Ray modes are {RAY_MODES}")
+        self.mode, self.pg_timeout_s, self.max_restarts = mode, pg_timeout_s, max_restarts
+        self.pg: Any = None
+        self.layout: PlacementLayout | None = None
+        self._started = False
+
+    def __enter__(self) -> RaySession:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self._started = _init_ray()
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        self.layout = placement_layout(self.mode, nodes)
+        self.pg = placement_group(self.layout.bundles, strategy=self.layout.strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=self.pg_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.__exit__(None, None, None)
+            raise RuntimeError(
+                f"--qrl-mode {self.mode}: the Ray cluster cannot place bundles "
+                f"{self.layout.bundles} ({self.layout.strategy}) within {self.pg_timeout_s:.0f} s; "
+                f"it has {ray.cluster_resources()} — add nodes/CPUs/GPUs") from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self._started:
+            ray.shutdown()
+            self._started = False
+
+    def new_actor(self, spec: EngineSpec) -> RayEngine:
+        """A fresh engine actor in the engine's bundle."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self.pg is None or self.layout is None:
+            raise RuntimeError("RaySession.new_actor outside `with RaySession(...)`")
+        res = self.layout.engine_resources
+        actor = ray.remote(EngineActor).options(
+            num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg,
+                placement_group_bundle_index=self.layout.engine_bundle)).remote(spec)
+        return RayEngine(actor)
+
+    def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:
+        """The driver's engine factory for this session's mode."""
+        if rollout_cfg.engine != "reference":
+            raise NotImplementedError(
+                f"--qrl-rollout-engine {rollout_cfg.engine} with --qrl-mode {self.mode}: SGLang "
+                "starts from an HF checkpoint directory and qrl-train trains the built-in tiny "
+                "models only; use --qrl-rollout-engine reference (EngineSpec(kind='sglang') "
+                "builds an SGLang actor for programmatic use)")
+        spec = EngineSpec("reference", hf_config, rollout_cfg.format, seed,
+                          num_threads=torch.get_num_threads())
+        return RayRolloutEngine(lambda: self.new_actor(spec), colocated=self.mode == "colocated",
+                                max_restarts=self.max_restarts)
+
+
+class RayRolloutEngine(RolloutEngine):
+    """A supervised actor engine; in colocated mode it also releases / resumes memory."""
+
+    def __init__(self, new_actor: Callable[[], RayEngine], colocated: bool,
+                 max_restarts: int = 2):
+        self._resync: Callable[[int], Any] | None = None
+        self.supervisor = EngineSupervisor(new_actor, self._do_resync, max_restarts)
+        self.colocated = colocated
+        self.released = False
+
+    def bind_resync(self, sync: Callable[[int], Any]) -> None:
+        """``sync(version)``: the driver's re-pack + send of the trainer's current weights."""
+        self._resync = sync
+
+    def _do_resync(self, engine: RolloutEngine, version: int) -> None:
+        if self._resync is None:
+            raise RuntimeError("the rollout engine actor died and no re-sync is bound (the "
+                               "driver calls RayRolloutEngine.bind_resync(sync))")
+        self._resync(version)  # goes through self -> supervisor -> the new actor
+
+    @property
+    def actor(self) -> RayEngine:
+        """The current actor proxy (changes after a restart)."""
+        return self.supervisor.engine
+
+    @property
+    def restarts(self) -> int:
+        return self.supervisor.restarts
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.released:
+            self.resume_memory()
+        self.supervisor.update_weights(named_tensors, version)
+
+    def held_checksums(self) -> dict[str, str]:
+        return self.supervisor.held_checksums()
+
+    def weight_version(self) -> int:
+        return self.supervisor.weight_version()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        if self.released:
+            self.resume_memory()
+        out = self.supervisor.generate(prompts, sampling)
+        if self.colocated:
+            self.release_memory()  # the trainer's recompute + update run next
+        return out
+
+    def release_memory(self) -> None:
+        self.supervisor.release_memory()
+        self.released = True
+
+    def resume_memory(self) -> None:
+        self.supervisor.resume_memory()
+        self.released = False
+
+    def shutdown(self) -> None:
+        self.supervisor.shutdown()

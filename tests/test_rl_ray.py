@@ -1,0 +1,155 @@
+"""The Ray modes of qrl-train: the rollout engine in a Ray actor (megatron_qrl.rl.ray_modes).
+
+One local Ray cluster (2 CPUs) per module. In-process: bucketed weight sync + manifest
+verification through the actor, a tampered manifest names the tensor, a killed actor is an
+EngineDiedError, placement of the engine actor. Subprocess jobs (``tests/rl_ray_helper.py``
+connects to the module's cluster through RAY_ADDRESS): disaggregated == single metrics with
+the same seed, colocated release/resume order (actor call log), and a ``ray.kill``ed actor
+mid-run restarts, re-syncs and reproduces the unkilled run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_qrl.rl.ray_modes import RayRolloutEngine, RaySession, placement_layout
+from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
+from megatron_qrl.rollout.ray_actor import EngineSpec, bucketize
+from megatron_qrl.rollout.supervisor import EngineDiedError
+
+ray = pytest.importorskip("ray")
+
+TESTS = Path(__file__).resolve().parent
+TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
+        "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
+        "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
+        "--qrl-lr", "1e-3", "--qrl-no-progress", "--qrl-steps", "2"]
+TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ctx.address_info["gcs_address"]
+    ray.shutdown()
+
+
+def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py") -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=cluster)
+    proc = subprocess.run([sys.executable, str(TESTS / helper), *TINY, "--qrl-output-dir",
+                           str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single_run(cluster, tmp_path_factory):
+    return _job(cluster, tmp_path_factory.mktemp("single") / "run", "--qrl-mode", "single",
+                helper="rl_run_helper.py")
+
+
+def _packed(fmt: str = "int8"):
+    from megatron_qrl.data import CharTokenizer, tiny_moe_config
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.quant.hf_reference import hf_tensors
+    from megatron_qrl.rollout.reference import build_hf_model
+
+    cfg = tiny_moe_config(CharTokenizer().vocab_size)
+    torch.manual_seed(0)
+    model = build_hf_model(cfg, torch.float32, "cpu")
+    return cfg, list(get_spec(fmt).pack_state_dict(hf_tensors(model)))
+
+
+def test_placement_layout():
+    one = placement_layout("disaggregated", 1)
+    assert one.strategy == "PACK" and len(one.bundles) == 2 and one.engine_bundle == 0
+    assert placement_layout("disaggregated", 3, engine_gpus=1).strategy == "STRICT_SPREAD"
+    assert placement_layout("disaggregated", 3, engine_gpus=1).bundles[0] == {"CPU": 1.0, "GPU": 1}
+    co = placement_layout("colocated", 4, engine_gpus=1, trainer_gpus=1)
+    assert co.bundles == [{"CPU": 1.0, "GPU": 1}] and co.strategy == "PACK"
+    with pytest.raises(ValueError, match="--qrl-mode"):
+        placement_layout("single", 1)
+    sizes = [len(b) for b in bucketize(((f"t{i}", torch.zeros(4)) for i in range(5)), 40)]
+    assert sizes == [2, 2, 1]  # 16-byte tensors in 40-byte buckets
+
+
+def test_actor_sync_verify_kill_and_placement(cluster):
+    cfg, packed = _packed()
+    with RaySession("disaggregated") as session:
+        spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
+        engine = RayRolloutEngine(lambda: session.new_actor(spec), colocated=False)
+        engine.actor.bucket_bytes = 4096
+        manifest = WeightManifest()
+        engine.update_weights(manifest.record(iter(packed)), version=3)
+        assert engine.actor.buckets_sent > 1 and engine.weight_version() == 3
+        engine.verify(manifest)  # the actor holds exactly what was sent
+        name = packed[1][0]
+        manifest.checksums[name] = "float32[1]:0"
+        with pytest.raises(WeightSyncError, match=name.replace(".", r"\.")):
+            engine.verify(manifest)
+        assert engine.actor.placement_group_id() == session.pg.id.hex()
+        table = ray.util.placement_group_table(session.pg)
+        assert table["strategy"] == "PACK" and len(table["bundles"]) == 2
+        sampling = SamplingParams(max_new_tokens=3, seed=5)
+        first = engine.generate([[1, 2, 3]] * 2, sampling)
+        ray.kill(engine.actor.actor, no_restart=True)
+        with pytest.raises(EngineDiedError, match="generate"):
+            engine.actor.generate([[1, 2, 3]] * 2, sampling)
+        # the supervisor restarts the actor and re-syncs through the driver's sync
+        resyncs = []
+        engine.bind_resync(lambda v: (resyncs.append(v), engine.update_weights(iter(packed), v)))
+        again = engine.generate([[1, 2, 3]] * 2, sampling)
+        assert torch.equal(again.output_ids, first.output_ids)
+        assert torch.equal(again.logprobs, first.logprobs)
+        assert engine.restarts == 1 and resyncs == [3] and engine.weight_version() == 3
+        engine._resync = None  # a driver that never bound its sync gets a clear error
+        ray.kill(engine.actor.actor, no_restart=True)
+        with pytest.raises(RuntimeError, match="bind_resync"):
+            engine.generate([[1, 2, 3]] * 2, sampling)
+        engine.shutdown()
+
+
+def test_sglang_engine_in_ray_mode_is_refused_clearly(cluster):
+    from megatron_qrl.rl.cli import parse_configs
+
+    configs, _, _ = parse_configs(["--qrl-train-forward", "bf16", "--qrl-routing-replay", "off"])
+    configs["rollout"].engine = "sglang"
+    with RaySession("colocated") as session, pytest.raises(NotImplementedError, match="sglang"):
+        session.engine_factory(configs["rollout"], {}, 0)
+    with pytest.raises(ValueError, match="model_path"):
+        EngineSpec("sglang", {}, "fp8")
+
+
+@pytest.mark.slow
+def test_disaggregated_matches_single(cluster, single_run, tmp_path):
+    disagg = _job(cluster, tmp_path / "d", "--qrl-mode", "disaggregated")
+    assert [r["phase"] for r in disagg] == ["sft"] * 4 + ["rl"] * 2
+    assert disagg == single_run
+
+
+@pytest.mark.slow
+def test_colocated_releases_memory_around_training(cluster, single_run, tmp_path):
+    calls = tmp_path / "calls.jsonl"
+    co = _job(cluster, tmp_path / "c", "--qrl-mode", "colocated", "--calls", str(calls))
+    assert co == single_run
+    (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
+    # sync(v4) -> step 4: generate, release, [train], resume, sync(v5) -> step 5 ... sync(v6)
+    step = ["generate", "release_memory", "resume_memory", "update_weights"]
+    assert log == {"calls": ["update_weights", *step, *step], "restarts": 0}
+
+
+@pytest.mark.slow
+def test_killed_actor_restarts_and_reproduces_the_run(cluster, single_run, tmp_path):
+    calls = tmp_path / "calls.jsonl"
+    killed = _job(cluster, tmp_path / "k", "--qrl-mode", "disaggregated", "--kill-at", "2",
+                  "--calls", str(calls))
+    assert killed == single_run
+    (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
+    # the new actor got the re-sync of v5, served step 5's generate, then the sync of v6
+    assert log == {"calls": ["update_weights", "generate", "update_weights"], "restarts": 1}
