@@ -43,19 +43,22 @@ def _check_rl(recs: list[dict], n_sft: int) -> None:
         assert 0.0 <= r["routing_agreement"] <= 1.0  # the tiny HF model is MoE
 
 
-def test_hf_dir_with_char_tokenizer_file_starts_from_its_weights(tmp_path):
-    hf = make_tiny_hf(tmp_path / "hf", "moe")  # vocab 128 >= the char tokenizer's 100
-    CharTokenizer().save(hf, hf=False)  # only qrl_char_tokenizer.json: no HF vocabulary
-    # one SFT step at a negligible lr, so the saved trainer weights are the loaded ones
-    recs = _run(hf, tmp_path / "out", "--qrl-sft-steps", "1", "--qrl-sft-lr", "1e-12")
-    _check_rl(recs, 1)
-    model = torch.load(tmp_path / "out" / "checkpoints" / "step_000001.pt",
+def _check_start_weights(out: Path, hf: Path) -> None:
+    """The trainer after one SFT step at lr 1e-12 holds the checkpoint's weights."""
+    model = torch.load(out / "checkpoints" / "step_000001.pt",
                        weights_only=False)["trainer"]["model"]
     ref = load_file(hf / "model.safetensors")
     for ours, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
                          ("output_layer.weight", "lm_head.weight"),
                          ("decoder.final_layernorm.weight", "model.norm.weight")):
         torch.testing.assert_close(model[ours], ref[theirs], atol=1e-6, rtol=0)
+
+
+def test_hf_dir_with_char_tokenizer_file_starts_from_its_weights(tmp_path):
+    hf = make_tiny_hf(tmp_path / "hf", "moe")  # vocab 128 >= the char tokenizer's 100
+    CharTokenizer().save(hf, hf=False)  # only qrl_char_tokenizer.json: no HF vocabulary
+    _check_rl(_run(hf, tmp_path / "out", "--qrl-sft-steps", "1", "--qrl-sft-lr", "1e-12"), 1)
+    _check_start_weights(tmp_path / "out", hf)
 
 
 def test_megatron_checkpoint_with_hf_tokenizer(tmp_path):
@@ -67,7 +70,8 @@ def test_megatron_checkpoint_with_hf_tokenizer(tmp_path):
                           capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (ckpt / "hf" / "tokenizer.json").is_file()
-    _check_rl(_run(ckpt, tmp_path / "out", "--qrl-sft-steps", "0"), 0)
+    _check_rl(_run(ckpt, tmp_path / "out", "--qrl-sft-steps", "1", "--qrl-sft-lr", "1e-12"), 1)
+    _check_start_weights(tmp_path / "out", hf)
 
 
 def _configs(ckpt: Path, *argv: str) -> dict:
