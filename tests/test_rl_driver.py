@@ -125,16 +125,6 @@ def test_forward_plan_follows_the_flags():
     assert plan.aligned.version == version + 1
 
 
-def test_checkpoint_model_is_refused_clearly(tmp_path):
-    from megatron_qrl.rl.driver import prepare_job
-
-    (tmp_path / "config.json").write_text("{}")
-    configs, _, _ = parse_configs(["--qrl-train-forward", "bf16", "--qrl-routing-replay", "off"])
-    configs["run"].model = "checkpoint"
-    with pytest.raises(NotImplementedError, match="--qrl-model checkpoint"):
-        prepare_job(configs)
-
-
 def test_existing_output_dir_is_a_one_line_error(tmp_path):
     out = tmp_path / "run"
     argv = [sys.executable, str(HELPER), "--double", *TINY, "--qrl-sft-steps", "1",

@@ -3,7 +3,8 @@
 Call :func:`run_job` inside an initialised megatron job (``qrl-train`` does it with
 :func:`megatron_qrl.models.runtime.single_process_megatron`). Step numbering is global:
 SFT steps ``0 .. sft_steps-1``, RL steps ``sft_steps .. sft_steps+steps-1``. The engine holds
-weight version ``k`` when RL step ``k`` starts.
+weight version ``k`` when RL step ``k`` starts. ``--qrl-model checkpoint`` starts from
+``--qrl-checkpoint DIR`` and its tokenizer (:mod:`megatron_qrl.rl.start_model`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from megatron_qrl.data.dataset import PromptRecord, load_prompt_jsonl
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
 from megatron_qrl.rl.checkpoint import load_driver_checkpoint, save_driver_checkpoint
 from megatron_qrl.rl.forward import forward_plan
+from megatron_qrl.rl.start_model import (
+    HFTokenizer,
+    StartCheckpoint,
+    check_uaq_once,
+    load_start_weights,
+    load_tokenizer,
+    read_start_checkpoint,
+)
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
 from megatron_qrl.rl.sync import make_engine, sync_weights
 from megatron_qrl.rl.trainer import PolicyTrainer, build_policy, make_optimizer
@@ -35,28 +44,39 @@ EngineFactory = Callable[[Any, dict, int], Any]
 class JobData:
     """Tokenizer, prompts and model shape of a job."""
 
-    tokenizer: CharTokenizer
+    tokenizer: CharTokenizer | HFTokenizer
     records: list[PromptRecord]
     hf_config: dict
     arch: ModelArch
+    start: StartCheckpoint | None = None
+    """``--qrl-model checkpoint``: the weights to start from (None: random init)."""
+
+
+def _checkpoint_job(configs: dict[str, Any]) -> tuple[CharTokenizer | HFTokenizer, StartCheckpoint]:
+    start = read_start_checkpoint(configs["run"].checkpoint)
+    check_uaq_once(start, configs["uaq"].enabled)
+    tok = load_tokenizer(start.path)
+    if tok.vocab_size > start.arch.vocab_size:
+        raise ValueError(f"--qrl-checkpoint {start.path}: the tokenizer has {tok.vocab_size} "
+                         f"tokens, the model's vocab_size is {start.arch.vocab_size}; the "
+                         "tokenizer does not belong to this model")
+    return tok, start
 
 
 def prepare_job(configs: dict[str, Any]) -> JobData:
-    """The task's records and the model config named by ``--qrl-model``."""
+    """The task's records, tokenizer and model named by ``--qrl-model`` (no weights read)."""
     run, task = configs["run"], configs["task"]
-    tok = CharTokenizer()
     if task.prompts:
         records = load_prompt_jsonl(task.prompts)
     else:
         records = [PromptRecord(p["prompt"], p["answer"]) for p in addition_problems(
             task.num_prompts, run.seed, task.digits_min, task.digits_max)]
     if run.model == "checkpoint":
-        raise NotImplementedError(
-            "--qrl-model checkpoint: the single-process driver trains the built-in tiny models "
-            "only (HF tokenizers and checkpoint loading in qrl-train are not implemented yet); "
-            "use --qrl-model tiny-moe or tiny-dense")
-    cfg = (tiny_moe_config if run.model == "tiny-moe" else tiny_dense_config)(tok.vocab_size)
-    return JobData(tok, records, cfg, arch_from_dict(cfg, source=f"--qrl-model {run.model}"))
+        tok, start = _checkpoint_job(configs)
+        return JobData(tok, records, start.hf_config, start.arch, start)
+    char = CharTokenizer()
+    cfg = (tiny_moe_config if run.model == "tiny-moe" else tiny_dense_config)(char.vocab_size)
+    return JobData(char, records, cfg, arch_from_dict(cfg, source=f"--qrl-model {run.model}"))
 
 
 def _apply_uaq(trainer: PolicyTrainer, data: JobData, scale: float) -> None:
@@ -93,8 +113,10 @@ def _postfix(rec: dict[str, Any]) -> dict[str, str]:
     def f(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3g}"
 
+    route = {} if rec.get("routing_agreement") is None else {
+        "route": f(rec["routing_agreement"])}
     return {"reward": f(rec["reward_mean"]), "kl": f(rec["mismatch_kl"]),
-            "clip": f(rec["clip_frac"]), "err": f(rec["error_token_rate"]),
+            "clip": f(rec["clip_frac"]), "err": f(rec["error_token_rate"]), **route,
             "t(ro/rc/tr/sy)": "/".join(f"{rec[k]:.2f}" for k in (
                 "time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s"))}
 
@@ -105,6 +127,9 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     plan = forward_plan(configs, data.arch)
     _seed_megatron(run.seed)
     trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, plan))
+    if data.start is not None:
+        load_start_weights(trainer.module, data.start)
+        plan.weights_changed()
     if start_weights is not None:
         trainer.module.load_state_dict(start_weights, strict=False)
         plan.weights_changed()

@@ -48,6 +48,7 @@ class StepContext:
 
     configs: dict[str, Any]
     tokenizer: CharTokenizer
+    """The char tokenizer or a ``rl.start_model.HFTokenizer`` (``bos_id`` may be None)."""
     records: Sequence[PromptRecord]
     trainer: PolicyTrainer
     engine: RolloutEngine
@@ -57,7 +58,8 @@ class StepContext:
     """``sync(version)``: push the trainer's weights to the engine as ``version``."""
 
     def prompt_ids(self, rec: PromptRecord) -> list[int]:
-        return [self.tokenizer.bos_id, *self.tokenizer.encode(rec.prompt)]
+        bos = self.tokenizer.bos_id
+        return [*(() if bos is None else (bos,)), *self.tokenizer.encode(rec.prompt)]
 
 
 def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = False):
@@ -121,6 +123,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t1 = time.perf_counter()
     mbs = split_batch(batch, run.micro_batch_size)
     old = ctx.trainer.log_probs(mbs, ctx.loss_fn)
+    agreement = ctx.trainer.last_routing_agreement
     for mb, lp in zip(mbs, old):
         mb["old_log_probs"] = lp
     t2 = time.perf_counter()
@@ -130,7 +133,13 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t3 = time.perf_counter()
     ctx.sync(step + 1)
     t4 = time.perf_counter()
-    return _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    return {**rec, "routing_agreement": agreement}
+
+
+def _nonneg(v: float | None) -> float | None:
+    """The k3 estimate of a KL is >= 0 in exact arithmetic; fp32 gives ~-1e-10 at equality."""
+    return None if v is None else max(float(v), 0.0)
 
 
 def _record(step: int, rewards: torch.Tensor, texts: list[str], batch: dict,
@@ -143,7 +152,7 @@ def _record(step: int, rewards: torch.Tensor, texts: list[str], batch: dict,
     return {
         "step": step, "phase": "rl", "reward_mean": float(rewards.mean()),
         "accuracy": float((rewards >= 1.0).float().mean()),
-        "mismatch_kl": first.get("kl_behav_prox_k3"),
+        "mismatch_kl": _nonneg(first.get("kl_behav_prox_k3")),
         "clip_frac": agg.get("clip_frac_low", 0.0) + agg.get("clip_frac_high", 0.0),
         "error_token_rate": agg.get("error_token_rate"),
         "response_len": float(mask.sum(1).float().mean()),

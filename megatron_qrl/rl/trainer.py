@@ -92,11 +92,37 @@ def _replay_ids(batch: dict) -> torch.Tensor | None:
     return None if ids is None else tokens_from_batch(ids.clamp_min(0))
 
 
-def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any):
+def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
+    """``(sum of per-token agreement, tokens)`` of the last forward against the engine's
+    routing (moe.routing_agreement averaged over MoE layers; tokens the engine never routed,
+    marked -1, are left out). None when the rollout carries no routing or this rank holds a
+    sequence-parallel shard of the tokens."""
+    from megatron_qrl.moe import recorded_ids, routing_agreement, tokens_from_batch
+
+    ids = batch.get("routed_experts")
+    if ids is None:
+        return None
+    rollout = tokens_from_batch(ids)
+    own = recorded_ids(replay, rollout.shape[1]).to(rollout.device)
+    if own.shape != rollout.shape:
+        return None
+    keep = (rollout >= 0).flatten(1).all(1)
+    n = int(keep.sum())
+    if n == 0:
+        return 0.0, 0
+    return float(routing_agreement(own[keep], rollout[keep]).mean()) * n, n
+
+
+def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,
+                  routing_sink: list | None = None):
     batch = next(data_iterator)
     if replay is not None:
         replay.set_micro_batch(_replay_ids(batch))
     logits = model(batch["tokens"], batch["position_ids"], None)
+    if routing_sink is not None and replay is not None:
+        counts = _routing_counts(replay, batch)
+        if counts is not None:
+            routing_sink.append(counts)
     return logits, partial(loss_fn, batch)
 
 
@@ -105,13 +131,18 @@ class PolicyTrainer:
 
     def __init__(self, policy: PolicyModel) -> None:
         self.policy = policy
+        self.last_routing_agreement: float | None = None
+        """Mean over MoE layers of the fraction of (token, expert) choices of the last
+        :meth:`log_probs` (pi_prox recompute) where the trainer's own top-k equals the
+        engine's routed experts; None for dense models or rollouts without routing."""
 
     @property
     def module(self) -> torch.nn.Module:
         """The bare GPTModel (no DDP wrapper)."""
         return self.policy.ddp.module
 
-    def _run(self, microbatches: Sequence[dict], loss_fn: Callable, forward_only: bool) -> list:
+    def _run(self, microbatches: Sequence[dict], loss_fn: Callable, forward_only: bool,
+             routing_sink: list | None = None) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not microbatches:
@@ -122,7 +153,8 @@ class PolicyTrainer:
             if replay is not None else contextlib.nullcontext()
         with ctx:
             return get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay),
+                forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay,
+                                          routing_sink=routing_sink),
                 data_iterator=iter(microbatches), model=[self.policy.ddp],
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                 forward_only=forward_only, collect_non_loss_data=forward_only)
@@ -132,10 +164,13 @@ class PolicyTrainer:
         """Per-token log-probs of ``labels`` for every micro batch (no grad; pi_prox; routing
         replayed when ``--qrl-routing-replay`` is recompute or all)."""
         self.policy.ddp.eval()
+        sink: list[tuple[float, int]] = []
         try:
-            store = self._run(microbatches, loss_fn, True)
+            store = self._run(microbatches, loss_fn, True, sink)
         finally:
             self.policy.ddp.train()
+        tokens = sum(n for _, n in sink)
+        self.last_routing_agreement = sum(a for a, _ in sink) / tokens if tokens else None
         return [d["log_probs"].float() for d in store]
 
     def train_step(self, microbatches: Sequence[dict], loss_fn: Callable

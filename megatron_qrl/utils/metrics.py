@@ -33,6 +33,7 @@ __all__ = [
     "compare_runs",
     "plot_run",
     "read_metrics",
+    "sft_panel_points",
     "summarize_run",
 ]
 
@@ -186,19 +187,38 @@ def _save_png(fig: Any, path: Path) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
+def sft_panel_points(records: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, float]]]:
+    """``(label, [(step, value)])`` of the SFT phase for the first panel: its rewards when
+    SFT steps log ``reward_mean``, else its ``sft_loss``."""
+    sft = [r for r in records if r.get("phase") == "sft"]
+    rewards = [(r["step"], r["reward_mean"]) for r in sft if r.get("reward_mean") is not None]
+    if rewards:
+        return "SFT reward", rewards
+    return "SFT loss", [(r["step"], r["sft_loss"]) for r in sft if r.get("sft_loss") is not None]
+
+
 def plot_run(records: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """PNG with reward, mismatch KL and clip fraction against step (SFT steps shaded)."""
+    """PNG with reward, mismatch KL and clip fraction against step (SFT steps shaded; the
+    first panel shows the SFT loss on a right-hand axis, see :func:`sft_panel_points`)."""
     plt = _pyplot()
     fig, axes = plt.subplots(len(PLOT_KEYS), 1, figsize=(7, 7), sharex=True)
     sft = [r["step"] for r in records if r["phase"] == "sft"]
     for ax, (key, title) in zip(axes, PLOT_KEYS):
-        pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        pts = [(r["step"], r[key]) for r in records
+               if r.get(key) is not None and not (ax is axes[0] and r["phase"] == "sft")]
         if pts:
             ax.plot(*zip(*pts), marker=".", linewidth=1)
         if sft:
             ax.axvspan(min(sft), max(sft), color="0.9", label="sft")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
+    label, sft_pts = sft_panel_points(records)
+    if sft_pts:
+        twin = axes[0] if label == "SFT reward" else axes[0].twinx()
+        twin.plot(*zip(*sft_pts), marker=".", linewidth=1, color="tab:orange", label=label)
+        twin.legend(loc="upper left", fontsize=8)
+        if twin is not axes[0]:
+            twin.set_ylabel(label)
     axes[-1].set_xlabel("step")
     return _save_png(fig, Path(path))
 
