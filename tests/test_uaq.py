@@ -321,3 +321,10 @@ def test_default_scale_follows_the_learning_rate():
     assert default_uaq_scale(1e-5) == 1.0
     with pytest.raises(ValueError, match="learning rate"):
         default_uaq_scale(0.0)
+
+
+def test_converter_metadata_with_null_scale_counts_as_unscaled():
+    from megatron_qrl.quant.uaq import check_not_already_scaled, read_uaq_scale
+
+    assert read_uaq_scale({"uaq_scale": None}) == 1.0
+    check_not_already_scaled({"uaq_scale": None, "architecture": "Qwen3MoeForCausalLM"})

@@ -118,8 +118,12 @@ def uaq_metadata(scale: float) -> dict[str, float]:
 
 
 def read_uaq_scale(meta: Mapping[str, object] | None) -> float:
-    """The UAQ scale recorded in checkpoint metadata; 1.0 when none is recorded."""
-    if not meta or UAQ_METADATA_KEY not in meta:
+    """The UAQ scale recorded in checkpoint metadata; 1.0 when none is recorded.
+
+    ``None`` (the converter writes ``"uaq_scale": null`` for an unscaled checkpoint) counts
+    as not recorded.
+    """
+    if not meta or meta.get(UAQ_METADATA_KEY) is None:
         return 1.0
     raw = meta[UAQ_METADATA_KEY]
     try:
