@@ -6,8 +6,9 @@
 #   head node:    ROLE=head   CKPT=/data/Qwen3-30B-A3B bash examples/run_qwen3_30b_a3b.sh
 #   other nodes:  ROLE=worker HEAD_ADDR=10.0.0.1 bash examples/run_qwen3_30b_a3b.sh
 #   variants:     VARIANT=fp8 (default) | nvfp4 | nvfp4-w4a4 (Blackwell) | qarl
-# STATUS: the Ray driver (--qrl-mode disaggregated) is not implemented yet; qrl-train stops
-# with an error naming --qrl-mode. Ray start/stop and the flag arrays are the intended layout.
+# STATUS: --qrl-mode disaggregated runs on Ray with the reference engine (tested on CPU), but
+# qrl-train does not yet take Megatron flags after `--` (multi-GPU trainer) nor SGLang engines
+# in Ray modes: it stops with an error naming them. The flag arrays are the intended layout.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_30b_a3b.sh"

@@ -3,8 +3,9 @@
 # (FP8 rollouts by default), TIS correction. Needs an HF checkpoint directory.
 #   CKPT=/data/Qwen3-4B bash examples/run_qwen3_4b_1gpu.sh
 #   CKPT=... FORMAT=int8 LOSS=acr bash examples/run_qwen3_4b_1gpu.sh
-# STATUS: the Ray/SGLang driver (--qrl-mode colocated) is not implemented yet; qrl-train
-# stops with an error naming --qrl-mode. The flag arrays below are the intended layout.
+# STATUS: --qrl-mode colocated runs on Ray with the reference engine (tested on CPU), but
+# qrl-train does not yet take Megatron flags after `--` nor SGLang engines in Ray modes: it
+# stops with an error naming them. The flag arrays below are the intended layout.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"
