@@ -17,14 +17,19 @@ CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "voc
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [3]]
 
 
-@pytest.fixture(scope="module")
-def source():
-    torch.manual_seed(0)
+def random_source(seed=0):
+    """The trainer-side HF model whose weights the tests sync (std 0.2: no near-ties)."""
+    torch.manual_seed(seed)
     model = build_hf_model(CFG, torch.float32, "cpu")
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.normal_(0, 0.2)
     return model
+
+
+@pytest.fixture(scope="module")
+def source():
+    return random_source()
 
 
 def _engine(source, fmt="int8", seed=0):

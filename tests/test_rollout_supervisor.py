@@ -6,9 +6,9 @@ import torch
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.hf_reference import hf_tensors
 from megatron_qrl.rollout import SamplingParams, WeightManifest
-from megatron_qrl.rollout.reference import ReferenceEngine, build_hf_model
+from megatron_qrl.rollout.reference import ReferenceEngine
 from megatron_qrl.rollout.supervisor import EngineDiedError, EngineSupervisor
-from tests.test_rollout_reference import CFG, PROMPTS
+from tests.test_rollout_reference import CFG, PROMPTS, random_source
 
 
 class DiesOnce(ReferenceEngine):
@@ -31,12 +31,7 @@ class DiesOnce(ReferenceEngine):
 
 @pytest.fixture(scope="module")
 def weights():
-    torch.manual_seed(0)
-    model = build_hf_model(CFG, torch.float32, "cpu")
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.normal_(0, 0.2)
-    return model
+    return random_source()
 
 
 def _stream(model):
