@@ -31,7 +31,8 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # ray runs on CPU: the Ray-mode tests run in CI too
+        "test": ["pytest>=8", "ruff>=0.6", "ray>=2.40"],
         "ray": ["ray>=2.40"],
         # GPU-only: neither installs nor imports on a CPU machine; imported lazily.
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang>=0.5.17"],
