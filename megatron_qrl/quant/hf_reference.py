@@ -24,20 +24,29 @@ _EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_pro
 
 def load_packed_weights(
     model: nn.Module, spec: QuantSpec, packed: Mapping[str, torch.Tensor], names: Iterable[str]
-) -> None:
-    """Set ``model``'s parameters for HF tensor ``names`` from the packed rollout tensors."""
+) -> list[str]:
+    """Set ``model``'s parameters for HF tensor ``names`` from the packed rollout tensors.
+
+    Each tensor is dequantized once and read back after the copy; returns the names whose
+    stored value differs from ``dequantize(unpack(packed))`` (empty when the load is exact).
+    """
     params = dict(model.named_parameters())
+    differ = []
     with torch.no_grad():
         for name in names:
             got = spec.unpack(name, packed, dtype=torch.float32)
             w = spec.dequantize(got) if spec.is_quantized(name) else got
-            _assign(model, params, name, w)
+            target = _assign(model, params, name, w)
+            if target is not None and not torch.equal(target, w.to(target.dtype)):
+                differ.append(name)
+    return differ
 
 
-def _assign(model: nn.Module, params: dict, name: str, w: torch.Tensor) -> None:
+def _assign(model: nn.Module, params: dict, name: str, w: torch.Tensor) -> torch.Tensor | None:
+    """Copy ``w`` into the parameter (or fused-expert slice) of ``name``; return that view."""
     if name in params:
         params[name].copy_(w.to(params[name].dtype))
-        return
+        return params[name]
     m = _EXPERT.match(name)
     if m is not None and f"{m['moe']}.gate_up_proj" in params:  # transformers 5 fused experts
         e = int(m["e"])
@@ -48,9 +57,9 @@ def _assign(model: nn.Module, params: dict, name: str, w: torch.Tensor) -> None:
             half = fused.shape[0] // 2
             target = fused[:half] if m["proj"] == "gate_proj" else fused[half:]
         target.copy_(w.to(target.dtype))
-        return
+        return target
     if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-        return
+        return None
     raise KeyError(f"the model has no parameter for packed tensor {name!r}")
 
 

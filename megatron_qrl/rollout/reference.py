@@ -19,7 +19,6 @@ from ..quant import get_spec
 from ..quant.hf_reference import (
     attach_activation_quant,
     hf_tensor_names,
-    hf_tensors,
     load_packed_weights,
 )
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError, tensor_checksum
@@ -68,20 +67,13 @@ class ReferenceEngine(RolloutEngine):
                 f"weight sync for format {self.spec.name!r} is incomplete: missing {missing[:5]}, "
                 f"unexpected {unknown[:5]} (sender and engine disagree on the model or format)")
         names = [n for n in self._names if not (tied and n == "lm_head.weight")]
-        load_packed_weights(self.model, self.spec, packed, names)
-        self._check_loaded(packed, names)
+        # the model must compute with exactly dequantize(unpack(packed)) for every tensor
+        differ = load_packed_weights(self.model, self.spec, packed, names)
+        if differ:
+            raise WeightSyncError(f"engine failed to load {differ[0]!r} (and {len(differ) - 1} "
+                                  "more): its weight differs from the dequantized packed tensor")
         self._packed = packed
         self._version = version
-
-    def _check_loaded(self, packed: dict[str, torch.Tensor], names: list[str]) -> None:
-        """The model computes with exactly dequantize(unpack(packed)) for every tensor."""
-        held = dict(hf_tensors(self.model))
-        for name in names:
-            got = self.spec.unpack(name, packed, dtype=held[name].dtype)
-            want = self.spec.dequantize(got) if self.spec.is_quantized(name) else got
-            if not torch.equal(held[name], want.to(held[name].dtype)):
-                raise WeightSyncError(f"engine failed to load {name!r}: its weight differs from "
-                                      "the dequantized packed tensor")
 
     def held_checksums(self) -> dict[str, str]:
         return {name: tensor_checksum(t) for name, t in self._packed.items()}
