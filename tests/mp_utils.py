@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import queue as queue_mod
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,12 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from megatron_qrl.compat.distributed import free_port  # noqa: F401  (re-exported for tests)
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, results, threads):

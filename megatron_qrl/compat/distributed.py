@@ -10,6 +10,7 @@ Tested with megatron-core 0.16.1.
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,13 @@ class CpuParallelLayout:
     """Expert-model-parallel size."""
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local gloo rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def init_cpu_distributed(
     rank: int,
     world_size: int,
@@ -49,7 +57,7 @@ def init_cpu_distributed(
 
     Args:
         rank / world_size / port: this process, the group size and the rendezvous port
-            (use :func:`tests.mp_utils.free_port` or any free TCP port on 127.0.0.1).
+            (use :func:`free_port` or any free TCP port on 127.0.0.1).
         tp / pp / ep / etp: tensor / pipeline / expert / expert-tensor parallel sizes;
             ``world_size`` must be divisible by ``tp * pp`` (data parallel takes the rest).
         seed: passed to ``model_parallel_cuda_manual_seed`` (routed to the CPU generator).

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ from typing import Any
 import torch
 
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
+from megatron_qrl.utils.io import atomic_directory
 
 METADATA_NAME = "megatron_qrl.json"
 FORMAT = "megatron_qrl.dist_ckpt.v1"
@@ -81,11 +79,5 @@ def atomic_output_dir(out: str | Path) -> Iterator[Path]:
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new --out or remove it first")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, overwrite=False) as tmp:
         yield tmp
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import re
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,16 +21,12 @@ from megatron_qrl.models.builder import (
 from megatron_qrl.models.hf_config import ModelArch
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def single_process_megatron() -> Iterator[None]:
     """A world of one rank (gloo) with TP = EP = 1; on a CPU-only host, megatron's CPU shim."""
     from megatron.core import parallel_state
+
+    from megatron_qrl.compat.distributed import free_port
 
     if dist.is_initialized():
         raise RuntimeError("single_process_megatron(): torch.distributed is already initialised; "
@@ -39,11 +34,11 @@ def single_process_megatron() -> Iterator[None]:
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         from megatron_qrl.compat import cpu_device_mode, init_cpu_distributed
-        init_cpu_distributed(0, 1, _free_port())
+        init_cpu_distributed(0, 1, free_port())
         mode: Any = cpu_device_mode()
     else:
         torch.cuda.set_device(0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(minutes=30))
         parallel_state.initialize_model_parallel()
         mode = contextlib.nullcontext()

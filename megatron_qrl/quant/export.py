@@ -4,20 +4,19 @@ Used for post-training quantization after RL (the rlquant study, ALGORITHMS.md s
 and to start a low-bit rollout engine from disk. The packed tensors come from
 :meth:`QuantSpec.pack_state_dict` — the same function weight sync uses — and config.json
 gets the spec's ``quantization_config``. Output is written to a temporary sibling directory
-and renamed into place only when complete.
+and renamed into place only when complete (:func:`~megatron_qrl.utils.io.atomic_directory`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from tqdm import tqdm
 
 from ..models.hf_config import load_hf_config
 from ..models.hf_io import HFCheckpointReader, copy_side_files, write_safetensors
+from ..utils.io import atomic_directory
 from . import get_spec
 
 
@@ -47,14 +46,9 @@ def export_quantized(
     reader.check_against(arch)
     if out.exists() and not overwrite:
         raise ExportError(f"--out {out} already exists; remove it or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        names = reader.names()
+    with atomic_directory(out, overwrite=overwrite) as tmp:
         stream = ((n, reader.get(n)) for n in tqdm(
-            names, desc=f"quantize {fmt}", unit="tensor", disable=not progress))
+            reader.names(), desc=f"quantize {fmt}", unit="tensor", disable=not progress))
         write_safetensors(spec.pack_state_dict(stream), tmp, max_shard_bytes=max_shard_bytes)
         copy_side_files(hf_dir, tmp)
         qcfg = spec.hf_quantization_config()
@@ -62,10 +56,4 @@ def export_quantized(
         if qcfg is not None:
             new_cfg["quantization_config"] = qcfg
         (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -22,6 +22,19 @@ from .targets import is_quantized
 _EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+def build_hf_model(hf_config: dict, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """A transformers model from an HF config dict, randomly initialised (no hub access)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(hf_config)
+    cfg.pop("architectures", None)
+    cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
 def load_packed_weights(
     model: nn.Module, spec: QuantSpec, packed: Mapping[str, torch.Tensor], names: Iterable[str]
 ) -> list[str]:

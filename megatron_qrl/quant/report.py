@@ -19,20 +19,16 @@ import torch
 from tqdm import tqdm
 
 from . import get_spec, list_specs
-from .hf_reference import hf_tensors, quantized_copy
+from .hf_reference import build_hf_model, hf_tensors, quantized_copy
 from .targets import layer_kind
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "data" / "configs" / "quant_report_qwen3_moe.json"
 
 
 def build_model(config_path: Path, seed: int) -> torch.nn.Module:
-    """A randomly initialised HF model from a config.json (no hub access)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg_dict = json.loads(Path(config_path).read_text())
-    cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    """A randomly initialised fp32 HF model from a config.json (no hub access)."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return build_hf_model(json.loads(Path(config_path).read_text()), torch.float32)
 
 
 def weight_stats(model: torch.nn.Module, fmt: str) -> dict:
@@ -48,7 +44,7 @@ def weight_stats(model: torch.nn.Module, fmt: str) -> dict:
         if kind is None or not spec.is_quantized(name):
             continue
         rollout = spec.dequantize(spec.unpack(name, packed, dtype=w.dtype))
-        if not torch.equal(rollout, spec.fake_quant_weight(w, global_amax=_group_amax(spec, name, tensors))):
+        if not torch.equal(rollout, spec.fake_quant_weight(w, global_amax=spec.shared_amax(name, tensors))):
             mismatched += 1
         sig[kind] = sig.get(kind, 0.0) + float(w.double().pow(2).sum())
         err[kind] = err.get(kind, 0.0) + float((w.double() - rollout.double()).pow(2).sum())
@@ -58,13 +54,6 @@ def weight_stats(model: torch.nn.Module, fmt: str) -> dict:
     nbytes = sum(t.numel() * (2 if n in tensors and not spec.is_quantized(n) else t.element_size())
                  for n, t in packed.items())
     return {"sqnr_db": sqnr, "contract_mismatches": mismatched, "packed_bytes": nbytes}
-
-
-def _group_amax(spec, name, tensors):
-    group = spec.fusion_group(name)
-    if group is None:
-        return None
-    return max(float(tensors[m].abs().max()) for m in group[1])
 
 
 def logit_stats(model, fmt, input_ids) -> dict:

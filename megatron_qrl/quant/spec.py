@@ -191,7 +191,7 @@ class QuantSpec:
             got[name] = w
             if len(got) == len(members):
                 del pending[key]
-                shared = max(float(_amax_all(got[m])) for m in members)
+                shared = self.shared_amax(name, got)
                 for m in members:
                     yield from self.pack(m, got[m], global_amax=shared)
         if pending:
@@ -200,6 +200,14 @@ class QuantSpec:
                 f"{self.name}: fused groups incomplete at end of stream (q/k/v and gate/up "
                 f"must be sent together so they share one scale): {missing}"
             )
+
+    def shared_amax(self, hf_name: str, tensors: Mapping[str, torch.Tensor]) -> float | None:
+        """The amax ``hf_name`` must be quantized with: the max over its fused group's members
+        in ``tensors`` (None for formats or weights without a shared per-tensor scale)."""
+        group = self.fusion_group(hf_name)
+        if group is None:
+            return None
+        return max(float(_amax_all(tensors[m])) for m in group[1])
 
     def fusion_group(self, hf_name: str) -> tuple[str, tuple[str, ...]] | None:
         """Fused group whose members must share a per-tensor scale (None if not needed)."""

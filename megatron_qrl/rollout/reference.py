@@ -18,24 +18,12 @@ import torch
 from ..quant import get_spec
 from ..quant.hf_reference import (
     attach_activation_quant,
+    build_hf_model,
     hf_tensor_names,
     load_packed_weights,
 )
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError, tensor_checksum
 from .sampling import sample_next
-
-
-def build_hf_model(hf_config: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """A transformers model from an HF config dict (weights are placeholders until synced)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(hf_config)
-    cfg.pop("architectures", None)
-    cfg.pop("quantization_config", None)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
 
 
 class ReferenceEngine(RolloutEngine):
