@@ -77,6 +77,19 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()
     """Stop strings: generation of a response ends after the first one it produces."""
 
+    sglang_sync: Literal["auto", "tensor", "disk", "inplace"] = "auto"
+    """SGLang weight-sync path: tensor (update_weights_from_tensor, colocated), disk
+    (safetensors in --qrl-rollout-sglang-sync-dir + update_weights_from_disk), inplace
+    (tensor buckets re-processed into the engine's live quantized layout), auto (the
+    engine's choice per format)."""
+
+    sglang_sync_dir: str = "/dev/shm"
+    """Directory for --qrl-rollout-sglang-sync disk (fast local storage)."""
+
+    sglang_mem_fraction: float = 0.5
+    """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
+    (the trainer needs the rest when colocated)."""
+
     nvfp4_w4a4: bool = False
     """NVFP4 rollouts with FP4 activations too (W4A4); needs a Blackwell GPU (compute
     capability >= 10). Off: NVFP4 is weight-only (W4A16, Marlin on Hopper)."""
@@ -86,6 +99,9 @@ class RolloutConfig:
             raise ValueError(f"--qrl-rollout-format {self.format!r} is not a registered "
                              f"QuantSpec; choose one of {', '.join(list_specs())}")
         _choice("--qrl-rollout-engine", self.engine, ("reference", "sglang"))
+        _choice("--qrl-rollout-sglang-sync", self.sglang_sync, ("auto", "tensor", "disk", "inplace"))
+        _real("--qrl-rollout-sglang-mem-fraction", self.sglang_mem_fraction, 0.0, 1.0,
+              low_open=True)
         _int("--qrl-rollout-n-samples-per-prompt", self.n_samples_per_prompt, 1)
         _int("--qrl-rollout-max-new-tokens", self.max_new_tokens, 1)
         _real("--qrl-rollout-temperature", self.temperature, 0.0, low_open=True)

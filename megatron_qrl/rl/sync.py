@@ -68,7 +68,8 @@ def make_engine(rollout_cfg: Any, hf_config: dict, seed: int) -> RolloutEngine:
                 f"checkout does not have ({exc}); update megatron_qrl") from None
         return ReferenceEngine(hf_config, rollout_cfg.format, device="cpu",
                                dtype=torch.float32, seed=seed)
-    raise NotImplementedError(
-        f"--qrl-rollout-engine {rollout_cfg.engine}: the single-process driver (qrl-train) runs "
-        "the reference engine only; SGLang engines need the Ray driver (colocated / "
-        "disaggregated), which is not implemented yet. Use --qrl-rollout-engine reference")
+    if rollout_cfg.engine == "sglang":
+        from megatron_qrl.rollout_sglang.launch import start_job_engine
+
+        return start_job_engine(rollout_cfg, hf_config, seed)
+    raise NotImplementedError(f"--qrl-rollout-engine {rollout_cfg.engine}: no such engine")

@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Rollout decode throughput of each format on SGLang, as ratios to BF16 from the same run.
+
+    python bench/rollout_throughput.py --variants bf16,fp8_block,fp8_block:sglang,fp8,int8 \
+        --batches 256,64 --new 512 --out bench/results/throughput.jsonl
+
+Each variant starts its own ``sglang.Engine`` (fresh process, ``load_format="dummy"``) on a
+Qwen3-30B-A3B-shaped config (``megatron_qrl/data/configs/qwen3_30b_a3b.json``) whose
+``quantization_config`` is the one our export writes for the format
+(``QuantSpec.hf_quantization_config``), with the engine arguments SGLangEngine uses. Variant
+``FMT`` uses the fused-MoE configs shipped in megatron_qrl (tools/tune_fused_moe.py),
+``FMT:sglang`` SGLang's own (its shipped file or its default heuristic). 128 random prompt
+tokens, ``--new`` generated tokens, ignore_eos; decode tok/s excludes the prefill time.
+Also printed: weight bytes read per decode step / step time as a fraction of the device-to-
+device copy bandwidth measured at the start of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
+
+
+def copy_bandwidth_gbs(gib: int = 4, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth (read + write bytes / s), GB/s."""
+    import torch
+
+    n = gib * 2**30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / reps
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / dt / 1e9
+
+
+def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: dict) -> dict:
+    """Run one variant in this process; returns its result record."""
+    import sglang
+
+    from megatron_qrl.rollout_sglang.engine import engine_args_for
+    from megatron_qrl.rollout_sglang.launch import write_engine_dir
+
+    fmt = variant.split(":")[0]
+    cfg = json.loads(MODEL_CONFIG.read_text())
+    d = write_engine_dir(cfg, fmt, root="/tmp")
+    kw = engine_args_for(fmt, is_moe=True)
+    kw |= {"model_path": str(d), "load_format": "dummy", "mem_fraction_static": 0.85,
+           "enable_return_routed_experts": False, "cuda_graph_max_bs_decode": max(batches),
+           "cuda_graph_bs_decode": sorted({1, *batches}), "cuda_graph_backend_prefill": "disabled",
+           "random_seed": 0, "log_level": "warning"}
+    kw |= extra
+    t0 = time.time()
+    eng = sglang.Engine(**kw)
+    res = {"variant": variant, "format": fmt, "moe_config_dir": os.environ.get("SGLANG_MOE_CONFIG_DIR"),
+           "startup_s": round(time.time() - t0, 1)}
+    info = eng.get_server_info()
+    for st in info.get("internal_states", [])[:1]:
+        res["weight_gb"] = st.get("memory_usage", {}).get("weight")
+    rng = random.Random(0)
+    for bs in batches:
+        ids = [[rng.randrange(1000, 150000) for _ in range(prompt_len)] for _ in range(bs)]
+        sp = {"max_new_tokens": new, "ignore_eos": True, "temperature": 1.0}
+        eng.generate(input_ids=ids, sampling_params={**sp, "max_new_tokens": 32})  # warm-up
+        t = time.time()
+        out = eng.generate(input_ids=ids, sampling_params=sp)
+        dt = time.time() - t
+        tp = time.time()
+        eng.generate(input_ids=ids, sampling_params={**sp, "max_new_tokens": 1})
+        tp = time.time() - tp
+        ntok = sum(len(o["output_ids"]) for o in out)
+        res[f"bs{bs}"] = {"out_tokens": ntok, "wall_s": round(dt, 3), "prefill_s": round(tp, 3),
+                          "decode_tok_s": round((ntok - bs) / max(dt - tp, 1e-6), 1)}
+        print("STEP", variant, json.dumps(res[f"bs{bs}"]), flush=True)
+    eng.shutdown()
+    return res
+
+
+def _env_for(variant: str) -> dict:
+    env = dict(os.environ)
+    env.pop("SGLANG_MOE_CONFIG_DIR", None)
+    if not variant.endswith(":sglang"):
+        from megatron_qrl.rollout_sglang.moe_configs import config_dir_for_engine
+
+        d = config_dir_for_engine()
+        if d:
+            env["SGLANG_MOE_CONFIG_DIR"] = d
+    return env
+
+
+def table(results: list[dict], batches: list[int], bw_gbs: float) -> str:
+    base = next((r for r in results if r["variant"] == "bf16" and "error" not in r), None)
+    lines = [f"device-to-device copy bandwidth: {bw_gbs:.0f} GB/s", "",
+             "| variant | weights GB | " + " | ".join(
+                 f"bs {b} decode tok/s (x bf16) | bs {b} weight-read BW share" for b in batches)
+             + " |", "|---|---|" + "---|---|" * len(batches)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |")
+            continue
+        cells = []
+        for b in batches:
+            x = r[f"bs{b}"]["decode_tok_s"]
+            ratio = f"{x / base[f'bs{b}']['decode_tok_s']:.2f}" if base else "n/a"
+            step_s = b / x
+            share = (r.get("weight_gb") or 0) * 1.073741824 / step_s / bw_gbs
+            cells += [f"{x:,.0f} ({ratio})", f"{share:.0%}"]
+        lines.append(f"| {r['variant']} | {r.get('weight_gb') or 0:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="bf16,fp8_block,fp8,int8")
+    p.add_argument("--batches", default="256,64")
+    p.add_argument("--new", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--extra", default="{}", help="JSON of extra sglang.Engine arguments")
+    p.add_argument("--out", type=Path, default=None, help="append result records (JSONL)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    batches = [int(b) for b in a.batches.split(",")]
+    if a.child:
+        res = child(a.child, batches, a.new, a.prompt_len, json.loads(a.extra))
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    bw = copy_bandwidth_gbs()
+    print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
+    results = []
+    for v in a.variants.split(","):
+        cmd = [sys.executable, __file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
+               "--prompt-len", str(a.prompt_len), "--extra", a.extra]
+        t = time.time()
+        proc = subprocess.run(cmd, env=_env_for(v), capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        res = json.loads(lines[-1][7:]) if lines else {
+            "variant": v, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        res["total_s"] = round(time.time() - t, 1)
+        res["copy_bw_gbs"] = round(bw, 1)
+        results.append(res)
+        print(f"[bench] {v}: {json.dumps(res)}", flush=True)
+        if "error" in res:
+            sys.stderr.write(proc.stderr[-3000:])
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            with a.out.open("a") as f:
+                f.write(json.dumps(res) + "\n")
+    print(table(results, batches, bw), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Weight sync time trainer -> SGLang for a Qwen3-30B-A3B-shaped model, per format.
+
+    python bench/weight_sync.py --variants bf16:tensor,fp8_block:disk,int8:inplace \
+        --out bench/results/weight_sync.jsonl
+
+Colocated setting: the engine (``load_format="dummy"``, one H200) and the trainer's BF16
+weights share the GPU. The trainer side is a stream of HF-named BF16 tensors on the GPU
+(one layer's worth of random tensors, renamed for each of the 48 layers, so the trainer's
+copy costs 1.2 GB instead of 57 GB). Measured per variant, in one process:
+- ``pack_s``: ``QuantSpec.pack_state_dict`` over the whole stream, output discarded;
+- ``sync_s``: ``SGLangEngine.update_weights`` (pack + send in buckets + engine load +
+  weight_version check), the number the RL step pays;
+then one short greedy generate proves the engine still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
+
+
+def layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor names (without the ``model.layers.{i}.`` prefix) -> shape of one layer."""
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    q, kv, e, f = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, \
+        cfg["num_experts"], cfg["moe_intermediate_size"]
+    out = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+           "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+           "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+           "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+           "mlp.gate.weight": (e, h)}
+    for j in range(e):
+        out |= {f"mlp.experts.{j}.gate_proj.weight": (f, h), f"mlp.experts.{j}.up_proj.weight": (f, h),
+                f"mlp.experts.{j}.down_proj.weight": (h, f)}
+    return out
+
+
+def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]:
+    """Every HF tensor of the model, BF16 on ``device`` (one layer's random values reused)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    layer = {k: (torch.randn(s, generator=g, device=device) * (0.02 if len(s) > 1 else 1.0)
+                 + (0 if len(s) > 1 else 1.0)).bfloat16() for k, s in layer_shapes(cfg).items()}
+    v, h = cfg["vocab_size"], cfg["hidden_size"]
+    emb = (torch.randn(v, h, generator=g, device=device) * 0.02).bfloat16()
+    yield "model.embed_tokens.weight", emb
+    for i in range(cfg["num_hidden_layers"]):
+        for k, t in layer.items():
+            yield f"model.layers.{i}.{k}", t
+    yield "model.norm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
+    yield "lm_head.weight", emb
+
+
+def child(variant: str, bucket_mb: int) -> dict:
+    import torch
+
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.rollout_sglang.engine import SGLangEngine
+    from megatron_qrl.rollout_sglang.launch import write_engine_dir
+
+    fmt, sync = variant.split(":")
+    cfg = json.loads(MODEL_CONFIG.read_text())
+    d = write_engine_dir(cfg, fmt, root="/tmp")
+    spec = get_spec(fmt)
+    res: dict = {"variant": variant}
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    nbytes = 0
+    for _, p in spec.pack_state_dict(trainer_stream(cfg)):
+        nbytes += p.numel() * p.element_size()
+    torch.cuda.synchronize()
+    res["pack_s"] = round(time.perf_counter() - t, 2)
+    res["packed_gb"] = round(nbytes / 1e9, 2)
+    kw = {"load_format": "dummy", "mem_fraction_static": 0.55, "random_seed": 0,
+          "enable_return_routed_experts": False, "log_level": "warning",
+          "bucket_bytes": bucket_mb * 2**20}
+    if sync == "disk":
+        kw["sync_dir"] = "/dev/shm/qrl-sync"
+    t = time.perf_counter()
+    eng = SGLangEngine(d, fmt, sync=sync, **kw)
+    res["startup_s"] = round(time.perf_counter() - t, 1)
+    for version in (1, 2):  # the first sync also pays one-time costs (IPC setup, allocations)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.update_weights(spec.pack_state_dict(trainer_stream(cfg)), version=version)
+        res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
+    from megatron_qrl.rollout.base import SamplingParams
+
+    out = eng.generate([[1000 + i for i in range(16)]], SamplingParams(
+        max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=-1))
+    res["generated_tokens"] = int(out.mask.sum())
+    eng.shutdown()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="bf16:tensor,fp8_block:disk")
+    p.add_argument("--bucket-mb", type=int, default=1024)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print("RESULT " + json.dumps(child(a.child, a.bucket_mb)), flush=True)
+        return 0
+    rows = []
+    for v in a.variants.split(","):
+        t = time.time()
+        proc = subprocess.run([sys.executable, __file__, "--child", v, "--bucket-mb",
+                               str(a.bucket_mb)], capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        res = json.loads(lines[-1][7:]) if lines else {
+            "variant": v, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        res["total_s"] = round(time.time() - t, 1)
+        rows.append(res)
+        print(f"[sync] {json.dumps(res)}", flush=True)
+        if "error" in res:
+            sys.stderr.write(proc.stderr[-3000:])
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            with a.out.open("a") as f:
+                f.write(json.dumps(res) + "\n")
+    print("| variant | packed GB | pack s | sync s (first) | sync s (second) |\n|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | |")
+        else:
+            print(f"| {r['variant']} | {r['packed_gb']} | {r['pack_s']} | {r['sync_s_v1']} | "
+                  f"{r['sync_s_v2']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
