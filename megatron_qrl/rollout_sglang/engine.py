@@ -74,6 +74,16 @@ def default_sync(spec_name: str) -> str:
     return "inplace" if get_spec(spec_name).quantizes_weights else "tensor"
 
 
+def packed_suffixes(spec) -> tuple[str, ...]:
+    """The tensor suffixes ``spec`` packs a quantized linear into (``weight``,
+    ``weight_scale``, ...), read off :meth:`QuantSpec.packed_names`."""
+    probe = "model.layers.0.self_attn.o_proj.weight"
+    if not spec.is_quantized(probe):
+        return ()
+    mod = probe.rpartition(".")[0]
+    return tuple(n[len(mod) + 1:] for n in spec.packed_names(probe))
+
+
 def engine_args_for(spec_name: str, is_moe: bool) -> dict:
     """Engine arguments that work on the H200 recipe (shared/gpu/sglang-h200) for a format."""
     args = {
@@ -138,7 +148,8 @@ class SGLangEngine(RolloutEngine):
         adds the control tensor saying which modules are complete (:mod:`.inplace`)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
-        tracker = StreamTracker() if self.sync == "inplace" else None
+        tracker = (StreamTracker(packed_suffixes(self.spec)) if self.sync == "inplace"
+                   else None)
         load_format = LOADER if tracker else None
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0

@@ -79,6 +79,9 @@ class StreamTracker:
     The stream must send each module's tensors contiguously (``pack_state_dict`` does: q/k/v
     and an expert's gate/up/down are adjacent); a module that reappears is an error."""
 
+    suffixes: tuple[str, ...] = ()
+    """Checkpoint tensor suffixes of the format (``weight``, ``weight_scale``, ...): every
+    reloaded parameter with one of these names must receive all its shards."""
     current: str | None = None
     counts: dict[str, int] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)
@@ -106,7 +109,8 @@ class StreamTracker:
         """The control tensor for the bucket about to be sent (takes the done modules)."""
         if final:
             self._close()
-        msg = {"begin": not self.begun, "final": final, "done": self.done}
+        msg = {"begin": not self.begun, "final": final, "done": self.done,
+               "suffixes": list(self.suffixes)}
         self.begun, self.done = True, {}
         return encode_control(msg)
 
@@ -240,7 +244,7 @@ def needs_reload(module: torch.nn.Module | None) -> bool:
 class _Pending:
     states: list[_OwnerState]
     received: int = 0
-    loaded: list[int] = field(default_factory=lambda: [0])
+    loads: dict[str, int] = field(default_factory=dict)
 
 
 def _has(owner: object, name: str) -> bool:
@@ -250,16 +254,18 @@ def _has(owner: object, name: str) -> bool:
     return name in vars(owner)
 
 
-def _count_loads(param: torch.Tensor, counter: list[int]) -> None:
-    """Wrap ``param``'s weight loader so every call is counted (catches a name that
-    ``load_weights`` skips silently because no parameter carries it)."""
+def _count_loads(param: torch.Tensor, name: str, loads: dict[str, int]) -> None:
+    """Wrap ``param``'s weight loader so every call is counted per parameter (catches a
+    shard missing from the stream, and names ``load_weights`` skips silently)."""
     prop = isinstance(getattr(type(param), "weight_loader", None), property)
     orig = getattr(param, "_weight_loader" if prop else "weight_loader", None)
     if orig is None:
         return
 
+    loads[name] = 0
+
     def counted(*args, **kwargs):
-        counter[0] += 1
+        loads[name] += 1
         return orig(*args, **kwargs)
 
     setattr(param, "_weight_loader" if prop else "weight_loader", counted)
@@ -276,9 +282,9 @@ def _enter(key: str, module, pending: dict[str, _Pending]) -> list[_OwnerState]:
     entry = _Pending([_OwnerState() for _ in owners])
     with _creation_context(_device_of(live), getattr(module, "params_dtype", None)):
         create_checkpoint_params(module)
-    for p in module._parameters.values():
+    for name, p in module._parameters.items():
         if p is not None:
-            _count_loads(p, entry.loaded)
+            _count_loads(p, name, entry.loads)
     # what create_weights does not re-create (a bias, expert maps, buffers set at init)
     # stays live and visible while loading and processing
     for o, st in zip(owners, live):
@@ -370,7 +376,7 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
                 _leave(k, modules[k], pending, live, process=False)
         for k, n_sent in msg["done"].items():
             if k in pending:
-                _finish(k, modules[k], pending, n_sent)
+                _finish(k, modules[k], pending, n_sent, msg["suffixes"])
             elif needs_reload(modules.get(k)):
                 raise InplaceSyncError(f"in-place sync of {k}: declared complete with {n_sent} "
                                        "tensors but none of them arrived in this sync")
@@ -381,13 +387,35 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
                                f"(tensors received so far): {left}")
 
 
-def _finish(key: str, module, pending: dict[str, _Pending], n_sent: int) -> None:
-    got, loaded = pending[key].received, pending[key].loaded[0]
-    if got != n_sent or loaded != got:
+def expected_loads(module: torch.nn.Module, param_name: str) -> int:
+    """Weight-loader calls one parameter gets from a complete checkpoint: one per logical
+    shard (q/k/v = 3, gate/up = 2) of a linear; per expert 2 (w13_: gate, up) or 1 (w2_)."""
+    if hasattr(module, "num_local_experts"):
+        n = int(getattr(module, "num_experts", module.num_local_experts))
+        return 2 * n if param_name.startswith("w13_") else n
+    return len(getattr(module, "output_partition_sizes", None) or [0])
+
+
+def _checkpoint_suffix(module: torch.nn.Module, param_name: str) -> str:
+    if hasattr(module, "num_local_experts"):
+        return re.sub(r"^w(13|2)_", "", param_name)
+    return param_name
+
+
+def _finish(key: str, module, pending: dict[str, _Pending], n_sent: int,
+            suffixes: list[str]) -> None:
+    entry = pending[key]
+    problems = [] if entry.received == n_sent else [
+        f"the sender sent {n_sent} tensors, {entry.received} arrived"]
+    for name, got in entry.loads.items():
+        want = expected_loads(module, name)
+        if _checkpoint_suffix(module, name) in suffixes and got != want:
+            problems.append(f"{name!r} got {got} of {want} shard loads")
+    if problems:
         del pending[key]
         raise InplaceSyncError(
-            f"in-place sync of {key}: the sender sent {n_sent} tensors, {got} arrived and "
-            f"{loaded} reached a weight loader (model.load_weights skips names it has no "
-            "parameter for); the module was left unchanged")
+            f"in-place sync of {key}: {'; '.join(problems)} (a tensor is missing from the "
+            "stream, or model.load_weights skipped a name it has no parameter for); the "
+            "module was left unchanged")
     live = _enter(key, module, pending)
     _leave(key, module, pending, live, process=True)
