@@ -45,6 +45,17 @@ class FakeLinearMethod:
         self.workspace = torch.zeros(4)  # new every time, like marlin_make_workspace
         layer.weight = nn.Parameter((layer.weight * layer.weight_scale).t(), requires_grad=False)
         layer.weight_scale = nn.Parameter(layer.weight_scale.data * 2, requires_grad=False)
+        # a derived scale written like SGLang's copy_or_rebind_param, then re-typed (as the
+        # NVFP4 Marlin path does): the live float64 tensor differs in dtype from the fp32 value
+        new = layer.weight_scale.max().float()
+        old = getattr(layer, "global_scale", None)
+        if old is None:
+            layer.global_scale = nn.Parameter(new, requires_grad=False)
+        elif old.dtype == new.dtype:
+            old.data.copy_(new)
+        else:
+            old.data = new
+        layer.global_scale = nn.Parameter(layer.global_scale.double(), requires_grad=False)
 
 
 class FakeMoEMethod:

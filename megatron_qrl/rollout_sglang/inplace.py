@@ -285,8 +285,9 @@ def _enter(key: str, module, pending: dict[str, _Pending]) -> list[_OwnerState]:
     for name, p in module._parameters.items():
         if p is not None:
             _count_loads(p, name, entry.loads)
-    # what create_weights does not re-create (a bias, expert maps, buffers set at init)
-    # stays live and visible while loading and processing
+    # what create_weights does not re-create (a bias, expert maps, a workspace, derived
+    # scales) stays visible while loading and processing, as a copy: processing may rebind
+    # its ``.data`` (copy_or_rebind_param) or transform it, and live storage must not move
     for o, st in zip(owners, live):
         for name, v in st.tensors().items():
             if v is not None and not _has(o, name):
@@ -295,13 +296,22 @@ def _enter(key: str, module, pending: dict[str, _Pending]) -> list[_OwnerState]:
     return live
 
 
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A same-class copy with its own storage and the loader attributes of ``t``."""
+    if not isinstance(t, torch.nn.Parameter):
+        return t.clone()
+    c = torch.Tensor._make_subclass(type(t), t.data.clone(), False)
+    vars(c).update(vars(t))
+    return c
+
+
 def _put(owner: object, st: _OwnerState, name: str) -> None:
     if name in st.params:
-        owner._parameters[name] = st.params[name]
+        owner._parameters[name] = _clone(st.params[name])
     elif name in st.buffers:
-        owner._buffers[name] = st.buffers[name]
+        owner._buffers[name] = _clone(st.buffers[name])
     else:
-        vars(owner)[name] = st.attrs[name]
+        vars(owner)[name] = _clone(st.attrs[name])
 
 
 def _leave(key: str, module, pending: dict[str, _Pending], live: list[_OwnerState],
