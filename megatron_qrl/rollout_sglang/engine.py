@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -129,10 +130,14 @@ class SGLangEngine(RolloutEngine):
         self.engine = sglang.Engine(model_path=str(self.model_path), **args)
         self._sent: dict[str, str] = {}
         self._version = -1
+        self.last_sync: dict = {}
+        """``buckets`` sent and wall ``seconds`` of the last :meth:`update_weights`."""
 
     # ---- weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         sent: dict[str, str] = {}
+        t0 = time.perf_counter()
+        self.last_sync = {"buckets": 0, "seconds": 0.0}
         if self.sync in ("tensor", "inplace"):
             self._sync_tensor(named_tensors, version, sent)
         else:
@@ -142,6 +147,7 @@ class SGLangEngine(RolloutEngine):
             raise WeightSyncError(f"SGLang reports weight_version {got!r} after sending version "
                                   f"{version}; the engine did not apply the update")
         self._sent, self._version = sent, version
+        self.last_sync["seconds"] = time.perf_counter() - t0
 
     def _sync_tensor(self, stream, version, sent) -> None:
         """Buckets of ~``bucket_bytes`` through ``update_weights_from_tensor``; in-place mode
@@ -171,6 +177,7 @@ class SGLangEngine(RolloutEngine):
                 raise
             if not ok:
                 raise WeightSyncError(f"SGLang rejected a weight bucket ({bucket[0][0]} ...): {msg}")
+            self.last_sync["buckets"] += 1
 
         for name, t in stream:
             t = t.detach().to("cuda", non_blocking=True).contiguous()
