@@ -209,7 +209,7 @@ def sync(model, stream, per_bucket, suffixes=SUFFIXES):
     tracker, bucket = StreamTracker(suffixes), []
     for name, t in stream:
         tracker.add(name)
-        bucket.append((name, t))
+        bucket.append((name, tracker.send_as(name, t)))
         if len(bucket) == per_bucket:
             load_packed(model, bucket + [(CONTROL, tracker.control(final=False))])
             bucket = []
@@ -305,3 +305,22 @@ def test_engine_defaults_to_inplace_for_weight_quantized_formats():
         "inplace"}
     assert packed_suffixes(get_spec("fp8_block")) == ("weight", "weight_scale_inv")
     assert packed_suffixes(get_spec("w4a16")) == ("weight_packed", "weight_scale", "weight_shape")
+
+
+def test_float8_tensors_travel_as_uint8_and_arrive_as_float8():
+    seen = {}
+    model = FakeModel()
+    orig = model.load_weights
+    model.load_weights = lambda ws: (seen.update({n: t.dtype for n, t in ws}), orig(ws))[1]
+    stream = weights(1)
+    name = "model.layers.0.input_layernorm.weight"
+    stream = [(n, t.to(torch.float8_e4m3fn) if n == name else t) for n, t in stream]
+    tracker = StreamTracker(SUFFIXES)
+    for n, _ in stream:
+        tracker.add(n)
+    sent = tracker.send_as(name, dict(stream)[name])
+    assert sent.dtype == torch.uint8
+    sync(model, stream, 4)
+    assert seen[name] == torch.float8_e4m3fn
+    torch.testing.assert_close(model.model.layers[0].input_layernorm.weight,
+                               dict(stream)[name].float())

@@ -184,6 +184,7 @@ class SGLangEngine(RolloutEngine):
             sent[name] = tensor_checksum(t)
             if tracker:
                 tracker.add(name)
+                t = tracker.send_as(name, t)
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= self.bucket_bytes:

@@ -86,7 +86,16 @@ class StreamTracker:
     counts: dict[str, int] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)
     done: dict[str, int] = field(default_factory=dict)
+    views: dict[str, str] = field(default_factory=dict)
     begun: bool = False
+
+    def send_as(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The tensor to put in the bucket: 1-byte floats (float8) travel as a uint8 view,
+        re-viewed by the loader, so the CUDA-IPC transfer only sees plain integer storage."""
+        if t.dtype.is_floating_point and t.element_size() == 1:
+            self.views[name] = str(t.dtype).removeprefix("torch.")
+            return t.view(torch.uint8)
+        return t
 
     def add(self, name: str) -> None:
         key = module_key(name)
@@ -110,8 +119,8 @@ class StreamTracker:
         if final:
             self._close()
         msg = {"begin": not self.begun, "final": final, "done": self.done,
-               "suffixes": list(self.suffixes)}
-        self.begun, self.done = True, {}
+               "suffixes": list(self.suffixes), "views": self.views}
+        self.begun, self.done, self.views = True, {}, {}
         return encode_control(msg)
 
 
@@ -363,7 +372,9 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
         raise InplaceSyncError(f"in-place sync bucket carries {len(ctl)} control tensors "
                                f"{CONTROL!r}, expected 1 (send buckets with StreamTracker)")
     msg = decode_control(ctl[0])
-    weights = [(n, t) for n, t in named if n != CONTROL]
+    views = msg.get("views", {})
+    weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
+               for n, t in named if n != CONTROL]
     pending: dict[str, _Pending] = vars(model).setdefault(_STATE_ATTR, {})
     if msg["begin"] and pending:
         left = sorted(pending)
