@@ -3,12 +3,15 @@
 In-process ``sglang.Engine`` started on an HF directory exported for the spec
 (``tools/export_quantized.py``), so its layers are built for the low-bit format. Weight
 sync takes the same packed stream as every engine:
-- ``sync="tensor"``: buckets of packed tensors through ``update_weights_from_tensor``
-  (colocated; the tensors stay on the GPU);
+- ``sync="inplace"`` (default for formats that quantize weights): buckets of packed tensors
+  through ``update_weights_from_tensor`` with ``load_format`` = our registered loader
+  (:mod:`.inplace`), which rebuilds each quantized layer's checkpoint parameters, re-runs
+  its post-load processing (Marlin repacking, transposes) and copies the result into the
+  live tensors, so CUDA graphs stay valid;
+- ``sync="tensor"``: the same buckets through SGLang's plain ``model.load_weights`` (bf16,
+  and formats whose loaded layout equals the checkpoint's);
 - ``sync="disk"``: the stream is written as safetensors to ``sync_dir`` and loaded with
-  ``update_weights_from_disk``, which re-runs each layer's post-load processing (Marlin
-  repacking, transposes) — the robust path for formats whose loaded layout differs from the
-  checkpoint's.
+  ``update_weights_from_disk``, which re-runs each layer's post-load processing.
 After every sync the engine's ``weight_version`` must equal the version sent, or the run
 stops (:class:`WeightSyncError`). Requires a CUDA GPU and SGLang; imports fail with a
 message naming the ``[gpu]`` extra.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,14 +38,17 @@ from ..rollout.base import (
 )
 from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
+from .inplace import CONTROL, LOADER, StreamTracker
 
 FEATURE = "--qrl-rollout-engine sglang"
 
 # In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
-# (tests/gpu/test_sglang_engine.py, 2026-11-29): True works, False fails, absent = not yet run.
+# (tests/gpu/test_sglang_engine.py, 2026-11-29): True works, False fails, absent = not yet
+# run (every "inplace" entry: tests/gpu/test_sglang_inplace.py has not run yet).
 # int8: both paths raise "'Parameter' object has no attribute 'weight_loader'" — w8a8_int8
 # replaces its parameters after loading, so SGLang cannot reload them in place;
 # fp8_block over update_weights_from_tensor killed the engine, over disk it works.
+SYNC_MODES = ("inplace", "tensor", "disk")
 SYNC_SUPPORT: dict[tuple[str, str], bool] = {
     ("bf16", "tensor"): True,
     ("fp8_block", "disk"): True,
@@ -60,6 +67,22 @@ def check_sync_supported(spec_name: str, sync: str) -> None:
         f"SGLang 0.5.17 cannot update {spec_name!r} weights in place with sync={sync!r} "
         f"(measured on H200; see SYNC_SUPPORT in {__name__}). Known to work: {works}; "
         "use --qrl-rollout-engine reference, or another format / sync path")
+
+
+def default_sync(spec_name: str) -> str:
+    """``inplace`` for formats that quantize weights (their loaded layout differs from the
+    checkpoint's), ``tensor`` for bf16."""
+    return "inplace" if get_spec(spec_name).quantizes_weights else "tensor"
+
+
+def packed_suffixes(spec) -> tuple[str, ...]:
+    """The tensor suffixes ``spec`` packs a quantized linear into (``weight``,
+    ``weight_scale``, ...), read off :meth:`QuantSpec.packed_names`."""
+    probe = "model.layers.0.self_attn.o_proj.weight"
+    if not spec.is_quantized(probe):
+        return ()
+    mod = probe.rpartition(".")[0]
+    return tuple(n[len(mod) + 1:] for n in spec.packed_names(probe))
 
 
 def engine_args_for(spec_name: str, is_moe: bool) -> dict:
@@ -81,11 +104,12 @@ def engine_args_for(spec_name: str, is_moe: bool) -> dict:
 class SGLangEngine(RolloutEngine):
     """``sglang.Engine`` in this process, fed QuantSpec-packed weights."""
 
-    def __init__(self, model_path: str | Path, spec_name: str, *, sync: str = "tensor",
+    def __init__(self, model_path: str | Path, spec_name: str, *, sync: str | None = None,
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  **engine_kwargs):
-        if sync not in ("tensor", "disk"):
-            raise ValueError(f"sync must be 'tensor' or 'disk', got {sync!r}")
+        sync = default_sync(spec_name) if sync is None else sync
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
         if sync == "disk" and sync_dir is None:
             raise ValueError("sync='disk' needs sync_dir (a fast local directory, e.g. /dev/shm)")
         check_sync_supported(spec_name, sync)
@@ -100,15 +124,21 @@ class SGLangEngine(RolloutEngine):
         args = engine_args_for(spec_name, self.is_moe)
         if engine_kwargs.get("disable_cuda_graph"):
             args.pop("cuda_graph_bs_decode", None)
+        if sync == "inplace":
+            args["custom_weight_loader"] = [LOADER]
         args |= engine_kwargs
         self.engine = sglang.Engine(model_path=str(self.model_path), **args)
         self._sent: dict[str, str] = {}
         self._version = -1
+        self.last_sync: dict = {}
+        """``buckets`` sent and wall ``seconds`` of the last :meth:`update_weights`."""
 
     # ---- weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         sent: dict[str, str] = {}
-        if self.sync == "tensor":
+        t0 = time.perf_counter()
+        self.last_sync = {"buckets": 0, "seconds": 0.0}
+        if self.sync in ("tensor", "inplace"):
             self._sync_tensor(named_tensors, version, sent)
         else:
             self._sync_disk(named_tensors, version, sent)
@@ -117,26 +147,44 @@ class SGLangEngine(RolloutEngine):
             raise WeightSyncError(f"SGLang reports weight_version {got!r} after sending version "
                                   f"{version}; the engine did not apply the update")
         self._sent, self._version = sent, version
+        self.last_sync["seconds"] = time.perf_counter() - t0
 
     def _sync_tensor(self, stream, version, sent) -> None:
+        """Buckets of ~``bucket_bytes`` through ``update_weights_from_tensor``; in-place mode
+        adds the control tensor saying which modules are complete (:mod:`.inplace`)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
+        tracker = (StreamTracker(packed_suffixes(self.spec)) if self.sync == "inplace"
+                   else None)
+        load_format = LOADER if tracker else None
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
 
         def flush(last: bool) -> None:
+            if tracker:
+                bucket.append((CONTROL, tracker.control(final=last).to("cuda")))
             payload = self.engine._serialize_tensors_per_rank(bucket, None)
             req = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=payload, load_format=None, flush_cache=last,
+                serialized_named_tensors=payload, load_format=load_format, flush_cache=last,
                 weight_version=str(version) if last else None)
-            ok, msg = self.engine.loop.run_until_complete(
-                self.engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
+            try:
+                ok, msg = self.engine.loop.run_until_complete(
+                    self.engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
+            except Exception as exc:
+                if not self._alive():
+                    raise EngineDiedError(f"SGLang died loading a weight bucket ({bucket[0][0]}"
+                                          f" ...; see the scheduler log): {exc}") from exc
+                raise
             if not ok:
                 raise WeightSyncError(f"SGLang rejected a weight bucket ({bucket[0][0]} ...): {msg}")
+            self.last_sync["buckets"] += 1
 
         for name, t in stream:
             t = t.detach().to("cuda", non_blocking=True).contiguous()
             sent[name] = tensor_checksum(t)
+            if tracker:
+                tracker.add(name)
+                t = tracker.send_as(name, t)
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= self.bucket_bytes:

@@ -1,0 +1,442 @@
+"""In-place reload of QuantSpec-packed weights into a running SGLang engine.
+
+Shim for SGLang 0.5.17 (read from its source; ``sglang/srt/layers/quantization``): the
+quantized layers' ``process_weights_after_loading`` turns the checkpoint layout into a
+kernel layout and often replaces the parameters doing so (w8a8_int8 / w8a8_fp8 store
+``weight.t()`` as a new ``Parameter`` without ``weight_loader``; compressed-tensors WNA16
+and ModelOpt NVFP4 repack for Marlin into new tensors and a new workspace). A plain
+``update_weights_from_tensor`` only calls ``model.load_weights``, which then either fails
+("'Parameter' object has no attribute 'weight_loader'") or silently skips the names the
+kernel layout no longer has. This loader, registered with ``custom_weight_loader`` and
+named as the ``load_format`` of ``update_weights_from_tensor``, reloads each post-processed
+module through its own checkpoint path while the LIVE tensors keep their storage, so
+captured CUDA graphs stay valid:
+
+1. stash the module's live tensors (its parameters, buffers and tensor attributes, and
+   the tensor attributes of its ``quant_method`` and ``scheme``, e.g. a Marlin workspace);
+2. re-create the checkpoint-layout parameters with ``quant_method.create_weights`` (the
+   arguments recovered from the module, as ``LinearBase`` / ``FusedMoE`` pass them);
+3. ``model.load_weights`` routes the HF-named packed tensors (q/k/v and gate/up fusion,
+   expert stacking, TP sharding);
+4. once all of a module's tensors arrived: ``quant_method.process_weights_after_loading``;
+5. ``copy_`` every resulting tensor into the stashed live tensor of the same name (shape
+   and dtype must match) and put the live tensors back.
+
+Buckets: a sync is several calls. Between calls every module holds its live tensors; the
+checkpoint-layout parameters of a module whose tensors are split across buckets wait in a
+per-model pending table (only modules in progress hold a copy). Which modules are complete
+is declared by the sender (:class:`StreamTracker`) in a control tensor named
+:data:`CONTROL` in each bucket: ``{"begin", "final", "done": {module: n_tensors}}``; the
+loader checks the received count of each done module and, on ``final``, that no module is
+left half-loaded. Modules without post-processing (``Unquantized*`` methods, norms,
+embeddings) load directly through ``model.load_weights`` in the same call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+CONTROL = "__qrl_inplace__"
+LOADER = "megatron_qrl.rollout_sglang.inplace.load_packed"
+"""The ``load_format`` / ``custom_weight_loader`` entry (SGLang's ``dynamic_import`` splits
+on the last dot)."""
+
+_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
+# flags a post-processing step sets to skip itself when run twice (compressed-tensors
+# WNA16 MoE); cleared while the module is re-processed, restored after
+_PROCESSED_FLAGS = ("is_marlin_converted", "is_triton_converted")
+_STATE_ATTR = "_qrl_inplace_pending"
+
+
+class InplaceSyncError(RuntimeError):
+    """A bucketed in-place sync that cannot be applied (names the module and the tensor)."""
+
+
+def module_key(hf_name: str) -> str:
+    """The SGLang module an HF checkpoint tensor loads into: ``...q_proj.weight_scale`` ->
+    ``...qkv_proj``, ``...experts.3.up_proj.weight`` -> ``...experts`` (Qwen3 naming)."""
+    prefix = hf_name.rpartition(".")[0]
+    m = _EXPERT.match(prefix)
+    if m:
+        return m["moe"]
+    head, _, leaf = prefix.rpartition(".")
+    leaf = _STACKED.get(leaf, leaf)
+    return f"{head}.{leaf}" if head else leaf
+
+
+# ---- sender side ---------------------------------------------------------------------
+@dataclass
+class StreamTracker:
+    """Sender-side bookkeeping: which modules of a packed stream are complete.
+
+    The stream must send each module's tensors contiguously (``pack_state_dict`` does: q/k/v
+    and an expert's gate/up/down are adjacent); a module that reappears is an error."""
+
+    suffixes: tuple[str, ...] = ()
+    """Checkpoint tensor suffixes of the format (``weight``, ``weight_scale``, ...): every
+    reloaded parameter with one of these names must receive all its shards."""
+    current: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    closed: set[str] = field(default_factory=set)
+    done: dict[str, int] = field(default_factory=dict)
+    views: dict[str, str] = field(default_factory=dict)
+    begun: bool = False
+
+    def send_as(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The tensor to put in the bucket: 1-byte floats (float8) travel as a uint8 view,
+        re-viewed by the loader, so the CUDA-IPC transfer only sees plain integer storage."""
+        if t.dtype.is_floating_point and t.element_size() == 1:
+            self.views[name] = str(t.dtype).removeprefix("torch.")
+            return t.view(torch.uint8)
+        return t
+
+    def add(self, name: str) -> None:
+        key = module_key(name)
+        if key != self.current:
+            if key in self.closed:
+                raise InplaceSyncError(
+                    f"in-place sync: tensor {name!r} of module {key!r} arrives after the "
+                    "stream moved on to other modules; send each module's tensors together")
+            self._close()
+            self.current = key
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _close(self) -> None:
+        if self.current is not None:
+            self.closed.add(self.current)
+            self.done[self.current] = self.counts[self.current]
+        self.current = None
+
+    def control(self, final: bool) -> torch.Tensor:
+        """The control tensor for the bucket about to be sent (takes the done modules)."""
+        if final:
+            self._close()
+        msg = {"begin": not self.begun, "final": final, "done": self.done,
+               "suffixes": list(self.suffixes), "views": self.views}
+        self.begun, self.done, self.views = True, {}, {}
+        return encode_control(msg)
+
+
+def encode_control(msg: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(msg).encode()), dtype=torch.uint8).clone()
+
+
+def decode_control(t: torch.Tensor) -> dict:
+    return json.loads(bytes(t.detach().cpu().to(torch.uint8).tolist()).decode())
+
+
+# ---- module state --------------------------------------------------------------------
+@dataclass
+class _OwnerState:
+    params: dict = field(default_factory=dict)
+    buffers: dict = field(default_factory=dict)
+    attrs: dict = field(default_factory=dict)
+    flags: dict = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {**self.attrs, **self.buffers, **self.params}
+
+
+def _owners(module: torch.nn.Module) -> list[object]:
+    """Objects whose tensors make up a module's kernel state (module, quant method, scheme)."""
+    out: list[object] = []
+    for o in (module, getattr(module, "quant_method", None), getattr(module, "scheme", None)):
+        if o is not None and all(o is not x for x in out):
+            out.append(o)
+    return out
+
+
+def _detach(owner: object) -> _OwnerState:
+    """Take every tensor (and processed flag) off ``owner``; returns them."""
+    st = _OwnerState()
+    d = vars(owner)
+    if isinstance(owner, torch.nn.Module):
+        st.params, st.buffers = dict(owner._parameters), dict(owner._buffers)
+        owner._parameters.clear()
+        owner._buffers.clear()
+    st.attrs = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+    st.flags = {k: d[k] for k in _PROCESSED_FLAGS if k in d}
+    for k in (*st.attrs, *st.flags):
+        del d[k]
+    return st
+
+
+def _attach(owner: object, st: _OwnerState) -> None:
+    if isinstance(owner, torch.nn.Module):
+        owner._parameters.update(st.params)
+        owner._buffers.update(st.buffers)
+    vars(owner).update(st.attrs)
+    vars(owner).update(st.flags)
+
+
+def _device_of(states: list[_OwnerState]) -> torch.device:
+    for st in states:
+        for t in st.tensors().values():
+            if t is not None:
+                return t.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _creation_context(device: torch.device, dtype: torch.dtype | None):
+    """Device and default dtype as during SGLang's model init (``create_weights`` allocates
+    with bare ``torch.empty``)."""
+    old = torch.get_default_dtype()
+    if dtype is not None and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _is_a(module: torch.nn.Module, cls_name: str) -> bool:
+    return any(c.__name__ == cls_name for c in type(module).__mro__)
+
+
+def _v2_loader_methods() -> list[str]:
+    try:
+        from sglang.srt.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
+    except ImportError:  # CPU tests: fake modules expose only ``weight_loader``
+        return []
+    return list(WEIGHT_LOADER_V2_SUPPORTED)
+
+
+def create_checkpoint_params(module: torch.nn.Module) -> None:
+    """Register the checkpoint-layout parameters on ``module`` exactly as its ``__init__``
+    did (``sglang/srt/layers/linear.py``, ``moe/fused_moe_triton/layer.py`` in 0.5.17)."""
+    qm = module.quant_method
+    if hasattr(module, "num_local_experts"):  # FusedMoE
+        qm.create_weights(
+            layer=module, num_experts=module.num_local_experts,
+            hidden_size=module.hidden_size,
+            intermediate_size_per_partition=module.intermediate_size_per_partition,
+            params_dtype=module.params_dtype, weight_loader=module.weight_loader,
+            with_bias=getattr(module, "with_bias", False),
+            moe_intermediate_size=(module.intermediate_size_per_partition
+                                   * getattr(module, "moe_tp_size", 1)))
+        return
+    kwargs = dict(
+        layer=module,
+        input_size_per_partition=getattr(module, "input_size_per_partition", module.input_size),
+        output_partition_sizes=list(getattr(module, "output_partition_sizes",
+                                            [module.output_size])),
+        input_size=module.input_size, output_size=module.output_size,
+        params_dtype=module.params_dtype, weight_loader=module.weight_loader)
+    if _is_a(module, "ColumnParallelLinear"):
+        kwargs["skip_block_quant_check"] = True  # checked at init; the shapes are unchanged
+        kwargs["input_size_per_partition"] = module.input_size
+    v2 = getattr(module, "weight_loader_v2", None)
+    if (v2 is not None and not _is_a(module, "ReplicatedLinear")
+            and type(qm).__name__ in _v2_loader_methods()):
+        kwargs["weight_loader"] = v2
+    qm.create_weights(**kwargs)
+
+
+def needs_reload(module: torch.nn.Module | None) -> bool:
+    """True for a module whose quant method post-processes its weights after loading."""
+    qm = getattr(module, "quant_method", None)
+    return qm is not None and not type(qm).__name__.startswith("Unquantized") and hasattr(
+        qm, "process_weights_after_loading") and hasattr(qm, "create_weights")
+
+
+# ---- one module ----------------------------------------------------------------------
+@dataclass
+class _Pending:
+    states: list[_OwnerState]
+    received: int = 0
+    loads: dict[str, int] = field(default_factory=dict)
+
+
+def _has(owner: object, name: str) -> bool:
+    if isinstance(owner, torch.nn.Module) and (name in owner._parameters
+                                               or name in owner._buffers):
+        return True
+    return name in vars(owner)
+
+
+def _count_loads(param: torch.Tensor, name: str, loads: dict[str, int]) -> None:
+    """Wrap ``param``'s weight loader so every call is counted per parameter (catches a
+    shard missing from the stream, and names ``load_weights`` skips silently)."""
+    prop = isinstance(getattr(type(param), "weight_loader", None), property)
+    orig = getattr(param, "_weight_loader" if prop else "weight_loader", None)
+    if orig is None:
+        return
+
+    loads[name] = 0
+
+    def counted(*args, **kwargs):
+        loads[name] += 1
+        return orig(*args, **kwargs)
+
+    setattr(param, "_weight_loader" if prop else "weight_loader", counted)
+
+
+def _enter(key: str, module, pending: dict[str, _Pending]) -> list[_OwnerState]:
+    """Swap ``module`` to its checkpoint layout (new, or the pending one); returns live."""
+    owners = _owners(module)
+    live = [_detach(o) for o in owners]
+    if key in pending:
+        for o, st in zip(owners, pending[key].states):
+            _attach(o, st)
+        return live
+    entry = _Pending([_OwnerState() for _ in owners])
+    with _creation_context(_device_of(live), getattr(module, "params_dtype", None)):
+        create_checkpoint_params(module)
+    for name, p in module._parameters.items():
+        if p is not None:
+            _count_loads(p, name, entry.loads)
+    # what create_weights does not re-create (a bias, expert maps, a workspace, derived
+    # scales) stays visible while loading and processing, as a copy: processing may rebind
+    # its ``.data`` (copy_or_rebind_param) or transform it, and live storage must not move
+    for o, st in zip(owners, live):
+        for name, v in st.tensors().items():
+            if v is not None and not _has(o, name):
+                _put(o, st, name)
+    pending[key] = entry
+    return live
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A same-class copy with its own storage and the loader attributes of ``t``."""
+    if not isinstance(t, torch.nn.Parameter):
+        return t.clone()
+    c = torch.Tensor._make_subclass(type(t), t.data.clone(), False)
+    vars(c).update(vars(t))
+    return c
+
+
+def _put(owner: object, st: _OwnerState, name: str) -> None:
+    if name in st.params:
+        owner._parameters[name] = _clone(st.params[name])
+    elif name in st.buffers:
+        owner._buffers[name] = _clone(st.buffers[name])
+    else:
+        vars(owner)[name] = _clone(st.attrs[name])
+
+
+def _leave(key: str, module, pending: dict[str, _Pending], live: list[_OwnerState],
+           process: bool) -> None:
+    """Back to the live layout; with ``process``, post-process and copy into live first."""
+    owners = _owners(module)
+    try:
+        if process:
+            module.quant_method.process_weights_after_loading(module)
+        new = [_detach(o) for o in owners]
+        if process:
+            for lv, nv in zip(live, new):
+                _copy_into_live(key, lv, nv)
+            del pending[key]
+        else:
+            pending[key].states = new
+    finally:
+        for o, st in zip(owners, live):
+            _detach(o)
+            _attach(o, st)
+
+
+def _copy_into_live(key: str, live: _OwnerState, new: _OwnerState) -> None:
+    fresh = new.tensors()
+    for name, lv in live.tensors().items():
+        if lv is None:
+            continue
+        nv = fresh.get(name)
+        if nv is None:
+            raise InplaceSyncError(
+                f"in-place sync of {key}: post-processing produced no tensor {name!r} "
+                f"(the running engine holds one of shape {tuple(lv.shape)})")
+        if nv is lv:
+            continue
+        if nv.shape != lv.shape or nv.dtype != lv.dtype:
+            raise InplaceSyncError(
+                f"in-place sync of {key}.{name}: reloaded tensor is {tuple(nv.shape)} "
+                f"{nv.dtype} but the running engine holds {tuple(lv.shape)} {lv.dtype}; the "
+                "synced weights do not match the checkpoint the engine was started from")
+        lv.data.copy_(nv.data)
+
+
+# ---- the registered loader -----------------------------------------------------------
+def load_packed(model: torch.nn.Module, named_tensors) -> None:
+    """SGLang custom weight loader: one bucket of an in-place sync (see the module doc)."""
+    named = list(named_tensors)
+    ctl = [t for n, t in named if n == CONTROL]
+    if len(ctl) != 1:
+        raise InplaceSyncError(f"in-place sync bucket carries {len(ctl)} control tensors "
+                               f"{CONTROL!r}, expected 1 (send buckets with StreamTracker)")
+    msg = decode_control(ctl[0])
+    views = msg.get("views", {})
+    weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
+               for n, t in named if n != CONTROL]
+    pending: dict[str, _Pending] = vars(model).setdefault(_STATE_ATTR, {})
+    if msg["begin"] and pending:
+        left = sorted(pending)
+        pending.clear()
+        raise InplaceSyncError(f"in-place sync begins while modules {left} are still "
+                               "half-loaded from an earlier sync that did not finish")
+    modules = dict(model.named_modules())
+    touched: dict[str, int] = {}
+    for n, _ in weights:
+        key = module_key(n)
+        if needs_reload(modules.get(key)):
+            touched[key] = touched.get(key, 0) + 1
+    with torch.no_grad():
+        lives = {k: _enter(k, modules[k], pending) for k in touched}
+        try:
+            model.load_weights(weights)
+        finally:
+            for k, live in lives.items():
+                pending[k].received += touched[k]
+                _leave(k, modules[k], pending, live, process=False)
+        for k, n_sent in msg["done"].items():
+            if k in pending:
+                _finish(k, modules[k], pending, n_sent, msg["suffixes"])
+            elif needs_reload(modules.get(k)):
+                raise InplaceSyncError(f"in-place sync of {k}: declared complete with {n_sent} "
+                                       "tensors but none of them arrived in this sync")
+    if msg["final"] and pending:
+        left = {k: p.received for k, p in pending.items()}
+        pending.clear()
+        raise InplaceSyncError(f"in-place sync ended with modules never completed "
+                               f"(tensors received so far): {left}")
+
+
+def expected_loads(module: torch.nn.Module, param_name: str) -> int:
+    """Weight-loader calls one parameter gets from a complete checkpoint: one per logical
+    shard (q/k/v = 3, gate/up = 2) of a linear; per expert 2 (w13_: gate, up) or 1 (w2_)."""
+    if hasattr(module, "num_local_experts"):
+        n = int(getattr(module, "num_experts", module.num_local_experts))
+        return 2 * n if param_name.startswith("w13_") else n
+    return len(getattr(module, "output_partition_sizes", None) or [0])
+
+
+def _checkpoint_suffix(module: torch.nn.Module, param_name: str) -> str:
+    if hasattr(module, "num_local_experts"):
+        return re.sub(r"^w(13|2)_", "", param_name)
+    return param_name
+
+
+def _finish(key: str, module, pending: dict[str, _Pending], n_sent: int,
+            suffixes: list[str]) -> None:
+    entry = pending[key]
+    problems = [] if entry.received == n_sent else [
+        f"the sender sent {n_sent} tensors, {entry.received} arrived"]
+    for name, got in entry.loads.items():
+        want = expected_loads(module, name)
+        if _checkpoint_suffix(module, name) in suffixes and got != want:
+            problems.append(f"{name!r} got {got} of {want} shard loads")
+    if problems:
+        del pending[key]
+        raise InplaceSyncError(
+            f"in-place sync of {key}: {'; '.join(problems)} (a tensor is missing from the "
+            "stream, or model.load_weights skipped a name it has no parameter for); the "
+            "module was left unchanged")
+    live = _enter(key, module, pending)
+    _leave(key, module, pending, live, process=True)

@@ -1,0 +1,326 @@
+"""CPU tests of the in-place reload loader (megatron_qrl.rollout_sglang.inplace).
+
+SGLang cannot be imported here, so the model below follows SGLang 0.5.17's protocol with
+small fakes: quant methods whose ``create_weights`` register checkpoint-layout parameters
+carrying ``weight_loader`` and whose ``process_weights_after_loading`` REPLACES them with
+transposed / rescaled tensors (like w8a8_int8 and the Marlin repacks) and allocates a new
+workspace; a model whose ``load_weights`` fuses q/k/v and gate/up, stacks experts, and
+silently skips names it has no parameter for (as Qwen3MoeForCausalLM.load_weights does).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_qrl.rollout_sglang.inplace import (
+    CONTROL,
+    InplaceSyncError,
+    StreamTracker,
+    load_packed,
+    module_key,
+)
+
+H, FFN, E, HEAD = 8, 6, 3, 4
+SUFFIXES = ("weight", "weight_scale")
+
+
+def _param(t, loader):
+    p = nn.Parameter(t, requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class FakeLinearMethod:
+    """Checkpoint: weight [out, in] + per-row weight_scale; live: (weight*scale).T, 2*scale."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                       input_size, output_size, params_dtype, **extra):
+        out = sum(output_partition_sizes)
+        loader = extra["weight_loader"]
+        layer.register_parameter("weight", _param(torch.empty(out, input_size_per_partition),
+                                                  loader))
+        layer.register_parameter("weight_scale", _param(torch.empty(out, 1), loader))
+
+    def process_weights_after_loading(self, layer):
+        self.workspace = torch.zeros(4)  # new every time, like marlin_make_workspace
+        layer.weight = nn.Parameter((layer.weight * layer.weight_scale).t(), requires_grad=False)
+        layer.weight_scale = nn.Parameter(layer.weight_scale.data * 2, requires_grad=False)
+        # a derived scale written like SGLang's copy_or_rebind_param, then re-typed (as the
+        # NVFP4 Marlin path does): the live float64 tensor differs in dtype from the fp32 value
+        new = layer.weight_scale.max().float()
+        old = getattr(layer, "global_scale", None)
+        if old is None:
+            layer.global_scale = nn.Parameter(new, requires_grad=False)
+        elif old.dtype == new.dtype:
+            old.data.copy_(new)
+        else:
+            old.data = new
+        layer.global_scale = nn.Parameter(layer.global_scale.double(), requires_grad=False)
+
+
+class FakeMoEMethod:
+    """Checkpoint: w13 [E, 2I, H], w2 [E, H, FFN] + scales; live: transposed, scaled copies."""
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra):
+        ld = extra["weight_loader"]
+        n = intermediate_size_per_partition
+        for name, shape in (("w13_weight", (num_experts, 2 * n, hidden_size)),
+                            ("w2_weight", (num_experts, hidden_size, n)),
+                            ("w13_weight_scale", (num_experts, 2 * n, 1)),
+                            ("w2_weight_scale", (num_experts, hidden_size, 1))):
+            layer.register_parameter(name, _param(torch.empty(shape), ld))
+
+    def process_weights_after_loading(self, layer):
+        if getattr(layer, "is_marlin_converted", False):  # as compressed-tensors WNA16 MoE
+            return
+        for w in ("w13", "w2"):
+            q = getattr(layer, f"{w}_weight") * getattr(layer, f"{w}_weight_scale")
+            setattr(layer, f"{w}_weight", nn.Parameter(q.transpose(1, 2).contiguous(),
+                                                       requires_grad=False))
+        layer.workspace = torch.zeros(2)
+        layer.is_marlin_converted = True
+
+
+class FakeLinear(nn.Module):
+    def __init__(self, in_size, out_sizes, shards=None):
+        super().__init__()
+        self.input_size, self.output_size = in_size, sum(out_sizes)
+        self.input_size_per_partition = in_size
+        self.output_partition_sizes = list(out_sizes)
+        self.shards = shards or [None]
+        self.params_dtype = torch.float32
+        self.quant_method = FakeLinearMethod()
+        self.quant_method.create_weights(self, in_size, out_sizes, in_size, sum(out_sizes),
+                                         torch.float32, weight_loader=self.weight_loader)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        i = self.shards.index(shard_id)
+        start = sum(self.output_partition_sizes[:i])
+        param.data[start:start + loaded.shape[0]].copy_(loaded)
+
+
+class FakeMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_experts = self.num_local_experts = E
+        self.hidden_size, self.intermediate_size_per_partition = H, FFN
+        self.params_dtype = torch.float32
+        self.expert_map = torch.arange(E)  # an init-time tensor the loader reads
+        self.quant_method = FakeMoEMethod()
+        self.quant_method.create_weights(self, E, H, FFN, torch.float32,
+                                         weight_loader=self.weight_loader)
+
+    def weight_loader(self, param, loaded, name, shard_id, expert_id):
+        off = {"w1": 0, "w3": FFN, "w2": 0}[shard_id]
+        param.data[int(self.expert_map[expert_id]), off:off + loaded.shape[0]].copy_(loaded)
+
+
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H), requires_grad=False)
+
+
+class FakeModel(nn.Module):
+    STACKED = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+               ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+               ("gate_up_proj", "up_proj", 1)]
+
+    def __init__(self, seed=0):
+        super().__init__()
+        layer = nn.Module()
+        layer.self_attn = nn.Module()
+        layer.self_attn.qkv_proj = FakeLinear(H, [HEAD, HEAD, HEAD], ["q", "k", "v"])
+        layer.self_attn.o_proj = FakeLinear(HEAD, [H])
+        # a bias the layer registers itself (not create_weights), loaded directly
+        layer.self_attn.o_proj.bias = _param(torch.zeros(H), lambda p, x: p.data.copy_(x))
+        layer.mlp = nn.Module()
+        layer.mlp.experts = FakeMoE()
+        layer.input_layernorm = Norm()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([layer])
+        self.initial_load(weights(seed))
+
+    def initial_load(self, named):
+        self.load_weights(named)
+        for m in self.modules():
+            if hasattr(m, "quant_method"):
+                m.quant_method.process_weights_after_loading(m)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            for pname, wname, shard in self.STACKED:
+                if wname in name and "mlp.experts" not in name:
+                    name = name.replace(wname, pname)
+                    if name in params:
+                        params[name].weight_loader(params[name], w, shard)
+                    break
+            else:
+                for e in range(E):
+                    for wname, pname, shard in ((f"experts.{e}.gate_proj.", "experts.w13_", "w1"),
+                                                (f"experts.{e}.up_proj.", "experts.w13_", "w3"),
+                                                (f"experts.{e}.down_proj.", "experts.w2_", "w2")):
+                        if wname in name:
+                            name = name.replace(wname, pname)
+                            if name in params:
+                                params[name].weight_loader(params[name], w, name, shard, e)
+                            break
+                if name in params and "experts" not in name:
+                    getattr(params[name], "weight_loader",
+                            lambda p, x: p.data.copy_(x))(params[name], w)
+
+
+def weights(seed):
+    """HF-named packed stream, in checkpoint order (each module's tensors together)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    pre = "model.layers.0."
+    for proj, o, i in (("q_proj", HEAD, H), ("k_proj", HEAD, H), ("v_proj", HEAD, H),
+                       ("o_proj", H, HEAD)):
+        out += [(f"{pre}self_attn.{proj}.weight", torch.randn(o, i, generator=g)),
+                (f"{pre}self_attn.{proj}.weight_scale", torch.rand(o, 1, generator=g) + 0.5)]
+    out.append((f"{pre}self_attn.o_proj.bias", torch.randn(H, generator=g)))
+    for e in range(E):
+        for proj, o, i in (("gate_proj", FFN, H), ("up_proj", FFN, H), ("down_proj", H, FFN)):
+            out += [(f"{pre}mlp.experts.{e}.{proj}.weight", torch.randn(o, i, generator=g)),
+                    (f"{pre}mlp.experts.{e}.{proj}.weight_scale",
+                     torch.rand(o, 1, generator=g) + 0.5)]
+    out.append((f"{pre}input_layernorm.weight", torch.randn(H, generator=g)))
+    return out
+
+
+def live_tensors(model):
+    out = {}
+    for name, m in model.named_modules():
+        for k, v in {**vars(m), **m._parameters}.items():
+            if isinstance(v, torch.Tensor):
+                out[f"{name}.{k}"] = v
+        qm = getattr(m, "quant_method", None)
+        for k, v in vars(qm).items() if qm is not None else ():
+            if isinstance(v, torch.Tensor):
+                out[f"{name}.quant_method.{k}"] = v
+    return out
+
+
+def sync(model, stream, per_bucket, suffixes=SUFFIXES):
+    """The sender: buckets of ``per_bucket`` tensors, each with its control tensor."""
+    tracker, bucket = StreamTracker(suffixes), []
+    for name, t in stream:
+        tracker.add(name)
+        bucket.append((name, tracker.send_as(name, t)))
+        if len(bucket) == per_bucket:
+            load_packed(model, bucket + [(CONTROL, tracker.control(final=False))])
+            bucket = []
+    load_packed(model, bucket + [(CONTROL, tracker.control(final=True))])
+
+
+def test_module_key_maps_hf_names_to_sglang_modules():
+    assert module_key("model.layers.3.self_attn.v_proj.weight_scale_2") == (
+        "model.layers.3.self_attn.qkv_proj")
+    assert module_key("model.layers.0.mlp.experts.11.up_proj.weight_packed") == (
+        "model.layers.0.mlp.experts")
+    assert module_key("model.layers.0.mlp.gate_proj.weight") == "model.layers.0.mlp.gate_up_proj"
+    assert module_key("model.layers.0.mlp.gate.weight") == "model.layers.0.mlp.gate"
+    assert module_key("lm_head.weight") == "lm_head"
+
+
+@pytest.mark.parametrize("per_bucket", [1, 3, 5, 1000])
+def test_inplace_sync_keeps_storage_and_equals_a_fresh_load(per_bucket):
+    model = FakeModel()
+    before = {k: (v.data_ptr(), v.stride()) for k, v in live_tensors(model).items()}
+    sync(model, weights(1), per_bucket)
+    want = FakeModel(seed=1)  # an engine started on B: the post-processed expected values
+    got, exp = live_tensors(model), live_tensors(want)
+    assert set(got) == set(before) == set(exp)
+    for k, t in got.items():
+        assert (t.data_ptr(), t.stride()) == before[k], f"{k} lost its storage"
+        torch.testing.assert_close(t, exp[k], rtol=0, atol=0, msg=k)
+    assert not model.model.layers[0].self_attn.qkv_proj.weight.is_contiguous()  # live layout
+    assert not vars(model)["_qrl_inplace_pending"], "pending state left after the sync"
+
+
+def test_inplace_sync_changes_values():
+    model = FakeModel()
+    old = model.model.layers[0].mlp.experts.w2_weight.clone()
+    sync(model, weights(2), 4)
+    assert not torch.equal(model.model.layers[0].mlp.experts.w2_weight, old)
+
+
+def test_missing_tensor_names_the_module_and_parameter():
+    stream = [(n, t) for n, t in weights(1) if n != "model.layers.0.self_attn.v_proj.weight_scale"]
+    model = FakeModel()
+    with pytest.raises(InplaceSyncError, match=r"self_attn\.qkv_proj: 'weight_scale' got 2 of 3"):
+        sync(model, stream, 3)
+
+
+def test_missing_expert_tensor_names_the_moe_module():
+    stream = [(n, t) for n, t in weights(1) if n != "model.layers.0.mlp.experts.2.up_proj.weight"]
+    with pytest.raises(InplaceSyncError, match=r"mlp\.experts: 'w13_weight' got 5 of 6"):
+        sync(FakeModel(), stream, 7)
+
+
+def test_stream_cut_before_final_names_the_half_loaded_module():
+    model = FakeModel()
+    tracker = StreamTracker(SUFFIXES)
+    bucket = []
+    for name, t in weights(1)[:3]:  # q weight+scale, k weight: qkv_proj half-loaded
+        tracker.add(name)
+        bucket.append((name, t))
+    load_packed(model, bucket + [(CONTROL, tracker.control(final=False))])
+    ctl = {"begin": False, "final": True, "done": {}, "suffixes": list(SUFFIXES)}
+    from megatron_qrl.rollout_sglang.inplace import encode_control
+
+    with pytest.raises(InplaceSyncError, match=r"never completed.*qkv_proj"):
+        load_packed(model, [(CONTROL, encode_control(ctl))])
+
+
+def test_shape_mismatch_names_module_and_tensor():
+    """A stream for another shape (o_proj in 6 instead of 4) cannot be copied into live."""
+    stream = [(n, torch.randn(H, HEAD + 2) if n.endswith("o_proj.weight") else t)
+              for n, t in weights(1)]
+    model = FakeModel()
+    # a loader that accepts any shape, so the mismatch reaches the copy into live tensors
+    model.model.layers[0].self_attn.o_proj.weight_loader = (
+        lambda p, x, s=None: setattr(p, "data", x.clone()))
+    with pytest.raises(InplaceSyncError, match=r"o_proj\.weight: reloaded tensor is \(6, 8\)"):
+        sync(model, stream, 1000)
+
+
+def test_module_reappearing_in_the_stream_is_refused_by_the_sender():
+    tracker = StreamTracker(SUFFIXES)
+    tracker.add("model.layers.0.self_attn.q_proj.weight")
+    tracker.add("model.layers.0.self_attn.o_proj.weight")
+    with pytest.raises(InplaceSyncError, match="arrives after the stream moved on"):
+        tracker.add("model.layers.0.self_attn.v_proj.weight")
+
+
+def test_engine_defaults_to_inplace_for_weight_quantized_formats():
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.rollout_sglang.engine import default_sync, packed_suffixes
+
+    assert default_sync("bf16") == "tensor"
+    assert {default_sync(f) for f in ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")} == {
+        "inplace"}
+    assert packed_suffixes(get_spec("fp8_block")) == ("weight", "weight_scale_inv")
+    assert packed_suffixes(get_spec("w4a16")) == ("weight_packed", "weight_scale", "weight_shape")
+
+
+def test_float8_tensors_travel_as_uint8_and_arrive_as_float8():
+    seen = {}
+    model = FakeModel()
+    orig = model.load_weights
+    model.load_weights = lambda ws: (seen.update({n: t.dtype for n, t in ws}), orig(ws))[1]
+    stream = weights(1)
+    name = "model.layers.0.input_layernorm.weight"
+    stream = [(n, t.to(torch.float8_e4m3fn) if n == name else t) for n, t in stream]
+    tracker = StreamTracker(SUFFIXES)
+    for n, _ in stream:
+        tracker.add(n)
+    sent = tracker.send_as(name, dict(stream)[name])
+    assert sent.dtype == torch.uint8
+    sync(model, stream, 4)
+    assert seen[name] == torch.float8_e4m3fn
+    torch.testing.assert_close(model.model.layers[0].input_layernorm.weight,
+                               dict(stream)[name].float())
