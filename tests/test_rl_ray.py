@@ -4,8 +4,12 @@ One local Ray cluster (2 CPUs) per module. In-process: bucketed weight sync + ma
 verification through the actor, a tampered manifest names the tensor, a killed actor is an
 EngineDiedError, placement of the engine actor. Subprocess jobs (``tests/rl_ray_helper.py``
 connects to the module's cluster through RAY_ADDRESS): disaggregated == single metrics with
-the same seed, colocated release/resume order (actor call log), and a ``ray.kill``ed actor
-mid-run restarts, re-syncs and reproduces the unkilled run.
+the same seed, colocated release/resume order (actor call log), a ``ray.kill``ed actor
+mid-run (before a generate, in a weight update, in its re-sync, in the verification
+read-back) or an actor process that ``os._exit``s half-way through an update restarts,
+re-syncs and reproduces the unkilled run; a colocated ``--qrl-resume`` reproduces the
+uninterrupted run; ``--qrl-compare`` colocated writes the single-mode table; NVFP4 (float8
+scales) weights cross the object store.
 """
 
 import json
