@@ -1,13 +1,20 @@
-"""``python tests/rl_ray_helper.py [--kill-at N] [--calls FILE] ARGS``: qrl-train (tests only).
+"""``python tests/rl_ray_helper.py [--kill CALL:N,...] [--exit-in-update N] [--calls FILE] ARGS``.
 
-Runs ``qrl-train ARGS`` (a Ray mode; ``RAY_ADDRESS`` names the test's cluster) with two test
-hooks on the engine actor proxy: ``--kill-at N`` ``ray.kill``s the actor just before the
-N-th ``generate`` call (1-based, over the whole run), ``--calls FILE`` writes the call log of
-each actor (generate / release_memory / resume_memory, in order) as JSON lines when it is
-shut down, plus the number of restarts.
+Runs ``qrl-train ARGS`` (a Ray mode; ``RAY_ADDRESS`` names the test's cluster) with test
+hooks on the engine actor (tests only):
+
+* ``--kill CALL:N[,CALL:N...]`` ``ray.kill``s the actor just before the N-th call of its
+  method CALL (1-based, counted over the whole run and every actor; for ``update_weights``
+  after the buckets are in the object store); ``--kill-at N`` is ``--kill generate:N``.
+* ``--exit-in-update N``: each actor process ``os._exit``s in its own N-th
+  ``update_weights``, after reading the first bucket (a death half-way through a sync).
+* ``--calls FILE`` writes the call log of the last actor (update_weights / generate /
+  release_memory / resume_memory, in order) as JSON lines when it is shut down, plus the
+  number of restarts.
 """
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -15,9 +22,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
 
+import megatron_qrl.rl.ray_modes as ray_modes  # noqa: E402
 from megatron_qrl.rl.cli import main  # noqa: E402
 from megatron_qrl.rl.ray_modes import RayRolloutEngine  # noqa: E402
-from megatron_qrl.rollout.ray_actor import RayEngine  # noqa: E402
+from megatron_qrl.rollout.ray_actor import EngineActor, RayEngine  # noqa: E402
+
+
+class ExitingActor(EngineActor):
+    """An engine actor whose process exits in the middle of its N-th weight update."""
+
+    exit_at = 0
+
+    def update_weights(self, bucket_refs, version):
+        import ray
+
+        self.n_updates = getattr(self, "n_updates", 0) + 1
+        if self.n_updates == self.exit_at:
+            ray.get(bucket_refs[0])  # it has read part of the stream ...
+            os._exit(1)  # ... and its process is gone
+        super().update_weights(bucket_refs, version)
 
 
 def _pop(argv: list[str], flag: str) -> str | None:
@@ -29,17 +52,17 @@ def _pop(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def _install_hooks(kill_at: int | None, calls: str | None) -> None:
+def _install_hooks(kills: dict[str, set[int]], calls: str | None) -> None:
     import ray
 
-    generate, shutdown = RayEngine.generate, RayRolloutEngine.shutdown
-    count = [0]
+    call, shutdown = RayEngine._call, RayRolloutEngine.shutdown
+    counts: dict[str, int] = {}
 
-    def killing_generate(self, prompts, sampling):
-        count[0] += 1
-        if count[0] == kill_at:
+    def killing_call(self, method, *args):
+        counts[method] = counts.get(method, 0) + 1
+        if counts[method] in kills.get(method, ()):
             ray.kill(self.actor, no_restart=True)
-        return generate(self, prompts, sampling)
+        return call(self, method, *args)
 
     def logging_shutdown(self):
         if calls is not None:
@@ -48,12 +71,26 @@ def _install_hooks(kill_at: int | None, calls: str | None) -> None:
                                     "restarts": self.restarts}) + "\n")
         shutdown(self)
 
-    RayEngine.generate = killing_generate
+    RayEngine._call = killing_call
     RayRolloutEngine.shutdown = logging_shutdown
+
+
+def _kills(spec: str | None, kill_at: str | None) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    items = ([s for s in spec.split(",") if s] if spec else []) + (
+        [f"generate:{kill_at}"] if kill_at else [])
+    for item in items:
+        method, n = item.split(":")
+        out.setdefault(method, set()).add(int(n))
+    return out
 
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    kill_at, calls = _pop(argv, "--kill-at"), _pop(argv, "--calls")
-    _install_hooks(int(kill_at) if kill_at else None, calls)
+    kill, kill_at = _pop(argv, "--kill"), _pop(argv, "--kill-at")
+    exit_in_update, calls = _pop(argv, "--exit-in-update"), _pop(argv, "--calls")
+    if exit_in_update:
+        ExitingActor.exit_at = int(exit_in_update)
+        ray_modes.EngineActor = ExitingActor
+    _install_hooks(_kills(kill, kill_at), calls)
     sys.exit(main(argv))

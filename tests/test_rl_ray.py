@@ -4,8 +4,12 @@ One local Ray cluster (2 CPUs) per module. In-process: bucketed weight sync + ma
 verification through the actor, a tampered manifest names the tensor, a killed actor is an
 EngineDiedError, placement of the engine actor. Subprocess jobs (``tests/rl_ray_helper.py``
 connects to the module's cluster through RAY_ADDRESS): disaggregated == single metrics with
-the same seed, colocated release/resume order (actor call log), and a ``ray.kill``ed actor
-mid-run restarts, re-syncs and reproduces the unkilled run.
+the same seed, colocated release/resume order (actor call log), a ``ray.kill``ed actor
+mid-run (before a generate, in a weight update, in its re-sync, in the verification
+read-back) or an actor process that ``os._exit``s half-way through an update restarts,
+re-syncs and reproduces the unkilled run; a colocated ``--qrl-resume`` reproduces the
+uninterrupted run; ``--qrl-compare`` colocated writes the single-mode table; NVFP4 (float8
+scales) weights cross the object store.
 """
 
 import json
@@ -39,13 +43,18 @@ def cluster():
     ray.shutdown()
 
 
-def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py") -> list[dict]:
+def _records(out: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py",
+         metrics: bool = True) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=cluster)
     proc = subprocess.run([sys.executable, str(TESTS / helper), *TINY, "--qrl-output-dir",
                            str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
-            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return _records(out) if metrics else []
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +124,23 @@ def test_actor_sync_verify_kill_and_placement(cluster):
         engine.shutdown()
 
 
+def test_nvfp4_weights_cross_the_object_store(cluster):
+    # torch cannot pickle float8 / float4 tensors (NVFP4 scales): they travel as bytes
+    import pickle
+
+    cfg, packed = _packed("nvfp4")
+    assert {t.dtype for _, t in packed} >= {torch.float8_e4m3fn}
+    with pytest.raises(Exception, match="dtype"):
+        pickle.loads(pickle.dumps(next(t for _, t in packed if t.dtype == torch.float8_e4m3fn)))
+    with RaySession("colocated") as session:
+        engine = RayRolloutEngine(lambda: session.new_actor(
+            EngineSpec("reference", cfg, "nvfp4", seed=0, num_threads=1)), colocated=True)
+        manifest = WeightManifest()
+        engine.update_weights(manifest.record(iter(packed)), version=1)
+        engine.verify(manifest)  # every tensor arrived bit-exact, with its dtype
+        engine.shutdown()
+
+
 def test_sglang_engine_in_ray_mode_is_refused_clearly(cluster):
     from megatron_qrl.rl.cli import parse_configs
 
@@ -153,3 +179,56 @@ def test_killed_actor_restarts_and_reproduces_the_run(cluster, single_run, tmp_p
     (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     # the new actor got the re-sync of v5, served step 5's generate, then the sync of v6
     assert log == {"calls": ["update_weights", "generate", "update_weights"], "restarts": 1}
+
+
+@pytest.mark.slow
+def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster, single_run,
+                                                                        tmp_path):
+    # sync of v5 (update #2) is killed, so is its re-sync (update #3: a death inside a
+    # re-sync counts against the same call's budget); the verification read-back of the
+    # sync of v6 (held_checksums #4) is killed too
+    calls = tmp_path / "calls.jsonl"
+    killed = _job(cluster, tmp_path / "k", "--qrl-mode", "disaggregated", "--kill",
+                  "update_weights:2,update_weights:3,held_checksums:4", "--calls", str(calls))
+    assert killed == single_run
+    (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
+    # the last actor is fresh: it only served the re-sync of v6
+    assert log == {"calls": ["update_weights"], "restarts": 3}
+
+
+@pytest.mark.slow
+def test_actor_process_exit_mid_update_colocated(cluster, single_run, tmp_path):
+    # every actor process exits half-way through its 2nd weight update: the first one in the
+    # sync of v5, its replacement (re-sync v5 = its 1st) in the sync of v6
+    calls = tmp_path / "calls.jsonl"
+    co = _job(cluster, tmp_path / "x", "--qrl-mode", "colocated", "--exit-in-update", "2",
+              "--calls", str(calls))
+    assert co == single_run
+    (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert log == {"calls": ["update_weights"], "restarts": 2}
+
+
+@pytest.mark.slow
+def test_colocated_resume_reproduces_the_uninterrupted_run(cluster, single_run, tmp_path):
+    # saves after RL step 4 (the end of a 1-step run), resumes for the 2-step budget
+    part = tmp_path / "part"
+    _job(cluster, part, "--qrl-mode", "colocated", "--qrl-steps", "1")
+    resumed = _job(cluster, part, "--qrl-mode", "colocated", "--qrl-resume")
+    assert [r["step"] for r in resumed] == list(range(6))
+    assert resumed[:4] == single_run[:4]  # the SFT steps are kept, not duplicated
+    assert resumed[5] == single_run[5]  # the resumed step reproduces the uninterrupted run
+    # (step 4 ran with a 1-step budget: --qrl-steps sets the AQN schedule, like single mode)
+
+
+@pytest.mark.slow
+def test_compare_colocated_writes_the_single_mode_table(cluster, tmp_path):
+    budget = ["--qrl-compare", "--qrl-steps", "1", "--qrl-sft-steps", "2"]
+    _job(cluster, tmp_path / "s", "--qrl-mode", "single", *budget, helper="rl_run_helper.py",
+         metrics=False)
+    _job(cluster, tmp_path / "c", "--qrl-mode", "colocated", *budget, metrics=False)
+    single, co = (tmp_path / "s" / "compare.md").read_text(), (tmp_path / "c" / "compare.md").read_text()
+    assert co == single and len(single.splitlines()) == 2 + 6  # header + one row per variant
+    assert (tmp_path / "c" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for variant in ("bf16", "int8+acr", "nvfp4_aligned+tbpo"):
+        runs = [_records(tmp_path / m / variant) for m in ("s", "c")]
+        assert runs[0] == runs[1] and [r["phase"] for r in runs[0]] == ["rl"]

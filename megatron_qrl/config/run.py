@@ -242,6 +242,14 @@ class RunConfig:
     """Directory for metrics.jsonl, plots and checkpoints; none = qrl_runs/<preset>-seed<seed>
     (printed at start; ',' in the preset becomes '+')."""
 
+    tensorboard: bool = True
+    """Also write every numeric metric as a TensorBoard scalar (tag = metric name, step = the
+    record's step); needs the tensorboard package (without it one line says so and the run
+    goes on). --no-qrl-tensorboard turns it off."""
+
+    tensorboard_dir: str | None = None
+    """Directory of the TensorBoard event files; none = <output-dir>/tensorboard."""
+
     save_interval: int = 0
     """Save an (atomic) checkpoint every N steps; 0 = only at the end."""
 

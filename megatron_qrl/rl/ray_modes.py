@@ -11,9 +11,11 @@ resumed before the next weight sync::
 
 Weight sync, verification and seeding are the single-process ones (:mod:`megatron_qrl.rl.sync`),
 so with the same seed a Ray mode produces the same metrics as ``--qrl-mode single``. The
-actor is supervised: if it dies, :class:`EngineSupervisor` starts a new actor in the same
-bundle, re-packs and re-sends the trainer's current weights (the driver binds its ``sync``
-through :meth:`RayRolloutEngine.bind_resync`) and retries the rollout.
+actor is supervised: if it dies — in a rollout, or during a weight sync (the update, the
+verification read-back) — :class:`EngineSupervisor` starts a new actor in the same bundle and
+re-runs the driver's sync of the current version on it (the driver binds its ``sync``, which
+re-packs the trainer's current weights, through :meth:`RayRolloutEngine.bind_resync`); a
+rollout is then retried, an interrupted sync is complete (its one-shot stream is not re-sent).
 """
 
 from __future__ import annotations
@@ -167,7 +169,9 @@ class RayRolloutEngine(RolloutEngine):
         if self._resync is None:
             raise RuntimeError("the rollout engine actor died and no re-sync is bound (the "
                                "driver calls RayRolloutEngine.bind_resync(sync))")
-        self._resync(version)  # goes through self -> supervisor -> the new actor
+        self.released = False  # the new actor starts with its memory resumed
+        # goes through self -> supervisor (unsupervised while it re-syncs) -> the new actor
+        self._resync(version)
 
     @property
     def actor(self) -> RayEngine:

@@ -7,7 +7,10 @@ whose methods call the actor. Weight sync is the single-process path unchanged: 
 ``bucket_bytes`` each), every bucket is ``ray.put`` into the object store as it fills, and
 the actor loads the stream bucket by bucket from the ObjectRefs; ``verify`` then compares the
 actor's ``held_checksums`` with the sender's :class:`WeightManifest` exactly as in single
-mode. A dead actor (``RayActorError`` / ``ActorDiedError``) surfaces as
+mode. Tensors of the 1-byte float dtypes (FP8 / NVFP4 codes and scales) travel as their
+``uint8`` bytes plus the dtype (:class:`WireTensor`): torch's pickler cannot round-trip them
+(measured with torch 2.13: ``pickle.loads(pickle.dumps(float8 tensor))`` fails in
+``_legacy_load`` on ``UntypedStorage.dtype``), and Ray pickles what it stores. A dead actor (``RayActorError`` / ``ActorDiedError``) surfaces as
 :class:`EngineDiedError`, which :class:`EngineSupervisor` restarts.
 """
 
@@ -22,7 +25,31 @@ import torch
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .supervisor import EngineDiedError
 
-__all__ = ["EngineActor", "EngineSpec", "RayEngine", "bucketize"]
+__all__ = ["EngineActor", "EngineSpec", "RayEngine", "WireTensor", "bucketize", "from_wire",
+           "to_wire"]
+
+_PICKLE_SAFE_1B = (torch.uint8, torch.int8, torch.bool)
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor the object store cannot hold as is: its raw bytes and its dtype's name."""
+
+    data: torch.Tensor
+    dtype: str
+
+
+def to_wire(t: torch.Tensor) -> torch.Tensor | WireTensor:
+    """``t`` on the driver's CPU, in a form Ray can pickle (see the module docstring)."""
+    t = t.detach().cpu()
+    if t.element_size() == 1 and t.dtype not in _PICKLE_SAFE_1B:
+        return WireTensor(t.contiguous().view(torch.uint8), str(t.dtype).removeprefix("torch."))
+    return t
+
+
+def from_wire(t: torch.Tensor | WireTensor) -> torch.Tensor:
+    """Undo :func:`to_wire`."""
+    return t.data.view(getattr(torch, t.dtype)) if isinstance(t, WireTensor) else t
 
 
 @dataclass(frozen=True)
@@ -76,7 +103,8 @@ class EngineActor:
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for ref in bucket_refs:
-                yield from ray.get(ref)
+                for name, t in ray.get(ref):
+                    yield name, from_wire(t)
 
         self.engine.update_weights(stream(), version)
 
@@ -113,8 +141,9 @@ class EngineActor:
 
 
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
-              bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own bucket)."""
+              bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
+    """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
+    bucket), each tensor in its :func:`to_wire` form."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -124,7 +153,7 @@ def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, t.detach().cpu()))
+        bucket.append((name, to_wire(t)))
         size += nbytes
     if bucket:
         yield bucket

@@ -7,14 +7,20 @@ tokens (losses metric ``kl_behav_prox_k3``); ``clip_frac`` the fraction of token
 RL-only values may be ``None`` (``null``). Extra keys are kept (e.g. the losses' metrics,
 ``prox_behav_ratio_max`` which the compare table reads, ``time_recompute_s``).
 
-TensorBoard (``torch.utils.tensorboard``) is used when the ``tensorboard`` package imports,
-created lazily at the first record; scalars go under ``<phase>/<key>``.
+TensorBoard (``torch.utils.tensorboard``, needs the ``tensorboard`` package: the ``test``
+extra pins it): every numeric value of a record is a scalar with tag = the metric's key and
+global step = the record's ``step``, written to ``<output-dir>/tensorboard`` (or
+``tensorboard_dir``), flushed after each step. Without the package one line is logged (once
+per process) and the run goes on. A resumed logger (``resume_from_step=k``) opens its writer
+with ``purge_step=k``: TensorBoard hides the first run's events at steps >= k, so every step
+shows once (the first run's event file stays on disk, like the rewritten metrics.jsonl lines).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -22,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from .io import atomic_write_bytes, atomic_write_text
-from .optional import available
 
 __all__ = [
     "COMPARE_COLUMNS",
@@ -37,7 +42,10 @@ __all__ = [
     "summarize_run",
 ]
 
+log = logging.getLogger(__name__)
+
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 PHASES = ("sft", "rl")
 REQUIRED_KEYS = ("step", "phase", "reward_mean", "mismatch_kl", "clip_frac", "error_token_rate",
                  "time_rollout_s", "time_train_s", "time_sync_s")
@@ -108,11 +116,13 @@ class MetricsLogger:
 
     ``resume_from_step=k`` keeps the records with ``step < k`` already in the file (a resumed
     run rewrites the steps after its checkpoint); otherwise an existing non-empty file is an
-    error unless ``overwrite``.
+    error unless ``overwrite``. ``tensorboard``: also write TensorBoard scalars (when the
+    package is installed) to ``tensorboard_dir`` (None: ``<output_dir>/tensorboard``).
     """
 
     def __init__(self, output_dir: str | Path, tensorboard: bool = True, overwrite: bool = False,
-                 resume_from_step: int | None = None) -> None:
+                 resume_from_step: int | None = None,
+                 tensorboard_dir: str | Path | None = None) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / METRICS_FILE
@@ -125,7 +135,9 @@ class MetricsLogger:
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.records = kept
         self._tb_wanted = tensorboard
-        self._tb = None
+        self.tensorboard_dir = Path(tensorboard_dir or self.dir / TENSORBOARD_DIR)
+        self._purge_step = resume_from_step
+        self._tb: Any = None
         self._fh = self.path.open("a", encoding="utf-8")
 
     @property
@@ -145,16 +157,14 @@ class MetricsLogger:
         if not self._tb_wanted:
             return
         if self._tb is None:
-            ok, _ = available("tensorboard")
-            if not ok:
+            self._tb = _summary_writer(self.tensorboard_dir, self._purge_step)
+            if self._tb is None:
                 self._tb_wanted = False
                 return
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
         for k, v in rec.items():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(f"{rec['phase']}/{k}", v, rec["step"])
+                self._tb.add_scalar(k, v, rec["step"])
+        self._tb.flush()
 
     def close(self, plot: bool = True) -> Path | None:
         """Close the files; write ``metrics.png`` (:func:`plot_run`) when ``plot``."""
@@ -169,6 +179,23 @@ class MetricsLogger:
     def __exit__(self, *exc: object) -> None:
         if not self._fh.closed:
             self.close(plot=exc[0] is None)
+
+
+_TB_MISSING_LOGGED = False
+
+
+def _summary_writer(log_dir: Path, purge_step: int | None) -> Any:
+    """A ``SummaryWriter`` on ``log_dir``, or None (logged once) without ``tensorboard``."""
+    global _TB_MISSING_LOGGED
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        if not _TB_MISSING_LOGGED:
+            _TB_MISSING_LOGGED = True
+            log.warning("metrics: no TensorBoard scalars (%s); `pip install tensorboard` to "
+                        "get them, metrics.jsonl is written either way", exc)
+        return None
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
 def _pyplot():
