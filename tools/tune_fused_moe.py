@@ -48,8 +48,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def _init_sglang() -> None:
-    """SGLang's MoE code reads its process-wide config and TP group: publish defaults, TP=1."""
+def _init_sglang(hf_config: dict) -> None:
+    """SGLang's MoE code reads its process-wide config and TP group: publish defaults for a
+    local config-only model directory (nothing is downloaded), TP=1."""
     import torch
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import publish
@@ -59,10 +60,11 @@ def _init_sglang() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("tune_fused_moe: needs a CUDA GPU (and SGLang); none is visible")
-    try:
-        publish(ServerArgs(model_path="qrl-moe-tune"), role="test")
-    except Exception as exc:  # noqa: BLE001 - the kernel may not need it
-        print(f"[tune] publishing default ServerArgs failed ({exc}); continuing", flush=True)
+    from megatron_qrl.rollout_sglang.launch import write_engine_dir
+
+    model_dir = write_engine_dir(hf_config, "bf16")
+    publish(ServerArgs(model_path=str(model_dir), load_format="dummy",
+                       skip_tokenizer_init=True), role="test")
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="nccl",
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     initialize_model_parallel(tensor_model_parallel_size=1)
@@ -77,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         get_config_file_name,
     )
 
-    _init_sglang()
+    _init_sglang({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "hidden_size": a.hidden, "num_experts": a.experts,
+                  "num_experts_per_tok": a.top_k, "moe_intermediate_size": a.moe_intermediate,
+                  "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4,
+                  "head_dim": 128, "vocab_size": 1024, "intermediate_size": 4 * a.hidden,
+                  "max_position_embeddings": 4096, "rms_norm_eps": 1e-6})
     ms = [int(m) for m in a.m.split(",")]
     summary = {"device": torch.cuda.get_device_name(), "triton": triton.__version__,
                "E": a.experts, "N": a.moe_intermediate, "K": a.hidden, "top_k": a.top_k,

@@ -20,6 +20,7 @@ message naming the ``[gpu]`` extra.
 from __future__ import annotations
 
 import base64
+import os
 import shutil
 import time
 from collections.abc import Iterable
@@ -39,6 +40,7 @@ from ..rollout.base import (
 from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
 from .inplace import CONTROL, LOADER, StreamTracker
+from .moe_configs import config_dir_for_engine
 
 FEATURE = "--qrl-rollout-engine sglang"
 
@@ -127,6 +129,9 @@ class SGLangEngine(RolloutEngine):
         if sync == "inplace":
             args["custom_weight_loader"] = [LOADER]
         args |= engine_kwargs
+        moe_dir = config_dir_for_engine()  # shipped tuned fused-MoE configs (tools/tune_fused_moe.py)
+        if moe_dir is not None:
+            os.environ["SGLANG_MOE_CONFIG_DIR"] = moe_dir  # read by the scheduler processes
         self.engine = sglang.Engine(model_path=str(self.model_path), **args)
         self._sent: dict[str, str] = {}
         self._version = -1

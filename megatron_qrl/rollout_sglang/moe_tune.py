@@ -182,6 +182,10 @@ def time_config(case: MoeCase, M: int, top_k: int, config: dict | None, *, reps:
         with ctx:
             return _bench(call, reps, graph)
     except Exception:  # noqa: BLE001 - a failing candidate is simply not chosen
+        if config is None:  # SGLang's own choice must run: show why it did not
+            import traceback
+
+            traceback.print_exc()
         return float("inf")
 
 
