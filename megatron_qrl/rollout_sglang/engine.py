@@ -132,6 +132,9 @@ class SGLangEngine(RolloutEngine):
         moe_dir = config_dir_for_engine()  # shipped tuned fused-MoE configs (tools/tune_fused_moe.py)
         if moe_dir is not None:
             os.environ["SGLANG_MOE_CONFIG_DIR"] = moe_dir  # read by the scheduler processes
+        self.returns_experts = bool(self.is_moe and args.get("enable_return_routed_experts"))
+        """MoE engines return routed experts unless started with
+        ``enable_return_routed_experts=False`` (then ``routed_experts`` is None)."""
         self.engine = sglang.Engine(model_path=str(self.model_path), **args)
         self._sent: dict[str, str] = {}
         self._version = -1
@@ -240,7 +243,7 @@ class SGLangEngine(RolloutEngine):
         try:
             outs = self.engine.generate(input_ids=[list(p) for p in prompts],
                                         sampling_params=params, return_logprob=True,
-                                        return_routed_experts=self.is_moe)
+                                        return_routed_experts=self.returns_experts)
         except Exception as exc:
             if not self._alive():
                 raise EngineDiedError(f"an SGLang engine process exited: {exc}") from exc
@@ -267,7 +270,7 @@ class SGLangEngine(RolloutEngine):
         mask = torch.arange(t)[None] < torch.tensor([len(r) for r in resp])[:, None]
         reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
         experts = None
-        if self.is_moe:
+        if self.returns_experts:
             experts = torch.full((b, max(map(len, prompts)) + t, self.num_layers, self.top_k), -1)
             for i, o in enumerate(outs):
                 flat = np.frombuffer(base64.b64decode(o["meta_info"]["routed_experts"]), np.int32)

@@ -189,6 +189,30 @@ def time_config(case: MoeCase, M: int, top_k: int, config: dict | None, *, reps:
         return float("inf")
 
 
+def sglang_choice(case: MoeCase, M: int, top_k: int) -> dict | None:
+    """The configuration SGLang itself picks for ``case`` at ``M`` (its shipped file or its
+    heuristic), as a plain dict of the kernel's tile keys; None if it cannot be read."""
+    try:
+        from sglang.srt.layers.moe.moe_runner.triton_utils import try_get_optimal_moe_config
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import (
+            get_config_dtype_str,
+        )
+
+        f = case.flags
+        dtype = get_config_dtype_str(torch.bfloat16, use_fp8_w8a8=f.use_fp8_w8a8,
+                                     use_int8_w8a8=f.use_int8_w8a8)
+        cfg = try_get_optimal_moe_config(
+            tuple(case.w1.shape), tuple(case.w2.shape), top_k, dtype, M,
+            block_shape=list(f.block_shape) if f.block_shape else None,
+            per_channel_quant=f.per_channel_quant)
+    except Exception:  # noqa: BLE001 - only an extra candidate
+        return None
+    cfg = cfg[0] if isinstance(cfg, tuple) else cfg
+    keys = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+            "num_stages")
+    return {k: cfg[k] for k in keys if k in cfg}
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -280,14 +304,17 @@ def tune(case: MoeCase, ms: Sequence[int], top_k: int, *, log: Callable[[str], N
             timings[m].append((time_config(case, m, top_k, cfg, graph=graph), cfg))
         if i % 16 == 15:
             log(f"[tune {case.name}] stage 2 {i + 1}/{len(s2)} ({time.time() - t0:.0f} s)")
+    summary = {}
+    for m in ms:  # SGLang's own choice competes too: a shipped file never gets slower
+        default = time_config(case, m, top_k, None, graph=graph)
+        tuned = min((t for t, _ in timings[m]), default=float("inf"))
+        summary[m] = {"default_us": round(default, 2), "tuned_us": round(tuned, 2)}
+        own = sglang_choice(case, m, top_k)
+        if own is not None:
+            timings[m].append((default, own))
     best = {m: min(ts, key=lambda tc: tc[0])[1] for m, ts in timings.items()
             if ts and min(t for t, _ in ts) < float("inf")}
     if not best:
         raise RuntimeError(f"every candidate failed for {case.name}; nothing to write")
-    summary = {}
-    for m in ms:
-        default = time_config(case, m, top_k, None, graph=graph)
-        tuned = min((t for t, _ in timings[m]), default=float("inf"))
-        summary[m] = {"default_us": round(default, 2), "tuned_us": round(tuned, 2)}
     log(f"[tune {case.name}] done in {time.time() - t0:.0f} s: {len(s1)} + {len(s2)} configs")
     return best, summary
