@@ -36,6 +36,8 @@ class PolicyModel:
     config: Any
     arch: ModelArch
     plan: ForwardPlan
+    groups: Any = None
+    """``models.streaming.ShardGroups`` of a multi-rank job (None: one process)."""
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Use ``optimizer`` from now on (the aligned-forward cache follows its steps)."""
@@ -44,11 +46,14 @@ class PolicyModel:
 
 
 def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
-                 clip_grad: float = 1.0, weight_decay: float = 0.0) -> PolicyModel:
+                 clip_grad: float = 1.0, weight_decay: float = 0.0, layout: Any = None,
+                 groups: Any = None) -> PolicyModel:
     """Build the policy (fp32 masters), wrap it in megatron DDP and make an Adam optimizer.
 
     ``plan.spec_hook`` maps the decoder layer ModuleSpec (aligned linears, replay routers);
-    ``plan.config_overrides`` go to the ``TransformerConfig``.
+    ``plan.config_overrides`` go to the ``TransformerConfig``. ``layout``: the
+    ``models.builder.ParallelLayout`` of a multi-rank job (megatron's ``parallel_state`` must
+    match it) and ``groups`` its ``models.streaming.ShardGroups``; None: one process.
     """
     plan = plan or ForwardPlan()
     from megatron.core.distributed import (
@@ -59,11 +64,11 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
 
     from megatron_qrl.models.runtime import build_model
 
-    model = build_model(arch, spec_hook=plan.spec_hook, **plan.config_overrides)
+    model = build_model(arch, layout, spec_hook=plan.spec_hook, **plan.config_overrides)
     config = model.config
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
-    policy = PolicyModel(ddp, None, config, arch, plan)
+    policy = PolicyModel(ddp, None, config, arch, plan, groups)
     policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay))
     return policy
 
@@ -190,10 +195,11 @@ class PolicyTrainer:
         return average_metrics(store), float(grad_norm if grad_norm is not None else 0.0)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` of the current weights (one process: no collectives)."""
+        """``(hf_name, full tensor)`` of the current weights. One process: no collectives;
+        multi-rank: shards gathered over TP / EP, every rank must consume it in lockstep."""
         from megatron_qrl.models.streaming import iter_hf_tensors
 
-        return iter_hf_tensors(self.module, self.policy.arch)
+        return iter_hf_tensors(self.module, self.policy.arch, self.policy.groups)
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state for a checkpoint."""
