@@ -42,7 +42,10 @@ class PolicyModel:
     def set_optimizer(self, optimizer: Any) -> None:
         """Use ``optimizer`` from now on (the aligned-forward cache follows its steps)."""
         self.optimizer = optimizer
-        self.plan.attach(optimizer)
+        # EP > 1: megatron chains a dense and an expert optimizer; hook each one (reading
+        # ``ChainedOptimizer.optimizer`` asserts when it holds more than one).
+        for opt in getattr(optimizer, "chained_optimizers", None) or (optimizer,):
+            self.plan.attach(opt)
 
 
 def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
@@ -100,8 +103,9 @@ def _replay_ids(batch: dict) -> torch.Tensor | None:
 def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
     """``(sum of per-token agreement, tokens)`` of the last forward against the engine's
     routing (moe.routing_agreement averaged over MoE layers; tokens the engine never routed,
-    marked -1, are left out). None when the rollout carries no routing or this rank holds a
-    sequence-parallel shard of the tokens."""
+    marked -1, are left out). None when the rollout carries no routing. Under sequence
+    parallelism this rank's routers saw its TP rank's slice of the (sequence-major) tokens:
+    the counts are of that slice (:meth:`PolicyTrainer.log_probs` sums them over TP)."""
     from megatron_qrl.moe import recorded_ids, routing_agreement, tokens_from_batch
 
     ids = batch.get("routed_experts")
@@ -109,6 +113,12 @@ def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
         return None
     rollout = tokens_from_batch(ids)
     own = recorded_ids(replay, rollout.shape[1]).to(rollout.device)
+    if own.shape[1:] == rollout.shape[1:] and own.shape[0] < rollout.shape[0]:
+        from megatron.core import parallel_state as ps
+
+        n, rank = own.shape[0], ps.get_tensor_model_parallel_rank()
+        if n * ps.get_tensor_model_parallel_world_size() == rollout.shape[0]:
+            rollout = rollout[rank * n:(rank + 1) * n]
     if own.shape != rollout.shape:
         return None
     keep = (rollout >= 0).flatten(1).all(1)
@@ -174,8 +184,15 @@ class PolicyTrainer:
             store = self._run(microbatches, loss_fn, True, sink)
         finally:
             self.policy.ddp.train()
-        tokens = sum(n for _, n in sink)
-        self.last_routing_agreement = sum(a for a, _ in sink) / tokens if tokens else None
+        agree, tokens = sum(a for a, _ in sink), sum(n for _, n in sink)
+        if sink and self.policy.config.sequence_parallel:  # each TP rank saw its token slice
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+
+            both = torch.tensor([float(agree), float(tokens)], dtype=torch.float64)
+            dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
+            agree, tokens = float(both[0]), int(both[1])
+        self.last_routing_agreement = agree / tokens if tokens else None
         return [d["log_probs"].float() for d in store]
 
     def train_step(self, microbatches: Sequence[dict], loss_fn: Callable
