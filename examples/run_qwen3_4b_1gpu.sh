@@ -3,15 +3,18 @@
 # (FP8 rollouts by default), TIS correction. Needs an HF checkpoint directory.
 #   CKPT=/data/Qwen3-4B bash examples/run_qwen3_4b_1gpu.sh
 #   CKPT=... FORMAT=int8 LOSS=acr bash examples/run_qwen3_4b_1gpu.sh
-# STATUS: --qrl-mode colocated runs on Ray with the reference engine (tested on CPU), but
-# qrl-train does not yet take Megatron flags after `--` nor SGLang engines in Ray modes: it
-# stops with an error naming them. The flag arrays below are the intended layout.
+# STATUS: the Megatron flags after `--` are parsed (megatron_qrl/config/megatron_flags.py):
+# MODEL_ARGS are checked against ${CKPT}/config.json (a disagreeing flag is an error naming
+# it), TP/PP sizes set the trainer layout. --qrl-mode colocated runs on Ray with the
+# reference engine (tested on CPU); SGLang engines inside the Ray modes are not wired yet, so
+# with --qrl-rollout-engine sglang the job stops with an error naming that. The trainer keeps
+# fp32 parameters and Adam state (--bf16 / --fp16 are refused with an error), hence no --bf16.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"
 : "${CKPT:?set CKPT to the Qwen3-4B HF directory}"
 
-PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --bf16)
+PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1)
 QRL_ARGS=(
     --qrl-preset qwen3-4b-1gpu --qrl-model checkpoint --qrl-checkpoint "${CKPT}"
     --qrl-rollout-format "${FORMAT:-fp8}" --qrl-loss-kind "${LOSS:-tis}"

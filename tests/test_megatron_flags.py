@@ -133,7 +133,10 @@ def test_tiny_model_shape_overrides():
         prepare_job(_parse("--vocab-size", "200")[0])
 
 
-def test_tiny_model_layout_errors():
+def test_tiny_model_layout_errors(monkeypatch):
+    with pytest.raises(QrlArgumentError, match="torchrun --nproc-per-node 2"):
+        _parse("--tensor-model-parallel-size", "2")  # one process cannot hold TP 2
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun --nproc-per-node 2
     with pytest.raises(QrlArgumentError, match="--num-query-groups 2"):  # 1 KV head, TP 2
         prepare_job(_parse("--tensor-model-parallel-size", "2", "--sequence-parallel")[0])
     with pytest.raises(QrlArgumentError, match="--sequence-parallel"):  # MoE x TP needs SP

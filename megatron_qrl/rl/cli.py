@@ -18,7 +18,7 @@ checkpoint; ``--tensor-model-parallel-size`` / ``--expert-model-parallel-size`` 
 ``--expert-tensor-parallel-size`` / ``--sequence-parallel`` set the trainer's layout for a
 multi-rank run under torchrun (rank 0 owns the rollout engine and the outputs)::
 
-    torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli --qrl-model tiny-dense \
+    torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli --qrl-model tiny-dense --qrl-routing-replay off \
         -- --tensor-model-parallel-size 2 --group-query-attention --num-query-groups 2
     torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli -- --expert-model-parallel-size 2
 
@@ -126,6 +126,7 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     flags = effective_values(args)
     configs["megatron"] = settings
     flags["megatron_layout"] = settings.describe()
+    args.world_size = _world_size(args, settings)
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")
@@ -155,8 +156,7 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         return run_job(cfg, fl, engine_factory=factory, progress=progress, world=world[0], **kw)
 
     try:
-        world_size = _world_size(args, configs["megatron"])
-        if world_size > 1:
+        if args.world_size > 1:
             _launch_ranks(configs, flags, run, world)
         elif args.qrl_mode == "single":
             _launch(args, configs, flags, argv, run)
@@ -181,14 +181,15 @@ def _world_size(args: argparse.Namespace, mega: Any) -> int:
         world_size = torchrun_world_size()
     except ValueError as exc:
         raise QrlArgumentError(str(exc)) from None
-    mega.check_world(world_size)
-    if world_size > 1 and args.qrl_mode != "single":
+    if (world_size > 1 or mega.model_parallel_size > 1) and args.qrl_mode != "single":
         raise QrlArgumentError(
-            f"--qrl-mode {args.qrl_mode} runs the trainer in one process, but torchrun started "
-            f"{world_size} ranks; use --qrl-mode single for a multi-rank trainer (its rollout "
-            "engine runs on rank 0)")
+            f"--qrl-mode {args.qrl_mode} runs the trainer in one process, but the Megatron "
+            f"layout ({mega.describe()}) / torchrun ({world_size} ranks) asks for several; use "
+            "--qrl-mode single under torchrun for a multi-rank trainer (its rollout engine "
+            "runs on rank 0)")
     if world_size > 1 and args.qrl_compare:
         raise QrlArgumentError("--qrl-compare runs in one process; launch it without torchrun")
+    mega.check_world(world_size)
     return world_size
 
 
