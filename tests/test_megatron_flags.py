@@ -222,3 +222,36 @@ def test_upstream_parser_is_used_when_installed():  # pragma: no cover
     assert upstream
     assert parser.parse_known_args(["--tensor-model-parallel-size", "2"])[0] \
         .tensor_model_parallel_size == 2
+
+
+def _one_process_job(out: Path, *megatron: str) -> subprocess.CompletedProcess:
+    import os
+    import sys
+
+    helper = Path(__file__).resolve().parent / "rl_run_helper.py"
+    job = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "1", "--qrl-prompts-per-step", "2",
+           "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
+           "--qrl-micro-batch-size", "4", "--qrl-no-progress", "--qrl-output-dir", str(out)]
+    return subprocess.run([sys.executable, str(helper), *job, "--", *megatron],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.slow
+def test_seq_length_and_tensorboard_dir_act(tmp_path):
+    short = _one_process_job(tmp_path / "short", "--train-iters", "1", "--seq-length", "5")
+    assert short.returncode == 2 and "more than --seq-length 5" in short.stderr
+    board = tmp_path / "tb"
+    ok = _one_process_job(tmp_path / "ok", "--train-iters", "1", "--seq-length", "64",
+                          "--tensorboard-dir", str(board))
+    if importlib.util.find_spec("tensorboard") is None:  # not a dependency: a clear error
+        assert ok.returncode == 2 and "pip install tensorboard" in ok.stderr
+        return
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(board.iterdir())))
+    events.Reload()
+    rl = json.loads((tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()[-1])
+    (scalar,) = events.Scalars("rl/reward_mean")
+    assert scalar.step == rl["step"] and abs(scalar.value - rl["reward_mean"]) < 1e-6

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.data.dataset import PromptRecord
 from megatron_qrl.losses import grpo_advantages
@@ -72,7 +73,7 @@ class StepContext:
         """``batch`` padded to ``seq_multiple``; raise naming ``--seq-length`` when longer."""
         s = batch["tokens"].shape[1]
         if self.seq_length is not None and s > self.seq_length:
-            raise ValueError(f"a batch holds {s} tokens (prompt + response), more than "
+            raise QrlArgumentError(f"a batch holds {s} tokens (prompt + response), more than "
                              f"--seq-length {self.seq_length}; raise --seq-length or lower "
                              "--qrl-rollout-max-new-tokens")
         return pad_to_multiple(batch, self.seq_multiple, self.tokenizer.pad_id)
