@@ -67,6 +67,10 @@ class RankWorld:
     """Global rank (0 owns the rollout engine, progress bar, metrics, plots, checkpoints)."""
     world_size: int = 1
     """Number of ranks; 1 is the single-process job (no collectives at all)."""
+    dp_rank: int = 0
+    """Rank in megatron's (dense) data-parallel group."""
+    dp_size: int = 1
+    """Data-parallel size: ranks that train on different micro batches of one batch."""
 
     @property
     def is_main(self) -> bool:
@@ -87,6 +91,23 @@ class RankWorld:
         out = [None] * self.world_size if self.is_main else None
         dist.gather_object(obj, out, dst=0)
         return out
+
+    def local(self, microbatches: list, updates: int) -> list:
+        """This data-parallel rank's share of ``microbatches``: each of the ``updates``
+        consecutive chunks (one optimizer step each) is split into ``dp_size`` equal parts."""
+        if self.dp_size == 1:
+            return microbatches
+        per_update = len(microbatches) // updates
+        if per_update * updates != len(microbatches) or per_update % self.dp_size:
+            raise ValueError(
+                f"{len(microbatches)} micro batches do not split into {updates} optimizer "
+                f"step(s) x {self.dp_size} data-parallel ranks; make the rollout batch "
+                "(--qrl-prompts-per-step x --qrl-rollout-n-samples-per-prompt) a multiple of "
+                "--qrl-micro-batch-size x --qrl-updates-per-step x the data-parallel size "
+                "(ranks / (TP x PP))")
+        k = per_update // self.dp_size
+        return [mb for u in range(updates) for mb in
+                microbatches[u * per_update + self.dp_rank * k:u * per_update + (self.dp_rank + 1) * k]]
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -146,7 +167,8 @@ def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1,
         mode = cpu_device_mode()
     try:
         with mode:
-            yield RankWorld(rank, world)
+            yield RankWorld(rank, world, parallel_state.get_data_parallel_rank(),
+                            parallel_state.get_data_parallel_world_size())
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -6,7 +6,8 @@ replay if on) -> ``updates_per_step`` optimizer steps with the chosen policy los
 the losses' Megatron adapter -> weight sync (AQN on the engine copy) -> metrics.
 
 Multi-rank: only rank 0 has an engine; it samples and scores, and the packed batch, rewards
-and texts are broadcast so that every rank trains on the same batch.
+and texts are broadcast so that every rank holds the same batch; each data-parallel rank
+trains on its share of every optimizer step's micro batches (``RankWorld.local``).
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = Fa
     mask = batch["loss_mask"].float()
     loss = -(lp * mask).sum() / mask.sum().clamp_min(1.0)
     correct = (lp > -0.6931).float()  # the answer token has probability > 1/2
-    return loss, {"sft_loss": loss.detach(),
+    # clone: megatron's schedule divides the returned loss by the number of micro batches
+    # IN PLACE, which a detached view would follow
+    return loss, {"sft_loss": loss.detach().clone(),
                   "sft_token_acc": (correct * mask).sum() / mask.sum().clamp_min(1.0)}
 
 
@@ -103,7 +106,8 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
     batch = sft_batch([ctx.prompt_ids(r) for r in recs],
                       [[*ctx.tokenizer.encode(r.answer), ctx.tokenizer.eos_id] for r in recs])
     batch = ctx.check_length(batch)
-    metrics, grad_norm = ctx.trainer.train_step(split_batch(batch, run.micro_batch_size), _sft_loss)
+    metrics, grad_norm = ctx.trainer.train_step(
+        ctx.world.local(split_batch(batch, run.micro_batch_size), 1), _sft_loss)
     return {"step": step, "phase": "sft", "reward_mean": None, "mismatch_kl": None,
             "clip_frac": None, "error_token_rate": None, "time_rollout_s": 0.0,
             "time_train_s": time.perf_counter() - t0, "time_sync_s": 0.0,
@@ -145,7 +149,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         _rollout(ctx, step) if ctx.world.is_main else None)
     batch = ctx.check_length(batch)
     t1 = time.perf_counter()
-    mbs = split_batch(batch, run.micro_batch_size)
+    mbs = ctx.world.local(split_batch(batch, run.micro_batch_size), run.updates_per_step)
     old = ctx.trainer.log_probs(mbs, ctx.loss_fn)
     agreement = ctx.trainer.last_routing_agreement
     for mb, lp in zip(mbs, old):

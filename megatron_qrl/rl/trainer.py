@@ -185,12 +185,15 @@ class PolicyTrainer:
         finally:
             self.policy.ddp.train()
         agree, tokens = sum(a for a, _ in sink), sum(n for _, n in sink)
-        if sink and self.policy.config.sequence_parallel:  # each TP rank saw its token slice
+        if self.policy.groups is not None:  # multi-rank: sum over token slices / DP shares
             import torch.distributed as dist
             from megatron.core import parallel_state as ps
 
-            both = torch.tensor([float(agree), float(tokens)], dtype=torch.float64)
-            dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
+            both = torch.tensor([float(agree), float(tokens), float(bool(sink))],
+                                dtype=torch.float64)
+            if self.policy.config.sequence_parallel:  # each TP rank saw its token slice
+                dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
+            dist.all_reduce(both, group=ps.get_data_parallel_group())
             agree, tokens = float(both[0]), int(both[1])
         self.last_routing_agreement = agree / tokens if tokens else None
         return [d["log_probs"].float() for d in store]
@@ -209,7 +212,10 @@ class PolicyTrainer:
         if not ok:
             raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
                                "--qrl-lr / --qrl-sft-lr")
-        return average_metrics(store), float(grad_norm if grad_norm is not None else 0.0)
+        metrics = average_metrics(store)
+        if self.policy.groups is not None:
+            metrics = _data_parallel_mean(metrics)
+        return metrics, float(grad_norm if grad_norm is not None else 0.0)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` of the current weights. One process: no collectives;
@@ -245,3 +251,22 @@ def average_metrics(store: Sequence[dict]) -> dict[str, float]:
             elif isinstance(v, (int, float)):
                 sums.setdefault(k, []).append(float(v))
     return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in sums.items()}
+
+
+def _data_parallel_mean(metrics: dict[str, float]) -> dict[str, float]:
+    """:func:`average_metrics` over every data-parallel rank's (equally many) micro batches."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return metrics
+    keys = sorted(metrics)
+    means = torch.tensor([metrics[k] for k in keys if not k.endswith("_max")], dtype=torch.float64)
+    maxes = torch.tensor([metrics[k] for k in keys if k.endswith("_max")], dtype=torch.float64)
+    dist.all_reduce(means, group=group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    out = dict(zip([k for k in keys if not k.endswith("_max")], (means / size).tolist()))
+    out.update(zip([k for k in keys if k.endswith("_max")], maxes.tolist()))
+    return out
