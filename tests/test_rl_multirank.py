@@ -7,7 +7,9 @@ forward at lr 1e-5: quantized (fake-quant) forwards turn fp32 reduction-order no
 whole quantization steps, and Adam's first steps are sign-like, so a bit-level difference in
 a near-zero gradient moves a weight by the full lr. The router aux-loss coefficient is 0:
 sequence parallelism pads the sequence to a multiple of TP, and the padding tokens would
-enter the load-balancing loss. A part + resume EP=2 run must equal the full EP=2 run.
+enter the load-balancing loss. EP=2 on 2 ranks is also data-parallel 2 for the dense layers,
+so each rank trains on half of every step's micro batches. A part + resume EP=2 run must
+equal the full EP=2 run.
 """
 
 import json
@@ -100,3 +102,14 @@ def test_tp2_and_ep2_match_one_process_and_ep2_resumes(hf_dir, tmp_path):
     resumed = _torchrun(part, ("--qrl-resume",), *layout, "--expert-model-parallel-size", "2")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     _assert_close(ep[3:], resumed[3:], tol=0.0)
+
+
+def test_data_parallel_share_of_micro_batches():
+    from megatron_qrl.models.runtime import RankWorld
+
+    mbs = list(range(8))
+    assert RankWorld().local(mbs, 2) is mbs
+    assert RankWorld(1, 4, dp_rank=1, dp_size=2).local(mbs, 2) == [2, 3, 6, 7]
+    assert RankWorld(0, 4, dp_rank=0, dp_size=4).local(mbs, 1) == [0, 1]
+    with pytest.raises(ValueError, match="--qrl-micro-batch-size"):
+        RankWorld(0, 2, dp_rank=0, dp_size=2).local(list(range(6)), 2)

@@ -10,8 +10,8 @@ Multi-rank (``torchrun``, :func:`megatron_qrl.models.runtime.torchrun_megatron`,
 :class:`~megatron_qrl.models.runtime.RankWorld` passed as ``world``): every rank builds its
 TP / EP shard of the policy and trains; rank 0 alone owns the rollout engine, the progress
 bar, metrics.jsonl, plots and checkpoints. Rollouts are broadcast from rank 0 so every rank
-trains on the same batch (data-parallel ranks, if any, repeat the same batch rather than
-splitting it); a weight sync gathers the full HF tensors to rank 0 (``iter_hf_tensors``).
+holds the same batch (data-parallel ranks split each optimizer step's micro batches); a weight
+sync gathers the full HF tensors to rank 0 (``iter_hf_tensors``).
 A checkpoint holds every rank's model / optimizer state in one atomically written file.
 """
 
