@@ -14,7 +14,7 @@
 # The Ray modes keep the trainer in ONE process, so this disaggregated script stops with an
 # error naming --qrl-mode and the TP/EP flags until a Ray trainer group exists; SGLang engines
 # are not wired into qrl-train yet either. Refused in this build (clear error each):
-# --use-distributed-optimizer, --bf16/--fp16 (fp32 trainer), --pipeline-model-parallel-size > 1.
+# --use-distributed-optimizer, --fp16, --pipeline-model-parallel-size > 1.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_30b_a3b.sh"
@@ -34,7 +34,7 @@ trap 'ray stop' EXIT
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --expert-model-parallel-size 8
     --expert-tensor-parallel-size 1 --pipeline-model-parallel-size 1
-    --sequence-parallel
+    --sequence-parallel --bf16
 )
 case "${VARIANT:-fp8}" in
     fp8)        VARIANT_ARGS=(--qrl-rollout-format fp8_block --qrl-loss-kind tis) ;;

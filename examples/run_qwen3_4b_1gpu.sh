@@ -7,14 +7,14 @@
 # MODEL_ARGS are checked against ${CKPT}/config.json (a disagreeing flag is an error naming
 # it), TP/PP sizes set the trainer layout. --qrl-mode colocated runs on Ray with the
 # reference engine (tested on CPU); SGLang engines inside the Ray modes are not wired yet, so
-# with --qrl-rollout-engine sglang the job stops with an error naming that. The trainer keeps
-# fp32 parameters and Adam state (--bf16 / --fp16 are refused with an error), hence no --bf16.
+# with --qrl-rollout-engine sglang the job stops with an error naming that. --bf16 trains BF16
+# parameters with fp32 master weights (megatron's mixed-precision optimizer).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"
 : "${CKPT:?set CKPT to the Qwen3-4B HF directory}"
 
-PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1)
+PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --bf16)
 QRL_ARGS=(
     --qrl-preset qwen3-4b-1gpu --qrl-model checkpoint --qrl-checkpoint "${CKPT}"
     --qrl-rollout-format "${FORMAT:-fp8}" --qrl-loss-kind "${LOSS:-tis}"

@@ -76,7 +76,6 @@ def test_qrl_and_megatron_flag_disagree(qrl, megatron, names):
 @pytest.mark.parametrize("argv, needle", [
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
     (["--fp16"], "--fp16"),
-    (["--bf16"], "--bf16"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--moe-token-dispatcher-type", "flex"], "DeepEP"),
     (["--normalization", "LayerNorm"], "RMSNorm"),
@@ -224,7 +223,8 @@ def test_upstream_parser_is_used_when_installed():  # pragma: no cover
         .tensor_model_parallel_size == 2
 
 
-def _one_process_job(out: Path, *megatron: str) -> subprocess.CompletedProcess:
+def _one_process_job(out: Path, *megatron: str, resume: bool = False
+                     ) -> subprocess.CompletedProcess:
     import os
     import sys
 
@@ -232,26 +232,41 @@ def _one_process_job(out: Path, *megatron: str) -> subprocess.CompletedProcess:
     job = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "1", "--qrl-prompts-per-step", "2",
            "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
            "--qrl-micro-batch-size", "4", "--qrl-no-progress", "--qrl-output-dir", str(out)]
+    job += ["--qrl-resume"] if resume else []
     return subprocess.run([sys.executable, str(helper), *job, "--", *megatron],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.slow
-def test_seq_length_and_tensorboard_dir_act(tmp_path):
+def test_seq_length_tensorboard_dir_and_bf16_act(tmp_path):
     short = _one_process_job(tmp_path / "short", "--train-iters", "1", "--seq-length", "5")
     assert short.returncode == 2 and "more than --seq-length 5" in short.stderr
     board = tmp_path / "tb"
-    ok = _one_process_job(tmp_path / "ok", "--train-iters", "1", "--seq-length", "64",
-                          "--tensorboard-dir", str(board))
+    full = _one_process_job(tmp_path / "full", "--train-iters", "2", "--seq-length", "64",
+                            "--bf16", "--save-interval", "1", "--tensorboard-dir", str(board))
     if importlib.util.find_spec("tensorboard") is None:  # not a dependency: a clear error
-        assert ok.returncode == 2 and "pip install tensorboard" in ok.stderr
+        assert full.returncode == 2 and "pip install tensorboard" in full.stderr
         return
-    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert full.returncode == 0, full.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(next(board.iterdir())))
     events.Reload()
-    rl = json.loads((tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()[-1])
-    (scalar,) = events.Scalars("rl/reward_mean")
-    assert scalar.step == rl["step"] and abs(scalar.value - rl["reward_mean"]) < 1e-6
+    rl = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [s.value for s in events.Scalars("rl/reward_mean")] == pytest.approx(
+        [r["reward_mean"] for r in rl if r["phase"] == "rl"], abs=1e-6)
+    # --bf16: BF16 parameters, fp32 masters; a resumed run continues exactly
+    part = tmp_path / "part"
+    assert _one_process_job(part, "--train-iters", "1", "--bf16", "--save-interval", "1") \
+        .returncode == 0
+    again = _one_process_job(part, "--train-iters", "2", "--bf16", "--save-interval", "1",
+                             resume=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    timing = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+    assert {k: v for k, v in resumed[-1].items() if k not in timing} == \
+        {k: v for k, v in rl[-1].items() if k not in timing}
+    state = torch.load(part / "checkpoints" / "step_000003.pt", weights_only=False)
+    assert state["trainer"]["model"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    assert state["flags"]["megatron_layout"].endswith(",bf16")

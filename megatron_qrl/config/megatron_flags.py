@@ -9,7 +9,8 @@ mapping applies. Every accepted flag has an effect or raises; none is silently i
 * parallel layout: ``--tensor-model-parallel-size``, ``--expert-model-parallel-size``,
   ``--expert-tensor-parallel-size`` (Megatron default: equal to TP), ``--sequence-parallel``
   (off unless given, as in Megatron; MoE with TP > 1 needs it),
-  ``--pipeline-model-parallel-size`` (only 1), ``--use-distributed-optimizer`` (refused);
+  ``--pipeline-model-parallel-size`` (only 1), ``--use-distributed-optimizer`` (refused),
+  ``--bf16`` (below);
 * run flags, rewritten to ``--qrl-*`` flags (:func:`qrl_equivalents`; a ``--qrl-*`` flag
   that says something else is one error naming both): ``--lr`` -> ``--qrl-lr``, ``--seed``
   -> ``--qrl-seed``, ``--micro-batch-size`` -> ``--qrl-micro-batch-size``, ``--load DIR`` ->
@@ -23,7 +24,8 @@ mapping applies. Every accepted flag has an effect or raises; none is silently i
   (:meth:`MegatronSettings.apply_to_hf_config`). Boolean/enum shape flags are checked only
   when given (absent ones are not read as "off": the model's config.json decides);
 * ``--seq-length``: the longest prompt + response a batch may hold (longer batches raise);
-* ``--bf16`` / ``--fp16``: refused (the trainer keeps fp32 parameters and Adam state);
+* ``--bf16``: BF16 parameters and gradients with fp32 master weights and Adam state (megatron's
+  mixed-precision optimizer), gradients reduced in fp32; ``--fp16``: refused (no loss scaler);
 * ``--tensorboard-dir``: rank 0 also writes the metrics as TensorBoard scalars there;
 * ``--moe-token-dispatcher-type`` / ``--moe-grouped-gemm``: passed to the TransformerConfig.
 
@@ -174,6 +176,8 @@ class MegatronSettings:
     """--expert-tensor-parallel-size (Megatron: defaults to TP)."""
     sequence_parallel: bool = False
     """--sequence-parallel."""
+    bf16: bool = False
+    """--bf16: BF16 parameters, fp32 master weights in the optimizer."""
     seq_length: int | None = None
     """--seq-length: longest prompt + response a batch may hold (None: no limit)."""
     tensorboard_dir: str | None = None
@@ -199,7 +203,8 @@ class MegatronSettings:
 
     def describe(self) -> str:
         """The layout as stored with checkpoints (a resume must use the same one)."""
-        return f"tp={self.tp},ep={self.ep},etp={self.etp},sp={int(self.sequence_parallel)}"
+        text = f"tp={self.tp},ep={self.ep},etp={self.etp},sp={int(self.sequence_parallel)}"
+        return text + (",bf16" if self.bf16 else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise naming the flags when ``world_size`` processes cannot hold the layout."""
@@ -268,12 +273,13 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
             "--use-distributed-optimizer: qrl-train saves and resumes the plain (per-rank) "
             "megatron optimizer state, which the distributed optimizer shards differently; "
             "drop the flag")
-    for flag in ("fp16", "bf16"):
-        if getattr(ns, flag):
-            raise QrlArgumentError(
-                f"--{flag}: qrl-train's trainer keeps fp32 parameters and fp32 Adam state (no "
-                "mixed-precision optimizer is wired yet); drop the flag (the rollout engine's "
-                "precision is --qrl-rollout-format)")
+    if ns.fp16:
+        raise QrlArgumentError(
+            "--fp16: qrl-train's trainer runs fp32 or --bf16 (fp32 master weights); fp16 needs "
+            "a loss scaler that is not wired; use --bf16 (the rollout engine's precision is "
+            "--qrl-rollout-format)")
+    if ns.bf16 and ns.fp16:  # pragma: no cover (fp16 raised above)
+        raise QrlArgumentError("--bf16 and --fp16 exclude each other")
     if ns.moe_token_dispatcher_type == "flex":
         raise QrlArgumentError("--moe-token-dispatcher-type flex needs DeepEP, which qrl-train "
                                "does not wire; use alltoall (GPU) or allgather")
@@ -353,7 +359,8 @@ def parse_megatron_flags(argv: Sequence[str]
         shape += (("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by),)
     settings = MegatronSettings(
         tp=tp, ep=ns.expert_model_parallel_size, etp=etp,
-        sequence_parallel=bool(ns.sequence_parallel), seq_length=ns.seq_length,
+        sequence_parallel=bool(ns.sequence_parallel), bf16=bool(ns.bf16),
+        seq_length=ns.seq_length,
         tensorboard_dir=ns.tensorboard_dir, shape=shape, config_overrides=tuple(overrides),
         argv=tuple(argv))
     return settings, qrl_equivalents(ns, explicit), ns.global_batch_size

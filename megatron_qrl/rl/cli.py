@@ -22,8 +22,9 @@ multi-rank run under torchrun (rank 0 owns the rollout engine and the outputs)::
         -- --tensor-model-parallel-size 2 --group-query-attention --num-query-groups 2
     torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli -- --expert-model-parallel-size 2
 
-Flags without an effect in this build (pipeline parallel > 1, --fp16 / --bf16,
---use-distributed-optimizer) are errors naming the flag, as are unknown ones.
+``--bf16`` trains BF16 parameters with fp32 master weights. Flags without an effect in this
+build (pipeline parallel > 1, --fp16, --use-distributed-optimizer) are errors naming the
+flag, as are unknown ones.
 """
 
 from __future__ import annotations

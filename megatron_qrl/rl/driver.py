@@ -43,7 +43,7 @@ from megatron_qrl.rl.start_model import (
 )
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
 from megatron_qrl.rl.sync import make_engine, sync_weights
-from megatron_qrl.rl.trainer import PolicyTrainer, build_policy, make_optimizer
+from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
 from megatron_qrl.utils.metrics import MetricsLogger
 
 __all__ = ["JobData", "prepare_job", "run_job"]
@@ -137,7 +137,7 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
     configs = ctx.configs
     policy = ctx.trainer.policy
     if not resumed:
-        policy.set_optimizer(make_optimizer(policy.ddp, configs["run"].lr))
+        policy.set_optimizer(policy.new_optimizer(configs["run"].lr))
         if configs["uaq"].enabled:
             _apply_uaq(ctx.trainer, data, configs["uaq"].scale)
             policy.plan.weights_changed()
@@ -168,7 +168,7 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     _seed_megatron(run.seed)
     layout = mega.layout() if world.world_size > 1 else None
     trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, plan, layout=layout,
-                                         groups=world.shard_groups()))
+                                         groups=world.shard_groups(), bf16=mega.bf16))
     if data.start is not None:
         load_start_weights(trainer.module, data.start)
         plan.weights_changed()
@@ -247,7 +247,7 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
     if run.resume:
         start, trainer_state, rng = _resume(ctx, out, flags)
         if start > sft_steps:
-            ctx.trainer.policy.set_optimizer(make_optimizer(ctx.trainer.policy.ddp, run.lr))
+            ctx.trainer.policy.set_optimizer(ctx.trainer.policy.new_optimizer(run.lr))
             resumed = True
         ctx.trainer.load_state_dict(trainer_state)
         torch.set_rng_state(rng)

@@ -38,6 +38,12 @@ class PolicyModel:
     plan: ForwardPlan
     groups: Any = None
     """``models.streaming.ShardGroups`` of a multi-rank job (None: one process)."""
+    bf16: bool = False
+    """BF16 parameters with fp32 master weights (megatron's mixed-precision optimizer)."""
+
+    def new_optimizer(self, lr: float) -> Any:
+        """A fresh optimizer (new moments) at ``lr`` of the same precision."""
+        return make_optimizer(self.ddp, lr, bf16=self.bf16)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Use ``optimizer`` from now on (the aligned-forward cache follows its steps)."""
@@ -50,13 +56,14 @@ class PolicyModel:
 
 def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
                  clip_grad: float = 1.0, weight_decay: float = 0.0, layout: Any = None,
-                 groups: Any = None) -> PolicyModel:
+                 groups: Any = None, bf16: bool = False) -> PolicyModel:
     """Build the policy (fp32 masters), wrap it in megatron DDP and make an Adam optimizer.
 
     ``plan.spec_hook`` maps the decoder layer ModuleSpec (aligned linears, replay routers);
     ``plan.config_overrides`` go to the ``TransformerConfig``. ``layout``: the
     ``models.builder.ParallelLayout`` of a multi-rank job (megatron's ``parallel_state`` must
     match it) and ``groups`` its ``models.streaming.ShardGroups``; None: one process.
+    ``bf16``: BF16 parameters, fp32 gradient reduction and fp32 master weights in Adam.
     """
     plan = plan or ForwardPlan()
     from megatron.core.distributed import (
@@ -67,22 +74,28 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
 
     from megatron_qrl.models.runtime import build_model
 
-    model = build_model(arch, layout, spec_hook=plan.spec_hook, **plan.config_overrides)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, **plan.config_overrides)
     config = model.config
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True) if bf16
+        else DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
-    policy = PolicyModel(ddp, None, config, arch, plan, groups)
-    policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay))
+    policy = PolicyModel(ddp, None, config, arch, plan, groups, bf16)
+    policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay, bf16))
     return policy
 
 
-def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Any:
-    """A fresh megatron-core Adam optimizer over ``ddp`` (new moments; used per phase)."""
+def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0,
+                   bf16: bool = False) -> Any:
+    """A fresh megatron-core Adam optimizer over ``ddp`` (new moments; used per phase);
+    ``bf16``: the mixed-precision optimizer (fp32 master copies of the BF16 parameters)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    extra: dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
     return get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
-                        adam_beta2=0.99), [ddp])
+                        adam_beta2=0.99, **extra), [ddp])
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
