@@ -270,3 +270,20 @@ def test_seq_length_tensorboard_dir_and_bf16_act(tmp_path):
     state = torch.load(part / "checkpoints" / "step_000003.pt", weights_only=False)
     assert state["trainer"]["model"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
     assert state["flags"]["megatron_layout"].endswith(",bf16")
+
+
+def test_flags_known_only_to_a_larger_upstream_parser_are_refused(monkeypatch):
+    from megatron_qrl.config import megatron_flags
+
+    built = megatron_flags.megatron_parser
+
+    def upstream():  # a stand-in for Megatron-LM's parser: the subset plus one more flag
+        parser, _ = built()
+        parser.add_argument("--recompute-granularity", default=None)
+        return parser, True
+
+    monkeypatch.setattr(megatron_flags, "megatron_parser", upstream)
+    settings, _, _ = parse_megatron_flags(["--tensor-model-parallel-size", "2"])
+    assert settings.tp == 2
+    with pytest.raises(QrlArgumentError, match="recompute_granularity .* no effect"):
+        parse_megatron_flags(["--recompute-granularity", "full"])

@@ -161,6 +161,11 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, frozenset[str], boo
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     explicit = frozenset(vars(probe.parse_known_args(list(argv))[0]))
+    unused = sorted(d for d in explicit if d not in _FLAG_OF)  # upstream parser: more flags
+    if unused:
+        raise QrlArgumentError(
+            f"Megatron flags after '--': {', '.join(unused)} (Megatron-LM dests) have no effect "
+            f"in qrl-train; drop them. Supported: {' '.join(SUPPORTED)}")
     return ns, explicit, upstream
 
 
