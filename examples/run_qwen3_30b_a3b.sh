@@ -6,9 +6,15 @@
 #   head node:    ROLE=head   CKPT=/data/Qwen3-30B-A3B bash examples/run_qwen3_30b_a3b.sh
 #   other nodes:  ROLE=worker HEAD_ADDR=10.0.0.1 bash examples/run_qwen3_30b_a3b.sh
 #   variants:     VARIANT=fp8 (default) | nvfp4 | nvfp4-w4a4 (Blackwell) | qarl
-# STATUS: --qrl-mode disaggregated runs on Ray with the reference engine (tested on CPU), but
-# qrl-train does not yet take Megatron flags after `--` (multi-GPU trainer) nor SGLang engines
-# in Ray modes: it stops with an error naming them. The flag arrays are the intended layout.
+# STATUS: the Megatron flags after `--` are parsed (megatron_qrl/config/megatron_flags.py) and
+# MODEL_ARGS are checked against ${CKPT}/config.json. The multi-rank TP x EP trainer runs under
+# torchrun with --qrl-mode single (rank 0 owns the rollout engine; TP=2 and EP=2 tested on CPU
+# gloo, matching the one-process metrics), e.g.
+#   torchrun --nproc-per-node 8 -m megatron_qrl.rl.cli --qrl-mode single "${QRL_ARGS[@]}" -- ...
+# The Ray modes keep the trainer in ONE process, so this disaggregated script stops with an
+# error naming --qrl-mode and the TP/EP flags until a Ray trainer group exists; SGLang engines
+# are not wired into qrl-train yet either. Refused in this build (clear error each):
+# --use-distributed-optimizer, --fp16, --pipeline-model-parallel-size > 1.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_30b_a3b.sh"
@@ -28,7 +34,7 @@ trap 'ray stop' EXIT
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --expert-model-parallel-size 8
     --expert-tensor-parallel-size 1 --pipeline-model-parallel-size 1
-    --sequence-parallel --use-distributed-optimizer --bf16
+    --sequence-parallel --bf16
 )
 case "${VARIANT:-fp8}" in
     fp8)        VARIANT_ARGS=(--qrl-rollout-format fp8_block --qrl-loss-kind tis) ;;

@@ -3,9 +3,12 @@
 # (FP8 rollouts by default), TIS correction. Needs an HF checkpoint directory.
 #   CKPT=/data/Qwen3-4B bash examples/run_qwen3_4b_1gpu.sh
 #   CKPT=... FORMAT=int8 LOSS=acr bash examples/run_qwen3_4b_1gpu.sh
-# STATUS: --qrl-mode colocated runs on Ray with the reference engine (tested on CPU), but
-# qrl-train does not yet take Megatron flags after `--` nor SGLang engines in Ray modes: it
-# stops with an error naming them. The flag arrays below are the intended layout.
+# STATUS: the Megatron flags after `--` are parsed (megatron_qrl/config/megatron_flags.py):
+# MODEL_ARGS are checked against ${CKPT}/config.json (a disagreeing flag is an error naming
+# it), TP/PP sizes set the trainer layout. --qrl-mode colocated runs on Ray with the
+# reference engine (tested on CPU); SGLang engines inside the Ray modes are not wired yet, so
+# with --qrl-rollout-engine sglang the job stops with an error naming that. --bf16 trains BF16
+# parameters with fp32 master weights (megatron's mixed-precision optimizer).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"

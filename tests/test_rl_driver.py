@@ -81,9 +81,11 @@ def test_resume_without_checkpoint_and_changed_flags(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--qrl-mode", "colocated", "--", "--tp", "2"], "--qrl-mode colocated"),
+    (["--qrl-mode", "colocated", "--", "--tensor-model-parallel-size", "2"],
+     "--qrl-mode colocated"),
     (["--qrl-compare", "--qrl-resume"], "--qrl-compare cannot be combined"),
-    (["--", "--num-layers", "2"], "Megatron flags after '--'"),
+    (["--", "--num-layers", "2", "--tp", "2"], "Megatron flags after '--': --tp 2 not supported"),
+    (["--", "--tensor-model-parallel-size", "2"], "torchrun --nproc-per-node 2"),
     (["--qrl-rollout-engine", "sglang"], "--qrl-rollout-engine sglang"),
     (["--qrl-loss-kind", "tbpo", "--qrl-loss-aggregation", "token_mean"], "--qrl-loss-aggregation"),
     (["--qrl-micro-batch-size", "5"], "--qrl-micro-batch-size"),

@@ -1,11 +1,20 @@
-"""Run megatron-core in ONE process (the conversion tools) and build models in it."""
+"""Run megatron-core in ONE process (the conversion tools) or in the ranks of a torchrun job.
+
+:func:`single_process_megatron`: a world of one rank. :func:`torchrun_megatron`: the ranks
+``torchrun`` started (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` in the
+environment) with a TP / EP layout; gloo + megatron's CPU shim on a CPU-only host, NCCL on GPUs.
+:class:`RankWorld` is what a job needs to know about its rank (rank 0 owns the rollout engine
+and the outputs) and its three collectives over all ranks.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +54,121 @@ def single_process_megatron() -> Iterator[None]:
     try:
         with mode:
             yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class RankWorld:
+    """This process's rank among ``world_size`` ranks that all train the same model."""
+
+    rank: int = 0
+    """Global rank (0 owns the rollout engine, progress bar, metrics, plots, checkpoints)."""
+    world_size: int = 1
+    """Number of ranks; 1 is the single-process job (no collectives at all)."""
+    dp_rank: int = 0
+    """Rank in megatron's (dense) data-parallel group."""
+    dp_size: int = 1
+    """Data-parallel size: ranks that train on different micro batches of one batch."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; tensors should be on the CPU)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank 0, None on the others."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def local(self, microbatches: list, updates: int) -> list:
+        """This data-parallel rank's share of ``microbatches``: each of the ``updates``
+        consecutive chunks (one optimizer step each) is split into ``dp_size`` equal parts."""
+        if self.dp_size == 1:
+            return microbatches
+        per_update = len(microbatches) // updates
+        if per_update * updates != len(microbatches) or per_update % self.dp_size:
+            raise ValueError(
+                f"{len(microbatches)} micro batches do not split into {updates} optimizer "
+                f"step(s) x {self.dp_size} data-parallel ranks; make the rollout batch "
+                "(--qrl-prompts-per-step x --qrl-rollout-n-samples-per-prompt) a multiple of "
+                "--qrl-micro-batch-size x --qrl-updates-per-step x the data-parallel size "
+                "(ranks / (TP x PP))")
+        k = per_update // self.dp_size
+        return [mb for u in range(updates) for mb in
+                microbatches[u * per_update + self.dp_rank * k:u * per_update + (self.dp_rank + 1) * k]]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def shard_groups(self) -> Any:
+        """The ``models.streaming.ShardGroups`` of this rank (None in one process)."""
+        if self.world_size == 1:
+            return None
+        from megatron_qrl.models.streaming import groups_from_parallel_state
+
+        return groups_from_parallel_state()
+
+
+def torchrun_world_size() -> int:
+    """``WORLD_SIZE`` of the environment (1 when not launched by torchrun)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"WORLD_SIZE={value!r} in the environment is not a positive integer")
+    return int(value)
+
+
+@contextlib.contextmanager
+def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1,
+                      timeout_s: float = 1800.0) -> Iterator[RankWorld]:
+    """Join the torchrun job of the environment and initialise megatron's TP / EP groups.
+
+    Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (torchrun sets them;
+    ``LOCAL_RANK`` picks the GPU). CPU-only host: gloo and megatron's CPU shim.
+    """
+    from megatron.core import parallel_state
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"torchrun_megatron(): {', '.join(missing)} not set; launch with "
+                           "torchrun --nproc-per-node N")
+    if dist.is_initialized():
+        raise RuntimeError("torchrun_megatron(): torch.distributed is already initialised")
+    rank, world = int(os.environ["RANK"]), torchrun_world_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world,
+                                timeout=timeout)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp)
+        mode: Any = contextlib.nullcontext()
+    else:
+        from megatron_qrl.compat import cpu_device_mode, init_cpu_distributed
+        from megatron_qrl.compat.cpu import enable_cpu_megatron
+
+        enable_cpu_megatron()
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                                timeout=timeout)
+        init_cpu_distributed(rank, world, 0, tp=tp, ep=ep, etp=etp, timeout_s=timeout_s)
+        mode = cpu_device_mode()
+    try:
+        with mode:
+            yield RankWorld(rank, world, parallel_state.get_data_parallel_rank(),
+                            parallel_state.get_data_parallel_world_size())
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["pack_samples", "sft_batch", "split_batch"]
+__all__ = ["pack_samples", "pad_to_multiple", "sft_batch", "split_batch"]
 
 
 def pack_samples(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
@@ -69,3 +69,31 @@ def split_batch(batch: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
         raise ValueError(f"split_batch: batch of {b} rows does not split into micro batches of "
                          f"{size} (--qrl-micro-batch-size)")
     return [{k: v[i: i + size] for k, v in batch.items()} for i in range(0, b, size)]
+
+
+def pad_to_multiple(batch: dict[str, Tensor], multiple: int, pad_id: int = 0) -> dict[str, Tensor]:
+    """``batch`` right-padded to a sequence length that is a multiple of ``multiple``.
+
+    Sequence parallelism splits the sequence over the TP ranks, so it needs such lengths.
+    Padding positions are off ``loss_mask`` and come after every real token, so under the
+    causal mask they change no logit of an earlier position: losses and metrics keep their
+    values (up to fp32 summation order). ``multiple <= 1`` returns ``batch`` itself.
+    """
+    s = batch["tokens"].shape[1]
+    extra = -s % multiple if multiple > 1 else 0
+    if extra == 0:
+        return batch
+    fill = {"tokens": pad_id, "labels": pad_id, "loss_mask": False, "rollout_log_probs": 0.0,
+            "routed_experts": -1}
+    out = {}
+    for key, value in batch.items():
+        if key == "position_ids":
+            b = value.shape[0]
+            out[key] = torch.arange(s + extra).unsqueeze(0).expand(b, s + extra).contiguous()
+            continue
+        if key not in fill or value.dim() < 2 or value.shape[1] != s:
+            raise ValueError(f"pad_to_multiple: batch key {key!r} is not a [B, S, ...] tensor "
+                             "it knows how to pad")
+        tail = torch.full((value.shape[0], extra, *value.shape[2:]), fill[key], dtype=value.dtype)
+        out[key] = torch.cat([value, tail], dim=1)
+    return out

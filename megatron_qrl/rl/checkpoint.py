@@ -27,12 +27,20 @@ _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_out
 
 
 def save_driver_checkpoint(output_dir: str | Path, next_step: int, trainer_state: dict,
-                           flags: dict[str, Any], keep: int = 2) -> Path:
-    """Write the checkpoint for ``next_step`` atomically; keep the newest ``keep``."""
+                           flags: dict[str, Any], keep: int = 2,
+                           rank_states: list[dict] | None = None) -> Path:
+    """Write the checkpoint for ``next_step`` atomically; keep the newest ``keep``.
+
+    ``rank_states``: every rank's trainer state of a multi-rank job (rank order), stored
+    in the same file so that a checkpoint is complete or absent, never partial.
+    """
     root = Path(output_dir) / CKPT_DIR
     path = root / f"step_{next_step:06d}.pt"
-    atomic_torch_save({"next_step": next_step, "trainer": trainer_state,
-                       "rng": torch.get_rng_state(), "flags": flags}, path)
+    state = {"next_step": next_step, "trainer": trainer_state, "rng": torch.get_rng_state(),
+             "flags": flags}
+    if rank_states is not None:
+        state["rank_states"] = rank_states
+    atomic_torch_save(state, path)
     for old in sorted(p for p in root.iterdir() if _NAME.match(p.name))[:-keep]:
         old.unlink()
     return path

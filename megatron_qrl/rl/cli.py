@@ -1,4 +1,4 @@
-"""``qrl-train``: the standalone single-process RL job (no Ray), and ``--qrl-compare``.
+"""``qrl-train``: the standalone RL job (one process, or torchrun ranks), and ``--qrl-compare``.
 
     qrl-train                                   # = --qrl-preset tiny-cpu (the CPU default job)
     qrl-train --qrl-preset tiny-cpu --qrl-seed 7 --qrl-output-dir runs/s7
@@ -8,8 +8,23 @@ Every ``--qrl-*`` flag of :func:`megatron_qrl.config.add_qrl_args` applies. Laun
 flags: ``--qrl-compare`` (run the compare variants, see :mod:`.compare`), ``--qrl-mode``
 (``single``, or the Ray modes ``colocated`` / ``disaggregated`` of :mod:`.ray_modes`: the
 rollout engine in a Ray actor, the trainer in this process), ``--qrl-no-progress``.
-Megatron flags after ``--`` (model shape, TP/EP, see examples/run_qwen3_30b_a3b.sh) are
-refused until a Megatron-flag trainer exists.
+
+Megatron-LM flags after ``--`` (a documented subset with Megatron's names and defaults, see
+:mod:`megatron_qrl.config.megatron_flags`): ``--lr``, ``--seed``, ``--micro-batch-size``,
+``--global-batch-size``, ``--train-iters``, ``--load``, ``--save``, ``--save-interval``
+become the matching ``--qrl-*`` values (a ``--qrl-*`` flag saying otherwise is an error
+naming both); model-shape flags override the tiny model's shape or must agree with the
+checkpoint; ``--tensor-model-parallel-size`` / ``--expert-model-parallel-size`` /
+``--expert-tensor-parallel-size`` / ``--sequence-parallel`` set the trainer's layout for a
+multi-rank run under torchrun (rank 0 owns the rollout engine and the outputs)::
+
+    torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli --qrl-model tiny-dense --qrl-routing-replay off \
+        -- --tensor-model-parallel-size 2 --group-query-attention --num-query-groups 2
+    torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli -- --expert-model-parallel-size 2
+
+``--bf16`` trains BF16 parameters with fp32 master weights. Flags without an effect in this
+build (pipeline parallel > 1, --fp16, --use-distributed-optimizer) are errors naming the
+flag, as are unknown ones.
 """
 
 from __future__ import annotations
@@ -55,26 +70,70 @@ def _with_default_preset(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+def _megatron_rewrites(argv: list[str], megatron_argv: list[str]) -> tuple[list[str], Any]:
+    """``(qrl argv + the --qrl-* rewrites of the Megatron flags, MegatronSettings)``.
+
+    A ``--qrl-*`` flag given explicitly with another value than its Megatron twin is one
+    error naming both.
+    """
+    from megatron_qrl.config.generator import explicit_dests
+    from megatron_qrl.config.megatron_flags import MegatronSettings, parse_megatron_flags
+
+    if not megatron_argv:
+        return argv, MegatronSettings()
+    settings, rewrites, global_batch = parse_megatron_flags(megatron_argv)
+    parser = build_parser()
+    first = parser.parse_args(_with_default_preset(argv))
+    explicit, values = explicit_dests(first), effective_values(first)
+    out = list(argv)
+    for mflag, qflag, value in rewrites:
+        dest = qflag[2:].replace("-", "_")
+        if dest in explicit and values[dest] != value:
+            raise QrlArgumentError(f"{mflag} {value} and {qflag} {values[dest]} say different "
+                                   "things; drop one of them")
+        out += [qflag, str(value)]
+    if global_batch is not None:
+        values = effective_values(parser.parse_args(_with_default_preset(out)))
+        n, updates = values["qrl_rollout_n_samples_per_prompt"], values["qrl_updates_per_step"]
+        if (global_batch * updates) % n:
+            raise QrlArgumentError(
+                f"--global-batch-size {global_batch} (samples per optimizer step) x "
+                f"--qrl-updates-per-step {updates} is not a multiple of "
+                f"--qrl-rollout-n-samples-per-prompt {n}; pick a global batch size that is")
+        prompts = global_batch * updates // n
+        if "qrl_prompts_per_step" in explicit and values["qrl_prompts_per_step"] != prompts:
+            raise QrlArgumentError(
+                f"--global-batch-size {global_batch} means {prompts} prompts per step "
+                f"(x {n} samples / {updates} updates) but --qrl-prompts-per-step is "
+                f"{values['qrl_prompts_per_step']}; drop one of them")
+        out += ["--qrl-prompts-per-step", str(prompts)]
+    return out, settings
+
+
 def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], argparse.Namespace]:
     """``(configs, effective flag values, namespace)`` of a ``qrl-train`` command line.
 
-    Raises :class:`QrlArgumentError` (one message naming the flags) on bad values.
+    The Megatron flags after ``--`` (:mod:`megatron_qrl.config.megatron_flags`) become
+    ``--qrl-*`` values and ``configs["megatron"]`` (a ``MegatronSettings``). Raises
+    :class:`QrlArgumentError` (one message naming the flags) on bad values.
     """
     argv = list(argv)
     megatron_argv = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, settings = _megatron_rewrites(argv, megatron_argv)
     args = build_parser().parse_args(_with_default_preset(argv))
     args.megatron_argv = megatron_argv
     configs = validate_qrl_args(args)
     flags = effective_values(args)
-    if megatron_argv:
-        raise QrlArgumentError(
-            f"Megatron flags after '--' ({' '.join(megatron_argv[:4])} ...): qrl-train's "
-            f"trainer (--qrl-mode {args.qrl_mode} too) builds the model from --qrl-model; a "
-            "Megatron-flag trainer is not implemented yet, drop the flags after '--'")
+    configs["megatron"] = settings
+    flags["megatron_layout"] = settings.describe()
+    args.world_size = _world_size(args, settings)
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")
+    if args.qrl_compare and megatron_argv:
+        raise QrlArgumentError("--qrl-compare runs its variants in one process; drop the "
+                               "Megatron flags after '--' (or run the variants one by one)")
     return configs, flags, args
 
 
@@ -92,12 +151,15 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
 
     factory = engine_factory or make_engine
     progress = not args.qrl_no_progress
+    world: list[Any] = [None]
 
     def run(cfg: dict, fl: dict, **kw: Any) -> list[dict]:
-        return run_job(cfg, fl, engine_factory=factory, progress=progress, **kw)
+        return run_job(cfg, fl, engine_factory=factory, progress=progress, world=world[0], **kw)
 
     try:
-        if args.qrl_mode == "single":
+        if args.world_size > 1:
+            _launch_ranks(configs, flags, run, world)
+        elif args.qrl_mode == "single":
             _launch(args, configs, flags, argv, run)
         else:
             from megatron_qrl.rl.ray_modes import RaySession
@@ -110,6 +172,37 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         print(f"qrl-train: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _world_size(args: argparse.Namespace, mega: Any) -> int:
+    """The torchrun world size, checked against the Megatron layout and the launcher flags."""
+    from megatron_qrl.models.runtime import torchrun_world_size
+
+    try:
+        world_size = torchrun_world_size()
+    except ValueError as exc:
+        raise QrlArgumentError(str(exc)) from None
+    if (world_size > 1 or mega.model_parallel_size > 1) and args.qrl_mode != "single":
+        raise QrlArgumentError(
+            f"--qrl-mode {args.qrl_mode} runs the trainer in one process, but the Megatron "
+            f"layout ({mega.describe()}) / torchrun ({world_size} ranks) asks for several; use "
+            "--qrl-mode single under torchrun for a multi-rank trainer (its rollout engine "
+            "runs on rank 0)")
+    if world_size > 1 and args.qrl_compare:
+        raise QrlArgumentError("--qrl-compare runs in one process; launch it without torchrun")
+    mega.check_world(world_size)
+    return world_size
+
+
+def _launch_ranks(configs: dict, flags: dict, run: Any, world: list[Any]) -> None:
+    from megatron_qrl.models.runtime import torchrun_megatron
+
+    mega = configs["megatron"]
+    with torchrun_megatron(mega.tp, mega.ep, mega.etp) as rank_world:
+        world[0] = rank_world
+        records = run(configs, flags)
+        if rank_world.is_main:
+            _summary(records)
 
 
 def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],

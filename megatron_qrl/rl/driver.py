@@ -5,6 +5,14 @@ Call :func:`run_job` inside an initialised megatron job (``qrl-train`` does it w
 SFT steps ``0 .. sft_steps-1``, RL steps ``sft_steps .. sft_steps+steps-1``. The engine holds
 weight version ``k`` when RL step ``k`` starts. ``--qrl-model checkpoint`` starts from
 ``--qrl-checkpoint DIR`` and its tokenizer (:mod:`megatron_qrl.rl.start_model`).
+
+Multi-rank (``torchrun``, :func:`megatron_qrl.models.runtime.torchrun_megatron`, a
+:class:`~megatron_qrl.models.runtime.RankWorld` passed as ``world``): every rank builds its
+TP / EP shard of the policy and trains; rank 0 alone owns the rollout engine, the progress
+bar, metrics.jsonl, plots and checkpoints. Rollouts are broadcast from rank 0 so every rank
+holds the same batch (data-parallel ranks split each optimizer step's micro batches); a weight
+sync gathers the full HF tensors to rank 0 (``iter_hf_tensors``).
+A checkpoint holds every rank's model / optimizer state in one atomically written file.
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config.megatron_flags import MegatronSettings
 from megatron_qrl.data import CharTokenizer, addition_problems, tiny_dense_config, tiny_moe_config
 from megatron_qrl.data.dataset import PromptRecord, load_prompt_jsonl
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
+from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rl.checkpoint import load_driver_checkpoint, save_driver_checkpoint
 from megatron_qrl.rl.forward import forward_plan
 from megatron_qrl.rl.start_model import (
@@ -32,7 +43,7 @@ from megatron_qrl.rl.start_model import (
 )
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
 from megatron_qrl.rl.sync import make_engine, sync_weights
-from megatron_qrl.rl.trainer import PolicyTrainer, build_policy, make_optimizer
+from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
 from megatron_qrl.utils.metrics import MetricsLogger
 
 __all__ = ["JobData", "prepare_job", "run_job"]
@@ -64,8 +75,13 @@ def _checkpoint_job(configs: dict[str, Any]) -> tuple[CharTokenizer | HFTokenize
 
 
 def prepare_job(configs: dict[str, Any]) -> JobData:
-    """The task's records, tokenizer and model named by ``--qrl-model`` (no weights read)."""
+    """The task's records, tokenizer and model named by ``--qrl-model`` (no weights read).
+
+    The Megatron shape flags after ``--`` (``configs["megatron"]``) override the tiny model's
+    shape and must agree with a checkpoint's.
+    """
     run, task = configs["run"], configs["task"]
+    mega = configs.get("megatron") or MegatronSettings()
     if task.prompts:
         records = load_prompt_jsonl(task.prompts)
     else:
@@ -73,10 +89,32 @@ def prepare_job(configs: dict[str, Any]) -> JobData:
             task.num_prompts, run.seed, task.digits_min, task.digits_max)]
     if run.model == "checkpoint":
         tok, start = _checkpoint_job(configs)
-        return JobData(tok, records, start.hf_config, start.arch, start)
+        mega.apply_to_hf_config(start.hf_config, start.arch, f"--qrl-checkpoint {start.path}",
+                                fixed_model=True)
+        return _checked(JobData(tok, records, start.hf_config, start.arch, start), mega)
     char = CharTokenizer()
+    source = f"--qrl-model {run.model}"
     cfg = (tiny_moe_config if run.model == "tiny-moe" else tiny_dense_config)(char.vocab_size)
-    return JobData(char, records, cfg, arch_from_dict(cfg, source=f"--qrl-model {run.model}"))
+    cfg = mega.apply_to_hf_config(cfg, arch_from_dict(cfg, source=source), source,
+                                  fixed_model=False)
+    return _checked(JobData(char, records, cfg, arch_from_dict(cfg, source=source)), mega)
+
+
+def _checked(data: JobData, mega: MegatronSettings) -> JobData:
+    """Raise naming the Megatron flag when the layout cannot hold ``data.arch``."""
+    try:
+        mega.layout().check(data.arch)
+    except ValueError as exc:
+        hint = (" (the tiny models have 1 KV head: add --group-query-attention "
+                "--num-query-groups 2 after '--' to give them 2)"
+                if "num_key_value_heads" in str(exc) else "")
+        raise QrlArgumentError(f"--tensor-model-parallel-size {mega.tp} / "
+                               f"--expert-model-parallel-size {mega.ep}: {exc}{hint}") from None
+    if data.arch.is_moe and mega.tp > 1 and not mega.sequence_parallel:
+        raise QrlArgumentError(f"--tensor-model-parallel-size {mega.tp} on a MoE model needs "
+                               "--sequence-parallel (megatron-core trains MoE with TP > 1 only "
+                               "with sequence parallelism); add it after '--'")
+    return data
 
 
 def _apply_uaq(trainer: PolicyTrainer, data: JobData, scale: float) -> None:
@@ -84,7 +122,7 @@ def _apply_uaq(trainer: PolicyTrainer, data: JobData, scale: float) -> None:
     from megatron_qrl.quant.uaq import apply_uaq
 
     scaled = apply_uaq(dict(trainer.hf_tensors()), data.hf_config, scale)
-    load_hf_weights(trainer.module, data.arch, scaled.__getitem__)
+    load_hf_weights(trainer.module, data.arch, scaled.__getitem__, trainer.policy.groups)
 
 
 def _seed_megatron(seed: int) -> None:
@@ -99,7 +137,7 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
     configs = ctx.configs
     policy = ctx.trainer.policy
     if not resumed:
-        policy.set_optimizer(make_optimizer(policy.ddp, configs["run"].lr))
+        policy.set_optimizer(policy.new_optimizer(configs["run"].lr))
         if configs["uaq"].enabled:
             _apply_uaq(ctx.trainer, data, configs["uaq"].scale)
             policy.plan.weights_changed()
@@ -122,21 +160,30 @@ def _postfix(rec: dict[str, Any]) -> dict[str, str]:
 
 
 def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory,
-           start_weights: dict | None) -> StepContext:
+           start_weights: dict | None, world: RankWorld) -> StepContext:
     run = configs["run"]
+    mega = configs.get("megatron") or MegatronSettings()
     plan = forward_plan(configs, data.arch)
+    plan.config_overrides.update(dict(mega.config_overrides))
     _seed_megatron(run.seed)
-    trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, plan))
+    layout = mega.layout() if world.world_size > 1 else None
+    trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, plan, layout=layout,
+                                         groups=world.shard_groups(), bf16=mega.bf16))
     if data.start is not None:
         load_start_weights(trainer.module, data.start)
         plan.weights_changed()
     if start_weights is not None:
         trainer.module.load_state_dict(start_weights, strict=False)
         plan.weights_changed()
-    engine = engine_factory(configs["rollout"], data.hf_config, run.seed)
+    engine = engine_factory(configs["rollout"], data.hf_config, run.seed) if world.is_main \
+        else None
     spec, aqn = configs["rollout"].spec, configs["aqn"]
 
     def sync(version: int) -> Any:
+        if not world.is_main:  # the gathers of iter_hf_tensors need every rank
+            for _ in trainer.hf_tensors():
+                pass
+            return None
         return sync_weights(trainer.hf_tensors(), engine, spec, version, aqn, run.seed,
                             aqn_step=min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
                             total_steps=max(run.steps, 1))
@@ -144,41 +191,73 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     if hasattr(engine, "bind_resync"):  # Ray modes: a restarted engine actor re-syncs
         engine.bind_resync(sync)
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
-                       make_loss_fn(configs), sync)
+                       make_loss_fn(configs), sync, world, mega.seq_length,
+                       mega.tp if world.world_size > 1 and mega.sequence_parallel else 1)
+
+
+def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any]) -> None:
+    """Rank 0 writes one checkpoint with every rank's trainer state (atomic)."""
+    world = ctx.world
+    states = world.gather(ctx.trainer.state_dict())
+    if world.is_main:
+        save_driver_checkpoint(out, done, states[0], flags,
+                               rank_states=states if world.world_size > 1 else None)
+    world.barrier()
+
+
+def _resume(ctx: StepContext, out: Path, flags: dict[str, Any]) -> tuple[int, dict, Any]:
+    """``(next step, this rank's trainer state, torch RNG state)`` of the latest checkpoint."""
+    state = load_driver_checkpoint(out, flags)
+    trainer_state = state["trainer"]
+    if ctx.world.world_size > 1:
+        ranks = state.get("rank_states") or []
+        if len(ranks) != ctx.world.world_size:
+            raise QrlArgumentError(
+                f"--qrl-resume: the checkpoint in {out} holds {len(ranks) or 1} rank state(s), "
+                f"this job has {ctx.world.world_size} ranks; resume with the same torchrun "
+                "--nproc-per-node and Megatron layout flags")
+        trainer_state = ranks[ctx.world.rank]
+    return state["next_step"], trainer_state, state["rng"]
 
 
 def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
             engine_factory: EngineFactory = make_engine, progress: bool = True,
             start_weights: dict | None = None, skip_sft: bool = False,
-            log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+            log: Callable[[str], None] = print,
+            world: RankWorld | None = None) -> list[dict[str, Any]]:
     """Run SFT (unless ``skip_sft``: e.g. ``start_weights`` are already warmed up) and RL.
 
     ``flags``: the effective ``--qrl-*`` values (stored in checkpoints, checked on resume).
-    Returns the metrics records of this invocation's steps (all of them are in
-    ``<output-dir>/metrics.jsonl``).
+    ``world``: this rank of a torchrun job (None: one process). Returns the metrics records
+    of this invocation's steps (all of them are in ``<output-dir>/metrics.jsonl``; on ranks
+    other than 0 the same records, nothing written).
     """
     from tqdm import tqdm
 
+    world = world or RankWorld()
+    main = world.is_main
+    log = log if main else (lambda _msg: None)
     run = configs["run"]
     out = Path(run.resolved_output_dir())
     log(f"[qrl-train] output directory: {out}")
     data = prepare_job(configs)
-    ctx = _build(configs, data, engine_factory, start_weights)
+    ctx = _build(configs, data, engine_factory, start_weights, world)
     sft_steps = 0 if skip_sft else run.sft_steps
     start, resumed = 0, False
     if run.resume:
-        state = load_driver_checkpoint(out, flags)
-        start = state["next_step"]
+        start, trainer_state, rng = _resume(ctx, out, flags)
         if start > sft_steps:
-            ctx.trainer.policy.set_optimizer(make_optimizer(ctx.trainer.policy.ddp, run.lr))
+            ctx.trainer.policy.set_optimizer(ctx.trainer.policy.new_optimizer(run.lr))
             resumed = True
-        ctx.trainer.load_state_dict(state["trainer"])
-        torch.set_rng_state(state["rng"])
+        ctx.trainer.load_state_dict(trainer_state)
+        torch.set_rng_state(rng)
         log(f"[qrl-train] resumed from step {start}")
     total = sft_steps + run.steps
-    logger = MetricsLogger(out, resume_from_step=start if run.resume else None)
+    logger = MetricsLogger(out, resume_from_step=start if run.resume else None) if main else None
+    board = _tensorboard(configs) if main else None
     records: list[dict[str, Any]] = []
-    bar = tqdm(range(start, total), desc="qrl-train", disable=not progress, file=sys.stderr)
+    bar = tqdm(range(start, total), desc="qrl-train", disable=not (progress and main),
+               file=sys.stderr)
     try:
         for step in bar:
             if step < sft_steps:
@@ -187,17 +266,42 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
                 if step == start or step == sft_steps:
                     _start_rl(ctx, data, step, resumed and step == start)
                 rec = rl_step(ctx, step, step - sft_steps)
-            records.append(logger.log(rec))
+            records.append(logger.log(rec) if logger is not None else rec)
+            if board is not None:
+                _board_scalars(board, rec)
             bar.set_postfix(_postfix(rec), refresh=False)
             done = step + 1
             rl_done = done - sft_steps
             if done == sft_steps or done == total or (
                     rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0):
-                save_driver_checkpoint(out, done, ctx.trainer.state_dict(), flags)
+                _save(ctx, out, done, flags)
     finally:
         bar.close()
-        png = logger.close(plot=True)
-        ctx.engine.shutdown()
+        png = logger.close(plot=True) if logger is not None else None
+        if board is not None:
+            board.close()
+        if ctx.engine is not None:
+            ctx.engine.shutdown()
     if png is not None:
         log(f"[qrl-train] metrics: {logger.path}, curves: {png}")
     return records
+
+
+def _tensorboard(configs: dict[str, Any]) -> Any:
+    """A TensorBoard ``SummaryWriter`` for ``--tensorboard-dir`` (None when not given)."""
+    mega = configs.get("megatron")
+    if mega is None or not mega.tensorboard_dir:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise QrlArgumentError(f"--tensorboard-dir needs the tensorboard package ({exc}): "
+                               "pip install tensorboard, or drop the flag (metrics.jsonl has "
+                               "the same values)") from None
+    return SummaryWriter(mega.tensorboard_dir)
+
+
+def _board_scalars(board: Any, rec: dict[str, Any]) -> None:
+    for key, value in rec.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            board.add_scalar(f"{rec['phase']}/{key}", value, rec["step"])

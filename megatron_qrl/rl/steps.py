@@ -4,6 +4,10 @@ RL step (issue 6, item 2): sample prompts -> group sampling (``n`` per prompt) o
 -> rewards -> GRPO advantages -> pi_prox recompute on the trainer (forward only, routing
 replay if on) -> ``updates_per_step`` optimizer steps with the chosen policy loss through
 the losses' Megatron adapter -> weight sync (AQN on the engine copy) -> metrics.
+
+Multi-rank: only rank 0 has an engine; it samples and scores, and the packed batch, rewards
+and texts are broadcast so that every rank holds the same batch; each data-parallel rank
+trains on its share of every optimizer step's micro batches (``RankWorld.local``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.data.dataset import PromptRecord
 from megatron_qrl.losses import grpo_advantages
+from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rewards import score_math
-from megatron_qrl.rl.batch import pack_samples, sft_batch, split_batch
+from megatron_qrl.rl.batch import pack_samples, pad_to_multiple, sft_batch, split_batch
 from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
@@ -56,6 +62,22 @@ class StepContext:
     loss_fn: Callable
     sync: Callable[[int], Any]
     """``sync(version)``: push the trainer's weights to the engine as ``version``."""
+    world: RankWorld = RankWorld()
+    """This rank of the job (rank 0 owns ``engine``; None on the other ranks)."""
+    seq_length: int | None = None
+    """Megatron ``--seq-length``: longest prompt + response a batch may hold (None: any)."""
+
+    seq_multiple: int = 1
+    """Sequence lengths are padded to a multiple of this (TP size under sequence parallel)."""
+
+    def check_length(self, batch: dict) -> dict:
+        """``batch`` padded to ``seq_multiple``; raise naming ``--seq-length`` when longer."""
+        s = batch["tokens"].shape[1]
+        if self.seq_length is not None and s > self.seq_length:
+            raise QrlArgumentError(f"a batch holds {s} tokens (prompt + response), more than "
+                             f"--seq-length {self.seq_length}; raise --seq-length or lower "
+                             "--qrl-rollout-max-new-tokens")
+        return pad_to_multiple(batch, self.seq_multiple, self.tokenizer.pad_id)
 
     def prompt_ids(self, rec: PromptRecord) -> list[int]:
         bos = self.tokenizer.bos_id
@@ -69,7 +91,9 @@ def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = Fa
     mask = batch["loss_mask"].float()
     loss = -(lp * mask).sum() / mask.sum().clamp_min(1.0)
     correct = (lp > -0.6931).float()  # the answer token has probability > 1/2
-    return loss, {"sft_loss": loss.detach(),
+    # clone: megatron's schedule divides the returned loss by the number of micro batches
+    # IN PLACE, which a detached view would follow
+    return loss, {"sft_loss": loss.detach().clone(),
                   "sft_token_acc": (correct * mask).sum() / mask.sum().clamp_min(1.0)}
 
 
@@ -81,7 +105,9 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), size, run.seed, step)]
     batch = sft_batch([ctx.prompt_ids(r) for r in recs],
                       [[*ctx.tokenizer.encode(r.answer), ctx.tokenizer.eos_id] for r in recs])
-    metrics, grad_norm = ctx.trainer.train_step(split_batch(batch, run.micro_batch_size), _sft_loss)
+    batch = ctx.check_length(batch)
+    metrics, grad_norm = ctx.trainer.train_step(
+        ctx.world.local(split_batch(batch, run.micro_batch_size), 1), _sft_loss)
     return {"step": step, "phase": "sft", "reward_mean": None, "mismatch_kl": None,
             "clip_frac": None, "error_token_rate": None, "time_rollout_s": 0.0,
             "time_train_s": time.perf_counter() - t0, "time_sync_s": 0.0,
@@ -119,9 +145,11 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     """
     run = ctx.configs["run"]
     t0 = time.perf_counter()
-    batch, rewards, texts = _rollout(ctx, step)
+    batch, rewards, texts = ctx.world.broadcast(
+        _rollout(ctx, step) if ctx.world.is_main else None)
+    batch = ctx.check_length(batch)
     t1 = time.perf_counter()
-    mbs = split_batch(batch, run.micro_batch_size)
+    mbs = ctx.world.local(split_batch(batch, run.micro_batch_size), run.updates_per_step)
     old = ctx.trainer.log_probs(mbs, ctx.loss_fn)
     agreement = ctx.trainer.last_routing_agreement
     for mb, lp in zip(mbs, old):

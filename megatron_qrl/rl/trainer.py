@@ -36,19 +36,34 @@ class PolicyModel:
     config: Any
     arch: ModelArch
     plan: ForwardPlan
+    groups: Any = None
+    """``models.streaming.ShardGroups`` of a multi-rank job (None: one process)."""
+    bf16: bool = False
+    """BF16 parameters with fp32 master weights (megatron's mixed-precision optimizer)."""
+
+    def new_optimizer(self, lr: float) -> Any:
+        """A fresh optimizer (new moments) at ``lr`` of the same precision."""
+        return make_optimizer(self.ddp, lr, bf16=self.bf16)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Use ``optimizer`` from now on (the aligned-forward cache follows its steps)."""
         self.optimizer = optimizer
-        self.plan.attach(optimizer)
+        # EP > 1: megatron chains a dense and an expert optimizer; hook each one (reading
+        # ``ChainedOptimizer.optimizer`` asserts when it holds more than one).
+        for opt in getattr(optimizer, "chained_optimizers", None) or (optimizer,):
+            self.plan.attach(opt)
 
 
 def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
-                 clip_grad: float = 1.0, weight_decay: float = 0.0) -> PolicyModel:
+                 clip_grad: float = 1.0, weight_decay: float = 0.0, layout: Any = None,
+                 groups: Any = None, bf16: bool = False) -> PolicyModel:
     """Build the policy (fp32 masters), wrap it in megatron DDP and make an Adam optimizer.
 
     ``plan.spec_hook`` maps the decoder layer ModuleSpec (aligned linears, replay routers);
-    ``plan.config_overrides`` go to the ``TransformerConfig``.
+    ``plan.config_overrides`` go to the ``TransformerConfig``. ``layout``: the
+    ``models.builder.ParallelLayout`` of a multi-rank job (megatron's ``parallel_state`` must
+    match it) and ``groups`` its ``models.streaming.ShardGroups``; None: one process.
+    ``bf16``: BF16 parameters, fp32 gradient reduction and fp32 master weights in Adam.
     """
     plan = plan or ForwardPlan()
     from megatron.core.distributed import (
@@ -59,22 +74,28 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
 
     from megatron_qrl.models.runtime import build_model
 
-    model = build_model(arch, spec_hook=plan.spec_hook, **plan.config_overrides)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, **plan.config_overrides)
     config = model.config
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True) if bf16
+        else DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
-    policy = PolicyModel(ddp, None, config, arch, plan)
-    policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay))
+    policy = PolicyModel(ddp, None, config, arch, plan, groups, bf16)
+    policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay, bf16))
     return policy
 
 
-def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Any:
-    """A fresh megatron-core Adam optimizer over ``ddp`` (new moments; used per phase)."""
+def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0,
+                   bf16: bool = False) -> Any:
+    """A fresh megatron-core Adam optimizer over ``ddp`` (new moments; used per phase);
+    ``bf16``: the mixed-precision optimizer (fp32 master copies of the BF16 parameters)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    extra: dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
     return get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
-                        adam_beta2=0.99), [ddp])
+                        adam_beta2=0.99, **extra), [ddp])
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
@@ -95,8 +116,9 @@ def _replay_ids(batch: dict) -> torch.Tensor | None:
 def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
     """``(sum of per-token agreement, tokens)`` of the last forward against the engine's
     routing (moe.routing_agreement averaged over MoE layers; tokens the engine never routed,
-    marked -1, are left out). None when the rollout carries no routing or this rank holds a
-    sequence-parallel shard of the tokens."""
+    marked -1, are left out). None when the rollout carries no routing. Under sequence
+    parallelism this rank's routers saw its TP rank's slice of the (sequence-major) tokens:
+    the counts are of that slice (:meth:`PolicyTrainer.log_probs` sums them over TP)."""
     from megatron_qrl.moe import recorded_ids, routing_agreement, tokens_from_batch
 
     ids = batch.get("routed_experts")
@@ -104,6 +126,12 @@ def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
         return None
     rollout = tokens_from_batch(ids)
     own = recorded_ids(replay, rollout.shape[1]).to(rollout.device)
+    if own.shape[1:] == rollout.shape[1:] and own.shape[0] < rollout.shape[0]:
+        from megatron.core import parallel_state as ps
+
+        n, rank = own.shape[0], ps.get_tensor_model_parallel_rank()
+        if n * ps.get_tensor_model_parallel_world_size() == rollout.shape[0]:
+            rollout = rollout[rank * n:(rank + 1) * n]
     if own.shape != rollout.shape:
         return None
     keep = (rollout >= 0).flatten(1).all(1)
@@ -169,8 +197,18 @@ class PolicyTrainer:
             store = self._run(microbatches, loss_fn, True, sink)
         finally:
             self.policy.ddp.train()
-        tokens = sum(n for _, n in sink)
-        self.last_routing_agreement = sum(a for a, _ in sink) / tokens if tokens else None
+        agree, tokens = sum(a for a, _ in sink), sum(n for _, n in sink)
+        if self.policy.groups is not None:  # multi-rank: sum over token slices / DP shares
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+
+            both = torch.tensor([float(agree), float(tokens), float(bool(sink))],
+                                dtype=torch.float64)
+            if self.policy.config.sequence_parallel:  # each TP rank saw its token slice
+                dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
+            dist.all_reduce(both, group=ps.get_data_parallel_group())
+            agree, tokens = float(both[0]), int(both[1])
+        self.last_routing_agreement = agree / tokens if tokens else None
         return [d["log_probs"].float() for d in store]
 
     def train_step(self, microbatches: Sequence[dict], loss_fn: Callable
@@ -187,13 +225,17 @@ class PolicyTrainer:
         if not ok:
             raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
                                "--qrl-lr / --qrl-sft-lr")
-        return average_metrics(store), float(grad_norm if grad_norm is not None else 0.0)
+        metrics = average_metrics(store)
+        if self.policy.groups is not None:
+            metrics = _data_parallel_mean(metrics)
+        return metrics, float(grad_norm if grad_norm is not None else 0.0)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` of the current weights (one process: no collectives)."""
+        """``(hf_name, full tensor)`` of the current weights. One process: no collectives;
+        multi-rank: shards gathered over TP / EP, every rank must consume it in lockstep."""
         from megatron_qrl.models.streaming import iter_hf_tensors
 
-        return iter_hf_tensors(self.module, self.policy.arch)
+        return iter_hf_tensors(self.module, self.policy.arch, self.policy.groups)
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state for a checkpoint."""
@@ -222,3 +264,22 @@ def average_metrics(store: Sequence[dict]) -> dict[str, float]:
             elif isinstance(v, (int, float)):
                 sums.setdefault(k, []).append(float(v))
     return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in sums.items()}
+
+
+def _data_parallel_mean(metrics: dict[str, float]) -> dict[str, float]:
+    """:func:`average_metrics` over every data-parallel rank's (equally many) micro batches."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return metrics
+    keys = sorted(metrics)
+    means = torch.tensor([metrics[k] for k in keys if not k.endswith("_max")], dtype=torch.float64)
+    maxes = torch.tensor([metrics[k] for k in keys if k.endswith("_max")], dtype=torch.float64)
+    dist.all_reduce(means, group=group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    out = dict(zip([k for k in keys if not k.endswith("_max")], (means / size).tolist()))
+    out.update(zip([k for k in keys if k.endswith("_max")], maxes.tolist()))
+    return out

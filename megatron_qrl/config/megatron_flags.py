@@ -1,0 +1,371 @@
+"""Megatron-LM training flags after ``--`` on the ``qrl-train`` command line.
+
+megatron-core 0.16.1 ships no ``megatron.training``, so this module defines the SUBSET of
+Megatron-LM's ``megatron/training/arguments.py`` flags that ``qrl-train`` understands, with
+Megatron's exact names, dests and defaults (:data:`FLAGS`). When ``megatron.training.arguments``
+IS importable its own parser reads them instead (:func:`megatron_parser`), and the same
+mapping applies. Every accepted flag has an effect or raises; none is silently ignored:
+
+* parallel layout: ``--tensor-model-parallel-size``, ``--expert-model-parallel-size``,
+  ``--expert-tensor-parallel-size`` (Megatron default: equal to TP), ``--sequence-parallel``
+  (off unless given, as in Megatron; MoE with TP > 1 needs it),
+  ``--pipeline-model-parallel-size`` (only 1), ``--use-distributed-optimizer`` (refused),
+  ``--bf16`` (below);
+* run flags, rewritten to ``--qrl-*`` flags (:func:`qrl_equivalents`; a ``--qrl-*`` flag
+  that says something else is one error naming both): ``--lr`` -> ``--qrl-lr``, ``--seed``
+  -> ``--qrl-seed``, ``--micro-batch-size`` -> ``--qrl-micro-batch-size``, ``--load DIR`` ->
+  ``--qrl-model checkpoint --qrl-checkpoint DIR``, ``--save DIR`` -> ``--qrl-output-dir``,
+  ``--save-interval`` -> ``--qrl-save-interval``, ``--train-iters`` -> ``--qrl-steps``,
+  ``--global-batch-size`` -> ``--qrl-prompts-per-step`` (global batch = samples per
+  optimizer step = prompts * n / updates per step), ``--min-lr`` must equal ``--lr`` (the RL
+  learning rate is constant);
+* model shape (``--num-layers`` ... ``--moe-aux-loss-coeff``): must agree with the
+  checkpoint's config.json; on the built-in tiny models they override its shape
+  (:meth:`MegatronSettings.apply_to_hf_config`). Boolean/enum shape flags are checked only
+  when given (absent ones are not read as "off": the model's config.json decides);
+* ``--seq-length``: the longest prompt + response a batch may hold (longer batches raise);
+* ``--bf16``: BF16 parameters and gradients with fp32 master weights and Adam state (megatron's
+  mixed-precision optimizer), gradients reduced in fp32; ``--fp16``: refused (no loss scaler);
+* ``--tensorboard-dir``: rank 0 also writes the metrics as TensorBoard scalars there;
+* ``--moe-token-dispatcher-type`` / ``--moe-grouped-gemm``: passed to the TransformerConfig.
+
+Vocabulary: Megatron-LM pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by``
+x TP; megatron_qrl keeps the checkpoint's ``vocab_size`` (it must be divisible by TP), so the
+flag is accepted only when padding to it changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .args import QrlArgumentError
+
+__all__ = ["FLAGS", "MegatronSettings", "megatron_parser", "parse_megatron_flags",
+           "qrl_equivalents"]
+
+_T, _F = "store_true", "store_false"
+# (flag, dest, type or action, default, choices): Megatron-LM's names, dests and defaults.
+FLAGS: tuple[tuple[str, str, Any, Any, tuple | None], ...] = (
+    ("--tensor-model-parallel-size", "tensor_model_parallel_size", int, 1, None),
+    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", int, 1, None),
+    ("--expert-model-parallel-size", "expert_model_parallel_size", int, 1, None),
+    ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", int, None, None),
+    ("--sequence-parallel", "sequence_parallel", _T, False, None),
+    ("--use-distributed-optimizer", "use_distributed_optimizer", _T, False, None),
+    ("--micro-batch-size", "micro_batch_size", int, None, None),
+    ("--global-batch-size", "global_batch_size", int, None, None),
+    ("--lr", "lr", float, None, None),
+    ("--min-lr", "min_lr", float, 0.0, None),
+    ("--seed", "seed", int, 1234, None),
+    ("--bf16", "bf16", _T, False, None),
+    ("--fp16", "fp16", _T, False, None),
+    ("--num-layers", "num_layers", int, None, None),
+    ("--hidden-size", "hidden_size", int, None, None),
+    ("--ffn-hidden-size", "ffn_hidden_size", int, None, None),
+    ("--num-attention-heads", "num_attention_heads", int, None, None),
+    ("--group-query-attention", "group_query_attention", _T, False, None),
+    ("--num-query-groups", "num_query_groups", int, 1, None),
+    ("--kv-channels", "kv_channels", int, None, None),
+    ("--qk-layernorm", "qk_layernorm", _T, False, None),
+    ("--normalization", "normalization", str, "LayerNorm", ("LayerNorm", "RMSNorm")),
+    ("--norm-epsilon", "norm_epsilon", float, 1e-5, None),
+    ("--swiglu", "swiglu", _T, False, None),
+    ("--position-embedding-type", "position_embedding_type", str, "learned_absolute",
+     ("learned_absolute", "rope", "mrope", "relative", "none")),
+    ("--rotary-base", "rotary_base", int, 10000, None),
+    ("--max-position-embeddings", "max_position_embeddings", int, None, None),
+    ("--seq-length", "seq_length", int, None, None),
+    ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", _T,
+     False, None),
+    ("--disable-bias-linear", "add_bias_linear", _F, True, None),
+    ("--vocab-size", "vocab_size", int, None, None),
+    ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", int, 128, None),
+    ("--num-experts", "num_experts", int, None, None),
+    ("--moe-router-topk", "moe_router_topk", int, 2, None),
+    ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", int, None, None),
+    ("--moe-router-load-balancing-type", "moe_router_load_balancing_type", str, "aux_loss",
+     ("aux_loss", "seq_aux_loss", "sinkhorn", "none")),
+    ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", float, 0.0, None),
+    ("--moe-router-dtype", "moe_router_dtype", str, None, ("fp32", "fp64")),
+    ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", str, "allgather",
+     ("allgather", "alltoall", "flex")),
+    ("--moe-grouped-gemm", "moe_grouped_gemm", _T, False, None),
+    ("--load", "load", str, None, None),
+    ("--save", "save", str, None, None),
+    ("--save-interval", "save_interval", int, None, None),
+    ("--train-iters", "train_iters", int, None, None),
+    ("--tensorboard-dir", "tensorboard_dir", str, None, None),
+)
+SUPPORTED = tuple(f[0] for f in FLAGS)
+_FLAG_OF = {f[1]: f[0] for f in FLAGS}
+
+# Model-shape flags with a value: (dest, ModelArch field, HF config.json key; None: no key).
+SHAPE: tuple[tuple[str, str, str | None], ...] = (
+    ("num_layers", "num_layers", "num_hidden_layers"),
+    ("hidden_size", "hidden_size", "hidden_size"),
+    ("ffn_hidden_size", "ffn_hidden_size", "intermediate_size"),
+    ("num_attention_heads", "num_heads", "num_attention_heads"),
+    ("num_query_groups", "num_kv_heads", "num_key_value_heads"),
+    ("kv_channels", "head_dim", "head_dim"),
+    ("norm_epsilon", "rms_norm_eps", "rms_norm_eps"),
+    ("rotary_base", "rope_theta", "rope_theta"),
+    ("max_position_embeddings", "max_position_embeddings", "max_position_embeddings"),
+    ("vocab_size", "vocab_size", None),
+    ("num_experts", "num_experts", "num_experts"),
+    ("moe_router_topk", "moe_top_k", "num_experts_per_tok"),
+    ("moe_ffn_hidden_size", "moe_ffn_hidden_size", "moe_intermediate_size"),
+    ("moe_aux_loss_coeff", "router_aux_loss_coef", "router_aux_loss_coef"),
+)
+_MOE_ONLY = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+             "moe_router_load_balancing_type", "moe_router_dtype", "moe_token_dispatcher_type",
+             "moe_grouped_gemm")
+# Enum / boolean shape flags: (dest, the only value megatron_qrl's Qwen3 builder matches).
+FIXED = (("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
+         ("qk_layernorm", True), ("swiglu", True), ("add_bias_linear", False),
+         ("group_query_attention", True), ("moe_router_load_balancing_type", "aux_loss"),
+         ("moe_router_dtype", "fp32"))
+
+
+def megatron_parser() -> tuple[argparse.ArgumentParser, bool]:
+    """``(parser, upstream)``: Megatron-LM's own parser when ``megatron.training`` is
+    importable (``upstream`` True), else one built from :data:`FLAGS`."""
+    if importlib.util.find_spec("megatron.training") is not None and \
+            importlib.util.find_spec("megatron.training.arguments") is not None:
+        from megatron.training.arguments import add_megatron_arguments  # pragma: no cover
+
+        return add_megatron_arguments(argparse.ArgumentParser(  # pragma: no cover
+            prog="qrl-train -- (Megatron flags)", allow_abbrev=False)), True
+    parser = argparse.ArgumentParser(prog="qrl-train -- (Megatron flags)", allow_abbrev=False,
+                                     add_help=False)
+    for flag, dest, kind, default, choices in FLAGS:
+        if kind in (_T, _F):
+            parser.add_argument(flag, dest=dest, action=kind, default=default)
+        else:
+            parser.add_argument(flag, dest=dest, type=kind, default=default, choices=choices)
+    return parser, False
+
+
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, frozenset[str], bool]:
+    """``(namespace, dests the command line set, upstream parser?)``; unknown flags raise."""
+    parser, upstream = megatron_parser()
+    ns, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        raise QrlArgumentError(
+            f"Megatron flags after '--': {' '.join(unknown)} not supported by qrl-train; the "
+            f"supported Megatron flags are: {' '.join(SUPPORTED)}")
+    probe, _ = megatron_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    explicit = frozenset(vars(probe.parse_known_args(list(argv))[0]))
+    unused = sorted(d for d in explicit if d not in _FLAG_OF)  # upstream parser: more flags
+    if unused:
+        raise QrlArgumentError(
+            f"Megatron flags after '--': {', '.join(unused)} (Megatron-LM dests) have no effect "
+            f"in qrl-train; drop them. Supported: {' '.join(SUPPORTED)}")
+    return ns, explicit, upstream
+
+
+@dataclass(frozen=True)
+class MegatronSettings:
+    """What the Megatron flags after ``--`` ask of the run (besides the ``--qrl-*`` rewrites)."""
+
+    tp: int = 1
+    """--tensor-model-parallel-size."""
+    ep: int = 1
+    """--expert-model-parallel-size."""
+    etp: int = 1
+    """--expert-tensor-parallel-size (Megatron: defaults to TP)."""
+    sequence_parallel: bool = False
+    """--sequence-parallel."""
+    bf16: bool = False
+    """--bf16: BF16 parameters, fp32 master weights in the optimizer."""
+    seq_length: int | None = None
+    """--seq-length: longest prompt + response a batch may hold (None: no limit)."""
+    tensorboard_dir: str | None = None
+    """--tensorboard-dir: rank 0 also writes TensorBoard scalars there."""
+    shape: tuple[tuple[str, Any], ...] = ()
+    """Explicit model-shape flags ``(dest, value)`` (checked / applied on the model)."""
+    config_overrides: tuple[tuple[str, Any], ...] = ()
+    """TransformerConfig overrides (token dispatcher, grouped GEMM)."""
+    argv: tuple[str, ...] = field(default=())
+    """The Megatron flags as given."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Processes one model replica spans (TP x EP x ETP bounds the world size)."""
+        return max(self.tp, self.ep * self.etp)
+
+    def layout(self) -> Any:
+        """The :class:`megatron_qrl.models.builder.ParallelLayout` of these flags."""
+        from megatron_qrl.models.builder import ParallelLayout
+
+        return ParallelLayout(tp=self.tp, ep=self.ep, etp=self.etp,
+                              sequence_parallel=self.sequence_parallel)
+
+    def describe(self) -> str:
+        """The layout as stored with checkpoints (a resume must use the same one)."""
+        text = f"tp={self.tp},ep={self.ep},etp={self.etp},sp={int(self.sequence_parallel)}"
+        return text + (",bf16" if self.bf16 else "")
+
+    def check_world(self, world_size: int) -> None:
+        """Raise naming the flags when ``world_size`` processes cannot hold the layout."""
+        if world_size % self.tp or world_size % (self.ep * self.etp):
+            raise QrlArgumentError(
+                f"--tensor-model-parallel-size {self.tp} --expert-model-parallel-size {self.ep} "
+                f"--expert-tensor-parallel-size {self.etp} need a number of processes divisible "
+                f"by {self.tp} and by {self.ep * self.etp}; this job has {world_size}: launch "
+                f"with torchrun --nproc-per-node {self.model_parallel_size} -m "
+                "megatron_qrl.rl.cli ...")
+
+    def apply_to_hf_config(self, cfg: dict, arch: Any, source: str, fixed_model: bool) -> dict:
+        """``cfg`` with the shape flags applied (tiny model) or checked (``fixed_model``).
+
+        Raises :class:`QrlArgumentError` naming the flag and ``source`` when a flag disagrees
+        with a checkpoint's model, or names a MoE option on a dense model.
+        """
+        out = dict(cfg)
+        for dest, value in self.shape:
+            if dest in _MOE_ONLY and not arch.is_moe:
+                raise QrlArgumentError(f"{_FLAG_OF[dest]} is a MoE flag but {source} is dense "
+                                       f"({arch.architecture}); drop it (or use --qrl-model "
+                                       "tiny-moe)")
+            if dest == "make_vocab_size_divisible_by" and arch.vocab_size % value:
+                raise QrlArgumentError(
+                    f"--make-vocab-size-divisible-by {value}: {source} has vocab_size "
+                    f"{arch.vocab_size}, which Megatron-LM would pad; megatron_qrl keeps the "
+                    "checkpoint's vocabulary, so give a divisor of it (or drop the flag)")
+            if dest == "untie_embeddings_and_output_weights" and arch.tie_word_embeddings:
+                if fixed_model:
+                    raise QrlArgumentError(
+                        f"--untie-embeddings-and-output-weights: {source} ties its output layer "
+                        "to the embedding (tie_word_embeddings true); drop the flag")
+                out["tie_word_embeddings"] = False
+            row = next((r for r in SHAPE if r[0] == dest), None)
+            if row is None:
+                continue
+            have = getattr(arch, row[1])
+            if _same(have, value):
+                continue
+            if fixed_model or row[2] is None:
+                what = "the tokenizer's vocabulary" if row[2] is None and not fixed_model \
+                    else "its config.json"
+                raise QrlArgumentError(
+                    f"{_FLAG_OF[dest]} {value} disagrees with {source} ({row[1]} = {have} in "
+                    f"{what}); drop {_FLAG_OF[dest]} or give the model's value")
+            out[row[2]] = value
+        return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)))
+    return a == b
+
+
+def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
+    """Flags this build cannot honour: one error each, naming what would make it work."""
+    if ns.pipeline_model_parallel_size != 1:
+        raise QrlArgumentError(
+            f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size}: qrl-train's "
+            "trainer has no pipeline stages (it runs the whole model on every rank); use "
+            "--pipeline-model-parallel-size 1 and more --tensor/--expert-model-parallel-size")
+    if ns.use_distributed_optimizer:
+        raise QrlArgumentError(
+            "--use-distributed-optimizer: qrl-train saves and resumes the plain (per-rank) "
+            "megatron optimizer state, which the distributed optimizer shards differently; "
+            "drop the flag")
+    if ns.fp16:
+        raise QrlArgumentError(
+            "--fp16: qrl-train's trainer runs fp32 or --bf16 (fp32 master weights); fp16 needs "
+            "a loss scaler that is not wired; use --bf16 (the rollout engine's precision is "
+            "--qrl-rollout-format)")
+    if ns.bf16 and ns.fp16:  # pragma: no cover (fp16 raised above)
+        raise QrlArgumentError("--bf16 and --fp16 exclude each other")
+    if ns.moe_token_dispatcher_type == "flex":
+        raise QrlArgumentError("--moe-token-dispatcher-type flex needs DeepEP, which qrl-train "
+                               "does not wire; use alltoall (GPU) or allgather")
+    needs_te = [f for f, on in (("--moe-grouped-gemm", ns.moe_grouped_gemm),
+                                ("--moe-token-dispatcher-type alltoall",
+                                 ns.moe_token_dispatcher_type == "alltoall")) if on]
+    if needs_te:
+        from megatron_qrl.models.builder import use_transformer_engine
+
+        if not use_transformer_engine():
+            raise QrlArgumentError(
+                f"{needs_te[0]} needs Transformer Engine on a GPU (megatron-core 0.16.1's "
+                "alltoall dispatcher builds a CUDA stream, grouped GEMM is TE's); without it "
+                "drop the flag (qrl-train then uses the allgather dispatcher, same maths)")
+    if "num_query_groups" in explicit and not ns.group_query_attention:
+        raise QrlArgumentError("--num-query-groups without --group-query-attention: Megatron "
+                               "ignores it then; add --group-query-attention")
+    if "min_lr" in explicit and ns.lr is not None and not _same(ns.min_lr, ns.lr):
+        raise QrlArgumentError(f"--min-lr {ns.min_lr}: qrl-train's RL learning rate is constant "
+                               f"(--lr {ns.lr}); drop --min-lr or set it equal to --lr")
+    if "min_lr" in explicit and ns.lr is None:
+        raise QrlArgumentError("--min-lr needs --lr (the RL learning rate is constant; they "
+                               "must be equal)")
+    for dest, want in FIXED:
+        if dest in explicit and getattr(ns, dest) != want:
+            raise QrlArgumentError(
+                f"{_FLAG_OF[dest]} {getattr(ns, dest)}: megatron_qrl builds Qwen3 / Qwen3-MoE "
+                f"models, which need {want}; drop the flag")
+
+
+def qrl_equivalents(ns: argparse.Namespace, explicit: frozenset[str]
+                    ) -> list[tuple[str, str, Any]]:
+    """``(megatron flag, --qrl-* flag, value)`` rewrites of the given run flags.
+
+    ``--load DIR`` gives two (``--qrl-model checkpoint``, ``--qrl-checkpoint DIR``);
+    ``--global-batch-size`` is resolved by the caller (it needs ``n`` and updates per step).
+    """
+    pairs = (("lr", "--qrl-lr"), ("seed", "--qrl-seed"),
+             ("micro_batch_size", "--qrl-micro-batch-size"), ("save", "--qrl-output-dir"),
+             ("save_interval", "--qrl-save-interval"), ("train_iters", "--qrl-steps"))
+    out = [(_FLAG_OF[d], q, getattr(ns, d)) for d, q in pairs if d in explicit]
+    if "load" in explicit:
+        out += [("--load", "--qrl-model", "checkpoint"), ("--load", "--qrl-checkpoint", ns.load)]
+    return out
+
+
+def parse_megatron_flags(argv: Sequence[str]
+                         ) -> tuple[MegatronSettings, list[tuple[str, str, Any]], int | None]:
+    """``(settings, --qrl-* rewrites, --global-batch-size or None)`` of the flags after ``--``.
+
+    Raises :class:`QrlArgumentError` naming the flag for unknown flags and for flags this
+    build cannot honour.
+    """
+    ns, explicit, _ = _parse(argv)
+    _refuse(ns, explicit)
+    for dest in ("tensor_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "micro_batch_size", "global_batch_size",
+                 "seq_length", "save_interval", "train_iters", "num_layers", "hidden_size"):
+        value = getattr(ns, dest)
+        if dest in explicit and value is not None and value < (0 if dest in (
+                "save_interval", "train_iters") else 1):
+            raise QrlArgumentError(f"{_FLAG_OF[dest]} must be >= 1, got {value}")
+    tp = ns.tensor_model_parallel_size
+    etp = tp if ns.expert_tensor_parallel_size is None else ns.expert_tensor_parallel_size
+    shape = tuple((d, getattr(ns, d)) for d, *_ in SHAPE if d in explicit)
+    shape += tuple((d, getattr(ns, d)) for d in ("moe_router_load_balancing_type",
+                                                  "moe_router_dtype") if d in explicit)
+    overrides: list[tuple[str, Any]] = []
+    if "moe_token_dispatcher_type" in explicit:
+        overrides.append(("moe_token_dispatcher_type", ns.moe_token_dispatcher_type))
+    if ns.moe_grouped_gemm:
+        overrides.append(("moe_grouped_gemm", True))
+        shape += (("moe_grouped_gemm", True),)
+    if ns.untie_embeddings_and_output_weights:
+        shape += (("untie_embeddings_and_output_weights", True),)
+    if "make_vocab_size_divisible_by" in explicit:
+        shape += (("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by),)
+    settings = MegatronSettings(
+        tp=tp, ep=ns.expert_model_parallel_size, etp=etp,
+        sequence_parallel=bool(ns.sequence_parallel), bf16=bool(ns.bf16),
+        seq_length=ns.seq_length,
+        tensorboard_dir=ns.tensorboard_dir, shape=shape, config_overrides=tuple(overrides),
+        argv=tuple(argv))
+    return settings, qrl_equivalents(ns, explicit), ns.global_batch_size
