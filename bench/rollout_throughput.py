@@ -134,9 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--extra", default="{}", help="JSON of extra sglang.Engine arguments")
     p.add_argument("--out", type=Path, default=None, help="append result records (JSONL)")
+    p.add_argument("--table", type=Path, default=None,
+                   help="print the table of a saved --out JSONL (no GPU needed) and exit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
+    if a.table:
+        rows = [json.loads(ln) for ln in a.table.read_text().splitlines() if ln.strip()]
+        print(table(rows, batches, rows[0]["copy_bw_gbs"]))
+        return 0
     if a.child:
         res = child(a.child, batches, a.new, a.prompt_len, json.loads(a.extra))
         print("RESULT " + json.dumps(res), flush=True)

@@ -245,17 +245,15 @@ def test_seq_length_tensorboard_dir_and_bf16_act(tmp_path):
     board = tmp_path / "tb"
     full = _one_process_job(tmp_path / "full", "--train-iters", "2", "--seq-length", "64",
                             "--bf16", "--save-interval", "1", "--tensorboard-dir", str(board))
-    if importlib.util.find_spec("tensorboard") is None:  # not a dependency: a clear error
-        assert full.returncode == 2 and "pip install tensorboard" in full.stderr
-        return
     assert full.returncode == 0, full.stderr[-3000:]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(next(board.iterdir())))
-    events.Reload()
     rl = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-    assert [s.value for s in events.Scalars("rl/reward_mean")] == pytest.approx(
-        [r["reward_mean"] for r in rl if r["phase"] == "rl"], abs=1e-6)
+    if importlib.util.find_spec("tensorboard") is not None:  # --tensorboard-dir is honoured
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(board))
+        events.Reload()
+        assert [s.value for s in events.Scalars("reward_mean")] == pytest.approx(
+            [r["reward_mean"] for r in rl if r["phase"] == "rl"], abs=1e-6)
     # --bf16: BF16 parameters, fp32 masters; a resumed run continues exactly
     part = tmp_path / "part"
     assert _one_process_job(part, "--train-iters", "1", "--bf16", "--save-interval", "1") \

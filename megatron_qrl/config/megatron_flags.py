@@ -185,8 +185,6 @@ class MegatronSettings:
     """--bf16: BF16 parameters, fp32 master weights in the optimizer."""
     seq_length: int | None = None
     """--seq-length: longest prompt + response a batch may hold (None: no limit)."""
-    tensorboard_dir: str | None = None
-    """--tensorboard-dir: rank 0 also writes TensorBoard scalars there."""
     shape: tuple[tuple[str, Any], ...] = ()
     """Explicit model-shape flags ``(dest, value)`` (checked / applied on the model)."""
     config_overrides: tuple[tuple[str, Any], ...] = ()
@@ -324,7 +322,8 @@ def qrl_equivalents(ns: argparse.Namespace, explicit: frozenset[str]
     """
     pairs = (("lr", "--qrl-lr"), ("seed", "--qrl-seed"),
              ("micro_batch_size", "--qrl-micro-batch-size"), ("save", "--qrl-output-dir"),
-             ("save_interval", "--qrl-save-interval"), ("train_iters", "--qrl-steps"))
+             ("save_interval", "--qrl-save-interval"), ("train_iters", "--qrl-steps"),
+             ("tensorboard_dir", "--qrl-tensorboard-dir"))
     out = [(_FLAG_OF[d], q, getattr(ns, d)) for d, q in pairs if d in explicit]
     if "load" in explicit:
         out += [("--load", "--qrl-model", "checkpoint"), ("--load", "--qrl-checkpoint", ns.load)]
@@ -366,6 +365,6 @@ def parse_megatron_flags(argv: Sequence[str]
         tp=tp, ep=ns.expert_model_parallel_size, etp=etp,
         sequence_parallel=bool(ns.sequence_parallel), bf16=bool(ns.bf16),
         seq_length=ns.seq_length,
-        tensorboard_dir=ns.tensorboard_dir, shape=shape, config_overrides=tuple(overrides),
+        shape=shape, config_overrides=tuple(overrides),
         argv=tuple(argv))
     return settings, qrl_equivalents(ns, explicit), ns.global_batch_size

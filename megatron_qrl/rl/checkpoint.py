@@ -22,7 +22,8 @@ __all__ = ["CKPT_DIR", "latest_checkpoint", "load_driver_checkpoint", "save_driv
 
 CKPT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{6,})\.pt$")
-_RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_output_dir")
+_RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_output_dir",
+                        "qrl_tensorboard", "qrl_tensorboard_dir")
 """Flags that may differ between a run and its resumption (run length, saving, resume)."""
 
 

@@ -253,8 +253,8 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
         torch.set_rng_state(rng)
         log(f"[qrl-train] resumed from step {start}")
     total = sft_steps + run.steps
-    logger = MetricsLogger(out, resume_from_step=start if run.resume else None) if main else None
-    board = _tensorboard(configs) if main else None
+    logger = MetricsLogger(out, tensorboard=run.tensorboard, tensorboard_dir=run.tensorboard_dir,
+                           resume_from_step=start if run.resume else None) if main else None
     records: list[dict[str, Any]] = []
     bar = tqdm(range(start, total), desc="qrl-train", disable=not (progress and main),
                file=sys.stderr)
@@ -267,8 +267,6 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
                     _start_rl(ctx, data, step, resumed and step == start)
                 rec = rl_step(ctx, step, step - sft_steps)
             records.append(logger.log(rec) if logger is not None else rec)
-            if board is not None:
-                _board_scalars(board, rec)
             bar.set_postfix(_postfix(rec), refresh=False)
             done = step + 1
             rl_done = done - sft_steps
@@ -278,30 +276,8 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
     finally:
         bar.close()
         png = logger.close(plot=True) if logger is not None else None
-        if board is not None:
-            board.close()
         if ctx.engine is not None:
             ctx.engine.shutdown()
     if png is not None:
         log(f"[qrl-train] metrics: {logger.path}, curves: {png}")
     return records
-
-
-def _tensorboard(configs: dict[str, Any]) -> Any:
-    """A TensorBoard ``SummaryWriter`` for ``--tensorboard-dir`` (None when not given)."""
-    mega = configs.get("megatron")
-    if mega is None or not mega.tensorboard_dir:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise QrlArgumentError(f"--tensorboard-dir needs the tensorboard package ({exc}): "
-                               "pip install tensorboard, or drop the flag (metrics.jsonl has "
-                               "the same values)") from None
-    return SummaryWriter(mega.tensorboard_dir)
-
-
-def _board_scalars(board: Any, rec: dict[str, Any]) -> None:
-    for key, value in rec.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-            board.add_scalar(f"{rec['phase']}/{key}", value, rec["step"])

@@ -45,8 +45,9 @@ from .moe_configs import config_dir_for_engine
 FEATURE = "--qrl-rollout-engine sglang"
 
 # In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
-# (tests/gpu/test_sglang_engine.py, 2026-11-29): True works, False fails, absent = not yet
-# run (every "inplace" entry: tests/gpu/test_sglang_inplace.py has not run yet).
+# (tests/gpu/test_sglang_engine.py and tests/gpu/test_sglang_inplace.py, 2026-11-29): True
+# works, False fails, absent = not yet run (w4a16/nvfp4 "inplace": the GPU test's time ran
+# out before them).
 # int8: both paths raise "'Parameter' object has no attribute 'weight_loader'" — w8a8_int8
 # replaces its parameters after loading, so SGLang cannot reload them in place;
 # fp8_block over update_weights_from_tensor killed the engine, over disk it works.
@@ -57,6 +58,9 @@ SYNC_SUPPORT: dict[tuple[str, str], bool] = {
     ("fp8_block", "tensor"): False,
     ("int8", "tensor"): False,
     ("int8", "disk"): False,
+    ("int8", "inplace"): True,
+    ("fp8", "inplace"): True,
+    ("fp8_block", "inplace"): True,
 }
 
 
