@@ -165,3 +165,26 @@ def test_cache_refreshed_by_megatron_optimizer_step(megatron):
         ok, _, _ = opt.step()
         assert ok and state.version == 1
         assert not torch.equal(before, qkv.quantized_weight()) and qkv.qrl_recomputes == 2
+
+
+def test_chained_optimizer_members_each_bump_the_weight_version():
+    """EP > 1: megatron's ChainedOptimizer holds a dense and an expert optimizer and its
+    ``.optimizer`` asserts; each member's step must invalidate the quantized-weight cache."""
+    from megatron_qrl.te_quant.state import AlignedForwardState
+
+    class Chained:  # the two attributes of megatron.core.optimizer.ChainedOptimizer we read
+        def __init__(self, *opts):
+            self.chained_optimizers = list(opts)
+
+        @property
+        def optimizer(self):
+            raise AssertionError("ChainedOptimizer.optimizer with more than one optimizer")
+
+    w1, w2 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    dense, expert = torch.optim.SGD([w1], lr=0.1), torch.optim.SGD([w2], lr=0.1)
+    state = AlignedForwardState("int8")
+    state.attach_to_optimizer(Chained(dense, expert))
+    v0 = state.version
+    dense.step()
+    expert.step()
+    assert state.version == v0 + 2

@@ -48,10 +48,7 @@ class PolicyModel:
     def set_optimizer(self, optimizer: Any) -> None:
         """Use ``optimizer`` from now on (the aligned-forward cache follows its steps)."""
         self.optimizer = optimizer
-        # EP > 1: megatron chains a dense and an expert optimizer; hook each one (reading
-        # ``ChainedOptimizer.optimizer`` asserts when it holds more than one).
-        for opt in getattr(optimizer, "chained_optimizers", None) or (optimizer,):
-            self.plan.attach(opt)
+        self.plan.attach(optimizer)  # a ChainedOptimizer (EP > 1) hooks each of its members
 
 
 def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,

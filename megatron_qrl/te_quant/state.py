@@ -82,8 +82,11 @@ def _torch_optimizers(optimizer: Any) -> Iterator[Any]:
     if isinstance(optimizer, torch.optim.Optimizer):
         yield optimizer
         return
-    for child in getattr(optimizer, "chained_optimizers", None) or ():
-        yield from _torch_optimizers(child)
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained:  # megatron's ChainedOptimizer (EP > 1): its ``.optimizer`` asserts on > 1
+        for child in chained:
+            yield from _torch_optimizers(child)
+        return
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None and inner is not optimizer:
         yield from _torch_optimizers(inner)
