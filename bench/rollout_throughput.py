@@ -21,13 +21,14 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench._runner import child_main, run_variant  # noqa: E402
 
 MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
 
@@ -144,26 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows, batches, rows[0]["copy_bw_gbs"]))
         return 0
     if a.child:
-        res = child(a.child, batches, a.new, a.prompt_len, json.loads(a.extra))
-        print("RESULT " + json.dumps(res), flush=True)
-        return 0
+        return child_main(lambda: child(a.child, batches, a.new, a.prompt_len,
+                                        json.loads(a.extra)))
     bw = copy_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
     results = []
     for v in a.variants.split(","):
-        cmd = [sys.executable, __file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
-               "--prompt-len", str(a.prompt_len), "--extra", a.extra]
-        t = time.time()
-        proc = subprocess.run(cmd, env=_env_for(v), capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        res = json.loads(lines[-1][7:]) if lines else {
-            "variant": v, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-        res["total_s"] = round(time.time() - t, 1)
+        res = run_variant([__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
+                           "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, None,
+                          _env_for(v))
         res["copy_bw_gbs"] = round(bw, 1)
         results.append(res)
-        print(f"[bench] {v}: {json.dumps(res)}", flush=True)
-        if "error" in res:
-            sys.stderr.write(proc.stderr[-3000:])
         if a.out:
             a.out.parent.mkdir(parents=True, exist_ok=True)
             with a.out.open("a") as f:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -27,6 +26,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench._runner import child_main, run_variant  # noqa: E402
 
 MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
 
@@ -114,25 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print("RESULT " + json.dumps(child(a.child, a.bucket_mb)), flush=True)
-        return 0
-    rows = []
-    for v in a.variants.split(","):
-        t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--child", v, "--bucket-mb",
-                               str(a.bucket_mb)], capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        res = json.loads(lines[-1][7:]) if lines else {
-            "variant": v, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-        res["total_s"] = round(time.time() - t, 1)
-        rows.append(res)
-        print(f"[sync] {json.dumps(res)}", flush=True)
-        if "error" in res:
-            sys.stderr.write(proc.stderr[-3000:])
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            with a.out.open("a") as f:
-                f.write(json.dumps(res) + "\n")
+        return child_main(lambda: child(a.child, a.bucket_mb))
+    rows = [run_variant([__file__, "--child", v, "--bucket-mb", str(a.bucket_mb)], v, a.out,
+                        tag="sync") for v in a.variants.split(",")]
     print("| variant | packed GB | pack s | sync s (first) | sync s (second) |\n|---|---|---|---|---|")
     for r in rows:
         if "error" in r:

@@ -9,14 +9,9 @@ import json
 import pytest
 import torch
 
-from megatron_qrl.utils.optional import available
+from tests.gpu import skip_unless_sglang_gpu
 
-ok, why = available("sglang")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU: SGLang engine tests run on the H200 device only",
-                allow_module_level=True)
-if not ok:
-    pytest.skip(f"SGLang not importable here ({why})", allow_module_level=True)
+skip_unless_sglang_gpu("SGLang engine tests")
 
 from megatron_qrl.quant import get_spec  # noqa: E402
 from megatron_qrl.quant.export import export_quantized  # noqa: E402

@@ -158,14 +158,9 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from megatron_qrl.utils.optional import available  # noqa: E402
+from tests.gpu import skip_unless_sglang_gpu  # noqa: E402
 
-_ok, _why = available("sglang")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU: SGLang in-place sync tests run on the H200 device only",
-                allow_module_level=True)
-if not _ok:
-    pytest.skip(f"SGLang not importable here ({_why})", allow_module_level=True)
+skip_unless_sglang_gpu("SGLang in-place sync tests")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,37 @@
+"""Run each bench variant in a fresh Python process (fresh GPU memory, its own environment)
+and collect the ``RESULT {json}`` line it prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def run_variant(argv: list[str], variant: str, out: Path | None = None,
+                env: dict | None = None, tag: str = "bench") -> dict:
+    """``python argv...``; its last ``RESULT`` record (or ``{"error": ...}``), appended to
+    ``out`` (JSONL) when given. The child's stderr tail is echoed on failure."""
+    t = time.time()
+    proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(lines[-1][7:]) if lines else {
+        "variant": variant, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    res["total_s"] = round(time.time() - t, 1)
+    print(f"[{tag}] {variant}: {json.dumps(res)}", flush=True)
+    if "error" in res:
+        sys.stderr.write(proc.stderr[-3000:])
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(json.dumps(res) + "\n")
+    return res
+
+
+def child_main(run: Callable[[], dict]) -> int:
+    """The child side: print one ``RESULT`` line."""
+    print("RESULT " + json.dumps(run()), flush=True)
+    return 0

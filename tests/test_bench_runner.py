@@ -1,0 +1,22 @@
+"""bench/_runner.py: one process per variant, its RESULT record or its error, JSONL output."""
+
+import json
+
+from bench._runner import run_variant
+
+
+def test_result_line_is_collected_and_appended(tmp_path):
+    child = tmp_path / "child.py"
+    child.write_text("import json, sys\nprint('noise')\n"
+                     "print('RESULT ' + json.dumps({'variant': sys.argv[1], 'x': 3}))\n")
+    out = tmp_path / "r" / "out.jsonl"
+    res = run_variant([str(child), "fp8"], "fp8", out)
+    assert res["variant"] == "fp8" and res["x"] == 3 and res["total_s"] >= 0
+    assert [json.loads(x)["x"] for x in out.read_text().splitlines()] == [3]
+
+
+def test_a_crashing_variant_reports_its_last_error_line(tmp_path):
+    child = tmp_path / "child.py"
+    child.write_text("raise KeyError('routed_experts')\n")
+    res = run_variant([str(child)], "bf16:tensor", None)
+    assert res["variant"] == "bf16:tensor" and res["error"] == "KeyError: 'routed_experts'"
