@@ -178,11 +178,13 @@ def build_trainer(arch: Any, plan: Any, args: argparse.Namespace, cuda: bool) ->
 
     from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
 
+    if cuda:  # models.builder sets CPU initialisation when TE is missing (a CPU host's need):
+        # on a GPU it would leave RoPE's inv_freq on the CPU
+        plan.config_overrides.setdefault("use_cpu_initialization", False)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     with torch.device("cuda") if cuda else contextlib.nullcontext():
-        # models.builder without TE builds on the CPU (use_cpu_initialization); the default
-        # device puts those tensors (and torch.nn.RMSNorm's) on the GPU
+        # the local spec's norms are torch.nn.RMSNorm, created on the default device
         policy = build_policy(arch, args.lr, plan, bf16=args.dtype == "bf16")
     return PolicyTrainer(policy)
 
@@ -226,13 +228,12 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     from megatron_qrl.rl.forward import ForwardPlan, forward_plan
     from megatron_qrl.te_quant import trainer_forward
 
-    overrides = {}
     variants = []
     fits, why, total, active = plain_fits(arch, args, cuda)
     notes.append(f"parameters: {total / 1e6:,.1f} M total, {active / 1e6:,.1f} M active")
     if fits:
+        notes.append(f"plain bf16 model built ({why})")
         plain = forward_plan(_configs("bf16", "bf16"), arch)
-        plain.config_overrides.update(overrides)
         variants.append(Variant("bf16", "plain", build_trainer(arch, plain, args, cuda)))
     else:
         notes.append(f"plain bf16 model not built ({why}); baseline is bf16:off")
