@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""Training step time of the rollout-aligned forward (QaRL) vs the plain BF16 forward, side by side.
+
+    python bench/aligned_step.py --formats int8,fp8,fp8_block,w4a16,nvfp4 \
+        --micro-batch 4 --seq-len 1024 --warmup 2 --rounds 8 --out bench/results/aligned_step.jsonl
+    python bench/aligned_step.py --tiny --warmup 1 --rounds 2      # CPU smoke run, seconds
+
+Every model is a megatron-core ``GPTModel`` built by ``rl.trainer.build_policy`` from the
+``ForwardPlan`` of ``rl.forward.forward_plan`` (the qrl-train path): megatron DDP, megatron Adam,
+``--bf16`` parameters with fp32 masters on the GPU. A timed step is
+``PolicyTrainer.train_step``: ``get_forward_backward_func()`` over the micro batches with the
+real policy loss (``losses.megatron_adapter.PolicyLossFunc``, error-token filter on) on a
+random batch, then ``optimizer.step()`` (which invalidates the aligned forward's cached
+quantized weights, so every aligned step re-quantizes every weight once, as in training).
+
+Variants (all timed in the same process, interleaved ABC..CBA.. per round):
+- ``bf16``: the plain trainer forward (``--qrl-train-forward bf16``), its own model;
+- ``bf16:off``: the aligned model with quantization switched off (``state.only(())``);
+- ``aligned:FMT``: the aligned model (``--qrl-train-forward aligned``) for rollout format FMT
+  (one model; its ``AlignedForwardState`` is switched to FMT before the step);
+- ``te:FMT``: the Transformer Engine recipe path (``te_quant.te_recipes``), only when TE
+  imports and a recipe reproduces FMT on this GPU.
+The ratio is median step time / median of ``bf16`` (``bf16:off`` when the plain model was
+not built). Peak memory: ``torch.cuda.max_memory_allocated`` during the step (reset before;
+every model stays resident, so it includes all of them) and the step's own part (peak minus
+the memory allocated when the step started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TINY_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "tiny_qwen3_moe.json"
+FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
+
+GPU_MOE = {  # a Qwen3-30B-A3B layer (hidden 2048, top-8, moe_intermediate 768), fewer layers/experts
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "mlp_only_layers": [],
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 6,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true",
+                   help=f"the shipped tiny Qwen3-MoE ({TINY_CONFIG.name}); seconds on a CPU")
+    p.add_argument("--config", default=None,
+                   help="an HF config.json (Qwen3-MoE / Qwen3) instead of the built-in GPU shape")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--experts", type=int, default=None, help="override num_experts")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help="rollout formats of the aligned variants (comma separated)")
+    p.add_argument("--micro-batch", type=int, default=None, help="rows per micro batch (4; tiny: 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (1024; tiny: 32)")
+    p.add_argument("--num-micro-batches", type=int, default=1,
+                   help="micro batches per optimizer step (the quantized weights are cached "
+                        "across them, re-quantized once per step)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per variant after the first (probe) step")
+    p.add_argument("--rounds", type=int, default=6, help="timed steps per variant (interleaved)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="parameter dtype (GPU: bf16 with fp32 masters, as --bf16; CPU: fp32)")
+    p.add_argument("--plain-model", choices=("auto", "yes", "no"), default="auto",
+                   help="build the plain bf16 model (auto: if two models fit the GPU)")
+    p.add_argument("--loss-kind", default="decoupled", help="PolicyLossConfig.kind")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="append one JSONL record per variant here")
+    return p.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The HF config dict of the benchmarked model (``--tiny`` / ``--config`` / built-in)."""
+    if args.tiny and args.config:
+        raise SystemExit("--tiny and --config exclude each other")
+    path = TINY_CONFIG if args.tiny else args.config
+    cfg = json.loads(Path(path).read_text()) if path else dict(GPU_MOE)
+    if args.layers is not None:
+        cfg["num_hidden_layers"] = args.layers
+    if args.experts is not None:
+        cfg["num_experts"] = args.experts
+    return cfg
+
+
+@contextlib.contextmanager
+def megatron_world(cuda: bool):
+    """One-rank megatron job: NCCL through ``torchrun_megatron`` on a GPU, gloo + CPU shim else."""
+    from megatron_qrl.models import runtime
+
+    if not cuda:
+        with runtime.single_process_megatron():
+            yield
+        return
+    from megatron_qrl.compat.distributed import free_port
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        os.environ.setdefault(key, value)
+    with runtime.torchrun_megatron():
+        yield
+
+
+def make_batch(vocab: int, rows: int, seq: int, n_micro: int, device: str, seed: int) -> list[dict]:
+    """Random policy-loss micro batches (second half of each row is the "response")."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_micro):
+        tokens = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
+        mask = torch.zeros(rows, seq, dtype=torch.bool)
+        mask[:, seq // 2:] = True
+        lp = -torch.rand(rows, seq, generator=gen) * 4.0
+        mb = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+              "position_ids": torch.arange(seq).expand(rows, seq),
+              "old_log_probs": lp, "rollout_log_probs": lp - 0.01 * torch.rand(rows, seq, generator=gen),
+              "advantages": torch.randn(rows, generator=gen)}
+        out.append({k: v.contiguous().to(device) for k, v in mb.items()})
+    return out
+
+
+@dataclass
+class Variant:
+    """One timed configuration: a trainer and what to switch before its step."""
+
+    name: str
+    path: str
+    """plain | fake-quant | te."""
+    trainer: Any
+    fmt: str = "bf16"
+    state: Any = None
+    """The shared ``AlignedForwardState`` of the aligned model (None: nothing to switch)."""
+    times: list[float] = field(default_factory=list)
+    peaks: list[float] = field(default_factory=list)
+    step_mem: list[float] = field(default_factory=list)
+
+    def context(self) -> Any:
+        if self.state is None:
+            return contextlib.nullcontext()
+        if self.fmt == "bf16":
+            return self.state.only(())
+        from megatron_qrl.quant import get_spec
+
+        if self.state.spec.name != self.fmt:
+            self.state.spec = get_spec(self.fmt)
+            self.state.mark_weights_updated()  # drop the other format's cached weights
+        return contextlib.nullcontext()
+
+
+def _configs(forward: str, fmt: str) -> dict[str, Any]:
+    from megatron_qrl.config.run import RolloutConfig, RoutingReplayConfig, TrainForwardConfig
+
+    return {"train": TrainForwardConfig(forward), "routing": RoutingReplayConfig("off"),
+            "rollout": RolloutConfig(format=fmt)}
+
+
+def build_trainer(arch: Any, plan: Any, args: argparse.Namespace, cuda: bool) -> Any:
+    """``build_policy`` of ``plan`` (re-seeded: every model starts from the same weights)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
+
+    if cuda:  # models.builder sets CPU initialisation when TE is missing (a CPU host's need):
+        # on a GPU it would leave RoPE's inv_freq on the CPU
+        plan.config_overrides.setdefault("use_cpu_initialization", False)
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    with torch.device("cuda") if cuda else contextlib.nullcontext():
+        # the local spec's norms are torch.nn.RMSNorm, created on the default device
+        policy = build_policy(arch, args.lr, plan, bf16=args.dtype == "bf16")
+    return PolicyTrainer(policy)
+
+
+def te_formats(formats: list[str], cuda: bool) -> tuple[list[str], str]:
+    """Formats with a TE recipe here, and why the others have none."""
+    from megatron_qrl.models.builder import use_transformer_engine
+    from megatron_qrl.te_quant import te_recipe_for
+
+    if not (cuda and use_transformer_engine()):
+        return [], "Transformer Engine not importable (or no GPU): TE variants skipped"
+    ok, why = [], []
+    for fmt in formats:
+        try:
+            te_recipe_for(fmt)
+            ok.append(fmt)
+        except ValueError as exc:
+            why.append(f"{fmt}: {str(exc).split(';')[0]}")
+    return ok, "; ".join(why)
+
+
+def plain_fits(arch: Any, args: argparse.Namespace, cuda: bool) -> tuple[bool, str, int, int]:
+    """Whether to build the plain bf16 model too, and the parameter counts."""
+    import torch
+
+    from megatron_qrl.models.runtime import meta_parameter_counts
+
+    total, active = meta_parameter_counts(arch)
+    if args.plain_model != "auto":
+        return args.plain_model == "yes", f"--plain-model {args.plain_model}", total, active
+    if not cuda:
+        return True, "CPU", total, active
+    per = 18 if args.dtype == "bf16" else 16  # param + fp32 grad + fp32 master + Adam m, v
+    need = (2 * per + 2) * total + 20 * 2**30  # two models, Q(W) cache, activations margin
+    have = torch.cuda.get_device_properties(0).total_memory
+    return need < have, f"two models need ~{need / 2**30:.0f} GiB of {have / 2**30:.0f}", total, active
+
+
+def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: list[str],
+                   notes: list[str]) -> list[Variant]:
+    from megatron_qrl.rl.forward import ForwardPlan, forward_plan
+    from megatron_qrl.te_quant import trainer_forward
+
+    variants = []
+    fits, why, total, active = plain_fits(arch, args, cuda)
+    notes.append(f"parameters: {total / 1e6:,.1f} M total, {active / 1e6:,.1f} M active")
+    if fits:
+        notes.append(f"plain bf16 model built ({why})")
+        plain = forward_plan(_configs("bf16", "bf16"), arch)
+        variants.append(Variant("bf16", "plain", build_trainer(arch, plain, args, cuda)))
+    else:
+        notes.append(f"plain bf16 model not built ({why}); baseline is bf16:off")
+    plan = forward_plan(_configs("aligned", formats[0]), arch)
+    aligned = build_trainer(arch, plan, args, cuda)
+    variants.append(Variant("bf16:off", "fake-quant (off)", aligned, "bf16", plan.aligned))
+    variants += [Variant(f"aligned:{f}", "fake-quant", aligned, f, plan.aligned) for f in formats]
+    te_ok, te_why = te_formats(formats, cuda)
+    if te_why:
+        notes.append(te_why)
+    for fmt in te_ok:
+        cfg = _configs("aligned", fmt)
+        fwd = trainer_forward(cfg["train"], fmt, cfg["routing"], arch, te_recipe=True)
+        te_plan = ForwardPlan(fwd.spec_hook, None, fwd.replay, dict(fwd.config_overrides))
+        variants.append(Variant(f"te:{fmt}", "te", build_trainer(arch, te_plan, args, cuda), fmt))
+    return variants
+
+
+def timed_step(v: Variant, mbs: list[dict], loss_fn: Any, cuda: bool) -> tuple[float, float, float]:
+    """``(seconds, peak GiB, step GiB)`` of one ``train_step`` of ``v``."""
+    import torch
+
+    with v.context():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        v.trainer.train_step(mbs, loss_fn)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    if not cuda:
+        return dt, float("nan"), float("nan")
+    peak = torch.cuda.max_memory_allocated()
+    return dt, peak / 2**30, (peak - base) / 2**30
+
+
+def probe(variants: list[Variant], mbs: list[dict], loss_fn: Any, cuda: bool,
+          notes: list[str]) -> list[Variant]:
+    """One untimed step per variant; a format the model's shapes do not allow is dropped."""
+    kept = []
+    for v in variants:
+        try:
+            timed_step(v, mbs, loss_fn, cuda)
+        except ValueError as exc:
+            if v.path == "plain" or v.fmt == "bf16":
+                raise
+            notes.append(f"{v.name} skipped: {exc}")
+            continue
+        kept.append(v)
+    return kept
+
+
+def run_rounds(variants: list[Variant], mbs: list[dict], loss_fn: Any, args: argparse.Namespace,
+               cuda: bool) -> None:
+    """Warm-up, then ``args.rounds`` interleaved rounds (forward order, then reversed)."""
+    for v in variants:
+        for _ in range(args.warmup):
+            timed_step(v, mbs, loss_fn, cuda)
+    for r in range(args.rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            dt, peak, step = timed_step(v, mbs, loss_fn, cuda)
+            v.times.append(dt)
+            v.peaks.append(peak)
+            v.step_mem.append(step)
+
+
+def records(variants: list[Variant], meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per variant: median step time, ratio to the baseline, memory."""
+    base = next(v for v in variants if v.name in ("bf16", "bf16:off"))
+    base_med = statistics.median(base.times)
+    out = []
+    for v in variants:
+        med = statistics.median(v.times)
+        out.append({**meta, "variant": v.name, "format": v.fmt, "path": v.path,
+                    "median_step_s": med, "ratio_to_baseline": med / base_med,
+                    "baseline": base.name, "times_s": v.times,
+                    "peak_gib": max(v.peaks), "step_gib": max(v.step_mem)})
+    return out
+
+
+def table(recs: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`records`."""
+    base = recs[0]["baseline"]
+
+    def gib(x: float) -> str:
+        return "n/a" if x != x else f"{x:.1f}"
+
+    lines = [f"| variant | path | median step s | ratio to {base} | peak GiB | step GiB |",
+             "|---|---|---|---|---|---|"]
+    for r in recs:
+        lines.append(f"| {r['variant']} | {r['path']} | {r['median_step_s']:.4f} | "
+                     f"{r['ratio_to_baseline']:.3f} | {gib(r['peak_gib'])} | {gib(r['step_gib'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from megatron_qrl.losses import PolicyLossConfig
+    from megatron_qrl.losses.error_tokens import ErrorTokenConfig
+    from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
+    from megatron_qrl.models import arch_from_dict
+    from megatron_qrl.quant import list_specs
+
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)  # tiny GEMMs: no thread spin-waits on a shared 2-core host
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.micro_batch = args.micro_batch or (2 if args.tiny else 4)
+    args.seq_len = args.seq_len or (32 if args.tiny else 1024)
+    formats = [f for f in args.formats.split(",") if f]
+    bad = [f for f in formats if f not in list_specs() or f == "bf16"]
+    if bad or not formats:
+        raise SystemExit(f"--formats {args.formats}: {bad or 'empty'}; choose from "
+                         f"{[f for f in list_specs() if f != 'bf16']}")
+    if args.rounds < 1 or args.warmup < 0:
+        raise SystemExit("--rounds must be >= 1 and --warmup >= 0")
+    cfg = load_config(args)
+    arch = arch_from_dict(cfg, "--tiny" if args.tiny else (args.config or "built-in GPU shape"))
+    notes: list[str] = []
+    with megatron_world(cuda):
+        variants = build_variants(arch, args, cuda, formats, notes)
+        loss_fn = PolicyLossFunc(PolicyLossConfig(kind=args.loss_kind), ErrorTokenConfig())
+        mbs = make_batch(arch.vocab_size, args.micro_batch, args.seq_len, args.num_micro_batches,
+                         "cuda" if cuda else "cpu", args.seed)
+        variants = probe(variants, mbs, loss_fn, cuda, notes)
+        run_rounds(variants, mbs, loss_fn, args, cuda)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    meta = {"bench": "aligned_step", "device": device, "tiny": args.tiny,
+            "layers": arch.num_layers, "hidden": arch.hidden_size, "experts": arch.num_experts,
+            "top_k": arch.moe_top_k, "vocab": arch.vocab_size, "dtype": args.dtype,
+            "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+            "num_micro_batches": args.num_micro_batches, "warmup": args.warmup,
+            "rounds": args.rounds, "loss": f"policy loss {args.loss_kind} + error tokens "
+            "(PolicyTrainer.train_step: forward + backward + Adam step)", "notes": notes}
+    recs = records(variants, meta)
+    print(f"device: {device}; {arch.num_layers} layers, hidden {arch.hidden_size}, "
+          f"{arch.num_experts} experts top-{arch.moe_top_k}; {args.dtype}; batch "
+          f"{args.num_micro_batches} x {args.micro_batch} x {args.seq_len}; step = {meta['loss']}")
+    for note in notes:
+        print(f"note: {note}")
+    print(table(recs))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as fh:
+            for r in recs:
+                fh.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
