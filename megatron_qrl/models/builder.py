@@ -58,7 +58,9 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype,
+                         device=torch.cuda.current_device() if on_gpu else None)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
@@ -103,7 +105,9 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
     if not use_transformer_engine():
         # megatron-core 0.16.1 without TE: the alltoall dispatcher builds a torch.cuda.Stream
         # in __init__, so the CPU build uses the allgather dispatcher (same maths, dropless).
-        kwargs.update(use_cpu_initialization=True)
+        # Parameters are created on the GPU when there is one (megatron's default).
+        if not torch.cuda.is_available():
+            kwargs.update(use_cpu_initialization=True)
         if arch.is_moe:
             kwargs.update(moe_token_dispatcher_type="allgather")
     kwargs.update(overrides)

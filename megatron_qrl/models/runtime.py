@@ -47,7 +47,7 @@ def single_process_megatron() -> Iterator[None]:
         mode: Any = cpu_device_mode()
     else:
         torch.cuda.set_device(0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(minutes=30))
         parallel_state.initialize_model_parallel()
         mode = contextlib.nullcontext()

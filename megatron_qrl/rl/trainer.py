@@ -141,6 +141,10 @@ def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
 def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,
                   routing_sink: list | None = None):
     batch = next(data_iterator)
+    device = next(model.parameters()).device
+    if device.type != "cpu":  # batches are built on the host; the GPU trainer reads them there
+        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+                 for k, v in batch.items()}
     if replay is not None:
         replay.set_micro_batch(_replay_ids(batch))
     logits = model(batch["tokens"], batch["position_ids"], None)
