@@ -15,8 +15,15 @@
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape, every format in place
 #   train       qrl-train tiny-cpu with --qrl-rollout-engine sglang (int8 in place, aligned)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
+#   te-part N   Transformer Engine, part N of 5 of the 276 MB transformer_engine_cu13 wheel
+#               (carry .stage/teN; the parts are split here with `split -b 57000000 -d`)
+#   te-build    (carry .stage/te0: TE meta wheel, transformer_engine_torch sdist, deps) reassemble,
+#               install, compile transformer_engine_torch against the machine's torch in the
+#               background (setsid; poll with te-test)
+#   te-test     wait for the build, then tests/gpu/test_te_recipes.py and the te: variants of
+#               bench/aligned_step.py
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|sync|train|aligned}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|sync|train|aligned|te-part N|te-build|te-test}
 OUT=${OUT:-/tmp/qrl-out}
 mkdir -p "$OUT"
 source .stage/recipe/setup.sh
@@ -62,5 +69,25 @@ case $phase in
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
   aligned)
     python3 bench/aligned_step.py --warmup 2 --rounds 8 --out "$OUT/aligned_step.jsonl" ;;
+  te-part)
+    mkdir -p /tmp/te && cp .stage/te${2:?part number}/part* /tmp/te/ && ls -la /tmp/te ;;
+  te-build)
+    cat /tmp/te/part0* > /tmp/te/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
+    (cd /tmp/te && echo "$(cat "$OLDPWD/.stage/te0/cu13.sha256")  transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl" | sha256sum -c) || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site \
+      /tmp/te/transformer_engine_cu13-*.whl .stage/te0/transformer_engine-*.whl .stage/te0/deps/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    (cd /tmp && tar xzf "$OLDPWD/.stage/te0/transformer_engine_torch-2.20.2.tar.gz")
+    NVTE_FRAMEWORK=pytorch MAX_JOBS=16 setsid nohup python3 -m pip install -v --no-deps \
+      --no-build-isolation --no-index --target /tmp/te_site /tmp/transformer_engine_torch-2.20.2 \
+      > /tmp/te_build.log 2>&1 < /dev/null & echo $! > /tmp/te_build.pid
+    echo "building transformer_engine_torch in the background (log /tmp/te_build.log)" ;;
+  te-test)
+    export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    while kill -0 "$(cat /tmp/te_build.pid)" 2>/dev/null; do sleep 10; done
+    tail -n 5 /tmp/te_build.log
+    python3 -c "import transformer_engine.pytorch as te; print('TE', te.__version__)" || exit 1
+    python3 -m pytest -q tests/gpu/test_te_recipes.py -s 2>&1 | tail -n 20
+    python3 bench/aligned_step.py --warmup 2 --rounds 6 --out "$OUT/aligned_step_te.jsonl" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
