@@ -5,8 +5,9 @@ never imports Ray. The Ray runs must reproduce the same 2-rank job in ``--qrl-mo
 (rank 0's in-process engine) metric for metric, bit for bit: the rollouts, their broadcast,
 the gathered weight sync and the training are the same computations, only the engine's
 process differs (it runs with rank 0's torch thread count). A ``ray.kill`` of the actor
-before the 2nd rollout restarts it, re-syncs the trainer's current weights (gathered from
-both ranks again) and still reproduces the run.
+before the 2nd rollout, and again in its re-sync, restarts it twice, re-syncs the trainer's
+current weights (gathered from both ranks again, rank 1 called in from its wait for the
+rollout) and still reproduces the run.
 
 The construction path of ``--qrl-rollout-engine sglang`` in a Ray actor (no GPU / SGLang
 here): the EngineSpec, the actor's Ray options (1 GPU) and ``start_job_engine``'s arguments
@@ -63,12 +64,14 @@ def test_tp2_ray_modes_match_single_and_survive_a_killed_actor(tmp_path):
     try:
         address = ctx.address_info["gcs_address"]
         calls = tmp_path / "calls.jsonl"
-        disagg = _torchrun(tmp_path / "d", "--qrl-mode", "disaggregated", "--kill-at", "2",
+        disagg = _torchrun(tmp_path / "d", "--qrl-mode", "disaggregated",
+                           "--kill", "generate:2,update_weights:3",
                            "--calls", str(calls), ray_address=address)
         assert disagg == single
         (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
-        # the new actor got the re-sync of v3, served step 3's generate, then the sync of v4
-        assert log == {"calls": ["update_weights", "generate", "update_weights"], "restarts": 1}
+        # generate #2 and its re-sync (update #3) die: the 3rd actor got the re-sync of v3,
+        # served step 3's generate, then the sync of v4
+        assert log == {"calls": ["update_weights", "generate", "update_weights"], "restarts": 2}
         co = _torchrun(tmp_path / "c", "--qrl-mode", "colocated", ray_address=address)
         assert co == single
     finally:

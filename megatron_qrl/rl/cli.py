@@ -187,6 +187,13 @@ def _world_size(args: argparse.Namespace, mega: Any) -> int:
         world_size = torchrun_world_size()
     except ValueError as exc:
         raise QrlArgumentError(str(exc)) from None
+    if world_size == 1 and mega.model_parallel_size > 1 and args.qrl_mode != "single":
+        n = mega.model_parallel_size
+        raise QrlArgumentError(
+            f"--qrl-mode {args.qrl_mode} with the Megatron layout ({mega.describe()}) needs "
+            f"{n} trainer ranks: launch with torchrun --nproc-per-node {n} -m "
+            f"megatron_qrl.rl.cli --qrl-mode {args.qrl_mode} ... (rank 0 drives the Ray "
+            "engine actor)")
     if world_size > 1 and args.qrl_compare:
         raise QrlArgumentError("--qrl-compare runs in one process; launch it without torchrun")
     mega.check_world(world_size)
