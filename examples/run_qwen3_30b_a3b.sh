@@ -1,35 +1,59 @@
 #!/usr/bin/env bash
-# Qwen3-30B-A3B on 2+ nodes of 8 GPUs: disaggregated Megatron trainer (TP 2 x EP 8 per node
-# group) and SGLang rollout engines on Ray, FP8-block (Hopper) or NVFP4 (W4A16 on Hopper,
-# W4A4 on Blackwell) rollouts, routing replay, TIS (fp8) / QeRL AQN + TIS (nvfp4).
+# Qwen3-30B-A3B: Megatron trainer on 2 nodes x 8 GPUs under torchrun (TP 2 x EP 8, sequence
+# parallel, BF16 + fp32 masters) and one SGLang rollout engine (TP 1, one GPU) in a Ray actor
+# that trainer rank 0 drives. FP8-block (Hopper) or NVFP4 (W4A16 on Hopper, W4A4 on
+# Blackwell) rollouts, routing replay, TIS (fp8) / QeRL AQN + TIS (nvfp4).
 #
-#   head node:    ROLE=head   CKPT=/data/Qwen3-30B-A3B bash examples/run_qwen3_30b_a3b.sh
-#   other nodes:  ROLE=worker HEAD_ADDR=10.0.0.1 bash examples/run_qwen3_30b_a3b.sh
-#   variants:     VARIANT=fp8 (default) | nvfp4 | nvfp4-w4a4 (Blackwell) | qarl
-# STATUS: the Megatron flags after `--` are parsed (megatron_qrl/config/megatron_flags.py) and
-# MODEL_ARGS are checked against ${CKPT}/config.json. The multi-rank TP x EP trainer runs under
-# torchrun with --qrl-mode single (rank 0 owns the rollout engine; TP=2 and EP=2 tested on CPU
-# gloo, matching the one-process metrics), e.g.
-#   torchrun --nproc-per-node 8 -m megatron_qrl.rl.cli --qrl-mode single "${QRL_ARGS[@]}" -- ...
-# The Ray modes keep the trainer in ONE process, so this disaggregated script stops with an
-# error naming --qrl-mode and the TP/EP flags until a Ray trainer group exists; SGLang engines
-# are not wired into qrl-train yet either. Refused in this build (clear error each):
-# --use-distributed-optimizer, --fp16, --pipeline-model-parallel-size > 1.
+# MODE=disaggregated (default): 3 nodes. The Ray cluster holds the ENGINE's GPU only; the
+# trainer's GPUs are torchrun's, not Ray's (Ray must not hand them to the engine actor):
+#   engine node:     ROLE=engine  HEAD_ADDR=10.0.0.1 bash examples/run_qwen3_30b_a3b.sh
+#   trainer node 0:  ROLE=head    CKPT=/data/Qwen3-30B-A3B bash examples/run_qwen3_30b_a3b.sh
+#   trainer node 1:  ROLE=trainer NODE_RANK=1 HEAD_ADDR=10.0.0.1 CKPT=... bash examples/...
+# (ROLE=head starts the Ray head with 0 GPUs, so rank 0 has a local raylet to join with
+# ray.init(); start the engine node after it, then both trainer nodes.)
+# MODE=colocated: 2 nodes, no engine node; the Ray head on trainer node 0 is given GPU 0
+# only, so the engine shares rank 0's GPU (its memory released during recompute + training).
+#   variants:        VARIANT=fp8 (default) | nvfp4 | nvfp4-w4a4 (Blackwell) | qarl
+#
+# STATUS: tested on CPU only, with tiny equivalents (tests/test_rl_ray_multirank.py): 2
+# torchrun ranks (gloo), TP 2 + sequence parallel, the reference engine in a Ray actor
+# (--qrl-mode disaggregated and colocated, and a ray.kill of the actor mid-run) give metrics
+# bit-identical to the same 2-rank --qrl-mode single run; TP=2 / EP=2 multi-rank training
+# matches one process (tests/test_rl_multirank.py). The SGLang-in-a-Ray-actor construction
+# (EngineSpec, 1-GPU actor options, start_job_engine arguments) is unit-tested with a fake
+# engine class. NEVER RUN: this script itself — GPUs, NCCL, SGLang inside a Ray actor,
+# multi-node torchrun or a multi-node Ray cluster. Refused in this build (clear error each):
+# --use-distributed-optimizer, --fp16, --pipeline-model-parallel-size > 1, SGLang engine TP > 1.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_30b_a3b.sh"
 
 ROLE="${ROLE:-head}"
+MODE="${MODE:-disaggregated}"
 RAY_PORT="${RAY_PORT:-6379}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+NNODES="${NNODES:-2}"          # trainer nodes (torchrun)
+MASTER_PORT="${MASTER_PORT:-29500}"
 
-if [[ "${ROLE}" == worker ]]; then
-    : "${HEAD_ADDR:?set HEAD_ADDR to the head node address}"
-    exec ray start --address "${HEAD_ADDR}:${RAY_PORT}" --num-gpus "${GPUS_PER_NODE}" --block
+if [[ "${ROLE}" == engine ]]; then
+    : "${HEAD_ADDR:?set HEAD_ADDR to trainer node 0 (the Ray head)}"
+    exec ray start --address "${HEAD_ADDR}:${RAY_PORT}" --num-gpus 1 --block
 fi
 : "${CKPT:?set CKPT to the Qwen3-30B-A3B HF directory}"
-ray start --head --port "${RAY_PORT}" --num-gpus "${GPUS_PER_NODE}"
-trap 'ray stop' EXIT
+if [[ "${ROLE}" == head ]]; then
+    HEAD_ADDR="${HEAD_ADDR:-$(hostname -I | awk '{print $1}')}"
+    NODE_RANK=0
+    if [[ "${MODE}" == colocated ]]; then
+        CUDA_VISIBLE_DEVICES=0 ray start --head --port "${RAY_PORT}" --num-gpus 1
+    else
+        ray start --head --port "${RAY_PORT}" --num-gpus 0
+    fi
+    trap 'ray stop' EXIT
+elif [[ "${ROLE}" == trainer ]]; then
+    : "${HEAD_ADDR:?set HEAD_ADDR to trainer node 0}" "${NODE_RANK:?set NODE_RANK (1..NNODES-1)}"
+else
+    echo "ROLE must be head, trainer or engine, got ${ROLE}" >&2; exit 2
+fi
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --expert-model-parallel-size 8
@@ -48,5 +72,8 @@ QRL_ARGS=(
     --qrl-routing-replay all --qrl-rollout-engine sglang
     --qrl-output-dir "${OUT:-qrl_runs/qwen3-30b-a3b-${VARIANT:-fp8}}"
 )
-qrl-train --qrl-mode disaggregated "${QRL_ARGS[@]}" "${VARIANT_ARGS[@]}" \
+# rank 0 joins the Ray cluster of this node (ray.init() finds it); other ranks never use Ray
+torchrun --nnodes "${NNODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}" \
+    --master-addr "${HEAD_ADDR}" --master-port "${MASTER_PORT}" \
+    -m megatron_qrl.rl.cli --qrl-mode "${MODE}" "${QRL_ARGS[@]}" "${VARIANT_ARGS[@]}" \
     -- "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "$@"

@@ -1,7 +1,8 @@
 """``python tests/rl_ray_helper.py [--kill CALL:N,...] [--exit-in-update N] [--calls FILE] ARGS``.
 
 Runs ``qrl-train ARGS`` (a Ray mode; ``RAY_ADDRESS`` names the test's cluster) with test
-hooks on the engine actor (tests only):
+hooks on the engine actor (tests only). Also runs as a torchrun script (every rank installs
+the hooks; only rank 0 has an engine actor):
 
 * ``--kill CALL:N[,CALL:N...]`` ``ray.kill``s the actor just before the N-th call of its
   method CALL (1-based, counted over the whole run and every actor; for ``update_weights``

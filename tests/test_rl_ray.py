@@ -141,15 +141,18 @@ def test_nvfp4_weights_cross_the_object_store(cluster):
         engine.shutdown()
 
 
-def test_sglang_engine_in_ray_mode_is_refused_clearly(cluster):
+def test_sglang_engine_needs_a_gpu_bundle(cluster):
+    # --qrl-rollout-engine sglang in a Ray mode: the actor asks for 1 GPU; a session opened
+    # without one says so, and a CPU-only cluster cannot place the GPU bundle (clear error)
     from megatron_qrl.rl.cli import parse_configs
 
     configs, _, _ = parse_configs(["--qrl-train-forward", "bf16", "--qrl-routing-replay", "off"])
     configs["rollout"].engine = "sglang"
-    with RaySession("colocated") as session, pytest.raises(NotImplementedError, match="sglang"):
+    with RaySession("colocated") as session, pytest.raises(RuntimeError, match="engine_gpus=1"):
         session.engine_factory(configs["rollout"], {}, 0)
-    with pytest.raises(ValueError, match="model_path"):
-        EngineSpec("sglang", {}, "fp8")
+    with pytest.raises(RuntimeError, match="GPU"):
+        with RaySession("disaggregated", pg_timeout_s=2, engine_gpus=1):
+            pass
 
 
 @pytest.mark.slow

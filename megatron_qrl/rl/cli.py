@@ -7,7 +7,8 @@
 Every ``--qrl-*`` flag of :func:`megatron_qrl.config.add_qrl_args` applies. Launcher-only
 flags: ``--qrl-compare`` (run the compare variants, see :mod:`.compare`), ``--qrl-mode``
 (``single``, or the Ray modes ``colocated`` / ``disaggregated`` of :mod:`.ray_modes`: the
-rollout engine in a Ray actor, the trainer in this process), ``--qrl-no-progress``.
+rollout engine in a Ray actor, the trainer in this process or in torchrun's ranks, rank 0
+alone talking to Ray), ``--qrl-no-progress``.
 
 Megatron-LM flags after ``--`` (a documented subset with Megatron's names and defaults, see
 :mod:`megatron_qrl.config.megatron_flags`): ``--lr``, ``--seed``, ``--micro-batch-size``,
@@ -16,11 +17,14 @@ become the matching ``--qrl-*`` values (a ``--qrl-*`` flag saying otherwise is a
 naming both); model-shape flags override the tiny model's shape or must agree with the
 checkpoint; ``--tensor-model-parallel-size`` / ``--expert-model-parallel-size`` /
 ``--expert-tensor-parallel-size`` / ``--sequence-parallel`` set the trainer's layout for a
-multi-rank run under torchrun (rank 0 owns the rollout engine and the outputs)::
+multi-rank run under torchrun (rank 0 owns the rollout engine — in-process, or a Ray actor
+with ``--qrl-mode colocated|disaggregated`` — and the outputs)::
 
     torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli --qrl-model tiny-dense --qrl-routing-replay off \
         -- --tensor-model-parallel-size 2 --group-query-attention --num-query-groups 2
     torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli -- --expert-model-parallel-size 2
+    torchrun --nproc-per-node 2 -m megatron_qrl.rl.cli --qrl-mode disaggregated \
+        -- --expert-model-parallel-size 2
 
 ``--bf16`` trains BF16 parameters with fp32 master weights. Flags without an effect in this
 build (pipeline parallel > 1, --fp16, --use-distributed-optimizer) are errors naming the
@@ -30,9 +34,10 @@ flag, as are unknown ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
@@ -56,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "int8+acr, int8 aligned+tbpo, nvfp4 aligned+tbpo and write "
                              "compare.md / compare.png in the output directory")
     launch.add_argument("--qrl-mode", choices=MODES, default="single",
-                        help="single: one process, reference engine (CPU default). colocated "
-                             "/ disaggregated: rollout engine in a Ray actor (same / own "
-                             "placement-group bundle), trainer in this process")
+                        help="single: the rollout engine in this process (rank 0 under "
+                             "torchrun). colocated / disaggregated: the rollout engine in a Ray "
+                             "actor (same / own placement-group bundle; joins RAY_ADDRESS or a "
+                             "`ray start` cluster, else starts a local one); the trainer stays "
+                             "in this process or torchrun's ranks (rank 0 talks to Ray)")
     launch.add_argument("--qrl-no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -149,23 +156,21 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     from megatron_qrl.rl.forward import ForwardUnavailableError
     from megatron_qrl.rl.sync import make_engine
 
-    factory = engine_factory or make_engine
+    factory: list[Any] = [engine_factory or make_engine]
     progress = not args.qrl_no_progress
     world: list[Any] = [None]
 
     def run(cfg: dict, fl: dict, **kw: Any) -> list[dict]:
-        return run_job(cfg, fl, engine_factory=factory, progress=progress, world=world[0], **kw)
+        return run_job(cfg, fl, engine_factory=factory[0], progress=progress, world=world[0],
+                       **kw)
 
     try:
         if args.world_size > 1:
-            _launch_ranks(configs, flags, run, world)
-        elif args.qrl_mode == "single":
-            _launch(args, configs, flags, argv, run)
+            _launch_ranks(args, configs, flags, run, world, factory, engine_factory)
         else:
-            from megatron_qrl.rl.ray_modes import RaySession
-
-            with RaySession(args.qrl_mode) as session:
-                factory = engine_factory or session.engine_factory
+            with _ray_session(args.qrl_mode, configs, True) as session:
+                if session is not None and engine_factory is None:
+                    factory[0] = session.engine_factory
                 _launch(args, configs, flags, argv, run)
     except (FileExistsError, FileNotFoundError, NotImplementedError, QrlArgumentError,
             ForwardUnavailableError) as exc:  # user-fixable: one line, no traceback
@@ -182,25 +187,43 @@ def _world_size(args: argparse.Namespace, mega: Any) -> int:
         world_size = torchrun_world_size()
     except ValueError as exc:
         raise QrlArgumentError(str(exc)) from None
-    if (world_size > 1 or mega.model_parallel_size > 1) and args.qrl_mode != "single":
+    if world_size == 1 and mega.model_parallel_size > 1 and args.qrl_mode != "single":
+        n = mega.model_parallel_size
         raise QrlArgumentError(
-            f"--qrl-mode {args.qrl_mode} runs the trainer in one process, but the Megatron "
-            f"layout ({mega.describe()}) / torchrun ({world_size} ranks) asks for several; use "
-            "--qrl-mode single under torchrun for a multi-rank trainer (its rollout engine "
-            "runs on rank 0)")
+            f"--qrl-mode {args.qrl_mode} with the Megatron layout ({mega.describe()}) needs "
+            f"{n} trainer ranks: launch with torchrun --nproc-per-node {n} -m "
+            f"megatron_qrl.rl.cli --qrl-mode {args.qrl_mode} ... (rank 0 drives the Ray "
+            "engine actor)")
     if world_size > 1 and args.qrl_compare:
         raise QrlArgumentError("--qrl-compare runs in one process; launch it without torchrun")
     mega.check_world(world_size)
     return world_size
 
 
-def _launch_ranks(configs: dict, flags: dict, run: Any, world: list[Any]) -> None:
+@contextlib.contextmanager
+def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
+    """The :class:`~megatron_qrl.rl.ray_modes.RaySession` of a Ray mode on the rank that
+    owns the engine (rank 0); None in single mode and on the other ranks (never touch Ray)."""
+    if mode == "single" or not is_main:
+        yield None
+        return
+    from megatron_qrl.rl.ray_modes import RaySession, engine_gpus
+
+    with RaySession(mode, engine_gpus=engine_gpus(configs["rollout"])) as session:
+        yield session
+
+
+def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any,
+                  world: list[Any], factory: list[Any], engine_factory: Any) -> None:
     from megatron_qrl.models.runtime import torchrun_megatron
 
     mega = configs["megatron"]
     with torchrun_megatron(mega.tp, mega.ep, mega.etp) as rank_world:
         world[0] = rank_world
-        records = run(configs, flags)
+        with _ray_session(args.qrl_mode, configs, rank_world.is_main) as session:
+            if session is not None and engine_factory is None:
+                factory[0] = session.engine_factory
+            records = run(configs, flags)
         if rank_world.is_main:
             _summary(records)
 

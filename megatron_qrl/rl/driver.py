@@ -11,7 +11,9 @@ Multi-rank (``torchrun``, :func:`megatron_qrl.models.runtime.torchrun_megatron`,
 TP / EP shard of the policy and trains; rank 0 alone owns the rollout engine, the progress
 bar, metrics.jsonl, plots and checkpoints. Rollouts are broadcast from rank 0 so every rank
 holds the same batch (data-parallel ranks split each optimizer step's micro batches); a weight
-sync gathers the full HF tensors to rank 0 (``iter_hf_tensors``).
+sync gathers the full HF tensors to rank 0 (``iter_hf_tensors``). With a Ray engine actor
+(``--qrl-mode colocated|disaggregated``) rank 0 alone talks to Ray, and an actor restart's
+re-sync runs on every rank (:mod:`megatron_qrl.rl.rank_resync`).
 A checkpoint holds every rank's model / optimizer state in one atomically written file.
 """
 
@@ -33,6 +35,7 @@ from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
 from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rl.checkpoint import load_driver_checkpoint, save_driver_checkpoint
 from megatron_qrl.rl.forward import forward_plan
+from megatron_qrl.rl.rank_resync import ResyncWorld
 from megatron_qrl.rl.start_model import (
     HFTokenizer,
     StartCheckpoint,
@@ -178,18 +181,34 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     engine = engine_factory(configs["rollout"], data.hf_config, run.seed) if world.is_main \
         else None
     spec, aqn = configs["rollout"].spec, configs["aqn"]
+    # a Ray engine under torchrun: its restarts re-sync through every rank (rank_resync)
+    ray_ranks = world.world_size > 1 and world.broadcast(hasattr(engine, "bind_resync"))
 
-    def sync(version: int) -> Any:
-        if not world.is_main:  # the gathers of iter_hf_tensors need every rank
-            for _ in trainer.hf_tensors():
-                pass
-            return None
+    def gather() -> None:  # the gathers of iter_hf_tensors need every rank
+        for _ in trainer.hf_tensors():
+            pass
+
+    if ray_ranks:
+        world = ResyncWorld.of(world, serve=gather)
+
+    def send(version: int) -> Any:
         return sync_weights(trainer.hf_tensors(), engine, spec, version, aqn, run.seed,
                             aqn_step=min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
                             total_steps=max(run.steps, 1))
 
+    def sync(version: int) -> Any:
+        result = send(version) if world.is_main else gather()
+        if ray_ranks:  # rank 0: the sync is over; the others serve its re-syncs until then
+            world.broadcast(None)
+        return result
+
+    def resync(version: int) -> Any:  # rank 0, after an engine actor restart
+        if ray_ranks:
+            world.announce_resync()
+        return send(version)
+
     if hasattr(engine, "bind_resync"):  # Ray modes: a restarted engine actor re-syncs
-        engine.bind_resync(sync)
+        engine.bind_resync(resync)
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
                        make_loss_fn(configs), sync, world, mega.seq_length,
                        mega.tp if world.world_size > 1 and mega.sequence_parallel else 1)

@@ -16,6 +16,19 @@ verification read-back) — :class:`EngineSupervisor` starts a new actor in the 
 re-runs the driver's sync of the current version on it (the driver binds its ``sync``, which
 re-packs the trainer's current weights, through :meth:`RayRolloutEngine.bind_resync`); a
 rollout is then retried, an interrupted sync is complete (its one-shot stream is not re-sent).
+
+Under ``torchrun`` (a multi-rank TP / EP trainer) rank 0 alone joins Ray, holds the
+:class:`RaySession` and the engine actor; the other ranks never touch Ray (rollouts are
+broadcast from rank 0, a sync gathers the weights to rank 0, as in ``--qrl-mode single``).
+The trainer ranks are torchrun's, not Ray's: the trainer bundle reserves a CPU only, so on
+GPUs give the Ray cluster the engine's GPUs only (``CUDA_VISIBLE_DEVICES=<engine GPUs> ray
+start --num-gpus N``) in disaggregated mode, or run colocated, where the engine's bundle is
+the GPU of the trainer's rank 0 (a one-GPU Ray instance on that GPU).
+
+Ray: ``ray.init()`` joins the running cluster (``RAY_ADDRESS``, or the one ``ray start`` left
+in ``/tmp/ray``) or else starts a local instance. ``--qrl-rollout-engine sglang``: the actor
+asks for 1 GPU (one SGLang engine, TP 1) and starts it as ``start_job_engine`` does in single
+mode (config-only directory, ``load_format="dummy"``, filled by the first sync).
 """
 
 from __future__ import annotations
@@ -29,10 +42,11 @@ from typing import Any
 import torch
 
 from megatron_qrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine
+from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, sglang_job_spec
 from megatron_qrl.rollout.supervisor import EngineSupervisor
 
-__all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "placement_layout"]
+__all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "actor_options", "engine_gpus",
+           "engine_spec", "placement_layout"]
 
 RAY_MODES = ("colocated", "disaggregated")
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -78,6 +92,40 @@ def _init_ray() -> bool:
     return True
 
 
+def engine_spec(rollout_cfg: Any, hf_config: dict, seed: int) -> EngineSpec:
+    """The actor's :class:`EngineSpec` for ``--qrl-rollout-engine`` (``rollout_cfg``)."""
+    threads = torch.get_num_threads()
+    if rollout_cfg.engine == "reference":
+        return EngineSpec("reference", hf_config, rollout_cfg.format, seed, num_threads=threads)
+    if rollout_cfg.engine == "sglang":
+        return sglang_job_spec(rollout_cfg, hf_config, seed)
+    raise NotImplementedError(f"--qrl-rollout-engine {rollout_cfg.engine}: no such engine")
+
+
+def actor_options(layout: PlacementLayout, spec: EngineSpec, pg: Any = None) -> dict[str, Any]:
+    """``ray.remote(EngineActor).options(...)`` of ``spec``'s actor in ``layout``'s engine
+    bundle (``pg``: the placement group; None leaves the scheduling strategy out)."""
+    res = layout.engine_resources
+    if spec.num_gpus > res.get("GPU", 0):
+        raise RuntimeError(
+            f"the {spec.kind} engine actor needs {spec.num_gpus} GPU(s) but the Ray session's "
+            f"engine bundle {res} has {res.get('GPU', 0)}; open RaySession(..., "
+            f"engine_gpus={spec.num_gpus})")
+    opts: dict[str, Any] = {"num_cpus": res["CPU"], "num_gpus": spec.num_gpus,
+                            "max_restarts": 0}
+    if pg is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=layout.engine_bundle)
+    return opts
+
+
+def engine_gpus(rollout_cfg: Any) -> int:
+    """GPUs of the engine bundle for ``--qrl-rollout-engine`` (1: SGLang, 0: reference)."""
+    return 1 if rollout_cfg.engine == "sglang" else 0
+
+
 class RaySession:
     """Ray + the placement group of one ``qrl-train`` invocation (a context manager).
 
@@ -85,10 +133,12 @@ class RaySession:
     signature and builds a supervised :class:`RayRolloutEngine`.
     """
 
-    def __init__(self, mode: str, pg_timeout_s: float = 120.0, max_restarts: int = 2):
+    def __init__(self, mode: str, pg_timeout_s: float = 120.0, max_restarts: int = 2,
+                 engine_gpus: int = 0):
         if mode not in RAY_MODES:
             raise ValueError(f"--qrl-mode {mode!r}: the Ray modes are {RAY_MODES}")
         self.mode, self.pg_timeout_s, self.max_restarts = mode, pg_timeout_s, max_restarts
+        self.engine_gpus = engine_gpus
         self.pg: Any = None
         self.layout: PlacementLayout | None = None
         self._started = False
@@ -99,7 +149,7 @@ class RaySession:
 
         self._started = _init_ray()
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-        self.layout = placement_layout(self.mode, nodes)
+        self.layout = placement_layout(self.mode, nodes, engine_gpus=self.engine_gpus)
         self.pg = placement_group(self.layout.bundles, strategy=self.layout.strategy)
         try:
             ray.get(self.pg.ready(), timeout=self.pg_timeout_s)
@@ -125,28 +175,17 @@ class RaySession:
     def new_actor(self, spec: EngineSpec) -> RayEngine:
         """A fresh engine actor in the engine's bundle."""
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self.pg is None or self.layout is None:
             raise RuntimeError("RaySession.new_actor outside `with RaySession(...)`")
-        res = self.layout.engine_resources
-        actor = ray.remote(EngineActor).options(
-            num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg,
-                placement_group_bundle_index=self.layout.engine_bundle)).remote(spec)
-        return RayEngine(actor)
+        opts = actor_options(self.layout, spec, self.pg)
+        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec))
 
     def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:
         """The driver's engine factory for this session's mode."""
-        if rollout_cfg.engine != "reference":
-            raise NotImplementedError(
-                f"--qrl-rollout-engine {rollout_cfg.engine} with --qrl-mode {self.mode}: SGLang "
-                "starts from an HF checkpoint directory and qrl-train trains the built-in tiny "
-                "models only; use --qrl-rollout-engine reference (EngineSpec(kind='sglang') "
-                "builds an SGLang actor for programmatic use)")
-        spec = EngineSpec("reference", hf_config, rollout_cfg.format, seed,
-                          num_threads=torch.get_num_threads())
+        spec = engine_spec(rollout_cfg, hf_config, seed)
+        if self.layout is not None:
+            actor_options(self.layout, spec)  # a GPU engine in a CPU bundle: say so now
         return RayRolloutEngine(lambda: self.new_actor(spec), colocated=self.mode == "colocated",
                                 max_restarts=self.max_restarts)
 

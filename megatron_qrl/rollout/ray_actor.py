@@ -1,7 +1,7 @@
 """A rollout engine in a Ray actor, behind the same :class:`RolloutEngine` interface.
 
 :class:`EngineActor` (run as ``ray.remote``) builds the engine inside the actor process —
-the reference engine, or lazily SGLang's — and :class:`RayEngine` is the driver-side proxy
+the reference engine, or lazily SGLang's (one GPU per actor) — and :class:`RayEngine` is the driver-side proxy
 whose methods call the actor. Weight sync is the single-process path unchanged: the packed
 ``(hf_name, tensor)`` stream is cut into buckets (lists of ``(name, tensor)``, about
 ``bucket_bytes`` each), every bucket is ``ray.put`` into the object store as it fills, and
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,8 +26,8 @@ import torch
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .supervisor import EngineDiedError
 
-__all__ = ["EngineActor", "EngineSpec", "RayEngine", "WireTensor", "bucketize", "from_wire",
-           "to_wire"]
+__all__ = ["SGLANG_ROLLOUT_FIELDS", "EngineActor", "EngineSpec", "RayEngine", "WireTensor",
+           "bucketize", "build_engine", "from_wire", "sglang_job_spec", "to_wire"]
 
 _PICKLE_SAFE_1B = (torch.uint8, torch.int8, torch.bool)
 
@@ -52,9 +53,19 @@ def from_wire(t: torch.Tensor | WireTensor) -> torch.Tensor:
     return t.data.view(getattr(torch, t.dtype)) if isinstance(t, WireTensor) else t
 
 
+SGLANG_ROLLOUT_FIELDS = ("sglang_sync", "sglang_mem_fraction", "sglang_sync_dir")
+"""The :class:`~megatron_qrl.config.run.RolloutConfig` fields ``start_job_engine`` reads."""
+
+
 @dataclass(frozen=True)
 class EngineSpec:
-    """What the actor builds: ``kind`` ``reference`` (transformers, CPU) or ``sglang``."""
+    """What the actor builds: ``kind`` ``reference`` (transformers, CPU) or ``sglang``.
+
+    ``sglang`` without ``sglang_kwargs["model_path"]`` is the job engine of
+    ``--qrl-rollout-engine sglang``: :func:`megatron_qrl.rollout_sglang.launch.start_job_engine`
+    runs INSIDE the actor (its config-only directory is written on the actor's node) with
+    ``load_format="dummy"``; the driver's first weight sync fills every weight.
+    """
 
     kind: str
     hf_config: dict
@@ -64,14 +75,40 @@ class EngineSpec:
     """torch intra-op threads in the actor (None: Ray's default); the driver passes its own
     so CPU results match single mode bit for bit."""
     sglang_kwargs: dict = field(default_factory=dict)
-    """``SGLangEngine(**sglang_kwargs)`` for kind ``sglang`` (``model_path`` at least)."""
+    """Extra ``SGLangEngine`` keyword arguments for kind ``sglang``; with ``model_path`` the
+    engine starts from that HF checkpoint directory instead of the job's config-only one."""
+    rollout: dict = field(default_factory=dict)
+    """Kind ``sglang`` job engine: the :data:`SGLANG_ROLLOUT_FIELDS` of the job's
+    ``RolloutConfig`` (sync mode, memory fraction, sync directory)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("reference", "sglang"):
             raise ValueError(f"EngineSpec.kind must be 'reference' or 'sglang', got {self.kind!r}")
-        if self.kind == "sglang" and "model_path" not in self.sglang_kwargs:
-            raise ValueError("EngineSpec(kind='sglang') needs sglang_kwargs['model_path'] (the "
-                             "HF checkpoint directory SGLang starts from)")
+        unknown = set(self.rollout) - set(SGLANG_ROLLOUT_FIELDS)
+        if unknown:
+            raise ValueError(f"EngineSpec.rollout: unknown field(s) {sorted(unknown)}; the "
+                             f"fields are {SGLANG_ROLLOUT_FIELDS}")
+        tp = int(self.sglang_kwargs.get("tp_size", 1))
+        if self.kind == "sglang" and tp != 1:
+            raise ValueError(
+                f"EngineSpec(kind='sglang', tp_size={tp}): a Ray engine actor holds one GPU "
+                "(one SGLang engine per actor, TP 1) in this build; drop tp_size or run "
+                "--qrl-mode single, whose in-process engine may use TP > 1")
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the actor asks Ray for: 1 for an SGLang engine (TP 1), 0 for the reference."""
+        return 1 if self.kind == "sglang" else 0
+
+
+def sglang_job_spec(rollout_cfg: Any, hf_config: dict, seed: int,
+                    num_threads: int | None = None) -> EngineSpec:
+    """The :class:`EngineSpec` of ``--qrl-rollout-engine sglang`` (``rollout_cfg``: a
+    ``RolloutConfig``): the arguments :func:`~megatron_qrl.rollout_sglang.launch.start_job_engine`
+    takes in single mode."""
+    return EngineSpec("sglang", dict(hf_config), rollout_cfg.format, seed, num_threads=num_threads,
+                      rollout={k: getattr(rollout_cfg, k) for k in SGLANG_ROLLOUT_FIELDS
+                               if hasattr(rollout_cfg, k)})
 
 
 def build_engine(spec: EngineSpec) -> RolloutEngine:
@@ -83,9 +120,14 @@ def build_engine(spec: EngineSpec) -> RolloutEngine:
 
         return ReferenceEngine(spec.hf_config, spec.format, device="cpu", dtype=torch.float32,
                                seed=spec.seed)
+    kwargs = dict(spec.sglang_kwargs)
+    if "model_path" not in kwargs:
+        from megatron_qrl.rollout_sglang.launch import start_job_engine
+
+        cfg = SimpleNamespace(format=spec.format, **spec.rollout)
+        return start_job_engine(cfg, spec.hf_config, spec.seed, **kwargs)
     from megatron_qrl.rollout_sglang.engine import SGLangEngine
 
-    kwargs = dict(spec.sglang_kwargs)
     return SGLangEngine(kwargs.pop("model_path"), spec.format, **kwargs)
 
 
