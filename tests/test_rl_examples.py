@@ -25,9 +25,15 @@ def _captured_args(tmp_path, script, env=None):
     (fake / "qrl-train").chmod(0o755)
     (fake / "ray").write_text("#!/usr/bin/env bash\nexit 0\n")
     (fake / "ray").chmod(0o755)
+    # torchrun: print what follows `-m megatron_qrl.rl.cli` (the qrl-train arguments)
+    (fake / "torchrun").write_text(
+        '#!/usr/bin/env bash\nwhile [ "$#" -gt 0 ] && [ "$1" != "megatron_qrl.rl.cli" ]; do '
+        'shift; done\n[ "$#" -gt 0 ] || { echo "torchrun without -m megatron_qrl.rl.cli" >&2; '
+        'exit 3; }\nshift\nprintf "%s\\n" "$@"\n')
+    (fake / "torchrun").chmod(0o755)
     run_env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", **(env or {}))
     out = subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True,
-                         env=run_env)
+                         env=run_env, timeout=60)
     return out.stdout.splitlines()
 
 
