@@ -12,15 +12,17 @@ from pathlib import Path
 
 
 def run_variant(argv: list[str], variant: str, out: Path | None = None,
-                env: dict | None = None, tag: str = "bench") -> dict:
-    """``python argv...``; its last ``RESULT`` record (or ``{"error": ...}``), appended to
-    ``out`` (JSONL) when given. The child's stderr tail is echoed on failure."""
+                env: dict | None = None, tag: str = "bench", extra: dict | None = None) -> dict:
+    """``python argv...``; its last ``RESULT`` record (or ``{"error": ...}``) plus ``extra``
+    (run-wide fields), appended to ``out`` (JSONL) when given. The child's stderr tail is
+    echoed on failure."""
     t = time.time()
     proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(lines[-1][7:]) if lines else {
         "variant": variant, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
     res["total_s"] = round(time.time() - t, 1)
+    res.update(extra or {})
     print(f"[{tag}] {variant}: {json.dumps(res)}", flush=True)
     if "error" in res:
         sys.stderr.write(proc.stderr[-3000:])

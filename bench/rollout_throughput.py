@@ -151,15 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
     results = []
     for v in a.variants.split(","):
-        res = run_variant([__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
-                           "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, None,
-                          _env_for(v))
-        res["copy_bw_gbs"] = round(bw, 1)
-        results.append(res)
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            with a.out.open("a") as f:
-                f.write(json.dumps(res) + "\n")
+        results.append(run_variant(
+            [__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
+             "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, a.out, _env_for(v),
+            extra={"copy_bw_gbs": round(bw, 1)}))
     print(table(results, batches, bw), flush=True)
     return 0
 
