@@ -1,0 +1,159 @@
+"""Weights over a collective: a process group shared by the trainer's sender and the engine.
+
+The trainer process is rank 0 of a small group whose other ranks are the engine's processes
+(SGLang's TP workers, or a Ray engine actor); each bucket of the packed ``(hf_name, tensor)``
+stream is flattened into one ``uint8`` buffer and broadcast from rank 0 — one collective per
+bucket, no object store, no host copy on an NCCL group.
+
+:func:`init_group` meets SGLang's ``init_weights_update_group`` (SGLang 0.5.17
+``sglang.srt.utils.init_custom_process_group``): a TCP rendezvous at ``host:port``, a
+``PrefixStore`` named after the group, and torch's process-group constructor, so the trainer
+and the engine's schedulers join the same group. :func:`flatten` lays a bucket out as
+SGLang's ``FlattenedTensorBucket`` does (each tensor's bytes in order), so SGLang's
+``update_weights_from_distributed(load_format="flattened_bucket")`` reconstructs it.
+
+:func:`send_stream` / :func:`receive_stream` frame a whole stream for receivers that are not
+SGLang (the Ray engine actor): per bucket a header ``int64[2]`` = (metadata bytes, payload
+bytes), the JSON metadata, then the payload; a ``(0, 0)`` header ends the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BucketMeta", "find_group", "flatten", "free_port", "init_group", "iter_buckets",
+           "receive_stream", "send_stream", "unflatten"]
+
+BucketMeta = list[tuple[str, str, list[int]]]
+"""One bucket's ``(name, dtype name without "torch.", shape)`` per tensor, in payload order."""
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on this host now (for the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_group(host: str, port: int, world_size: int, rank: int, group_name: str,
+               backend: str = "nccl", timeout_s: float = 600.0) -> dist.ProcessGroup:
+    """Join the weight-update group ``group_name`` as ``rank`` of ``world_size``.
+
+    The same construction as SGLang's ``init_custom_process_group`` (rendezvous at
+    ``tcp://host:port`` where rank 0 hosts the store, ``PrefixStore(group_name)``, torch's
+    process-group helper), which is what SGLang's engine runs in ``init_weights_update_group``
+    — so either side may be SGLang. Needs no default process group. Blocks until every rank
+    has reached the store; an NCCL group connects at its first collective.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    if world_size < 2 or not 0 <= rank < world_size:
+        raise ValueError(f"init_group: rank {rank} of world_size {world_size}; the trainer is "
+                         "rank 0 and the engine's processes ranks 1..world_size-1")
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
+                                           group_name=group_name, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def find_group(group_name: str) -> dist.ProcessGroup:
+    """The process group this process joined under ``group_name`` (by :func:`init_group` or
+    SGLang's ``init_weights_update_group``)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg, name in c10d._world.pg_names.items():
+        if name == group_name:
+            return pg
+    raise KeyError(f"no process group named {group_name!r} in this process; known: "
+                   f"{sorted(c10d._world.pg_names.values())}")
+
+
+def flatten(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, BucketMeta]:
+    """One ``uint8`` buffer holding every tensor's bytes in order (SGLang's
+    ``FlattenedTensorBucket`` layout) and its :data:`BucketMeta`."""
+    if not named:
+        raise ValueError("flatten: empty bucket")
+    meta = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named]
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+    return flat, meta
+
+
+def unflatten(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
+    """Views of ``flat`` as the tensors :func:`flatten` packed (no copy)."""
+    out, pos = [], 0
+    for name, dtype, shape in meta:
+        dt = getattr(torch, dtype)
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        out.append((name, flat[pos:pos + n].view(dt).reshape(shape)))
+        pos += n
+    if pos != flat.numel():
+        raise ValueError(f"unflatten: metadata covers {pos} bytes, the buffer holds {flat.numel()}")
+    return out
+
+
+def iter_buckets(stream: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``stream`` in lists of about ``bucket_bytes`` (a larger tensor is its own bucket)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in stream:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _bcast(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    dist.broadcast(t, group=group, group_src=0)
+
+
+def send_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
+                device: torch.device | str, bucket_bytes: int) -> int:
+    """Broadcast ``stream`` from rank 0 as framed buckets (module docstring); returns the
+    number of buckets. ``device``: where the group's tensors live (``cuda`` for NCCL)."""
+    n = 0
+    for bucket in iter_buckets(stream, bucket_bytes):
+        flat, meta = flatten([(name, t.to(device)) for name, t in bucket])
+        head = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8, device=device)
+        _bcast(torch.tensor([head.numel(), flat.numel()], dtype=torch.int64, device=device), group)
+        _bcast(head, group)
+        _bcast(flat, group)
+        n += 1
+    _bcast(torch.zeros(2, dtype=torch.int64, device=device), group)
+    return n
+
+
+def receive_stream(group: dist.ProcessGroup,
+                   device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` stream :func:`send_stream` broadcasts, bucket by bucket, as it
+    arrives (tensors are views of their bucket's buffer on ``device``)."""
+    while True:
+        sizes = torch.empty(2, dtype=torch.int64, device=device)
+        _bcast(sizes, group)
+        n_meta, n_flat = (int(x) for x in sizes.tolist())
+        if n_meta == 0:
+            return
+        head = torch.empty(n_meta, dtype=torch.uint8, device=device)
+        _bcast(head, group)
+        flat = torch.empty(n_flat, dtype=torch.uint8, device=device)
+        _bcast(flat, group)
+        yield from unflatten(flat, json.loads(bytes(head.cpu().tolist()).decode()))
