@@ -11,7 +11,9 @@ copy costs 1.2 GB instead of 57 GB). Measured per variant, in one process:
 - ``pack_s``: ``QuantSpec.pack_state_dict`` over the whole stream, output discarded;
 - ``sync_s``: ``SGLangEngine.update_weights`` (pack + send in buckets + engine load +
   weight_version check), the number the RL step pays;
-then one short greedy generate proves the engine still runs.
+then one short greedy generate proves the engine still runs. Variant ``FMT:distributed``
+(2 GPUs) puts the engine on GPU 1 and broadcasts every bucket from the trainer's GPU 0 over
+NCCL (the disaggregated layout on one node).
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def child(variant: str, bucket_mb: int) -> dict:
           "bucket_bytes": bucket_mb * 2**20}
     if sync == "disk":
         kw["sync_dir"] = "/dev/shm/qrl-sync"
+    if sync == "distributed":
+        kw |= {"base_gpu_id": 1, "trainer_device": "cuda:0"}
     t = time.perf_counter()
     eng = SGLangEngine(d, fmt, sync=sync, **kw)
     res["startup_s"] = round(time.perf_counter() - t, 1)

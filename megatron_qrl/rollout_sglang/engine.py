@@ -10,6 +10,10 @@ sync takes the same packed stream as every engine:
   live tensors, so CUDA graphs stay valid;
 - ``sync="tensor"``: the same buckets through SGLang's plain ``model.load_weights`` (bf16,
   and formats whose loaded layout equals the checkpoint's);
+- ``sync="distributed"``: the engine runs on other GPUs (``base_gpu_id``) and every bucket
+  is broadcast from the trainer's GPU over a weight-update group (:mod:`.distributed`:
+  SGLang's ``update_weights_from_distributed`` for bf16, our in-place loader for quantized
+  formats);
 - ``sync="disk"``: the stream is written as safetensors to ``sync_dir`` and loaded with
   ``update_weights_from_disk``, which re-runs each layer's post-load processing.
 After every sync the engine's ``weight_version`` must equal the version sent, or the run
@@ -24,6 +28,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +56,7 @@ FEATURE = "--qrl-rollout-engine sglang"
 # int8: both paths raise "'Parameter' object has no attribute 'weight_loader'" — w8a8_int8
 # replaces its parameters after loading, so SGLang cannot reload them in place;
 # fp8_block over update_weights_from_tensor killed the engine, over disk it works.
-SYNC_MODES = ("inplace", "tensor", "disk")
+SYNC_MODES = ("inplace", "tensor", "disk", "distributed")
 SYNC_SUPPORT: dict[tuple[str, str], bool] = {
     ("bf16", "tensor"): True,
     ("fp8_block", "disk"): True,
@@ -112,6 +117,7 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, model_path: str | Path, spec_name: str, *, sync: str | None = None,
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
+                 trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
                  **engine_kwargs):
         sync = default_sync(spec_name) if sync is None else sync
         if sync not in SYNC_MODES:
@@ -119,6 +125,12 @@ class SGLangEngine(RolloutEngine):
         if sync == "disk" and sync_dir is None:
             raise ValueError("sync='disk' needs sync_dir (a fast local directory, e.g. /dev/shm)")
         check_sync_supported(spec_name, sync)
+        self.trainer_device = torch.device(trainer_device or (
+            f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"))
+        if sync == "distributed":
+            _check_distributed_layout(self.trainer_device, group_backend, engine_kwargs)
+        self.group_backend = group_backend
+        self._group = None
         sglang = require("sglang", FEATURE)
         self.spec = get_spec(spec_name)
         self.model_path = Path(model_path)
@@ -130,7 +142,7 @@ class SGLangEngine(RolloutEngine):
         args = engine_args_for(spec_name, self.is_moe)
         if engine_kwargs.get("disable_cuda_graph"):
             args.pop("cuda_graph_bs_decode", None)
-        if sync == "inplace":
+        if sync in ("inplace", "distributed"):
             args["custom_weight_loader"] = [LOADER]
         args |= engine_kwargs
         moe_dir = config_dir_for_engine()  # shipped tuned fused-MoE configs (tools/tune_fused_moe.py)
@@ -152,6 +164,8 @@ class SGLangEngine(RolloutEngine):
         self.last_sync = {"buckets": 0, "seconds": 0.0}
         if self.sync in ("tensor", "inplace"):
             self._sync_tensor(named_tensors, version, sent)
+        elif self.sync == "distributed":
+            self._sync_distributed(named_tensors, version, sent)
         else:
             self._sync_disk(named_tensors, version, sent)
         got = self.engine.get_server_info().get("weight_version")
@@ -179,14 +193,7 @@ class SGLangEngine(RolloutEngine):
             req = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=payload, load_format=load_format, flush_cache=last,
                 weight_version=str(version) if last else None)
-            try:
-                ok, msg = self.engine.loop.run_until_complete(
-                    self.engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
-            except Exception as exc:
-                if not self._alive():
-                    raise EngineDiedError(f"SGLang died loading a weight bucket ({bucket[0][0]}"
-                                          f" ...; see the scheduler log): {exc}") from exc
-                raise
+            ok, msg = self._checked(req, bucket[0][0])
             if not ok:
                 raise WeightSyncError(f"SGLang rejected a weight bucket ({bucket[0][0]} ...): {msg}")
             self.last_sync["buckets"] += 1
@@ -203,6 +210,74 @@ class SGLangEngine(RolloutEngine):
                 flush(last=False)
                 bucket, size = [], 0
         flush(last=True)
+
+    def _request(self, req) -> tuple[bool, str]:
+        """Send one weight request to the engine (any ``...ReqInput``) and wait for it."""
+        tm = self.engine.tokenizer_manager
+        method = {"UpdateWeightsFromTensorReqInput": tm.update_weights_from_tensor,
+                  "UpdateWeightsFromDistributedReqInput": tm.update_weights_from_distributed}
+        return tuple(self.engine.loop.run_until_complete(method[type(req).__name__](req, None))[:2])
+
+    def weight_group(self):
+        """The weight-update group of ``sync="distributed"`` (created on first use)."""
+        if self._group is None:
+            from .distributed import open_group
+
+            tp = int(self.engine.server_args.tp_size)
+            self._group = open_group(
+                lambda host, port, world, name: self.engine.init_weights_update_group(
+                    host, port, 1, world, name, backend=self.group_backend),
+                tp, self.trainer_device, backend=self.group_backend)
+        return self._group
+
+    def _sync_distributed(self, stream, version, sent) -> None:
+        """Buckets broadcast from the trainer's device (:mod:`.distributed`)."""
+        from sglang.srt.managers.io_struct import (
+            UpdateWeightsFromDistributedReqInput,
+            UpdateWeightsFromTensorReqInput,
+        )
+
+        from .distributed import flat_buckets, run_with_broadcast
+        from .inplace import RECV, encode_control
+
+        group = self.weight_group()
+        quantized = self.spec.quantizes_weights
+        tracker = StreamTracker(packed_suffixes(self.spec)) if quantized else None
+
+        def fingerprinted():
+            for name, t in stream:
+                sent[name] = tensor_checksum(t)
+                yield name, t
+
+        for names, flat, meta, last in flat_buckets(fingerprinted(), self.bucket_bytes,
+                                                    self.trainer_device):
+            wv = str(version) if last else None
+            if tracker:
+                for n in names:
+                    tracker.add(n)
+                small = [(RECV, encode_control({"group": group.name, "meta": meta}).cuda()),
+                         (CONTROL, tracker.control(final=last).cuda())]
+                req = UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=self.engine._serialize_tensors_per_rank(small, None),
+                    load_format=LOADER, flush_cache=last, weight_version=wv)
+            else:
+                req = UpdateWeightsFromDistributedReqInput(
+                    names=names, dtypes=[d for _, d, _ in meta], shapes=[s for _, _, s in meta],
+                    group_name=group.name, flush_cache=last, weight_version=wv,
+                    load_format="flattened_bucket")
+            ok, msg = run_with_broadcast(partial(self._checked, req, names[0]), flat, group)
+            if not ok:
+                raise WeightSyncError(f"SGLang rejected a broadcast weight bucket ({names[0]} ...): {msg}")
+            self.last_sync["buckets"] += 1
+
+    def _checked(self, req, first: str) -> tuple[bool, str]:
+        try:
+            return self._request(req)
+        except Exception as exc:
+            if not self._alive():
+                raise EngineDiedError(f"SGLang died loading a weight bucket ({first} ...; see "
+                                      f"the scheduler log): {exc}") from exc
+            raise
 
     def _sync_disk(self, stream, version, sent) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
@@ -291,6 +366,21 @@ class SGLangEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _check_distributed_layout(trainer: torch.device, backend: str, engine_kwargs: dict) -> None:
+    """``sync="distributed"`` broadcasts between processes on different GPUs (NCCL cannot
+    put two ranks of a group on one GPU)."""
+    if backend == "nccl" and trainer.type != "cuda":
+        raise ValueError(f"sync='distributed' with group_backend='nccl' needs the trainer's "
+                         f"weights on a CUDA device, got trainer_device={trainer}")
+    first = int(engine_kwargs.get("base_gpu_id", 0))
+    tp = int(engine_kwargs.get("tp_size", 1))
+    if backend == "nccl" and trainer.index is not None and first <= trainer.index < first + tp:
+        raise ValueError(
+            f"sync='distributed': the engine's GPUs {list(range(first, first + tp))} "
+            f"(base_gpu_id={first}, tp_size={tp}) include the trainer's {trainer}; start the "
+            "engine on other GPUs (base_gpu_id) or use sync='inplace' / 'tensor' (colocated)")
 
 
 def _read_config(path: Path) -> dict:

@@ -42,6 +42,10 @@ from dataclasses import dataclass, field
 import torch
 
 CONTROL = "__qrl_inplace__"
+RECV = "__qrl_recv__"
+"""A bucket whose tensors arrive by broadcast (``SGLangEngine(sync="distributed")``): this
+entry carries ``{"group", "meta"}`` and the loader receives the bucket's flat buffer on the
+weight-update group (:mod:`.distributed`)."""
 LOADER = "megatron_qrl.rollout_sglang.inplace.load_packed"
 """The ``load_format`` / ``custom_weight_loader`` entry (SGLang's ``dynamic_import`` splits
 on the last dot)."""
@@ -374,7 +378,10 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
     msg = decode_control(ctl[0])
     views = msg.get("views", {})
     weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
-               for n, t in named if n != CONTROL]
+               for n, t in named if n not in (CONTROL, RECV)]
+    for n, t in named:
+        if n == RECV:
+            weights += receive_bucket(decode_control(t), ctl[0].device)
     pending: dict[str, _Pending] = vars(model).setdefault(_STATE_ATTR, {})
     if msg["begin"] and pending:
         left = sorted(pending)
@@ -406,6 +413,20 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
         pending.clear()
         raise InplaceSyncError(f"in-place sync ended with modules never completed "
                                f"(tensors received so far): {left}")
+
+
+def receive_bucket(msg: dict, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a broadcast bucket (:data:`RECV` message ``{"group", "meta"}``):
+    receive the flat buffer from rank 0 of the weight-update group and view it."""
+    import torch.distributed as dist
+
+    from ..rollout.broadcast import find_group, unflatten
+
+    meta = msg["meta"]
+    size = sum(getattr(torch, d).itemsize * int(torch.Size(s).numel()) for _, d, s in meta)
+    flat = torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(flat, group=find_group(msg["group"]), group_src=0)
+    return unflatten(flat, meta)
 
 
 def expected_loads(module: torch.nn.Module, param_name: str) -> int:

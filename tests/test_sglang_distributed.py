@@ -1,0 +1,90 @@
+"""``SGLangEngine(sync="distributed")`` pieces that run without a GPU, on gloo: the trainer
+joins the weight-update group while the "engine" side joins from another process (as
+SGLang's ``init_weights_update_group`` does), a bucket broadcast under an engine request
+is received by the in-place loader's :func:`receive_bucket`, and the layout checks.
+The engine itself (NCCL, SGLang on a second GPU) is tests/gpu/test_sglang_inplace.py."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from megatron_qrl.rollout.base import WeightSyncError
+from megatron_qrl.rollout.broadcast import flatten, init_group
+from megatron_qrl.rollout_sglang.distributed import lookahead, open_group, run_with_broadcast
+from megatron_qrl.rollout_sglang.engine import _check_distributed_layout
+from megatron_qrl.rollout_sglang.inplace import receive_bucket
+
+BUCKET = [("a.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
+          ("a.weight_scale", torch.tensor([0.5, 2.0], dtype=torch.bfloat16)),
+          ("b.weight", torch.tensor([1, -2, 3], dtype=torch.int8)),
+          ("c.weight", torch.tensor([0.5, -1.0], dtype=torch.float8_e4m3fn))]
+
+
+def _engine_side(host, port, world, name, meta, q):
+    """What an engine scheduler does: join as rank 1, then receive one bucket."""
+    try:
+        init_group(host, port, world, 1, name, backend="gloo", timeout_s=60)
+        got = receive_bucket({"group": name, "meta": meta}, torch.device("cpu"))
+        q.put([(n, str(t.dtype), t.contiguous().view(torch.uint8).tolist()) for n, t in got])
+    except BaseException as exc:  # reported to the parent
+        q.put(repr(exc))
+
+
+def test_group_and_bucket_broadcast_reach_the_inplace_loader():
+    flat, meta = flatten(BUCKET)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+
+    def engine_join(host, port, world, name):
+        p = ctx.Process(target=_engine_side, args=(host, port, world, name, meta, q))
+        p.start()
+        procs.append(p)
+        return True, "joined"
+
+    group = open_group(engine_join, 1, torch.device("cpu"), backend="gloo", timeout_s=60)
+    assert group.world_size == 2 and group.name.startswith("qrl-weights-")
+    assert run_with_broadcast(lambda: (True, "ok"), flat, group, timeout_s=60) == (True, "ok")
+    got = q.get(timeout=60)
+    procs[0].join(30)
+    assert not isinstance(got, str), got
+    assert [(n, d) for n, d, _ in got] == [(n, str(t.dtype)) for n, t in BUCKET]
+    for (_, _, raw), (_, t) in zip(got, BUCKET):
+        assert raw == t.contiguous().view(torch.uint8).tolist()
+
+
+def test_engine_refusing_the_group_names_it():
+    def refuse(host, port, world, name):
+        return False, "NCCL error: no GPU"
+
+    with pytest.raises(WeightSyncError, match="could not join the weight-update group.*no GPU"):
+        # the trainer's rendezvous waits for a rank that never comes: bounded by the timeout
+        open_group(refuse, 1, torch.device("cpu"), backend="gloo", timeout_s=3)
+
+
+def test_broadcast_thread_error_is_raised():
+    with pytest.raises(WeightSyncError, match="trainer's side of the weight broadcast failed"):
+        run_with_broadcast(lambda: (True, ""), None, None, fn=lambda: 1 / 0, timeout_s=5)
+
+
+def test_lookahead_marks_the_last_item():
+    assert list(lookahead([1, 2, 3])) == [(1, False), (2, False), (3, True)]
+    assert list(lookahead([])) == []
+
+
+@pytest.mark.parametrize("trainer,kwargs,match", [
+    ("cuda:0", {}, r"GPUs \[0\].*include the trainer's cuda:0"),
+    ("cuda:1", {"base_gpu_id": 0, "tp_size": 2}, r"GPUs \[0, 1\]"),
+    ("cpu", {"base_gpu_id": 1}, "needs the trainer's weights on a CUDA device"),
+])
+def test_distributed_layout_errors(trainer, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _check_distributed_layout(torch.device(trainer), "nccl", kwargs)
+
+
+def test_distributed_layout_accepts_separate_gpus():
+    _check_distributed_layout(torch.device("cuda:0"), "nccl", {"base_gpu_id": 1, "tp_size": 2})
+    _check_distributed_layout(torch.device("cpu"), "gloo", {})
