@@ -33,7 +33,9 @@ export PYTHONPATH=$PYTHONPATH:$PWD:/tmp/mcore PYTHONUNBUFFERED=1
 if [ ! -d /tmp/mcore/megatron ] && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/megatron_core-*.whl
 fi
-marlin_wait() {  # block until the background prewarm (setup phase) has finished
+marlin_wait() {  # block until the background prewarm (setup phase) has finished, when
+  # the phase's VARIANTS / PYTEST_K (unset: every format) name a Marlin format
+  case "${VARIANTS:-}${PYTEST_K:-}" in ""|*w4a16*|*nvfp4*) ;; *) return 0 ;; esac
   while [ -f /tmp/prewarm.pid ] && kill -0 "$(cat /tmp/prewarm.pid)" 2>/dev/null; do sleep 5; done
   cat /tmp/prewarm.log 2>/dev/null | grep prewarm
 }
