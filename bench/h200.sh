@@ -13,7 +13,7 @@
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape, every format in place
-#   dist        (>= 2 GPUs) sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0
+#   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
 #   train       qrl-train tiny-cpu with --qrl-rollout-engine sglang (int8 in place, aligned)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)

@@ -13,7 +13,8 @@ copy costs 1.2 GB instead of 57 GB). Measured per variant, in one process:
   weight_version check), the number the RL step pays;
 then one short greedy generate proves the engine still runs. Variant ``FMT:distributed``
 (2 GPUs) puts the engine on GPU 1 and broadcasts every bucket from the trainer's GPU 0 over
-NCCL (the disaggregated layout on one node).
+NCCL (the disaggregated layout on one node); on one GPU it runs over gloo on the same GPU
+(the protocol, not the speed NCCL would give).
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ def child(variant: str, bucket_mb: int) -> dict:
     if sync == "disk":
         kw["sync_dir"] = "/dev/shm/qrl-sync"
     if sync == "distributed":
-        kw |= {"base_gpu_id": 1, "trainer_device": "cuda:0"}
+        kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
+               else {"trainer_device": "cuda:0", "group_backend": "gloo"})
+        res["group_backend"] = kw.get("group_backend", "nccl")
     t = time.perf_counter()
     eng = SGLangEngine(d, fmt, sync=sync, **kw)
     res["startup_s"] = round(time.perf_counter() - t, 1)
