@@ -3,7 +3,11 @@
 A framed stream of fp32 / bf16 / float8_e4m3fn / uint8 / int8 tensors and one tensor larger
 than a bucket crosses the group bit for bit (compared as uint8 bytes) in the closed-form
 number of buckets; ``flatten`` lays a bucket out as SGLang's ``FlattenedTensorBucket`` does
-(each tensor's bytes in order); bad sizes / ranks / group names are errors naming them.
+(each tensor's bytes in order); bad sizes / ranks / group names are errors naming them. The
+Ray engine actor's receiving side (``EngineActor.update_weights_broadcast``, run here without
+Ray): an engine that fails half-way through the stream still lets the sender finish (the
+actor reads the rest) and the next stream arrives intact — with the sender in a torchrun
+rank (``TORCHELASTIC_USE_AGENT_STORE``), where rank 0 must host the group's store itself.
 """
 
 import pytest
@@ -20,6 +24,7 @@ from megatron_qrl.rollout.broadcast import (
     send_stream,
     unflatten,
 )
+from megatron_qrl.rollout.ray_actor import EngineActor
 
 GROUP = "qrl-test-weights"
 BUCKET = 1024
@@ -67,6 +72,44 @@ def test_stream_round_trip_over_gloo():
     assert [(n, d, s) for n, d, s, _ in receiver["got"]] == [
         (n, str(t.dtype), list(t.shape)) for n, t in expected]
     for (name, _, _, got), (_, t) in zip(receiver["got"], expected):
+        assert torch.equal(got, _bytes(t)), name
+
+
+class _EngineFailingAt:
+    """Reads the stream up to tensor ``fail_at`` (then raises), or whole; keeps the bytes."""
+
+    def __init__(self, fail_at: int | None):
+        self.fail_at, self.got = fail_at, []
+
+    def update_weights(self, stream, version):
+        for i, (name, t) in enumerate(stream):
+            if i == self.fail_at:
+                raise RuntimeError(f"engine gave up at {name}")
+            self.got.append((name, _bytes(t)))
+
+
+def _actor_rank(rank, world_size, port):
+    if rank == 0:
+        pg = init_group("127.0.0.1", port, world_size, 0, GROUP, "gloo", timeout_s=10)
+        # both sends complete: a receiver that stopped reading would time them out
+        return [send_stream(iter(_stream()), pg, "cpu", BUCKET) for _ in range(2)]
+    actor = EngineActor.__new__(EngineActor)  # the actor body without building an engine
+    actor.calls, actor.engine = [], _EngineFailingAt(1)
+    actor.join_weight_group("127.0.0.1", port, world_size, 1, GROUP, "gloo", timeout_s=10)
+    with pytest.raises(RuntimeError, match="gave up at b.bf16"):
+        actor.update_weights_broadcast(1)
+    actor.engine = _EngineFailingAt(None)
+    actor.update_weights_broadcast(2)
+    return {"got": actor.engine.got, "calls": actor.calls}
+
+
+def test_actor_reads_the_rest_of_a_stream_its_engine_gave_up_on(monkeypatch):
+    # as in a torchrun rank: c10d.rendezvous would make rank 0 a client of the agent's store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    sent, received = run_distributed(_actor_rank, 2, timeout_s=60)
+    assert sent == [3, 3] and received["calls"] == ["update_weights"] * 2
+    assert [n for n, _ in received["got"]] == [n for n, _ in _stream()]
+    for (name, got), (_, t) in zip(received["got"], _stream()):
         assert torch.equal(got, _bytes(t)), name
 
 
