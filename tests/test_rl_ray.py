@@ -238,14 +238,16 @@ def test_killed_actor_restarts_and_reproduces_the_run(cluster, single_run, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
 def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster, single_run,
-                                                                        tmp_path):
+                                                                        tmp_path, transport):
     # sync of v5 (update #2) is killed, so is its re-sync (update #3: a death inside a
     # re-sync counts against the same call's budget); the verification read-back of the
     # sync of v6 (held_checksums #4) is killed too
     calls = tmp_path / "calls.jsonl"
     killed = _job(cluster, tmp_path / "k", "--qrl-mode", "disaggregated", "--kill",
-                  "update_weights:2,update_weights:3,held_checksums:4", "--calls", str(calls))
+                  "update_weights:2,update_weights:3,held_checksums:4", "--calls", str(calls),
+                  "--qrl-ray-weight-transport", transport)
     assert killed == single_run
     (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     # the last actor is fresh: it only served the re-sync of v6
@@ -253,12 +255,13 @@ def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster,
 
 
 @pytest.mark.slow
-def test_actor_process_exit_mid_update_colocated(cluster, single_run, tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+def test_actor_process_exit_mid_update_colocated(cluster, single_run, tmp_path, transport):
     # every actor process exits half-way through its 2nd weight update: the first one in the
     # sync of v5, its replacement (re-sync v5 = its 1st) in the sync of v6
     calls = tmp_path / "calls.jsonl"
     co = _job(cluster, tmp_path / "x", "--qrl-mode", "colocated", "--exit-in-update", "2",
-              "--calls", str(calls))
+              "--calls", str(calls), "--qrl-ray-weight-transport", transport)
     assert co == single_run
     (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     assert log == {"calls": ["update_weights"], "restarts": 2}
