@@ -194,6 +194,28 @@ def test_broadcast_failures(cluster):
         RaySession("colocated", weight_transport="nccl")
 
 
+def test_ray_flags_reach_the_session(cluster):
+    from megatron_qrl.config import QrlArgumentError
+    from megatron_qrl.rl.cli import _ray_session, parse_configs
+
+    run = parse_configs([])[0]["run"]
+    assert (run.ray_weight_transport, run.ray_weight_timeout_s, run.engine_max_restarts) == (
+        "broadcast", 300.0, 2)
+    configs, flags, _ = parse_configs(["--qrl-ray-weight-transport", "objectstore",
+                                       "--qrl-engine-max-restarts", "5",
+                                       "--qrl-ray-weight-timeout-s", "42"])
+    assert flags["qrl_ray_weight_transport"] == "objectstore"
+    cfg, _ = _packed()
+    with _ray_session("colocated", configs, True) as session:
+        engine = session.engine_factory(configs["rollout"], cfg, 0)
+        assert engine.supervisor.max_restarts == 5
+        assert (engine.actor.transport, engine.actor.timeout_s) == ("objectstore", 42.0)
+        engine.shutdown()
+    for bad in (["--qrl-engine-max-restarts", "-1"], ["--qrl-ray-weight-timeout-s", "0"]):
+        with pytest.raises(QrlArgumentError, match=bad[0]):
+            parse_configs(bad)
+
+
 def test_sglang_engine_needs_a_gpu_bundle(cluster):
     # --qrl-rollout-engine sglang in a Ray mode: the actor asks for 1 GPU; a session opened
     # without one says so, and a CPU-only cluster cannot place the GPU bundle (clear error)
