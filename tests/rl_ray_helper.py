@@ -6,9 +6,12 @@ the hooks; only rank 0 has an engine actor):
 
 * ``--kill CALL:N[,CALL:N...]`` ``ray.kill``s the actor just before the N-th call of its
   method CALL (1-based, counted over the whole run and every actor; for ``update_weights``
-  after the buckets are in the object store); ``--kill-at N`` is ``--kill generate:N``.
+  after the buckets are in the object store, or — broadcast transport, whose actor method
+  ``update_weights_broadcast`` counts as ``update_weights`` — after the weight group is
+  formed and before the broadcast); ``--kill-at N`` is ``--kill generate:N``.
 * ``--exit-in-update N``: each actor process ``os._exit``s in its own N-th
-  ``update_weights``, after reading the first bucket (a death half-way through a sync).
+  ``update_weights``, after reading the first bucket (objectstore) or the first tensor of the
+  broadcast (a death half-way through a sync).
 * ``--calls FILE`` writes the call log of the last actor (update_weights / generate /
   release_memory / resume_memory, in order) as JSON lines when it is shut down, plus the
   number of restarts.
@@ -43,6 +46,15 @@ class ExitingActor(EngineActor):
             os._exit(1)  # ... and its process is gone
         super().update_weights(bucket_refs, version)
 
+    def update_weights_broadcast(self, version):
+        from megatron_qrl.rollout.broadcast import receive_stream
+
+        self.n_updates = getattr(self, "n_updates", 0) + 1
+        if self.n_updates == self.exit_at:
+            next(receive_stream(self.weight_group, self.weight_device))
+            os._exit(1)
+        super().update_weights_broadcast(version)
+
 
 def _pop(argv: list[str], flag: str) -> str | None:
     if flag not in argv:
@@ -59,11 +71,12 @@ def _install_hooks(kills: dict[str, set[int]], calls: str | None) -> None:
     call, shutdown = RayEngine._call, RayRolloutEngine.shutdown
     counts: dict[str, int] = {}
 
-    def killing_call(self, method, *args):
-        counts[method] = counts.get(method, 0) + 1
-        if counts[method] in kills.get(method, ()):
+    def killing_call(self, method, *args, **kwargs):
+        key = method.removesuffix("_broadcast")
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] in kills.get(key, ()):
             ray.kill(self.actor, no_restart=True)
-        return call(self, method, *args)
+        return call(self, method, *args, **kwargs)
 
     def logging_shutdown(self):
         if calls is not None:

@@ -1,13 +1,16 @@
 """The Ray modes of qrl-train: the rollout engine in a Ray actor (megatron_qrl.rl.ray_modes).
 
-One local Ray cluster (2 CPUs) per module. In-process: bucketed weight sync + manifest
-verification through the actor, a tampered manifest names the tensor, a killed actor is an
-EngineDiedError, placement of the engine actor. Subprocess jobs (``tests/rl_ray_helper.py``
+One local Ray cluster (2 CPUs) per module. In-process, over both weight transports
+(``broadcast``: a driver <-> actor gloo group; ``objectstore``): bucketed weight sync +
+manifest verification through the actor, a tampered manifest names the tensor, a killed
+actor is an EngineDiedError (a killed one mid-broadcast too, with the stream drained and
+the group destroyed; the restarted actor gets a new group), an engine error inside a
+broadcast sync arrives at once and leaves the group usable, placement of the engine actor. Subprocess jobs (``tests/rl_ray_helper.py``
 connects to the module's cluster through RAY_ADDRESS): disaggregated == single metrics with
 the same seed, colocated release/resume order (actor call log), a ``ray.kill``ed actor
 mid-run (before a generate, in a weight update, in its re-sync, in the verification
 read-back) or an actor process that ``os._exit``s half-way through an update restarts,
-re-syncs and reproduces the unkilled run; a colocated ``--qrl-resume`` reproduces the
+re-syncs and reproduces the unkilled run (the weight-sync deaths with both transports); a colocated ``--qrl-resume`` reproduces the
 uninterrupted run; ``--qrl-compare`` colocated writes the single-mode table; NVFP4 (float8
 scales) weights cross the object store.
 """
@@ -23,7 +26,7 @@ import torch
 
 from megatron_qrl.rl.ray_modes import RayRolloutEngine, RaySession, placement_layout
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
-from megatron_qrl.rollout.ray_actor import EngineSpec, bucketize
+from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine, bucketize
 from megatron_qrl.rollout.supervisor import EngineDiedError
 
 ray = pytest.importorskip("ray")
@@ -88,15 +91,24 @@ def test_placement_layout():
     assert sizes == [2, 2, 1]  # 16-byte tensors in 40-byte buckets
 
 
-def test_actor_sync_verify_kill_and_placement(cluster):
+def _group_names() -> set[str]:
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_names.values())
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+def test_actor_sync_verify_kill_and_placement(cluster, transport):
     cfg, packed = _packed()
-    with RaySession("disaggregated") as session:
+    with RaySession("disaggregated", weight_transport=transport) as session:
         spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
         engine = RayRolloutEngine(lambda: session.new_actor(spec), colocated=False)
         engine.actor.bucket_bytes = 4096
         manifest = WeightManifest()
         engine.update_weights(manifest.record(iter(packed)), version=3)
         assert engine.actor.buckets_sent > 1 and engine.weight_version() == 3
+        first_group = engine.actor.group_name
+        assert (first_group in _group_names()) == (transport == "broadcast")
         engine.verify(manifest)  # the actor holds exactly what was sent
         name = packed[1][0]
         manifest.checksums[name] = "float32[1]:0"
@@ -117,6 +129,9 @@ def test_actor_sync_verify_kill_and_placement(cluster):
         assert torch.equal(again.output_ids, first.output_ids)
         assert torch.equal(again.logprobs, first.logprobs)
         assert engine.restarts == 1 and resyncs == [3] and engine.weight_version() == 3
+        if transport == "broadcast":  # the new actor has a new group, the old one is gone
+            assert engine.actor.group_name not in (None, first_group)
+            assert first_group not in _group_names()
         engine._resync = None  # a driver that never bound its sync gets a clear error
         ray.kill(engine.actor.actor, no_restart=True)
         with pytest.raises(RuntimeError, match="bind_resync"):
@@ -124,21 +139,81 @@ def test_actor_sync_verify_kill_and_placement(cluster):
         engine.shutdown()
 
 
-def test_nvfp4_weights_cross_the_object_store(cluster):
-    # torch cannot pickle float8 / float4 tensors (NVFP4 scales): they travel as bytes
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+def test_nvfp4_weights_reach_the_actor(cluster, transport):
+    # torch cannot pickle float8 / float4 tensors (NVFP4 scales): in the object store they
+    # travel as bytes; the broadcast sends every tensor as bytes
     import pickle
 
     cfg, packed = _packed("nvfp4")
     assert {t.dtype for _, t in packed} >= {torch.float8_e4m3fn}
     with pytest.raises(Exception, match="dtype"):
         pickle.loads(pickle.dumps(next(t for _, t in packed if t.dtype == torch.float8_e4m3fn)))
-    with RaySession("colocated") as session:
+    with RaySession("colocated", weight_transport=transport) as session:
         engine = RayRolloutEngine(lambda: session.new_actor(
             EngineSpec("reference", cfg, "nvfp4", seed=0, num_threads=1)), colocated=True)
         manifest = WeightManifest()
         engine.update_weights(manifest.record(iter(packed)), version=1)
         engine.verify(manifest)  # every tensor arrived bit-exact, with its dtype
         engine.shutdown()
+
+
+def test_broadcast_failures(cluster):
+    import time
+
+    cfg, packed = _packed()
+    consumed = []
+
+    def counted(stream):
+        for item in stream:
+            consumed.append(item[0])
+            yield item
+
+    with RaySession("disaggregated", weight_timeout_s=60) as session:
+        spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
+        engine = session.new_actor(spec)
+        assert isinstance(engine, RayEngine) and engine.backend == "gloo"
+        engine.bucket_bytes = 4096
+        # an engine error mid-stream: the actor reads the rest, its error arrives at once
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="unexpected"):
+            engine.update_weights(iter([("bogus.weight", torch.zeros(3))] + packed), 1)
+        assert time.monotonic() - start < 30  # not the group's 60 s timeout
+        engine.update_weights(iter(packed), 2)  # the group is still in step
+        assert engine.weight_version() == 2
+        # an actor killed before a sync: EngineDiedError, the stream drained (under torchrun
+        # every trainer rank gathers it), the actor and its group gone after shutdown
+        group = engine.group_name
+        ray.kill(engine.actor, no_restart=True)
+        with pytest.raises(EngineDiedError, match="update_weights|broadcast"):
+            engine.update_weights(counted(iter(packed)), 3)
+        assert consumed == [name for name, _ in packed]
+        engine.shutdown()
+        assert engine.group is None and group not in _group_names()
+    with pytest.raises(ValueError, match="--qrl-ray-weight-transport"):
+        RaySession("colocated", weight_transport="nccl")
+
+
+def test_ray_flags_reach_the_session(cluster):
+    from megatron_qrl.config import QrlArgumentError
+    from megatron_qrl.rl.cli import _ray_session, parse_configs
+
+    run = parse_configs([])[0]["run"]
+    assert (run.ray_weight_transport, run.ray_weight_timeout_s, run.engine_max_restarts) == (
+        "broadcast", 300.0, 2)
+    configs, flags, _ = parse_configs(["--qrl-ray-weight-transport", "objectstore",
+                                       "--qrl-engine-max-restarts", "5",
+                                       "--qrl-ray-weight-timeout-s", "42"])
+    assert flags["qrl_ray_weight_transport"] == "objectstore"
+    cfg, _ = _packed()
+    with _ray_session("colocated", configs, True) as session:
+        engine = session.engine_factory(configs["rollout"], cfg, 0)
+        assert engine.supervisor.max_restarts == 5
+        assert (engine.actor.transport, engine.actor.timeout_s) == ("objectstore", 42.0)
+        engine.shutdown()
+    for bad in (["--qrl-engine-max-restarts", "-1"], ["--qrl-ray-weight-timeout-s", "0"]):
+        with pytest.raises(QrlArgumentError, match=bad[0]):
+            parse_configs(bad)
 
 
 def test_sglang_engine_needs_a_gpu_bundle(cluster):
@@ -185,14 +260,16 @@ def test_killed_actor_restarts_and_reproduces_the_run(cluster, single_run, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
 def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster, single_run,
-                                                                        tmp_path):
+                                                                        tmp_path, transport):
     # sync of v5 (update #2) is killed, so is its re-sync (update #3: a death inside a
     # re-sync counts against the same call's budget); the verification read-back of the
     # sync of v6 (held_checksums #4) is killed too
     calls = tmp_path / "calls.jsonl"
     killed = _job(cluster, tmp_path / "k", "--qrl-mode", "disaggregated", "--kill",
-                  "update_weights:2,update_weights:3,held_checksums:4", "--calls", str(calls))
+                  "update_weights:2,update_weights:3,held_checksums:4", "--calls", str(calls),
+                  "--qrl-ray-weight-transport", transport)
     assert killed == single_run
     (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     # the last actor is fresh: it only served the re-sync of v6
@@ -200,12 +277,13 @@ def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster,
 
 
 @pytest.mark.slow
-def test_actor_process_exit_mid_update_colocated(cluster, single_run, tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+def test_actor_process_exit_mid_update_colocated(cluster, single_run, tmp_path, transport):
     # every actor process exits half-way through its 2nd weight update: the first one in the
     # sync of v5, its replacement (re-sync v5 = its 1st) in the sync of v6
     calls = tmp_path / "calls.jsonl"
     co = _job(cluster, tmp_path / "x", "--qrl-mode", "colocated", "--exit-in-update", "2",
-              "--calls", str(calls))
+              "--calls", str(calls), "--qrl-ray-weight-transport", transport)
     assert co == single_run
     (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     assert log == {"calls": ["update_weights"], "restarts": 2}

@@ -7,7 +7,8 @@ the gathered weight sync and the training are the same computations, only the en
 process differs (it runs with rank 0's torch thread count). A ``ray.kill`` of the actor
 before the 2nd rollout, and again in its re-sync, restarts it twice, re-syncs the trainer's
 current weights (gathered from both ranks again, rank 1 called in from its wait for the
-rollout) and still reproduces the run.
+rollout) and still reproduces the run — with the weights broadcast on a driver <-> actor
+group (the default; rank 0 under torchrun hosts its store) and through the object store.
 
 The construction path of ``--qrl-rollout-engine sglang`` in a Ray actor (no GPU / SGLang
 here): the EngineSpec, the actor's Ray options (1 GPU) and ``start_job_engine``'s arguments
@@ -63,15 +64,19 @@ def test_tp2_ray_modes_match_single_and_survive_a_killed_actor(tmp_path):
     ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         address = ctx.address_info["gcs_address"]
-        calls = tmp_path / "calls.jsonl"
-        disagg = _torchrun(tmp_path / "d", "--qrl-mode", "disaggregated",
-                           "--kill", "generate:2,update_weights:3",
-                           "--calls", str(calls), ray_address=address)
-        assert disagg == single
-        (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
-        # generate #2 and its re-sync (update #3) die: the 3rd actor got the re-sync of v3,
-        # served step 3's generate, then the sync of v4
-        assert log == {"calls": ["update_weights", "generate", "update_weights"], "restarts": 2}
+        for transport in ("broadcast", "objectstore"):
+            calls = tmp_path / f"calls-{transport}.jsonl"
+            disagg = _torchrun(tmp_path / f"d-{transport}", "--qrl-mode", "disaggregated",
+                               "--kill", "generate:2,update_weights:3",
+                               "--qrl-ray-weight-transport", transport,
+                               "--calls", str(calls), ray_address=address)
+            assert disagg == single, transport
+            (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
+            # generate #2 and its re-sync (update #3) die: the 3rd actor got the re-sync of
+            # v3, served step 3's generate, then the sync of v4 (a broadcast killed in the
+            # re-sync drained the gathered stream on rank 0, so rank 1 stays in step)
+            assert log == {"calls": ["update_weights", "generate", "update_weights"],
+                           "restarts": 2}, transport
         co = _torchrun(tmp_path / "c", "--qrl-mode", "colocated", ray_address=address)
         assert co == single
     finally:

@@ -257,6 +257,21 @@ class RunConfig:
     """Resume from the latest checkpoint in the output directory (reproduces the next step
     exactly on CPU)."""
 
+    ray_weight_transport: Literal["broadcast", "objectstore"] = "broadcast"
+    """Ray modes: how weights reach the engine actor. broadcast: a process group of the
+    driver and the actor (NCCL for an SGLang engine on a GPU driver, else gloo), one
+    broadcast per bucket; objectstore: every bucket ray.put into the object store (a full
+    copy of the weights there per sync)."""
+
+    ray_weight_timeout_s: float = 300.0
+    """Ray modes, broadcast transport: timeout of the weight group's rendezvous and of each
+    broadcast. A dead actor fails a broadcast at once; one that hangs is restarted after
+    this long (keep it above the longest gap between two buckets of a sync)."""
+
+    engine_max_restarts: int = 2
+    """Ray modes: restarts of the rollout engine actor allowed within one call (a rollout,
+    a weight sync) before the job fails."""
+
     def __post_init__(self) -> None:
         if self.preset is not None:
             preset_names(self.preset)  # raises naming the unknown preset
@@ -272,10 +287,14 @@ class RunConfig:
                                  ("--qrl-micro-batch-size", self.micro_batch_size, 1),
                                  ("--qrl-updates-per-step", self.updates_per_step, 1),
                                  ("--qrl-seed", self.seed, 0),
-                                 ("--qrl-save-interval", self.save_interval, 0)):
+                                 ("--qrl-save-interval", self.save_interval, 0),
+                                 ("--qrl-engine-max-restarts", self.engine_max_restarts, 0)):
             _int(flag, value, low)
         _real("--qrl-lr", self.lr, 0.0, low_open=True)
         _real("--qrl-sft-lr", self.sft_lr, 0.0, low_open=True)
+        _choice("--qrl-ray-weight-transport", self.ray_weight_transport,
+                ("broadcast", "objectstore"))
+        _real("--qrl-ray-weight-timeout-s", self.ray_weight_timeout_s, 0.0, low_open=True)
 
     def resolved_output_dir(self) -> str:
         """``output_dir``, or the deterministic default ``qrl_runs/<preset>-seed<seed>``."""

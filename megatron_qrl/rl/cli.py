@@ -209,7 +209,11 @@ def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
         return
     from megatron_qrl.rl.ray_modes import RaySession, engine_gpus
 
-    with RaySession(mode, engine_gpus=engine_gpus(configs["rollout"])) as session:
+    run = configs["run"]
+    with RaySession(mode, engine_gpus=engine_gpus(configs["rollout"]),
+                    max_restarts=run.engine_max_restarts,
+                    weight_transport=run.ray_weight_transport,
+                    weight_timeout_s=run.ray_weight_timeout_s) as session:
         yield session
 
 

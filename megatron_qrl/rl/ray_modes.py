@@ -10,12 +10,16 @@ resumed before the next weight sync::
     sync(v) -> generate -> release_memory -> recompute, train -> resume_memory -> sync(v+1)
 
 Weight sync, verification and seeding are the single-process ones (:mod:`megatron_qrl.rl.sync`),
-so with the same seed a Ray mode produces the same metrics as ``--qrl-mode single``. The
+so with the same seed a Ray mode produces the same metrics as ``--qrl-mode single``; the
+packed stream reaches the actor over a driver <-> actor process group
+(``--qrl-ray-weight-transport broadcast``, the default) or the object store
+(``objectstore``), see :mod:`megatron_qrl.rollout.ray_actor`. The
 actor is supervised: if it dies — in a rollout, or during a weight sync (the update, the
 verification read-back) — :class:`EngineSupervisor` starts a new actor in the same bundle and
 re-runs the driver's sync of the current version on it (the driver binds its ``sync``, which
 re-packs the trainer's current weights, through :meth:`RayRolloutEngine.bind_resync`); a
-rollout is then retried, an interrupted sync is complete (its one-shot stream is not re-sent).
+rollout is then retried, an interrupted sync is complete (its one-shot stream is not re-sent);
+``--qrl-engine-max-restarts`` bounds the restarts within one call.
 
 Under ``torchrun`` (a multi-rank TP / EP trainer) rank 0 alone joins Ray, holds the
 :class:`RaySession` and the engine actor; the other ranks never touch Ray (rollouts are
@@ -42,7 +46,13 @@ from typing import Any
 import torch
 
 from megatron_qrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, sglang_job_spec
+from megatron_qrl.rollout.ray_actor import (
+    WEIGHT_TRANSPORTS,
+    EngineActor,
+    EngineSpec,
+    RayEngine,
+    sglang_job_spec,
+)
 from megatron_qrl.rollout.supervisor import EngineSupervisor
 
 __all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "actor_options", "engine_gpus",
@@ -134,10 +144,15 @@ class RaySession:
     """
 
     def __init__(self, mode: str, pg_timeout_s: float = 120.0, max_restarts: int = 2,
-                 engine_gpus: int = 0):
+                 engine_gpus: int = 0, weight_transport: str = "broadcast",
+                 weight_timeout_s: float = 300.0):
         if mode not in RAY_MODES:
             raise ValueError(f"--qrl-mode {mode!r}: the Ray modes are {RAY_MODES}")
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"--qrl-ray-weight-transport {weight_transport!r}: choose one of "
+                             f"{WEIGHT_TRANSPORTS}")
         self.mode, self.pg_timeout_s, self.max_restarts = mode, pg_timeout_s, max_restarts
+        self.weight_transport, self.weight_timeout_s = weight_transport, weight_timeout_s
         self.engine_gpus = engine_gpus
         self.pg: Any = None
         self.layout: PlacementLayout | None = None
@@ -179,7 +194,9 @@ class RaySession:
         if self.pg is None or self.layout is None:
             raise RuntimeError("RaySession.new_actor outside `with RaySession(...)`")
         opts = actor_options(self.layout, spec, self.pg)
-        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec))
+        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec),
+                         transport=self.weight_transport, engine_kind=spec.kind,
+                         timeout_s=self.weight_timeout_s)
 
     def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:
         """The driver's engine factory for this session's mode."""

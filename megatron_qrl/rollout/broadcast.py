@@ -48,8 +48,9 @@ def init_group(host: str, port: int, world_size: int, rank: int, group_name: str
     The same construction as SGLang's ``init_custom_process_group`` (rendezvous at
     ``tcp://host:port`` where rank 0 hosts the store, ``PrefixStore(group_name)``, torch's
     process-group helper), which is what SGLang's engine runs in ``init_weights_update_group``
-    — so either side may be SGLang. Needs no default process group. Blocks until every rank
-    has reached the store; an NCCL group connects at its first collective.
+    — so either side may be SGLang. Needs no default process group, and works in a torchrun
+    rank (rank 0 hosts the store itself). Blocks until every rank has reached the store; an
+    NCCL group connects at its first collective.
     """
     from torch.distributed import distributed_c10d as c10d
 
@@ -57,9 +58,11 @@ def init_group(host: str, port: int, world_size: int, rank: int, group_name: str
         raise ValueError(f"init_group: rank {rank} of world_size {world_size}; the trainer is "
                          "rank 0 and the engine's processes ranks 1..world_size-1")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{port}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
+    # the store SGLang's rendezvous builds (rank 0 hosts it), made directly: under torchrun
+    # (TORCHELASTIC_USE_AGENT_STORE=True) c10d.rendezvous makes every rank a client of the
+    # agent's store, so nobody would host this one (torch 2.13 rendezvous._create_c10d_store)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     store = dist.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
                                            group_name=group_name, timeout=timeout)

@@ -1,22 +1,39 @@
 """A rollout engine in a Ray actor, behind the same :class:`RolloutEngine` interface.
 
 :class:`EngineActor` (run as ``ray.remote``) builds the engine inside the actor process —
-the reference engine, or lazily SGLang's (one GPU per actor) — and :class:`RayEngine` is the driver-side proxy
-whose methods call the actor. Weight sync is the single-process path unchanged: the packed
-``(hf_name, tensor)`` stream is cut into buckets (lists of ``(name, tensor)``, about
-``bucket_bytes`` each), every bucket is ``ray.put`` into the object store as it fills, and
-the actor loads the stream bucket by bucket from the ObjectRefs; ``verify`` then compares the
-actor's ``held_checksums`` with the sender's :class:`WeightManifest` exactly as in single
-mode. Tensors of the 1-byte float dtypes (FP8 / NVFP4 codes and scales) travel as their
-``uint8`` bytes plus the dtype (:class:`WireTensor`): torch's pickler cannot round-trip them
-(measured with torch 2.13: ``pickle.loads(pickle.dumps(float8 tensor))`` fails in
-``_legacy_load`` on ``UntypedStorage.dtype``), and Ray pickles what it stores. A dead actor (``RayActorError`` / ``ActorDiedError``) surfaces as
-:class:`EngineDiedError`, which :class:`EngineSupervisor` restarts.
+the reference engine, or lazily SGLang's (one GPU per actor) — and :class:`RayEngine` is the
+driver-side proxy whose methods call the actor. ``verify`` compares the actor's
+``held_checksums`` with the sender's :class:`WeightManifest` exactly as in single mode. The
+packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
+
+* ``broadcast`` (the default, :mod:`megatron_qrl.rollout.broadcast`): on the first sync the
+  driver (rank 0) and the actor (rank 1) form a 2-rank process group ``qrl-weights-<uuid>``
+  (rendezvous at the driver's node IP; NCCL when the driver has CUDA and the engine is
+  SGLang, else gloo). Per sync the driver starts ``update_weights_broadcast`` on the actor,
+  broadcasts the stream as framed ``uint8`` buckets of about ``bucket_bytes``
+  (:func:`~megatron_qrl.rollout.broadcast.send_stream`) while the actor's engine loads it
+  bucket by bucket, then waits for the call. Nothing goes through the object store.
+* ``objectstore``: every bucket is ``ray.put`` as it fills and the actor loads the stream
+  from the ObjectRefs (a full copy of the weights in the object store per sync). Tensors of
+  the 1-byte float dtypes (FP8 / NVFP4 codes and scales) travel as their ``uint8`` bytes
+  plus the dtype (:class:`WireTensor`): torch's pickler cannot round-trip them (measured with
+  torch 2.13: ``pickle.loads(pickle.dumps(float8 tensor))`` fails in ``_legacy_load`` on
+  ``UntypedStorage.dtype``), and Ray pickles what it stores.
+
+A dead actor (``RayActorError`` / ``ActorDiedError``) surfaces as :class:`EngineDiedError`,
+which :class:`EngineSupervisor` restarts; so does a broadcast that fails (gloo measured with
+torch 2.13: a send to a dead peer fails at once with "Connection closed by peer"; to a live
+peer that does not receive it times out after the group's ``timeout_s``). After a failed
+broadcast the driver drains the rest of the stream (under torchrun it is a gather of every
+trainer rank, which must complete on all of them) and kills the actor; the restarted actor
+gets a new group, and the old one is destroyed on the driver.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -24,10 +41,15 @@ from typing import Any
 import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams
+from .broadcast import free_port, init_group, receive_stream, send_stream
 from .supervisor import EngineDiedError
 
-__all__ = ["SGLANG_ROLLOUT_FIELDS", "EngineActor", "EngineSpec", "RayEngine", "WireTensor",
-           "bucketize", "build_engine", "from_wire", "sglang_job_spec", "to_wire"]
+__all__ = ["SGLANG_ROLLOUT_FIELDS", "WEIGHT_TRANSPORTS", "EngineActor", "EngineSpec", "RayEngine",
+           "WireTensor", "bucketize", "build_engine", "from_wire", "sglang_job_spec", "to_wire",
+           "weight_backend"]
+
+WEIGHT_TRANSPORTS = ("broadcast", "objectstore")
+"""How :class:`RayEngine` sends weights to its actor (module docstring)."""
 
 _PICKLE_SAFE_1B = (torch.uint8, torch.int8, torch.bool)
 
@@ -137,6 +159,32 @@ class EngineActor:
     def __init__(self, spec: EngineSpec):
         self.engine = build_engine(spec)
         self.calls: list[str] = []
+        self.weight_group: Any = None
+        self.weight_device = "cpu"
+
+    def join_weight_group(self, host: str, port: int, world_size: int, rank: int,
+                          group_name: str, backend: str, timeout_s: float = 600.0) -> None:
+        """Join the driver's weight group (:func:`~megatron_qrl.rollout.broadcast.init_group`;
+        the driver is rank 0 and hosts the rendezvous at ``host:port``)."""
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError(f"join_weight_group({group_name!r}): backend nccl but this actor "
+                               "sees no CUDA device; use backend gloo")
+        self.weight_device = "cuda" if backend == "nccl" else "cpu"
+        self.weight_group = init_group(host, port, world_size, rank, group_name, backend,
+                                       timeout_s)
+
+    def update_weights_broadcast(self, version: int) -> None:
+        """Load the stream the driver broadcasts on the weight group as ``version``."""
+        if self.weight_group is None:
+            raise RuntimeError("update_weights_broadcast before join_weight_group")
+        self.calls.append("update_weights")
+        stream = receive_stream(self.weight_group, self.weight_device)
+        try:
+            self.engine.update_weights(stream, version)
+        except Exception:
+            _drain(stream)  # the driver's sends complete; the engine's error reaches it
+            raise
+        _drain(stream)  # an engine that stopped before the end-of-stream header
 
     def update_weights(self, bucket_refs: list[Any], version: int) -> None:
         import ray
@@ -182,6 +230,21 @@ class EngineActor:
         self.engine.shutdown()
 
 
+def _drain(stream: Iterator[Any]) -> None:
+    """Read ``stream`` to its end (a receive error there is the driver's to report)."""
+    try:
+        for _ in stream:
+            pass
+    except Exception:  # noqa: BLE001 - the group is broken: the driver sees its own error
+        pass
+
+
+def weight_backend(engine_kind: str) -> str:
+    """The weight group's backend: ``nccl`` when this (driver) process has CUDA and the
+    engine is SGLang (GPU tensors on both sides), else ``gloo``."""
+    return "nccl" if engine_kind == "sglang" and torch.cuda.is_available() else "gloo"
+
+
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
     """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
@@ -202,18 +265,40 @@ def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
 
 
 class RayEngine(RolloutEngine):
-    """Driver-side proxy of an :class:`EngineActor` handle (``actor``)."""
+    """Driver-side proxy of an :class:`EngineActor` handle (``actor``).
 
-    def __init__(self, actor: Any, bucket_bytes: int = 256 * 2**20):
+    ``transport``: one of :data:`WEIGHT_TRANSPORTS` (module docstring). ``backend``: the
+    broadcast group's (``gloo`` / ``nccl``; None: :func:`weight_backend` of ``engine_kind``).
+    ``timeout_s``: the group's rendezvous and per-broadcast timeout.
+    """
+
+    def __init__(self, actor: Any, bucket_bytes: int = 256 * 2**20,
+                 transport: str = "objectstore", backend: str | None = None,
+                 engine_kind: str = "reference", timeout_s: float = 300.0):
+        if transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"RayEngine transport {transport!r}: choose one of "
+                             f"{WEIGHT_TRANSPORTS} (--qrl-ray-weight-transport)")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"RayEngine backend {backend!r}: gloo or nccl (None: automatic)")
         self.actor = actor
         self.bucket_bytes = bucket_bytes
+        self.transport, self.timeout_s = transport, timeout_s
+        self.backend = backend or weight_backend(engine_kind)
         self.buckets_sent = 0
+        self.group: Any = None
+        self.group_name: str | None = None
+        self._broken = False  # a broadcast failed: the actor was killed, never call it again
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, during: Callable[[], Any] | None = None) -> Any:
+        """``actor.method(*args)``; ``during()`` runs on the driver between submitting the
+        call and waiting for it (the broadcast the actor receives)."""
         import ray
 
         try:
-            return ray.get(getattr(self.actor, method).remote(*args))
+            ref = getattr(self.actor, method).remote(*args)
+            if during is not None:
+                during()
+            return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise EngineDiedError(f"rollout engine actor died during {method}: "
                                   f"{type(exc).__name__}: {str(exc)[:300]}") from exc
@@ -221,9 +306,82 @@ class RayEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         import ray
 
-        refs = [ray.put(b) for b in bucketize(named_tensors, self.bucket_bytes)]
-        self.buckets_sent += len(refs)
-        self._call("update_weights", refs, version)
+        if self.transport == "objectstore":
+            refs = [ray.put(b) for b in bucketize(named_tensors, self.bucket_bytes)]
+            self.buckets_sent += len(refs)
+            self._call("update_weights", refs, version)
+            return
+        if self.group is None:
+            self._join_group()
+        self._call("update_weights_broadcast", version,
+                   during=lambda: self._broadcast(named_tensors))
+
+    def _broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send the stream on the group; a failed send drains the stream, kills the actor and
+        raises :class:`EngineDiedError` (an error of the stream itself propagates)."""
+        source = _Tracked(named_tensors)
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        try:
+            self.buckets_sent += send_stream(source, self.group, device, self.bucket_bytes)
+        except Exception as exc:
+            self._kill()
+            if source.failed:
+                raise
+            for _ in source:  # under torchrun every trainer rank gathers this stream
+                pass
+            raise EngineDiedError(f"weight broadcast to the rollout engine actor failed "
+                                  f"(group {self.group_name}): {type(exc).__name__}: "
+                                  f"{str(exc)[:300]}") from exc
+
+    def _join_group(self) -> None:
+        """Form the 2-rank weight group with the actor (rank 1); the driver is rank 0 and
+        hosts the rendezvous on its node. An actor that dies first is an EngineDiedError."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        port, name = free_port(), f"qrl-weights-{uuid.uuid4().hex[:12]}"
+        joined = self.actor.join_weight_group.remote(host, port, 2, 1, name, self.backend,
+                                                     self.timeout_s)
+        result: dict[str, Any] = {}
+
+        def rank0() -> None:
+            try:
+                result["group"] = init_group(host, port, 2, 0, name, self.backend, self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller
+                result["error"] = exc
+
+        thread = threading.Thread(target=rank0, name=name, daemon=True)
+        thread.start()
+        try:  # the actor's side finishes with the driver's (or the actor dies first)
+            ray.get(joined, timeout=self.timeout_s + 30)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise EngineDiedError(f"rollout engine actor died joining the weight group "
+                                  f"{name}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        self.group, self.group_name = result["group"], name
+
+    def _kill(self) -> None:
+        import ray
+
+        self._broken = True
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def destroy_group(self) -> None:
+        """Destroy the weight group on the driver (its peer may be dead; never raises)."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - best effort: the group is unusable either way
+            pass
 
     def held_checksums(self) -> dict[str, str]:
         return self._call("held_checksums")
@@ -247,11 +405,30 @@ class RayEngine(RolloutEngine):
         return self._call("placement_group_id")
 
     def shutdown(self) -> None:
-        import ray
+        if not self._broken:  # an actor stuck in a broken broadcast would never answer
+            try:
+                self._call("shutdown")
+            except EngineDiedError:
+                pass
+        self._kill()
+        self.destroy_group()
 
+
+class _Tracked:
+    """An iterator over ``source`` that records whether ``source`` itself raised."""
+
+    def __init__(self, source: Iterable[Any]):
+        self.source, self.failed = iter(source), False
+
+    def __iter__(self) -> _Tracked:
+        return self
+
+    def __next__(self) -> Any:
         try:
-            self._call("shutdown")
-        except EngineDiedError:
-            pass
-        ray.kill(self.actor, no_restart=True)
+            return next(self.source)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.failed = True
+            raise
 
