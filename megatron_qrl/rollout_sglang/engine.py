@@ -24,6 +24,7 @@ message naming the ``[gpu]`` extra.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import time
@@ -365,6 +366,12 @@ class SGLangEngine(RolloutEngine):
         self.engine.resume_memory_occupation()
 
     def shutdown(self) -> None:
+        if self._group is not None:  # a process group left at exit aborts the interpreter
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._group.pg)
+            self._group = None
         self.engine.shutdown()
 
 
