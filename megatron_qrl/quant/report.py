@@ -95,14 +95,11 @@ def format_table(report: dict) -> str:
 
 
 def plot_report(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..utils.plots import new_figure, save_png
 
     fmts = [f for f in report["formats"] if f != "bf16"]
     rows = [report["formats"][f] for f in fmts]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = new_figure(1, 2, figsize=(10, 4))
     ax1.bar(fmts, [r["kl_mean"] for r in rows], color="tab:red")
     ax1.set_yscale("log")
     ax1.set_title("KL(pi_bf16 || pi_rollout) per token")
@@ -116,8 +113,7 @@ def plot_report(report: dict, path: Path) -> None:
     ax2.legend()
     fig.suptitle("megatron_qrl rollout formats on " + Path(report["config"]).stem)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,19 +104,15 @@ def format_table(rows: list[AttributionRow], fmt: str) -> str:
 
 def plot_rows(rows: list[AttributionRow], fmt: str, out: str) -> None:
     """Bar chart of the token-mean KL per layer type (PNG at ``out``)."""
-    import matplotlib
+    from ..utils.plots import new_figure, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = new_figure(figsize=(5, 3.2))
     ax.bar([r.layers for r in rows], [r.kl_mean for r in rows],
            color=["tab:blue"] * (len(rows) - 1) + ["tab:red"])
     ax.set_ylabel("token-mean KL(aligned || bf16)")
     ax.set_title(f"mismatch by layer type ({fmt})")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_png(fig, out, dpi=120)
 
 
 def prompt_ids(hf_dir: str, prompts: str | None, batch: int, seq_len: int, vocab: int,

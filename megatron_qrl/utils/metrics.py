@@ -18,7 +18,6 @@ shows once (the first run's event file stays on disk, like the rewritten metrics
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -27,7 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .io import atomic_write_bytes, atomic_write_text
+from .io import atomic_write_text
+from .plots import new_figure, save_png
 
 __all__ = [
     "COMPARE_COLUMNS",
@@ -198,20 +198,8 @@ def _summary_writer(log_dir: Path, purge_step: int | None) -> Any:
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save_png(fig: Any, path: Path) -> Path:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    _pyplot().close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return save_png(fig, path, dpi=100, bbox_inches="tight")
 
 
 def sft_panel_points(records: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, float]]]:
@@ -227,8 +215,7 @@ def sft_panel_points(records: Sequence[Mapping[str, Any]]) -> tuple[str, list[tu
 def plot_run(records: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """PNG with reward, mismatch KL and clip fraction against step (SFT steps shaded; the
     first panel shows the SFT loss on a right-hand axis, see :func:`sft_panel_points`)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(len(PLOT_KEYS), 1, figsize=(7, 7), sharex=True)
+    fig, axes = new_figure(len(PLOT_KEYS), 1, figsize=(7, 7), sharex=True)
     sft = [r["step"] for r in records if r["phase"] == "sft"]
     for ax, (key, title) in zip(axes, PLOT_KEYS):
         pts = [(r["step"], r[key]) for r in records
@@ -286,8 +273,7 @@ def compare_runs(runs: Mapping[str, Sequence[Mapping[str, Any]] | str | Path], o
               for label, s in summaries.items()]
     out = Path(out_dir)
     md = atomic_write_text(out / f"{name}.md", "\n".join(lines) + "\n")
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(titles), figsize=(4 * len(titles), 4))
+    fig, axes = new_figure(1, len(titles), figsize=(4 * len(titles), 4))
     labels = list(summaries)
     for ax, title in zip(axes, titles):
         ax.bar(range(len(labels)), [summaries[lb][title] or 0.0 for lb in labels])
