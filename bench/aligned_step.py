@@ -19,7 +19,8 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
 - ``aligned:FMT``: the aligned model (``--qrl-train-forward aligned``) for rollout format FMT
   (one model; its ``AlignedForwardState`` is switched to FMT before the step);
 - ``te:FMT``: the Transformer Engine recipe path (``te_quant.te_recipes``), only when TE
-  imports and a recipe reproduces FMT on this GPU.
+  imports and a recipe reproduces FMT on this GPU, or differs only by rounding (path "te
+  (rounding differs)": TE fp8_block, measured on the H200; its numerics are not the rollout's).
 The ratio is median step time / median of ``bf16`` (``bf16:off`` when the plain model was
 not built). Peak memory: ``torch.cuda.max_memory_allocated`` during the step (reset before;
 every model stays resident, so it includes all of them) and the step's own part (peak minus
@@ -199,7 +200,7 @@ def te_formats(formats: list[str], cuda: bool) -> tuple[list[str], str]:
     ok, why = [], []
     for fmt in formats:
         try:
-            te_recipe_for(fmt)
+            te_recipe_for(fmt, approximate=True)
             ok.append(fmt)
         except ValueError as exc:
             why.append(f"{fmt}: {str(exc).split(';')[0]}")
@@ -226,7 +227,7 @@ def plain_fits(arch: Any, args: argparse.Namespace, cuda: bool) -> tuple[bool, s
 def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: list[str],
                    notes: list[str]) -> list[Variant]:
     from megatron_qrl.rl.forward import ForwardPlan, forward_plan
-    from megatron_qrl.te_quant import trainer_forward
+    from megatron_qrl.te_quant import RECIPES, trainer_forward
 
     variants = []
     fits, why, total, active = plain_fits(arch, args, cuda)
@@ -246,9 +247,10 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
         notes.append(te_why)
     for fmt in te_ok:
         cfg = _configs("aligned", fmt)
-        fwd = trainer_forward(cfg["train"], fmt, cfg["routing"], arch, te_recipe=True)
+        fwd = trainer_forward(cfg["train"], fmt, cfg["routing"], arch, te_recipe="approximate")
         te_plan = ForwardPlan(fwd.spec_hook, None, fwd.replay, dict(fwd.config_overrides))
-        variants.append(Variant(f"te:{fmt}", "te", build_trainer(arch, te_plan, args, cuda), fmt))
+        path = "te" if RECIPES[fmt].matches_spec else "te (rounding differs)"
+        variants.append(Variant(f"te:{fmt}", path, build_trainer(arch, te_plan, args, cuda), fmt))
     return variants
 
 

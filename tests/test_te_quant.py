@@ -188,3 +188,15 @@ def test_chained_optimizer_members_each_bump_the_weight_version():
     dense.step()
     expert.step()
     assert state.version == v0 + 2
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_meta_parameter_counts_equal_the_built_model(megatron, kind):
+    """The bench's size check builds on the meta device with the local spec (TE's linears
+    cannot initialise there); its count equals the real model's."""
+    from megatron_qrl.models.runtime import build_model, meta_parameter_counts
+
+    _, arch = tiny_hf(kind)
+    total, active = meta_parameter_counts(arch)
+    assert total == sum(p.numel() for p in build_model(arch).parameters())
+    assert (active < total) == arch.is_moe

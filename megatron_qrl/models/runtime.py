@@ -195,7 +195,11 @@ def meta_parameter_counts(arch: ModelArch) -> tuple[int, int]:
     Call inside :func:`single_process_megatron` (or any TP = EP = 1 job).
     """
     with torch.device("meta"):
-        model = build_model(arch, perform_initialization=False, use_cpu_initialization=True)
+        # the local spec (same parameters as the TE spec): TE's linears under CPU
+        # initialisation copy a CPU master weight into theirs, which fails on meta (H200, TE
+        # 2.20.2: "Cannot copy out of meta tensor")
+        model = build_model(arch, perform_initialization=False, use_cpu_initialization=True,
+                            use_te=False)
     total = expert = 0
     for name, param in model.named_parameters():
         total += param.numel()

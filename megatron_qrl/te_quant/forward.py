@@ -34,12 +34,13 @@ class TrainerForward:
 
 
 def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelArch,
-                    te_recipe: bool = False) -> TrainerForward:
+                    te_recipe: bool | str = False) -> TrainerForward:
     """Build the trainer forward from ``TrainForwardConfig`` / ``RoutingReplayConfig``.
 
     ``te_recipe``: serve the aligned forward with a Transformer Engine recipe instead of the
     fake-quant linears; raises one clear error if no recipe reproduces ``rollout_format`` on
-    this GPU (see :mod:`megatron_qrl.te_quant.te_recipes`).
+    this GPU (see :mod:`megatron_qrl.te_quant.te_recipes`); ``"approximate"`` also takes a
+    recipe that differs only by rounding (speed measurements).
     """
     from megatron_qrl.moe import RoutingReplay, replay_spec_hook
 
@@ -51,7 +52,7 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
             raise ValueError(f"--qrl-train-forward aligned needs a quantized --qrl-rollout-format,"
                              f" got {rollout_format!r}")
         if te_recipe:
-            overrides = te_config_overrides(rollout_format)
+            overrides = te_config_overrides(rollout_format, approximate=te_recipe == "approximate")
         else:
             aligned = state
     elif te_recipe:
