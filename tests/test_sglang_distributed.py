@@ -89,3 +89,39 @@ def test_distributed_layout_errors(trainer, kwargs, match):
 def test_distributed_layout_accepts_separate_gpus():
     _check_distributed_layout(torch.device("cuda:0"), "nccl", {"base_gpu_id": 1, "tp_size": 2})
     _check_distributed_layout(torch.device("cpu"), "gloo", {})
+
+
+def test_job_engine_gets_sync_and_base_gpu(monkeypatch):
+    """--qrl-rollout-sglang-sync distributed / --qrl-rollout-sglang-base-gpu reach SGLangEngine."""
+    import megatron_qrl.rollout_sglang.engine as sglang_engine
+    from megatron_qrl.config.run import RolloutConfig
+    from megatron_qrl.data import CharTokenizer, tiny_moe_config
+    from megatron_qrl.rollout_sglang.launch import start_job_engine
+
+    built = {}
+
+    class FakeSGLangEngine:
+        def __init__(self, model_path, spec_name, **kwargs):
+            built.update(spec=spec_name, kwargs=kwargs)
+
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", FakeSGLangEngine)
+    hf = tiny_moe_config(CharTokenizer().vocab_size)
+    start_job_engine(RolloutConfig(format="int8", engine="sglang", sglang_sync="distributed",
+                                   sglang_base_gpu=2), hf, 3)
+    assert built["kwargs"]["sync"] == "distributed" and built["kwargs"]["base_gpu_id"] == 2
+    start_job_engine(RolloutConfig(format="int8", engine="sglang"), hf, 3)
+    assert "base_gpu_id" not in built["kwargs"] and "sync" not in built["kwargs"]
+    with pytest.raises(ValueError, match="--qrl-rollout-sglang-base-gpu"):
+        RolloutConfig(sglang_base_gpu=-1)
+
+
+def test_distributed_sync_is_refused_in_ray_modes(monkeypatch):
+    import megatron_qrl.config.args as args_mod
+    from megatron_qrl.config.args import QrlArgumentError
+    from megatron_qrl.rl.cli import parse_configs
+
+    monkeypatch.setattr(args_mod, "_gpu_capability", lambda: (9, 0))  # an H200 here
+
+    with pytest.raises(QrlArgumentError, match="distributed is for --qrl-mode single"):
+        parse_configs(["--qrl-mode", "disaggregated", "--qrl-rollout-engine", "sglang",
+                       "--qrl-rollout-sglang-sync", "distributed"])

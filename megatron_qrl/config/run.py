@@ -77,11 +77,17 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()
     """Stop strings: generation of a response ends after the first one it produces."""
 
-    sglang_sync: Literal["auto", "tensor", "disk", "inplace"] = "auto"
+    sglang_sync: Literal["auto", "tensor", "disk", "inplace", "distributed"] = "auto"
     """SGLang weight-sync path: tensor (update_weights_from_tensor, colocated), disk
     (safetensors in --qrl-rollout-sglang-sync-dir + update_weights_from_disk), inplace
-    (tensor buckets re-processed into the engine's live quantized layout), auto (the
-    engine's choice per format)."""
+    (tensor buckets re-processed into the engine's live quantized layout), distributed
+    (--qrl-mode single, engine on other GPUs of the node: every bucket broadcast from the
+    trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), auto (the engine's choice per
+    format)."""
+
+    sglang_base_gpu: int = 0
+    """First GPU of the in-process SGLang engine (its TP ranks take the next ones); with
+    --qrl-rollout-sglang-sync distributed, a GPU the trainer does not use."""
 
     sglang_sync_dir: str = "/dev/shm"
     """Directory for --qrl-rollout-sglang-sync disk (fast local storage)."""
@@ -99,7 +105,9 @@ class RolloutConfig:
             raise ValueError(f"--qrl-rollout-format {self.format!r} is not a registered "
                              f"QuantSpec; choose one of {', '.join(list_specs())}")
         _choice("--qrl-rollout-engine", self.engine, ("reference", "sglang"))
-        _choice("--qrl-rollout-sglang-sync", self.sglang_sync, ("auto", "tensor", "disk", "inplace"))
+        _choice("--qrl-rollout-sglang-sync", self.sglang_sync,
+                ("auto", "tensor", "disk", "inplace", "distributed"))
+        _int("--qrl-rollout-sglang-base-gpu", self.sglang_base_gpu, 0)
         _real("--qrl-rollout-sglang-mem-fraction", self.sglang_mem_fraction, 0.0, 1.0,
               low_open=True)
         _int("--qrl-rollout-n-samples-per-prompt", self.n_samples_per_prompt, 1)

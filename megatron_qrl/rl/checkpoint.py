@@ -23,8 +23,12 @@ __all__ = ["CKPT_DIR", "latest_checkpoint", "load_driver_checkpoint", "save_driv
 CKPT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{6,})\.pt$")
 _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_output_dir",
-                        "qrl_tensorboard", "qrl_tensorboard_dir")
-"""Flags that may differ between a run and its resumption (run length, saving, resume)."""
+                        "qrl_tensorboard", "qrl_tensorboard_dir", "qrl_rollout_sglang_sync",
+                        "qrl_rollout_sglang_sync_dir", "qrl_rollout_sglang_base_gpu",
+                        "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
+                        "qrl_engine_max_restarts")
+"""Flags that may differ between a run and its resumption (run length, saving, resume, and
+how the same weights reach the engine)."""
 
 
 def save_driver_checkpoint(output_dir: str | Path, next_step: int, trainer_state: dict,

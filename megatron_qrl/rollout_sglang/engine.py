@@ -52,8 +52,8 @@ FEATURE = "--qrl-rollout-engine sglang"
 
 # In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
 # (tests/gpu/test_sglang_engine.py and tests/gpu/test_sglang_inplace.py, 2026-11-29): True
-# works, False fails, absent = not yet run (w4a16/nvfp4 "inplace": the GPU test's time ran
-# out before them).
+# works, False fails, absent = not yet run. "distributed" was run on one GPU over gloo (the
+# same requests, group and loader as over NCCL between GPUs; NCCL itself not yet run).
 # int8: both paths raise "'Parameter' object has no attribute 'weight_loader'" — w8a8_int8
 # replaces its parameters after loading, so SGLang cannot reload them in place;
 # fp8_block over update_weights_from_tensor killed the engine, over disk it works.
@@ -67,6 +67,11 @@ SYNC_SUPPORT: dict[tuple[str, str], bool] = {
     ("int8", "inplace"): True,
     ("fp8", "inplace"): True,
     ("fp8_block", "inplace"): True,
+    ("w4a16", "inplace"): True,
+    ("nvfp4", "inplace"): True,
+    ("bf16", "distributed"): True,
+    ("int8", "distributed"): True,
+    ("fp8", "distributed"): True,
 }
 
 

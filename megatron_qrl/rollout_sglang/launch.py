@@ -56,5 +56,8 @@ def start_job_engine(rollout_cfg: Any, hf_config: dict, seed: int, **engine_kwar
         kwargs["sync"] = sync
     if kwargs.get("sync") == "disk":
         kwargs["sync_dir"] = getattr(rollout_cfg, "sglang_sync_dir", "/dev/shm")
+    base_gpu = getattr(rollout_cfg, "sglang_base_gpu", 0)
+    if base_gpu or sync == "distributed":
+        kwargs["base_gpu_id"] = base_gpu
     kwargs |= engine_kwargs
     return SGLangEngine(d, rollout_cfg.format, **kwargs)
