@@ -48,3 +48,28 @@ def test_sync_verification_names_the_bad_tensor():
 
     with pytest.raises(WeightSyncError, match="model.norm.weight"):
         sync_weights(iter(weights.items()), Corrupting(cfg, "bf16"), get_spec("bf16"), 1)
+
+
+def test_batched_checksums_equal_per_tensor_fingerprints():
+    """Checksums (one host transfer for a whole sync) == tensor_checksum per tensor, for odd
+    byte counts, 1-byte floats, empty tensors and non-contiguous views; the manifest is
+    filled when its stream is exhausted and still refuses a duplicate name."""
+    from megatron_qrl.rollout.base import Checksums, WeightManifest
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).bfloat16(),
+               "c": torch.randn(9, generator=g).to(torch.float8_e4m3fn),
+               "d": torch.zeros(0, 4), "e": torch.arange(12, dtype=torch.int8).reshape(3, 4).t()}
+    sums = Checksums()
+    for n, t in tensors.items():
+        sums.add(n, t)
+    assert sums.result() == {n: tensor_checksum(t) for n, t in tensors.items()}
+    assert len(set(sums.result().values())) == len(tensors)
+    m = WeightManifest()
+    it = m.record(iter(tensors.items()))
+    next(it)
+    assert m.checksums == {}  # fetched once, at the end
+    list(it)
+    assert m.checksums == sums.result()
+    with pytest.raises(WeightSyncError, match="sent twice"):
+        list(WeightManifest().record(iter([("a", tensors["a"]), ("a", tensors["a"])])))

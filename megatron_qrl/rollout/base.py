@@ -28,30 +28,63 @@ _CHUNK = 1 << 26
 _MOD = 1_000_003
 
 
+def checksum_parts(t: torch.Tensor) -> torch.Tensor:
+    """``int64[2]`` on ``t``'s device: the two wrapping sums of :func:`tensor_checksum`,
+    left on the device (no host sync) so a sync of thousands of tensors waits once."""
+    t = t.detach()
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    if not t.numel():
+        return out
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    words = raw.view(torch.int32)
+    for start in range(0, words.numel(), _CHUNK):
+        w = words[start:start + _CHUNK].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=t.device, dtype=torch.int64)
+        out[0] += w.sum()
+        out[1] += (w * (pos % _MOD + 1)).sum()
+    return out
+
+
+def format_checksum(dtype: torch.dtype, shape: Iterable[int], parts: Iterable[int]) -> str:
+    """The fingerprint string of a tensor from its host-side :func:`checksum_parts`."""
+    a, b = (int(x) & (2**64 - 1) for x in parts)
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}:{a:016x}{b:016x}"
+
+
 def tensor_checksum(t: torch.Tensor) -> str:
     """A content fingerprint of a tensor: dtype, shape and two wrapping int64 sums of its
     32-bit words (plain and position-weighted), computed on the tensor's own device.
 
     Integer arithmetic modulo 2^64 is exact and order-free, so a CUDA tensor and its CPU copy
     give the same fingerprint, and a 30B-parameter sync is fingerprinted at memory speed on
-    the GPU instead of being copied to the host.
+    the GPU instead of being copied to the host. Many tensors: :class:`Checksums`.
     """
-    t = t.detach()
-    raw = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else \
-        torch.zeros(0, dtype=torch.uint8, device=t.device)
-    pad = (-raw.numel()) % 4
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    words = raw.view(torch.int32)
-    s_plain = torch.zeros((), dtype=torch.int64, device=t.device)
-    s_pos = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), _CHUNK):
-        w = words[start:start + _CHUNK].to(torch.int64)
-        pos = torch.arange(start, start + w.numel(), device=t.device, dtype=torch.int64)
-        s_plain += w.sum()
-        s_pos += (w * (pos % _MOD + 1)).sum()
-    h = f"{int(s_plain) & (2**64 - 1):016x}{int(s_pos) & (2**64 - 1):016x}"
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{h}"
+    return format_checksum(t.dtype, t.shape, checksum_parts(t).tolist())
+
+
+class Checksums:
+    """:func:`tensor_checksum` of many tensors with one host transfer per device: ``add``
+    queues the device-side sums, :meth:`result` fetches them all at once."""
+
+    def __init__(self) -> None:
+        self._meta: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        self._parts: list[torch.Tensor] = []
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self._meta.append((name, t.dtype, tuple(t.shape)))
+        self._parts.append(checksum_parts(t))
+
+    def result(self) -> dict[str, str]:
+        """``name -> fingerprint`` of every added tensor, in order."""
+        host: dict[torch.device, list[list[int]]] = {}
+        for dev in {p.device for p in self._parts}:
+            host[dev] = torch.stack([p for p in self._parts if p.device == dev]).cpu().tolist()
+        it = {dev: iter(rows) for dev, rows in host.items()}
+        return {name: format_checksum(dt, shape, next(it[p.device]))
+                for (name, dt, shape), p in zip(self._meta, self._parts)}
 
 
 @dataclass
@@ -61,12 +94,16 @@ class WeightManifest:
     checksums: dict[str, str] = field(default_factory=dict)
 
     def record(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass ``stream`` through, fingerprinting every tensor (duplicates are an error)."""
+        """Pass ``stream`` through, fingerprinting every tensor (duplicates are an error);
+        the fingerprints land in ``checksums`` when the stream is exhausted."""
+        pending, seen = Checksums(), set(self.checksums)
         for name, t in stream:
-            if name in self.checksums:
+            if name in seen:
                 raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
-            self.checksums[name] = tensor_checksum(t)
+            seen.add(name)
+            pending.add(name, t)
             yield name, t
+        self.checksums.update(pending.result())
 
     def compare(self, held: dict[str, str]) -> None:
         """Raise :class:`WeightSyncError` on the first tensor missing or different in ``held``."""

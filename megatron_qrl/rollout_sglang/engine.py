@@ -37,11 +37,11 @@ import torch
 
 from ..quant import get_spec
 from ..rollout.base import (
+    Checksums,
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
     WeightSyncError,
-    tensor_checksum,
 )
 from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
@@ -165,7 +165,7 @@ class SGLangEngine(RolloutEngine):
 
     # ---- weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        sent: dict[str, str] = {}
+        sent = Checksums()  # fingerprints fetched once at the end (no sync per tensor)
         t0 = time.perf_counter()
         self.last_sync = {"buckets": 0, "seconds": 0.0}
         if self.sync in ("tensor", "inplace"):
@@ -178,7 +178,7 @@ class SGLangEngine(RolloutEngine):
         if str(got) != str(version):
             raise WeightSyncError(f"SGLang reports weight_version {got!r} after sending version "
                                   f"{version}; the engine did not apply the update")
-        self._sent, self._version = sent, version
+        self._sent, self._version = sent.result(), version
         self.last_sync["seconds"] = time.perf_counter() - t0
 
     def _sync_tensor(self, stream, version, sent) -> None:
@@ -206,7 +206,7 @@ class SGLangEngine(RolloutEngine):
 
         for name, t in stream:
             t = t.detach().to("cuda", non_blocking=True).contiguous()
-            sent[name] = tensor_checksum(t)
+            sent.add(name, t)
             if tracker:
                 tracker.add(name)
                 t = tracker.send_as(name, t)
@@ -252,7 +252,7 @@ class SGLangEngine(RolloutEngine):
 
         def fingerprinted():
             for name, t in stream:
-                sent[name] = tensor_checksum(t)
+                sent.add(name, t)
                 yield name, t
 
         for names, flat, meta, last in flat_buckets(fingerprinted(), self.bucket_bytes,
@@ -296,7 +296,7 @@ class SGLangEngine(RolloutEngine):
 
         def fingerprint():
             for name, t in stream:
-                sent[name] = tensor_checksum(t)
+                sent.add(name, t)
                 yield name, t
 
         write_safetensors(fingerprint(), target)
