@@ -77,7 +77,7 @@ case $phase in
   sync)
     marlin_wait
     python3 bench/weight_sync.py --out "$OUT/weight_sync.jsonl" \
-      --variants "${VARIANTS:-bf16:tensor,int8:inplace,fp8:inplace,fp8_block:inplace,w4a16:inplace,nvfp4:inplace}" 2>&1 \
+      --variants "${VARIANTS:-fp8:inplace,fp8:inplace+flat,int8:inplace,fp8_block:inplace,w4a16:inplace,nvfp4:inplace}" 2>&1 \
       | grep -E "^\||sync\]|Error" ;;
   train)
     python3 -m megatron_qrl.rl.cli --qrl-preset tiny-cpu --qrl-rollout-engine sglang \

@@ -14,7 +14,8 @@ copy costs 1.2 GB instead of 57 GB). Measured per variant, in one process:
 then one short greedy generate proves the engine still runs. Variant ``FMT:distributed``
 (2 GPUs) puts the engine on GPU 1 and broadcasts every bucket from the trainer's GPU 0 over
 NCCL (the disaggregated layout on one node); on one GPU it runs over gloo on the same GPU
-(the protocol, not the speed NCCL would give).
+(the protocol, not the speed NCCL would give). ``FMT:inplace+flat`` sends each in-place
+bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one per tensor).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def child(variant: str, bucket_mb: int) -> dict:
     from megatron_qrl.rollout_sglang.launch import write_engine_dir
 
     fmt, sync = variant.split(":")
+    sync, _, opt = sync.partition("+")  # FMT:inplace+flat -> flattened buckets
     cfg = json.loads(MODEL_CONFIG.read_text())
     d = write_engine_dir(cfg, fmt, root="/tmp")
     spec = get_spec(fmt)
@@ -93,6 +95,8 @@ def child(variant: str, bucket_mb: int) -> dict:
           "bucket_bytes": bucket_mb * 2**20}
     if sync == "disk":
         kw["sync_dir"] = "/dev/shm/qrl-sync"
+    if opt == "flat":
+        kw["flatten_buckets"] = True
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
@@ -105,6 +109,8 @@ def child(variant: str, bucket_mb: int) -> dict:
         t = time.perf_counter()
         eng.update_weights(spec.pack_state_dict(trainer_stream(cfg)), version=version)
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
+        res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
+        res[f"buckets_v{version}"] = eng.last_sync.get("buckets")
     from megatron_qrl.rollout.base import SamplingParams
 
     out = eng.generate([[1000 + i for i in range(16)]], SamplingParams(
@@ -125,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(lambda: child(a.child, a.bucket_mb))
     rows = [run_variant([__file__, "--child", v, "--bucket-mb", str(a.bucket_mb)], v, a.out,
                         tag="sync") for v in a.variants.split(",")]
-    print("| variant | packed GB | pack s | sync s (first) | sync s (second) |\n|---|---|---|---|---|")
+    print("| variant | packed GB | pack s | sync s (first) | sync s (second) | of which engine s |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | |")
+            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | |")
         else:
             print(f"| {r['variant']} | {r['packed_gb']} | {r['pack_s']} | {r['sync_s_v1']} | "
-                  f"{r['sync_s_v2']} |")
+                  f"{r['sync_s_v2']} | {r.get('engine_s_v2', '')} |")
     return 0
 
 

@@ -12,10 +12,14 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_qrl.rollout.broadcast import flatten
 from megatron_qrl.rollout_sglang.inplace import (
     CONTROL,
+    FLAT,
+    RECV,
     InplaceSyncError,
     StreamTracker,
+    encode_control,
     load_packed,
     module_key,
 )
@@ -204,16 +208,26 @@ def live_tensors(model):
     return out
 
 
-def sync(model, stream, per_bucket, suffixes=SUFFIXES):
-    """The sender: buckets of ``per_bucket`` tensors, each with its control tensor."""
+def sync(model, stream, per_bucket, suffixes=SUFFIXES, flat=False):
+    """The sender: buckets of ``per_bucket`` tensors, each with its control tensor
+    (``flat``: each bucket as one flattened buffer + its metadata, as SGLangEngine's
+    ``flatten_buckets`` sends it)."""
     tracker, bucket = StreamTracker(suffixes), []
+
+    def send(final):
+        items = bucket
+        if flat and bucket:
+            buf, meta = flatten(bucket)
+            items = [(RECV, encode_control({"meta": meta})), (FLAT, buf)]
+        load_packed(model, items + [(CONTROL, tracker.control(final=final))])
+
     for name, t in stream:
         tracker.add(name)
         bucket.append((name, tracker.send_as(name, t)))
         if len(bucket) == per_bucket:
-            load_packed(model, bucket + [(CONTROL, tracker.control(final=False))])
+            send(False)
             bucket = []
-    load_packed(model, bucket + [(CONTROL, tracker.control(final=True))])
+    send(True)
 
 
 def test_module_key_maps_hf_names_to_sglang_modules():
@@ -226,11 +240,12 @@ def test_module_key_maps_hf_names_to_sglang_modules():
     assert module_key("lm_head.weight") == "lm_head"
 
 
-@pytest.mark.parametrize("per_bucket", [1, 3, 5, 1000])
-def test_inplace_sync_keeps_storage_and_equals_a_fresh_load(per_bucket):
+@pytest.mark.parametrize("per_bucket,flat", [(1, False), (3, False), (5, False), (1000, False),
+                                             (3, True), (1000, True)])
+def test_inplace_sync_keeps_storage_and_equals_a_fresh_load(per_bucket, flat):
     model = FakeModel()
     before = {k: (v.data_ptr(), v.stride()) for k, v in live_tensors(model).items()}
-    sync(model, weights(1), per_bucket)
+    sync(model, weights(1), per_bucket, flat=flat)
     want = FakeModel(seed=1)  # an engine started on B: the post-processed expected values
     got, exp = live_tensors(model), live_tensors(want)
     assert set(got) == set(before) == set(exp)

@@ -43,9 +43,10 @@ from ..rollout.base import (
     SamplingParams,
     WeightSyncError,
 )
+from ..rollout.broadcast import flatten
 from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
-from .inplace import CONTROL, LOADER, StreamTracker
+from .inplace import CONTROL, FLAT, LOADER, RECV, StreamTracker, encode_control
 from .moe_configs import config_dir_for_engine
 
 FEATURE = "--qrl-rollout-engine sglang"
@@ -124,7 +125,7 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, model_path: str | Path, spec_name: str, *, sync: str | None = None,
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
-                 **engine_kwargs):
+                 flatten_buckets: bool = False, **engine_kwargs):
         sync = default_sync(spec_name) if sync is None else sync
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -136,6 +137,11 @@ class SGLangEngine(RolloutEngine):
         if sync == "distributed":
             _check_distributed_layout(self.trainer_device, group_backend, engine_kwargs)
         self.group_backend = group_backend
+        if flatten_buckets and sync != "inplace":
+            raise ValueError(f"flatten_buckets applies to sync='inplace' (got sync={sync!r})")
+        self.flatten_buckets = flatten_buckets
+        """In-place buckets as one flat buffer each (one CUDA-IPC handle per bucket instead
+        of one per tensor; bench/weight_sync.py variant ``FMT:inplace+flat``)."""
         self._group = None
         sglang = require("sglang", FEATURE)
         self.spec = get_spec(spec_name)
@@ -161,7 +167,8 @@ class SGLangEngine(RolloutEngine):
         self._sent: dict[str, str] = {}
         self._version = -1
         self.last_sync: dict = {}
-        """``buckets`` sent and wall ``seconds`` of the last :meth:`update_weights`."""
+        """``buckets`` sent, wall ``seconds`` of the last :meth:`update_weights`, and
+        ``request_s``: the part spent waiting on the engine's load requests."""
 
     # ---- weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -193,9 +200,13 @@ class SGLangEngine(RolloutEngine):
         size = 0
 
         def flush(last: bool) -> None:
+            items = bucket
+            if tracker and self.flatten_buckets and bucket:
+                flat, meta = flatten(bucket)
+                items = [(RECV, encode_control({"meta": meta}).to("cuda")), (FLAT, flat)]
             if tracker:
-                bucket.append((CONTROL, tracker.control(final=last).to("cuda")))
-            payload = self.engine._serialize_tensors_per_rank(bucket, None)
+                items = items + [(CONTROL, tracker.control(final=last).to("cuda"))]
+            payload = self.engine._serialize_tensors_per_rank(items, None)
             req = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=payload, load_format=load_format, flush_cache=last,
                 weight_version=str(version) if last else None)
@@ -244,7 +255,6 @@ class SGLangEngine(RolloutEngine):
         )
 
         from .distributed import flat_buckets, run_with_broadcast
-        from .inplace import RECV, encode_control
 
         group = self.weight_group()
         quantized = self.spec.quantizes_weights
@@ -277,6 +287,7 @@ class SGLangEngine(RolloutEngine):
             self.last_sync["buckets"] += 1
 
     def _checked(self, req, first: str) -> tuple[bool, str]:
+        t0 = time.perf_counter()
         try:
             return self._request(req)
         except Exception as exc:
@@ -284,6 +295,9 @@ class SGLangEngine(RolloutEngine):
                 raise EngineDiedError(f"SGLang died loading a weight bucket ({first} ...; see "
                                       f"the scheduler log): {exc}") from exc
             raise
+        finally:  # the engine's share of the sync (the rest: packing, fingerprints, buckets)
+            self.last_sync["request_s"] = self.last_sync.get("request_s", 0.0) + (
+                time.perf_counter() - t0)
 
     def _sync_disk(self, stream, version, sent) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput

@@ -43,9 +43,12 @@ import torch
 
 CONTROL = "__qrl_inplace__"
 RECV = "__qrl_recv__"
-"""A bucket whose tensors arrive by broadcast (``SGLangEngine(sync="distributed")``): this
-entry carries ``{"group", "meta"}`` and the loader receives the bucket's flat buffer on the
-weight-update group (:mod:`.distributed`)."""
+"""A flattened bucket's metadata ``{"meta": BucketMeta}``: its tensors are the views of one
+``uint8`` buffer (:func:`megatron_qrl.rollout.broadcast.flatten`), sent in the same bucket
+as :data:`FLAT` (one CUDA-IPC handle per bucket instead of one per tensor), or — with
+``"group"`` — received by broadcast on that weight-update group
+(``SGLangEngine(sync="distributed")``, :mod:`.distributed`)."""
+FLAT = "__qrl_flat__"
 LOADER = "megatron_qrl.rollout_sglang.inplace.load_packed"
 """The ``load_format`` / ``custom_weight_loader`` entry (SGLang's ``dynamic_import`` splits
 on the last dot)."""
@@ -378,10 +381,7 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
     msg = decode_control(ctl[0])
     views = msg.get("views", {})
     weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
-               for n, t in named if n not in (CONTROL, RECV)]
-    for n, t in named:
-        if n == RECV:
-            weights += receive_bucket(decode_control(t), ctl[0].device)
+               for n, t in bucket_weights(named, ctl[0].device)]
     pending: dict[str, _Pending] = vars(model).setdefault(_STATE_ATTR, {})
     if msg["begin"] and pending:
         left = sorted(pending)
@@ -413,6 +413,21 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
         pending.clear()
         raise InplaceSyncError(f"in-place sync ended with modules never completed "
                                f"(tensors received so far): {left}")
+
+
+def bucket_weights(named: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The HF-named tensors of one bucket: plain entries, plus a flattened bucket's views
+    (:data:`RECV` with :data:`FLAT` in the bucket, or received by broadcast)."""
+    plain = [(n, t) for n, t in named if n not in (CONTROL, RECV, FLAT)]
+    recv = [decode_control(t) for n, t in named if n == RECV]
+    flat = [t for n, t in named if n == FLAT]
+    if not recv:
+        return plain
+    if flat:
+        from ..rollout.broadcast import unflatten
+
+        return plain + unflatten(flat[0], recv[0]["meta"])
+    return plain + receive_bucket(recv[0], device)
 
 
 def receive_bucket(msg: dict, device: torch.device) -> list[tuple[str, torch.Tensor]]:
