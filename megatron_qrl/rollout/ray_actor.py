@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams
-from .broadcast import free_port, init_group, receive_stream, send_stream
+from .broadcast import free_port, init_group, iter_buckets, receive_stream, send_stream
 from .supervisor import EngineDiedError
 
 __all__ = ["SGLANG_ROLLOUT_FIELDS", "WEIGHT_TRANSPORTS", "EngineActor", "EngineSpec", "RayEngine",
@@ -248,20 +248,10 @@ def weight_backend(engine_kind: str) -> str:
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
     """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
-    bucket), each tensor in its :func:`to_wire` form."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in stream:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, to_wire(t)))
-        size += nbytes
-    if bucket:
-        yield bucket
+    bucket, :func:`~megatron_qrl.rollout.broadcast.iter_buckets`), each tensor in its
+    :func:`to_wire` form."""
+    for bucket in iter_buckets(stream, bucket_bytes):
+        yield [(name, to_wire(t)) for name, t in bucket]
 
 
 class RayEngine(RolloutEngine):
