@@ -46,6 +46,7 @@ from ..rollout.base import (
 from ..rollout.broadcast import flatten
 from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
+from . import crash
 from .inplace import CONTROL, FLAT, LOADER, RECV, StreamTracker, encode_control
 from .moe_configs import config_dir_for_engine
 
@@ -163,7 +164,13 @@ class SGLangEngine(RolloutEngine):
         self.returns_experts = bool(self.is_moe and args.get("enable_return_routed_experts"))
         """MoE engines return routed experts unless started with
         ``enable_return_routed_experts=False`` (then ``routed_experts`` is None)."""
-        self.engine = sglang.Engine(model_path=str(self.model_path), **args)
+        # a crashed child must fail the engine call, not kill this process (.crash)
+        args.setdefault("custom_sigquit_handler", crash.on_child_crash)
+        crash.mark_alive()
+        with crash.engine_call():
+            self.engine = sglang.Engine(model_path=str(self.model_path), **args)
+        self.crash_handler = crash.install(self.engine)
+        """True when SGLang's process-killing SIGQUIT handlers were replaced (main thread)."""
         self._sent: dict[str, str] = {}
         self._version = -1
         self.last_sync: dict = {}
@@ -175,13 +182,14 @@ class SGLangEngine(RolloutEngine):
         sent = Checksums()  # fingerprints fetched once at the end (no sync per tensor)
         t0 = time.perf_counter()
         self.last_sync = {"buckets": 0, "seconds": 0.0}
-        if self.sync in ("tensor", "inplace"):
-            self._sync_tensor(named_tensors, version, sent)
-        elif self.sync == "distributed":
-            self._sync_distributed(named_tensors, version, sent)
-        else:
-            self._sync_disk(named_tensors, version, sent)
-        got = self.engine.get_server_info().get("weight_version")
+        with crash.engine_call():
+            if self.sync in ("tensor", "inplace"):
+                self._sync_tensor(named_tensors, version, sent)
+            elif self.sync == "distributed":
+                self._sync_distributed(named_tensors, version, sent)
+            else:
+                self._sync_disk(named_tensors, version, sent)
+            got = self.engine.get_server_info().get("weight_version")
         if str(got) != str(version):
             raise WeightSyncError(f"SGLang reports weight_version {got!r} after sending version "
                                   f"{version}; the engine did not apply the update")
@@ -340,9 +348,10 @@ class SGLangEngine(RolloutEngine):
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
         try:
-            outs = self.engine.generate(input_ids=[list(p) for p in prompts],
-                                        sampling_params=params, return_logprob=True,
-                                        return_routed_experts=self.returns_experts)
+            with crash.engine_call():
+                outs = self.engine.generate(input_ids=[list(p) for p in prompts],
+                                            sampling_params=params, return_logprob=True,
+                                            return_routed_experts=self.returns_experts)
         except Exception as exc:
             if not self._alive():
                 raise EngineDiedError(f"an SGLang engine process exited: {exc}") from exc
@@ -379,10 +388,12 @@ class SGLangEngine(RolloutEngine):
                                 self._version, experts)
 
     def release_memory(self) -> None:
-        self.engine.release_memory_occupation()
+        with crash.engine_call():
+            self.engine.release_memory_occupation()
 
     def resume_memory(self) -> None:
-        self.engine.resume_memory_occupation()
+        with crash.engine_call():
+            self.engine.resume_memory_occupation()
 
     def shutdown(self) -> None:
         if self._group is not None:  # a process group left at exit aborts the interpreter
