@@ -13,6 +13,7 @@
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape, every format in place
+#   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
 #   train       qrl-train tiny-cpu with --qrl-rollout-engine sglang (int8 in place, aligned)
@@ -25,7 +26,7 @@
 #   te-test     wait for the build, then tests/gpu/test_te_recipes.py and the te: variants of
 #               bench/aligned_step.py
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|dist|sync|train|aligned|te-part N|te-build|te-test}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|train|aligned|te-part N|te-build|te-test}
 OUT=${OUT:-/tmp/qrl-out}
 mkdir -p "$OUT"
 source .stage/recipe/setup.sh
@@ -66,6 +67,8 @@ case $phase in
     marlin_wait
     python3 -m pytest -q tests/gpu/test_sglang_inplace.py -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | grep -E "inplace\]|passed|failed|Error|assert " ;;
+  restart)  # a SIGKILLed scheduler: restart + re-sync + retry, the trainer process survives
+    python3 -m pytest -q tests/gpu/test_sglang_restart.py -s 2>&1 | grep -E "restart|passed|failed|Error|assert " ;;
   dist)
     nvidia-smi --query-gpu=index,name --format=csv,noheader
     python3 -m pytest -q tests/gpu/test_sglang_inplace.py -s -k distributed 2>&1 \
