@@ -194,6 +194,42 @@ def test_broadcast_failures(cluster):
         RaySession("colocated", weight_transport="nccl")
 
 
+def test_actor_death_mid_send_aborts_the_group(cluster, monkeypatch):
+    """NCCL does not notice a dead peer: with ``abort_on_death`` (on for NCCL groups) a
+    watcher aborts the group when the actor dies, so the blocked send fails at once instead
+    of at the group timeout. The send here blocks until its group is aborted, as an NCCL
+    broadcast to a dead peer would."""
+    import threading
+    import time
+
+    import megatron_qrl.rollout.ray_actor as ray_actor
+
+    class BlockingGroup:
+        def __init__(self):
+            self.aborted = threading.Event()
+
+        def abort(self):
+            self.aborted.set()
+
+    def blocking_send(source, group, device, bucket_bytes):
+        if not group.aborted.wait(60):
+            return 0
+        raise RuntimeError("NCCL communicator was aborted")
+
+    cfg, packed = _packed()
+    with RaySession("disaggregated", weight_timeout_s=60) as session:
+        engine = session.new_actor(EngineSpec("reference", cfg, "int8", seed=0, num_threads=1))
+        engine.abort_on_death = True
+        engine.group, engine.group_name = BlockingGroup(), "blocking"
+        monkeypatch.setattr(ray_actor, "send_stream", blocking_send)
+        monkeypatch.setattr(engine, "destroy_group", lambda: None)
+        ray.kill(engine.actor, no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(EngineDiedError, match="aborted"):
+            engine.update_weights(iter(packed), 1)
+        assert time.monotonic() - start < 20 and engine.group.aborted.is_set()
+
+
 def test_ray_flags_reach_the_session(cluster):
     from megatron_qrl.config import QrlArgumentError
     from megatron_qrl.rl.cli import _ray_session, parse_configs

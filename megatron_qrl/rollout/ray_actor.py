@@ -278,16 +278,19 @@ class RayEngine(RolloutEngine):
         self.group: Any = None
         self.group_name: str | None = None
         self._broken = False  # a broadcast failed: the actor was killed, never call it again
+        self.abort_on_death = self.backend == "nccl"
+        """Abort the group when the actor dies mid-send (NCCL does not notice a dead peer;
+        gloo fails the send at once, and its groups cannot be aborted)."""
 
-    def _call(self, method: str, *args: Any, during: Callable[[], Any] | None = None) -> Any:
-        """``actor.method(*args)``; ``during()`` runs on the driver between submitting the
+    def _call(self, method: str, *args: Any, during: Callable[[Any], Any] | None = None) -> Any:
+        """``actor.method(*args)``; ``during(ref)`` runs on the driver between submitting the
         call and waiting for it (the broadcast the actor receives)."""
         import ray
 
         try:
             ref = getattr(self.actor, method).remote(*args)
             if during is not None:
-                during()
+                during(ref)
             return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise EngineDiedError(f"rollout engine actor died during {method}: "
@@ -304,13 +307,19 @@ class RayEngine(RolloutEngine):
         if self.group is None:
             self._join_group()
         self._call("update_weights_broadcast", version,
-                   during=lambda: self._broadcast(named_tensors))
+                   during=lambda ref: self._broadcast(named_tensors, ref))
 
-    def _broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ref: Any) -> None:
         """Send the stream on the group; a failed send drains the stream, kills the actor and
-        raises :class:`EngineDiedError` (an error of the stream itself propagates)."""
+        raises :class:`EngineDiedError` (an error of the stream itself propagates). With
+        ``abort_on_death`` a watcher aborts the group when the actor dies mid-send."""
         source = _Tracked(named_tensors)
         device = "cuda" if self.backend == "nccl" else "cpu"
+        sending = threading.Event()
+        sending.set()
+        if self.abort_on_death:
+            threading.Thread(target=self._abort_if_actor_dies, args=(ref, sending),
+                             name="qrl-weight-watch", daemon=True).start()
         try:
             self.buckets_sent += send_stream(source, self.group, device, self.bucket_bytes)
         except Exception as exc:
@@ -322,6 +331,30 @@ class RayEngine(RolloutEngine):
             raise EngineDiedError(f"weight broadcast to the rollout engine actor failed "
                                   f"(group {self.group_name}): {type(exc).__name__}: "
                                   f"{str(exc)[:300]}") from exc
+        finally:
+            sending.clear()
+
+    def _abort_if_actor_dies(self, ref: Any, sending: threading.Event) -> None:
+        """While ``sending``: if the actor's receiving call ends in the actor's death, abort
+        the group so the blocked send fails (an NCCL send to a dead peer otherwise waits for
+        the group timeout, after which NCCL's watchdog may tear the trainer down)."""
+        import ray
+
+        while sending.is_set():
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                if sending.is_set() and self.group is not None:
+                    try:
+                        self.group.abort()
+                    except Exception:  # noqa: BLE001 - the send fails at its timeout then
+                        pass
+            except Exception:  # noqa: BLE001 - an engine error: the actor drains the stream
+                pass
+            return
 
     def _join_group(self) -> None:
         """Form the 2-rank weight group with the actor (rank 1); the driver is rank 0 and
