@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="append one JSONL record per variant here")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one step per variant (torch.profiler) and print "
+                        "its N most expensive ops (device time on a GPU, CPU time otherwise)")
     return p.parse_args(argv)
 
 
@@ -290,6 +293,26 @@ def probe(variants: list[Variant], mbs: list[dict], loss_fn: Any, cuda: bool,
     return kept
 
 
+def profile_steps(variants: list[Variant], mbs: list[dict], loss_fn: Any, cuda: bool,
+                  top: int) -> dict[str, list[dict]]:
+    """One profiled step per variant: ``{variant: [{op, calls, ms}] of its top ops}`` (where
+    the aligned step's extra time goes: activation fake-quant, re-quantization, ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "device_time_total" if cuda else "cpu_time_total"
+    out = {}
+    for v in variants:
+        with profile(activities=acts) as prof:
+            timed_step(v, mbs, loss_fn, cuda)
+        ev = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
+        out[v.name] = [{"op": e.key, "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
+                       for e in ev]
+        print(f"profile {v.name}: " + "; ".join(f"{r['op']} x{r['calls']} {r['ms']} ms"
+                                               for r in out[v.name]))
+    return out
+
+
 def run_rounds(variants: list[Variant], mbs: list[dict], loss_fn: Any, args: argparse.Namespace,
                cuda: bool) -> None:
     """Warm-up, then ``args.rounds`` interleaved rounds (forward order, then reversed)."""
@@ -366,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                          "cuda" if cuda else "cpu", args.seed)
         variants = probe(variants, mbs, loss_fn, cuda, notes)
         run_rounds(variants, mbs, loss_fn, args, cuda)
+        profiles = profile_steps(variants, mbs, loss_fn, cuda, args.profile) if args.profile else {}
     device = torch.cuda.get_device_name() if cuda else "cpu"
     meta = {"bench": "aligned_step", "device": device, "tiny": args.tiny,
             "layers": arch.num_layers, "hidden": arch.hidden_size, "experts": arch.num_experts,
@@ -375,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds, "loss": f"policy loss {args.loss_kind} + error tokens "
             "(PolicyTrainer.train_step: forward + backward + Adam step)", "notes": notes}
     recs = records(variants, meta)
+    for r in recs:
+        if r["variant"] in profiles:
+            r["profile_top_ops"] = profiles[r["variant"]]
     print(f"device: {device}; {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_experts} experts top-{arch.moe_top_k}; {args.dtype}; batch "
           f"{args.num_micro_batches} x {args.micro_batch} x {args.seq_len}; step = {meta['loss']}")

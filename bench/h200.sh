@@ -88,7 +88,7 @@ case $phase in
       | grep -v Warning | tail -n 20
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
   aligned)
-    python3 bench/aligned_step.py --warmup 2 --rounds 8 --out "$OUT/aligned_step.jsonl" ;;
+    python3 bench/aligned_step.py --warmup 2 --rounds 8 --profile 12 --out "$OUT/aligned_step.jsonl" ;;
   te-part)
     mkdir -p /tmp/te && cp .stage/te${2:?part number}/part* /tmp/te/ && ls -la /tmp/te ;;
   te-build)
