@@ -126,3 +126,20 @@ def test_summary_and_compare_table(tmp_path):
     assert lines[2].startswith("| int8+acr | 0.65 |") and "| 8 |" in lines[2]
     assert lines[3] == "| bf16 | 1 | 0.01 | n/a | 0.1 | 0.5 |"
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_atomic_writes_get_the_umask_modes_not_mkstemps(tmp_path, monkeypatch):
+    """mkstemp / mkdtemp make 0600 / 0700 entries; checkpoints and metrics on a shared
+    cluster must get the modes a plain open / mkdir gives (0666 / 0777 minus the umask)."""
+    import torch
+
+    import megatron_qrl.utils.io as io_mod
+
+    monkeypatch.setattr(io_mod, "_UMASK", 0o022)
+    f = atomic_write_text(tmp_path / "m.json", "{}")
+    t = atomic_torch_save({"a": torch.zeros(1)}, tmp_path / "c.pt")
+    with atomic_directory(tmp_path / "ckpt") as d:
+        (d / "x").write_text("1")
+    assert oct(f.stat().st_mode & 0o777) == oct(0o644)
+    assert oct(t.stat().st_mode & 0o777) == oct(0o644)
+    assert oct((tmp_path / "ckpt").stat().st_mode & 0o777) == oct(0o755)

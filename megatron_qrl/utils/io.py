@@ -28,11 +28,24 @@ __all__ = [
 ]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+"""The process umask (read once at import). ``mkstemp`` / ``mkdtemp`` create 0600 / 0700
+entries; the renamed results get the modes a plain ``open`` / ``mkdir`` would give, so a
+colleague on a shared cluster can read the run's checkpoints and metrics."""
+
+
 @contextlib.contextmanager
 def _temp_file(path: Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)
     try:
         yield Path(tmp)
         os.replace(tmp, path)
@@ -89,6 +102,7 @@ def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_UMASK)
     try:
         yield tmp
     except BaseException:
