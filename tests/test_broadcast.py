@@ -139,3 +139,16 @@ def test_init_group_bad_rank_and_bucket_size():
         init_group("127.0.0.1", 1, 1, 0, "bad")
     with pytest.raises(ValueError, match="bucket_bytes"):
         list(iter_buckets([("x", torch.zeros(1))], 0))
+
+
+def test_weight_backend_never_puts_two_nccl_ranks_on_one_gpu(monkeypatch):
+    """NCCL for an SGLang actor on its own GPU; a colocated actor shares the driver's GPU,
+    where NCCL cannot hold both ranks, so gloo; the reference engine always gloo."""
+    from megatron_qrl.rollout.ray_actor import weight_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert weight_backend("sglang") == "nccl"
+    assert weight_backend("sglang", colocated=True) == "gloo"
+    assert weight_backend("reference") == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert weight_backend("sglang") == "gloo"

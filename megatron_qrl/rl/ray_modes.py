@@ -52,6 +52,7 @@ from megatron_qrl.rollout.ray_actor import (
     EngineSpec,
     RayEngine,
     sglang_job_spec,
+    weight_backend,
 )
 from megatron_qrl.rollout.supervisor import EngineSupervisor
 
@@ -196,6 +197,7 @@ class RaySession:
         opts = actor_options(self.layout, spec, self.pg)
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec),
                          transport=self.weight_transport, engine_kind=spec.kind,
+                         backend=weight_backend(spec.kind, colocated=self.mode == "colocated"),
                          timeout_s=self.weight_timeout_s)
 
     def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:

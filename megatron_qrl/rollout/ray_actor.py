@@ -239,10 +239,13 @@ def _drain(stream: Iterator[Any]) -> None:
         pass
 
 
-def weight_backend(engine_kind: str) -> str:
+def weight_backend(engine_kind: str, colocated: bool = False) -> str:
     """The weight group's backend: ``nccl`` when this (driver) process has CUDA and the
-    engine is SGLang (GPU tensors on both sides), else ``gloo``."""
-    return "nccl" if engine_kind == "sglang" and torch.cuda.is_available() else "gloo"
+    engine is SGLang on another GPU (GPU tensors on both sides), else ``gloo``. Colocated
+    engines share the driver's GPU, where NCCL cannot hold both ranks ("Duplicate GPU")."""
+    if engine_kind == "sglang" and torch.cuda.is_available() and not colocated:
+        return "nccl"
+    return "gloo"
 
 
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
