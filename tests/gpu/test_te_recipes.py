@@ -57,11 +57,11 @@ def _data(out=512, inp=256, tokens=64):
     return w, x
 
 
-def _e4m3_steps(diff: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``diff`` in units of one E4M3 step at ``ref``'s magnitude (``scale``: the dequant scale
-    per element; 3 mantissa bits, subnormal step 2^-9)."""
-    q = (ref / scale).abs().clamp_min(2.0 ** -6)
-    return diff / (torch.exp2(torch.floor(torch.log2(q)) - 3) * scale)
+def _e4m3_steps(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``|a - b|`` in units of one E4M3 step at the larger magnitude of the two (``scale``:
+    the dequant scale per element; 3 mantissa bits, subnormal step 2^-9)."""
+    q = (torch.maximum(a.abs(), b.abs()) / scale).clamp_min(2.0 ** -6)
+    return (a - b).abs() / (torch.exp2(torch.floor(torch.log2(q)) - 3) * scale)
 
 
 def _block_scales(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -88,8 +88,8 @@ def test_fp8_block_quantizers_vs_reference():
     ref_w = spec.fake_quant_weight(w.float())
     ref_x = spec.fake_quant_activation(x.float())
     dw, dx = (te_w - ref_w).abs(), (te_x - ref_x).abs()
-    sw = _e4m3_steps(dw, ref_w, _block_scales(w, 128)).max().item()
-    sx = _e4m3_steps(dx, ref_x, _block_scales(x, 1)).max().item()
+    sw = _e4m3_steps(te_w, ref_w, _block_scales(w, 128)).max().item()
+    sx = _e4m3_steps(te_x, ref_x, _block_scales(x, 1)).max().item()
     print(f"fp8_block: max |TE - reference| weight {dw.max().item():.3e} ({(dw > 0).float().mean().item():.2%} "
           f"of elements, <= {sw:.2f} E4M3 steps), activation {dx.max().item():.3e} "
           f"({(dx > 0).float().mean().item():.2%}, <= {sx:.2f} steps)")
@@ -97,7 +97,7 @@ def test_fp8_block_quantizers_vs_reference():
     assert RECIPES["fp8_block"].matches_spec == equal, (
         f"te_recipes.RECIPES['fp8_block'].matches_spec={RECIPES['fp8_block'].matches_spec} but "
         f"TE {'equals' if equal else 'differs from'} the reference here: update the table")
-    assert sw <= 1.0 + 1e-6 and sx <= 1.0 + 1e-6, "TE differs by more than rounding"
+    assert sw <= 1.0 + 1e-3 and sx <= 1.0 + 1e-3, "TE differs by more than rounding"
 
 
 def test_fp8_block_recipe_gemm_is_its_quantizers():
