@@ -21,8 +21,14 @@
 # bit-identical to the same 2-rank --qrl-mode single run; TP=2 / EP=2 multi-rank training
 # matches one process (tests/test_rl_multirank.py). The SGLang-in-a-Ray-actor construction
 # (EngineSpec, 1-GPU actor options, start_job_engine arguments) is unit-tested with a fake
-# engine class. NEVER RUN: this script itself — GPUs, NCCL, SGLang inside a Ray actor,
-# multi-node torchrun or a multi-node Ray cluster. Refused in this build (clear error each):
+# engine class. On one H200: qrl-train with an in-process SGLang engine (single mode, int8
+# in place) and every format's in-place weight sync ran (docs/BENCHMARKS.md). Weights reach
+# the engine actor over a process-group broadcast (--qrl-ray-weight-transport broadcast,
+# default): NCCL when the actor has its own GPU (disaggregated; the engine node must reach
+# rank 0's node on a free TCP port for the group's store), gloo through host memory when
+# colocated (same GPU); --qrl-ray-weight-transport objectstore uses Ray's object store.
+# NEVER RUN: this script itself — NCCL, SGLang inside a Ray actor, multi-node torchrun or a
+# multi-node Ray cluster. Refused in this build (clear error each):
 # --use-distributed-optimizer, --fp16, --pipeline-model-parallel-size > 1, SGLang engine TP > 1.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
