@@ -64,6 +64,9 @@ def test_batched_checksums_equal_per_tensor_fingerprints():
     for n, t in tensors.items():
         sums.add(n, t)
     assert sums.result() == {n: tensor_checksum(t) for n, t in tensors.items()}
+    passed = Checksums()
+    assert [n for n, _ in passed.passing(iter(tensors.items()))] == list(tensors)
+    assert passed.result() == sums.result()
     assert len(set(sums.result().values())) == len(tensors)
     m = WeightManifest()
     it = m.record(iter(tensors.items()))

@@ -77,6 +77,13 @@ class Checksums:
         self._meta.append((name, t.dtype, tuple(t.shape)))
         self._parts.append(checksum_parts(t))
 
+    def passing(self, stream: Iterable[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``stream`` unchanged, each tensor added on its way through."""
+        for name, t in stream:
+            self.add(name, t)
+            yield name, t
+
     def result(self) -> dict[str, str]:
         """``name -> fingerprint`` of every added tensor, in order."""
         host: dict[torch.device, list[list[int]]] = {}

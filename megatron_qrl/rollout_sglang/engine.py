@@ -268,12 +268,7 @@ class SGLangEngine(RolloutEngine):
         quantized = self.spec.quantizes_weights
         tracker = StreamTracker(packed_suffixes(self.spec)) if quantized else None
 
-        def fingerprinted():
-            for name, t in stream:
-                sent.add(name, t)
-                yield name, t
-
-        for names, flat, meta, last in flat_buckets(fingerprinted(), self.bucket_bytes,
+        for names, flat, meta, last in flat_buckets(sent.passing(stream), self.bucket_bytes,
                                                     self.trainer_device):
             wv = str(version) if last else None
             if tracker:
@@ -316,12 +311,7 @@ class SGLangEngine(RolloutEngine):
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
 
-        def fingerprint():
-            for name, t in stream:
-                sent.add(name, t)
-                yield name, t
-
-        write_safetensors(fingerprint(), target)
+        write_safetensors(sent.passing(stream), target)
         copy_side_files(self.model_path, target)
         req = UpdateWeightFromDiskReqInput(model_path=str(target), weight_version=str(version))
         ok, msg = self.engine.loop.run_until_complete(
