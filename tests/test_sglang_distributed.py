@@ -125,3 +125,6 @@ def test_distributed_sync_is_refused_in_ray_modes(monkeypatch):
     with pytest.raises(QrlArgumentError, match="distributed is for --qrl-mode single"):
         parse_configs(["--qrl-mode", "disaggregated", "--qrl-rollout-engine", "sglang",
                        "--qrl-rollout-sglang-sync", "distributed"])
+    with pytest.raises(QrlArgumentError, match="Ray gives the engine actor its GPU"):
+        parse_configs(["--qrl-mode", "colocated", "--qrl-rollout-engine", "sglang",
+                       "--qrl-rollout-sglang-base-gpu", "1"])

@@ -8,8 +8,10 @@ packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
 
 * ``broadcast`` (the default, :mod:`megatron_qrl.rollout.broadcast`): on the first sync the
   driver (rank 0) and the actor (rank 1) form a 2-rank process group ``qrl-weights-<uuid>``
-  (rendezvous at the driver's node IP; NCCL when the driver has CUDA and the engine is
-  SGLang, else gloo). Per sync the driver starts ``update_weights_broadcast`` on the actor,
+  (rendezvous at the driver's node IP; NCCL when the driver has CUDA and the SGLang engine
+  has its own GPU, else gloo — a colocated engine shares the driver's GPU, where NCCL cannot
+  hold both ranks). With NCCL a watcher aborts the group if the actor dies mid-send (NCCL
+  does not notice a dead peer). Per sync the driver starts ``update_weights_broadcast`` on the actor,
   broadcasts the stream as framed ``uint8`` buckets of about ``bucket_bytes``
   (:func:`~megatron_qrl.rollout.broadcast.send_stream`) while the actor's engine loads it
   bucket by bucket, then waits for the call. Nothing goes through the object store.
