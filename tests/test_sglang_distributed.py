@@ -13,7 +13,12 @@ import torch
 
 from megatron_qrl.rollout.base import WeightSyncError
 from megatron_qrl.rollout.broadcast import flatten, init_group
-from megatron_qrl.rollout_sglang.distributed import lookahead, open_group, run_with_broadcast
+from megatron_qrl.rollout_sglang.distributed import (
+    lookahead,
+    open_group,
+    run_alongside,
+    send_bucket,
+)
 from megatron_qrl.rollout_sglang.engine import _check_distributed_layout
 from megatron_qrl.rollout_sglang.inplace import receive_bucket
 
@@ -47,7 +52,8 @@ def test_group_and_bucket_broadcast_reach_the_inplace_loader():
 
     group = open_group(engine_join, 1, torch.device("cpu"), backend="gloo", timeout_s=60)
     assert group.world_size == 2 and group.name.startswith("qrl-weights-")
-    assert run_with_broadcast(lambda: (True, "ok"), flat, group, timeout_s=60) == (True, "ok")
+    assert run_alongside(lambda: (True, "ok"), lambda: send_bucket(flat, group),
+                         timeout_s=60) == (True, "ok")
     got = q.get(timeout=60)
     procs[0].join(30)
     torch.distributed.destroy_process_group(group.pg)  # a gloo group alive at exit aborts
@@ -68,7 +74,7 @@ def test_engine_refusing_the_group_names_it():
 
 def test_broadcast_thread_error_is_raised():
     with pytest.raises(WeightSyncError, match="trainer's side of the weight broadcast failed"):
-        run_with_broadcast(lambda: (True, ""), None, None, fn=lambda: 1 / 0, timeout_s=5)
+        run_alongside(lambda: (True, ""), lambda: 1 / 0, timeout_s=5)
 
 
 def test_lookahead_marks_the_last_item():

@@ -104,11 +104,10 @@ class WeightManifest:
         """Pass ``stream`` through, fingerprinting every tensor (duplicates are an error);
         the fingerprints land in ``checksums`` when the stream is exhausted."""
         pending, seen = Checksums(), set(self.checksums)
-        for name, t in stream:
+        for name, t in pending.passing(stream):
             if name in seen:
                 raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
             seen.add(name)
-            pending.add(name, t)
             yield name, t
         self.checksums.update(pending.result())
 

@@ -23,12 +23,14 @@ import json
 import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BucketMeta", "find_group", "flatten", "free_port", "init_group", "iter_buckets",
-           "receive_stream", "send_stream", "unflatten"]
+__all__ = ["BucketMeta", "broadcast_from_trainer", "bucket_nbytes", "find_group", "flatten",
+           "free_port", "init_group", "iter_buckets", "json_tensor", "receive_stream",
+           "send_stream", "tensor_json", "unflatten"]
 
 BucketMeta = list[tuple[str, str, list[int]]]
 """One bucket's ``(name, dtype name without "torch.", shape)`` per tensor, in payload order."""
@@ -92,6 +94,27 @@ def flatten(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Bucket
     return flat, meta
 
 
+def json_tensor(obj: Any, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``obj`` as JSON bytes in a ``uint8`` tensor (metadata that travels beside tensors)."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+
+
+def tensor_json(t: torch.Tensor) -> Any:
+    """Inverse of :func:`json_tensor`."""
+    return json.loads(bytes(t.detach().cpu().to(torch.uint8).tolist()).decode())
+
+
+def bucket_nbytes(meta: BucketMeta) -> int:
+    """Bytes of the flat buffer :data:`BucketMeta` describes."""
+    return sum(getattr(torch, dtype).itemsize * int(torch.Size(shape).numel())
+               for _, dtype, shape in meta)
+
+
+def broadcast_from_trainer(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Broadcast ``t`` from rank 0 (the trainer) of the weight group, in place on the others."""
+    dist.broadcast(t, group=group, group_src=0)
+
+
 def unflatten(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
     """Views of ``flat`` as the tensors :func:`flatten` packed (no copy)."""
     out, pos = [], 0
@@ -125,10 +148,6 @@ def iter_buckets(stream: Iterable[tuple[str, torch.Tensor]],
         yield bucket
 
 
-def _bcast(t: torch.Tensor, group: dist.ProcessGroup) -> None:
-    dist.broadcast(t, group=group, group_src=0)
-
-
 def send_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
                 device: torch.device | str, bucket_bytes: int) -> int:
     """Broadcast ``stream`` from rank 0 as framed buckets (module docstring); returns the
@@ -136,12 +155,12 @@ def send_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessG
     n = 0
     for bucket in iter_buckets(stream, bucket_bytes):
         flat, meta = flatten([(name, t.to(device)) for name, t in bucket])
-        head = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8, device=device)
-        _bcast(torch.tensor([head.numel(), flat.numel()], dtype=torch.int64, device=device), group)
-        _bcast(head, group)
-        _bcast(flat, group)
+        head = json_tensor(meta, device)
+        broadcast_from_trainer(torch.tensor([head.numel(), flat.numel()], dtype=torch.int64, device=device), group)
+        broadcast_from_trainer(head, group)
+        broadcast_from_trainer(flat, group)
         n += 1
-    _bcast(torch.zeros(2, dtype=torch.int64, device=device), group)
+    broadcast_from_trainer(torch.zeros(2, dtype=torch.int64, device=device), group)
     return n
 
 
@@ -151,12 +170,12 @@ def receive_stream(group: dist.ProcessGroup,
     arrives (tensors are views of their bucket's buffer on ``device``)."""
     while True:
         sizes = torch.empty(2, dtype=torch.int64, device=device)
-        _bcast(sizes, group)
+        broadcast_from_trainer(sizes, group)
         n_meta, n_flat = (int(x) for x in sizes.tolist())
         if n_meta == 0:
             return
         head = torch.empty(n_meta, dtype=torch.uint8, device=device)
-        _bcast(head, group)
+        broadcast_from_trainer(head, group)
         flat = torch.empty(n_flat, dtype=torch.uint8, device=device)
-        _bcast(flat, group)
-        yield from unflatten(flat, json.loads(bytes(head.cpu().tolist()).decode()))
+        broadcast_from_trainer(flat, group)
+        yield from unflatten(flat, tensor_json(head))

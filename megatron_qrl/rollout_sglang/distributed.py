@@ -29,9 +29,16 @@ from typing import Any
 import torch
 
 from ..rollout.base import WeightSyncError
-from ..rollout.broadcast import flatten, free_port, init_group, iter_buckets
+from ..rollout.broadcast import (
+    broadcast_from_trainer,
+    flatten,
+    free_port,
+    init_group,
+    iter_buckets,
+)
 
-__all__ = ["WeightGroup", "flat_buckets", "lookahead", "open_group", "run_with_broadcast"]
+__all__ = ["WeightGroup", "flat_buckets", "lookahead", "open_group", "run_alongside",
+           "send_bucket"]
 
 
 @dataclass
@@ -44,31 +51,23 @@ class WeightGroup:
     device: torch.device
 
 
-def run_with_broadcast(call: Callable[[], Any], flat: torch.Tensor | None, group: WeightGroup | None,
-                       fn: Callable[[], Any] | None = None, timeout_s: float = 600.0) -> Any:
-    """Run ``call()`` (the engine request) while a thread broadcasts ``flat`` on ``group``
-    (or runs ``fn``); the thread's error, or its not finishing within ``timeout_s`` after
-    the request returned, is raised as :class:`WeightSyncError`. A request answered
-    ``(False, message)`` is returned at once (the engine refused; the caller raises): the
-    thread then waits on a peer that will not come and ends at the group's timeout."""
-    import torch.distributed as dist
-
+def run_alongside(call: Callable[[], Any], work: Callable[[], Any],
+                  timeout_s: float = 600.0) -> Any:
+    """``call()`` (the engine's request) here while ``work()`` (the trainer's side: its
+    broadcast, or joining the group) runs in a thread; returns ``call()``'s result. The
+    thread's error, or its not finishing within ``timeout_s`` after the request returned, is
+    raised as :class:`WeightSyncError`. A request answered ``(False, message)`` is returned
+    at once (the engine refused; the caller raises): the thread then waits on a peer that
+    will not come and ends at the group's timeout."""
     err: list[BaseException] = []
 
-    def work() -> None:
+    def run() -> None:
         try:
-            if fn is not None:
-                fn()
-            else:
-                if group.device.type == "cuda":
-                    torch.cuda.set_device(group.device)
-                dist.broadcast(flat, group=group.pg, group_src=0)
-                if flat.is_cuda:
-                    torch.cuda.current_stream(flat.device).synchronize()
+            work()
         except BaseException as exc:  # re-raised in the caller
             err.append(exc)
 
-    th = threading.Thread(target=work, name="qrl-weight-broadcast", daemon=True)
+    th = threading.Thread(target=run, name="qrl-weight-broadcast", daemon=True)
     th.start()
     try:
         out = call()
@@ -86,6 +85,15 @@ def run_with_broadcast(call: Callable[[], Any], flat: torch.Tensor | None, group
     return out
 
 
+def send_bucket(flat: torch.Tensor, group: WeightGroup) -> None:
+    """The trainer's side of one bucket: broadcast ``flat`` and wait until it is sent."""
+    if group.device.type == "cuda":
+        torch.cuda.set_device(group.device)  # this runs in run_alongside's thread
+    broadcast_from_trainer(flat, group.pg)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+
+
 def open_group(init_engine_side: Callable[[str, int, int, str], tuple], tp_size: int,
                device: torch.device, backend: str = "nccl", host: str = "127.0.0.1",
                timeout_s: float = 600.0) -> WeightGroup:
@@ -98,8 +106,8 @@ def open_group(init_engine_side: Callable[[str, int, int, str], tuple], tp_size:
     def join() -> None:
         box["pg"] = init_group(host, port, world, 0, name, backend=backend, timeout_s=timeout_s)
 
-    ok, msg = run_with_broadcast(lambda: init_engine_side(host, port, world, name)[:2], None,
-                                 None, fn=join, timeout_s=timeout_s)
+    ok, msg = run_alongside(lambda: init_engine_side(host, port, world, name)[:2], join,
+                            timeout_s=timeout_s)
     if not ok:
         raise WeightSyncError(f"SGLang could not join the weight-update group {name} at "
                               f"{host}:{port}: {msg}")

@@ -218,7 +218,7 @@ class SGLangEngine(RolloutEngine):
             req = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=payload, load_format=load_format, flush_cache=last,
                 weight_version=str(version) if last else None)
-            ok, msg = self._checked(req, bucket[0][0])
+            ok, msg = self._checked("update_weights_from_tensor", req, bucket[0][0])
             if not ok:
                 raise WeightSyncError(f"SGLang rejected a weight bucket ({bucket[0][0]} ...): {msg}")
             self.last_sync["buckets"] += 1
@@ -235,13 +235,6 @@ class SGLangEngine(RolloutEngine):
                 flush(last=False)
                 bucket, size = [], 0
         flush(last=True)
-
-    def _request(self, req) -> tuple[bool, str]:
-        """Send one weight request to the engine (any ``...ReqInput``) and wait for it."""
-        tm = self.engine.tokenizer_manager
-        method = {"UpdateWeightsFromTensorReqInput": tm.update_weights_from_tensor,
-                  "UpdateWeightsFromDistributedReqInput": tm.update_weights_from_distributed}
-        return tuple(self.engine.loop.run_until_complete(method[type(req).__name__](req, None))[:2])
 
     def weight_group(self):
         """The weight-update group of ``sync="distributed"`` (created on first use)."""
@@ -262,7 +255,7 @@ class SGLangEngine(RolloutEngine):
             UpdateWeightsFromTensorReqInput,
         )
 
-        from .distributed import flat_buckets, run_with_broadcast
+        from .distributed import flat_buckets, run_alongside, send_bucket
 
         group = self.weight_group()
         quantized = self.spec.quantizes_weights
@@ -284,15 +277,22 @@ class SGLangEngine(RolloutEngine):
                     names=names, dtypes=[d for _, d, _ in meta], shapes=[s for _, _, s in meta],
                     group_name=group.name, flush_cache=last, weight_version=wv,
                     load_format="flattened_bucket")
-            ok, msg = run_with_broadcast(partial(self._checked, req, names[0]), flat, group)
+            send = ("update_weights_from_tensor" if tracker
+                    else "update_weights_from_distributed")
+            ok, msg = run_alongside(partial(self._checked, send, req, names[0]),
+                                    partial(send_bucket, flat, group))
             if not ok:
                 raise WeightSyncError(f"SGLang rejected a broadcast weight bucket ({names[0]} ...): {msg}")
             self.last_sync["buckets"] += 1
 
-    def _checked(self, req, first: str) -> tuple[bool, str]:
+    def _checked(self, send: str, req, first: str) -> tuple[bool, str]:
+        """``(ok, message)`` of weight request ``req`` sent by the tokenizer manager's ``send``
+        method (``update_weights_from_tensor`` / ``..._distributed``); a dead engine is an
+        :class:`EngineDiedError` naming the bucket's ``first`` tensor."""
         t0 = time.perf_counter()
         try:
-            return self._request(req)
+            coro = getattr(self.engine.tokenizer_manager, send)(req, None)
+            return tuple(self.engine.loop.run_until_complete(coro)[:2])
         except Exception as exc:
             if not self._alive():
                 raise EngineDiedError(f"SGLang died loading a weight bucket ({first} ...; see "

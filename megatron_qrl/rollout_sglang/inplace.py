@@ -35,11 +35,12 @@ embeddings) load directly through ``model.load_weights`` in the same call.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from dataclasses import dataclass, field
 
 import torch
+
+from ..rollout.broadcast import json_tensor, tensor_json
 
 CONTROL = "__qrl_inplace__"
 RECV = "__qrl_recv__"
@@ -132,11 +133,11 @@ class StreamTracker:
 
 
 def encode_control(msg: dict) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(msg).encode()), dtype=torch.uint8).clone()
+    return json_tensor(msg)
 
 
 def decode_control(t: torch.Tensor) -> dict:
-    return json.loads(bytes(t.detach().cpu().to(torch.uint8).tolist()).decode())
+    return tensor_json(t)
 
 
 # ---- module state --------------------------------------------------------------------
@@ -433,15 +434,11 @@ def bucket_weights(named: list, device: torch.device) -> list[tuple[str, torch.T
 def receive_bucket(msg: dict, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a broadcast bucket (:data:`RECV` message ``{"group", "meta"}``):
     receive the flat buffer from rank 0 of the weight-update group and view it."""
-    import torch.distributed as dist
+    from ..rollout.broadcast import broadcast_from_trainer, bucket_nbytes, find_group, unflatten
 
-    from ..rollout.broadcast import find_group, unflatten
-
-    meta = msg["meta"]
-    size = sum(getattr(torch, d).itemsize * int(torch.Size(s).numel()) for _, d, s in meta)
-    flat = torch.empty(size, dtype=torch.uint8, device=device)
-    dist.broadcast(flat, group=find_group(msg["group"]), group_src=0)
-    return unflatten(flat, meta)
+    flat = torch.empty(bucket_nbytes(msg["meta"]), dtype=torch.uint8, device=device)
+    broadcast_from_trainer(flat, find_group(msg["group"]))
+    return unflatten(flat, msg["meta"])
 
 
 def expected_loads(module: torch.nn.Module, param_name: str) -> int:
