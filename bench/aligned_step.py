@@ -18,6 +18,9 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
 - ``bf16:off``: the aligned model with quantization switched off (``state.only(())``);
 - ``aligned:FMT``: the aligned model (``--qrl-train-forward aligned``) for rollout format FMT
   (one model; its ``AlignedForwardState`` is switched to FMT before the step);
+- ``aligned:FMT:per-expert``: the same, quantizing each expert's weights and W8A8 inputs in its
+  own calls (``AlignedSequentialMLP.batched = False``; ``--per-expert FMTS``): the stacked
+  quantization's gain, measured side by side;
 - ``te:FMT``: the Transformer Engine recipe path (``te_quant.te_recipes``), only when TE
   imports and a recipe reproduces FMT on this GPU, or differs only by rounding (path "te
   (rounding differs)": TE fp8_block, measured on the H200; its numerics are not the rollout's).
@@ -68,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=None, help="override num_experts")
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="rollout formats of the aligned variants (comma separated)")
+    p.add_argument("--per-expert", default="",
+                   help="formats (of --formats) also timed with per-expert quantizer calls, "
+                        "the path before stacking (comma separated)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per micro batch (4; tiny: 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (1024; tiny: 32)")
     p.add_argument("--num-micro-batches", type=int, default=1,
@@ -151,6 +157,8 @@ class Variant:
     fmt: str = "bf16"
     state: Any = None
     """The shared ``AlignedForwardState`` of the aligned model (None: nothing to switch)."""
+    batched: bool = True
+    """``AlignedSequentialMLP.batched`` during the step (aligned model only)."""
     times: list[float] = field(default_factory=list)
     peaks: list[float] = field(default_factory=list)
     step_mem: list[float] = field(default_factory=list)
@@ -158,6 +166,11 @@ class Variant:
     def context(self) -> Any:
         if self.state is None:
             return contextlib.nullcontext()
+        from megatron_qrl.te_quant.linears import AlignedSequentialMLP
+
+        for m in self.trainer.module.modules():
+            if isinstance(m, AlignedSequentialMLP):
+                m.batched = self.batched
         if self.fmt == "bf16":
             return self.state.only(())
         from megatron_qrl.quant import get_spec
@@ -245,6 +258,8 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     aligned = build_trainer(arch, plan, args, cuda)
     variants.append(Variant("bf16:off", "fake-quant (off)", aligned, "bf16", plan.aligned))
     variants += [Variant(f"aligned:{f}", "fake-quant", aligned, f, plan.aligned) for f in formats]
+    variants += [Variant(f"aligned:{f}:per-expert", "fake-quant, per expert", aligned, f,
+                         plan.aligned, batched=False) for f in args.per_expert if f in formats]
     te_ok, te_why = te_formats(formats, cuda)
     if te_why:
         notes.append(te_why)
@@ -373,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     args.micro_batch = args.micro_batch or (2 if args.tiny else 4)
     args.seq_len = args.seq_len or (32 if args.tiny else 1024)
     formats = [f for f in args.formats.split(",") if f]
+    args.per_expert = [f for f in args.per_expert.split(",") if f]
+    if set(args.per_expert) - set(formats):
+        raise SystemExit(f"--per-expert {sorted(set(args.per_expert) - set(formats))}: "
+                         "not in --formats")
     bad = [f for f in formats if f not in list_specs() or f == "bf16"]
     if bad or not formats:
         raise SystemExit(f"--formats {args.formats}: {bad or 'empty'}; choose from "

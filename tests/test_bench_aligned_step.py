@@ -15,13 +15,14 @@ def test_aligned_step_tiny_cpu(tmp_path):
     out = tmp_path / "aligned.jsonl"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "aligned_step.py"), "--tiny", "--warmup", "1",
-         "--rounds", "2", "--formats", "int8,fp8,fp8_block,nvfp4", "--out", str(out)],
+         "--rounds", "2", "--formats", "int8,fp8,fp8_block,nvfp4", "--per-expert", "int8", "--out", str(out)],
         capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     names = [r["variant"] for r in recs]
     # hidden 64 is not a multiple of fp8_block's 128-wide activation groups: skipped, said so
-    assert names == ["bf16", "bf16:off", "aligned:int8", "aligned:fp8", "aligned:nvfp4"]
+    assert names == ["bf16", "bf16:off", "aligned:int8", "aligned:fp8", "aligned:nvfp4",
+                     "aligned:int8:per-expert"]
     assert any("aligned:fp8_block skipped" in n for n in recs[0]["notes"])
     for r in recs:
         assert len(r["times_s"]) == 2

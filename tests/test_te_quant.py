@@ -200,3 +200,46 @@ def test_meta_parameter_counts_equal_the_built_model(megatron, kind):
     total, active = meta_parameter_counts(arch)
     assert total == sum(p.numel() for p in build_model(arch).parameters())
     assert (active < total) == arch.is_moe
+
+
+def _expert_mlps(model):
+    from megatron_qrl.te_quant.linears import AlignedSequentialMLP
+
+    return [m for m in model.modules() if isinstance(m, AlignedSequentialMLP)]
+
+
+@pytest.mark.parametrize("fmt,stacks", [("int8", True), ("fp8_block", True), ("w4a16", True),
+                                        ("nvfp4", False)])
+def test_stacked_experts_equal_per_expert_path(megatron, fmt, stacks, monkeypatch):
+    """All experts' weights (and W8A8 inputs) quantized in stacked calls == one call per
+    expert, bit for bit: logits and every gradient; far fewer quantizer calls."""
+    spec = get_spec(fmt)
+    calls = []
+    real = type(spec).quantize_weight
+    monkeypatch.setattr(type(spec), "quantize_weight",
+                        lambda self, w, **kw: calls.append(tuple(w.shape)) or real(self, w, **kw))
+    _, arch, state, model = _aligned("moe", fmt, moe_aux_loss_coeff=0.0)
+    x = ids()
+    pos = torch.arange(x.shape[1])[None].expand_as(x)
+    model.train()
+    results = {}
+    for batched in (False, True):
+        for mlp in _expert_mlps(model):
+            mlp.batched = batched
+        state.mark_weights_updated()
+        model.zero_grad()
+        calls.clear()
+        out = model(x, pos, attention_mask=None).float()
+        out.log_softmax(-1)[..., 0].sum().backward()
+        results[batched] = (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                           if p.grad is not None}, len(calls))
+    (ref, ref_grads, n_ref), (got, grads, n_got) = results[False], results[True]
+    assert torch.equal(got, ref)
+    assert set(grads) == set(ref_grads)
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    # per expert: 2 layers x 8 experts x (gate, up, down) + attention q, k, v, o
+    assert n_ref == 2 * (8 * 3 + 4)
+    assert n_got == (2 * (2 + 4) if stacks else n_ref), n_got
+    experts = [lin for mlp in _expert_mlps(model) for e in mlp.local_experts
+               for lin in (e.linear_fc1, e.linear_fc2)]
+    assert all(lin.qrl_recomputes == 2 and not lin.qrl_stale() for lin in experts)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard
+from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
 from megatron_qrl.te_quant.state import AlignedForwardState
 
 _PLAIN = FusionLayout()
@@ -69,20 +69,30 @@ class AlignedLinearMixin:
         # wgrad goes through autograd (the STE), not into main_grad by the fused kernel
         self.gradient_accumulation_fusion = False
 
+    def _qrl_key(self) -> tuple[int, int, int]:
+        w = self.weight
+        return (self.qrl_state.version, w._version, w.data_ptr())
+
+    def qrl_stale(self) -> bool:
+        """True if the cached ``Q_w(W)`` is missing or older than the weights."""
+        return self._qrl_cache is None or self._qrl_cache[0] != self._qrl_key()
+
+    def qrl_store(self, q: torch.Tensor) -> None:
+        """Cache ``q`` as ``Q_w(W)`` of the current weights (computed by the caller)."""
+        self._qrl_cache = (self._qrl_key(), q)
+        self.qrl_recomputes += 1
+
     def quantized_weight(self) -> torch.Tensor:
         """``Q_w(W)`` of this rank's shard, recomputed only after the weights changed."""
-        w = self.weight
-        key = (self.qrl_state.version, w._version, w.data_ptr())
-        if self._qrl_cache is None or self._qrl_cache[0] != key:
-            q = quantize_shard(self.qrl_state.spec, w, self.qrl_layout, self._qrl_parallel_dim,
-                               self.tp_group, name=f"{self.qrl_kind} {type(self).__name__}")
-            self._qrl_cache = (key, q)
-            self.qrl_recomputes += 1
+        if self.qrl_stale():
+            self.qrl_store(quantize_shard(
+                self.qrl_state.spec, self.weight, self.qrl_layout, self._qrl_parallel_dim,
+                self.tp_group, name=f"{self.qrl_kind} {type(self).__name__}"))
         return self._qrl_cache[1]
 
     def _qrl_input(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.qrl_state.spec
-        if not spec.quantizes_activations:
+        if not spec.quantizes_activations or self.qrl_state.inputs_quantized:
             return x
         tp = self.tp_group.size() if self.tp_group is not None else 1
         if self._qrl_parallel_dim == 1 and tp > 1:
@@ -125,6 +135,28 @@ class AlignedRowParallelLinear(AlignedLinearMixin, RowParallelLinear):
         self._qrl_setup(qrl_state, qrl_kind, qrl_layout)
 
 
+def _tp_size(linear: Any) -> int:
+    group = getattr(linear, "tp_group", None)
+    return group.size() if group is not None and dist.is_initialized() else 1
+
+
+def _expert_activation(expert: Any, h: torch.Tensor) -> torch.Tensor:
+    """The activation of megatron-core's ``MLP.forward`` without bias or per-token scale.
+
+    The same elementwise maths as upstream's unfused path (and its fused ``bias_swiglu`` for
+    SiLU GLU), applied to all experts' rows at once.
+    """
+    cfg = expert.config
+    if cfg.use_te_activation_func or not cfg.gated_linear_unit:
+        return expert.activation_func(h)
+    x_glu, x_linear = torch.chunk(h, 2, dim=-1)
+    clamp = getattr(cfg, "activation_func_clamp_value", None)
+    if clamp is not None:
+        x_glu = x_glu.clamp(min=None, max=clamp)
+        x_linear = x_linear.clamp(min=-clamp, max=clamp)
+    return cfg.activation_func(x_glu) * (x_linear + getattr(cfg, "glu_linear_offset", 0.0))
+
+
 class AlignedSequentialMLP(SequentialMLP):
     """``SequentialMLP`` that weights each expert's OUTPUT by its gate when activations are quantized.
 
@@ -136,17 +168,61 @@ class AlignedSequentialMLP(SequentialMLP):
     upstream code runs unchanged.
     """
 
+    batched: bool = True
+    """Quantize all local experts' weights, and their W8A8 inputs, in stacked calls (bit-identical
+    to one call per expert; False runs the per-expert reference path)."""
+
     def __init__(self, *args: Any, qrl_state: AlignedForwardState, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.qrl_state = qrl_state
 
+    def _unsharded(self) -> bool:
+        return all(_tp_size(e.linear_fc1) == 1 and _tp_size(e.linear_fc2) == 1
+                   for e in self.local_experts)
+
+    def refresh_quantized_weights(self) -> None:
+        """Re-quantize the stale ``linear_fc1`` / ``linear_fc2`` of all local experts, one
+        stacked call per projection (the per-expert lazy path remains the fallback)."""
+        if not (self.batched and len(self.local_experts) > 1 and self._unsharded()):
+            return
+        for attr in ("linear_fc1", "linear_fc2"):
+            linears = [getattr(e, attr) for e in self.local_experts]
+            if not any(lin.qrl_stale() for lin in linears):
+                continue
+            qs = quantize_shards_stacked(self.qrl_state.spec, [lin.weight for lin in linears],
+                                         [lin.qrl_layout for lin in linears],
+                                         name=f"experts {attr}")
+            for lin, q in zip(linears, qs or ()):
+                lin.qrl_store(q)
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         state = self.qrl_state
-        if not (state.is_enabled("experts") and state.spec.quantizes_activations):
+        if not state.is_enabled("experts"):
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        self.refresh_quantized_weights()
+        if not state.spec.quantizes_activations:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         if self.config.add_bias_linear or self.config.moe_apply_probs_on_input:
             raise ValueError("aligned W8A8 experts support add_bias_linear=False and "
                              "moe_apply_probs_on_input=False (Qwen3-MoE)")
+        if self.batched and self.num_local_experts > 1 and self._unsharded():
+            out = self._w8a8_stacked(permuted_local_hidden_states, tokens_per_expert)
+            return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
         ones = torch.ones_like(permuted_probs)
         out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert, ones)
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), bias
+
+    def _w8a8_stacked(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``fc2(Q_a(act(fc1(Q_a(x)))))`` per expert, each ``Q_a`` one call over all experts.
+
+        Per-token (and per-token-group) quantization treats each row alone, so quantizing the
+        concatenated rows equals quantizing each expert's rows (QaRL's aligned W8A8 forward).
+        """
+        spec = self.qrl_state.spec
+        counts = tokens_per_expert.tolist()
+        with self.qrl_state.inputs_prequantized():
+            xs = torch.split(spec.fake_quant_activation(x), counts)
+            h = torch.cat([e.linear_fc1(t)[0] for e, t in zip(self.local_experts, xs)], dim=0)
+            h = spec.fake_quant_activation(_expert_activation(self.local_experts[0], h))
+            hs = torch.split(h, counts)
+            return torch.cat([e.linear_fc2(t)[0] for e, t in zip(self.local_experts, hs)], dim=0)

@@ -130,3 +130,23 @@ def quantize_shard(spec: QuantSpec, w: torch.Tensor, layout: FusionLayout = Fusi
     out = [spec.dequantize(spec.quantize_weight(p, global_amax=amax, name=name), dtype=w.dtype)
            for p in parts]
     return layout.fuse(out)
+
+
+def quantize_shards_stacked(spec: QuantSpec, weights: list[torch.Tensor],
+                            layouts: list[FusionLayout], name: str = "weights"
+                            ) -> list[torch.Tensor] | None:
+    """:func:`quantize_shard` of many unsharded weights (tensor-parallel size 1) in few calls.
+
+    The HF components of every weight are quantized as one row-stack
+    (:func:`megatron_qrl.quant.stacked.fake_quant_many`), bit-identical to one call per
+    weight. Returns None when the stack would not be identical (a per-tensor scale, a block
+    straddling two components); the caller then quantizes one weight at a time.
+    """
+    from megatron_qrl.quant.stacked import can_stack, fake_quant_many
+
+    splits = [layout.split(w.detach()) for w, layout in zip(weights, layouts)]
+    parts = [p for split in splits for p in split]
+    if not can_stack(spec, parts):
+        return None
+    flat = iter(fake_quant_many(spec, parts, name=name))
+    return [layout.fuse([next(flat) for _ in split]) for split, layout in zip(splits, layouts)]

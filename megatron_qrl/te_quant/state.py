@@ -30,6 +30,9 @@ class AlignedForwardState:
         """Bumped after every optimizer step; part of each linear's cache key."""
         self.enabled_kinds: frozenset[str] = self._check_kinds(kinds)
         """Layer kinds (``attention``, ``mlp``, ``experts``) that run quantized now."""
+        self.inputs_quantized: bool = False
+        """True while a caller feeds the linears inputs it already quantized (see
+        :meth:`inputs_prequantized`)."""
         self._hooks: list[Any] = []
 
     @staticmethod
@@ -57,6 +60,20 @@ class AlignedForwardState:
             yield
         finally:
             self.enabled_kinds = saved
+
+    @contextmanager
+    def inputs_prequantized(self) -> Iterator[None]:
+        """Inside the block the aligned linears take their inputs as already quantized.
+
+        Per-token activation quantization treats each row alone, so a caller may quantize
+        many linears' inputs in one call (``AlignedSequentialMLP``: all experts at once).
+        """
+        saved = self.inputs_quantized
+        self.inputs_quantized = True
+        try:
+            yield
+        finally:
+            self.inputs_quantized = saved
 
     def attach_to_optimizer(self, optimizer: Any) -> None:
         """Bump the version after every step of ``optimizer``.
