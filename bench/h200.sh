@@ -77,11 +77,13 @@ case $phase in
       echo "one GPU: the 30B distributed sync time needs 2 GPUs (NCCL); not measured"; exit 0; fi
     python3 bench/weight_sync.py --out "$OUT/weight_sync_dist.jsonl" \
       --variants "${VARIANTS:-bf16:distributed,fp8:distributed}" 2>&1 | grep -E "^\||sync\]|Error" ;;
-  sync)
+  sync)  # engine-side phase times of every in-place bucket: $OUT/inplace_phases.jsonl
     marlin_wait
-    python3 bench/weight_sync.py --out "$OUT/weight_sync.jsonl" \
+    QRL_INPLACE_PROFILE="$OUT/inplace_phases.jsonl" python3 bench/weight_sync.py \
+      --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
       --variants "${VARIANTS:-fp8:inplace,fp8:inplace+flat,int8:inplace,fp8_block:inplace,w4a16:inplace,nvfp4:inplace}" 2>&1 \
-      | grep -E "^\||sync\]|Error" ;;
+      | grep -E "^\||sync\]|Error"
+    [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.phase_log "$OUT/inplace_phases.jsonl" ;;
   train)
     python3 -m megatron_qrl.rl.cli --qrl-preset tiny-cpu --qrl-rollout-engine sglang \
       --qrl-sft-steps 100 --qrl-steps 5 --qrl-output-dir /tmp/qrl_sglang --qrl-no-progress 2>&1 \

@@ -8,6 +8,8 @@ workspace; a model whose ``load_weights`` fuses q/k/v and gate/up, stacks expert
 silently skips names it has no parameter for (as Qwen3MoeForCausalLM.load_weights does).
 """
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -339,3 +341,22 @@ def test_float8_tensors_travel_as_uint8_and_arrive_as_float8():
     assert seen[name] == torch.float8_e4m3fn
     torch.testing.assert_close(model.model.layers[0].input_layernorm.weight,
                                dict(stream)[name].float())
+
+
+def test_phase_log_records_each_bucket_and_sums_per_sync(tmp_path, monkeypatch):
+    from megatron_qrl.rollout_sglang.phase_log import PROFILE_ENV, summarize
+
+    path = tmp_path / "phases.jsonl"
+    model = FakeModel()
+    sync(model, weights(1), 5)  # not profiled: writes nothing
+    assert not path.exists()
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    n = len(list(weights(1)))
+    sync(model, weights(1), 5)
+    sync(model, weights(2), 1000)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(recs) == -(-n // 5) + 1 and recs[0]["begin"] and recs[-2]["final"]
+    assert {"unpack_s", "enter_s", "load_weights_s", "leave_s", "process_s"} <= set(recs[0])
+    rows = summarize(path)
+    assert [(r["buckets"], r["tensors"]) for r in rows] == [(-(-n // 5), n), (1, n)]
+    assert all(r["total_s"] > 0 and r["process_s"] > 0 for r in rows)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..rollout.broadcast import json_tensor, tensor_json
+from .phase_log import PhaseLog
 
 CONTROL = "__qrl_inplace__"
 RECV = "__qrl_recv__"
@@ -380,9 +381,11 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
         raise InplaceSyncError(f"in-place sync bucket carries {len(ctl)} control tensors "
                                f"{CONTROL!r}, expected 1 (send buckets with StreamTracker)")
     msg = decode_control(ctl[0])
+    log = PhaseLog()
     views = msg.get("views", {})
-    weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
-               for n, t in bucket_weights(named, ctl[0].device)]
+    with log.phase("unpack"):
+        weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
+                   for n, t in bucket_weights(named, ctl[0].device)]
     pending: dict[str, _Pending] = vars(model).setdefault(_STATE_ATTR, {})
     if msg["begin"] and pending:
         left = sorted(pending)
@@ -396,19 +399,25 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
         if needs_reload(modules.get(key)):
             touched[key] = touched.get(key, 0) + 1
     with torch.no_grad():
-        lives = {k: _enter(k, modules[k], pending) for k in touched}
+        with log.phase("enter"):
+            lives = {k: _enter(k, modules[k], pending) for k in touched}
         try:
-            model.load_weights(weights)
+            with log.phase("load_weights"):
+                model.load_weights(weights)
         finally:
-            for k, live in lives.items():
-                pending[k].received += touched[k]
-                _leave(k, modules[k], pending, live, process=False)
-        for k, n_sent in msg["done"].items():
-            if k in pending:
-                _finish(k, modules[k], pending, n_sent, msg["suffixes"])
-            elif needs_reload(modules.get(k)):
-                raise InplaceSyncError(f"in-place sync of {k}: declared complete with {n_sent} "
-                                       "tensors but none of them arrived in this sync")
+            with log.phase("leave"):
+                for k, live in lives.items():
+                    pending[k].received += touched[k]
+                    _leave(k, modules[k], pending, live, process=False)
+        with log.phase("process"):
+            for k, n_sent in msg["done"].items():
+                if k in pending:
+                    _finish(k, modules[k], pending, n_sent, msg["suffixes"])
+                elif needs_reload(modules.get(k)):
+                    raise InplaceSyncError(f"in-place sync of {k}: declared complete with "
+                                           f"{n_sent} tensors but none of them arrived in "
+                                           "this sync")
+    log.write(msg, len(weights))
     if msg["final"] and pending:
         left = {k: p.received for k, p in pending.items()}
         pending.clear()
