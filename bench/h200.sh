@@ -89,8 +89,12 @@ case $phase in
       --qrl-sft-steps 100 --qrl-steps 5 --qrl-output-dir /tmp/qrl_sglang --qrl-no-progress 2>&1 \
       | grep -v Warning | tail -n 20
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
-  aligned)
-    python3 bench/aligned_step.py --warmup 2 --rounds 8 --profile 12 --out "$OUT/aligned_step.jsonl" ;;
+  aligned)  # one micro-batch (re-quantization dominates), then eight (activations dominate)
+    python3 bench/aligned_step.py --warmup 2 --rounds 6 --profile 12 --per-expert int8 \
+      --out "$OUT/aligned_step.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 60
+    python3 bench/aligned_step.py --warmup 1 --rounds 4 --num-micro-batches 8 \
+      --formats int8,fp8_block,w4a16 --per-expert int8 --out "$OUT/aligned_step_8mb.jsonl" 2>&1 \
+      | grep -E "^\||note" ;;
   te-part)
     mkdir -p /tmp/te && cp .stage/te${2:?part number}/part* /tmp/te/ && ls -la /tmp/te ;;
   te-build)
