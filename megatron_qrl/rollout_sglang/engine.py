@@ -218,9 +218,12 @@ class SGLangEngine(RolloutEngine):
             req = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=payload, load_format=load_format, flush_cache=last,
                 weight_version=str(version) if last else None)
-            ok, msg = self._checked("update_weights_from_tensor", req, bucket[0][0])
+            # the last bucket is empty when the previous one filled up exactly at the end:
+            # it still carries the version (and, in place, the final control tensor)
+            first = bucket[0][0] if bucket else "end of sync"
+            ok, msg = self._checked("update_weights_from_tensor", req, first)
             if not ok:
-                raise WeightSyncError(f"SGLang rejected a weight bucket ({bucket[0][0]} ...): {msg}")
+                raise WeightSyncError(f"SGLang rejected a weight bucket ({first} ...): {msg}")
             self.last_sync["buckets"] += 1
 
         for name, t in stream:
