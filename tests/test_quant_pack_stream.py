@@ -80,7 +80,7 @@ def test_stream_equals_one_at_a_time(fmt, case, window_bytes):
     stream = moe_stream(**case)
     want = reference(spec, stream)
     assert_same_stream(list(spec.pack_state_dict(stream, stacked=False)), want)
-    got = list(spec.pack_state_dict(iter(stream), window_bytes=window_bytes))
+    got = list(pack_stream(spec, iter(stream), window_bytes=window_bytes, stack_cpu=True))
     assert_same_stream(got, want)
     for (name, t), (_, ref) in zip(got, want):  # no view into a stack (pickled whole)
         assert t.untyped_storage().nbytes() <= ref.untyped_storage().nbytes(), name
@@ -108,10 +108,14 @@ def _count_quantize_calls(monkeypatch, spec):
 def test_stacking_happens(monkeypatch, fmt, inter, expected):
     spec = get_spec(fmt)
     calls = _count_quantize_calls(monkeypatch, spec)
-    list(spec.pack_state_dict(moe_stream(inter=inter, with_down=inter == 128)))
+    stream = moe_stream(inter=inter, with_down=inter == 128)
+    list(pack_stream(spec, stream, stack_cpu=True))
     assert len(calls) == expected
     if fmt == "int8":
         assert "model.layers.1.mlp.experts.*.gate_proj.weight[0..7] (stacked)" in calls
+    calls.clear()  # a CPU stream goes one at a time by default (no launches to save there)
+    list(spec.pack_state_dict(stream))
+    assert len(calls) == sum(spec.is_quantized(n) for n, _ in stream)
 
 
 def test_window_never_spans_layers():
@@ -125,7 +129,7 @@ def test_window_never_spans_layers():
             yield pair
 
     first_l1 = next(i for i, (n, _) in enumerate(stream) if n.startswith("model.layers.1."))
-    for name, _ in spec.pack_state_dict(source()):
+    for name, _ in pack_stream(spec, source(), stack_cpu=True):
         if name.startswith("model.layers.0."):  # layer 0 went out before layer 1 was read
             assert consumed[-1] <= first_l1
 
@@ -142,7 +146,7 @@ def test_window_bytes_bounds_the_buffer():
             yield pair
 
     limit, sent, last = 100_000, 0, -1
-    for _ in spec.pack_state_dict(source(), window_bytes=limit):
+    for _ in pack_stream(spec, source(), window_bytes=limit, stack_cpu=True):
         if consumed[-1] != last:  # a new window: it holds at most limit + one tensor
             held = sum(nbytes[sent:consumed[-1] + 1])
             assert held < limit + max(nbytes), held
@@ -155,14 +159,14 @@ def test_nonfinite_names_the_exact_tensor():
     dict(stream)[bad][2, 3] = float("nan")
     for fmt in ("int8", "fp8_block", "w4a16", "nvfp4"):
         with pytest.raises(ValueError, match=rf"{fmt}: {bad} has 1 non-finite"):
-            list(get_spec(fmt).pack_state_dict(stream))
+            list(pack_stream(get_spec(fmt), stream, stack_cpu=True))
 
 
 def test_bad_shape_and_window_errors():
     stream = [("model.layers.0.mlp.experts.0.down_proj.weight", torch.zeros(128, 256)),
               ("model.layers.0.mlp.experts.1.down_proj.weight", torch.zeros(128))]
     with pytest.raises(ValueError, match="experts.1.down_proj.weight must be a 2-D"):
-        list(get_spec("int8").pack_state_dict(stream))
+        list(pack_stream(get_spec("int8"), stream, stack_cpu=True))
     with pytest.raises(ValueError, match="window_bytes must be a positive int"):
         pack_stream(get_spec("int8"), [], window_bytes=0)
 
@@ -171,14 +175,14 @@ def test_fused_groups_incomplete_still_raises():
     stream = [(n, w) for n, w in moe_stream() if "experts.3.up_proj" not in n]
     with pytest.raises(ValueError, match="fused groups incomplete.*experts.3"):
         list(get_spec("nvfp4").pack_state_dict(stream))
-    names = [n for n, _ in get_spec("int8").pack_state_dict(stream)]
+    names = [n for n, _ in pack_stream(get_spec("int8"), stream, stack_cpu=True)]
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names
 
 
 def test_outputs_pickle_alone():
     """An emitted tensor pickles to its own bytes, not to the whole stacked storage."""
     spec = get_spec("int8")
-    got = dict(spec.pack_state_dict(moe_stream()))
+    got = dict(pack_stream(spec, moe_stream(), stack_cpu=True))
     w = got["model.layers.0.mlp.experts.0.gate_proj.weight"]
     assert len(pickle.dumps(w)) < 2 * w.numel() * w.element_size()
 

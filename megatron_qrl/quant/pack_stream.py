@@ -15,6 +15,7 @@ groups). Each emitted tensor owns its storage (pickling a view would send the wh
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -22,10 +23,13 @@ import torch
 
 from . import targets
 from .spec import QuantizedWeight, QuantSpec
-from .stacked import can_stack, quantize_many
+from .stacked import MAX_STACK_ELEMENTS, can_stack, quantize_many
 
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Input bytes buffered at most before a window is packed (besides the end of a layer)."""
+CPU_STACK_ELEMENTS = 1 << 22
+"""Largest stack of CPU weights (``stack_cpu``): fresh temporaries of MAX_STACK_ELEMENTS there
+cost more in page faults than the tensor count saves (fp8 measured 4x slower)."""
 
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -74,17 +78,34 @@ def pack_one_at_a_time(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch
 
 
 def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+                window_bytes: int = DEFAULT_WINDOW_BYTES, stack_cpu: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`pack_one_at_a_time`'s stream, bit for bit, with weights quantized in batches.
 
     A window is packed when the decoder layer (``model.layers.N.``) changes, when it holds at
-    least ``window_bytes`` of input, and at the end; never more is buffered.
+    least ``window_bytes`` of input, and at the end; never more is buffered. A stream whose
+    first tensor is on the CPU goes one at a time unless ``stack_cpu`` (tests): the CPU has no
+    kernel launches to save, and buffering and stacking measured slower there (page faults on
+    fresh buffers instead of reused ones).
     """
     if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes <= 0:
         raise ValueError(f"pack_stream: window_bytes must be a positive int, got {window_bytes!r}")
     if not spec.quantizes_weights or spec.shares_tensor_scale:
         return pack_one_at_a_time(spec, named_tensors)
-    return _windows(spec, named_tensors, window_bytes)
+    return _by_device(spec, iter(named_tensors), window_bytes, stack_cpu)
+
+
+def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], window_bytes: int,
+               stack_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    first = next(pairs, None)
+    if first is None:
+        return
+    pairs = itertools.chain([first], pairs)
+    on_cpu = not isinstance(first[1], torch.Tensor) or first[1].device.type == "cpu"
+    if on_cpu and not stack_cpu:
+        yield from pack_one_at_a_time(spec, pairs)
+    else:
+        yield from _windows(spec, pairs, window_bytes)
 
 
 def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -140,8 +161,9 @@ def _quantize_group(spec: QuantSpec, kind: str, names: Sequence[str],
                     weights: Sequence[torch.Tensor], stacked: bool) -> list[QuantizedWeight]:
     if not stacked:
         return [spec.quantize_weight(w, name=n) for n, w in zip(names, weights)]
+    limit = CPU_STACK_ELEMENTS if weights[0].device.type == "cpu" else MAX_STACK_ELEMENTS
     try:
-        return quantize_many(spec, weights, name=kind)
+        return quantize_many(spec, weights, name=kind, max_elements=limit)
     except (ValueError, TypeError):
         # the stack is bad (non-finite values, say): name the exact tensor, as unstacked
         for n, w in zip(names, weights):

@@ -186,8 +186,9 @@ class QuantSpec:
         held back until the group is complete and packed with one shared amax. With
         ``stacked`` (default) the weights of one kind in a window of the stream (one decoder
         layer, at most ``window_bytes`` of input) are quantized in one call where that is bit
-        for bit the same (:mod:`megatron_qrl.quant.pack_stream`); ``stacked=False`` is the
-        one-at-a-time reference. Both give the same names, order, dtypes and bits.
+        for bit the same (:mod:`megatron_qrl.quant.pack_stream`; GPU streams only, a CPU
+        stream has no launches to save); ``stacked=False`` is the one-at-a-time reference.
+        Both give the same names, order, dtypes and bits.
         """
         from .pack_stream import pack_one_at_a_time, pack_stream
 
