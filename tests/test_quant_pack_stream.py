@@ -195,3 +195,16 @@ def test_name_helpers():
         "model.layers.3.mlp.experts.*.gate_proj.weight"
     assert tensor_kind("model.layers.3.self_attn.q_proj.weight") == \
         "model.layers.3.self_attn.q_proj.weight"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the stacked default)")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_default_stream_equals_one_at_a_time(fmt):
+    """On the GPU the default pack_state_dict stacks; same stream as the reference there."""
+    spec = get_spec(fmt)
+    stream = [(n, w.cuda()) for n, w in moe_stream(experts=16, inter=256)]
+    want = list(spec.pack_state_dict(stream, stacked=False))
+    got = list(spec.pack_state_dict(stream))
+    assert_same_stream(got, want)
+    for (name, t), (_, ref) in zip(got, want):
+        assert t.is_cuda and t.untyped_storage().nbytes() <= ref.untyped_storage().nbytes(), name
