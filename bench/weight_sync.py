@@ -8,7 +8,9 @@ Colocated setting: the engine (``load_format="dummy"``, one H200) and the traine
 weights share the GPU. The trainer side is a stream of HF-named BF16 tensors on the GPU
 (one layer's worth of random tensors, renamed for each of the 48 layers, so the trainer's
 copy costs 1.2 GB instead of 57 GB). Measured per variant, in one process:
-- ``pack_s``: ``QuantSpec.pack_state_dict`` over the whole stream, output discarded;
+- ``pack_s``: ``QuantSpec.pack_state_dict`` over the whole stream, output discarded
+  (``--pack-compare`` adds ``pack_one_s``, the one-at-a-time reference ``stacked=False``, and
+  ``pack_speedup``; ``--pack-only`` stops there, no engine);
 - ``sync_s``: ``SGLangEngine.update_weights`` (pack + send in buckets + engine load +
   weight_version check), the number the RL step pays;
 then one short greedy generate proves the engine still runs. Variant ``FMT:distributed``
@@ -69,7 +71,21 @@ def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]
     yield "lm_head.weight", emb
 
 
-def child(variant: str, bucket_mb: int) -> dict:
+def time_pack(spec, cfg: dict, stacked: bool = True) -> tuple[float, int]:
+    """Seconds and packed bytes of ``spec.pack_state_dict`` over the whole stream."""
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    nbytes = 0
+    for _, p in spec.pack_state_dict(trainer_stream(cfg), stacked=stacked):
+        nbytes += p.numel() * p.element_size()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, nbytes
+
+
+def child(variant: str, bucket_mb: int, pack_compare: bool = False,
+          pack_only: bool = False) -> dict:
     import torch
 
     from megatron_qrl.quant import get_spec
@@ -79,17 +95,18 @@ def child(variant: str, bucket_mb: int) -> dict:
     fmt, sync = variant.split(":")
     sync, _, opt = sync.partition("+")  # FMT:inplace+flat -> flattened buckets
     cfg = json.loads(MODEL_CONFIG.read_text())
-    d = write_engine_dir(cfg, fmt, root="/tmp")
     spec = get_spec(fmt)
     res: dict = {"variant": variant}
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    nbytes = 0
-    for _, p in spec.pack_state_dict(trainer_stream(cfg)):
-        nbytes += p.numel() * p.element_size()
-    torch.cuda.synchronize()
-    res["pack_s"] = round(time.perf_counter() - t, 2)
+    seconds, nbytes = time_pack(spec, cfg)
+    res["pack_s"] = round(seconds, 2)
     res["packed_gb"] = round(nbytes / 1e9, 2)
+    if pack_compare:
+        one, _ = time_pack(spec, cfg, stacked=False)
+        res["pack_one_s"] = round(one, 2)
+        res["pack_speedup"] = round(one / seconds, 2)
+    if pack_only:
+        return res
+    d = write_engine_dir(cfg, fmt, root="/tmp")
     kw = {"load_format": "dummy", "mem_fraction_static": 0.55, "random_seed": 0,
           "enable_return_routed_experts": False, "log_level": "warning",
           "bucket_bytes": bucket_mb * 2**20}
@@ -125,12 +142,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="bf16:tensor,fp8_block:disk")
     p.add_argument("--bucket-mb", type=int, default=1024)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--pack-compare", action="store_true",
+                   help="also time the one-at-a-time pack (stacked=False) and print the ratio")
+    p.add_argument("--pack-only", action="store_true",
+                   help="time the pack only; start no engine (no SGLang needed)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        return child_main(lambda: child(a.child, a.bucket_mb))
-    rows = [run_variant([__file__, "--child", v, "--bucket-mb", str(a.bucket_mb)], v, a.out,
-                        tag="sync") for v in a.variants.split(",")]
+        return child_main(lambda: child(a.child, a.bucket_mb, a.pack_compare, a.pack_only))
+    flags = [f for f, on in (("--pack-compare", a.pack_compare), ("--pack-only", a.pack_only))
+             if on]
+    rows = [run_variant([__file__, "--child", v, "--bucket-mb", str(a.bucket_mb), *flags], v,
+                        a.out, tag="sync") for v in a.variants.split(",")]
+    if a.pack_compare or a.pack_only:
+        print("| variant | packed GB | pack s (stacked) | pack s (one at a time) | speedup |\n"
+              "|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['variant']} | {r.get('packed_gb', r.get('error', '')[:80])} | "
+                  f"{r.get('pack_s', '')} | {r.get('pack_one_s', '')} | "
+                  f"{r.get('pack_speedup', '')} |")
+        if a.pack_only:
+            return 0
     print("| variant | packed GB | pack s | sync s (first) | sync s (second) | of which engine s |\n"
           "|---|---|---|---|---|---|")
     for r in rows:

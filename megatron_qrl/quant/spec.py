@@ -173,33 +173,28 @@ class QuantSpec:
         return tuple(f"{mod}.{suffix}" for suffix in self._packed_suffixes())
 
     def pack_state_dict(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        window_bytes: int = 1 << 30,
+        stacked: bool = True,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export).
+        """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export): :meth:`pack` per
+        tensor, in stream order.
 
         For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are
-        held back until the group is complete and packed with one shared amax.
+        held back until the group is complete and packed with one shared amax. With
+        ``stacked`` (default) the weights of one kind in a window of the stream (one decoder
+        layer, at most ``window_bytes`` of input) are quantized in one call where that is bit
+        for bit the same (:mod:`megatron_qrl.quant.pack_stream`; GPU streams only, a CPU
+        stream has no launches to save); ``stacked=False`` is the one-at-a-time reference.
+        Both give the same names, order, dtypes and bits.
         """
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, w in named_tensors:
-            group = self.fusion_group(name)
-            if group is None:
-                yield from self.pack(name, w)
-                continue
-            key, members = group
-            got = pending.setdefault(key, {})
-            got[name] = w
-            if len(got) == len(members):
-                del pending[key]
-                shared = self.shared_amax(name, got)
-                for m in members:
-                    yield from self.pack(m, got[m], global_amax=shared)
-        if pending:
-            missing = {k: sorted(v) for k, v in pending.items()}
-            raise ValueError(
-                f"{self.name}: fused groups incomplete at end of stream (q/k/v and gate/up "
-                f"must be sent together so they share one scale): {missing}"
-            )
+        from .pack_stream import pack_one_at_a_time, pack_stream
+
+        if not stacked:
+            return pack_one_at_a_time(self, named_tensors)
+        return pack_stream(self, named_tensors, window_bytes=window_bytes)
 
     def shared_amax(self, hf_name: str, tensors: Mapping[str, torch.Tensor]) -> float | None:
         """The amax ``hf_name`` must be quantized with: the max over its fused group's members

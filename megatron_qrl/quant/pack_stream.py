@@ -1,0 +1,190 @@
+"""Stream-pack HF tensors for the rollout engine, quantizing same-kind weights in batches.
+
+The weight sync of Qwen3-30B-A3B packs ~18k HF tensors (48 layers x 128 experts x
+gate/up/down, plus attention). One :meth:`~megatron_qrl.quant.spec.QuantSpec.pack` per
+tensor costs a dozen small kernels and one device sync (the finiteness check), so on a GPU the
+tensor count, not the bytes, sets the time. :func:`pack_stream` reads the stream in windows (one
+decoder layer, at most ``window_bytes`` of input), quantizes each window's weights of one kind
+(``model.layers.3.mlp.experts.*.gate_proj.weight``, same width/dtype/device) with ONE call of
+:func:`~megatron_qrl.quant.stacked.quantize_many` where that is bit-identical
+(:func:`~megatron_qrl.quant.stacked.can_stack`), and emits the packed tensors in exactly the
+order, names, dtypes and bits of :func:`pack_one_at_a_time` (the reference, and the path of
+formats that never stack: ``bf16`` and ``nvfp4`` with its per-tensor scale shared by fused
+groups). Each emitted tensor owns its storage (pickling a view would send the whole stack).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from . import targets
+from .spec import QuantizedWeight, QuantSpec
+from .stacked import MAX_STACK_ELEMENTS, can_stack, quantize_many
+
+DEFAULT_WINDOW_BYTES = 1 << 30
+"""Input bytes buffered at most before a window is packed (besides the end of a layer)."""
+CPU_STACK_ELEMENTS = 1 << 22
+"""Largest stack of CPU weights (``stack_cpu``): fresh temporaries of MAX_STACK_ELEMENTS there
+cost more in page faults than the tensor count saves (fp8 measured 4x slower)."""
+
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+Pairs = list[tuple[str, torch.Tensor]]
+
+
+def layer_prefix(hf_name: str) -> str | None:
+    """``model.layers.3.mlp.gate.weight`` -> ``model.layers.3.``; None outside decoder layers."""
+    m = _LAYER.search(hf_name)
+    return hf_name[: m.end()] if m else None
+
+
+def tensor_kind(hf_name: str) -> str:
+    """The name with the expert index starred: every expert's ``gate_proj`` is one kind."""
+    return _EXPERT.sub(".experts.*.", hf_name)
+
+
+def pack_one_at_a_time(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The reference stream: :meth:`QuantSpec.pack` per tensor, in stream order.
+
+    For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are held
+    back until the group is complete and packed with one shared amax.
+    """
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, w in named_tensors:
+        group = spec.fusion_group(name)
+        if group is None:
+            yield from spec.pack(name, w)
+            continue
+        key, members = group
+        got = pending.setdefault(key, {})
+        got[name] = w
+        if len(got) == len(members):
+            del pending[key]
+            shared = spec.shared_amax(name, got)
+            for m in members:
+                yield from spec.pack(m, got[m], global_amax=shared)
+    if pending:
+        missing = {k: sorted(v) for k, v in pending.items()}
+        raise ValueError(
+            f"{spec.name}: fused groups incomplete at end of stream (q/k/v and gate/up "
+            f"must be sent together so they share one scale): {missing}"
+        )
+
+
+def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                window_bytes: int = DEFAULT_WINDOW_BYTES, stack_cpu: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`pack_one_at_a_time`'s stream, bit for bit, with weights quantized in batches.
+
+    A window is packed when the decoder layer (``model.layers.N.``) changes, when it holds at
+    least ``window_bytes`` of input, and at the end; never more is buffered. A stream whose
+    first tensor is on the CPU goes one at a time unless ``stack_cpu`` (tests): the CPU has no
+    kernel launches to save, and buffering and stacking measured slower there (page faults on
+    fresh buffers instead of reused ones).
+    """
+    if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes <= 0:
+        raise ValueError(f"pack_stream: window_bytes must be a positive int, got {window_bytes!r}")
+    if not spec.quantizes_weights or spec.shares_tensor_scale:
+        return pack_one_at_a_time(spec, named_tensors)
+    return _by_device(spec, iter(named_tensors), window_bytes, stack_cpu)
+
+
+def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], window_bytes: int,
+               stack_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    first = next(pairs, None)
+    if first is None:
+        return
+    pairs = itertools.chain([first], pairs)
+    on_cpu = not isinstance(first[1], torch.Tensor) or first[1].device.type == "cpu"
+    if on_cpu and not stack_cpu:
+        yield from pack_one_at_a_time(spec, pairs)
+    else:
+        yield from _windows(spec, pairs, window_bytes)
+
+
+def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             window_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    window: Pairs = []
+    size, layer = 0, None
+    for name, w in named_tensors:
+        key = layer_prefix(name)
+        if window and key != layer:
+            yield from _pack_window(spec, window)
+            window, size = [], 0
+        layer = key
+        window.append((name, w))
+        size += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+        if size >= window_bytes:
+            yield from _pack_window(spec, window)
+            window, size = [], 0
+    if window:
+        yield from _pack_window(spec, window)
+
+
+def _pack_window(spec: QuantSpec, window: Pairs) -> Iterator[tuple[str, torch.Tensor]]:
+    """Quantize the window's groups, then emit in stream order (dropping what was sent)."""
+    packed = _quantize_window(spec, window)
+    for i in range(len(window)):
+        name, w = window[i]
+        window[i] = ("", None)
+        yield from packed.pop(i, None) or [(name, w)]
+
+
+def _quantize_window(spec: QuantSpec, window: Pairs) -> dict[int, Pairs]:
+    """Packed tensors of every quantized weight of ``window``, by its index there."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (name, w) in enumerate(window):
+        if spec.is_quantized(name):
+            key = ((tensor_kind(name), tuple(w.shape[1:]), w.dtype, w.device)
+                   if isinstance(w, torch.Tensor) else (name, i))
+            groups.setdefault(key, []).append(i)
+    out: dict[int, Pairs] = {}
+    for (kind, *_), idx in groups.items():
+        names = [window[i][0] for i in idx]
+        weights = [window[i][1] for i in idx]
+        stacked = can_stack(spec, weights)
+        qs = _quantize_group(spec, kind, names, weights, stacked)
+        for i, name, q in zip(idx, names, qs):
+            out[i] = spec._pack(targets.module_name(name), q)
+        if stacked:
+            _own_storage([out[i] for i in idx])
+    return out
+
+
+def _quantize_group(spec: QuantSpec, kind: str, names: Sequence[str],
+                    weights: Sequence[torch.Tensor], stacked: bool) -> list[QuantizedWeight]:
+    if not stacked:
+        return [spec.quantize_weight(w, name=n) for n, w in zip(names, weights)]
+    limit = CPU_STACK_ELEMENTS if weights[0].device.type == "cpu" else MAX_STACK_ELEMENTS
+    try:
+        return quantize_many(spec, weights, name=kind, max_elements=limit)
+    except (ValueError, TypeError):
+        # the stack is bad (non-finite values, say): name the exact tensor, as unstacked
+        for n, w in zip(names, weights):
+            spec.quantize_weight(w, name=n)
+        raise
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """1-byte floats (float8) as uint8, so the fused copy needs no float8 kernel."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def _own_storage(packed: list[Pairs]) -> None:
+    """Replace every tensor that is a view into a larger storage (a split of the stack) by a
+    compact copy, all in one fused copy."""
+    where = [(j, k) for j, pairs in enumerate(packed) for k, (_, t) in enumerate(pairs)
+             if t.untyped_storage().nbytes() != t.numel() * t.element_size()]
+    if not where:
+        return
+    views = [packed[j][k][1] for j, k in where]
+    copies = [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
+    torch._foreach_copy_([_as_bytes(c) for c in copies], [_as_bytes(v) for v in views])
+    for (j, k), c in zip(where, copies):
+        packed[j][k] = (packed[j][k][0], c)
