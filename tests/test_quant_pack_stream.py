@@ -207,4 +207,6 @@ def test_cuda_default_stream_equals_one_at_a_time(fmt):
     got = list(spec.pack_state_dict(stream))
     assert_same_stream(got, want)
     for (name, t), (_, ref) in zip(got, want):
-        assert t.is_cuda and t.untyped_storage().nbytes() <= ref.untyped_storage().nbytes(), name
+        # w4a16's weight_shape and nvfp4's input_scale are host tensors in both streams
+        assert t.device == ref.device, name
+        assert t.untyped_storage().nbytes() <= ref.untyped_storage().nbytes(), name
