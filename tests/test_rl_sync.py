@@ -76,3 +76,28 @@ def test_batched_checksums_equal_per_tensor_fingerprints():
     assert m.checksums == sums.result()
     with pytest.raises(WeightSyncError, match="sent twice"):
         list(WeightManifest().record(iter([("a", tensors["a"]), ("a", tensors["a"])])))
+
+
+@pytest.mark.parametrize("chunk_words", [1 << 24, 7, 1])
+def test_checksum_parts_many_equals_one_at_a_time(chunk_words):
+    """Batched sums == per-tensor sums for every dtype width, odd byte counts and empty
+    tensors, with chunks that cut tensors (and single words) apart; Checksums batches by
+    bytes and still equals the per-tensor fingerprints."""
+    from megatron_qrl.rollout.base import Checksums, checksum_parts, checksum_parts_many
+
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).bfloat16(),
+          torch.zeros(0, 4), torch.randn(9, generator=g).to(torch.float8_e4m3fn),
+          torch.randint(-2**62, 2**62, (5,), generator=g),
+          torch.arange(12, dtype=torch.int8).reshape(3, 4).t(), torch.ones(1, dtype=torch.bool),
+          torch.full((33,), -1, dtype=torch.int32), torch.zeros(0)]
+    want = torch.stack([checksum_parts(t) for t in ts])
+    assert torch.equal(checksum_parts_many(ts, chunk_words=chunk_words), want)
+    assert torch.equal(checksum_parts_many(ts[2:3]), torch.zeros(1, 2, dtype=torch.int64))
+    want = {f"t{i}": tensor_checksum(t) for i, t in enumerate(ts)}
+    for batch_bytes in (16, 1 << 20):  # several batches (some of one tensor), or one
+        batched = Checksums(batch_bytes=batch_bytes, batch_host=True)
+        for i, t in enumerate(ts):
+            batched.add(f"t{i}", t)
+        assert batched._rows or batched._queued
+        assert batched.result() == want

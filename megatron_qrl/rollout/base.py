@@ -65,17 +65,80 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return format_checksum(t.dtype, t.shape, checksum_parts(t).tolist())
 
 
-class Checksums:
-    """:func:`tensor_checksum` of many tensors with one host transfer per device: ``add``
-    queues the device-side sums, :meth:`result` fetches them all at once."""
+def checksum_parts_many(tensors: list[torch.Tensor], chunk_words: int = 1 << 22) -> torch.Tensor:
+    """``int64[n, 2]``: :func:`checksum_parts` of ``n`` tensors on one device, in a few kernels.
 
-    def __init__(self) -> None:
-        self._meta: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-        self._parts: list[torch.Tensor] = []
+    The tensors' bytes (each zero-padded to whole 32-bit words, as :func:`checksum_parts`
+    pads) are concatenated once; per chunk of words, each tensor's two sums are differences
+    of one prefix sum at its run's ends (no atomics). Integer addition modulo 2^64 is exact
+    and order-free, so the rows equal the one-at-a-time sums bit for bit, with ~12 kernels
+    per ``chunk_words`` words instead of ~10 per tensor (37k tensors in a 30B-A3B sync).
+    """
+    device = tensors[0].device
+    raws, lengths = [], []
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = (-raw.numel()) % 4
+        raws += [raw, raw.new_zeros(pad)] if pad else [raw]
+        lengths.append((raw.numel() + pad) // 4)
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
+    total = sum(lengths)
+    if not total:
+        return out
+    words = torch.cat(raws).view(torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+    ends = torch.cumsum(lens, 0)
+    starts = ends - lens
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    for c0 in range(0, total, chunk_words):
+        c1 = min(c0 + chunk_words, total)
+        lo, hi = starts.clamp(c0, c1), ends.clamp(c0, c1)  # each tensor's words in the chunk
+        first = torch.repeat_interleave(starts, hi - lo, output_size=c1 - c0)
+        w = words[c0:c1].to(torch.int64)
+        pos = torch.arange(c0, c1, device=device, dtype=torch.int64) - first
+        # segment sums of contiguous runs: differences of one (wrapping) prefix sum
+        for col, v in enumerate((w, w * (pos % _MOD + 1))):
+            cs = torch.cat([zero, v.cumsum(0)])
+            out[:, col] += cs[hi - c0] - cs[lo - c0]
+    return out
+
+
+class Checksums:
+    """:func:`tensor_checksum` of many tensors with one host transfer per device.
+
+    ``add`` queues a device tensor; every ``batch_bytes`` of queued tensors are fingerprinted
+    together (:func:`checksum_parts_many`) and :meth:`result` fetches all sums at once. Host
+    tensors are fingerprinted one by one as they come (no launches to save there, and large
+    fresh temporaries cost more than they gain; ``batch_host=True`` batches them too). A
+    queued tensor is held until its batch is done and must not change before then.
+    """
+
+    def __init__(self, batch_bytes: int = 256 << 20, batch_host: bool = False) -> None:
+        self.batch_bytes = batch_bytes
+        self.batch_host = batch_host
+        self._meta: list[tuple[str, torch.dtype, tuple[int, ...], torch.device]] = []
+        self._queued: list[torch.Tensor] = []
+        self._queued_bytes = 0
+        self._rows: dict[torch.device, list[torch.Tensor]] = {}
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        self._meta.append((name, t.dtype, tuple(t.shape)))
-        self._parts.append(checksum_parts(t))
+        self._meta.append((name, t.dtype, tuple(t.shape), t.device))
+        if t.device.type == "cpu" and not self.batch_host:
+            self._rows.setdefault(t.device, []).append(checksum_parts(t)[None])
+            return
+        self._queued.append(t.detach())
+        self._queued_bytes += t.numel() * t.element_size()
+        if self._queued_bytes >= self.batch_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Fingerprint the queued tensors now (sums stay on their devices)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in self._queued:
+            by_device.setdefault(t.device, []).append(t)
+        for dev, ts in by_device.items():
+            self._rows.setdefault(dev, []).append(checksum_parts_many(ts))
+        self._queued, self._queued_bytes = [], 0
 
     def passing(self, stream: Iterable[tuple[str, torch.Tensor]]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,12 +149,10 @@ class Checksums:
 
     def result(self) -> dict[str, str]:
         """``name -> fingerprint`` of every added tensor, in order."""
-        host: dict[torch.device, list[list[int]]] = {}
-        for dev in {p.device for p in self._parts}:
-            host[dev] = torch.stack([p for p in self._parts if p.device == dev]).cpu().tolist()
-        it = {dev: iter(rows) for dev, rows in host.items()}
-        return {name: format_checksum(dt, shape, next(it[p.device]))
-                for (name, dt, shape), p in zip(self._meta, self._parts)}
+        self.flush()
+        it = {dev: iter(torch.cat(rows).cpu().tolist()) for dev, rows in self._rows.items()}
+        return {name: format_checksum(dt, shape, next(it[dev]))
+                for name, dt, shape, dev in self._meta}
 
 
 @dataclass
