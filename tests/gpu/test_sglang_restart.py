@@ -30,7 +30,21 @@ FMT = "int8"
 NEW_TOKENS = 16
 
 
+STUCK_S = 300
+"""The worker dumps every thread's stack and exits after this long (a hang is diagnosable
+from the log: the first H200 run of this test hung past the device call's 600 s)."""
+
+
+def _stage(res: dict, out: Path, name: str) -> None:
+    res.setdefault("stages", []).append(name)
+    out.write_text(json.dumps(res))
+    print(f"[restart worker] {name}", flush=True)
+
+
 def worker(out: Path) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(STUCK_S, exit=True)
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.export import export_quantized
     from megatron_qrl.quant.hf_reference import hf_tensors
@@ -53,24 +67,32 @@ def worker(out: Path) -> None:
     def resync(engine, version):
         engine.update_weights(spec.pack_state_dict(hf_tensors(b)), version)
 
+    res: dict = {}
+    _stage(res, out, "exported")
     sup = EngineSupervisor(factory, resync, max_restarts=2)
-    res: dict = {"crash_handler": sup.engine.crash_handler}
+    res["crash_handler"] = sup.engine.crash_handler
+    _stage(res, out, "engine started")
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
     try:
         sup.update_weights(spec.pack_state_dict(hf_tensors(b)), 1)
         res["before"] = sup.generate(prompts(), greedy).output_ids.tolist()
-        victim = sup.engine.engine.get_all_child_pids()[0]
+        _stage(res, out, "synced and generated")
+        children = sup.engine.engine.get_all_child_pids()
+        victim = children[0]
         os.kill(victim, signal.SIGKILL)
-        res["killed_pid"] = victim
+        res |= {"killed_pid": victim, "child_pids": children}
+        _stage(res, out, f"SIGKILLed child {victim} of {children}")
         t0 = time.time()
         after = sup.generate(prompts(), greedy)
         res |= {"after": after.output_ids.tolist(), "version": after.weight_version,
                 "restarts": sup.restarts, "recovery_s": round(time.time() - t0, 1)}
         print(f"[restart worker] {res['restarts']} restart(s), recovered in "
               f"{res['recovery_s']} s", flush=True)
+        _stage(res, out, "recovered")
     finally:
         out.write_text(json.dumps(res))
         sup.shutdown()
+        _stage(res, out, "shut down")
 
 
 if __name__ == "__main__":
@@ -89,12 +111,15 @@ def test_killed_scheduler_is_restarted_and_the_step_retried(tmp_path):
     out = tmp_path / "restart.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__)), str(out)], env=env, cwd=ROOT,
-                          timeout=900)
+    try:  # the worker exits by itself after STUCK_S (faulthandler), with every stack printed
+        rc = subprocess.run([sys.executable, str(Path(__file__)), str(out)], env=env, cwd=ROOT,
+                            timeout=STUCK_S + 60).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
     res = json.loads(out.read_text()) if out.is_file() else {}
-    assert proc.returncode == 0 and "after" in res, (
-        f"the trainer process did not survive the killed scheduler (exit {proc.returncode}); "
-        f"partial result: {res}")
+    assert rc == 0 and "after" in res, (
+        f"the trainer process did not survive the killed scheduler (exit {rc}); stages "
+        f"reached: {res.get('stages')}; partial result: {res}")
     assert res["crash_handler"], "SGLang's SIGQUIT handlers were not replaced"
     assert res["restarts"] == 1 and res["version"] == 1, res
     same = sum(x == y for p, q in zip(res["before"], res["after"]) for x, y in zip(p, q))
