@@ -17,7 +17,9 @@ then one short greedy generate proves the engine still runs. Variant ``FMT:distr
 (2 GPUs) puts the engine on GPU 1 and broadcasts every bucket from the trainer's GPU 0 over
 NCCL (the disaggregated layout on one node); on one GPU it runs over gloo on the same GPU
 (the protocol, not the speed NCCL would give). ``FMT:inplace+flat`` sends each in-place
-bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one per tensor).
+bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one per tensor);
+``+prefetch`` prepares the next bucket in a thread while the engine loads one
+(``SGLangEngine(prefetch_buckets=1)``); options combine: ``fp8:inplace+flat+prefetch``.
 """
 
 from __future__ import annotations
@@ -93,7 +95,10 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     from megatron_qrl.rollout_sglang.launch import write_engine_dir
 
     fmt, sync = variant.split(":")
-    sync, _, opt = sync.partition("+")  # FMT:inplace+flat -> flattened buckets
+    sync, *opts = sync.split("+")  # FMT:inplace+flat+prefetch -> flattened, prefetched buckets
+    unknown = set(opts) - {"flat", "prefetch"}
+    if unknown:
+        raise ValueError(f"variant {variant!r}: unknown options {sorted(unknown)} (flat, prefetch)")
     cfg = json.loads(MODEL_CONFIG.read_text())
     spec = get_spec(fmt)
     res: dict = {"variant": variant}
@@ -112,7 +117,9 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
           "bucket_bytes": bucket_mb * 2**20}
     if sync == "disk":
         kw["sync_dir"] = "/dev/shm/qrl-sync"
-    if opt == "flat":
+    if "prefetch" in opts:
+        kw["prefetch_buckets"] = 1
+    if "flat" in opts:
         kw["flatten_buckets"] = True
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1

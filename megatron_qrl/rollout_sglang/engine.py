@@ -28,7 +28,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from ..utils.optional import require
 from . import crash
 from .inplace import CONTROL, FLAT, LOADER, RECV, StreamTracker, encode_control
 from .moe_configs import config_dir_for_engine
+from .prefetch import ahead
 
 FEATURE = "--qrl-rollout-engine sglang"
 
@@ -126,7 +127,7 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, model_path: str | Path, spec_name: str, *, sync: str | None = None,
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
-                 flatten_buckets: bool = False, **engine_kwargs):
+                 flatten_buckets: bool = False, prefetch_buckets: int = 0, **engine_kwargs):
         sync = default_sync(spec_name) if sync is None else sync
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -141,6 +142,11 @@ class SGLangEngine(RolloutEngine):
         if flatten_buckets and sync != "inplace":
             raise ValueError(f"flatten_buckets applies to sync='inplace' (got sync={sync!r})")
         self.flatten_buckets = flatten_buckets
+        if prefetch_buckets < 0:
+            raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
+        self.prefetch_buckets = prefetch_buckets
+        """Buckets prepared ahead in a thread while the engine loads one (``tensor`` and
+        ``inplace`` syncs; 0: one after the other; bench variant ``FMT:inplace+prefetch``)."""
         """In-place buckets as one flat buffer each (one CUDA-IPC handle per bucket instead
         of one per tensor; bench/weight_sync.py variant ``FMT:inplace+flat``)."""
         self._group = None
@@ -198,36 +204,31 @@ class SGLangEngine(RolloutEngine):
 
     def _sync_tensor(self, stream, version, sent) -> None:
         """Buckets of ~``bucket_bytes`` through ``update_weights_from_tensor``; in-place mode
-        adds the control tensor saying which modules are complete (:mod:`.inplace`)."""
+        adds the control tensor saying which modules are complete (:mod:`.inplace`). With
+        ``prefetch_buckets`` the next buckets are prepared while the engine loads one."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
         tracker = (StreamTracker(packed_suffixes(self.spec)) if self.sync == "inplace"
                    else None)
-        load_format = LOADER if tracker else None
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-
-        def flush(last: bool) -> None:
-            items = bucket
-            if tracker and self.flatten_buckets and bucket:
-                flat, meta = flatten(bucket)
-                items = [(RECV, encode_control({"meta": meta}).to("cuda")), (FLAT, flat)]
-            if tracker:
-                items = items + [(CONTROL, tracker.control(final=last).to("cuda"))]
+        device = torch.device("cuda", torch.cuda.current_device())
+        buckets = ahead(self._buckets(stream, sent, tracker, device), self.prefetch_buckets,
+                        init=lambda: torch.cuda.set_device(device))
+        for items, first, last in buckets:
             payload = self.engine._serialize_tensors_per_rank(items, None)
             req = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=payload, load_format=load_format, flush_cache=last,
-                weight_version=str(version) if last else None)
-            # the last bucket is empty when the previous one filled up exactly at the end:
-            # it still carries the version (and, in place, the final control tensor)
-            first = bucket[0][0] if bucket else "end of sync"
+                serialized_named_tensors=payload, load_format=LOADER if tracker else None,
+                flush_cache=last, weight_version=str(version) if last else None)
             ok, msg = self._checked("update_weights_from_tensor", req, first)
             if not ok:
                 raise WeightSyncError(f"SGLang rejected a weight bucket ({first} ...): {msg}")
             self.last_sync["buckets"] += 1
 
+    def _buckets(self, stream, sent, tracker, device) -> Iterator[tuple[list, str, bool]]:
+        """``(tensors of one request, its first name, last)`` per bucket of ``stream``."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
         for name, t in stream:
-            t = t.detach().to("cuda", non_blocking=True).contiguous()
+            t = t.detach().to(device, non_blocking=True).contiguous()
             sent.add(name, t)
             if tracker:
                 tracker.add(name)
@@ -235,9 +236,20 @@ class SGLangEngine(RolloutEngine):
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= self.bucket_bytes:
-                flush(last=False)
+                yield self._request_items(bucket, tracker, device, last=False)
                 bucket, size = [], 0
-        flush(last=True)
+        # empty when the previous bucket filled exactly at the end of the stream: it still
+        # carries the version (and, in place, the final control tensor)
+        yield self._request_items(bucket, tracker, device, last=True)
+
+    def _request_items(self, bucket, tracker, device, last: bool) -> tuple[list, str, bool]:
+        items = bucket
+        if tracker and self.flatten_buckets and bucket:
+            flat, meta = flatten(bucket)
+            items = [(RECV, encode_control({"meta": meta}).to(device)), (FLAT, flat)]
+        if tracker:
+            items = items + [(CONTROL, tracker.control(final=last).to(device))]
+        return items, bucket[0][0] if bucket else "end of sync", last
 
     def weight_group(self):
         """The weight-update group of ``sync="distributed"`` (created on first use)."""

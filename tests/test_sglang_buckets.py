@@ -1,0 +1,99 @@
+"""SGLangEngine's bucketing (CPU): request payloads, the empty last bucket, prefetching."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_qrl.rollout.base import Checksums, tensor_checksum
+from megatron_qrl.rollout_sglang.engine import SGLangEngine
+from megatron_qrl.rollout_sglang.inplace import CONTROL, FLAT, RECV, StreamTracker, decode_control
+from megatron_qrl.rollout_sglang.prefetch import ahead
+
+
+def _engine(bucket_bytes, flatten=False):
+    eng = object.__new__(SGLangEngine)  # the bucketing needs no running SGLang
+    eng.bucket_bytes, eng.flatten_buckets, eng.prefetch_buckets = bucket_bytes, flatten, 0
+    return eng
+
+
+def _stream(n=5, numel=16):
+    return [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((numel,), float(i)))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_buckets_split_by_bytes_and_end_with_a_final_control(flatten):
+    eng, sent = _engine(bucket_bytes=2 * 64, flatten=flatten), Checksums()
+    stream = _stream()  # 5 tensors of 64 bytes: buckets of 2, 2, 1
+    out = list(eng._buckets(iter(stream), sent, StreamTracker(("weight",)), torch.device("cpu")))
+    assert [(first, last) for _, first, last in out] == [
+        (stream[0][0], False), (stream[2][0], False), (stream[4][0], True)]
+    for items, _, last in out:
+        names = [n for n, _ in items]
+        assert names[-1] == CONTROL and decode_control(items[-1][1])["final"] is last
+        assert (names[:2] == [RECV, FLAT]) if flatten else (RECV not in names)
+    assert sent.result() == {n: tensor_checksum(t) for n, t in stream}
+
+
+def test_stream_ending_on_a_full_bucket_sends_an_empty_final_bucket():
+    """Found on the H200: the final bucket was empty and naming it raised IndexError."""
+    eng = _engine(bucket_bytes=2 * 64)
+    out = list(eng._buckets(iter(_stream(4)), Checksums(), StreamTracker(("weight",)),
+                            torch.device("cpu")))
+    items, first, last = out[-1]
+    assert len(out) == 3 and last and first == "end of sync"
+    assert [n for n, _ in items] == [CONTROL] and decode_control(items[0][1])["final"]
+    # a plain (not in-place) sync: the last request carries no tensors, only the version
+    plain = list(eng._buckets(iter(_stream(4)), Checksums(), None, torch.device("cpu")))
+    assert plain[-1] == ([], "end of sync", True)
+
+
+def test_ahead_prefetches_in_order_in_another_thread():
+    produced, threads = [], set()
+
+    def gen():
+        for i in range(6):
+            threads.add(threading.current_thread().name)
+            produced.append(i)
+            yield i
+
+    seen = []
+    for x in ahead(gen(), depth=2):
+        time.sleep(0.05)  # a slow consumer: the producer runs ahead, bounded by depth
+        seen.append((x, len(produced)))
+    assert [x for x, _ in seen] == list(range(6))
+    # consuming x: the queue holds 2 more and the producer a third, waiting to put it
+    assert seen[0][1] >= 2 and all(n - x <= 4 for x, n in seen)
+    assert threads == {"qrl-bucket-prefetch"}
+    assert list(ahead(iter(range(3)), depth=0)) == [0, 1, 2]
+
+
+def test_ahead_raises_producer_errors_and_stops_when_the_consumer_does():
+    def failing():
+        yield 1
+        raise ValueError("packing failed at tensor 2")
+
+    got = []
+    with pytest.raises(ValueError, match="tensor 2"):
+        for x in ahead(failing(), depth=1):
+            got.append(x)
+    assert got == [1]
+    produced = []
+
+    def endless():
+        i = 0
+        while True:
+            produced.append(i)
+            yield i
+            i += 1
+
+    it = ahead(endless(), depth=1)
+    assert next(it) == 0
+    it.close()  # the engine rejected a bucket: the producer must stop, not run on
+    n = len(produced)
+    time.sleep(0.3)
+    assert len(produced) == n <= 4
