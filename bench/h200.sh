@@ -25,8 +25,22 @@
 #               background (setsid; poll with te-test)
 #   te-test     wait for the build, then tests/gpu/test_te_recipes.py and the te: variants of
 #               bench/aligned_step.py
+#
+#   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
+#               its own timeout (default 300 s), so a hung phase cannot eat the call and its
+#               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|train|aligned|te-part N|te-build|te-test}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|train|aligned|te-part N|te-build|te-test|run PHASE[:SECONDS]...}
+if [ "$phase" = run ]; then
+  shift
+  for item in "$@"; do
+    name=${item%%:*}; secs=${item#*:}; [ "$secs" = "$item" ] && secs=300
+    echo "=== $name (timeout ${secs} s) ==="
+    timeout --kill-after=10 "$secs" bash "$0" "$name"; rc=$?
+    [ $rc -eq 124 ] && echo "=== $name TIMED OUT after ${secs} s ===" || echo "=== $name rc=$rc ==="
+  done
+  exit 0
+fi
 OUT=${OUT:-/tmp/qrl-out}
 mkdir -p "$OUT"
 source .stage/recipe/setup.sh
