@@ -214,6 +214,13 @@ def test_bad_shape_and_window_errors():
               ("model.layers.0.mlp.experts.1.down_proj.weight", torch.zeros(128))]
     with pytest.raises(ValueError, match="experts.1.down_proj.weight must be a 2-D"):
         list(pack_stream(get_spec("int8"), stream, stack_cpu=True))
+    gate, up = (f"model.layers.0.mlp.experts.0.{k}_proj.weight" for k in ("gate", "up"))
+    with pytest.raises(ValueError, match="nvfp4: .*experts.0.up_proj.weight must be a 2-D"):
+        list(pack_stream(get_spec("nvfp4"), [(gate, torch.zeros(128, 256)),
+                                             (up, torch.zeros(128))], stack_cpu=True))
+    with pytest.raises(TypeError, match="nvfp4: .*experts.0.up_proj.weight has dtype torch.int8"):
+        list(pack_stream(get_spec("nvfp4"), [(up, torch.zeros(128, 256, dtype=torch.int8)),
+                                             (gate, torch.zeros(128, 256))], stack_cpu=True))
     with pytest.raises(ValueError, match="window_bytes must be a positive int"):
         pack_stream(get_spec("int8"), [], window_bytes=0)
 
