@@ -50,10 +50,24 @@ def moe_stream(layers=2, experts=8, hidden=256, inter=128, heads=4, kv_heads=2, 
 
 def reference(spec, stream):
     """The pre-batching implementation, written out: ``pack`` per tensor, fused groups of a
-    per-tensor-scale format packed together with their shared amax once complete."""
-    if not spec.shares_tensor_scale:
-        return [p for name, w in stream for p in spec.pack(name, w)]
-    return list(spec.pack_state_dict(stream, stacked=False))
+    per-tensor-scale format held back and packed together with their shared amax (the max of
+    the members' amaxes) once complete."""
+    out, pending = [], {}
+    for name, w in stream:
+        group = spec.fusion_group(name)
+        if group is None:
+            out += spec.pack(name, w)
+            continue
+        key, members = group
+        got = pending.setdefault(key, {})
+        got[name] = w
+        if len(got) == len(members):
+            del pending[key]
+            shared = max(float(got[m].float().abs().amax()) for m in members)
+            for m in members:
+                out += spec.pack(m, got[m], global_amax=shared)
+    assert not pending
+    return out
 
 
 def _bits(t):
@@ -103,7 +117,8 @@ def _count_quantize_calls(monkeypatch, spec):
     ("int8", 128, 2 * 7), ("fp8_block", 128, 2 * 7), ("int8", 64, 2 * 6),
     # fp8_block with 64-row gate/up (no down): those 16 per layer go one at a time
     ("fp8_block", 64, 2 * (4 + 16)),
-    ("nvfp4", 128, 2 * (4 + 3 * 8)),  # a per-tensor scale never stacks
+    # nvfp4: gate and up each one stack, with each expert's gate/up shared amax per row
+    ("nvfp4", 128, 2 * 7),
 ])
 def test_stacking_happens(monkeypatch, fmt, inter, expected):
     spec = get_spec(fmt)
@@ -111,11 +126,43 @@ def test_stacking_happens(monkeypatch, fmt, inter, expected):
     stream = moe_stream(inter=inter, with_down=inter == 128)
     list(pack_stream(spec, stream, stack_cpu=True))
     assert len(calls) == expected
-    if fmt == "int8":
+    if fmt in ("int8", "nvfp4"):
         assert "model.layers.1.mlp.experts.*.gate_proj.weight[0..7] (stacked)" in calls
     calls.clear()  # a CPU stream goes one at a time by default (no launches to save there)
     list(spec.pack_state_dict(stream))
     assert len(calls) == sum(spec.is_quantized(n) for n, _ in stream)
+
+
+def _shuffle_fused(stream):
+    """Send every fused group's members out of order (up before gate, v, k, q), and expert 0's
+    gate/up of each layer after all its other experts."""
+    out, late = [], []
+    order = {"gate_proj": 1, "up_proj": 0, "q_proj": 2, "k_proj": 1, "v_proj": 0}
+    i = 0
+    while i < len(stream):
+        name = stream[i][0]
+        kind = name.split(".")[-2]
+        n = 3 if kind == "q_proj" else 2 if kind == "gate_proj" else 1
+        run = sorted(stream[i:i + n], key=lambda p: order.get(p[0].split(".")[-2], 0))
+        (late if ".experts.0." in name and n == 2 else out).extend(run)
+        if late and ".experts.7.down_proj" in name:
+            out, late = out + late, []
+        i += n
+    return out
+
+
+@pytest.mark.parametrize("window_bytes", [1 << 30, 40_000, 1])
+def test_nvfp4_fused_groups_out_of_order(window_bytes):
+    """Members arriving out of order or late: same order, names and bits as the reference;
+    small windows never split a group (each member sees its group's shared amax)."""
+    spec = get_spec("nvfp4")
+    stream = _shuffle_fused(moe_stream())
+    assert stream.index(next(p for p in stream if p[0].endswith("experts.0.up_proj.weight"))) \
+        > stream.index(next(p for p in stream if p[0].endswith("experts.7.gate_proj.weight")))
+    want = reference(spec, stream)
+    assert [n for n, _ in want] != [n for n, _ in reference(spec, moe_stream())]
+    assert_same_stream(list(pack_stream(spec, iter(stream), window_bytes=window_bytes,
+                                        stack_cpu=True)), want)
 
 
 def test_window_never_spans_layers():
@@ -167,6 +214,13 @@ def test_bad_shape_and_window_errors():
               ("model.layers.0.mlp.experts.1.down_proj.weight", torch.zeros(128))]
     with pytest.raises(ValueError, match="experts.1.down_proj.weight must be a 2-D"):
         list(pack_stream(get_spec("int8"), stream, stack_cpu=True))
+    gate, up = (f"model.layers.0.mlp.experts.0.{k}_proj.weight" for k in ("gate", "up"))
+    with pytest.raises(ValueError, match="nvfp4: .*experts.0.up_proj.weight must be a 2-D"):
+        list(pack_stream(get_spec("nvfp4"), [(gate, torch.zeros(128, 256)),
+                                             (up, torch.zeros(128))], stack_cpu=True))
+    with pytest.raises(TypeError, match="nvfp4: .*experts.0.up_proj.weight has dtype torch.int8"):
+        list(pack_stream(get_spec("nvfp4"), [(up, torch.zeros(128, 256, dtype=torch.int8)),
+                                             (gate, torch.zeros(128, 256))], stack_cpu=True))
     with pytest.raises(ValueError, match="window_bytes must be a positive int"):
         pack_stream(get_spec("int8"), [], window_bytes=0)
 
@@ -175,6 +229,14 @@ def test_fused_groups_incomplete_still_raises():
     stream = [(n, w) for n, w in moe_stream() if "experts.3.up_proj" not in n]
     with pytest.raises(ValueError, match="fused groups incomplete.*experts.3"):
         list(get_spec("nvfp4").pack_state_dict(stream))
+    sent = []  # the stacked stream sends all it can first, as the reference does
+    with pytest.raises(ValueError, match="fused groups incomplete.*experts.3"):
+        for name, _ in pack_stream(get_spec("nvfp4"), stream, window_bytes=40_000,
+                                   stack_cpu=True):
+            sent.append(name)
+    want = [n for n, _ in reference(get_spec("nvfp4"),
+                                    [p for p in stream if "experts.3.gate_proj" not in p[0]])]
+    assert sent == want
     names = [n for n, _ in pack_stream(get_spec("int8"), stream, stack_cpu=True)]
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names
 

@@ -209,7 +209,7 @@ def _expert_mlps(model):
 
 
 @pytest.mark.parametrize("fmt,stacks", [("int8", True), ("fp8_block", True), ("w4a16", True),
-                                        ("nvfp4", False)])
+                                        ("nvfp4", True)])
 def test_stacked_experts_equal_per_expert_path(megatron, fmt, stacks, monkeypatch):
     """All experts' weights (and W8A8 inputs) quantized in stacked calls == one call per
     expert, bit for bit: logits and every gradient; far fewer quantizer calls."""

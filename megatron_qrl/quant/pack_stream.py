@@ -9,8 +9,11 @@ decoder layer, at most ``window_bytes`` of input), quantizes each window's weigh
 :func:`~megatron_qrl.quant.stacked.quantize_many` where that is bit-identical
 (:func:`~megatron_qrl.quant.stacked.can_stack`), and emits the packed tensors in exactly the
 order, names, dtypes and bits of :func:`pack_one_at_a_time` (the reference, and the path of
-formats that never stack: ``bf16`` and ``nvfp4`` with its per-tensor scale shared by fused
-groups). Each emitted tensor owns its storage (pickling a view would send the whole stack).
+``bf16``). Formats with a per-tensor scale (``nvfp4``) stack too: members of a fused group
+(q/k/v, gate/up) are released together once complete, in the reference's order, a window
+never splits a group, and each weight is quantized with its group's shared amax
+(:func:`~megatron_qrl.quant.stacked.fused_amax`, no host sync). Each emitted tensor owns its
+storage (pickling a view would send the whole stack).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from . import targets
 from .spec import QuantizedWeight, QuantSpec
-from .stacked import MAX_STACK_ELEMENTS, can_stack, quantize_many
+from .stacked import MAX_STACK_ELEMENTS, Amax, can_stack, fused_amax, quantize_many
 
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Input bytes buffered at most before a window is packed (besides the end of a layer)."""
@@ -31,10 +34,12 @@ CPU_STACK_ELEMENTS = 1 << 22
 """Largest stack of CPU weights (``stack_cpu``): fresh temporaries of MAX_STACK_ELEMENTS there
 cost more in page faults than the tensor count saves (fp8 measured 4x slower)."""
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 
 Pairs = list[tuple[str, torch.Tensor]]
+Pending = dict[str, dict[str, torch.Tensor]]
 
 
 def layer_prefix(hf_name: str) -> str | None:
@@ -55,20 +60,41 @@ def pack_one_at_a_time(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch
     For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are held
     back until the group is complete and packed with one shared amax.
     """
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    pending: Pending = {}
+    group: Pairs = []
+    for name, w, size in _fused_order(spec, named_tensors, pending):
+        if not size:
+            yield from spec.pack(name, w)
+            continue
+        group.append((name, w))
+        if len(group) == size:
+            shared = spec.shared_amax(name, dict(group))
+            for m, t in group:
+                yield from spec.pack(m, t, global_amax=shared)
+            group = []
+    _check_complete(spec, pending)
+
+
+def _fused_order(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 pending: Pending) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """``(name, tensor, group size)`` in the reference's emission order: a tensor outside any
+    fused group at once (size 0); a fused group's members together, in member order, once its
+    last member arrived. Groups still incomplete at the end are left in ``pending``."""
     for name, w in named_tensors:
         group = spec.fusion_group(name)
         if group is None:
-            yield from spec.pack(name, w)
+            yield name, w, 0
             continue
         key, members = group
         got = pending.setdefault(key, {})
         got[name] = w
         if len(got) == len(members):
             del pending[key]
-            shared = spec.shared_amax(name, got)
             for m in members:
-                yield from spec.pack(m, got[m], global_amax=shared)
+                yield m, got[m], len(members)
+
+
+def _check_complete(spec: QuantSpec, pending: Pending) -> None:
     if pending:
         missing = {k: sorted(v) for k, v in pending.items()}
         raise ValueError(
@@ -90,7 +116,7 @@ def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor
     """
     if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes <= 0:
         raise ValueError(f"pack_stream: window_bytes must be a positive int, got {window_bytes!r}")
-    if not spec.quantizes_weights or spec.shares_tensor_scale:
+    if not spec.quantizes_weights:
         return pack_one_at_a_time(spec, named_tensors)
     return _by_device(spec, iter(named_tensors), window_bytes, stack_cpu)
 
@@ -110,33 +136,59 @@ def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], windo
 
 def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
              window_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cut the stream (in the reference's order) into windows, never inside a fused group."""
+    pending: Pending = {}
     window: Pairs = []
-    size, layer = 0, None
-    for name, w in named_tensors:
+    sizes: list[int] = []
+    nbytes, layer, inside = 0, None, 0
+    for name, w, size in _fused_order(spec, named_tensors, pending):
         key = layer_prefix(name)
-        if window and key != layer:
-            yield from _pack_window(spec, window)
-            window, size = [], 0
+        if window and key != layer and not inside:
+            yield from _pack_window(spec, window, sizes)
+            window, sizes, nbytes = [], [], 0
         layer = key
         window.append((name, w))
-        size += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
-        if size >= window_bytes:
-            yield from _pack_window(spec, window)
-            window, size = [], 0
+        sizes.append(size)
+        inside = (inside + 1) % size if size else 0  # members of this group still to come
+        nbytes += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+        if nbytes >= window_bytes and not inside:
+            yield from _pack_window(spec, window, sizes)
+            window, sizes, nbytes = [], [], 0
     if window:
-        yield from _pack_window(spec, window)
+        yield from _pack_window(spec, window, sizes)
+    _check_complete(spec, pending)
 
 
-def _pack_window(spec: QuantSpec, window: Pairs) -> Iterator[tuple[str, torch.Tensor]]:
+def _pack_window(spec: QuantSpec, window: Pairs, sizes: list[int]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Quantize the window's groups, then emit in stream order (dropping what was sent)."""
-    packed = _quantize_window(spec, window)
+    packed = _quantize_window(spec, window, _window_amax(spec, window, sizes))
     for i in range(len(window)):
         name, w = window[i]
         window[i] = ("", None)
         yield from packed.pop(i, None) or [(name, w)]
 
 
-def _quantize_window(spec: QuantSpec, window: Pairs) -> dict[int, Pairs]:
+def _window_amax(spec: QuantSpec, window: Pairs, sizes: list[int]) -> dict[int, torch.Tensor]:
+    """The shared amax (fp32 scalar tensor) of every fused member of ``window``, by index;
+    members of one group are consecutive there (:func:`_fused_order`)."""
+    idx = [i for i, size in enumerate(sizes) if size]
+    for i in idx:  # a clear error naming the tensor, before amax() of a non-weight
+        name, w = window[i]
+        if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _FLOATS):
+            spec.quantize_weight(w, name=name)
+    groups, j = [], 0
+    while j < len(idx):
+        groups.append(sizes[idx[j]])
+        j += groups[-1]
+    if not idx:
+        return {}
+    shared = fused_amax([window[i][1] for i in idx], groups)
+    return dict(zip(idx, shared.unbind(0)))
+
+
+def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tensor]
+                     ) -> dict[int, Pairs]:
     """Packed tensors of every quantized weight of ``window``, by its index there."""
     groups: dict[tuple, list[int]] = {}
     for i, (name, w) in enumerate(window):
@@ -148,8 +200,9 @@ def _quantize_window(spec: QuantSpec, window: Pairs) -> dict[int, Pairs]:
     for (kind, *_), idx in groups.items():
         names = [window[i][0] for i in idx]
         weights = [window[i][1] for i in idx]
+        amaxes = [amax.get(i) for i in idx]
         stacked = can_stack(spec, weights)
-        qs = _quantize_group(spec, kind, names, weights, stacked)
+        qs = _quantize_group(spec, kind, names, weights, amaxes, stacked)
         for i, name, q in zip(idx, names, qs):
             out[i] = spec._pack(targets.module_name(name), q)
         if stacked:
@@ -158,12 +211,14 @@ def _quantize_window(spec: QuantSpec, window: Pairs) -> dict[int, Pairs]:
 
 
 def _quantize_group(spec: QuantSpec, kind: str, names: Sequence[str],
-                    weights: Sequence[torch.Tensor], stacked: bool) -> list[QuantizedWeight]:
+                    weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool
+                    ) -> list[QuantizedWeight]:
     if not stacked:
-        return [spec.quantize_weight(w, name=n) for n, w in zip(names, weights)]
+        return [spec.quantize_weight(w, global_amax=a, name=n)
+                for n, w, a in zip(names, weights, amaxes)]
     limit = CPU_STACK_ELEMENTS if weights[0].device.type == "cpu" else MAX_STACK_ELEMENTS
     try:
-        return quantize_many(spec, weights, name=kind, max_elements=limit)
+        return quantize_many(spec, weights, global_amax=amaxes, name=kind, max_elements=limit)
     except (ValueError, TypeError):
         # the stack is bad (non-finite values, say): name the exact tensor, as unstacked
         for n, w in zip(names, weights):

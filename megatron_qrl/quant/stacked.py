@@ -11,12 +11,17 @@ would get alone when no scale spans two weights:
 - group formats (``w4a16``, groups of 128 along the input): one scale per row and group;
 - block formats (``fp8_block``): when every weight's row count is a multiple of the block's rows
   (128), so that no block straddles two weights (partial edge blocks are zero-padded alone);
-- never for formats with a per-tensor scale (``nvfp4``'s ``weight_scale_2``): the amax of the
-  stack is not each weight's amax. Those are quantized one at a time.
+- formats with a per-tensor scale (``nvfp4``'s ``weight_scale_2``, QeRL seed 002 /
+  ALGORITHMS.md sec. 3): every block depends only on its row's tensor scale, so the stack is
+  quantized with the tensor scale given PER ROW, expanded from each weight's amax (its own, or
+  its fused group's: ``global_amax``); the format takes a ``[out, 1]`` ``global_amax``
+  (:meth:`NVFP4Spec.quantize_weight <megatron_qrl.quant.formats.nvfp4.NVFP4Spec.quantize_weight>`)
+  and each split-off weight gets its own scalar ``global_scale``.
 
 The result is split back along the rows; :func:`quantize_many` and :func:`fake_quant_many`
 fall back to the one-at-a-time loop whenever :func:`can_stack` says no. Tests hold both to the
-single-weight reference for every format.
+single-weight reference for every format. :func:`fused_amax` gives the fused-group amaxes
+(q/k/v, gate/up share one tensor scale) of many weights in a few kernels.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ from .spec import QuantizedWeight, QuantSpec
 MAX_STACK_ELEMENTS = 1 << 27
 """Largest stack quantized in one call (elements; fp32 temporaries are ~3x its bytes)."""
 
+Amax = torch.Tensor | float | None
+"""One weight's ``global_amax``: a scalar tensor, a float, or None (the weight's own amax)."""
+
 
 def can_stack(spec: QuantSpec, weights: Sequence[torch.Tensor]) -> bool:
     """True if quantizing the row-concatenation of ``weights`` equals quantizing each alone."""
-    if not spec.quantizes_weights or spec.shares_tensor_scale or len(weights) < 2:
+    if not spec.quantizes_weights or len(weights) < 2:
         return False
     first = weights[0]
     if any(w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype
@@ -57,48 +65,119 @@ def _chunks(weights: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
     return out
 
 
+def fused_amax(weights: Sequence[torch.Tensor], sizes: Sequence[int] | None = None
+               ) -> torch.Tensor:
+    """``[n]`` fp32: each weight's amax ``max |W|`` or, with ``sizes``, the max over its fused
+    group, the groups being consecutive runs of ``sizes[j]`` weights (``[2] * experts`` for
+    ``gate, up`` pairs). Exact (a max), in a few kernels and no host sync."""
+    ws = [w.detach() for w in weights]
+    if not ws:
+        return torch.zeros(0)
+    per = torch.stack(torch._foreach_norm(ws, float("inf"), dtype=torch.float32))
+    sizes = [1] * len(ws) if sizes is None else list(sizes)
+    if sum(sizes) != len(ws) or min(sizes) < 1:
+        raise ValueError(f"fused_amax: group sizes {sizes} do not partition {len(ws)} weights")
+    if len(set(sizes)) == 1:
+        g = sizes[0]
+        return per if g == 1 else per.view(-1, g).amax(dim=1).repeat_interleave(g)
+    return torch.cat([seg.amax().expand(g) for seg, g in zip(per.split(sizes), sizes)])
+
+
+def _amax_list(global_amax: Sequence[Amax] | torch.Tensor | None, n: int) -> list[Amax]:
+    """``global_amax`` as one entry per weight (None: each weight's own amax)."""
+    if global_amax is None:
+        return [None] * n
+    if isinstance(global_amax, torch.Tensor) and global_amax.dim() != 1:
+        raise ValueError(f"global_amax must be a 1-D tensor [{n}] or a sequence, "
+                         f"got shape {tuple(global_amax.shape)}")
+    amaxes = list(global_amax.unbind(0) if isinstance(global_amax, torch.Tensor)
+                  else global_amax)
+    if len(amaxes) != n:
+        raise ValueError(f"global_amax has {len(amaxes)} entries for {n} weights")
+    return amaxes
+
+
+def _row_amax(stacked: torch.Tensor, rows: list[int], amaxes: list[Amax]) -> torch.Tensor:
+    """``[sum(rows), 1]`` fp32: row r holds its weight's global amax (as
+    :meth:`QuantSpec.quantize_weight` converts it: fp32 on the weight's device)."""
+    dev = stacked.device
+    if any(a is None for a in amaxes):
+        row = stacked.abs().amax(dim=1)
+        own = (row.view(len(rows), -1).amax(dim=1) if len(set(rows)) == 1
+               else torch.stack([seg.amax() for seg in row.split(rows)])).float().unbind(0)
+        amaxes = [o if a is None else a for a, o in zip(amaxes, own)]
+    per = torch.stack([torch.as_tensor(a, dtype=torch.float32, device=dev).reshape(())
+                       for a in amaxes])
+    if len(set(rows)) == 1:
+        return per.repeat_interleave(rows[0]).unsqueeze(1)
+    return torch.cat([a.expand(r) for a, r in zip(per.unbind(0), rows)]).unsqueeze(1)
+
+
 def _split(spec: QuantSpec, q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
-    """Split a stacked :class:`QuantizedWeight` back into one per weight (views, no copies)."""
+    """Split a stacked :class:`QuantizedWeight` back into one per weight (views, no copies);
+    a per-row tensor scale becomes each weight's scalar."""
     per_scale_row = spec.block[0] if spec.block is not None else 1
     codes = torch.split(q.codes, rows, dim=0)
     scales = torch.split(q.scale, [r // per_scale_row for r in rows], dim=0)
-    return [QuantizedWeight(q.spec, c, s, None, (r, q.shape[1]), q.dtype)
-            for c, s, r in zip(codes, scales, rows)]
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    gs = [None if q.global_scale is None else q.global_scale[s, 0] for s in starts]
+    return [QuantizedWeight(q.spec, c, s, g, (r, q.shape[1]), q.dtype)
+            for c, s, g, r in zip(codes, scales, gs, rows)]
 
 
-def _stacks(weights: Sequence[torch.Tensor], name: str, max_elements: int
-            ) -> Iterator[tuple[torch.Tensor, list[int], str]]:
-    """(row-concatenation, row counts, label for errors) per run of at most ``max_elements``."""
+def _stacks(weights: Sequence[torch.Tensor], amaxes: list[Amax], name: str, max_elements: int
+            ) -> Iterator[tuple[torch.Tensor, list[int], list[Amax], str]]:
+    """(row-concatenation, row counts, global amaxes, label for errors) per run of at most
+    ``max_elements``."""
     for idx in _chunks(weights, max_elements):
         part = [weights[i].detach() for i in idx]
         stacked = part[0] if len(part) == 1 else torch.cat(part, dim=0)
         label = f"{name}[{idx[0]}..{idx[-1]}] (stacked)" if len(idx) > 1 else f"{name}[{idx[0]}]"
-        yield stacked, [w.shape[0] for w in part], label
+        yield stacked, [w.shape[0] for w in part], [amaxes[i] for i in idx], label
 
 
-def quantize_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *, name: str = "weights",
-                  max_elements: int = MAX_STACK_ELEMENTS) -> list[QuantizedWeight]:
-    """``[spec.quantize_weight(w) for w in weights]``, stacked where that is bit-identical.
+def _quantize_stack(spec: QuantSpec, stacked: torch.Tensor, rows: list[int],
+                    amaxes: list[Amax], label: str) -> QuantizedWeight:
+    """One quantizer call on the stack; formats with a per-tensor scale get it per row."""
+    with torch.no_grad():
+        ga = _row_amax(stacked, rows, amaxes) if spec.shares_tensor_scale else None
+        return spec.quantize_weight(stacked, global_amax=ga, name=label)
 
-    ``name`` names the group in errors (a non-finite value, a shape the format cannot take).
+
+def quantize_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
+                  global_amax: Sequence[Amax] | torch.Tensor | None = None,
+                  name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
+                  ) -> list[QuantizedWeight]:
+    """``[spec.quantize_weight(w, global_amax=a) for w, a in zip(weights, global_amax)]``,
+    stacked where that is bit-identical.
+
+    ``global_amax``: per weight, the amax of its per-tensor scale (formats like ``nvfp4``; a
+    fused group's shared amax, see :func:`fused_amax`), None for its own; a ``[n]`` tensor or
+    a sequence; ignored by formats without a per-tensor scale. ``name`` names the group in
+    errors (a non-finite value, a shape the format cannot take).
     """
+    amaxes = _amax_list(global_amax, len(weights))
     if not can_stack(spec, weights):
-        return [spec.quantize_weight(w, name=f"{name}[{i}]") for i, w in enumerate(weights)]
+        return [spec.quantize_weight(w, global_amax=a, name=f"{name}[{i}]")
+                for i, (w, a) in enumerate(zip(weights, amaxes))]
     out: list[QuantizedWeight] = []
-    for stacked, rows, label in _stacks(weights, name, max_elements):
-        out.extend(_split(spec, spec.quantize_weight(stacked, name=label), rows))
+    for stacked, rows, amx, label in _stacks(weights, amaxes, name, max_elements):
+        out.extend(_split(spec, _quantize_stack(spec, stacked, rows, amx, label), rows))
     return out
 
 
-def fake_quant_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *, name: str = "weights",
-                    max_elements: int = MAX_STACK_ELEMENTS) -> list[torch.Tensor]:
-    """``[spec.dequantize(spec.quantize_weight(w)) for w in weights]`` (no autograd), stacked
-    where that is bit-identical; each result has its weight's dtype."""
+def fake_quant_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
+                    global_amax: Sequence[Amax] | torch.Tensor | None = None,
+                    name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
+                    ) -> list[torch.Tensor]:
+    """``[spec.dequantize(spec.quantize_weight(w, global_amax=a)) for ...]`` (no autograd),
+    stacked where that is bit-identical; each result has its weight's dtype."""
+    amaxes = _amax_list(global_amax, len(weights))
     if not can_stack(spec, weights):
-        return [spec.dequantize(q, dtype=w.dtype)
-                for q, w in zip(quantize_many(spec, weights, name=name), weights)]
+        return [spec.dequantize(q, dtype=w.dtype) for q, w in
+                zip(quantize_many(spec, weights, global_amax=amaxes, name=name), weights)]
     out: list[torch.Tensor] = []
-    for stacked, rows, label in _stacks(weights, name, max_elements):
-        deq = spec.dequantize(spec.quantize_weight(stacked, name=label), dtype=stacked.dtype)
-        out.extend(torch.split(deq, rows, dim=0))
+    for stacked, rows, amx, label in _stacks(weights, amaxes, name, max_elements):
+        q = _quantize_stack(spec, stacked, rows, amx, label)
+        out.extend(torch.split(spec.dequantize(q, dtype=stacked.dtype), rows, dim=0))
     return out

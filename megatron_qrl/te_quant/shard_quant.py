@@ -139,14 +139,17 @@ def quantize_shards_stacked(spec: QuantSpec, weights: list[torch.Tensor],
 
     The HF components of every weight are quantized as one row-stack
     (:func:`megatron_qrl.quant.stacked.fake_quant_many`), bit-identical to one call per
-    weight. Returns None when the stack would not be identical (a per-tensor scale, a block
-    straddling two components); the caller then quantizes one weight at a time.
+    weight; a per-tensor scale (NVFP4) is given per component as the max over its weight's
+    components (:func:`megatron_qrl.quant.stacked.fused_amax`), what :func:`_shared_amax`
+    gives without tensor parallelism. Returns None when the stack would not be identical (a
+    block straddling two components); the caller then quantizes one weight at a time.
     """
-    from megatron_qrl.quant.stacked import can_stack, fake_quant_many
+    from megatron_qrl.quant.stacked import can_stack, fake_quant_many, fused_amax
 
     splits = [layout.split(w.detach()) for w, layout in zip(weights, layouts)]
     parts = [p for split in splits for p in split]
     if not can_stack(spec, parts):
         return None
-    flat = iter(fake_quant_many(spec, parts, name=name))
+    amax = fused_amax(parts, [len(s) for s in splits]) if spec.shares_tensor_scale else None
+    flat = iter(fake_quant_many(spec, parts, global_amax=amax, name=name))
     return [layout.fuse([next(flat) for _ in split]) for split, layout in zip(splits, layouts)]

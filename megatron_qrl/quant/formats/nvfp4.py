@@ -15,6 +15,11 @@ engine's bf16 copy equals ours exactly and the product is rounded once on both s
 
 q/k/v and gate/up must share ``s_fp32`` (SGLang fuses them and keeps one scale): use
 :meth:`QuantSpec.pack_state_dict` or pass ``global_amax`` of the fused group.
+
+Every block depends on its row's ``s_fp32`` only, so a row-stack of many weights quantizes in
+one pass when ``s_fp32`` is given per row (:func:`quantize_rows`, and ``global_amax`` of shape
+``[out, 1]``, used by :mod:`megatron_qrl.quant.stacked`): one implementation of the maths for
+one weight and for a stack.
 """
 
 from __future__ import annotations
@@ -60,26 +65,30 @@ class NVFP4Spec(QuantSpec):
                 f"nvfp4: {name} has in_features={shape[1]}, not a multiple of {BLOCK}"
             )
 
+    def quantize_weight(self, w, *, global_amax=None, name="weight"):
+        """:meth:`QuantSpec.quantize_weight`; ``global_amax`` may also be a per-row ``[out, 1]``
+        tensor: ``w`` is then a row-stack of weights, each row quantized with its weight's
+        (fused group's) amax, and the result's ``global_scale`` is ``[out, 1]`` fp32
+        (:func:`megatron_qrl.quant.stacked.quantize_many` splits it back per weight)."""
+        if not (isinstance(global_amax, torch.Tensor) and global_amax.dim() == 2):
+            return super().quantize_weight(w, global_amax=global_amax, name=name)
+        self._check_weight(w, name)
+        if tuple(global_amax.shape) != (w.shape[0], 1):
+            raise ValueError(f"nvfp4: per-row global_amax for {name} must have shape "
+                             f"[{w.shape[0]}, 1], got {tuple(global_amax.shape)}")
+        with torch.no_grad():
+            ga = global_amax.detach().to(device=w.device, dtype=torch.float32)
+            return self._quantize(w.detach(), ga)
+
     def _quantize(self, w, global_amax):
         w32 = w.float()
         ga = amax(w32, dim=(0, 1), keepdim=False) if global_amax is None else global_amax
-        s2 = bf16_ceil(ga / (E2M1_MAX * FP8_E4M3_MAX))
-        if float(s2) == 0.0:  # all-zero tensor: any positive scale gives all-zero codes
-            s2 = torch.ones_like(s2)
-        out, k = w.shape
-        blocks = w32.reshape(out, k // BLOCK, BLOCK)
-        s_blk = amax(blocks, dim=-1) / (E2M1_MAX * s2)
-        s_blk = torch.where(s_blk == 0, torch.ones_like(s_blk), s_blk)
-        s_blk = s_blk.clamp(_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-        scaled = blocks / (s_blk.float() * s2)
-        codes = e2m1_encode(scaled).reshape(out, k)
-        return QuantizedWeight(self.name, codes, s_blk.squeeze(-1), s2.float(), (out, k), w.dtype)
+        s2 = tensor_scale(ga)
+        codes, s_blk = quantize_rows(w32, s2)
+        return QuantizedWeight(self.name, codes, s_blk, s2, tuple(w.shape), w.dtype)
 
     def _dequantize(self, q):
-        out, k = q.shape
-        vals = e2m1_decode(q.codes).reshape(out, k // BLOCK, BLOCK)
-        per_block = q.scale.float() * q.global_scale
-        return (vals * per_block.unsqueeze(-1)).reshape(out, k)
+        return dequantize_rows(q.codes, q.scale, q.global_scale)
 
     def _packed_suffixes(self):
         return ("weight", "weight_scale", "weight_scale_2", "input_scale")
@@ -114,3 +123,43 @@ class NVFP4Spec(QuantSpec):
         import modelopt.torch.quantization as mtq
 
         return copy.deepcopy(mtq.W4A16_NVFP4_CFG)
+
+
+def tensor_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """``s_fp32 = bf16_ceil(amax / (6 * 448))`` elementwise (a scalar, or one per row), and 1
+    where the amax is 0 (an all-zero weight: any positive scale gives all-zero codes). No host
+    sync: ``torch.where``, not ``if``."""
+    s2 = bf16_ceil(global_amax.float() / (E2M1_MAX * FP8_E4M3_MAX))
+    return torch.where(s2 == 0, torch.ones_like(s2), s2)
+
+
+def _per_row(s2: torch.Tensor) -> torch.Tensor:
+    """A scalar tensor scale as is; a per-row ``[out, 1]`` one as ``[out, 1, 1]`` (blocks)."""
+    return s2 if s2.dim() == 0 else s2.reshape(-1, 1, 1)
+
+
+def quantize_rows(w32: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes ``[out, in]`` and E4M3 block scales ``[out, in/16]`` of fp32 ``w32`` given
+    the tensor scale ``s2`` (a scalar, or ``[out, 1]``: one per row of a row-stack).
+
+    QeRL (seed 002) / ALGORITHMS.md sec. 3, ModelOpt ``NVFP4QTensor.quantize``:
+    ``s_blk = e4m3(clamp(amax_blk / (6 s2), 2^-9, 448))`` (0 -> 1),
+    ``W_q = e2m1(W / (s_blk * s2))``.
+    """
+    out, k = w32.shape
+    s2b = _per_row(s2)
+    blocks = w32.reshape(out, k // BLOCK, BLOCK)
+    s_blk = amax(blocks, dim=-1) / (E2M1_MAX * s2b)
+    s_blk = torch.where(s_blk == 0, torch.ones_like(s_blk), s_blk)
+    s_blk = s_blk.clamp(_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    scaled = blocks / (s_blk.float() * s2b)
+    return e2m1_encode(scaled).reshape(out, k), s_blk.squeeze(-1)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """``W_hat = s2 * (s_e4m3 * e2m1)`` in fp32 (ALGORITHMS.md sec. 3); ``s2`` a scalar or
+    ``[out, 1]`` (a row-stack)."""
+    out, k = codes.shape
+    vals = e2m1_decode(codes).reshape(out, k // BLOCK, BLOCK)
+    per_block = scale.float() * s2
+    return (vals * per_block.unsqueeze(-1)).reshape(out, k)
