@@ -6,6 +6,8 @@ bit packing. Every format in :mod:`megatron_qrl.quant.formats` is built from the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_E4M3_MAX = 448.0
@@ -16,6 +18,13 @@ ZERO_AMAX_EPS = 1.0 / (1 << 24)
 # E2M1 magnitudes by 3-bit ordinal, and the rounding midpoints between them.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@functools.cache
+def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A constant fp32 lookup table on ``device``, built once (a host-to-device copy per call
+    would wait for the GPU every time)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +55,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     Code = sign << 3 | ordinal. Round to nearest with ties to the even mantissa, saturating at
     6 (OCP MX spec v1.0 sec. 5.3.3; identical to ModelOpt ``NVFP4QTensor._cast_fp4``).
     """
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=x.device)
+    bounds = _table(_E2M1_BOUNDS, x.device)
     mag = x.float().abs()
     ordinal = torch.searchsorted(bounds, mag.contiguous(), out_int32=True)
     # a tie sits on a bound; searchsorted(left) sends it down, which is "even" for the
@@ -59,7 +68,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """Decode 4-bit E2M1 codes (uint8, one code per element) to fp32."""
-    values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    values = _table(_E2M1_VALUES, codes.device)
     c = codes.to(torch.int64)
     mag = values[c & 0x7]
     return torch.where((c & 0x8) != 0, -mag, mag)
