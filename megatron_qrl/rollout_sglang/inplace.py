@@ -34,13 +34,22 @@ embeddings) load directly through ``model.load_weights`` in the same call.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass, field
 
 import torch
 
 from ..rollout.broadcast import json_tensor, tensor_json
+from .module_state import (
+    OwnerState,
+    attach,
+    create_checkpoint_params,
+    creation_context,
+    detach,
+    device_of,
+    needs_reload,
+    state_owners,
+)
 from .phase_log import PhaseLog
 
 CONTROL = "__qrl_inplace__"
@@ -58,9 +67,6 @@ on the last dot)."""
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 _EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
-# flags a post-processing step sets to skip itself when run twice (compressed-tensors
-# WNA16 MoE); cleared while the module is re-processed, restored after
-_PROCESSED_FLAGS = ("is_marlin_converted", "is_triton_converted")
 _STATE_ATTR = "_qrl_inplace_pending"
 
 
@@ -141,126 +147,10 @@ def decode_control(t: torch.Tensor) -> dict:
     return tensor_json(t)
 
 
-# ---- module state --------------------------------------------------------------------
-@dataclass
-class _OwnerState:
-    params: dict = field(default_factory=dict)
-    buffers: dict = field(default_factory=dict)
-    attrs: dict = field(default_factory=dict)
-    flags: dict = field(default_factory=dict)
-
-    def tensors(self) -> dict[str, torch.Tensor | None]:
-        return {**self.attrs, **self.buffers, **self.params}
-
-
-def _owners(module: torch.nn.Module) -> list[object]:
-    """Objects whose tensors make up a module's kernel state (module, quant method, scheme)."""
-    out: list[object] = []
-    for o in (module, getattr(module, "quant_method", None), getattr(module, "scheme", None)):
-        if o is not None and all(o is not x for x in out):
-            out.append(o)
-    return out
-
-
-def _detach(owner: object) -> _OwnerState:
-    """Take every tensor (and processed flag) off ``owner``; returns them."""
-    st = _OwnerState()
-    d = vars(owner)
-    if isinstance(owner, torch.nn.Module):
-        st.params, st.buffers = dict(owner._parameters), dict(owner._buffers)
-        owner._parameters.clear()
-        owner._buffers.clear()
-    st.attrs = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
-    st.flags = {k: d[k] for k in _PROCESSED_FLAGS if k in d}
-    for k in (*st.attrs, *st.flags):
-        del d[k]
-    return st
-
-
-def _attach(owner: object, st: _OwnerState) -> None:
-    if isinstance(owner, torch.nn.Module):
-        owner._parameters.update(st.params)
-        owner._buffers.update(st.buffers)
-    vars(owner).update(st.attrs)
-    vars(owner).update(st.flags)
-
-
-def _device_of(states: list[_OwnerState]) -> torch.device:
-    for st in states:
-        for t in st.tensors().values():
-            if t is not None:
-                return t.device
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def _creation_context(device: torch.device, dtype: torch.dtype | None):
-    """Device and default dtype as during SGLang's model init (``create_weights`` allocates
-    with bare ``torch.empty``)."""
-    old = torch.get_default_dtype()
-    if dtype is not None and dtype.is_floating_point:
-        torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def _is_a(module: torch.nn.Module, cls_name: str) -> bool:
-    return any(c.__name__ == cls_name for c in type(module).__mro__)
-
-
-def _v2_loader_methods() -> list[str]:
-    try:
-        from sglang.srt.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
-    except ImportError:  # CPU tests: fake modules expose only ``weight_loader``
-        return []
-    return list(WEIGHT_LOADER_V2_SUPPORTED)
-
-
-def create_checkpoint_params(module: torch.nn.Module) -> None:
-    """Register the checkpoint-layout parameters on ``module`` exactly as its ``__init__``
-    did (``sglang/srt/layers/linear.py``, ``moe/fused_moe_triton/layer.py`` in 0.5.17)."""
-    qm = module.quant_method
-    if hasattr(module, "num_local_experts"):  # FusedMoE
-        qm.create_weights(
-            layer=module, num_experts=module.num_local_experts,
-            hidden_size=module.hidden_size,
-            intermediate_size_per_partition=module.intermediate_size_per_partition,
-            params_dtype=module.params_dtype, weight_loader=module.weight_loader,
-            with_bias=getattr(module, "with_bias", False),
-            moe_intermediate_size=(module.intermediate_size_per_partition
-                                   * getattr(module, "moe_tp_size", 1)))
-        return
-    kwargs = dict(
-        layer=module,
-        input_size_per_partition=getattr(module, "input_size_per_partition", module.input_size),
-        output_partition_sizes=list(getattr(module, "output_partition_sizes",
-                                            [module.output_size])),
-        input_size=module.input_size, output_size=module.output_size,
-        params_dtype=module.params_dtype, weight_loader=module.weight_loader)
-    if _is_a(module, "ColumnParallelLinear"):
-        kwargs["skip_block_quant_check"] = True  # checked at init; the shapes are unchanged
-        kwargs["input_size_per_partition"] = module.input_size
-    v2 = getattr(module, "weight_loader_v2", None)
-    if (v2 is not None and not _is_a(module, "ReplicatedLinear")
-            and type(qm).__name__ in _v2_loader_methods()):
-        kwargs["weight_loader"] = v2
-    qm.create_weights(**kwargs)
-
-
-def needs_reload(module: torch.nn.Module | None) -> bool:
-    """True for a module whose quant method post-processes its weights after loading."""
-    qm = getattr(module, "quant_method", None)
-    return qm is not None and not type(qm).__name__.startswith("Unquantized") and hasattr(
-        qm, "process_weights_after_loading") and hasattr(qm, "create_weights")
-
-
 # ---- one module ----------------------------------------------------------------------
 @dataclass
 class _Pending:
-    states: list[_OwnerState]
+    states: list[OwnerState]
     received: int = 0
     loads: dict[str, int] = field(default_factory=dict)
 
@@ -289,16 +179,16 @@ def _count_loads(param: torch.Tensor, name: str, loads: dict[str, int]) -> None:
     setattr(param, "_weight_loader" if prop else "weight_loader", counted)
 
 
-def _enter(key: str, module, pending: dict[str, _Pending]) -> list[_OwnerState]:
+def _enter(key: str, module, pending: dict[str, _Pending]) -> list[OwnerState]:
     """Swap ``module`` to its checkpoint layout (new, or the pending one); returns live."""
-    owners = _owners(module)
-    live = [_detach(o) for o in owners]
+    owners = state_owners(module)
+    live = [detach(o) for o in owners]
     if key in pending:
         for o, st in zip(owners, pending[key].states):
-            _attach(o, st)
+            attach(o, st)
         return live
-    entry = _Pending([_OwnerState() for _ in owners])
-    with _creation_context(_device_of(live), getattr(module, "params_dtype", None)):
+    entry = _Pending([OwnerState() for _ in owners])
+    with creation_context(device_of(live), getattr(module, "params_dtype", None)):
         create_checkpoint_params(module)
     for name, p in module._parameters.items():
         if p is not None:
@@ -323,7 +213,7 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return c
 
 
-def _put(owner: object, st: _OwnerState, name: str) -> None:
+def _put(owner: object, st: OwnerState, name: str) -> None:
     if name in st.params:
         owner._parameters[name] = _clone(st.params[name])
     elif name in st.buffers:
@@ -332,14 +222,14 @@ def _put(owner: object, st: _OwnerState, name: str) -> None:
         vars(owner)[name] = _clone(st.attrs[name])
 
 
-def _leave(key: str, module, pending: dict[str, _Pending], live: list[_OwnerState],
+def _leave(key: str, module, pending: dict[str, _Pending], live: list[OwnerState],
            process: bool) -> None:
     """Back to the live layout; with ``process``, post-process and copy into live first."""
-    owners = _owners(module)
+    owners = state_owners(module)
     try:
         if process:
             module.quant_method.process_weights_after_loading(module)
-        new = [_detach(o) for o in owners]
+        new = [detach(o) for o in owners]
         if process:
             for lv, nv in zip(live, new):
                 _copy_into_live(key, lv, nv)
@@ -348,11 +238,11 @@ def _leave(key: str, module, pending: dict[str, _Pending], live: list[_OwnerStat
             pending[key].states = new
     finally:
         for o, st in zip(owners, live):
-            _detach(o)
-            _attach(o, st)
+            detach(o)
+            attach(o, st)
 
 
-def _copy_into_live(key: str, live: _OwnerState, new: _OwnerState) -> None:
+def _copy_into_live(key: str, live: OwnerState, new: OwnerState) -> None:
     fresh = new.tensors()
     for name, lv in live.tensors().items():
         if lv is None:
