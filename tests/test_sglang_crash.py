@@ -87,3 +87,31 @@ def test_install_outside_the_main_thread_leaves_handlers_alone():
     th.join()
     eng.loop.close()
     assert out == [False] and eng.tokenizer_manager.event_loop is None
+
+
+def test_crash_inside_another_task_still_ends_the_call():
+    """The handler runs inside whatever the main thread executes: here a step of a busy
+    background task (SGLang's handle loop), where asyncio keeps the exception to that task.
+    The awaited request must still end, with EngineDiedError, instead of waiting forever."""
+    eng = FakeEngine()
+
+    async def busy():  # CPU work in a task step while the signal arrives
+        t_end = time.monotonic() + 1.0
+        while time.monotonic() < t_end:
+            pass
+
+    async def request():  # waits on a dead scheduler: nothing will ever set it
+        eng.loop.create_task(busy())
+        await asyncio.Event().wait()
+
+    try:
+        assert crash.install(eng)
+        _sigquit_after(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDiedError, match="SGLang engine process crashed"):
+            with crash.engine_call():
+                eng.loop.run_until_complete(asyncio.wait_for(request(), timeout=8))
+        assert time.monotonic() - t0 < 5  # not the 8 s timeout: the call was ended
+        assert eng.killed == []
+    finally:
+        eng.loop.close()

@@ -14,6 +14,7 @@ A crash noticed between calls fails the next call the same way.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -24,16 +25,28 @@ from ..rollout.supervisor import EngineDiedError
 
 __all__ = ["engine_call", "install", "mark_alive", "on_child_crash"]
 
-_STATE = {"dead": False, "calls": 0}
+_STATE: dict[str, Any] = {"dead": False, "calls": 0, "loop": None}
+_CRASHED = ("an SGLang engine process crashed (SIGQUIT from SGLang's subprocess watchdog; see "
+            "the scheduler log above)")
 
 
 def on_child_crash(signum: int = signal.SIGQUIT, frame: Any = None) -> None:
     """SIGQUIT handler (also SGLang's ``custom_sigquit_handler`` during the engine's launch):
-    mark the engine dead; inside an engine call, raise :class:`EngineDiedError` there."""
+    mark the engine dead; inside an engine call, end it with :class:`EngineDiedError`.
+
+    Python runs the handler wherever the main thread is. Inside the engine's event loop that is
+    often a step of some task or a callback, and asyncio keeps an exception raised there to
+    that task (or logs and drops it, for a callback): the awaited request would then wait
+    forever on the dead scheduler. So every task of the engine's loop is cancelled first;
+    :func:`engine_call` turns what the call then raises into :class:`EngineDiedError`.
+    """
     _STATE["dead"] = True
     if _STATE["calls"]:
-        raise EngineDiedError("an SGLang engine process crashed (SIGQUIT from SGLang's subprocess "
-                              "watchdog; see the scheduler log above)")
+        loop = _STATE["loop"]
+        if loop is not None and not loop.is_closed():
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+        raise EngineDiedError(_CRASHED)
 
 
 def mark_alive() -> None:
@@ -51,6 +64,10 @@ def engine_call() -> Iterator[None]:
     _STATE["calls"] += 1
     try:
         yield
+    except BaseException as exc:  # CancelledError / a stopped loop after a crash, or the error
+        if _STATE["dead"] and not isinstance(exc, EngineDiedError):
+            raise EngineDiedError(_CRASHED) from exc
+        raise
     finally:
         _STATE["calls"] -= 1
 
@@ -71,5 +88,6 @@ def install(engine: Any) -> bool:
     with contextlib.suppress(Exception):  # no handler there (not added) is fine
         engine.loop.remove_signal_handler(signal.SIGQUIT)
     signal.signal(signal.SIGQUIT, on_child_crash)
+    _STATE["loop"] = engine.loop
     mark_alive()
     return True
