@@ -210,9 +210,9 @@ class SGLangEngine(RolloutEngine):
 
         tracker = (StreamTracker(packed_suffixes(self.spec)) if self.sync == "inplace"
                    else None)
-        device = torch.device("cuda", torch.cuda.current_device())
-        buckets = ahead(self._buckets(stream, sent, tracker, device), self.prefetch_buckets,
-                        init=lambda: torch.cuda.set_device(device))
+        device = self.trainer_device  # colocated: the engine maps the trainer's tensors (IPC)
+        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        buckets = ahead(self._buckets(stream, sent, tracker, device), self.prefetch_buckets, init)
         for items, first, last in buckets:
             payload = self.engine._serialize_tensors_per_rank(items, None)
             req = UpdateWeightsFromTensorReqInput(

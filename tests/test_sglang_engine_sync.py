@@ -1,0 +1,105 @@
+"""SGLangEngine.update_weights end to end on CPU: the real bucketing, prefetch thread, control
+tensors, request flow and in-place loader, against a stand-in for the running engine (the
+tokenizer manager's request lands in ``load_packed`` on the fake SGLang model of
+test_sglang_inplace, as SGLang's scheduler would run it)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from megatron_qrl.quant import get_spec
+from megatron_qrl.rollout.base import tensor_checksum
+from megatron_qrl.rollout_sglang.engine import SGLangEngine
+from megatron_qrl.rollout_sglang.inplace import load_packed
+from tests.test_sglang_inplace import FakeModel, live_tensors, weights
+
+
+@dataclass
+class _Req:  # sglang.srt.managers.io_struct.UpdateWeightsFromTensorReqInput's fields we set
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = False
+    weight_version: str | None = None
+
+
+class _TokenizerManager:
+    def __init__(self, model, fail_at=None):
+        self.model, self.version, self.requests, self.fail_at = model, None, 0, fail_at
+
+    async def update_weights_from_tensor(self, req, _request):
+        self.requests += 1
+        if self.requests == self.fail_at:
+            return False, "out of memory (stand-in)", 0
+        load_packed(self.model, req.serialized_named_tensors)
+        if req.weight_version is not None:
+            self.version = req.weight_version
+        return True, "ok", 0
+
+
+class _Engine:  # the parts of sglang.Engine that SGLangEngine's tensor sync calls
+    def __init__(self, model, fail_at=None):
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = _TokenizerManager(model, fail_at)
+
+    def _serialize_tensors_per_rank(self, items, _):
+        return list(items)  # in-process stand-in for the CUDA-IPC handles
+
+    def get_server_info(self):
+        return {"weight_version": self.tokenizer_manager.version}
+
+
+@pytest.fixture(autouse=True)
+def fake_io_struct(monkeypatch):
+    mod = types.ModuleType("sglang.srt.managers.io_struct")
+    mod.UpdateWeightsFromTensorReqInput = _Req
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name, types.ModuleType(name)))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
+
+
+def _engine(model, bucket_bytes, flatten, prefetch, fail_at=None):
+    eng = object.__new__(SGLangEngine)  # no sglang.Engine: the stand-in above
+    eng.spec, eng.sync, eng.trainer_device = get_spec("int8"), "inplace", torch.device("cpu")
+    eng.bucket_bytes, eng.flatten_buckets, eng.prefetch_buckets = bucket_bytes, flatten, prefetch
+    eng.engine, eng._sent, eng._version, eng.last_sync = _Engine(model, fail_at), {}, -1, {}
+    return eng
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_update_weights_in_place_equals_a_fresh_load(flatten, prefetch):
+    model = FakeModel()
+    before = {k: t.data_ptr() for k, t in live_tensors(model).items()}
+    eng = _engine(model, bucket_bytes=300, flatten=flatten, prefetch=prefetch)
+    stream = list(weights(1))
+    eng.update_weights(iter(stream), version=7)
+    assert eng.weight_version() == 7 and eng.last_sync["buckets"] > 3
+    want = live_tensors(FakeModel(seed=1))
+    for k, t in live_tensors(model).items():
+        assert t.data_ptr() == before[k], f"{k} lost its storage"
+        torch.testing.assert_close(t, want[k], rtol=0, atol=0, msg=k)
+    assert eng.held_checksums() == {n: tensor_checksum(t) for n, t in stream}
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_rejected_bucket_fails_the_sync_and_stops_the_producer(prefetch):
+    from megatron_qrl.rollout.base import WeightSyncError
+
+    model = FakeModel()
+    produced = []
+
+    def stream():
+        for n, t in weights(1):
+            produced.append(n)
+            yield n, t
+
+    eng = _engine(model, bucket_bytes=300, flatten=False, prefetch=prefetch, fail_at=2)
+    with pytest.raises(WeightSyncError, match="rejected a weight bucket.*out of memory"):
+        eng.update_weights(stream(), version=1)
+    assert len(produced) < len(list(weights(1)))  # nothing ran on to the end of the stream
