@@ -107,12 +107,21 @@ class QuantSpec:
         """Quantize a [out, in] weight exactly as the rollout engine will hold it.
 
         ``global_amax`` overrides the per-tensor amax of two-level formats (NVFP4) so that the
-        members of a fused group (q/k/v, gate/up) share one scale; ignored elsewhere.
+        members of a fused group (q/k/v, gate/up) share one scale; ignored elsewhere. It may
+        also be ``[out, 1]``, one per row: ``w`` is then a row-stack of weights, each row
+        quantized with its weight's amax (:mod:`megatron_qrl.quant.stacked`), and the result's
+        ``global_scale`` is ``[out, 1]``.
         """
         self._check_weight(w, name)
         ga = None
         if global_amax is not None:
-            ga = torch.as_tensor(global_amax, dtype=torch.float32, device=w.device).reshape(())
+            if isinstance(global_amax, torch.Tensor):
+                global_amax = global_amax.detach()
+            ga = torch.as_tensor(global_amax, dtype=torch.float32, device=w.device)
+            if ga.dim() == 2 and tuple(ga.shape) != (w.shape[0], 1):
+                raise ValueError(f"{self.name}: per-row global_amax for {name} must have shape "
+                                 f"[{w.shape[0]}, 1], got {tuple(ga.shape)}")
+            ga = ga if ga.dim() == 2 else ga.reshape(())
         with torch.no_grad():
             return self._quantize(w.detach(), ga)
 

@@ -17,9 +17,9 @@ q/k/v and gate/up must share ``s_fp32`` (SGLang fuses them and keeps one scale):
 :meth:`QuantSpec.pack_state_dict` or pass ``global_amax`` of the fused group.
 
 Every block depends on its row's ``s_fp32`` only, so a row-stack of many weights quantizes in
-one pass when ``s_fp32`` is given per row (:func:`quantize_rows`, and ``global_amax`` of shape
-``[out, 1]``, used by :mod:`megatron_qrl.quant.stacked`): one implementation of the maths for
-one weight and for a stack.
+one pass when ``s_fp32`` is given per row (:func:`quantize_rows`; ``global_amax`` of shape
+``[out, 1]`` in :meth:`QuantSpec.quantize_weight`, used by :mod:`megatron_qrl.quant.stacked`):
+one implementation of the maths for one weight and for a stack.
 """
 
 from __future__ import annotations
@@ -64,21 +64,6 @@ class NVFP4Spec(QuantSpec):
             raise ValueError(
                 f"nvfp4: {name} has in_features={shape[1]}, not a multiple of {BLOCK}"
             )
-
-    def quantize_weight(self, w, *, global_amax=None, name="weight"):
-        """:meth:`QuantSpec.quantize_weight`; ``global_amax`` may also be a per-row ``[out, 1]``
-        tensor: ``w`` is then a row-stack of weights, each row quantized with its weight's
-        (fused group's) amax, and the result's ``global_scale`` is ``[out, 1]`` fp32
-        (:func:`megatron_qrl.quant.stacked.quantize_many` splits it back per weight)."""
-        if not (isinstance(global_amax, torch.Tensor) and global_amax.dim() == 2):
-            return super().quantize_weight(w, global_amax=global_amax, name=name)
-        self._check_weight(w, name)
-        if tuple(global_amax.shape) != (w.shape[0], 1):
-            raise ValueError(f"nvfp4: per-row global_amax for {name} must have shape "
-                             f"[{w.shape[0]}, 1], got {tuple(global_amax.shape)}")
-        with torch.no_grad():
-            ga = global_amax.detach().to(device=w.device, dtype=torch.float32)
-            return self._quantize(w.detach(), ga)
 
     def _quantize(self, w, global_amax):
         w32 = w.float()
