@@ -176,14 +176,17 @@ class AlignedSequentialMLP(SequentialMLP):
         super().__init__(*args, **kwargs)
         self.qrl_state = qrl_state
 
-    def _unsharded(self) -> bool:
-        return all(_tp_size(e.linear_fc1) == 1 and _tp_size(e.linear_fc2) == 1
-                   for e in self.local_experts)
+    def _stacked(self) -> bool:
+        """The stacked path applies: ``batched``, several local experts, none tensor-parallel
+        (a sharded expert quantizes through :func:`quantize_shard`'s gathers)."""
+        return (self.batched and self.num_local_experts > 1
+                and all(_tp_size(e.linear_fc1) == 1 and _tp_size(e.linear_fc2) == 1
+                        for e in self.local_experts))
 
     def refresh_quantized_weights(self) -> None:
         """Re-quantize the stale ``linear_fc1`` / ``linear_fc2`` of all local experts, one
         stacked call per projection (the per-expert lazy path remains the fallback)."""
-        if not (self.batched and len(self.local_experts) > 1 and self._unsharded()):
+        if not self._stacked():
             return
         for attr in ("linear_fc1", "linear_fc2"):
             linears = [getattr(e, attr) for e in self.local_experts]
@@ -205,7 +208,7 @@ class AlignedSequentialMLP(SequentialMLP):
         if self.config.add_bias_linear or self.config.moe_apply_probs_on_input:
             raise ValueError("aligned W8A8 experts support add_bias_linear=False and "
                              "moe_apply_probs_on_input=False (Qwen3-MoE)")
-        if self.batched and self.num_local_experts > 1 and self._unsharded():
+        if self._stacked():
             out = self._w8a8_stacked(permuted_local_hidden_states, tokens_per_expert)
             return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
         ones = torch.ones_like(permuted_probs)
