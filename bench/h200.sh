@@ -96,7 +96,7 @@ case $phase in
     marlin_wait
     QRL_INPLACE_PROFILE="$OUT/inplace_phases.jsonl" python3 bench/weight_sync.py \
       --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
-      --variants "${VARIANTS:-fp8:inplace+flat,fp8:inplace+flat+prefetch,int8:inplace+flat,fp8_block:inplace+flat,w4a16:inplace+flat,nvfp4:inplace+flat}" 2>&1 \
+      --variants "${VARIANTS:-fp8:inplace+flat,fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct,int8:inplace+flat,fp8_block:inplace+flat,w4a16:inplace+flat,nvfp4:inplace+flat}" 2>&1 \
       | grep -E "^\||sync\]|Error"
     [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.phase_log "$OUT/inplace_phases.jsonl" ;;
   train)

@@ -19,7 +19,8 @@ NCCL (the disaggregated layout on one node); on one GPU it runs over gloo on the
 (the protocol, not the speed NCCL would give). ``FMT:inplace+flat`` sends each in-place
 bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one per tensor);
 ``+prefetch`` prepares the next bucket in a thread while the engine loads one
-(``SGLangEngine(prefetch_buckets=1)``); options combine: ``fp8:inplace+flat+prefetch``.
+(``SGLangEngine(prefetch_buckets=1)``); ``+direct`` loads expert tensors straight into their
+FusedMoE parameters (``direct_expert_loads``); options combine: ``fp8:inplace+flat+prefetch``.
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
 
     fmt, sync = variant.split(":")
     sync, *opts = sync.split("+")  # FMT:inplace+flat+prefetch -> flattened, prefetched buckets
-    unknown = set(opts) - {"flat", "prefetch"}
+    unknown = set(opts) - {"flat", "prefetch", "direct"}
     if unknown:
-        raise ValueError(f"variant {variant!r}: unknown options {sorted(unknown)} (flat, prefetch)")
+        raise ValueError(f"variant {variant!r}: unknown options {sorted(unknown)} "
+                         "(flat, prefetch, direct)")
     cfg = json.loads(MODEL_CONFIG.read_text())
     spec = get_spec(fmt)
     res: dict = {"variant": variant}
@@ -119,6 +121,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         kw["sync_dir"] = "/dev/shm/qrl-sync"
     if "prefetch" in opts:
         kw["prefetch_buckets"] = 1
+    if "direct" in opts:
+        kw["direct_expert_loads"] = True
     if "flat" in opts:
         kw["flatten_buckets"] = True
     if sync == "distributed":

@@ -63,20 +63,29 @@ def fake_io_struct(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
 
 
-def _engine(model, bucket_bytes, flatten, prefetch, fail_at=None):
+def _engine(model, bucket_bytes, flatten, prefetch, fail_at=None, direct=False):
     eng = object.__new__(SGLangEngine)  # no sglang.Engine: the stand-in above
     eng.spec, eng.sync, eng.trainer_device = get_spec("int8"), "inplace", torch.device("cpu")
     eng.bucket_bytes, eng.flatten_buckets, eng.prefetch_buckets = bucket_bytes, flatten, prefetch
+    eng.direct_expert_loads = direct
     eng.engine, eng._sent, eng._version, eng.last_sync = _Engine(model, fail_at), {}, -1, {}
     return eng
 
 
-@pytest.mark.parametrize("flatten", [False, True])
-@pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_update_weights_in_place_equals_a_fresh_load(flatten, prefetch):
+@pytest.mark.parametrize("flatten,prefetch,direct", [
+    (False, 0, False), (True, 0, False), (False, 1, False), (True, 1, False), (True, 3, False),
+    (False, 0, True), (True, 1, True)])
+def test_update_weights_in_place_equals_a_fresh_load(flatten, prefetch, direct, monkeypatch):
+    from megatron_qrl.rollout_sglang import expert_loads
+
+    # the fake model's load_weights maps experts as SGLang's Qwen3-MoE does
+    monkeypatch.setattr(expert_loads, "MODELS", expert_loads.MODELS | {"FakeModel"})
     model = FakeModel()
+    seen = []
+    real = model.load_weights
+    model.load_weights = lambda ws: seen.extend(n for n, _ in ws) or real(ws)
     before = {k: t.data_ptr() for k, t in live_tensors(model).items()}
-    eng = _engine(model, bucket_bytes=300, flatten=flatten, prefetch=prefetch)
+    eng = _engine(model, bucket_bytes=300, flatten=flatten, prefetch=prefetch, direct=direct)
     stream = list(weights(1))
     eng.update_weights(iter(stream), version=7)
     assert eng.weight_version() == 7 and eng.last_sync["buckets"] > 3
@@ -85,6 +94,8 @@ def test_update_weights_in_place_equals_a_fresh_load(flatten, prefetch):
         assert t.data_ptr() == before[k], f"{k} lost its storage"
         torch.testing.assert_close(t, want[k], rtol=0, atol=0, msg=k)
     assert eng.held_checksums() == {n: tensor_checksum(t) for n, t in stream}
+    # direct: no expert tensor went through model.load_weights (its mapping scan)
+    assert any(".experts." in n for n in seen) != direct and seen
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -103,3 +114,16 @@ def test_a_rejected_bucket_fails_the_sync_and_stops_the_producer(prefetch):
     with pytest.raises(WeightSyncError, match="rejected a weight bucket.*out of memory"):
         eng.update_weights(stream(), version=1)
     assert len(produced) < len(list(weights(1)))  # nothing ran on to the end of the stream
+
+
+def test_direct_expert_loads_fall_back_for_a_model_whose_mapping_was_not_read():
+    model = FakeModel()  # not in expert_loads.MODELS: every tensor through load_weights
+    seen = []
+    real = model.load_weights
+    model.load_weights = lambda ws: seen.extend(n for n, _ in ws) or real(ws)
+    _engine(model, bucket_bytes=300, flatten=False, prefetch=0, direct=True).update_weights(
+        iter(weights(1)), version=1)
+    assert sum(".experts." in n for n in seen) == sum(".experts." in n for n, _ in weights(1))
+    want = live_tensors(FakeModel(seed=1))
+    for k, t in live_tensors(model).items():
+        torch.testing.assert_close(t, want[k], rtol=0, atol=0, msg=k)

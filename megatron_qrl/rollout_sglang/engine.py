@@ -127,7 +127,8 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, model_path: str | Path, spec_name: str, *, sync: str | None = None,
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
-                 flatten_buckets: bool = False, prefetch_buckets: int = 0, **engine_kwargs):
+                 flatten_buckets: bool = False, prefetch_buckets: int = 0,
+                 direct_expert_loads: bool = False, **engine_kwargs):
         sync = default_sync(spec_name) if sync is None else sync
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -145,6 +146,11 @@ class SGLangEngine(RolloutEngine):
         if prefetch_buckets < 0:
             raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
         self.prefetch_buckets = prefetch_buckets
+        if direct_expert_loads and sync != "inplace":
+            raise ValueError(f"direct_expert_loads applies to sync='inplace' (got sync={sync!r})")
+        self.direct_expert_loads = direct_expert_loads
+        """In-place loads put expert tensors straight into their FusedMoE parameters
+        (:mod:`.expert_loads`; bench variant ``FMT:inplace+direct``)."""
         """Buckets prepared ahead in a thread while the engine loads one (``tensor`` and
         ``inplace`` syncs; 0: one after the other; bench variant ``FMT:inplace+prefetch``)."""
         """In-place buckets as one flat buffer each (one CUDA-IPC handle per bucket instead
@@ -208,8 +214,9 @@ class SGLangEngine(RolloutEngine):
         ``prefetch_buckets`` the next buckets are prepared while the engine loads one."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
-        tracker = (StreamTracker(packed_suffixes(self.spec)) if self.sync == "inplace"
-                   else None)
+        tracker = (StreamTracker(packed_suffixes(self.spec),
+                                 direct_experts=self.direct_expert_loads)
+                   if self.sync == "inplace" else None)
         device = self.trainer_device  # colocated: the engine maps the trainer's tensors (IPC)
         init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         buckets = ahead(self._buckets(stream, sent, tracker, device), self.prefetch_buckets, init)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..rollout.broadcast import json_tensor, tensor_json
+from .expert_loads import load_experts_directly
 from .module_state import (
     OwnerState,
     attach,
@@ -97,6 +98,9 @@ class StreamTracker:
     suffixes: tuple[str, ...] = ()
     """Checkpoint tensor suffixes of the format (``weight``, ``weight_scale``, ...): every
     reloaded parameter with one of these names must receive all its shards."""
+    direct_experts: bool = False
+    """Ask the loader to put expert tensors straight into their ``FusedMoE`` parameters
+    (:mod:`.expert_loads`) instead of through ``model.load_weights``."""
     current: str | None = None
     counts: dict[str, int] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)
@@ -134,7 +138,8 @@ class StreamTracker:
         if final:
             self._close()
         msg = {"begin": not self.begun, "final": final, "done": self.done,
-               "suffixes": list(self.suffixes), "views": self.views}
+               "suffixes": list(self.suffixes), "views": self.views,
+               "direct_experts": self.direct_experts}
         self.begun, self.done, self.views = True, {}, {}
         return encode_control(msg)
 
@@ -293,7 +298,9 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
             lives = {k: _enter(k, modules[k], pending) for k in touched}
         try:
             with log.phase("load_weights"):
-                model.load_weights(weights)
+                rest = (load_experts_directly(model, modules, weights)
+                        if msg.get("direct_experts") else weights)
+                model.load_weights(rest)
         finally:
             with log.phase("leave"):
                 for k, live in lives.items():
