@@ -297,6 +297,38 @@ def test_w4a4_checks():
         validate_qrl_args(p.parse_args(["--qrl-rollout-engine", "sglang"]), gpu_capability=None)
 
 
+def test_sglang_sync_option_checks():
+    p = full_parser()
+    sglang = ["--qrl-rollout-engine", "sglang"]
+    ok = validate_qrl_args(p.parse_args(sglang + [
+        "--qrl-rollout-format", "int8", "--qrl-rollout-sglang-flat-buckets",
+        "--qrl-rollout-sglang-prefetch-buckets", "2", "--qrl-rollout-sglang-direct-expert-loads"]),
+        gpu_capability=HOPPER)["rollout"]
+    assert ok.sglang_flat_buckets and ok.sglang_prefetch_buckets == 2
+    assert ok.sglang_direct_expert_loads
+    with pytest.raises(QrlArgumentError, match=r"--qrl-rollout-sglang-flat-buckets apply to the "
+                       r"in-place sync.*syncs with auto \(tensor for bf16\)"):
+        validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "bf16",
+                                                 "--qrl-rollout-sglang-flat-buckets"]),
+                          gpu_capability=HOPPER)
+    with pytest.raises(QrlArgumentError, match="direct-expert-loads apply to the in-place sync.*"
+                       "syncs with disk"):
+        validate_qrl_args(p.parse_args(sglang + [
+            "--qrl-rollout-format", "fp8", "--qrl-rollout-sglang-sync", "disk",
+            "--qrl-rollout-sglang-direct-expert-loads"]), gpu_capability=HOPPER)
+    with pytest.raises(QrlArgumentError, match="prefetch-buckets applies to the tensor and "
+                       "in-place syncs, not --qrl-rollout-sglang-sync distributed"):
+        validate_qrl_args(p.parse_args(sglang + [
+            "--qrl-rollout-format", "fp8", "--qrl-rollout-sglang-sync", "distributed",
+            "--qrl-rollout-sglang-prefetch-buckets", "1"]), gpu_capability=HOPPER)
+    with pytest.raises(QrlArgumentError, match="flat-buckets need --qrl-rollout-engine sglang"):
+        validate_qrl_args(p.parse_args(["--qrl-rollout-format", "int8",
+                                        "--qrl-rollout-sglang-flat-buckets"]), gpu_capability=None)
+    with pytest.raises(QrlArgumentError, match="prefetch-buckets must be"):
+        validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-sglang-prefetch-buckets", "-1"]),
+                          gpu_capability=HOPPER)
+
+
 def test_aligned_forward_needs_a_quantized_format():
     p = full_parser()
     with pytest.raises(QrlArgumentError, match="--qrl-train-forward aligned needs a quantized "

@@ -64,6 +64,30 @@ def _sglang_gpu(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     return None
 
 
+def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    """Flat buckets and direct expert loads exist in the in-place sync only (the default
+    for weight-quantized formats: ``--qrl-rollout-sglang-sync auto``); prefetching in the
+    tensor and in-place syncs."""
+    r = c["rollout"]
+    if r.sglang_prefetch_buckets and r.sglang_sync in ("disk", "distributed"):
+        return (f"--qrl-rollout-sglang-prefetch-buckets applies to the tensor and in-place "
+                f"syncs, not --qrl-rollout-sglang-sync {r.sglang_sync}")
+    flags = [f for f, on in (("--qrl-rollout-sglang-flat-buckets", r.sglang_flat_buckets),
+                             ("--qrl-rollout-sglang-direct-expert-loads",
+                              r.sglang_direct_expert_loads)) if on]
+    if not flags:
+        return None
+    if r.engine != "sglang":
+        return f"{' and '.join(flags)} need --qrl-rollout-engine sglang"
+    inplace = r.sglang_sync == "inplace" or (
+        r.sglang_sync == "auto" and get_spec(r.format).quantizes_weights)
+    if inplace:
+        return None
+    sync = r.sglang_sync if r.sglang_sync != "auto" else "auto (tensor for bf16)"
+    return (f"{' and '.join(flags)} apply to the in-place sync (--qrl-rollout-sglang-sync "
+            f"inplace, the default for weight-quantized formats); this run syncs with {sync}")
+
+
 def _tbpo(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     loss = c.get("loss")
     if loss is None or loss.kind != "tbpo" or loss.aggregation in TBPO_AGGREGATIONS:
@@ -115,7 +139,7 @@ def _batches(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 
 
 CHECKS: tuple[Callable[[Mapping[str, Any], CheckEnv], str | None], ...] = (
-    _w4a4, _sglang_gpu, _tbpo, _aligned, _routing, _uaq, _batches,
+    _w4a4, _sglang_gpu, _inplace_options, _tbpo, _aligned, _routing, _uaq, _batches,
 )
 
 

@@ -92,6 +92,18 @@ class RolloutConfig:
     sglang_sync_dir: str = "/dev/shm"
     """Directory for --qrl-rollout-sglang-sync disk (fast local storage)."""
 
+    sglang_flat_buckets: bool = False
+    """In-place sync: send each bucket as one flattened buffer (one CUDA-IPC handle per bucket
+    instead of one per tensor; 30B-A3B fp8 on an H200: 11.9 s -> 8.8 s per sync)."""
+
+    sglang_prefetch_buckets: int = 0
+    """Tensor / in-place sync: weight buckets prepared (packed, fingerprinted) in a thread
+    ahead of the one the engine is loading (0: one after the other)."""
+
+    sglang_direct_expert_loads: bool = False
+    """In-place sync: expert tensors go straight to their FusedMoE parameters' weight loaders,
+    skipping SGLang's per-tensor expert-mapping scan in load_weights (Qwen3-MoE)."""
+
     sglang_mem_fraction: float = 0.5
     """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
     (the trainer needs the rest when colocated)."""
@@ -108,6 +120,7 @@ class RolloutConfig:
         _choice("--qrl-rollout-sglang-sync", self.sglang_sync,
                 ("auto", "tensor", "disk", "inplace", "distributed"))
         _int("--qrl-rollout-sglang-base-gpu", self.sglang_base_gpu, 0)
+        _int("--qrl-rollout-sglang-prefetch-buckets", self.sglang_prefetch_buckets, 0)
         _real("--qrl-rollout-sglang-mem-fraction", self.sglang_mem_fraction, 0.0, 1.0,
               low_open=True)
         _int("--qrl-rollout-n-samples-per-prompt", self.n_samples_per_prompt, 1)

@@ -25,6 +25,8 @@ _NAME = re.compile(r"^step_(\d{6,})\.pt$")
 _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_output_dir",
                         "qrl_tensorboard", "qrl_tensorboard_dir", "qrl_rollout_sglang_sync",
                         "qrl_rollout_sglang_sync_dir", "qrl_rollout_sglang_base_gpu",
+                        "qrl_rollout_sglang_flat_buckets", "qrl_rollout_sglang_prefetch_buckets",
+                        "qrl_rollout_sglang_direct_expert_loads",
                         "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
                         "qrl_engine_max_restarts")
 """Flags that may differ between a run and its resumption (run length, saving, resume, and

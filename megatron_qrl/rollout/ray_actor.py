@@ -77,7 +77,9 @@ def from_wire(t: torch.Tensor | WireTensor) -> torch.Tensor:
     return t.data.view(getattr(torch, t.dtype)) if isinstance(t, WireTensor) else t
 
 
-SGLANG_ROLLOUT_FIELDS = ("sglang_sync", "sglang_mem_fraction", "sglang_sync_dir")
+SGLANG_ROLLOUT_FIELDS = ("sglang_sync", "sglang_mem_fraction", "sglang_sync_dir",
+                         "sglang_flat_buckets", "sglang_prefetch_buckets",
+                         "sglang_direct_expert_loads")
 """The :class:`~megatron_qrl.config.run.RolloutConfig` fields ``start_job_engine`` reads."""
 
 
