@@ -79,11 +79,12 @@ def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
         return None
     if r.engine != "sglang":
         return f"{' and '.join(flags)} need --qrl-rollout-engine sglang"
-    inplace = r.sglang_sync == "inplace" or (
-        r.sglang_sync == "auto" and get_spec(r.format).quantizes_weights)
-    if inplace:
+    from ..rollout_sglang.engine import default_sync  # the engine's own "auto" rule
+
+    resolved = default_sync(r.format) if r.sglang_sync == "auto" else r.sglang_sync
+    if resolved == "inplace":
         return None
-    sync = r.sglang_sync if r.sglang_sync != "auto" else "auto (tensor for bf16)"
+    sync = r.sglang_sync if r.sglang_sync != "auto" else f"auto ({resolved} for {r.format})"
     return (f"{' and '.join(flags)} apply to the in-place sync (--qrl-rollout-sglang-sync "
             f"inplace, the default for weight-quantized formats); this run syncs with {sync}")
 
