@@ -223,8 +223,10 @@ def te_formats(formats: list[str], cuda: bool) -> tuple[list[str], str]:
     return ok, "; ".join(why)
 
 
-def plain_fits(arch: Any, args: argparse.Namespace, cuda: bool) -> tuple[bool, str, int, int]:
-    """Whether to build the plain bf16 model too, and the parameter counts."""
+def plain_fits(arch: Any, args: argparse.Namespace, cuda: bool,
+               others: int = 1) -> tuple[bool, str, int, int]:
+    """Whether to build the plain bf16 model beside ``others`` models (the fake-quant one, and
+    one per ``te:`` variant), and the parameter counts."""
     import torch
 
     from megatron_qrl.models.runtime import meta_parameter_counts
@@ -235,9 +237,11 @@ def plain_fits(arch: Any, args: argparse.Namespace, cuda: bool) -> tuple[bool, s
     if not cuda:
         return True, "CPU", total, active
     per = 18 if args.dtype == "bf16" else 16  # param + fp32 grad + fp32 master + Adam m, v
-    need = (2 * per + 2) * total + 20 * 2**30  # two models, Q(W) cache, activations margin
+    models = others + 1
+    need = (models * per + 2) * total + 20 * 2**30  # the models, Q(W) cache, activations margin
     have = torch.cuda.get_device_properties(0).total_memory
-    return need < have, f"two models need ~{need / 2**30:.0f} GiB of {have / 2**30:.0f}", total, active
+    return (need < have, f"{models} models need ~{need / 2**30:.0f} GiB of {have / 2**30:.0f}",
+            total, active)
 
 
 def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: list[str],
@@ -246,7 +250,8 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     from megatron_qrl.te_quant import RECIPES, trainer_forward
 
     variants = []
-    fits, why, total, active = plain_fits(arch, args, cuda)
+    te_ok, te_why = te_formats(formats, cuda)
+    fits, why, total, active = plain_fits(arch, args, cuda, others=1 + len(te_ok))
     notes.append(f"parameters: {total / 1e6:,.1f} M total, {active / 1e6:,.1f} M active")
     if fits:
         notes.append(f"plain bf16 model built ({why})")
@@ -260,7 +265,6 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     variants += [Variant(f"aligned:{f}", "fake-quant", aligned, f, plan.aligned) for f in formats]
     variants += [Variant(f"aligned:{f}:per-expert", "fake-quant, per expert", aligned, f,
                          plan.aligned, batched=False) for f in args.per_expert if f in formats]
-    te_ok, te_why = te_formats(formats, cuda)
     if te_why:
         notes.append(te_why)
     for fmt in te_ok:

@@ -74,7 +74,8 @@ def _block_scales(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def test_fp8_block_quantizers_vs_reference():
     """TE's block quantizers against the spec's (= SGLang's block FP8). Measured on the H200,
-    TE 2.20.2 (2026-11-29): NOT equal — max |diff| 1.37e-2 (weights), 7.76e-2 (activations).
+    TE 2.20.2 (2026-11-29): NOT equal — max |diff| 1.37e-2 (weights), 7.76e-2 (activations),
+    <= 1.00 and <= 1.03 E4M3 steps (the second run; the bound below explains the 0.03).
     The recipe table must say what the hardware does, and a difference must be rounding (at
     most one E4M3 step per element: TE multiplies by 448/amax, the reference divides by
     amax/448), not a different block layout or scale."""
@@ -83,8 +84,10 @@ def test_fp8_block_quantizers_vs_reference():
 
     spec = get_spec("fp8_block")
     w, x = _data()
-    te_w = _block_quantizer(2)(w).dequantize().float()
-    te_x = _block_quantizer(1)(x).dequantize().float()
+    te_w = _block_quantizer(2)(w).dequantize()  # in the input's dtype (bf16)
+    te_x = _block_quantizer(1)(x).dequantize()
+    out_dtype = te_x.dtype
+    te_w, te_x = te_w.float(), te_x.float()
     ref_w = spec.fake_quant_weight(w.float())
     ref_x = spec.fake_quant_activation(x.float())
     dw, dx = (te_w - ref_w).abs(), (te_x - ref_x).abs()
@@ -97,7 +100,13 @@ def test_fp8_block_quantizers_vs_reference():
     assert RECIPES["fp8_block"].matches_spec == equal, (
         f"te_recipes.RECIPES['fp8_block'].matches_spec={RECIPES['fp8_block'].matches_spec} but "
         f"TE {'equals' if equal else 'differs from'} the reference here: update the table")
-    assert sw <= 1.0 + 1e-3 and sx <= 1.0 + 1e-3, "TE differs by more than rounding"
+    # one E4M3 step (the two scales differ in the last fp32 bit, so a value near a rounding
+    # tie can round either way), plus the rounding of TE's dequantized output to the input's
+    # dtype: half a bf16 ulp of v = q * s is below 2^-4 of the E4M3 step at q (step 2^-3 of
+    # q's binade floor, s not a power of two). Measured on the H200: weight <= 1.00,
+    # activation <= 1.03 steps.
+    bound = 1.0 + 2.0 ** -4 if out_dtype != torch.float32 else 1.0 + 1e-3
+    assert sw <= bound and sx <= bound, f"TE differs by more than rounding (bound {bound} steps)"
 
 
 def test_fp8_block_recipe_gemm_is_its_quantizers():
