@@ -20,7 +20,8 @@ NCCL (the disaggregated layout on one node); on one GPU it runs over gloo on the
 bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one per tensor);
 ``+prefetch`` prepares the next bucket in a thread while the engine loads one
 (``SGLangEngine(prefetch_buckets=1)``); ``+direct`` loads expert tensors straight into their
-FusedMoE parameters (``direct_expert_loads``); options combine: ``fp8:inplace+flat+prefetch``.
+FusedMoE parameters (``direct_expert_loads``); options combine: ``fp8:inplace+flat+prefetch``
+(the engine's default in place). A variant runs exactly the options it names.
 """
 
 from __future__ import annotations
@@ -119,12 +120,12 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
           "bucket_bytes": bucket_mb * 2**20}
     if sync == "disk":
         kw["sync_dir"] = "/dev/shm/qrl-sync"
-    if "prefetch" in opts:
-        kw["prefetch_buckets"] = 1
+    # a variant names every option it uses (the engine's defaults are flat + prefetch 1 in
+    # place): "fp8:inplace" is the plain in-place sync
+    kw["prefetch_buckets"] = 1 if "prefetch" in opts else 0
+    kw["flatten_buckets"] = "flat" in opts
     if "direct" in opts:
         kw["direct_expert_loads"] = True
-    if "flat" in opts:
-        kw["flatten_buckets"] = True
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})

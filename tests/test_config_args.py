@@ -306,6 +306,16 @@ def test_sglang_sync_option_checks():
         gpu_capability=HOPPER)["rollout"]
     assert ok.sglang_flat_buckets and ok.sglang_prefetch_buckets == 2
     assert ok.sglang_direct_expert_loads
+    # unset: the engine's default for the sync (flat + prefetch 1 in place); turning an
+    # option off is allowed with any sync
+    unset = validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "bf16"]),
+                              gpu_capability=HOPPER)["rollout"]
+    assert unset.sglang_flat_buckets is None and unset.sglang_prefetch_buckets is None
+    off = validate_qrl_args(p.parse_args(sglang + [
+        "--qrl-rollout-format", "bf16", "--no-qrl-rollout-sglang-flat-buckets",
+        "--qrl-rollout-sglang-sync", "disk", "--qrl-rollout-sglang-prefetch-buckets", "0"]),
+        gpu_capability=HOPPER)["rollout"]
+    assert off.sglang_flat_buckets is False and off.sglang_prefetch_buckets == 0
     with pytest.raises(QrlArgumentError, match=r"--qrl-rollout-sglang-flat-buckets apply to the "
                        r"in-place sync.*syncs with auto \(tensor for bf16\)"):
         validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "bf16",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_qrl.rollout.base import Checksums, tensor_checksum
-from megatron_qrl.rollout_sglang.engine import SGLangEngine
+from megatron_qrl.rollout_sglang.engine import SGLangEngine, sync_options
 from megatron_qrl.rollout_sglang.inplace import CONTROL, FLAT, RECV, StreamTracker, decode_control
 from megatron_qrl.rollout_sglang.prefetch import ahead
 
@@ -97,3 +97,21 @@ def test_ahead_raises_producer_errors_and_stops_when_the_consumer_does():
     n = len(produced)
     time.sleep(0.3)
     assert len(produced) == n <= 4
+
+
+def test_sync_options_defaults_per_sync_and_errors():
+    # unset: flat buckets + one bucket prefetched in place (measured), neither elsewhere
+    assert sync_options("inplace") == (True, 1, False)
+    for sync in ("tensor", "disk", "distributed"):
+        assert sync_options(sync) == (False, 0, False)
+    assert sync_options("inplace", False, 0) == (False, 0, False)  # turned off explicitly
+    assert sync_options("tensor", None, 2) == (False, 2, False)
+    assert sync_options("inplace", None, 3, True) == (True, 3, True)
+    with pytest.raises(ValueError, match="flatten_buckets applies to sync='inplace'"):
+        sync_options("tensor", True)
+    with pytest.raises(ValueError, match="direct_expert_loads applies to sync='inplace'"):
+        sync_options("disk", direct_expert_loads=True)
+    with pytest.raises(ValueError, match="prefetch_buckets applies to sync='tensor' and "):
+        sync_options("distributed", prefetch_buckets=1)
+    with pytest.raises(ValueError, match="prefetch_buckets must be >= 0"):
+        sync_options("inplace", prefetch_buckets=-1)

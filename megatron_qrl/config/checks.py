@@ -67,12 +67,13 @@ def _sglang_gpu(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     """Flat buckets and direct expert loads exist in the in-place sync only (the default
     for weight-quantized formats: ``--qrl-rollout-sglang-sync auto``); prefetching in the
-    tensor and in-place syncs."""
+    tensor and in-place syncs. Unset options take the engine's default for the sync; what is
+    asked for explicitly must apply."""
     r = c["rollout"]
     if r.sglang_prefetch_buckets and r.sglang_sync in ("disk", "distributed"):
         return (f"--qrl-rollout-sglang-prefetch-buckets applies to the tensor and in-place "
                 f"syncs, not --qrl-rollout-sglang-sync {r.sglang_sync}")
-    flags = [f for f, on in (("--qrl-rollout-sglang-flat-buckets", r.sglang_flat_buckets),
+    flags = [f for f, on in (("--qrl-rollout-sglang-flat-buckets", r.sglang_flat_buckets is True),
                              ("--qrl-rollout-sglang-direct-expert-loads",
                               r.sglang_direct_expert_loads)) if on]
     if not flags:

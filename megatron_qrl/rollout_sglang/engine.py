@@ -95,6 +95,27 @@ def default_sync(spec_name: str) -> str:
     return "inplace" if get_spec(spec_name).quantizes_weights else "tensor"
 
 
+def sync_options(sync: str, flatten_buckets: bool | None = None,
+                 prefetch_buckets: int | None = None,
+                 direct_expert_loads: bool = False) -> tuple[bool, int, bool]:
+    """The sync speed options of :class:`SGLangEngine` for ``sync``: unset (None) means the
+    default measured for it (flat buckets and one bucket prefetched in place, neither
+    elsewhere: docs/BENCHMARKS.md); an option asked for where it does not apply is an error."""
+    if flatten_buckets and sync != "inplace":
+        raise ValueError(f"flatten_buckets applies to sync='inplace' (got sync={sync!r})")
+    if direct_expert_loads and sync != "inplace":
+        raise ValueError(f"direct_expert_loads applies to sync='inplace' (got sync={sync!r})")
+    if prefetch_buckets is None:
+        prefetch_buckets = 1 if sync == "inplace" else 0
+    if prefetch_buckets < 0:
+        raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
+    if prefetch_buckets and sync not in ("tensor", "inplace"):
+        raise ValueError(f"prefetch_buckets applies to sync='tensor' and 'inplace' "
+                         f"(got sync={sync!r})")
+    flat = sync == "inplace" if flatten_buckets is None else bool(flatten_buckets)
+    return flat, prefetch_buckets, bool(direct_expert_loads)
+
+
 def packed_suffixes(spec) -> tuple[str, ...]:
     """The tensor suffixes ``spec`` packs a quantized linear into (``weight``,
     ``weight_scale``, ...), read off :meth:`QuantSpec.packed_names`."""
@@ -127,7 +148,7 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, model_path: str | Path, spec_name: str, *, sync: str | None = None,
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
-                 flatten_buckets: bool = False, prefetch_buckets: int = 0,
+                 flatten_buckets: bool | None = None, prefetch_buckets: int | None = None,
                  direct_expert_loads: bool = False, **engine_kwargs):
         sync = default_sync(spec_name) if sync is None else sync
         if sync not in SYNC_MODES:
@@ -140,21 +161,16 @@ class SGLangEngine(RolloutEngine):
         if sync == "distributed":
             _check_distributed_layout(self.trainer_device, group_backend, engine_kwargs)
         self.group_backend = group_backend
-        if flatten_buckets and sync != "inplace":
-            raise ValueError(f"flatten_buckets applies to sync='inplace' (got sync={sync!r})")
-        self.flatten_buckets = flatten_buckets
-        if prefetch_buckets < 0:
-            raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
-        self.prefetch_buckets = prefetch_buckets
-        if direct_expert_loads and sync != "inplace":
-            raise ValueError(f"direct_expert_loads applies to sync='inplace' (got sync={sync!r})")
-        self.direct_expert_loads = direct_expert_loads
+        self.flatten_buckets, self.prefetch_buckets, self.direct_expert_loads = sync_options(
+            sync, flatten_buckets, prefetch_buckets, direct_expert_loads)
         """In-place loads put expert tensors straight into their FusedMoE parameters
         (:mod:`.expert_loads`; bench variant ``FMT:inplace+direct``)."""
         """Buckets prepared ahead in a thread while the engine loads one (``tensor`` and
-        ``inplace`` syncs; 0: one after the other; bench variant ``FMT:inplace+prefetch``)."""
+        ``inplace`` syncs; 0: one after the other; default 1 in place, measured in
+        docs/BENCHMARKS.md, 0 otherwise; bench variant ``FMT:inplace+prefetch``)."""
         """In-place buckets as one flat buffer each (one CUDA-IPC handle per bucket instead
-        of one per tensor; bench/weight_sync.py variant ``FMT:inplace+flat``)."""
+        of one per tensor; default on in place; bench/weight_sync.py variant
+        ``FMT:inplace+flat``)."""
         self._group = None
         sglang = require("sglang", FEATURE)
         self.spec = get_spec(spec_name)

@@ -56,11 +56,12 @@ def start_job_engine(rollout_cfg: Any, hf_config: dict, seed: int, **engine_kwar
         kwargs["sync"] = sync
     if kwargs.get("sync") == "disk":
         kwargs["sync_dir"] = getattr(rollout_cfg, "sglang_sync_dir", "/dev/shm")
-    for field, arg in (("sglang_flat_buckets", "flatten_buckets"),
-                       ("sglang_prefetch_buckets", "prefetch_buckets"),
-                       ("sglang_direct_expert_loads", "direct_expert_loads")):
-        if getattr(rollout_cfg, field, None):  # only what differs from the engine's default
-            kwargs[arg] = getattr(rollout_cfg, field)
+    for field, arg, unset in (("sglang_flat_buckets", "flatten_buckets", None),
+                              ("sglang_prefetch_buckets", "prefetch_buckets", None),
+                              ("sglang_direct_expert_loads", "direct_expert_loads", False)):
+        value = getattr(rollout_cfg, field, unset)
+        if value != unset:  # only what was set: the engine picks its default per sync
+            kwargs[arg] = value
     base_gpu = getattr(rollout_cfg, "sglang_base_gpu", 0)
     if base_gpu or sync == "distributed":
         kwargs["base_gpu_id"] = base_gpu
