@@ -37,8 +37,11 @@ def on_child_crash(signum: int = signal.SIGQUIT, frame: Any = None) -> None:
     Python runs the handler wherever the main thread is. Inside the engine's event loop that is
     often a step of some task or a callback, and asyncio keeps an exception raised there to
     that task (or logs and drops it, for a callback): the awaited request would then wait
-    forever on the dead scheduler. So every task of the engine's loop is cancelled first;
-    :func:`engine_call` turns what the call then raises into :class:`EngineDiedError`.
+    forever on the dead scheduler. So every task of the engine's loop is cancelled;
+    :func:`engine_call` turns what the call then raises into :class:`EngineDiedError`. While
+    the loop runs, that cancellation is what ends the call and nothing is raised here: uvloop
+    (SGLang's loop) runs Python signal handlers inside one of its callbacks, which would log
+    the exception as an unhandled traceback (seen in the H200 restart test) and drop it.
     """
     _STATE["dead"] = True
     if _STATE["calls"]:
@@ -46,7 +49,14 @@ def on_child_crash(signum: int = signal.SIGQUIT, frame: Any = None) -> None:
         if loop is not None and not loop.is_closed():
             for task in asyncio.all_tasks(loop):
                 task.cancel()
+            if loop.is_running():
+                loop.call_soon_threadsafe(_wake)  # a loop asleep in select() sees the cancels
+                return
         raise EngineDiedError(_CRASHED)
+
+
+def _wake() -> None:
+    """No-op callback: scheduling it thread-safely wakes the loop's selector."""
 
 
 def mark_alive() -> None:
