@@ -11,11 +11,11 @@ where every branch ``weight_loader`` would take was read and is reproduced exact
   ``get_global_expert_location_metadata().logical_to_all_physical`` and
   ``_map_global_expert_id_to_local_expert_id`` (l.889) are CALLED, per tensor, so the slots
   (none, one, or several physical copies; ``_sglang_require_global_experts``) are SGLang's;
-* ``_weight_loader_impl`` (l.1053-1295): the WNA16 ``loaded_weight.t()`` (l.1089-1100), the
-  ``is_transposed`` shard dim (l.1125-1131) and the branch order on the weight name: input_scale
-  -> ``_load_single_value`` (l.1145-1170, l.861), ModelOpt FP4 -> per-tensor / weight
-  (l.1183-1208), scale by ``param.quant_method`` (l.1211-1250), weight_shape (l.1253-1258),
-  weight (l.1261-1268);
+* ``_weight_loader_impl`` (l.1053-1295): the WNA16 ``loaded_weight.t()`` (l.1096-1108), the
+  ``is_transposed`` shard dim (l.1133-1138) and the branch order on the weight name: input_scale
+  -> ``_load_single_value`` (l.1152-1177, l.861), ModelOpt FP4 -> per-tensor / weight
+  (l.1190-1216), scale by ``param.quant_method`` (l.1219-1265), weight_shape (l.1267-1272),
+  weight (l.1274-1282);
 * ``_load_w13`` (l.604-686) and ``_load_w2`` (l.688-772) without padded loading, pre-sharded
   weights, bias or triton-kernels: gate rows then up rows of the expert's slot (or up first with
   ``load_up_proj_weight_first``), the TP rank's narrow of the loaded tensor along the shard dim;
@@ -101,7 +101,7 @@ def _moe_context(moe: torch.nn.Module) -> _Moe | None:
 
 
 def _slots(ctx: _Moe, moe, param, expert: int) -> list[int] | None:
-    """Local slots ``weight_loader`` writes for ``expert`` (l.923-972, l.982-986)."""
+    """Local slots ``weight_loader`` writes for ``expert`` (l.923-972, l.982-986; metadata l.960)."""
     glob = getattr(param, "_sglang_require_global_experts", False)
     if ctx.meta is None:
         ids = [expert] if glob else [moe._map_global_expert_id_to_local_expert_id(expert)]
@@ -116,7 +116,7 @@ def _slots(ctx: _Moe, moe, param, expert: int) -> list[int] | None:
 
 
 def _kind(ctx: _Moe, param, name: str) -> str | None:
-    """The ``_weight_loader_impl`` branch for ``name`` (l.1145-1268), or None."""
+    """The ``_weight_loader_impl`` branch for ``name`` (l.1152-1282), or None."""
     if any(s in name for s in ("zero", "offset", "g_idx", "bias")):
         return None
     if "input_scale" in name:
