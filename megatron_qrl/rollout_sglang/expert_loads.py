@@ -5,9 +5,11 @@ tensor's parameter by scanning ``FusedMoE.make_expert_params_mapping`` — 3 x n
 ``(param_name, "experts.{e}.{proj}.", e, shard_id)`` entries, a substring test each — for every
 tensor: ~190 tests per tensor on average, 37k tensors per 30B-A3B sync. The H200 phase log put
 ``load_weights`` at ~2 s of the engine's 2.3 s share. Here the same mapping is read off the
-name once, and the same ``weight_loader(param, tensor, name, shard_id=..., expert_id=...)`` is
-called, so the parameters receive exactly what SGLang would give them; every other tensor still
-goes through ``model.load_weights``. Only for the model classes whose ``load_weights`` was read
+name once, giving the ``weight_loader(param, tensor, name, shard_id=..., expert_id=...)`` call
+SGLang would make; the calls whose effect :mod:`.expert_batch` reproduces exactly are then
+done many experts per copy (one stack + one ``index_copy_`` per parameter region), the others
+are made one by one as SGLang makes them. Every other tensor still goes through
+``model.load_weights``. Only for the model classes whose ``load_weights`` was read
 (:data:`MODELS`); the sender opts in per sync (``SGLangEngine(direct_expert_loads=True)``).
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from .expert_batch import ExpertLoad, load_batched
 
 MODELS = frozenset({"Qwen3MoeForCausalLM"})
 """SGLang model classes whose expert mapping is ``FusedMoE.make_expert_params_mapping``'s."""
@@ -32,7 +36,7 @@ def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
     (for ``model.load_weights``). Tensors without a matching parameter are returned too."""
     if type(model).__name__ not in MODELS:
         return weights
-    rest = []
+    rest, loads = [], []
     for name, t in weights:
         m = _NAME.match(name)
         moe = modules.get(m["moe"]) if m else None
@@ -45,6 +49,9 @@ def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
         if loader is None:
             rest.append((name, t))
             continue
-        loader(param, t, f"{m['moe']}.{prefix}{m['leaf']}", shard_id=shard,
-               expert_id=int(m["expert"]))
+        loads.append(ExpertLoad(len(loads), moe, param, loader,
+                                f"{m['moe']}.{prefix}{m['leaf']}", shard, int(m["expert"]), t))
+    for ld in load_batched(loads):
+        ld.loader(ld.param, ld.tensor, ld.weight_name, shard_id=ld.shard_id,
+                  expert_id=ld.expert_id)
     return rest

@@ -15,6 +15,17 @@ greedy agreement, max / mean |dlogp|, sync seconds, buckets, and the token overl
 outputs (a sync that changes nothing, or that writes storage the graphs do not read, keeps
 A's tokens and fails). Marlin kernels JIT-compile on first use (~5 min); the compile starts
 in the background when the session begins and overlaps the first three formats.
+
+Variant ``direct`` (``test_direct_expert_loads_match_per_tensor_loads``): the same worker with
+``SGLangEngine(direct_expert_loads=True)`` — expert tensors go straight to SGLang's FusedMoE
+parameters, batched where :mod:`megatron_qrl.rollout_sglang.expert_batch` reproduces
+``FusedMoE.weight_loader`` — syncs A then B; then, per tensor through ``model.load_weights``
+(``direct_expert_loads`` off), A then B again. Batched loads write bit-identical parameters, so
+B's greedy tokens and log-probs after both syncs must be EQUAL (the engine is deterministic:
+same weights, prompts and CUDA graphs, cache flushed at each sync); B is also checked against
+the aligned reference as above, and both sync times are printed. Just this variant:
+
+    PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_inplace.py -x -s -k direct
 """
 
 from __future__ import annotations
@@ -69,6 +80,7 @@ def prompts() -> list[list[int]]:
 
 # ---- worker (one engine, own process) --------------------------------------------------
 def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
+    """``sync``: ``inplace``, ``distributed`` or ``inplace+direct`` (see the module doc)."""
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.export import export_quantized
     from megatron_qrl.quant.hf_reference import hf_tensors
@@ -91,11 +103,17 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
         # protocol over gloo (NCCL cannot hold two ranks on one GPU)
         placement = ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                      else {"trainer_device": "cuda:0", "group_backend": "gloo"})
+    sync, _, option = sync.partition("+")
     engine = SGLangEngine(work / fmt, fmt, sync=sync, bucket_bytes=BUCKET_BYTES,
-                          mem_fraction_static=0.3, random_seed=0, **placement)
+                          mem_fraction_static=0.3, random_seed=0,
+                          direct_expert_loads=option == "direct", **placement)
+    steps = [("a", a, 0), ("b", b, 1)]
+    if option == "direct":  # then per tensor, for the equality check
+        steps += [("a_plain", a, 2), ("b_plain", b, 3)]
     res["startup_s"] = round(time.time() - t0, 1)
     try:
-        for tag, model, version in (("a", a, 0), ("b", b, 1)):
+        for tag, model, version in steps:
+            engine.direct_expert_loads = option == "direct" and not tag.endswith("_plain")
             manifest = WeightManifest()
             engine.update_weights(manifest.record(spec.pack_state_dict(hf_tensors(model))),
                                   version)
@@ -192,6 +210,27 @@ def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
         for p in marlin_prewarm:
             assert p.wait(timeout=900) == 0, f"Marlin JIT prewarm failed ({p.args[-1]})"
     check_synced_engine(fmt, run_worker(fmt, tmp_path), "inplace")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewarm):
+    """Batched direct expert loads vs SGLang's per-tensor loaders on the same engine."""
+    if fmt in MARLIN:
+        for p in marlin_prewarm:
+            assert p.wait(timeout=900) == 0, f"Marlin JIT prewarm failed ({p.args[-1]})"
+    res = run_worker(fmt, tmp_path, "inplace+direct")
+    check_synced_engine(fmt, res, "inplace+direct")
+    d, p = res["out_b"], res["out_b_plain"]
+    lp = [abs(x - y) for rd, rp in zip(d["lp"], p["lp"]) for x, y in zip(rd, rp)]
+    print(f"[inplace+direct] {fmt:9s} sync B direct {res['sync_b']['seconds']:.2f} s, per "
+          f"tensor {res['sync_b_plain']['seconds']:.2f} s; max |dlogp| direct vs per tensor "
+          f"{max(lp):.3g}", flush=True)
+    assert d["ids"] == p["ids"] and d["mask"] == p["mask"] and max(lp) == 0.0, (
+        f"{fmt}: the engine after a direct (batched) sync of B differs from the same engine "
+        f"after a per-tensor sync of B (max |dlogp| {max(lp):.3g}): a batched expert load "
+        "wrote something FusedMoE.weight_loader does not (or the engine is not deterministic: "
+        "compare two per-tensor syncs before blaming expert_batch.py)")
 
 
 @pytest.mark.gpu

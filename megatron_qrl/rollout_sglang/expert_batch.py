@@ -1,0 +1,263 @@
+"""Many experts per copy: batched ``FusedMoE.weight_loader`` effects (SGLang 0.5.17).
+
+Shim for SGLang 0.5.17 (``sglang/srt/layers/moe/fused_moe_triton/layer.py``, read for this
+module; line numbers below are that file's). ``FusedMoE.weight_loader`` costs one Python call
+chain and one small copy per expert tensor (37-75k per Qwen3-30B-A3B sync). Here the expert
+tensors of one bucket are grouped per parameter and destination region, and each group is
+written with one ``torch.stack`` and one ``index_copy_`` into ``param.data[local_ids]`` — only
+where every branch ``weight_loader`` would take was read and is reproduced exactly:
+
+* expert ids (``weight_loader`` l.899-972, ``_weight_loader_physical`` l.974-1002): SGLang's own
+  ``get_global_expert_location_metadata().logical_to_all_physical`` and
+  ``_map_global_expert_id_to_local_expert_id`` (l.889) are CALLED, per tensor, so the slots
+  (none, one, or several physical copies; ``_sglang_require_global_experts``) are SGLang's;
+* ``_weight_loader_impl`` (l.1053-1295): the WNA16 ``loaded_weight.t()`` (l.1096-1108), the
+  ``is_transposed`` shard dim (l.1133-1138) and the branch order on the weight name: input_scale
+  -> ``_load_single_value`` (l.1152-1177, l.861), ModelOpt FP4 -> per-tensor / weight
+  (l.1190-1216), scale by ``param.quant_method`` (l.1219-1265), weight_shape (l.1267-1272),
+  weight (l.1274-1282);
+* ``_load_w13`` (l.604-686) and ``_load_w2`` (l.688-772) without padded loading, pre-sharded
+  weights, bias or triton-kernels: gate rows then up rows of the expert's slot (or up first with
+  ``load_up_proj_weight_first``), the TP rank's narrow of the loaded tensor along the shard dim;
+* ``_load_per_channel_weight_scale`` (l.583-602): w2 scale copied whole, w1/w3 as ``_load_w13``;
+* ``_load_per_tensor_weight_scale`` (l.532-551): ``[expert][0|1]`` (gated) or ``[expert]``.
+
+A parameter whose tensors do not ALL fit these (another method class or FusedMoE subclass, a
+flag, padding, a shape that would broadcast or pad, a dtype change across devices, GGUF, g_idx,
+zero points, bias, ROCm) is left to the per-tensor ``weight_loader``, exactly as before.
+Several writes to one slot region keep the last in stream order, as sequential loads do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+METHODS = frozenset({"Fp8MoEMethod", "W8A8Int8MoEMethod", "W8A8FP8MoEMethod",
+                     "ModelOptNvFp4FusedMoEMethod", "CompressedTensorsWNA16MoE",
+                     "CompressedTensorsWNA16TritonMoE"})
+"""Quant method (or compressed-tensors scheme) classes whose FusedMoE parameters were read."""
+_WNA16 = ("CompressedTensorsWNA16MarlinMoE", "CompressedTensorsWNA16MoE",
+          "CompressedTensorsWNA16TritonMoE")  # _weight_loader_impl's transposed list
+_REPRODUCED = ("weight_loader", "_weight_loader_physical", "_weight_loader_impl",
+               "_load_gguf_weight", "_maybe_load_fp8_shared_expert_as_fp4", "_load_w13",
+               "_load_w2", "_load_model_weight_or_group_weight_scale",
+               "_load_per_channel_weight_scale", "_load_per_tensor_weight_scale",
+               "_load_single_value", "_map_global_expert_id_to_local_expert_id",
+               "use_padded_loading")
+_FLAGS_OFF = ("use_triton_kernels", "use_flashinfer_trtllm_moe", "use_padded_loading",
+              "use_presharded_weights", "_has_fused_shared")
+_SHARD_DIM = {"w1": 0, "w2": 1, "w3": 0}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class ExpertLoad:
+    """One expert tensor and the ``weight_loader`` call the direct path would make for it."""
+
+    index: int
+    moe: torch.nn.Module
+    param: torch.Tensor
+    loader: object
+    weight_name: str
+    shard_id: str
+    expert_id: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class _Moe:
+    base: type
+    meta: object
+    method: str
+    quant_name: str | None
+    writes: dict = field(default_factory=dict)
+
+
+def fused_moe_base(moe: torch.nn.Module) -> type | None:
+    """The ``FusedMoE`` class of ``moe`` if no method reproduced here is overridden."""
+    base = next((c for c in type(moe).__mro__ if c.__name__ == "FusedMoE"), None)
+    if base is None or any(n not in vars(base) or getattr(type(moe), n) is not vars(base)[n]
+                           for n in _REPRODUCED):
+        return None
+    return base
+
+
+def _moe_context(moe: torch.nn.Module) -> _Moe | None:
+    base = fused_moe_base(moe)
+    if base is None or any(getattr(moe, f, True) for f in _FLAGS_OFF):
+        return None
+    glb = vars(base)["weight_loader"].__globals__  # the names weight_loader resolves
+    if glb.get("_is_hip", True) or "get_global_expert_location_metadata" not in glb:
+        return None
+    qm = getattr(moe, "quant_method", None)
+    method = moe.scheme if hasattr(moe, "scheme") else qm
+    if type(qm).__name__ == "KTEPWrapperMethod" or type(method).__name__ not in METHODS:
+        return None
+    qc = getattr(moe, "quant_config", None)
+    return _Moe(base, glb["get_global_expert_location_metadata"](), type(method).__name__,
+                qc.get_name() if qc is not None else None)
+
+
+def _slots(ctx: _Moe, moe, param, expert: int) -> list[int] | None:
+    """Local slots ``weight_loader`` writes for ``expert`` (l.923-972, l.982-986; metadata l.960)."""
+    glob = getattr(param, "_sglang_require_global_experts", False)
+    if ctx.meta is None:
+        ids = [expert] if glob else [moe._map_global_expert_id_to_local_expert_id(expert)]
+        ids = [i for i in ids if i != -1]
+    else:
+        ids = []
+        for p in ctx.meta.logical_to_all_physical(moe.layer_id, expert, glob):
+            local = p if glob else moe._map_global_expert_id_to_local_expert_id(p)
+            if glob or 0 <= local < moe.num_local_experts:
+                ids.append(local)
+    return ids if all(0 <= i < param.shape[0] for i in ids) else None
+
+
+def _kind(ctx: _Moe, param, name: str) -> str | None:
+    """The ``_weight_loader_impl`` branch for ``name`` (l.1152-1282), or None."""
+    if any(s in name for s in ("zero", "offset", "g_idx", "bias")):
+        return None
+    if "input_scale" in name:
+        if ctx.quant_name is None or "compressed" in ctx.method.lower() \
+                or "w4afp8" in ctx.quant_name:
+            return None  # the w1 == w3 input-scale check reads the parameter
+        return "single"
+    if "ModelOpt" in ctx.method:  # only ModelOptNvFp4FusedMoEMethod is in METHODS
+        return "tensor" if "weight_scale_2" in name else "weight" if "weight" in name else None
+    if "scale" in name:
+        return {"channel": "channel", "group": "weight", "block": "weight",
+                "tensor": "tensor"}.get(getattr(param, "quant_method", None))
+    if "weight_shape" in name:
+        return "single"
+    return "weight" if "weight" in name else None
+
+
+def _w13_or_w2(ctx: _Moe, moe, shard: str, dim: int, slot: torch.Size, src: torch.Tensor):
+    """``_load_w13`` / ``_load_w2`` (not padded, not pre-sharded, no bias)."""
+    if src.dim() != len(slot):
+        return None
+    if shard == "w2":
+        if ctx.quant_name and "modelopt" in ctx.quant_name and len(slot) != 2:
+            return None  # _load_w2 raises there
+        size, start = slot[dim], 0
+    else:
+        gated = moe.moe_runner_config.is_gated
+        size = slot[dim] // 2 if gated else slot[dim]
+        up_first = getattr(moe.quant_method, "load_up_proj_weight_first", False)
+        start = size if gated and (shard == "w1") == up_first else 0
+    part = src.shape[dim] // moe.moe_tp_size
+    src = src.narrow(dim, part * moe.moe_tp_rank, part)
+    return ("narrow", dim, start, size), src
+
+
+def _placement(ctx: _Moe, moe, param, load: ExpertLoad, kind: str):
+    """(region, source) of one tensor: where in its slot it lands, and what lands there."""
+    src, shard = load.tensor, load.shard_id
+    if ctx.method in _WNA16 and "zero" not in load.weight_name:
+        if src.dim() > 2:
+            return None
+        src = src.t()
+    slot = param.shape[1:]
+    dim = _SHARD_DIM[shard]
+    if getattr(param, "is_transposed", False):
+        dim = int(not dim)
+    if kind == "weight" or (kind == "channel" and shard != "w2"):
+        return _w13_or_w2(ctx, moe, shard, dim, slot, src)
+    if kind == "channel" or kind == "single":
+        return ("all",), src
+    if shard != "w2" and moe.moe_runner_config.is_gated:  # kind == "tensor"
+        return ("index", 0 if shard == "w1" else 1), src
+    return ("all",), src
+
+
+def _dest(data: torch.Tensor, region: tuple) -> torch.Tensor:
+    if region[0] == "narrow":
+        return data.narrow(region[1] + 1, region[2], region[3])
+    if region[0] == "index":
+        return data.select(1, region[1])
+    return data
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    if a == b:
+        return False  # one group: the last write per slot wins
+    if a[0] == b[0] == "index":
+        return False
+    if a[0] == b[0] == "narrow" and a[1] == b[1]:
+        return not (a[2] + a[3] <= b[2] or b[2] + b[3] <= a[2])
+    return True
+
+
+def _plan(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
+    """{region: {slot: source}} for one parameter's loads, or None (fall back)."""
+    first = loads[0]
+    moe, param = first.moe, first.param
+    fn = getattr(first.loader, "__wrapped__", first.loader)
+    if getattr(fn, "__self__", None) is not moe or \
+            getattr(fn, "__func__", None) is not vars(ctx.base)["weight_loader"]:
+        return None
+    if getattr(param, "is_gguf_weight", False) or getattr(param, "is_gguf_weight_type", False):
+        return None
+    if param.dtype.is_complex or param.element_size() not in _BITS:
+        return None
+    plan: dict[tuple, dict[int, torch.Tensor]] = {}
+    for ld in loads:
+        kind = _kind(ctx, param, ld.weight_name) if ld.shard_id in _SHARD_DIM else None
+        slots = _slots(ctx, moe, param, ld.expert_id) if kind else None
+        placed = _placement(ctx, moe, param, ld, kind) if slots is not None else None
+        if placed is None:
+            return None
+        region, src = placed
+        shape = _dest(param.data[:1], region).shape[1:]
+        if kind in ("single", "tensor"):  # setitem broadcasts
+            if torch.broadcast_shapes(src.shape, shape) != shape:
+                return None
+            src = src.expand(shape)
+        if src.shape != shape or src.dtype.is_complex or (
+                src.dtype != param.dtype and src.device != param.device):
+            return None
+        if any(t.dtype != src.dtype or t.device != src.device
+               for t in plan.get(region, {}).values()):
+            return None  # one torch.stack per region
+        for s in slots:
+            plan.setdefault(region, {})[s] = src
+    regions = list(plan)
+    if any(_overlap(a, b) for i, a in enumerate(regions) for b in regions[i + 1:]):
+        return None
+    return plan
+
+
+def _write(param: torch.Tensor, plan: dict) -> None:
+    data = param.data
+    for region, by_slot in plan.items():
+        dst = _dest(data, region)
+        src = torch.stack(list(by_slot.values())).to(device=data.device, dtype=data.dtype)
+        ids = torch.tensor(list(by_slot), dtype=torch.long, device=data.device)
+        bits = _BITS[data.element_size()]
+        dst.view(bits).index_copy_(0, ids, src.view(bits))
+
+
+def load_batched(loads: list[ExpertLoad]) -> list[ExpertLoad]:
+    """Write every parameter's loads that can be batched exactly; return the others in
+    stream order, for the per-tensor ``weight_loader``."""
+    by_param: dict[int, list[ExpertLoad]] = {}
+    for ld in loads:
+        by_param.setdefault(id(ld.param), []).append(ld)
+    contexts: dict[int, _Moe | None] = {}
+    left: list[ExpertLoad] = []
+    for group in by_param.values():
+        moe = group[0].moe
+        if id(moe) not in contexts:
+            contexts[id(moe)] = _moe_context(moe)
+        ctx = contexts[id(moe)]
+        plan = _plan(ctx, group) if ctx is not None else None
+        if plan is None:
+            left.extend(group)
+            continue
+        _write(group[0].param, plan)
+        add = getattr(group[0].loader, "qrl_add_loads", None)
+        if add is not None:  # the in-place loader counts weight_loader calls per parameter
+            add(len(group))
+    return sorted(left, key=lambda ld: ld.index)
