@@ -12,7 +12,8 @@
 #   tune        tools/tune_fused_moe.py for fp8_block, fp8, int8 side by side (~3 min)
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
-#   sync        bench/weight_sync.py, Qwen3-30B-A3B shape, every format in place
+#   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: the defaults vs batched direct
+#               expert loads (~90 s per variant: each starts a 30B engine)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -96,7 +97,7 @@ case $phase in
     marlin_wait
     QRL_INPLACE_PROFILE="$OUT/inplace_phases.jsonl" python3 bench/weight_sync.py \
       --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
-      --variants "${VARIANTS:-fp8:inplace+flat,fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct,int8:inplace+flat,fp8_block:inplace+flat,w4a16:inplace+flat,nvfp4:inplace+flat}" 2>&1 \
+      --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct,nvfp4:inplace+flat+prefetch+direct,w4a16:inplace+flat+prefetch+direct}" 2>&1 \
       | grep -E "^\||sync\]|Error"
     [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.phase_log "$OUT/inplace_phases.jsonl" ;;
   train)
