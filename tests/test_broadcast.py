@@ -126,6 +126,23 @@ def test_flatten_is_sglang_flattened_bucket_layout():
         flatten([])
 
 
+def test_unflatten_views_the_buffer_at_any_offset():
+    named = [("s", torch.tensor(2.5)), ("e", torch.zeros(0, 3)), ("w", torch.arange(6.).view(2, 3)),
+             ("q", torch.arange(4, dtype=torch.uint8)), ("h", torch.ones(2, dtype=torch.bfloat16))]
+    flat, meta = flatten(named)
+    big = torch.cat([torch.zeros(8, dtype=torch.uint8), flat])  # storage offset 8 below
+    back = unflatten(big[8:], meta)
+    for (n, t), (m, u) in zip(named, back):
+        assert n == m and u.dtype == t.dtype and u.shape == t.shape and u.is_contiguous()
+        assert torch.equal(u, t)
+    back[2][1].fill_(7.0)  # the tensors are the buffer's bytes, not copies
+    assert torch.equal(unflatten(big[8:], meta)[2][1], torch.full((2, 3), 7.0))
+    # an fp32 tensor at an odd byte offset cannot be viewed in place: torch's error, not junk
+    odd, odd_meta = flatten([("b", torch.zeros(3, dtype=torch.uint8)), ("f", torch.ones(1))])
+    with pytest.raises(RuntimeError):
+        unflatten(odd, odd_meta)
+
+
 def test_unflatten_wrong_size_names_both_sizes():
     flat, meta = flatten([("x", torch.zeros(4))])
     with pytest.raises(ValueError, match="covers 16 bytes, the buffer holds 17"):
