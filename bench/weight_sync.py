@@ -139,6 +139,9 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         eng.update_weights(spec.pack_state_dict(trainer_stream(cfg)), version=version)
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
         res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
+        for part in ("produce_s", "wait_s", "serialize_s", "finish_s"):  # where the rest went
+            if part in eng.last_sync:
+                res[f"{part.removesuffix('_s')}_s_v{version}"] = round(eng.last_sync[part], 2)
         res[f"buckets_v{version}"] = eng.last_sync.get("buckets")
     from megatron_qrl.rollout.base import SamplingParams
 
@@ -175,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.get('pack_speedup', '')} |")
         if a.pack_only:
             return 0
-    print("| variant | packed GB | pack s | sync s (first) | sync s (second) | of which engine s |\n"
-          "|---|---|---|---|---|---|")
+    parts = ("engine", "produce", "wait", "serialize", "finish")
+    print("| variant | packed GB | pack s | sync s (first) | sync s (second) | second: "
+          + " s | ".join(parts) + " s |\n|---|---|---|---|---|" + "---|" * len(parts))
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | |")
+            print(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (3 + len(parts)))
         else:
             print(f"| {r['variant']} | {r['packed_gb']} | {r['pack_s']} | {r['sync_s_v1']} | "
-                  f"{r['sync_s_v2']} | {r.get('engine_s_v2', '')} |")
+                  f"{r['sync_s_v2']} | " + " | ".join(str(r.get(f"{p}_s_v2", ""))
+                                                    for p in parts) + " |")
     return 0
 
 

@@ -11,7 +11,7 @@ import torch
 from megatron_qrl.rollout.base import Checksums, tensor_checksum
 from megatron_qrl.rollout_sglang.engine import SGLangEngine, sync_options
 from megatron_qrl.rollout_sglang.inplace import CONTROL, FLAT, RECV, StreamTracker, decode_control
-from megatron_qrl.rollout_sglang.prefetch import ahead
+from megatron_qrl.rollout_sglang.prefetch import ahead, timed
 
 
 def _engine(bucket_bytes, flatten=False):
@@ -115,3 +115,16 @@ def test_sync_options_defaults_per_sync_and_errors():
         sync_options("distributed", prefetch_buckets=1)
     with pytest.raises(ValueError, match="prefetch_buckets must be >= 0"):
         sync_options("inplace", prefetch_buckets=-1)
+
+
+def test_timed_adds_the_time_spent_getting_each_item():
+    def slow():
+        for i in range(3):
+            time.sleep(0.02)
+            yield i
+
+    lap = {"wait_s": 1.0}
+    assert list(timed(slow(), lap, "wait_s")) == [0, 1, 2]
+    assert 1.05 <= lap["wait_s"] < 1.5  # adds to what was there: 3 x 0.02 s
+    fresh: dict = {}
+    assert list(timed([], fresh, "x")) == [] and fresh["x"] >= 0.0

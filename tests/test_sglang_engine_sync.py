@@ -89,6 +89,11 @@ def test_update_weights_in_place_equals_a_fresh_load(flatten, prefetch, direct, 
     stream = list(weights(1))
     eng.update_weights(iter(stream), version=7)
     assert eng.weight_version() == 7 and eng.last_sync["buckets"] > 3
+    lap = eng.last_sync  # where the sync's time went (bench/weight_sync.py prints it)
+    parts = ("request_s", "produce_s", "wait_s", "serialize_s", "finish_s")
+    assert all(0.0 <= lap[k] <= lap["seconds"] for k in parts), lap
+    if not prefetch:  # inline: the wait for a bucket IS its preparation
+        assert lap["wait_s"] >= lap["produce_s"]
     want = live_tensors(FakeModel(seed=1))
     for k, t in live_tensors(model).items():
         assert t.data_ptr() == before[k], f"{k} lost its storage"

@@ -49,7 +49,7 @@ from ..utils.optional import require
 from . import crash
 from .inplace import CONTROL, FLAT, LOADER, RECV, StreamTracker, encode_control
 from .moe_configs import config_dir_for_engine
-from .prefetch import ahead
+from .prefetch import ahead, timed
 
 FEATURE = "--qrl-rollout-engine sglang"
 
@@ -202,8 +202,12 @@ class SGLangEngine(RolloutEngine):
         self._sent: dict[str, str] = {}
         self._version = -1
         self.last_sync: dict = {}
-        """``buckets`` sent, wall ``seconds`` of the last :meth:`update_weights`, and
-        ``request_s``: the part spent waiting on the engine's load requests."""
+        """Where the last :meth:`update_weights` went: ``buckets`` sent, wall ``seconds``;
+        tensor / in-place syncs add ``request_s`` (waiting on the engine's load requests),
+        ``produce_s`` (preparing buckets: pack, fingerprints, flatten — in the prefetch thread
+        when ``prefetch_buckets``), ``wait_s`` (this thread waiting for a prepared bucket: the
+        preparation not hidden behind the engine), ``serialize_s`` (CUDA-IPC handles) and
+        ``finish_s`` (version check and fingerprints fetched at the end)."""
 
     # ---- weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -217,12 +221,15 @@ class SGLangEngine(RolloutEngine):
                 self._sync_distributed(named_tensors, version, sent)
             else:
                 self._sync_disk(named_tensors, version, sent)
+            t1 = time.perf_counter()
             got = self.engine.get_server_info().get("weight_version")
         if str(got) != str(version):
             raise WeightSyncError(f"SGLang reports weight_version {got!r} after sending version "
                                   f"{version}; the engine did not apply the update")
         self._sent, self._version = sent.result(), version
-        self.last_sync["seconds"] = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.last_sync["finish_s"] = t2 - t1
+        self.last_sync["seconds"] = t2 - t0
 
     def _sync_tensor(self, stream, version, sent) -> None:
         """Buckets of ~``bucket_bytes`` through ``update_weights_from_tensor``; in-place mode
@@ -235,9 +242,14 @@ class SGLangEngine(RolloutEngine):
                    if self.sync == "inplace" else None)
         device = self.trainer_device  # colocated: the engine maps the trainer's tensors (IPC)
         init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-        buckets = ahead(self._buckets(stream, sent, tracker, device), self.prefetch_buckets, init)
+        lap = self.last_sync
+        buckets = timed(ahead(timed(self._buckets(stream, sent, tracker, device), lap,
+                                    "produce_s"), self.prefetch_buckets, init), lap, "wait_s")
+        lap.setdefault("serialize_s", 0.0)
         for items, first, last in buckets:
+            t0 = time.perf_counter()
             payload = self.engine._serialize_tensors_per_rank(items, None)
+            lap["serialize_s"] += time.perf_counter() - t0
             req = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=payload, load_format=LOADER if tracker else None,
                 flush_cache=last, weight_version=str(version) if last else None)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -66,3 +67,19 @@ def ahead(items: Iterator[T], depth: int, init: Callable[[], None] | None = None
     finally:  # the producer stops at its next item (a bucket: seconds at most)
         stop.set()
         worker.join(timeout=_JOIN_S)
+
+
+def timed(items: Iterable[T], into: dict, key: str) -> Iterator[T]:
+    """Yield ``items``, adding the seconds spent getting each one to ``into[key]`` (where a
+    sync's time goes: preparing buckets, or waiting for them)."""
+    it = iter(items)
+    into.setdefault(key, 0.0)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x = next(it)
+        except StopIteration:
+            into[key] += time.perf_counter() - t0
+            return
+        into[key] += time.perf_counter() - t0
+        yield x
