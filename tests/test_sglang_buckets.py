@@ -128,3 +128,23 @@ def test_timed_adds_the_time_spent_getting_each_item():
     assert 1.05 <= lap["wait_s"] < 1.5  # adds to what was there: 3 x 0.02 s
     fresh: dict = {}
     assert list(timed([], fresh, "x")) == [] and fresh["x"] >= 0.0
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_float8_travels_as_uint8_unless_flattened(flatten):
+    from megatron_qrl.rollout_sglang.inplace import bucket_weights
+
+    eng, sent = _engine(bucket_bytes=1 << 20, flatten=flatten), Checksums()
+    w = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    stream = [("model.layers.0.mlp.down_proj.weight", w),
+              ("model.layers.0.mlp.down_proj.weight_scale", torch.ones(4, 1))]
+    (items, _, _), = eng._buckets(iter(stream), sent, StreamTracker(("weight", "weight_scale")),
+                                  torch.device("cpu"))
+    ctl = decode_control(items[-1][1])
+    got = dict(bucket_weights(items, torch.device("cpu")))
+    if flatten:  # the meta names the real dtype: no per-tensor re-view on the engine
+        assert ctl["views"] == {} and got[stream[0][0]].dtype == torch.float8_e4m3fn
+    else:
+        assert ctl["views"] == {stream[0][0]: "float8_e4m3fn"}
+        assert got[stream[0][0]].dtype == torch.uint8
+    assert torch.equal(got[stream[0][0]].view(torch.uint8), w.view(torch.uint8))

@@ -267,7 +267,8 @@ class SGLangEngine(RolloutEngine):
             sent.add(name, t)
             if tracker:
                 tracker.add(name)
-                t = tracker.send_as(name, t)
+                if not self.flatten_buckets:  # a flat bucket's meta keeps the real dtype
+                    t = tracker.send_as(name, t)
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= self.bucket_bytes:

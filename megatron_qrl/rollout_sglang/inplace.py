@@ -110,7 +110,8 @@ class StreamTracker:
 
     def send_as(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The tensor to put in the bucket: 1-byte floats (float8) travel as a uint8 view,
-        re-viewed by the loader, so the CUDA-IPC transfer only sees plain integer storage."""
+        re-viewed by the loader, so the CUDA-IPC transfer only sees plain integer storage.
+        Not needed in a flattened bucket (one uint8 buffer; its meta names each dtype)."""
         if t.dtype.is_floating_point and t.element_size() == 1:
             self.views[name] = str(t.dtype).removeprefix("torch.")
             return t.view(torch.uint8)
