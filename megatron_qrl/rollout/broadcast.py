@@ -101,7 +101,8 @@ def json_tensor(obj: Any, device: torch.device | str = "cpu") -> torch.Tensor:
 
 def tensor_json(t: torch.Tensor) -> Any:
     """Inverse of :func:`json_tensor`."""
-    return json.loads(bytes(t.detach().cpu().to(torch.uint8).tolist()).decode())
+    # one buffer copy (a bucket's meta is ~0.3 MB: tolist() took ~6 ms of it per bucket)
+    return json.loads(t.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes().decode())
 
 
 def bucket_nbytes(meta: BucketMeta) -> int:
