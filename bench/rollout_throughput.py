@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._runner import child_main, run_variant  # noqa: E402
+from bench.engine_variants import child_env, parse_variant  # noqa: E402
 
 MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
 
@@ -59,7 +60,8 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
     from megatron_qrl.rollout_sglang.engine import engine_args_for
     from megatron_qrl.rollout_sglang.launch import write_engine_dir
 
-    fmt = variant.split(":")[0]
+    plan = parse_variant(variant)
+    fmt = plan.fmt
     cfg = json.loads(MODEL_CONFIG.read_text())
     d = write_engine_dir(cfg, fmt, root="/tmp")
     kw = engine_args_for(fmt, is_moe=True)
@@ -67,11 +69,13 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
            "enable_return_routed_experts": False, "cuda_graph_max_bs_decode": max(batches),
            "cuda_graph_bs_decode": sorted({1, *batches}), "cuda_graph_backend_prefill": "disabled",
            "random_seed": 0, "log_level": "warning"}
+    kw |= plan.engine_kwargs
     kw |= extra
     t0 = time.time()
     eng = sglang.Engine(**kw)
     res = {"variant": variant, "format": fmt, "moe_config_dir": os.environ.get("SGLANG_MOE_CONFIG_DIR"),
-           "startup_s": round(time.time() - t0, 1)}
+           "startup_s": round(time.time() - t0, 1), "engine_kwargs": plan.engine_kwargs,
+           "env": {k: os.environ.get(k) for k in {**plan.env_defaults, **plan.env}}}
     info = eng.get_server_info()
     for st in info.get("internal_states", [])[:1]:
         res["weight_gb"] = st.get("memory_usage", {}).get("weight")
@@ -95,15 +99,13 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
 
 
 def _env_for(variant: str) -> dict:
-    env = dict(os.environ)
-    env.pop("SGLANG_MOE_CONFIG_DIR", None)
-    if not variant.endswith(":sglang"):
+    plan = parse_variant(variant)
+    d = None
+    if plan.own_moe_configs:
         from megatron_qrl.rollout_sglang.moe_configs import config_dir_for_engine
 
         d = config_dir_for_engine()
-        if d:
-            env["SGLANG_MOE_CONFIG_DIR"] = d
-    return env
+    return child_env(plan, dict(os.environ), d)
 
 
 def table(results: list[dict], batches: list[int], bw_gbs: float) -> str:
@@ -147,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         return child_main(lambda: child(a.child, batches, a.new, a.prompt_len,
                                         json.loads(a.extra)))
+    variants = a.variants.split(",")
+    for v in variants:
+        parse_variant(v)  # a misspelt option fails here, before any engine starts
     bw = copy_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
     results = []
-    for v in a.variants.split(","):
+    for v in variants:
         results.append(run_variant(
             [__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
              "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, a.out, _env_for(v),
