@@ -13,6 +13,34 @@ Qwen3-30B-A3B-shaped config (``megatron_qrl/data/configs/qwen3_30b_a3b.json``) w
 tokens, ``--new`` generated tokens, ignore_eos; decode tok/s excludes the prefill time.
 Also printed: weight bytes read per decode step / step time as a fraction of the device-to-
 device copy bandwidth measured at the start of the run.
+
+Variant options (``FMT:OPT+OPT``, bench/engine_variants.py has the SGLang 0.5.17 facts):
+``sglang`` (SGLang's own fused-MoE configs), ``fa3`` (FA3 attention instead of Triton),
+``flashinfer`` (FlashInfer attention, nvcc JIT at start), ``deepgemm`` (DeepGEMM for the
+block-FP8 dense GEMMs and MoE; ``fp8_block`` only: per-channel ``fp8`` never calls DeepGEMM in
+SGLang 0.5.17), ``deepgemm_dense`` (dense GEMMs only). An unknown option stops the run before
+any engine starts, with the list of known ones.
+
+The GPU session that measures FA3 and DeepGEMM (issue 7), one warm ``nvidia-h200`` (its /tmp
+keeps the site, FA3 and the DeepGEMM cache; ~25 min of device time in all):
+
+0. here, once: ``bash tools/stage_fa3.sh`` (~4 min on 2 cores) -> ``.stage/fa3_0..2``.
+1. carry ``.stage/s1 .stage/recipe .stage/stub``: ``source .stage/recipe/setup.sh &&
+   nvidia-smi -L`` (unpacks the site; ~1 min after the machine starts).
+2. carry ``.stage/recipe .stage/stub .stage/fa3_N``, N = 0, 1, 2 (one 57 MB part per call):
+   ``bash bench/h200.sh fa3-part N`` (~20 s each).
+3. ``bash bench/h200.sh fa3-install`` (~1 min): sha256, unpack, tools/check_fa3.py must print
+   ``FA3 OK`` (prefill + paged decode vs SDPA).
+4. ``VARIANTS=bf16,bf16:fa3,fp8,fp8:fa3 bash bench/h200.sh run throughput:580`` (~6 min:
+   ~80 s per variant, the first bf16 ~150 s).
+5. ``VARIANTS=fp8_block:deepgemm bash bench/h200.sh run throughput:580``: DeepGEMM's nvcc JIT
+   of the kernels this run uses, into /tmp/deep_gemm_cache (unmeasured; a few minutes?). Its
+   numbers count only if step 6 agrees (no compile in its timed region, but a cold start).
+6. ``VARIANTS=bf16,fp8_block,fp8_block:deepgemm_dense,fp8_block:deepgemm,fp8_block:fa3+deepgemm
+   bash bench/h200.sh run throughput:580`` (~7 min with the cache warm). Optional, if time is
+   left: ``fp8:flashinfer`` (FlashInfer's own JIT at start).
+
+Print a saved run with ``--table``; the records carry ``engine_kwargs`` and ``env``.
 """
 
 from __future__ import annotations
