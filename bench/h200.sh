@@ -26,12 +26,20 @@
 #               background (setsid; poll with te-test)
 #   te-test     wait for the build, then tests/gpu/test_te_recipes.py and the te: variants of
 #               bench/aligned_step.py
+#   fa3-part N  FA3 attention (sgl_kernel/flash_ops.abi3.so, 1.1 GB, left out of the site):
+#               part N (0..2) of its xz (148 MB), staged here by tools/stage_fa3.sh; carry
+#               .stage/fa3_N with .stage/recipe and .stage/stub only (57 MB: no room for
+#               .stage/s1, so run setup first on the same warm machine) -> /tmp/fa3
+#   fa3-install reassemble, check sha256, unpack into /tmp/site/sgl_kernel/, then
+#               tools/check_fa3.py: SGLang's fa3 backend imports, FA3 prefill/decode vs SDPA
+#               (~1 min). Then VARIANTS=...:fa3 for throughput (bench/rollout_throughput.py
+#               lists the options: fa3, flashinfer, deepgemm, deepgemm_dense, sglang)
 #
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|train|aligned|te-part N|te-build|te-test|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|train|aligned|te-part N|te-build|te-test|fa3-part N|fa3-install|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -43,6 +51,7 @@ if [ "$phase" = run ]; then
   exit 0
 fi
 OUT=${OUT:-/tmp/qrl-out}
+FA3_SO_SHA256=b8feae71ed589f0fa8ea407718b6a59411bf6bb5aac7310abeebad0133dd4216
 mkdir -p "$OUT"
 source .stage/recipe/setup.sh
 # the recipe's stand-in IPython (.stage/stub) lacks what matplotlib reads when it makes any
@@ -136,5 +145,15 @@ case $phase in
     # 4 of the 6 layers: the plain bf16, the fake-quant and the TE model together (114 GiB peak)
     python3 bench/aligned_step.py --layers 4 --warmup 2 --rounds 6 --out "$OUT/aligned_step_te.jsonl" \
       2>&1 | grep -E "^\||note" ;;
+  fa3-part)
+    mkdir -p /tmp/fa3 && cp .stage/fa3_${2:?part number}/* /tmp/fa3/ && ls -la /tmp/fa3 ;;
+  fa3-install)  # the raw sha256 is tools/stage_fa3.sh's SO_SHA256 (sglang-kernel 0.4.5 wheel)
+    so=/tmp/site/sgl_kernel/flash_ops.abi3.so
+    if ! echo "$FA3_SO_SHA256  $so" | sha256sum -c --quiet 2>/dev/null; then
+      (cd /tmp/fa3 && cat flash_ops.so.xz.part_* > flash_ops.so.xz && sha256sum -c flash_ops.so.xz.sha256) || exit 1
+      xz -T0 -d -c /tmp/fa3/flash_ops.so.xz > $so.tmp && mv $so.tmp $so && rm /tmp/fa3/flash_ops.so.xz
+      echo "$FA3_SO_SHA256  $so" | sha256sum -c || exit 1
+    fi
+    python3 tools/check_fa3.py ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

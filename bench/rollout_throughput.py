@@ -13,6 +13,34 @@ Qwen3-30B-A3B-shaped config (``megatron_qrl/data/configs/qwen3_30b_a3b.json``) w
 tokens, ``--new`` generated tokens, ignore_eos; decode tok/s excludes the prefill time.
 Also printed: weight bytes read per decode step / step time as a fraction of the device-to-
 device copy bandwidth measured at the start of the run.
+
+Variant options (``FMT:OPT+OPT``, bench/engine_variants.py has the SGLang 0.5.17 facts):
+``sglang`` (SGLang's own fused-MoE configs), ``fa3`` (FA3 attention instead of Triton),
+``flashinfer`` (FlashInfer attention, nvcc JIT at start), ``deepgemm`` (DeepGEMM for the
+block-FP8 dense GEMMs and MoE; ``fp8_block`` only: per-channel ``fp8`` never calls DeepGEMM in
+SGLang 0.5.17), ``deepgemm_dense`` (dense GEMMs only). An unknown option stops the run before
+any engine starts, with the list of known ones.
+
+The GPU session that measures FA3 and DeepGEMM (issue 7), one warm ``nvidia-h200`` (its /tmp
+keeps the site, FA3 and the DeepGEMM cache; ~25 min of device time in all):
+
+0. here, once: ``bash tools/stage_fa3.sh`` (~4 min on 2 cores) -> ``.stage/fa3_0..2``.
+1. carry ``.stage/s1 .stage/recipe .stage/stub``: ``source .stage/recipe/setup.sh &&
+   nvidia-smi -L`` (unpacks the site; ~1 min after the machine starts).
+2. carry ``.stage/recipe .stage/stub .stage/fa3_N``, N = 0, 1, 2 (one 57 MB part per call):
+   ``bash bench/h200.sh fa3-part N`` (~20 s each).
+3. ``bash bench/h200.sh fa3-install`` (~1 min): sha256, unpack, tools/check_fa3.py must print
+   ``FA3 OK`` (prefill + paged decode vs SDPA).
+4. ``VARIANTS=bf16,bf16:fa3,fp8,fp8:fa3 bash bench/h200.sh run throughput:580`` (~6 min:
+   ~80 s per variant, the first bf16 ~150 s).
+5. ``VARIANTS=fp8_block:deepgemm bash bench/h200.sh run throughput:580``: DeepGEMM's nvcc JIT
+   of the kernels this run uses, into /tmp/deep_gemm_cache (unmeasured; a few minutes?). Its
+   numbers count only if step 6 agrees (no compile in its timed region, but a cold start).
+6. ``VARIANTS=bf16,fp8_block,fp8_block:deepgemm_dense,fp8_block:deepgemm,fp8_block:fa3+deepgemm
+   bash bench/h200.sh run throughput:580`` (~7 min with the cache warm). Optional, if time is
+   left: ``fp8:flashinfer`` (FlashInfer's own JIT at start).
+
+Print a saved run with ``--table``; the records carry ``engine_kwargs`` and ``env``.
 """
 
 from __future__ import annotations
@@ -29,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._runner import child_main, run_variant  # noqa: E402
+from bench.engine_variants import child_env, parse_variant  # noqa: E402
 
 MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
 
@@ -59,7 +88,8 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
     from megatron_qrl.rollout_sglang.engine import engine_args_for
     from megatron_qrl.rollout_sglang.launch import write_engine_dir
 
-    fmt = variant.split(":")[0]
+    plan = parse_variant(variant)
+    fmt = plan.fmt
     cfg = json.loads(MODEL_CONFIG.read_text())
     d = write_engine_dir(cfg, fmt, root="/tmp")
     kw = engine_args_for(fmt, is_moe=True)
@@ -67,11 +97,13 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
            "enable_return_routed_experts": False, "cuda_graph_max_bs_decode": max(batches),
            "cuda_graph_bs_decode": sorted({1, *batches}), "cuda_graph_backend_prefill": "disabled",
            "random_seed": 0, "log_level": "warning"}
+    kw |= plan.engine_kwargs
     kw |= extra
     t0 = time.time()
     eng = sglang.Engine(**kw)
     res = {"variant": variant, "format": fmt, "moe_config_dir": os.environ.get("SGLANG_MOE_CONFIG_DIR"),
-           "startup_s": round(time.time() - t0, 1)}
+           "startup_s": round(time.time() - t0, 1), "engine_kwargs": plan.engine_kwargs,
+           "env": {k: os.environ.get(k) for k in {**plan.env_defaults, **plan.env}}}
     info = eng.get_server_info()
     for st in info.get("internal_states", [])[:1]:
         res["weight_gb"] = st.get("memory_usage", {}).get("weight")
@@ -95,15 +127,13 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
 
 
 def _env_for(variant: str) -> dict:
-    env = dict(os.environ)
-    env.pop("SGLANG_MOE_CONFIG_DIR", None)
-    if not variant.endswith(":sglang"):
+    plan = parse_variant(variant)
+    d = None
+    if plan.own_moe_configs:
         from megatron_qrl.rollout_sglang.moe_configs import config_dir_for_engine
 
         d = config_dir_for_engine()
-        if d:
-            env["SGLANG_MOE_CONFIG_DIR"] = d
-    return env
+    return child_env(plan, dict(os.environ), d)
 
 
 def table(results: list[dict], batches: list[int], bw_gbs: float) -> str:
@@ -147,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         return child_main(lambda: child(a.child, batches, a.new, a.prompt_len,
                                         json.loads(a.extra)))
+    variants = a.variants.split(",")
+    for v in variants:
+        parse_variant(v)  # a misspelt option fails here, before any engine starts
     bw = copy_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
     results = []
-    for v in a.variants.split(","):
+    for v in variants:
         results.append(run_variant(
             [__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
              "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, a.out, _env_for(v),
