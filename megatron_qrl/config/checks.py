@@ -69,21 +69,23 @@ def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     for weight-quantized formats: ``--qrl-rollout-sglang-sync auto``); prefetching in the
     tensor and in-place syncs. Unset options take the engine's default for the sync; what is
     asked for explicitly must apply."""
+    from ..rollout_sglang.engine import OPTION_SYNCS, default_sync  # the engine's own rules
+
     r = c["rollout"]
-    if r.sglang_prefetch_buckets and r.sglang_sync in ("disk", "distributed"):
+    resolved = default_sync(r.format) if r.sglang_sync == "auto" else r.sglang_sync
+    if r.sglang_prefetch_buckets and resolved not in OPTION_SYNCS["prefetch_buckets"]:
         return (f"--qrl-rollout-sglang-prefetch-buckets applies to the tensor and in-place "
                 f"syncs, not --qrl-rollout-sglang-sync {r.sglang_sync}")
-    flags = [f for f, on in (("--qrl-rollout-sglang-flat-buckets", r.sglang_flat_buckets is True),
-                             ("--qrl-rollout-sglang-direct-expert-loads",
-                              r.sglang_direct_expert_loads)) if on]
-    if not flags:
+    asked = [(f, o) for f, o, on in (
+        ("--qrl-rollout-sglang-flat-buckets", "flatten_buckets", r.sglang_flat_buckets is True),
+        ("--qrl-rollout-sglang-direct-expert-loads", "direct_expert_loads",
+         r.sglang_direct_expert_loads)) if on]
+    if not asked:
         return None
     if r.engine != "sglang":
-        return f"{' and '.join(flags)} need --qrl-rollout-engine sglang"
-    from ..rollout_sglang.engine import default_sync  # the engine's own "auto" rule
-
-    resolved = default_sync(r.format) if r.sglang_sync == "auto" else r.sglang_sync
-    if resolved == "inplace":
+        return f"{' and '.join(f for f, _ in asked)} need --qrl-rollout-engine sglang"
+    flags = [f for f, o in asked if resolved not in OPTION_SYNCS[o]]  # both: in place only
+    if not flags:
         return None
     sync = r.sglang_sync if r.sglang_sync != "auto" else f"auto ({resolved} for {r.format})"
     return (f"{' and '.join(flags)} apply to the in-place sync (--qrl-rollout-sglang-sync "

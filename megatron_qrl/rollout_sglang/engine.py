@@ -95,23 +95,27 @@ def default_sync(spec_name: str) -> str:
     return "inplace" if get_spec(spec_name).quantizes_weights else "tensor"
 
 
+OPTION_SYNCS = {"flatten_buckets": ("inplace",), "prefetch_buckets": ("tensor", "inplace"),
+                "direct_expert_loads": ("inplace",)}
+"""The syncs each speed option of :class:`SGLangEngine` applies to (the flag checks of
+``--qrl-rollout-sglang-*`` read it too)."""
+
+
 def sync_options(sync: str, flatten_buckets: bool | None = None,
                  prefetch_buckets: int | None = None,
                  direct_expert_loads: bool = False) -> tuple[bool, int, bool]:
     """The sync speed options of :class:`SGLangEngine` for ``sync``: unset (None) means the
     default measured for it (flat buckets and one bucket prefetched in place, neither
     elsewhere: docs/BENCHMARKS.md); an option asked for where it does not apply is an error."""
-    if flatten_buckets and sync != "inplace":
-        raise ValueError(f"flatten_buckets applies to sync='inplace' (got sync={sync!r})")
-    if direct_expert_loads and sync != "inplace":
-        raise ValueError(f"direct_expert_loads applies to sync='inplace' (got sync={sync!r})")
+    if prefetch_buckets is not None and prefetch_buckets < 0:
+        raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
+    for name, on in (("flatten_buckets", flatten_buckets), ("direct_expert_loads",
+                     direct_expert_loads), ("prefetch_buckets", prefetch_buckets)):
+        if on and sync not in OPTION_SYNCS[name]:
+            raise ValueError(f"{name} applies to sync=" + " and ".join(
+                repr(s) for s in OPTION_SYNCS[name]) + f" (got sync={sync!r})")
     if prefetch_buckets is None:
         prefetch_buckets = 1 if sync == "inplace" else 0
-    if prefetch_buckets < 0:
-        raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
-    if prefetch_buckets and sync not in ("tensor", "inplace"):
-        raise ValueError(f"prefetch_buckets applies to sync='tensor' and 'inplace' "
-                         f"(got sync={sync!r})")
     flat = sync == "inplace" if flatten_buckets is None else bool(flatten_buckets)
     return flat, prefetch_buckets, bool(direct_expert_loads)
 
