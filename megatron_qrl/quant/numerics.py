@@ -159,6 +159,8 @@ def to_blocks_2d(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, tuple
     """
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
+    if nb * bn == n and kb * bk == k:  # whole blocks: a view, no copy
+        return w.reshape(nb, bn, kb, bk), (n, k)
     padded = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n))
     return padded.view(nb, bn, kb, bk), (n, k)
 
