@@ -95,13 +95,15 @@ def count(fn, spec, w):
     return len(c.ops), len(c.full), c.full
 
 
-def median_time(fn, spec, weights, repeats):
-    times = []
+def median_times(fns, spec, weights, repeats):
+    """Median wall time of each of ``fns``, run interleaved (a shared machine drifts)."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn(spec, weights)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn(spec, weights)
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -120,8 +122,7 @@ def run_format(fmt: str, experts: int, repeats: int, show_ops: bool) -> dict:
     ws = [torch.randn(1536, 2048, generator=gen).mul_(0.02).to(torch.bfloat16)
           for _ in range(experts)]
     assert all(_same(a, b) for a, b in zip(before_many(spec, ws[:4]), after_many(spec, ws[:4])))
-    t_b = median_time(before_many, spec, ws, repeats)
-    t_a = median_time(after_many, spec, ws, repeats)
+    t_b, t_a = median_times([before_many, after_many], spec, ws, repeats)
     return {"format": fmt, "ops_before": n_b, "ops_after": n_a, "full_before": f_b,
             "full_after": f_a, "many_s_before": t_b, "many_s_after": t_a}
 
