@@ -298,7 +298,10 @@ class QuantSpec:
 
     def _check_finite_amax(self, a: torch.Tensor, w: torch.Tensor, name: str) -> None:
         """The finite check of :meth:`_check_weight` from an amax ``a`` reduced over all of
-        ``w`` (a max propagates NaN and Inf): one small kernel instead of two full passes."""
+        ``w`` (a max propagates NaN and Inf: ATen ``SharedReduceOps.h`` ``AbsMaxOps``, the
+        inf-norm's reduction, uses ``max_propagate_nan`` on CUDA and ``max_impl`` on CPU): one
+        small kernel instead of ``isfinite`` (four full passes: ``==``, ``abs``, ``!=``, ``*``)
+        and ``all``."""
         if not bool(torch.isfinite(a).all()):
             self._check_finite(w, name)
 
