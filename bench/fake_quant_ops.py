@@ -14,7 +14,8 @@ Per format it prints:
   passes over memory that set the time on a GPU);
 - CPU wall time (median of ``--repeats``) of ``fake_quant_many`` over ``--experts`` bf16
   ``[1536, 2048]`` expert weights, and the ratio before/after.
-A CPU is not a GPU: it shows the op count and the arithmetic saved, not the H200 step time.
+A CPU is not a GPU: it shows the op count and the arithmetic saved, not the H200 step time
+(``--device cuda`` runs the same, bit checks included, on a GPU).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def median_times(fns, spec, weights, repeats):
         for fn, ts in zip(fns, times):
             t = time.perf_counter()
             fn(spec, weights)
+            if weights[0].is_cuda:
+                torch.cuda.synchronize()
             ts.append(time.perf_counter() - t)
     return [statistics.median(ts) for ts in times]
 
@@ -110,16 +113,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def run_format(fmt: str, experts: int, repeats: int, show_ops: bool) -> dict:
+def run_format(fmt: str, experts: int, repeats: int, show_ops: bool, device: str) -> dict:
     spec = get_spec(fmt)
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(4096, 2048, generator=gen).to(torch.bfloat16)
+    w = torch.randn(4096, 2048, generator=gen).to(device, torch.bfloat16)
     assert _same(before_one(spec, w), after_one(spec, w)), f"{fmt}: fast path differs"
     n_b, f_b, full_b = count(before_one, spec, w)
     n_a, f_a, full_a = count(after_one, spec, w)
     if show_ops:
         print(f"  {fmt} before full-size: {full_b}\n  {fmt} after  full-size: {full_a}")
-    ws = [torch.randn(1536, 2048, generator=gen).mul_(0.02).to(torch.bfloat16)
+    ws = [torch.randn(1536, 2048, generator=gen).mul_(0.02).to(device, torch.bfloat16)
           for _ in range(experts)]
     assert all(_same(a, b) for a, b in zip(before_many(spec, ws[:4]), after_many(spec, ws[:4])))
     t_b, t_a = median_times([before_many, after_many], spec, ws, repeats)
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--show-ops", action="store_true", help="list the full-size ops")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (checks bits there too)")
     args = p.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ops: one bf16 "
           f"[4096, 2048]; time: fake_quant_many over {args.experts} bf16 [1536, 2048], "
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'format':10} {'ops b/a':>9} {'full b/a':>9} {'many_s before':>14} "
           f"{'after':>8} {'ratio':>6}")
     for fmt in args.formats.split(","):
-        r = run_format(fmt, args.experts, args.repeats, args.show_ops)
+        r = run_format(fmt, args.experts, args.repeats, args.show_ops, args.device)
         print(f"{fmt:10} {r['ops_before']:>4}/{r['ops_after']:<4} {r['full_before']:>4}/"
               f"{r['full_after']:<4} {r['many_s_before']:>14.3f} {r['many_s_after']:>8.3f} "
               f"{r['many_s_before'] / r['many_s_after']:>6.2f}", flush=True)
