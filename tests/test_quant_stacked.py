@@ -70,10 +70,12 @@ def test_nonfinite_names_the_stack():
 
 
 def _count_calls(monkeypatch, spec):
+    """Names of the quantizer calls: ``quantize_weight`` and the fake-quant fast path."""
     calls = []
-    real = type(spec).quantize_weight
-    monkeypatch.setattr(type(spec), "quantize_weight",
-                        lambda self, w, **kw: calls.append(kw.get("name")) or real(self, w, **kw))
+    for method in ("quantize_weight", "quantize_dequantize"):
+        real = getattr(type(spec), method)
+        monkeypatch.setattr(type(spec), method, lambda self, w, _real=real, **kw:
+                            calls.append(kw.get("name")) or _real(self, w, **kw))
     return calls
 
 

@@ -214,8 +214,8 @@ def test_stacked_experts_equal_per_expert_path(megatron, fmt, monkeypatch):
     expert, bit for bit: logits and every gradient; far fewer quantizer calls."""
     spec = get_spec(fmt)
     calls = []
-    real = type(spec).quantize_weight
-    monkeypatch.setattr(type(spec), "quantize_weight",
+    real = type(spec).quantize_dequantize  # the aligned forward's fake-quant entry point
+    monkeypatch.setattr(type(spec), "quantize_dequantize",
                         lambda self, w, **kw: calls.append(tuple(w.shape)) or real(self, w, **kw))
     _, arch, state, model = _aligned("moe", fmt, moe_aux_loss_coeff=0.0)
     x = ids()

@@ -27,6 +27,11 @@ def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+def constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A cached fp32 constant ``[len(values)]`` on ``device`` (see :func:`_table`)."""
+    return _table(tuple(values), device)
+
+
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
     """Round to nearest, ties away from zero (CUDA ``libdevice.round``, used by Triton kernels)."""
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
@@ -64,6 +69,39 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     ordinal = ordinal + odd_ties.to(torch.int32)
     sign = (x < 0).to(torch.int32)
     return ((sign << 3) | ordinal).to(torch.uint8)
+
+
+def _pred(x: float) -> float:
+    """The largest fp32 value below ``x``."""
+    t = torch.tensor(x, dtype=torch.float32)
+    return float(torch.nextafter(t, torch.tensor(-float("inf"))))
+
+
+# e2m1_round: sorted fp32 thresholds on the SIGNED scaled value and the 16 signed E2M1 values
+# between them, V[i] for T[i-1] < x <= T[i]. A tie point p that e2m1_encode sends up (away
+# from -inf) gets the threshold pred(p) (no fp32 value lies strictly between); one it sends
+# down keeps p. Zero: x in [-0.25, 0) decodes to -0.0 (sign bit, ordinal 0); x = +-0.0 to +0.0.
+_E2M1_SIGNED_THRESHOLDS = (
+    _pred(-5.0), -3.5, _pred(-2.5), -1.75, _pred(-1.25), -0.75, _pred(-0.25), _pred(0.0),
+    0.25, _pred(0.75), 1.25, _pred(1.75), 2.5, _pred(3.5), 5.0,
+)
+_E2M1_SIGNED_VALUES = (
+    -6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """``e2m1_decode(e2m1_encode(x))`` bit for bit (signed zeros included), in two kernels:
+    a ``searchsorted`` of the fp32 value into 15 signed thresholds and a 16-entry table lookup.
+
+    The same rounding as :func:`e2m1_encode` (OCP MX spec v1.0 sec. 5.3.3: nearest, ties to
+    the even mantissa, saturating at 6; QeRL seed 002 / ALGORITHMS.md sec. 3) without building
+    codes: the odd ties 0.75, 1.75, 3.5 (and their negatives' mirror images) are encoded in
+    the thresholds instead of a fix-up pass.
+    """
+    thresholds = _table(_E2M1_SIGNED_THRESHOLDS, x.device)
+    idx = torch.searchsorted(thresholds, x.float().contiguous(), out_int32=True)
+    return _table(_E2M1_SIGNED_VALUES, x.device)[idx]
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -121,6 +159,8 @@ def to_blocks_2d(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, tuple
     """
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
+    if nb * bn == n and kb * bk == k:  # whole blocks: a view, no copy
+        return w.reshape(nb, bn, kb, bk), (n, k)
     padded = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n))
     return padded.view(nb, bn, kb, bk), (n, k)
 

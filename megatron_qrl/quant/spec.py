@@ -3,7 +3,8 @@
 One spec gives (DESIGN.md, "The one idea that holds it together"):
 1. the exact reference quantizer (pure torch, CPU): :meth:`QuantSpec.quantize_weight`,
    :meth:`QuantSpec.dequantize`, :meth:`QuantSpec.fake_quant_weight`,
-   :meth:`QuantSpec.fake_quant_activation`;
+   :meth:`QuantSpec.fake_quant_activation`; :meth:`QuantSpec.quantize_dequantize` is
+   ``dequantize(quantize_weight(w))`` through the format's fake-quant fast path (same bits);
 2. the rollout side: the SGLang ``--quantization`` method, :meth:`QuantSpec.pack` (the tensors
    SGLang's loader expects, names and dtypes) and :meth:`QuantSpec.hf_quantization_config`;
 3. the training side (``te_quant``) uses 1. with a straight-through gradient;
@@ -62,7 +63,8 @@ class QuantSpec:
 
     Each format is a frozen dataclass subclass that sets these fields' defaults and
     implements the hooks ``_quantize``, ``_dequantize``, ``_pack``, ``_unpack``,
-    ``_packed_suffixes`` (and ``_act`` for W8A8 formats). Instances are created once by
+    ``_packed_suffixes`` (and ``_act`` for W8A8 formats; ``_fake_quant`` where a direct
+    computation of the dequantized weight saves passes over memory). Instances are created once by
     :func:`register_spec`; obtain them with ``get_spec(name)``.
     """
 
@@ -113,17 +115,27 @@ class QuantSpec:
         ``global_scale`` is ``[out, 1]``.
         """
         self._check_weight(w, name)
-        ga = None
-        if global_amax is not None:
-            if isinstance(global_amax, torch.Tensor):
-                global_amax = global_amax.detach()
-            ga = torch.as_tensor(global_amax, dtype=torch.float32, device=w.device)
-            if ga.dim() == 2 and tuple(ga.shape) != (w.shape[0], 1):
-                raise ValueError(f"{self.name}: per-row global_amax for {name} must have shape "
-                                 f"[{w.shape[0]}, 1], got {tuple(ga.shape)}")
-            ga = ga if ga.dim() == 2 else ga.reshape(())
+        ga = self._global_amax(w, global_amax, name)
         with torch.no_grad():
             return self._quantize(w.detach(), ga)
+
+    def quantize_dequantize(
+        self,
+        w: torch.Tensor,
+        *,
+        global_amax: torch.Tensor | float | None = None,
+        name: str = "weight",
+    ) -> torch.Tensor:
+        """``dequantize(quantize_weight(w, global_amax=...))`` in ``w``'s dtype, bit for bit,
+        without autograd, through the format's fake-quant fast path (:meth:`_fake_quant`: the
+        dequantized value computed directly, no integer codes, few elementwise passes).
+        Same arguments and errors as :meth:`quantize_weight`."""
+        if not self.quantizes_weights:
+            return w.detach()
+        self._check_weight(w, name, finite=False)  # the format checks finiteness on its amax
+        ga = self._global_amax(w, global_amax, name)
+        with torch.no_grad():
+            return self._fake_quant(w.detach(), ga, name).to(w.dtype)
 
     def dequantize(self, q: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the rollout engine computes with, in ``dtype`` (default: the original)."""
@@ -139,7 +151,7 @@ class QuantSpec:
         if not self.quantizes_weights:
             return w
         return _StraightThrough.apply(
-            w, lambda x: self.dequantize(self.quantize_weight(x, global_amax=global_amax))
+            w, lambda x: self.quantize_dequantize(x, global_amax=global_amax)
         )
 
     def fake_quant_activation(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,6 +249,17 @@ class QuantSpec:
     def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         raise NotImplementedError
 
+    def _fake_quant(self, w: torch.Tensor, global_amax: torch.Tensor | None, name: str
+                    ) -> torch.Tensor:
+        """``_dequantize(_quantize(w))`` (any float dtype; the caller casts to ``w``'s).
+
+        Formats override it with a direct computation of the same bits (no codes); an
+        override must check finiteness itself (:meth:`_check_finite_amax` on an amax it
+        reduces anyway). ``w`` has passed :meth:`_check_weight` without the finite check.
+        """
+        self._check_finite(w, name)
+        return self._dequantize(self._quantize(w, global_amax))
+
     def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
@@ -255,19 +278,45 @@ class QuantSpec:
         """Formats with block/group constraints raise here (clear error naming the tensor)."""
 
     # ---- shared validation -----------------------------------------------------------
-    def _check_weight(self, w: torch.Tensor, name: str) -> None:
+    def _check_weight(self, w: torch.Tensor, name: str, finite: bool = True) -> None:
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
             shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
             raise ValueError(f"{self.name}: {name} must be a 2-D [out, in] tensor, got {shape}")
         if w.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{self.name}: {name} has dtype {w.dtype}; expected fp32/bf16/fp16")
+        if finite:
+            self._check_finite(w, name)
+        self._check_shape(tuple(w.shape), name)
+
+    def _check_finite(self, w: torch.Tensor, name: str) -> None:
         if not bool(torch.isfinite(w).all()):
             bad = int((~torch.isfinite(w)).sum())
             raise ValueError(
                 f"{self.name}: {name} has {bad} non-finite values (NaN/Inf); "
                 "the checkpoint or the last optimizer step is broken"
             )
-        self._check_shape(tuple(w.shape), name)
+
+    def _check_finite_amax(self, a: torch.Tensor, w: torch.Tensor, name: str) -> None:
+        """The finite check of :meth:`_check_weight` from an amax ``a`` reduced over all of
+        ``w`` (a max propagates NaN and Inf: ATen ``SharedReduceOps.h`` ``AbsMaxOps``, the
+        inf-norm's reduction, uses ``max_propagate_nan`` on CUDA and ``max_impl`` on CPU): one
+        small kernel instead of ``isfinite`` (four full passes: ``==``, ``abs``, ``!=``, ``*``)
+        and ``all``."""
+        if not bool(torch.isfinite(a).all()):
+            self._check_finite(w, name)
+
+    def _global_amax(self, w: torch.Tensor, global_amax: torch.Tensor | float | None,
+                     name: str) -> torch.Tensor | None:
+        """``global_amax`` as fp32 on ``w``'s device: a scalar, or ``[out, 1]`` (checked)."""
+        if global_amax is None:
+            return None
+        if isinstance(global_amax, torch.Tensor):
+            global_amax = global_amax.detach()
+        ga = torch.as_tensor(global_amax, dtype=torch.float32, device=w.device)
+        if ga.dim() == 2 and tuple(ga.shape) != (w.shape[0], 1):
+            raise ValueError(f"{self.name}: per-row global_amax for {name} must have shape "
+                             f"[{w.shape[0]}, 1], got {tuple(ga.shape)}")
+        return ga if ga.dim() == 2 else ga.reshape(())
 
 
 def _amax_all(w: torch.Tensor) -> torch.Tensor:

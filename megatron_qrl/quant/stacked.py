@@ -144,6 +144,15 @@ def _quantize_stack(spec: QuantSpec, stacked: torch.Tensor, rows: list[int],
         return spec.quantize_weight(stacked, global_amax=ga, name=label)
 
 
+def _fake_quant_stack(spec: QuantSpec, stacked: torch.Tensor, rows: list[int],
+                      amaxes: list[Amax], label: str) -> torch.Tensor:
+    """:func:`_quantize_stack` then dequantize, through the format's fake-quant fast path
+    (:meth:`QuantSpec.quantize_dequantize`, the same bits)."""
+    with torch.no_grad():
+        ga = _row_amax(stacked, rows, amaxes) if spec.shares_tensor_scale else None
+        return spec.quantize_dequantize(stacked, global_amax=ga, name=label)
+
+
 def quantize_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
                   global_amax: Sequence[Amax] | torch.Tensor | None = None,
                   name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
@@ -171,13 +180,13 @@ def fake_quant_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
                     name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
                     ) -> list[torch.Tensor]:
     """``[spec.dequantize(spec.quantize_weight(w, global_amax=a)) for ...]`` (no autograd),
-    stacked where that is bit-identical; each result has its weight's dtype."""
+    stacked where that is bit-identical; each result has its weight's dtype. Computed with
+    :meth:`QuantSpec.quantize_dequantize` (the format's fake-quant fast path, same bits)."""
     amaxes = _amax_list(global_amax, len(weights))
     if not can_stack(spec, weights):
-        return [spec.dequantize(q, dtype=w.dtype) for q, w in
-                zip(quantize_many(spec, weights, global_amax=amaxes, name=name), weights)]
+        return [spec.quantize_dequantize(w, global_amax=a, name=f"{name}[{i}]")
+                for i, (w, a) in enumerate(zip(weights, amaxes))]
     out: list[torch.Tensor] = []
     for stacked, rows, amx, label in _stacks(weights, amaxes, name, max_elements):
-        q = _quantize_stack(spec, stacked, rows, amx, label)
-        out.extend(torch.split(spec.dequantize(q, dtype=stacked.dtype), rows, dim=0))
+        out.extend(torch.split(_fake_quant_stack(spec, stacked, rows, amx, label), rows, dim=0))
     return out

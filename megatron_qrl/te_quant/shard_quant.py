@@ -127,8 +127,7 @@ def quantize_shard(spec: QuantSpec, w: torch.Tensor, layout: FusionLayout = Fusi
         q = quantize_shard(spec, full, layout, 0, None, name)
         return q.narrow(1, rank * w.shape[1], w.shape[1]).contiguous()
     amax = _shared_amax(spec, parts, group)
-    out = [spec.dequantize(spec.quantize_weight(p, global_amax=amax, name=name), dtype=w.dtype)
-           for p in parts]
+    out = [spec.quantize_dequantize(p, global_amax=amax, name=name) for p in parts]
     return layout.fuse(out)
 
 

@@ -17,7 +17,14 @@ from typing import ClassVar
 
 import torch
 
-from ..numerics import FP8_E4M3_MAX, ZERO_AMAX_EPS, amax, cast_e4m3, round_half_away
+from ..numerics import (
+    FP8_E4M3_MAX,
+    ZERO_AMAX_EPS,
+    amax,
+    cast_e4m3,
+    constant,
+    round_half_away,
+)
 from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
 
 _ACT_EPS = 1e-10
@@ -33,9 +40,11 @@ class _PerChannelSpec(QuantSpec):
     def _codes(self, w32: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _row_scale(self, w32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(quantize multiplier s = MAX/amax, zero-row mask) per output channel, [out, 1]."""
-        a = amax(w32, dim=1)
+    def _row_scale(self, w32: torch.Tensor, a: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(quantize multiplier s = MAX/amax, zero-row mask) per output channel, [out, 1];
+        ``a``: the fp32 row amaxes if already reduced."""
+        a = amax(w32, dim=1) if a is None else a
         zero = a <= ZERO_AMAX_EPS
         return self._max / torch.where(zero, torch.ones_like(a), a), zero
 
@@ -76,6 +85,22 @@ class Int8Spec(_PerChannelSpec):
         scale = torch.where(zero, 1.0, 1.0 / s)
         return QuantizedWeight(self.name, codes, scale, None, tuple(w.shape), w.dtype)
 
+    def _fake_quant(self, w, global_amax, name):
+        """``0 + round(w * s) * (1 / s)`` per row: three passes over the weight (multiply,
+        round, multiply-add) after one for the row amaxes, no int8 codes.
+
+        Bit-identical to ``_dequantize(_quantize(w))``: the int8 round trip of an integer is
+        exact; the clamp never binds (``|w * s| <= 127 (1 + 2^-23)^2 < 127.5`` with
+        ``s = fl(127 / amax)``); a zero row (amax <= 2^-24, ``s = 127``) rounds to +-0 anyway
+        (``|w * 127| < 0.5``) and its scale is 1 on both paths; adding 0 turns the ``-0.0`` of
+        ``round(-0.3)`` into the ``+0.0`` the int8 code 0 dequantizes to.
+        """
+        a = torch.linalg.vector_norm(w, float("inf"), dim=1, keepdim=True).float()
+        self._check_finite_amax(a, w, name)
+        s, zero = self._row_scale(w, a)
+        scale = torch.where(zero, 1.0, 1.0 / s)
+        return torch.addcmul(constant((0.0,), w.device), torch.mul(w, s).round_(), scale)
+
     def _act(self, x):
         a = torch.clamp(amax(x, dim=-1), min=_ACT_EPS)
         q = torch.clamp(round_half_away(x * (127.0 / a)), -128, 127)
@@ -105,6 +130,15 @@ class FP8Spec(_PerChannelSpec):
         s, _ = self._row_scale(w.float())
         codes = cast_e4m3(w.float() * s)
         return QuantizedWeight(self.name, codes, 1.0 / s, None, tuple(w.shape), w.dtype)
+
+    def _fake_quant(self, w, global_amax, name):
+        """``e4m3(w * s) * (1 / s)`` per row, the same ops as ``_dequantize(_quantize(w))``
+        minus the passes around them: the row amax in one pass in ``w``'s dtype (an inf-norm,
+        exact), the finite check on it, no ``w.float()`` copy (``w * s`` promotes to fp32)."""
+        a = torch.linalg.vector_norm(w, float("inf"), dim=1, keepdim=True).float()
+        self._check_finite_amax(a, w, name)
+        s, _ = self._row_scale(w, a)
+        return cast_e4m3(torch.mul(w, s)).float().mul_(1.0 / s)
 
     def _act(self, x):
         # sgl_per_token_quant_fp8: no eps floor; an all-zero token gets inverse scale 0

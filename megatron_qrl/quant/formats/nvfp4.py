@@ -36,6 +36,7 @@ from ..numerics import (
     bf16_ceil,
     e2m1_decode,
     e2m1_encode,
+    e2m1_round,
     pack_nibbles,
     unpack_nibbles,
 )
@@ -74,6 +75,14 @@ class NVFP4Spec(QuantSpec):
 
     def _dequantize(self, q):
         return dequantize_rows(q.codes, q.scale, q.global_scale)
+
+    def _fake_quant(self, w, global_amax, name):
+        """``dequantize_rows(*quantize_rows(w))`` without codes (:func:`fake_quant_rows`); the
+        block amaxes give the tensor amax (a max of maxes) and the finite check."""
+        a_blk = block_amax(w)
+        self._check_finite_amax(a_blk, w, name)
+        ga = a_blk.amax() if global_amax is None else global_amax
+        return fake_quant_rows(w, tensor_scale(ga), a_blk)
 
     def _packed_suffixes(self):
         return ("weight", "weight_scale", "weight_scale_2", "input_scale")
@@ -134,11 +143,41 @@ def quantize_rows(w32: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, to
     out, k = w32.shape
     s2b = _per_row(s2)
     blocks = w32.reshape(out, k // BLOCK, BLOCK)
-    s_blk = amax(blocks, dim=-1) / (E2M1_MAX * s2b)
-    s_blk = torch.where(s_blk == 0, torch.ones_like(s_blk), s_blk)
-    s_blk = s_blk.clamp(_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    s_blk = block_scales(amax(blocks, dim=-1), s2b)
     scaled = blocks / (s_blk.float() * s2b)
     return e2m1_encode(scaled).reshape(out, k), s_blk.squeeze(-1)
+
+
+def block_amax(w: torch.Tensor) -> torch.Tensor:
+    """``[out, in/16, 1]`` fp32 ``max |W|`` per block of 16, in ONE pass over ``w`` in its own
+    dtype (an inf-norm; a max is exact in any dtype, so it equals ``amax(w.float())``)."""
+    out, k = w.shape
+    blocks = w.reshape(out, k // BLOCK, BLOCK)
+    return torch.linalg.vector_norm(blocks, float("inf"), dim=-1, keepdim=True).float()
+
+
+def block_scales(a_blk: torch.Tensor, s2b: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales ``s_blk = e4m3(clamp(amax_blk / (6 s2), 2^-9, 448))``, 0 -> 1
+    (QeRL seed 002 / ALGORITHMS.md sec. 3; ModelOpt ``NVFP4QTensor.get_weights_scaling_factor``)."""
+    s_blk = a_blk / (E2M1_MAX * s2b)
+    s_blk = torch.where(s_blk == 0, torch.ones_like(s_blk), s_blk)
+    return s_blk.clamp(_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fake_quant_rows(w: torch.Tensor, s2: torch.Tensor, a_blk: torch.Tensor) -> torch.Tensor:
+    """``dequantize_rows(*quantize_rows(w.float(), s2), s2)`` bit for bit, fp32, without codes.
+
+    ALGORITHMS.md sec. 3, ``W_hat = s2 * (s_e4m3 * e2m1(W / (s_e4m3 * s2)))`` in four passes
+    over the weight: ``x = W / d`` with ``d = s_e4m3 * s2`` (the same fp32 product both
+    :func:`quantize_rows` divides by and :func:`dequantize_rows` multiplies by), the E2M1 value
+    of ``x`` by threshold search and table (:func:`e2m1_round`, two passes), ``* d``.
+    ``w`` may stay bf16 (``W / d`` promotes to fp32 exactly); ``a_blk`` is :func:`block_amax`.
+    """
+    out, k = w.shape
+    s2b = _per_row(s2)
+    d = block_scales(a_blk, s2b).float() * s2b
+    vals = e2m1_round(w.reshape(out, k // BLOCK, BLOCK) / d)
+    return vals.mul_(d).reshape(out, k)
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,27 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import ZERO_AMAX_EPS, amax, pack_int4_to_int32, unpack_int32_to_int4
+from ..numerics import (
+    ZERO_AMAX_EPS,
+    amax,
+    constant,
+    pack_int4_to_int32,
+    unpack_int32_to_int4,
+)
 from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
 
 GROUP = 128
 SCALE_DTYPE = torch.bfloat16
+
+
+def group_scale(a: torch.Tensor) -> torch.Tensor:
+    """bf16 group scales ``s = bf16(amax_g / 7)`` from fp32 group amaxes; 1 where the amax is
+    at most 2^-24 (ModelOpt's zero rule, :data:`ZERO_AMAX_EPS`)."""
+    return torch.where(a <= ZERO_AMAX_EPS, torch.ones_like(a), a / 7.0).to(SCALE_DTYPE)
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    return constant((0.0,), device)
 
 
 @register_spec
@@ -49,10 +65,29 @@ class W4A16Spec(QuantSpec):
     def _quantize(self, w, global_amax):
         out, k = w.shape
         g = w.float().reshape(out, k // GROUP, GROUP)
-        a = amax(g, dim=-1)  # [out, k/G, 1]
-        s = torch.where(a <= ZERO_AMAX_EPS, torch.ones_like(a), a / 7.0).to(SCALE_DTYPE)
+        s = group_scale(amax(g, dim=-1))  # [out, k/G, 1]
         q = torch.clamp(torch.round(g / s.float()), -8, 7).to(torch.int8).reshape(out, k)
         return QuantizedWeight(self.name, q, s.squeeze(-1), None, (out, k), w.dtype)
+
+    def _fake_quant(self, w, global_amax, name):
+        """``q * s`` with ``q = round(w / s)`` in fp32, no int8 codes: three passes over the
+        weight (divide, round, multiply) after one for the group amaxes.
+
+        Bit-identical to ``_dequantize(_quantize(w))``: the int8 round trip of an integer in
+        [-8, 7] is exact, and the clamp never binds: ``s = bf16(amax_g / 7)`` is at least
+        ``(amax_g / 7)(1 - 2^-8)``, so ``|w / s| <= 7.03 < 7.5`` (and ``|w| <= 2^-24`` with
+        ``s = 1`` in a zero group). The one difference the codes make is the sign of zero:
+        ``round(-0.3) = -0.0`` becomes int8 ``0``, i.e. ``+0.0``; ``0 + q * s`` (``addcmul``)
+        gives that ``+0.0`` in the multiply's pass (``-0.0 + 0.0 = +0.0`` under
+        round-to-nearest; the sum is exact for every other value).
+        """
+        out, k = w.shape
+        g = w.reshape(out, k // GROUP, GROUP)
+        a = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True).float()
+        self._check_finite_amax(a, w, name)
+        s = group_scale(a).float()
+        q = torch.div(g, s).round_()
+        return torch.addcmul(_zero(w.device), q, s).reshape(out, k)
 
     def _dequantize(self, q):
         out, k = q.shape
