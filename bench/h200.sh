@@ -115,6 +115,8 @@ case $phase in
       | grep -v Warning | tail -n 20
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
   aligned)  # one micro-batch (re-quantization dominates), then eight (activations dominate)
+    # the fake-quant fast path must be bit-identical to the codes path on CUDA too: checked first
+    python3 bench/fake_quant_ops.py --device cuda --experts 64 --repeats 5 2>&1 | tail -n 12
     python3 bench/aligned_step.py --warmup 2 --rounds 6 --profile 12 --per-expert int8 \
       --out "$OUT/aligned_step.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 60
     python3 bench/aligned_step.py --warmup 1 --rounds 4 --num-micro-batches 8 \
