@@ -116,6 +116,7 @@ case $phase in
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
   aligned)  # one micro-batch (re-quantization dominates), then eight (activations dominate)
     # the fake-quant fast path must be bit-identical to the codes path on CUDA too: checked first
+    python3 -m pytest -q tests/test_quant_fake_fast.py -k cuda 2>&1 | tail -n 3
     python3 bench/fake_quant_ops.py --device cuda --experts 64 --repeats 5 2>&1 | tail -n 12
     python3 bench/aligned_step.py --warmup 2 --rounds 6 --profile 12 --per-expert int8 \
       --out "$OUT/aligned_step.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 60

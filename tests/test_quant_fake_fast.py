@@ -207,3 +207,19 @@ def test_fake_quant_weight_straight_through(fmt):
     up = torch.randn_like(out)
     out.backward(up)
     assert torch.equal(w.grad, up)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 check)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FAST)
+def test_cuda_fast_path_equals_reference_and_cpu(fmt, dtype):
+    """On the GPU the training forward's fake-quant (fast path) must equal the codes the
+    rollout's packing makes there (CUDA reference), and both the CPU reference."""
+    spec = get_spec(fmt)
+    w = _random((512, 1024), dtype, seed=7)
+    gas = [None] + ([torch.rand(512, 1, generator=torch.Generator().manual_seed(2)) * 4 + 0.01]
+                    if spec.shares_tensor_scale else [])
+    for ga in gas:
+        got = spec.quantize_dequantize(w.cuda(), global_amax=None if ga is None else ga.cuda())
+        _assert_bits(got, _ref(spec, w.cuda(), None if ga is None else ga.cuda()))
+        _assert_bits(got.cpu(), _ref(spec, w, ga))
