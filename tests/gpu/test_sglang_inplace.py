@@ -203,12 +203,17 @@ def marlin_prewarm(request):
         p.wait()
 
 
+def _wait_for_marlin(fmt: str, procs) -> None:
+    """A Marlin format's engine needs the background JIT prewarm finished first."""
+    if fmt in MARLIN:
+        for p in procs:
+            assert p.wait(timeout=900) == 0, f"Marlin JIT prewarm failed ({p.args[-1]})"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
-    if fmt in MARLIN:
-        for p in marlin_prewarm:
-            assert p.wait(timeout=900) == 0, f"Marlin JIT prewarm failed ({p.args[-1]})"
+    _wait_for_marlin(fmt, marlin_prewarm)
     check_synced_engine(fmt, run_worker(fmt, tmp_path), "inplace")
 
 
@@ -216,9 +221,7 @@ def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewarm):
     """Batched direct expert loads vs SGLang's per-tensor loaders on the same engine."""
-    if fmt in MARLIN:
-        for p in marlin_prewarm:
-            assert p.wait(timeout=900) == 0, f"Marlin JIT prewarm failed ({p.args[-1]})"
+    _wait_for_marlin(fmt, marlin_prewarm)
     res = run_worker(fmt, tmp_path, "inplace+direct")
     check_synced_engine(fmt, res, "inplace+direct")
     d, p = res["out_b"], res["out_b_plain"]
