@@ -90,7 +90,7 @@ case $phase in
   inplace)
     marlin_wait
     python3 -m pytest -q tests/gpu/test_sglang_inplace.py -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-      | grep -E "inplace\]|passed|failed|Error|assert " ;;
+      | grep -E "inplace\]|direct\]|passed|failed|Error|assert " ;;
   restart)  # a SIGKILLed scheduler: restart + re-sync + retry, the trainer process survives
     python3 -m pytest -q tests/gpu/test_sglang_restart.py -s 2>&1 \
       | grep --line-buffered -E "restart|passed|failed|Error|assert |Thread|File " | tail -n 80 ;;

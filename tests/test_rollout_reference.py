@@ -127,3 +127,22 @@ def test_sglang_engine_refuses_sync_paths_measured_broken_before_importing_sglan
 
     with pytest.raises(NotImplementedError, match=r"cannot update 'int8' weights in place"):
         SGLangEngine("/nonexistent", "int8", sync="tensor")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_block", "w4a16", "nvfp4"])
+def test_plain_tensor_sync_is_refused_for_every_format_that_quantizes_weights(fmt):
+    from megatron_qrl.rollout_sglang.engine import check_sync_supported
+
+    with pytest.raises(NotImplementedError, match=r"rollout-sglang-sync inplace"):
+        check_sync_supported(fmt, "tensor")
+    check_sync_supported(fmt, "inplace")
+
+
+def test_sync_paths_measured_working_or_not_yet_run_are_allowed():
+    from megatron_qrl.rollout_sglang.engine import check_sync_supported
+
+    for fmt, sync in [("bf16", "tensor"), ("bf16", "disk"), ("fp8_block", "disk"),
+                      ("fp8", "disk"), ("fp8", "distributed"), ("nvfp4", "inplace")]:
+        check_sync_supported(fmt, sync)
+    with pytest.raises(NotImplementedError, match=r"'int8' .* sync='disk' \(measured on H200"):
+        check_sync_supported("int8", "disk")

@@ -360,3 +360,27 @@ def test_phase_log_records_each_bucket_and_sums_per_sync(tmp_path, monkeypatch):
     rows = summarize(path)
     assert [(r["buckets"], r["tensors"]) for r in rows] == [(-(-n // 5), n), (1, n)]
     assert all(r["total_s"] > 0 and r["process_s"] > 0 for r in rows)
+
+
+def test_state_digest_written_once_per_sync_and_tells_which_tensor_changed(tmp_path, monkeypatch):
+    from megatron_qrl.rollout_sglang.state_digest import DIGEST_ENV, digest_diff, read_digests
+
+    path = tmp_path / "digest.jsonl"
+    model = FakeModel()
+    sync(model, weights(1), 5)  # unset: writes nothing
+    assert not path.exists() and read_digests(path) == []
+    monkeypatch.setenv(DIGEST_ENV, str(path))
+    sync(model, weights(1), 5)  # one line per sync (after its final bucket), not per bucket
+    sync(model, weights(1), 1000, flat=True)  # the same weights another way: the same bits
+    changed = [(n, t.clone()) for n, t in weights(1)]
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    w = dict(changed)[name]
+    w.view(-1)[7] = torch.nextafter(w.view(-1)[7], torch.tensor(1e9))  # one ulp, one element
+    sync(model, changed, 5)
+    a, b, c = read_digests(path)
+    qm = {f"{k.rsplit('.quant_method.', 1)[0]}:quant_method.{k.rsplit('.', 1)[1]}"
+          for k in live_tensors(model) if ".quant_method." in k}
+    assert qm and set(a) == set(dict(model.named_parameters())) | qm
+    assert a == b
+    assert digest_diff(b, c) == ["model.layers.0.mlp.experts.w2_weight"]
+    assert digest_diff(b, {**b, "extra": "x"}) == ["extra"]

@@ -55,17 +55,19 @@ FEATURE = "--qrl-rollout-engine sglang"
 
 # In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
 # (tests/gpu/test_sglang_engine.py and tests/gpu/test_sglang_inplace.py, 2026-11-29): True
-# works, False fails, absent = not yet run. "distributed" was run on one GPU over gloo (the
-# same requests, group and loader as over NCCL between GPUs; NCCL itself not yet run).
-# int8: both paths raise "'Parameter' object has no attribute 'weight_loader'" — w8a8_int8
-# replaces its parameters after loading, so SGLang cannot reload them in place;
-# fp8_block over update_weights_from_tensor killed the engine, over disk it works.
+# works, False fails, absent = not yet run. "distributed" ran between two GPUs over NCCL.
+# Plain "tensor" (SGLang's own model.load_weights) fails for every format that quantizes
+# weights that was measured: int8 and fp8 raise "'Parameter' object has no attribute
+# 'weight_loader'" (w8a8 replaces its parameters after loading), fp8_block killed the engine;
+# it is refused for those formats unless measured True here (use "inplace").
+# int8 over disk fails the same way; fp8_block over disk works.
 SYNC_MODES = ("inplace", "tensor", "disk", "distributed")
 SYNC_SUPPORT: dict[tuple[str, str], bool] = {
     ("bf16", "tensor"): True,
     ("fp8_block", "disk"): True,
     ("fp8_block", "tensor"): False,
     ("int8", "tensor"): False,
+    ("fp8", "tensor"): False,
     ("int8", "disk"): False,
     ("int8", "inplace"): True,
     ("fp8", "inplace"): True,
@@ -79,14 +81,21 @@ SYNC_SUPPORT: dict[tuple[str, str], bool] = {
 
 
 def check_sync_supported(spec_name: str, sync: str) -> None:
-    """Raise for a (format, sync path) known not to work on SGLang 0.5.17."""
-    if SYNC_SUPPORT.get((spec_name, sync), True):
+    """Raise for a (format, sync path) known not to work on SGLang 0.5.17: those measured
+    broken, and ``tensor`` for any format that quantizes weights unless measured working."""
+    known = SYNC_SUPPORT.get((spec_name, sync))
+    if known or (known is None and not (sync == "tensor"
+                                        and get_spec(spec_name).quantizes_weights)):
         return
     works = sorted(f"{f}/{p}" for (f, p), ok in SYNC_SUPPORT.items() if ok)
+    why = ("measured on H200" if known is False else "SGLang's plain load_weights cannot "
+           "reload a quantized layer after its post-load processing; every quantized format "
+           "measured failed")
     raise NotImplementedError(
         f"SGLang 0.5.17 cannot update {spec_name!r} weights in place with sync={sync!r} "
-        f"(measured on H200; see SYNC_SUPPORT in {__name__}). Known to work: {works}; "
-        "use --qrl-rollout-engine reference, or another format / sync path")
+        f"({why}; see SYNC_SUPPORT in {__name__}). Known to work: {works}; use "
+        "sync='inplace' (--qrl-rollout-sglang-sync inplace), --qrl-rollout-engine reference, "
+        "or another format / sync path")
 
 
 def default_sync(spec_name: str) -> str:

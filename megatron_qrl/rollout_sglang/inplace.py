@@ -52,6 +52,7 @@ from .module_state import (
     state_owners,
 )
 from .phase_log import PhaseLog
+from .state_digest import write_digest
 
 CONTROL = "__qrl_inplace__"
 RECV = "__qrl_recv__"
@@ -325,6 +326,7 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
         pending.clear()
         raise InplaceSyncError(f"in-place sync ended with modules never completed "
                                f"(tensors received so far): {left}")
+    write_digest(model, msg["final"])  # no-op unless QRL_INPLACE_DIGEST names a file
 
 
 def bucket_weights(named: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:

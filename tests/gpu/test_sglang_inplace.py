@@ -20,9 +20,11 @@ Variant ``direct`` (``test_direct_expert_loads_match_per_tensor_loads``): the sa
 ``SGLangEngine(direct_expert_loads=True)`` — expert tensors go straight to SGLang's FusedMoE
 parameters, batched where :mod:`megatron_qrl.rollout_sglang.expert_batch` reproduces
 ``FusedMoE.weight_loader`` — syncs A then B; then, per tensor through ``model.load_weights``
-(``direct_expert_loads`` off), A then B again. Batched loads write bit-identical parameters, so
-B's greedy tokens and log-probs after both syncs must be EQUAL (the engine is deterministic:
-same weights, prompts and CUDA graphs, cache flushed at each sync); B is also checked against
+(``direct_expert_loads`` off), A then B again. With ``QRL_INPLACE_DIGEST`` set, the loader
+records the engine's bits after each sync (:mod:`megatron_qrl.rollout_sglang.state_digest`):
+after the same weights, batched and per-tensor syncs must leave every parameter, buffer and
+quant-method tensor bit-identical. Equal generations are printed, not required (the nvfp4
+engine's greedy tokens varied between H200 runs with the same weights). B is also checked against
 the aligned reference as above, and both sync times are printed. Just this variant:
 
     PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_inplace.py -x -s -k direct
@@ -86,6 +88,7 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
     from megatron_qrl.quant.hf_reference import hf_tensors
     from megatron_qrl.rollout import SamplingParams, WeightManifest
     from megatron_qrl.rollout_sglang import SGLangEngine
+    from megatron_qrl.rollout_sglang.state_digest import DIGEST_ENV, digest_diff, read_digests
 
     work = out.parent / f"work-{fmt}"
     a, b = source_model(0), source_model(1)
@@ -104,6 +107,9 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
         placement = ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                      else {"trainer_device": "cuda:0", "group_backend": "gloo"})
     sync, _, option = sync.partition("+")
+    digests = out.parent / f"digest-{fmt}.jsonl"
+    if option == "direct":  # the engine's bits after each sync (state_digest), inherited
+        os.environ[DIGEST_ENV] = str(digests)
     engine = SGLangEngine(work / fmt, fmt, sync=sync, bucket_bytes=BUCKET_BYTES,
                           mem_fraction_static=0.3, random_seed=0,
                           direct_expert_loads=option == "direct", **placement)
@@ -123,6 +129,13 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
             res[f"out_{tag}"] = {"ids": o.output_ids.tolist(), "lp": o.logprobs.tolist(),
                                  "mask": o.mask.tolist(), "version": o.weight_version}
             print(f"[{sync} worker] {fmt}: synced {tag} {res[f'sync_{tag}']}", flush=True)
+        if option == "direct":  # one digest per sync: a, b (batched), a_plain, b_plain
+            d = read_digests(digests)
+            res["digest_syncs"] = len(d)
+            if len(d) == 4:
+                res["digest_tensors"] = len(d[1])
+                res["digest_diff_a"], res["digest_diff_b"] = (digest_diff(d[0], d[2]),
+                                                              digest_diff(d[1], d[3]))
     finally:
         out.write_text(json.dumps(res))  # before shutdown: a hang there must not lose it
         engine.shutdown()
@@ -220,20 +233,31 @@ def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewarm):
-    """Batched direct expert loads vs SGLang's per-tensor loaders on the same engine."""
+    """Batched direct expert loads vs SGLang's per-tensor loaders on the same engine: after
+    syncing the same weights both ways, every parameter, buffer and quant-method tensor of the
+    engine's model must be bit-identical (:mod:`megatron_qrl.rollout_sglang.state_digest`).
+    Equal generations are reported, not required: the nvfp4 engine's greedy tokens varied
+    between runs with the same weights on the H200, so tokens cannot tell a wrong load from a
+    non-deterministic kernel; the bits can."""
     _wait_for_marlin(fmt, marlin_prewarm)
     res = run_worker(fmt, tmp_path, "inplace+direct")
     check_synced_engine(fmt, res, "inplace+direct")
     d, p = res["out_b"], res["out_b_plain"]
     lp = [abs(x - y) for rd, rp in zip(d["lp"], p["lp"]) for x, y in zip(rd, rp)]
+    same = d["ids"] == p["ids"] and d["mask"] == p["mask"] and max(lp) == 0.0
     print(f"[inplace+direct] {fmt:9s} sync B direct {res['sync_b']['seconds']:.2f} s, per "
-          f"tensor {res['sync_b_plain']['seconds']:.2f} s; max |dlogp| direct vs per tensor "
-          f"{max(lp):.3g}", flush=True)
-    assert d["ids"] == p["ids"] and d["mask"] == p["mask"] and max(lp) == 0.0, (
-        f"{fmt}: the engine after a direct (batched) sync of B differs from the same engine "
-        f"after a per-tensor sync of B (max |dlogp| {max(lp):.3g}): a batched expert load "
-        "wrote something FusedMoE.weight_loader does not (or the engine is not deterministic: "
-        "compare two per-tensor syncs before blaming expert_batch.py)")
+          f"tensor {res['sync_b_plain']['seconds']:.2f} s; engine tensors compared "
+          f"{res.get('digest_tensors')}, differing after A {res.get('digest_diff_a')} after B "
+          f"{res.get('digest_diff_b')}; generations {'equal' if same else 'DIFFER'} (max "
+          f"|dlogp| {max(lp):.3g})", flush=True)
+    assert res.get("digest_syncs") == 4, (
+        f"{fmt}: expected 4 state digests (one per sync) from QRL_INPLACE_DIGEST, got "
+        f"{res.get('digest_syncs')}: the in-place loader did not write them")
+    assert res["digest_tensors"] > 0 and not res["digest_diff_a"] and not res["digest_diff_b"], (
+        f"{fmt}: after the same weights, the engine's tensors differ between a batched direct "
+        f"sync and a per-tensor sync: {res['digest_diff_a'] or res['digest_diff_b']} — a "
+        "batched expert load wrote something FusedMoE.weight_loader does not "
+        "(megatron_qrl/rollout_sglang/expert_batch.py)")
 
 
 @pytest.mark.gpu
