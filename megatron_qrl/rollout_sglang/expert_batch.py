@@ -180,6 +180,11 @@ def _dest(data: torch.Tensor, region: tuple) -> torch.Tensor:
     return data
 
 
+def _broadcasts_to(src: torch.Size, dst: torch.Size) -> bool:
+    """``torch.broadcast_shapes(src, dst) == dst`` (setitem's rule), without its cost."""
+    return len(src) <= len(dst) and all(a in (1, b) for a, b in zip(reversed(src), reversed(dst)))
+
+
 def _overlap(a: tuple, b: tuple) -> bool:
     if a == b:
         return False  # one group: the last write per slot wins
@@ -203,6 +208,7 @@ def _plan(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
     if param.dtype.is_complex or param.element_size() not in _BITS:
         return None
     plan: dict[tuple, dict[int, torch.Tensor]] = {}
+    kinds: dict[tuple, tuple] = {}  # region -> (dtype, device) of its sources: one stack each
     for ld in loads:
         kind = _kind(ctx, param, ld.weight_name) if ld.shard_id in _SHARD_DIM else None
         slots = _slots(ctx, moe, param, ld.expert_id) if kind else None
@@ -212,14 +218,13 @@ def _plan(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
         region, src = placed
         shape = _dest(param.data[:1], region).shape[1:]
         if kind in ("single", "tensor"):  # setitem broadcasts
-            if torch.broadcast_shapes(src.shape, shape) != shape:
+            if not _broadcasts_to(src.shape, shape):
                 return None
             src = src.expand(shape)
         if src.shape != shape or src.dtype.is_complex or (
                 src.dtype != param.dtype and src.device != param.device):
             return None
-        if any(t.dtype != src.dtype or t.device != src.device
-               for t in plan.get(region, {}).values()):
+        if kinds.setdefault(region, (src.dtype, src.device)) != (src.dtype, src.device):
             return None  # one torch.stack per region
         for s in slots:
             plan.setdefault(region, {})[s] = src
