@@ -32,7 +32,9 @@ setup(
     ],
     extras_require={
         # ray runs on CPU: the Ray-mode tests run in CI too
-        "test": ["pytest>=8", "ruff>=0.6", "ray>=2.40", "tensorboard==2.21.0"],
+        "test": ["pytest>=8", "ruff>=0.6", "ray>=2.40", "tensorboard==2.21.0",
+                 # SGLang's event loop: the crash tests run their fake engine on it too
+                 "uvloop==0.21.0"],
         "ray": ["ray>=2.40"],
         # GPU-only: neither installs nor imports on a CPU machine; imported lazily.
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang>=0.5.17"],
