@@ -126,10 +126,12 @@ def load_both(fmt, buckets, tp=(1, 0), **kw):
     init_params(ref)
     init_params(got)
     counts = count_calls(got)
+    got.qrl_counts = {}  # load_experts_directly's counters, summed over the buckets
     for bucket in buckets:
         Qwen3MoeForCausalLM(ref).load_weights(bucket)
         model = Qwen3MoeForCausalLM(got)
-        rest = expert_loads.load_experts_directly(model, dict(model.named_modules()), bucket)
+        rest = expert_loads.load_experts_directly(model, dict(model.named_modules()), bucket,
+                                                  got.qrl_counts)
         assert rest == []
     return ref, got, counts
 
@@ -150,6 +152,7 @@ def test_batched_loads_are_bit_identical_to_per_tensor_loads(fmt, tp):
     ref, got, (calls, batched) = load_both(fmt, [stream(fmt)], tp)
     assert_same(ref, got)
     assert sum(calls.values()) == 0  # everything batched
+    assert got.qrl_counts["experts_batched"] == got.qrl_counts["experts"] == sum(batched.values())
     n_leaves = len(FORMATS[fmt][2])
     assert sum(batched.values()) == 3 * E * n_leaves  # one counted load per tensor
     assert all(batched[p] == (2 * E if p.startswith("w13_") else E) for p in batched
@@ -213,6 +216,8 @@ def test_unsupported_groups_fall_back_to_per_tensor_loads(case, monkeypatch):
                                                FORMATS["nvfp4"][2]))
     ref, got, (calls, batched) = load_both(fmt, [stream(fmt)], **kw)
     assert_same(ref, got)
+    assert got.qrl_counts == {"experts": 3 * E * len(FORMATS[fmt][2]),
+                              "experts_batched": sum(batched.values())}
     if case == "input_scale_check":  # only the input scales: their check reads the parameter
         assert {p for p, n in calls.items() if n} == {"w13_input_scale", "w2_input_scale"}
         assert sum(calls.values()) == 3 * E and sum(batched.values()) == 3 * E * 3
@@ -222,9 +227,11 @@ def test_unsupported_groups_fall_back_to_per_tensor_loads(case, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4", "w4a16"])
-def test_inplace_sync_with_batched_direct_loads_equals_per_tensor_sync(fmt):
+def test_inplace_sync_with_batched_direct_loads_equals_per_tensor_sync(fmt, tmp_path,
+                                                                     monkeypatch):
     """Through load_packed: the shard-load check counts the batched loads, and the result
-    equals an in-place sync through model.load_weights."""
+    equals an in-place sync through model.load_weights; the phase log counts the loads."""
+    from megatron_qrl.rollout_sglang.phase_log import PROFILE_ENV, summarize
 
     def sync(direct):
         moe = make_moe(fmt, (2, 1))
@@ -241,4 +248,8 @@ def test_inplace_sync_with_batched_direct_loads_equals_per_tensor_sync(fmt):
             load_packed(model, bucket + [("__qrl_inplace__", tracker.control(final))])
         return moe
 
-    assert_same(sync(False), sync(True))
+    plain = sync(False)
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "phases.jsonl"))
+    assert_same(plain, sync(True))
+    (row,) = summarize(tmp_path / "phases.jsonl")
+    assert row["experts"] == row["experts_batched"] == row["tensors"] == len(stream(fmt))

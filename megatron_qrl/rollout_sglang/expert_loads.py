@@ -31,9 +31,12 @@ _SHARD = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_proj": (
 
 
 def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
-                          weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+                          weights: list[tuple[str, torch.Tensor]], counts: dict | None = None
+                          ) -> list[tuple[str, torch.Tensor]]:
     """Load every expert tensor of ``weights`` into its ``FusedMoE`` parameter; return the rest
-    (for ``model.load_weights``). Tensors without a matching parameter are returned too."""
+    (for ``model.load_weights``). Tensors without a matching parameter are returned too.
+    ``counts`` (optional) gains ``experts`` (expert tensors loaded here) and
+    ``experts_batched`` (those written by batched copies; the rest went per tensor)."""
     if type(model).__name__ not in MODELS:
         return weights
     rest, loads = [], []
@@ -51,7 +54,11 @@ def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
             continue
         loads.append(ExpertLoad(len(loads), moe, param, loader,
                                 f"{m['moe']}.{prefix}{m['leaf']}", shard, int(m["expert"]), t))
-    for ld in load_batched(loads):
+    left = load_batched(loads)
+    for ld in left:
         ld.loader(ld.param, ld.tensor, ld.weight_name, shard_id=ld.shard_id,
                   expert_id=ld.expert_id)
+    if counts is not None:
+        counts["experts"] = counts.get("experts", 0) + len(loads)
+        counts["experts_batched"] = counts.get("experts_batched", 0) + len(loads) - len(left)
     return rest

@@ -304,7 +304,7 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
             lives = {k: _enter(k, modules[k], pending) for k in touched}
         try:
             with log.phase("load_weights"):
-                rest = (load_experts_directly(model, modules, weights)
+                rest = (load_experts_directly(model, modules, weights, log.counts)
                         if msg.get("direct_experts") else weights)
                 model.load_weights(rest)
         finally:

@@ -28,6 +28,8 @@ class PhaseLog:
     def __init__(self) -> None:
         self.path = os.environ.get(PROFILE_ENV) or None
         self.phases: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        """Counters written with the bucket's line (e.g. direct expert loads batched)."""
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -47,7 +49,7 @@ class PhaseLog:
         if self.path is None:
             return
         rec = {"pid": os.getpid(), "begin": bool(msg.get("begin")), "final": bool(msg.get("final")),
-               "tensors": n_tensors, "done": len(msg.get("done", {})), **self.phases}
+               "tensors": n_tensors, "done": len(msg.get("done", {})), **self.counts, **self.phases}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -59,7 +61,7 @@ def _sync() -> None:
 
 def summarize(path: str | Path) -> list[dict]:
     """One row per sync of one engine process (``begin`` .. ``final``): summed phase times,
-    buckets and tensors, in file order."""
+    buckets, tensors and direct expert-load counters, in file order."""
     rows: list[dict] = []
     open_rows: dict[int, dict] = {}
     for line in Path(path).read_text().splitlines():
@@ -71,8 +73,8 @@ def summarize(path: str | Path) -> list[dict]:
         row["buckets"] += 1
         row["tensors"] += rec["tensors"]
         for k, v in rec.items():
-            if k.endswith("_s"):
-                row[k] = row.get(k, 0.0) + v
+            if k.endswith("_s") or k.startswith("experts"):  # phase times and load counters
+                row[k] = row.get(k, 0 if isinstance(v, int) else 0.0) + v
         if rec["final"]:
             open_rows.pop(rec["pid"], None)
     for row in rows:
