@@ -20,7 +20,8 @@ NCCL (the disaggregated layout on one node); on one GPU it runs over gloo on the
 bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one per tensor);
 ``+prefetch`` prepares the next bucket in a thread while the engine loads one
 (``SGLangEngine(prefetch_buckets=1)``); ``+direct`` loads expert tensors straight into their
-FusedMoE parameters (``direct_expert_loads``); options combine: ``fp8:inplace+flat+prefetch``
+FusedMoE parameters (``direct_expert_loads``); ``+stacked`` (with ``+direct``) sends each layer's
+experts of one kind as one stacked tensor (``stack_experts``); options combine: ``fp8:inplace+flat+prefetch``
 (the engine's default in place). A variant runs exactly the options it names.
 """
 
@@ -98,10 +99,10 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
 
     fmt, sync = variant.split(":")
     sync, *opts = sync.split("+")  # FMT:inplace+flat+prefetch -> flattened, prefetched buckets
-    unknown = set(opts) - {"flat", "prefetch", "direct"}
+    unknown = set(opts) - {"flat", "prefetch", "direct", "stacked"}
     if unknown:
         raise ValueError(f"variant {variant!r}: unknown options {sorted(unknown)} "
-                         "(flat, prefetch, direct)")
+                         "(flat, prefetch, direct, stacked)")
     cfg = json.loads(MODEL_CONFIG.read_text())
     spec = get_spec(fmt)
     res: dict = {"variant": variant}
@@ -126,6 +127,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     kw["flatten_buckets"] = "flat" in opts
     if "direct" in opts:
         kw["direct_expert_loads"] = True
+    if "stacked" in opts:
+        kw["stack_experts"] = True  # SGLangEngine refuses it without +direct
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})

@@ -337,6 +337,23 @@ def test_sglang_sync_option_checks():
     with pytest.raises(QrlArgumentError, match="prefetch-buckets must be"):
         validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-sglang-prefetch-buckets", "-1"]),
                           gpu_capability=HOPPER)
+    # stacked experts: in place, with direct expert loads only
+    both = ["--qrl-rollout-sglang-direct-expert-loads", "--qrl-rollout-sglang-stack-experts"]
+    ok = validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "fp8"] + both),
+                           gpu_capability=HOPPER)["rollout"]
+    assert ok.sglang_stack_experts and ok.sglang_direct_expert_loads
+    assert not validate_qrl_args(p.parse_args(sglang), gpu_capability=HOPPER)[
+        "rollout"].sglang_stack_experts
+    with pytest.raises(QrlArgumentError, match="--qrl-rollout-sglang-stack-experts needs "
+                       "--qrl-rollout-sglang-direct-expert-loads"):
+        validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "fp8",
+                                                 "--qrl-rollout-sglang-stack-experts"]),
+                          gpu_capability=HOPPER)
+    with pytest.raises(QrlArgumentError, match="stack-experts apply to the in-place sync.*"
+                       "syncs with disk"):
+        validate_qrl_args(p.parse_args(sglang + [
+            "--qrl-rollout-format", "fp8", "--qrl-rollout-sglang-sync", "disk"] + both),
+            gpu_capability=HOPPER)
 
 
 def test_aligned_forward_needs_a_quantized_format():

@@ -104,7 +104,8 @@ def test_sglang_actor_spec_and_options():
     assert spec.kind == "sglang" and spec.format == "fp8" and spec.seed == 7
     assert spec.rollout == {"sglang_sync": "disk", "sglang_mem_fraction": 0.3,
                             "sglang_sync_dir": "/tmp/qrl-sync", "sglang_flat_buckets": None,
-                            "sglang_prefetch_buckets": None, "sglang_direct_expert_loads": False}
+                            "sglang_prefetch_buckets": None, "sglang_direct_expert_loads": False,
+                            "sglang_stack_experts": False}
     assert spec.num_gpus == 1 and engine_gpus(cfg) == 1
     for mode in ("disaggregated", "colocated"):
         layout = placement_layout(mode, 1, engine_gpus=engine_gpus(cfg))
@@ -140,16 +141,17 @@ def test_sglang_actor_builds_the_job_engine(monkeypatch):
                                "mem_fraction_static": 0.25, "sync": "tensor"}
     # the sync options reach the engine (and only when set)
     opts = _rollout_cfg(sglang_flat_buckets=True, sglang_prefetch_buckets=2,
-                        sglang_direct_expert_loads=True)
+                        sglang_direct_expert_loads=True, sglang_stack_experts=True)
     build_engine(engine_spec(opts, hf, 11))
     assert {k: built["kwargs"][k] for k in ("flatten_buckets", "prefetch_buckets",
-                                            "direct_expert_loads")} == {
-        "flatten_buckets": True, "prefetch_buckets": 2, "direct_expert_loads": True}
+                                            "direct_expert_loads", "stack_experts")} == {
+        "flatten_buckets": True, "prefetch_buckets": 2, "direct_expert_loads": True,
+        "stack_experts": True}
     # turned off explicitly: the engine gets the off value, not its in-place default
     build_engine(engine_spec(_rollout_cfg(sglang_flat_buckets=False, sglang_prefetch_buckets=0),
                              hf, 11))
     assert built["kwargs"]["flatten_buckets"] is False and built["kwargs"]["prefetch_buckets"] == 0
-    assert "direct_expert_loads" not in built["kwargs"]
+    assert "direct_expert_loads" not in built["kwargs"] and "stack_experts" not in built["kwargs"]
     written = json.loads((built["path"] / "config.json").read_text())
     assert written["num_hidden_layers"] == hf["num_hidden_layers"]
     assert written["torch_dtype"] == "bfloat16" and "quantization_config" in written

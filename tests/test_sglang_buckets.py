@@ -17,6 +17,7 @@ from megatron_qrl.rollout_sglang.prefetch import ahead, timed
 def _engine(bucket_bytes, flatten=False):
     eng = object.__new__(SGLangEngine)  # the bucketing needs no running SGLang
     eng.bucket_bytes, eng.flatten_buckets, eng.prefetch_buckets = bucket_bytes, flatten, 0
+    eng.stack_experts = False
     return eng
 
 
@@ -101,12 +102,19 @@ def test_ahead_raises_producer_errors_and_stops_when_the_consumer_does():
 
 def test_sync_options_defaults_per_sync_and_errors():
     # unset: flat buckets + one bucket prefetched in place (measured), neither elsewhere
-    assert sync_options("inplace") == (True, 1, False)
+    assert sync_options("inplace") == (True, 1, False, False)
     for sync in ("tensor", "disk", "distributed"):
-        assert sync_options(sync) == (False, 0, False)
-    assert sync_options("inplace", False, 0) == (False, 0, False)  # turned off explicitly
-    assert sync_options("tensor", None, 2) == (False, 2, False)
-    assert sync_options("inplace", None, 3, True) == (True, 3, True)
+        assert sync_options(sync) == (False, 0, False, False)
+    assert sync_options("inplace", False, 0) == (False, 0, False, False)  # turned off explicitly
+    assert sync_options("tensor", None, 2) == (False, 2, False, False)
+    assert sync_options("inplace", None, 3, True) == (True, 3, True, False)
+    assert sync_options("inplace", None, 3, True, True) == (True, 3, True, True)
+    with pytest.raises(ValueError, match="stack_experts=True needs direct_expert_loads=True.*"
+                       "--qrl-rollout-sglang-stack-experts needs "
+                       "--qrl-rollout-sglang-direct-expert-loads"):
+        sync_options("inplace", stack_experts=True)
+    with pytest.raises(ValueError, match="stack_experts applies to sync='inplace'"):
+        sync_options("distributed", stack_experts=True)
     with pytest.raises(ValueError, match="flatten_buckets applies to sync='inplace'"):
         sync_options("tensor", True)
     with pytest.raises(ValueError, match="direct_expert_loads applies to sync='inplace'"):

@@ -63,11 +63,11 @@ def fake_io_struct(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
 
 
-def _engine(model, bucket_bytes, flatten, prefetch, fail_at=None, direct=False):
+def _engine(model, bucket_bytes, flatten, prefetch, fail_at=None, direct=False, stacked=False):
     eng = object.__new__(SGLangEngine)  # no sglang.Engine: the stand-in above
     eng.spec, eng.sync, eng.trainer_device = get_spec("int8"), "inplace", torch.device("cpu")
     eng.bucket_bytes, eng.flatten_buckets, eng.prefetch_buckets = bucket_bytes, flatten, prefetch
-    eng.direct_expert_loads = direct
+    eng.direct_expert_loads, eng.stack_experts = direct, stacked
     eng.engine, eng._sent, eng._version, eng.last_sync = _Engine(model, fail_at), {}, -1, {}
     return eng
 

@@ -65,8 +65,9 @@ def _sglang_gpu(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 
 
 def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
-    """Flat buckets and direct expert loads exist in the in-place sync only (the default
-    for weight-quantized formats: ``--qrl-rollout-sglang-sync auto``); prefetching in the
+    """Flat buckets, direct expert loads and stacked experts exist in the in-place sync only
+    (the default for weight-quantized formats: ``--qrl-rollout-sglang-sync auto``; stacked
+    experts need direct expert loads); prefetching in the
     tensor and in-place syncs. Unset options take the engine's default for the sync; what is
     asked for explicitly must apply."""
     from ..rollout_sglang.engine import OPTION_SYNCS, default_sync  # the engine's own rules
@@ -79,11 +80,16 @@ def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     asked = [(f, o) for f, o, on in (
         ("--qrl-rollout-sglang-flat-buckets", "flatten_buckets", r.sglang_flat_buckets is True),
         ("--qrl-rollout-sglang-direct-expert-loads", "direct_expert_loads",
-         r.sglang_direct_expert_loads)) if on]
+         r.sglang_direct_expert_loads),
+        ("--qrl-rollout-sglang-stack-experts", "stack_experts", r.sglang_stack_experts)) if on]
     if not asked:
         return None
     if r.engine != "sglang":
         return f"{' and '.join(f for f, _ in asked)} need --qrl-rollout-engine sglang"
+    if r.sglang_stack_experts and not r.sglang_direct_expert_loads:
+        return ("--qrl-rollout-sglang-stack-experts needs "
+                "--qrl-rollout-sglang-direct-expert-loads (stacked expert tensors are loaded "
+                "straight into the FusedMoE parameters); add it or drop the first")
     flags = [f for f, o in asked if resolved not in OPTION_SYNCS[o]]  # both: in place only
     if not flags:
         return None

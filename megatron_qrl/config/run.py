@@ -108,6 +108,12 @@ class RolloutConfig:
     """In-place sync: expert tensors go straight to their FusedMoE parameters' weight loaders,
     skipping SGLang's per-tensor expert-mapping scan in load_weights (Qwen3-MoE)."""
 
+    sglang_stack_experts: bool = False
+    """In-place sync with --qrl-rollout-sglang-direct-expert-loads: send each decoder layer's
+    experts of one kind (e.g. every expert's gate_proj.weight) as one stacked tensor instead
+    of one tensor per expert (~37k fewer wire tensors per Qwen3-30B-A3B sync); fingerprints
+    stay per expert."""
+
     sglang_mem_fraction: float = 0.5
     """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
     (the trainer needs the rest when colocated)."""

@@ -46,7 +46,7 @@ from ..rollout.base import (
 from ..rollout.broadcast import flatten
 from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
-from . import crash
+from . import crash, expert_stack
 from .inplace import CONTROL, FLAT, LOADER, RECV, StreamTracker, encode_control
 from .moe_configs import config_dir_for_engine
 from .prefetch import ahead, timed
@@ -105,28 +105,36 @@ def default_sync(spec_name: str) -> str:
 
 
 OPTION_SYNCS = {"flatten_buckets": ("inplace",), "prefetch_buckets": ("tensor", "inplace"),
-                "direct_expert_loads": ("inplace",)}
+                "direct_expert_loads": ("inplace",), "stack_experts": ("inplace",)}
 """The syncs each speed option of :class:`SGLangEngine` applies to (the flag checks of
 ``--qrl-rollout-sglang-*`` read it too)."""
 
 
 def sync_options(sync: str, flatten_buckets: bool | None = None,
                  prefetch_buckets: int | None = None,
-                 direct_expert_loads: bool = False) -> tuple[bool, int, bool]:
+                 direct_expert_loads: bool = False, stack_experts: bool = False
+                 ) -> tuple[bool, int, bool, bool]:
     """The sync speed options of :class:`SGLangEngine` for ``sync``: unset (None) means the
     default measured for it (flat buckets and one bucket prefetched in place, neither
-    elsewhere: docs/BENCHMARKS.md); an option asked for where it does not apply is an error."""
+    elsewhere: docs/BENCHMARKS.md); an option asked for where it does not apply is an error
+    (``stack_experts`` needs ``direct_expert_loads``: stacked tensors are loaded directly)."""
     if prefetch_buckets is not None and prefetch_buckets < 0:
         raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
     for name, on in (("flatten_buckets", flatten_buckets), ("direct_expert_loads",
-                     direct_expert_loads), ("prefetch_buckets", prefetch_buckets)):
+                     direct_expert_loads), ("stack_experts", stack_experts),
+                     ("prefetch_buckets", prefetch_buckets)):
         if on and sync not in OPTION_SYNCS[name]:
             raise ValueError(f"{name} applies to sync=" + " and ".join(
                 repr(s) for s in OPTION_SYNCS[name]) + f" (got sync={sync!r})")
+    if stack_experts and not direct_expert_loads:
+        raise ValueError("stack_experts=True needs direct_expert_loads=True (stacked expert "
+                         "tensors are loaded straight into the FusedMoE parameters; "
+                         "--qrl-rollout-sglang-stack-experts needs "
+                         "--qrl-rollout-sglang-direct-expert-loads)")
     if prefetch_buckets is None:
         prefetch_buckets = 1 if sync == "inplace" else 0
     flat = sync == "inplace" if flatten_buckets is None else bool(flatten_buckets)
-    return flat, prefetch_buckets, bool(direct_expert_loads)
+    return flat, prefetch_buckets, bool(direct_expert_loads), bool(stack_experts)
 
 
 def packed_suffixes(spec) -> tuple[str, ...]:
@@ -162,7 +170,8 @@ class SGLangEngine(RolloutEngine):
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
                  flatten_buckets: bool | None = None, prefetch_buckets: int | None = None,
-                 direct_expert_loads: bool = False, **engine_kwargs):
+                 direct_expert_loads: bool = False, stack_experts: bool = False,
+                 **engine_kwargs):
         sync = default_sync(spec_name) if sync is None else sync
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -174,8 +183,12 @@ class SGLangEngine(RolloutEngine):
         if sync == "distributed":
             _check_distributed_layout(self.trainer_device, group_backend, engine_kwargs)
         self.group_backend = group_backend
-        self.flatten_buckets, self.prefetch_buckets, self.direct_expert_loads = sync_options(
-            sync, flatten_buckets, prefetch_buckets, direct_expert_loads)
+        (self.flatten_buckets, self.prefetch_buckets, self.direct_expert_loads,
+         self.stack_experts) = sync_options(sync, flatten_buckets, prefetch_buckets,
+                                            direct_expert_loads, stack_experts)
+        """In-place buckets carry each layer's experts of one kind as one stacked tensor
+        (:mod:`.expert_stack`; needs ``direct_expert_loads``; bench variant
+        ``FMT:inplace+direct+stacked``)."""
         """In-place loads put expert tensors straight into their FusedMoE parameters
         (:mod:`.expert_loads`; bench variant ``FMT:inplace+direct``)."""
         """Buckets prepared ahead in a thread while the engine loads one (``tensor`` and
@@ -272,12 +285,15 @@ class SGLangEngine(RolloutEngine):
             self.last_sync["buckets"] += 1
 
     def _buckets(self, stream, sent, tracker, device) -> Iterator[tuple[list, str, bool]]:
-        """``(tensors of one request, its first name, last)`` per bucket of ``stream``."""
+        """``(tensors of one request, its first name, last)`` per bucket of ``stream``.
+        Fingerprints are of the stream's own (per-expert) tensors; with ``stack_experts`` the
+        wire then carries each layer's experts stacked per kind (:mod:`.expert_stack`)."""
+        wire = self._fingerprinted(stream, sent, device)
+        if tracker and self.stack_experts:
+            wire = expert_stack.stack_experts(wire)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, t in stream:
-            t = t.detach().to(device, non_blocking=True).contiguous()
-            sent.add(name, t)
+        for name, t in wire:
             if tracker:
                 tracker.add(name)
                 if not self.flatten_buckets:  # a flat bucket's meta keeps the real dtype
@@ -290,6 +306,13 @@ class SGLangEngine(RolloutEngine):
         # empty when the previous bucket filled exactly at the end of the stream: it still
         # carries the version (and, in place, the final control tensor)
         yield self._request_items(bucket, tracker, device, last=True)
+
+    @staticmethod
+    def _fingerprinted(stream, sent, device) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in stream:
+            t = t.detach().to(device, non_blocking=True).contiguous()
+            sent.add(name, t)
+            yield name, t
 
     def _request_items(self, bucket, tracker, device, last: bool) -> tuple[list, str, bool]:
         items = bucket

@@ -11,6 +11,12 @@ done many experts per copy (one stack + one ``index_copy_`` per parameter region
 are made one by one as SGLang makes them. Every other tensor still goes through
 ``model.load_weights``. Only for the model classes whose ``load_weights`` was read
 (:data:`MODELS`); the sender opts in per sync (``SGLangEngine(direct_expert_loads=True)``).
+
+Expert-stacked tensors (:mod:`.expert_stack`, ``SGLangEngine(stack_experts=True)``:
+``...experts.*.gate_proj.weight`` of shape ``[E, ...]``) are loaded as the per-expert tensors
+of their views ``t[e]``: the same ``ExpertLoad`` per expert, so batched and per-tensor loads
+are exactly those of the per-expert stream. Stacked names are never returned for
+``model.load_weights`` (which would skip them): what cannot be loaded here is unstacked.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import re
 import torch
 
 from .expert_batch import ExpertLoad, load_batched
+from .expert_stack import parse_stacked, unstack, unstack_all
 
 MODELS = frozenset({"Qwen3MoeForCausalLM"})
 """SGLang model classes whose expert mapping is ``FusedMoE.make_expert_params_mapping``'s."""
@@ -33,27 +40,26 @@ _SHARD = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_proj": (
 def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
                           weights: list[tuple[str, torch.Tensor]], counts: dict | None = None
                           ) -> list[tuple[str, torch.Tensor]]:
-    """Load every expert tensor of ``weights`` into its ``FusedMoE`` parameter; return the rest
-    (for ``model.load_weights``). Tensors without a matching parameter are returned too.
-    ``counts`` (optional) gains ``experts`` (expert tensors loaded here) and
-    ``experts_batched`` (those written by batched copies; the rest went per tensor)."""
+    """Load every expert tensor of ``weights`` (per expert or stacked) into its ``FusedMoE``
+    parameter; return the rest (for ``model.load_weights``), stacked tensors unstacked into
+    per-expert views. Tensors without a matching parameter are returned too. ``counts``
+    (optional) gains ``experts`` (per-expert tensors loaded here) and ``experts_batched``
+    (those written by batched copies; the rest went per tensor)."""
     if type(model).__name__ not in MODELS:
-        return weights
+        return unstack_all(weights)
     rest, loads = [], []
     for name, t in weights:
-        m = _NAME.match(name)
-        moe = modules.get(m["moe"]) if m else None
-        if moe is None or not hasattr(moe, "num_local_experts"):
-            rest.append((name, t))
+        target = _target(modules, name)
+        if target is None:
+            rest.extend(unstack_all([(name, t)]))
             continue
-        prefix, shard = _SHARD[m["proj"]]
-        param = moe._parameters.get(prefix + m["leaf"])
-        loader = getattr(param, "weight_loader", None)
-        if loader is None:
-            rest.append((name, t))
-            continue
-        loads.append(ExpertLoad(len(loads), moe, param, loader,
-                                f"{m['moe']}.{prefix}{m['leaf']}", shard, int(m["expert"]), t))
+        moe, param, loader, weight_name, shard, expert = target
+        # a stacked tensor: expert e is its view t[e] (unstack's order, no copies)
+        if expert is None and t.dim() == 0:
+            unstack(name, t)  # raises: a stacked tensor is [E, ...]
+        pairs = [(expert, t)] if expert is not None else enumerate(t.unbind(0))
+        for e, v in pairs:
+            loads.append(ExpertLoad(len(loads), moe, param, loader, weight_name, shard, e, v))
     left = load_batched(loads)
     for ld in left:
         ld.loader(ld.param, ld.tensor, ld.weight_name, shard_id=ld.shard_id,
@@ -62,3 +68,26 @@ def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
         counts["experts"] = counts.get("experts", 0) + len(loads)
         counts["experts_batched"] = counts.get("experts_batched", 0) + len(loads) - len(left)
     return rest
+
+
+def _target(modules: dict[str, torch.nn.Module], name: str):
+    """``(moe, param, weight_loader, weight name, shard id, expert)`` an expert tensor loads
+    through (``expert`` None for a stacked tensor: all of them), or None (not an expert
+    tensor, or no such loader)."""
+    stacked = parse_stacked(name)
+    if stacked is not None:
+        (moe_name, proj, leaf), expert = stacked, None
+    else:
+        m = _NAME.match(name)
+        if m is None:
+            return None
+        moe_name, proj, leaf, expert = m["moe"], m["proj"], m["leaf"], int(m["expert"])
+    moe = modules.get(moe_name)
+    if moe is None or not hasattr(moe, "num_local_experts"):
+        return None
+    prefix, shard = _SHARD[proj]
+    param = moe._parameters.get(prefix + leaf)
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        return None
+    return moe, param, loader, f"{moe_name}.{prefix}{leaf}", shard, expert

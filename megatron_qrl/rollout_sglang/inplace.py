@@ -30,6 +30,13 @@ is declared by the sender (:class:`StreamTracker`) in a control tensor named
 loader checks the received count of each done module and, on ``final``, that no module is
 left half-loaded. Modules without post-processing (``Unquantized*`` methods, norms,
 embeddings) load directly through ``model.load_weights`` in the same call.
+
+Counts are of WIRE tensors: an expert-stacked tensor (:mod:`.expert_stack`,
+``...experts.*.gate_proj.weight``) counts once on both sides (the tracker's ``done`` and the
+loader's ``received``; the phase log's ``tensors``), while the shard-load check of
+:func:`_finish` counts per expert (each view is one ``weight_loader`` call, or one counted
+load of a batched copy). Stacked tensors load through :mod:`.expert_loads` when the control
+message asks for direct loads, else they are unstacked into per-expert views first.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 
 from ..rollout.broadcast import json_tensor, tensor_json
 from .expert_loads import load_experts_directly
+from .expert_stack import unstack_all
 from .module_state import (
     OwnerState,
     attach,
@@ -68,7 +76,7 @@ on the last dot)."""
 
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
+_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?:\d+|\*)\.(?:gate_proj|up_proj|down_proj)$")
 _STATE_ATTR = "_qrl_inplace_pending"
 
 
@@ -304,8 +312,9 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
             lives = {k: _enter(k, modules[k], pending) for k in touched}
         try:
             with log.phase("load_weights"):
+                # stacked expert tensors load as their per-expert views; never by name
                 rest = (load_experts_directly(model, modules, weights, log.counts)
-                        if msg.get("direct_experts") else weights)
+                        if msg.get("direct_experts") else unstack_all(weights))
                 model.load_weights(rest)
         finally:
             with log.phase("leave"):
