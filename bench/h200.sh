@@ -13,7 +13,7 @@
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: the defaults vs batched direct
-#               expert loads (~90 s per variant: each starts a 30B engine)
+#               expert loads of the expert-stacked wire (~90 s per variant: each starts a 30B engine)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -90,7 +90,7 @@ case $phase in
   inplace)
     marlin_wait
     python3 -m pytest -q tests/gpu/test_sglang_inplace.py -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-      | grep -E "inplace\]|direct\]|passed|failed|Error|assert " ;;
+      | grep -E "\[inplace[^ ]*\]|passed|failed|Error|assert " ;;
   restart)  # a SIGKILLed scheduler: restart + re-sync + retry, the trainer process survives
     python3 -m pytest -q tests/gpu/test_sglang_restart.py -s 2>&1 \
       | grep --line-buffered -E "restart|passed|failed|Error|assert |Thread|File " | tail -n 80 ;;
@@ -106,7 +106,7 @@ case $phase in
     marlin_wait
     QRL_INPLACE_PROFILE="$OUT/inplace_phases.jsonl" python3 bench/weight_sync.py \
       --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
-      --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct,nvfp4:inplace+flat+prefetch+direct,w4a16:inplace+flat+prefetch+direct}" 2>&1 \
+      --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
     [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.phase_log "$OUT/inplace_phases.jsonl" ;;
   train)

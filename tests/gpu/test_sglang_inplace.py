@@ -25,7 +25,9 @@ records the engine's bits after each sync (:mod:`megatron_qrl.rollout_sglang.sta
 after the same weights, batched and per-tensor syncs must leave every parameter, buffer and
 quant-method tensor bit-identical. Equal generations are printed, not required (the nvfp4
 engine's greedy tokens varied between H200 runs with the same weights). B is also checked against
-the aligned reference as above, and both sync times are printed. Just this variant:
+the aligned reference as above, and both sync times are printed. ``direct+stacked``: the same
+with ``stack_experts=True`` (each layer's experts of one kind sent as one stacked tensor,
+:mod:`megatron_qrl.rollout_sglang.expert_stack`). Just these variants:
 
     PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_inplace.py -x -s -k direct
 """
@@ -107,19 +109,21 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
         placement = ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                      else {"trainer_device": "cuda:0", "group_backend": "gloo"})
     sync, _, option = sync.partition("+")
+    direct, stacked = option.startswith("direct"), option == "direct+stacked"
     digests = out.parent / f"digest-{fmt}.jsonl"
-    if option == "direct":  # the engine's bits after each sync (state_digest), inherited
+    if direct:  # the engine's bits after each sync (state_digest), inherited
         os.environ[DIGEST_ENV] = str(digests)
     engine = SGLangEngine(work / fmt, fmt, sync=sync, bucket_bytes=BUCKET_BYTES,
                           mem_fraction_static=0.3, random_seed=0,
-                          direct_expert_loads=option == "direct", **placement)
+                          direct_expert_loads=direct, stack_experts=stacked, **placement)
     steps = [("a", a, 0), ("b", b, 1)]
-    if option == "direct":  # then per tensor, for the equality check
+    if direct:  # then per tensor, for the equality check
         steps += [("a_plain", a, 2), ("b_plain", b, 3)]
     res["startup_s"] = round(time.time() - t0, 1)
     try:
         for tag, model, version in steps:
-            engine.direct_expert_loads = option == "direct" and not tag.endswith("_plain")
+            engine.direct_expert_loads = direct and not tag.endswith("_plain")
+            engine.stack_experts = stacked and not tag.endswith("_plain")
             manifest = WeightManifest()
             engine.update_weights(manifest.record(spec.pack_state_dict(hf_tensors(model))),
                                   version)
@@ -129,7 +133,7 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
             res[f"out_{tag}"] = {"ids": o.output_ids.tolist(), "lp": o.logprobs.tolist(),
                                  "mask": o.mask.tolist(), "version": o.weight_version}
             print(f"[{sync} worker] {fmt}: synced {tag} {res[f'sync_{tag}']}", flush=True)
-        if option == "direct":  # one digest per sync: a, b (batched), a_plain, b_plain
+        if direct:  # one digest per sync: a, b (batched), a_plain, b_plain
             d = read_digests(digests)
             res["digest_syncs"] = len(d)
             if len(d) == 4:
@@ -232,7 +236,8 @@ def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewarm):
+@pytest.mark.parametrize("variant", ["direct", "direct+stacked"])
+def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, variant, marlin_prewarm):
     """Batched direct expert loads vs SGLang's per-tensor loaders on the same engine: after
     syncing the same weights both ways, every parameter, buffer and quant-method tensor of the
     engine's model must be bit-identical (:mod:`megatron_qrl.rollout_sglang.state_digest`).
@@ -240,12 +245,12 @@ def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewar
     between runs with the same weights on the H200, so tokens cannot tell a wrong load from a
     non-deterministic kernel; the bits can."""
     _wait_for_marlin(fmt, marlin_prewarm)
-    res = run_worker(fmt, tmp_path, "inplace+direct")
-    check_synced_engine(fmt, res, "inplace+direct")
+    res = run_worker(fmt, tmp_path, f"inplace+{variant}")
+    check_synced_engine(fmt, res, f"inplace+{variant}")
     d, p = res["out_b"], res["out_b_plain"]
     lp = [abs(x - y) for rd, rp in zip(d["lp"], p["lp"]) for x, y in zip(rd, rp)]
     same = d["ids"] == p["ids"] and d["mask"] == p["mask"] and max(lp) == 0.0
-    print(f"[inplace+direct] {fmt:9s} sync B direct {res['sync_b']['seconds']:.2f} s, per "
+    print(f"[inplace+{variant}] {fmt:9s} sync B {variant} {res['sync_b']['seconds']:.2f} s, per "
           f"tensor {res['sync_b_plain']['seconds']:.2f} s; engine tensors compared "
           f"{res.get('digest_tensors')}, differing after A {res.get('digest_diff_a')} after B "
           f"{res.get('digest_diff_b')}; generations {'equal' if same else 'DIFFER'} (max "
