@@ -134,9 +134,10 @@ def _kind(ctx: _Moe, param, name: str) -> str | None:
     return "weight" if "weight" in name else None
 
 
-def _w13_or_w2(ctx: _Moe, moe, shard: str, dim: int, slot: torch.Size, src: torch.Tensor):
-    """``_load_w13`` / ``_load_w2`` (not padded, not pre-sharded, no bias)."""
-    if src.dim() != len(slot):
+def _w13_or_w2(ctx: _Moe, moe, shard: str, dim: int, slot: torch.Size, shape: torch.Size):
+    """``_load_w13`` / ``_load_w2`` (not padded, not pre-sharded, no bias): the region and the
+    ``(dim, start, length)`` narrow of the loaded tensor (its TP rank's part)."""
+    if len(shape) != len(slot):
         return None
     if shard == "w2":
         if ctx.quant_name and "modelopt" in ctx.quant_name and len(slot) != 2:
@@ -147,29 +148,39 @@ def _w13_or_w2(ctx: _Moe, moe, shard: str, dim: int, slot: torch.Size, src: torc
         size = slot[dim] // 2 if gated else slot[dim]
         up_first = getattr(moe.quant_method, "load_up_proj_weight_first", False)
         start = size if gated and (shard == "w1") == up_first else 0
-    part = src.shape[dim] // moe.moe_tp_size
-    src = src.narrow(dim, part * moe.moe_tp_rank, part)
-    return ("narrow", dim, start, size), src
+    part = shape[dim] // moe.moe_tp_size
+    return ("narrow", dim, start, size), (dim, part * moe.moe_tp_rank, part)
 
 
 def _placement(ctx: _Moe, moe, param, load: ExpertLoad, kind: str):
-    """(region, source) of one tensor: where in its slot it lands, and what lands there."""
-    src, shard = load.tensor, load.shard_id
-    if ctx.method in _WNA16 and "zero" not in load.weight_name:
-        if src.dim() > 2:
+    """(region, cut) of one tensor: where in its slot it lands, and how the loaded tensor is
+    cut for it — ``(transpose, narrow or None)``, the same for every expert of one name and
+    shape (:func:`_cut`)."""
+    shape, shard = load.tensor.shape, load.shard_id
+    transpose = ctx.method in _WNA16 and "zero" not in load.weight_name
+    if transpose:
+        if len(shape) > 2:
             return None
-        src = src.t()
+        shape = torch.Size(reversed(shape))  # .t()
     slot = param.shape[1:]
     dim = _SHARD_DIM[shard]
     if getattr(param, "is_transposed", False):
         dim = int(not dim)
     if kind == "weight" or (kind == "channel" and shard != "w2"):
-        return _w13_or_w2(ctx, moe, shard, dim, slot, src)
+        got = _w13_or_w2(ctx, moe, shard, dim, slot, shape)
+        return None if got is None else (got[0], (transpose, got[1]))
     if kind == "channel" or kind == "single":
-        return ("all",), src
+        return ("all",), (transpose, None)
     if shard != "w2" and moe.moe_runner_config.is_gated:  # kind == "tensor"
-        return ("index", 0 if shard == "w1" else 1), src
-    return ("all",), src
+        return ("index", 0 if shard == "w1" else 1), (transpose, None)
+    return ("all",), (transpose, None)
+
+
+def _cut(t: torch.Tensor, cut: tuple) -> torch.Tensor:
+    transpose, narrow = cut
+    if transpose:
+        t = t.t()
+    return t if narrow is None else t.narrow(*narrow)
 
 
 def _dest(data: torch.Tensor, region: tuple) -> torch.Tensor:
@@ -195,6 +206,27 @@ def _overlap(a: tuple, b: tuple) -> bool:
     return True
 
 
+def _layout(ctx: _Moe, param, load: ExpertLoad):
+    """``(region, cut, expand)`` of a load, or None (fall back): what :func:`_plan` needs of
+    it besides its slots; it depends only on the name, shard, shape, dtype and device."""
+    kind = _kind(ctx, param, load.weight_name) if load.shard_id in _SHARD_DIM else None
+    placed = _placement(ctx, load.moe, param, load, kind) if kind else None
+    if placed is None:
+        return None
+    region, cut = placed
+    src = _cut(load.tensor, cut)
+    shape = _dest(param.data[:1], region).shape[1:]
+    expand = None
+    if kind in ("single", "tensor"):  # setitem broadcasts
+        if not _broadcasts_to(src.shape, shape):
+            return None
+        expand, src = shape, src.expand(shape)
+    if src.shape != shape or src.dtype.is_complex or (
+            src.dtype != param.dtype and src.device != param.device):
+        return None
+    return region, cut, expand
+
+
 def _plan(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
     """{region: {slot: source}} for one parameter's loads, or None (fall back)."""
     first = loads[0]
@@ -209,21 +241,20 @@ def _plan(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
         return None
     plan: dict[tuple, dict[int, torch.Tensor]] = {}
     kinds: dict[tuple, tuple] = {}  # region -> (dtype, device) of its sources: one stack each
+    layouts: dict[tuple, tuple | None] = {}  # per name / shard / shape / dtype / device
     for ld in loads:
-        kind = _kind(ctx, param, ld.weight_name) if ld.shard_id in _SHARD_DIM else None
-        slots = _slots(ctx, moe, param, ld.expert_id) if kind else None
-        placed = _placement(ctx, moe, param, ld, kind) if slots is not None else None
-        if placed is None:
+        t = ld.tensor
+        key = (ld.weight_name, ld.shard_id, t.shape, t.dtype, t.device)
+        if key not in layouts:
+            layouts[key] = _layout(ctx, param, ld)
+        lay = layouts[key]
+        slots = _slots(ctx, moe, param, ld.expert_id) if lay is not None else None
+        if slots is None:
             return None
-        region, src = placed
-        shape = _dest(param.data[:1], region).shape[1:]
-        if kind in ("single", "tensor"):  # setitem broadcasts
-            if not _broadcasts_to(src.shape, shape):
-                return None
-            src = src.expand(shape)
-        if src.shape != shape or src.dtype.is_complex or (
-                src.dtype != param.dtype and src.device != param.device):
-            return None
+        region, cut, expand = lay
+        src = _cut(t, cut)
+        if expand is not None:
+            src = src.expand(expand)
         if kinds.setdefault(region, (src.dtype, src.device)) != (src.dtype, src.device):
             return None  # one torch.stack per region
         for s in slots:
