@@ -25,9 +25,10 @@ records the engine's bits after each sync (:mod:`megatron_qrl.rollout_sglang.sta
 after the same weights, batched and per-tensor syncs must leave every parameter, buffer and
 quant-method tensor bit-identical. Equal generations are printed, not required (the nvfp4
 engine's greedy tokens varied between H200 runs with the same weights). B is also checked against
-the aligned reference as above, and both sync times are printed. ``direct+stacked``: the same
-with ``stack_experts=True`` (each layer's experts of one kind sent as one stacked tensor,
-:mod:`megatron_qrl.rollout_sglang.expert_stack`). Just these variants:
+the aligned reference as above, and the sync times are printed. Between the two, the same
+engine syncs A and B again with ``stack_experts=True`` (each layer's experts of one kind sent as
+one stacked tensor, :mod:`megatron_qrl.rollout_sglang.expert_stack`): one engine start per
+format for all three load paths. Just this variant:
 
     PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_inplace.py -x -s -k direct
 """
@@ -109,21 +110,22 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
         placement = ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                      else {"trainer_device": "cuda:0", "group_backend": "gloo"})
     sync, _, option = sync.partition("+")
-    direct, stacked = option.startswith("direct"), option == "direct+stacked"
+    direct = option == "direct"
     digests = out.parent / f"digest-{fmt}.jsonl"
     if direct:  # the engine's bits after each sync (state_digest), inherited
         os.environ[DIGEST_ENV] = str(digests)
     engine = SGLangEngine(work / fmt, fmt, sync=sync, bucket_bytes=BUCKET_BYTES,
                           mem_fraction_static=0.3, random_seed=0,
-                          direct_expert_loads=direct, stack_experts=stacked, **placement)
-    steps = [("a", a, 0), ("b", b, 1)]
-    if direct:  # then per tensor, for the equality check
-        steps += [("a_plain", a, 2), ("b_plain", b, 3)]
+                          direct_expert_loads=direct, **placement)
+    # (tag, weights, version, direct expert loads, expert-stacked wire)
+    steps = [("a", a, 0, direct, False), ("b", b, 1, direct, False)]
+    if direct:  # the same weights over the stacked wire, then per tensor (the reference)
+        steps += [("a_stacked", a, 2, True, True), ("b_stacked", b, 3, True, True),
+                  ("a_plain", a, 4, False, False), ("b_plain", b, 5, False, False)]
     res["startup_s"] = round(time.time() - t0, 1)
     try:
-        for tag, model, version in steps:
-            engine.direct_expert_loads = direct and not tag.endswith("_plain")
-            engine.stack_experts = stacked and not tag.endswith("_plain")
+        for tag, model, version, loads_direct, stacked in steps:
+            engine.direct_expert_loads, engine.stack_experts = loads_direct, stacked
             manifest = WeightManifest()
             engine.update_weights(manifest.record(spec.pack_state_dict(hf_tensors(model))),
                                   version)
@@ -133,13 +135,13 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
             res[f"out_{tag}"] = {"ids": o.output_ids.tolist(), "lp": o.logprobs.tolist(),
                                  "mask": o.mask.tolist(), "version": o.weight_version}
             print(f"[{sync} worker] {fmt}: synced {tag} {res[f'sync_{tag}']}", flush=True)
-        if direct:  # one digest per sync: a, b (batched), a_plain, b_plain
-            d = read_digests(digests)
+        if direct:  # one digest per sync, in step order; each compared with its _plain twin
+            d = dict(zip([s[0] for s in steps], read_digests(digests)))
             res["digest_syncs"] = len(d)
-            if len(d) == 4:
-                res["digest_tensors"] = len(d[1])
-                res["digest_diff_a"], res["digest_diff_b"] = (digest_diff(d[0], d[2]),
-                                                              digest_diff(d[1], d[3]))
+            if len(d) == len(steps):
+                res["digest_tensors"] = len(d["b_plain"])
+                res["digest_diff"] = {tag: digest_diff(d[tag], d[tag[0] + "_plain"])
+                                      for tag in d if not tag.endswith("_plain")}
     finally:
         out.write_text(json.dumps(res))  # before shutdown: a hang there must not lose it
         engine.shutdown()
@@ -236,33 +238,35 @@ def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("variant", ["direct", "direct+stacked"])
-def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, variant, marlin_prewarm):
-    """Batched direct expert loads vs SGLang's per-tensor loaders on the same engine: after
-    syncing the same weights both ways, every parameter, buffer and quant-method tensor of the
-    engine's model must be bit-identical (:mod:`megatron_qrl.rollout_sglang.state_digest`).
-    Equal generations are reported, not required: the nvfp4 engine's greedy tokens varied
-    between runs with the same weights on the H200, so tokens cannot tell a wrong load from a
-    non-deterministic kernel; the bits can."""
+def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewarm):
+    """Batched direct expert loads, per expert and over the expert-stacked wire, vs SGLang's
+    per-tensor loaders on the same engine: after syncing the same weights each way, every
+    parameter, buffer and quant-method tensor of the engine's model must be bit-identical
+    (:mod:`megatron_qrl.rollout_sglang.state_digest`). Equal generations are reported, not
+    required: the nvfp4 engine's greedy tokens varied between runs with the same weights on
+    the H200, so tokens cannot tell a wrong load from a non-deterministic kernel; bits can."""
     _wait_for_marlin(fmt, marlin_prewarm)
-    res = run_worker(fmt, tmp_path, f"inplace+{variant}")
-    check_synced_engine(fmt, res, f"inplace+{variant}")
-    d, p = res["out_b"], res["out_b_plain"]
-    lp = [abs(x - y) for rd, rp in zip(d["lp"], p["lp"]) for x, y in zip(rd, rp)]
-    same = d["ids"] == p["ids"] and d["mask"] == p["mask"] and max(lp) == 0.0
-    print(f"[inplace+{variant}] {fmt:9s} sync B {variant} {res['sync_b']['seconds']:.2f} s, per "
-          f"tensor {res['sync_b_plain']['seconds']:.2f} s; engine tensors compared "
-          f"{res.get('digest_tensors')}, differing after A {res.get('digest_diff_a')} after B "
-          f"{res.get('digest_diff_b')}; generations {'equal' if same else 'DIFFER'} (max "
-          f"|dlogp| {max(lp):.3g})", flush=True)
-    assert res.get("digest_syncs") == 4, (
-        f"{fmt}: expected 4 state digests (one per sync) from QRL_INPLACE_DIGEST, got "
+    res = run_worker(fmt, tmp_path, "inplace+direct")
+    check_synced_engine(fmt, res, "inplace+direct")
+    p = res["out_b_plain"]
+    for tag in ("b", "b_stacked"):
+        d = res[f"out_{tag}"]
+        lp = [abs(x - y) for rd, rp in zip(d["lp"], p["lp"]) for x, y in zip(rd, rp)]
+        same = d["ids"] == p["ids"] and d["mask"] == p["mask"] and max(lp) == 0.0
+        print(f"[inplace+direct] {fmt:9s} sync {tag} {res[f'sync_{tag}']['seconds']:.2f} s, per "
+              f"tensor {res['sync_b_plain']['seconds']:.2f} s; generations "
+              f"{'equal' if same else 'DIFFER'} (max |dlogp| {max(lp):.3g})", flush=True)
+    print(f"[inplace+direct] {fmt:9s} engine tensors compared {res.get('digest_tensors')}, "
+          f"differing from the per-tensor sync: {res.get('digest_diff')}", flush=True)
+    assert res.get("digest_syncs") == 6, (
+        f"{fmt}: expected 6 state digests (one per sync) from QRL_INPLACE_DIGEST, got "
         f"{res.get('digest_syncs')}: the in-place loader did not write them")
-    assert res["digest_tensors"] > 0 and not res["digest_diff_a"] and not res["digest_diff_b"], (
-        f"{fmt}: after the same weights, the engine's tensors differ between a batched direct "
-        f"sync and a per-tensor sync: {res['digest_diff_a'] or res['digest_diff_b']} — a "
+    bad = {tag: names for tag, names in res["digest_diff"].items() if names}
+    assert res["digest_tensors"] > 0 and not bad, (
+        f"{fmt}: after the same weights, the engine's tensors differ from a per-tensor sync "
+        f"({bad}; a/b: batched direct loads, *_stacked: over the expert-stacked wire) — a "
         "batched expert load wrote something FusedMoE.weight_loader does not "
-        "(megatron_qrl/rollout_sglang/expert_batch.py)")
+        "(megatron_qrl/rollout_sglang/expert_batch.py, expert_stack.py)")
 
 
 @pytest.mark.gpu
