@@ -297,6 +297,11 @@ def test_w4a4_checks():
         validate_qrl_args(p.parse_args(["--qrl-rollout-engine", "sglang"]), gpu_capability=None)
 
 
+def _rejected(p, args: list[str], match: str, gpu=HOPPER) -> None:
+    with pytest.raises(QrlArgumentError, match=match):
+        validate_qrl_args(p.parse_args(args), gpu_capability=gpu)
+
+
 def test_sglang_sync_option_checks():
     p = full_parser()
     sglang = ["--qrl-rollout-engine", "sglang"]
@@ -316,44 +321,31 @@ def test_sglang_sync_option_checks():
         "--qrl-rollout-sglang-sync", "disk", "--qrl-rollout-sglang-prefetch-buckets", "0"]),
         gpu_capability=HOPPER)["rollout"]
     assert off.sglang_flat_buckets is False and off.sglang_prefetch_buckets == 0
-    with pytest.raises(QrlArgumentError, match=r"--qrl-rollout-sglang-flat-buckets apply to the "
-                       r"in-place sync.*syncs with auto \(tensor for bf16\)"):
-        validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "bf16",
-                                                 "--qrl-rollout-sglang-flat-buckets"]),
-                          gpu_capability=HOPPER)
-    with pytest.raises(QrlArgumentError, match="direct-expert-loads apply to the in-place sync.*"
-                       "syncs with disk"):
-        validate_qrl_args(p.parse_args(sglang + [
-            "--qrl-rollout-format", "fp8", "--qrl-rollout-sglang-sync", "disk",
-            "--qrl-rollout-sglang-direct-expert-loads"]), gpu_capability=HOPPER)
-    with pytest.raises(QrlArgumentError, match="prefetch-buckets applies to the tensor and "
-                       "in-place syncs, not --qrl-rollout-sglang-sync distributed"):
-        validate_qrl_args(p.parse_args(sglang + [
-            "--qrl-rollout-format", "fp8", "--qrl-rollout-sglang-sync", "distributed",
-            "--qrl-rollout-sglang-prefetch-buckets", "1"]), gpu_capability=HOPPER)
-    with pytest.raises(QrlArgumentError, match="flat-buckets need --qrl-rollout-engine sglang"):
-        validate_qrl_args(p.parse_args(["--qrl-rollout-format", "int8",
-                                        "--qrl-rollout-sglang-flat-buckets"]), gpu_capability=None)
-    with pytest.raises(QrlArgumentError, match="prefetch-buckets must be"):
-        validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-sglang-prefetch-buckets", "-1"]),
-                          gpu_capability=HOPPER)
+    _rejected(p, sglang + ["--qrl-rollout-format", "bf16", "--qrl-rollout-sglang-flat-buckets"],
+              r"--qrl-rollout-sglang-flat-buckets apply to the in-place sync.*syncs with auto "
+              r"\(tensor for bf16\)")
+    fp8 = sglang + ["--qrl-rollout-format", "fp8"]
+    _rejected(p, fp8 + ["--qrl-rollout-sglang-sync", "disk",
+                        "--qrl-rollout-sglang-direct-expert-loads"],
+              "direct-expert-loads apply to the in-place sync.*syncs with disk")
+    _rejected(p, fp8 + ["--qrl-rollout-sglang-sync", "distributed",
+                        "--qrl-rollout-sglang-prefetch-buckets", "1"],
+              "prefetch-buckets applies to the tensor and in-place syncs, not "
+              "--qrl-rollout-sglang-sync distributed")
+    _rejected(p, ["--qrl-rollout-format", "int8", "--qrl-rollout-sglang-flat-buckets"],
+              "flat-buckets need --qrl-rollout-engine sglang", gpu=None)
+    _rejected(p, sglang + ["--qrl-rollout-sglang-prefetch-buckets", "-1"],
+              "prefetch-buckets must be")
     # stacked experts: in place, with direct expert loads only
     both = ["--qrl-rollout-sglang-direct-expert-loads", "--qrl-rollout-sglang-stack-experts"]
-    ok = validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "fp8"] + both),
-                           gpu_capability=HOPPER)["rollout"]
+    ok = validate_qrl_args(p.parse_args(fp8 + both), gpu_capability=HOPPER)["rollout"]
     assert ok.sglang_stack_experts and ok.sglang_direct_expert_loads
     assert not validate_qrl_args(p.parse_args(sglang), gpu_capability=HOPPER)[
         "rollout"].sglang_stack_experts
-    with pytest.raises(QrlArgumentError, match="--qrl-rollout-sglang-stack-experts needs "
-                       "--qrl-rollout-sglang-direct-expert-loads"):
-        validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "fp8",
-                                                 "--qrl-rollout-sglang-stack-experts"]),
-                          gpu_capability=HOPPER)
-    with pytest.raises(QrlArgumentError, match="stack-experts apply to the in-place sync.*"
-                       "syncs with disk"):
-        validate_qrl_args(p.parse_args(sglang + [
-            "--qrl-rollout-format", "fp8", "--qrl-rollout-sglang-sync", "disk"] + both),
-            gpu_capability=HOPPER)
+    _rejected(p, fp8 + ["--qrl-rollout-sglang-stack-experts"],
+              "--qrl-rollout-sglang-stack-experts needs --qrl-rollout-sglang-direct-expert-loads")
+    _rejected(p, fp8 + ["--qrl-rollout-sglang-sync", "disk"] + both,
+              "stack-experts apply to the in-place sync.*syncs with disk")
 
 
 def test_aligned_forward_needs_a_quantized_format():
