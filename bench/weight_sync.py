@@ -142,7 +142,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         eng.update_weights(spec.pack_state_dict(trainer_stream(cfg)), version=version)
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
         res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
-        for part in ("produce_s", "wait_s", "serialize_s", "finish_s"):  # where the rest went
+        for part in ("produce_s", "stream_s", "fingerprint_s", "flatten_s", "wait_s",
+                     "serialize_s", "finish_s"):  # where the rest went
             if part in eng.last_sync:
                 res[f"{part.removesuffix('_s')}_s_v{version}"] = round(eng.last_sync[part], 2)
         res[f"buckets_v{version}"] = eng.last_sync.get("buckets")
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.get('pack_speedup', '')} |")
         if a.pack_only:
             return 0
-    parts = ("engine", "produce", "wait", "serialize", "finish")
+    parts = ("engine", "produce", "stream", "fingerprint", "flatten", "wait", "serialize", "finish")
     print("| variant | packed GB | pack s | sync s (first) | sync s (second) | second: "
           + " s | ".join(parts) + " s |\n|---|---|---|---|---|" + "---|" * len(parts))
     for r in rows:

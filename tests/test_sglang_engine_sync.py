@@ -94,6 +94,9 @@ def test_update_weights_in_place_equals_a_fresh_load(flatten, prefetch, direct, 
     assert all(0.0 <= lap[k] <= lap["seconds"] for k in parts), lap
     if not prefetch:  # inline: the wait for a bucket IS its preparation
         assert lap["wait_s"] >= lap["produce_s"]
+    # produce_s's parts: waiting on the packed stream, fingerprints, flat buckets
+    assert lap["stream_s"] + lap["fingerprint_s"] + lap.get("flatten_s", 0.0) <= lap["produce_s"]
+    assert lap["fingerprint_s"] > 0 and ("flatten_s" in lap) == flatten
     want = live_tensors(FakeModel(seed=1))
     for k, t in live_tensors(model).items():
         assert t.data_ptr() == before[k], f"{k} lost its storage"

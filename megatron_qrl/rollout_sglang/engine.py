@@ -230,8 +230,10 @@ class SGLangEngine(RolloutEngine):
         self.last_sync: dict = {}
         """Where the last :meth:`update_weights` went: ``buckets`` sent, wall ``seconds``;
         tensor / in-place syncs add ``request_s`` (waiting on the engine's load requests),
-        ``produce_s`` (preparing buckets: pack, fingerprints, flatten — in the prefetch thread
-        when ``prefetch_buckets``), ``wait_s`` (this thread waiting for a prepared bucket: the
+        ``produce_s`` (preparing buckets — in the prefetch thread when ``prefetch_buckets`` —
+        of which ``stream_s`` waited on the incoming packed stream (packing),
+        ``fingerprint_s`` took the copies to the device and the fingerprints, ``flatten_s``
+        built flat buckets), ``wait_s`` (this thread waiting for a prepared bucket: the
         preparation not hidden behind the engine), ``serialize_s`` (CUDA-IPC handles) and
         ``finish_s`` (version check and fingerprints fetched at the end)."""
 
@@ -269,7 +271,7 @@ class SGLangEngine(RolloutEngine):
         device = self.trainer_device  # colocated: the engine maps the trainer's tensors (IPC)
         init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         lap = self.last_sync
-        buckets = timed(ahead(timed(self._buckets(stream, sent, tracker, device), lap,
+        buckets = timed(ahead(timed(self._buckets(stream, sent, tracker, device, lap), lap,
                                     "produce_s"), self.prefetch_buckets, init), lap, "wait_s")
         lap.setdefault("serialize_s", 0.0)
         for items, first, last in buckets:
@@ -284,11 +286,13 @@ class SGLangEngine(RolloutEngine):
                 raise WeightSyncError(f"SGLang rejected a weight bucket ({first} ...): {msg}")
             self.last_sync["buckets"] += 1
 
-    def _buckets(self, stream, sent, tracker, device) -> Iterator[tuple[list, str, bool]]:
+    def _buckets(self, stream, sent, tracker, device, lap: dict | None = None
+                 ) -> Iterator[tuple[list, str, bool]]:
         """``(tensors of one request, its first name, last)`` per bucket of ``stream``.
         Fingerprints are of the stream's own (per-expert) tensors; with ``stack_experts`` the
         wire then carries each layer's experts stacked per kind (:mod:`.expert_stack`)."""
-        wire = self._fingerprinted(stream, sent, device)
+        lap = {} if lap is None else lap  # produce_s's parts go there
+        wire = self._fingerprinted(timed(stream, lap, "stream_s"), sent, device, lap)
         if tracker and self.stack_experts:
             wire = expert_stack.stack_experts(wire)
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -301,24 +305,30 @@ class SGLangEngine(RolloutEngine):
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= self.bucket_bytes:
-                yield self._request_items(bucket, tracker, device, last=False)
+                yield self._request_items(bucket, tracker, device, last=False, lap=lap)
                 bucket, size = [], 0
         # empty when the previous bucket filled exactly at the end of the stream: it still
         # carries the version (and, in place, the final control tensor)
-        yield self._request_items(bucket, tracker, device, last=True)
+        yield self._request_items(bucket, tracker, device, last=True, lap=lap)
 
     @staticmethod
-    def _fingerprinted(stream, sent, device) -> Iterator[tuple[str, torch.Tensor]]:
+    def _fingerprinted(stream, sent, device, lap: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        lap.setdefault("fingerprint_s", 0.0)
         for name, t in stream:
+            t0 = time.perf_counter()
             t = t.detach().to(device, non_blocking=True).contiguous()
             sent.add(name, t)
+            lap["fingerprint_s"] += time.perf_counter() - t0
             yield name, t
 
-    def _request_items(self, bucket, tracker, device, last: bool) -> tuple[list, str, bool]:
+    def _request_items(self, bucket, tracker, device, last: bool, lap: dict
+                       ) -> tuple[list, str, bool]:
         items = bucket
         if tracker and self.flatten_buckets and bucket:
+            t0 = time.perf_counter()
             flat, meta = flatten(bucket)
             items = [(RECV, encode_control({"meta": meta}).to(device)), (FLAT, flat)]
+            lap["flatten_s"] = lap.get("flatten_s", 0.0) + time.perf_counter() - t0
         if tracker:
             items = items + [(CONTROL, tracker.control(final=last).to(device))]
         return items, bucket[0][0] if bucket else "end of sync", last
