@@ -426,3 +426,45 @@ if __name__ == "__main__":
         print(f"{fmt:10s} {n:5d} expert tensors of one 128-expert layer, load_packed (flat, "
               "direct): " + ", ".join(f"{k} {v:.2f} us" for k, v in us.items())
               + " per expert tensor")
+
+
+@pytest.fixture
+def planners(monkeypatch):
+    """Which planner wrote each parameter: ``stacked`` (one step per stack) or ``views``."""
+    from megatron_qrl.rollout_sglang import expert_batch as eb
+
+    used = {"stacked": 0, "views": 0}
+    real_stacked, real_views = eb._plan_stacked, eb._plan
+
+    def stacked(ctx, loads):
+        plan = real_stacked(ctx, loads)
+        used["stacked"] += plan is not None
+        return plan
+
+    def views(ctx, loads):
+        used["views"] += 1
+        return real_views(ctx, loads)
+
+    monkeypatch.setattr(eb, "_plan_stacked", stacked)
+    monkeypatch.setattr(eb, "_plan", views)
+    return used
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_whole_stacks_are_planned_once_per_stack(fmt, stacked_buckets, planners):
+    batch.test_batched_loads_are_bit_identical_to_per_tensor_loads(fmt, (2, 1))
+    # per parameter (w13_ and w2_ of each leaf); gate and up writing one region (nvfp4's
+    # w13_input_scale, w4a16's w13_weight_shape: the last write wins) go view by view
+    views = {"nvfp4": 1, "w4a16": 1}.get(fmt, 0)
+    assert planners == {"stacked": len(FORMATS[fmt][2]) * 2 - views, "views": views}
+
+
+def test_stacks_whose_experts_share_a_slot_are_planned_view_by_view(stacked_buckets, planners,
+                                                                    monkeypatch):
+    """Two experts in one slot (the last write wins, as per tensor): index_copy_ with repeated
+    indices has no defined winner on CUDA, so the stacked planner declines."""
+    monkeypatch.setattr(fake.FusedMoE, "_map_global_expert_id_to_local_expert_id",
+                        lambda self, e: e // 2)
+    ref, got, (calls, batched_n) = batch.load_both("int8", [batch.stream("int8")])
+    batch.assert_same(ref, got)
+    assert planners == {"stacked": 0, "views": 4} and sum(calls.values()) == 0

@@ -26,6 +26,9 @@ A parameter whose tensors do not ALL fit these (another method class or FusedMoE
 flag, padding, a shape that would broadcast or pad, a dtype change across devices, GGUF, g_idx,
 zero points, bias, ROCm) is left to the per-tensor ``weight_loader``, exactly as before.
 Several writes to one slot region keep the last in stream order, as sequential loads do.
+Views of one expert-stacked wire tensor (:mod:`.expert_stack`) that fill a region with one
+distinct slot per expert are planned once for the whole stack (:func:`_plan_stacked`); anything
+else is planned view by view.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class ExpertLoad:
     shard_id: str
     expert_id: int
     tensor: torch.Tensor
+    stack: torch.Tensor | None = None
+    """The expert-stacked wire tensor ``tensor`` is the view ``stack[expert_id]`` of, if any."""
 
 
 @dataclass
@@ -227,18 +232,25 @@ def _layout(ctx: _Moe, param, load: ExpertLoad):
     return region, cut, expand
 
 
+def _param_ok(ctx: _Moe, first: ExpertLoad) -> bool:
+    """The parameter's loader is ``FusedMoE.weight_loader`` itself and its bits can be copied."""
+    fn = getattr(first.loader, "__wrapped__", first.loader)
+    param = first.param
+    return (getattr(fn, "__self__", None) is first.moe
+            and getattr(fn, "__func__", None) is vars(ctx.base)["weight_loader"]
+            and not getattr(param, "is_gguf_weight", False)
+            and not getattr(param, "is_gguf_weight_type", False)
+            and not param.dtype.is_complex and param.element_size() in _BITS)
+
+
+def _disjoint(regions: list) -> bool:
+    return not any(_overlap(a, b) for i, a in enumerate(regions) for b in regions[i + 1:])
+
+
 def _plan(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
-    """{region: {slot: source}} for one parameter's loads, or None (fall back)."""
+    """{region: (slots, sources stacked)} for one parameter's loads, or None (fall back)."""
     first = loads[0]
     moe, param = first.moe, first.param
-    fn = getattr(first.loader, "__wrapped__", first.loader)
-    if getattr(fn, "__self__", None) is not moe or \
-            getattr(fn, "__func__", None) is not vars(ctx.base)["weight_loader"]:
-        return None
-    if getattr(param, "is_gguf_weight", False) or getattr(param, "is_gguf_weight_type", False):
-        return None
-    if param.dtype.is_complex or param.element_size() not in _BITS:
-        return None
     plan: dict[tuple, dict[int, torch.Tensor]] = {}
     kinds: dict[tuple, tuple] = {}  # region -> (dtype, device) of its sources: one stack each
     layouts: dict[tuple, tuple | None] = {}  # per name / shard / shape / dtype / device
@@ -258,21 +270,58 @@ def _plan(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
         if kinds.setdefault(region, (src.dtype, src.device)) != (src.dtype, src.device):
             return None  # one torch.stack per region
         for s in slots:
-            plan.setdefault(region, {})[s] = src
-    regions = list(plan)
-    if any(_overlap(a, b) for i, a in enumerate(regions) for b in regions[i + 1:]):
+            plan.setdefault(region, {})[s] = src  # the last write per slot wins
+    if not _disjoint(list(plan)):
         return None
-    return plan
+    return {r: (list(by_slot), torch.stack(list(by_slot.values()))) for r, by_slot in plan.items()}
+
+
+def _plan_stacked(ctx: _Moe, loads: list[ExpertLoad]) -> dict | None:
+    """:func:`_plan` without a Python step per expert, when every load is a view of an
+    expert-stacked wire tensor (experts 0..E-1 in order), each expert has exactly one slot,
+    distinct, and each region gets one stacked tensor: its cut is applied to the whole stack
+    (``.t()`` of a 2-D view is the stack's last two dims, a narrow of view dim d is stack dim
+    d + 1). None: :func:`_plan` decides, view by view."""
+    runs: dict[int, list[ExpertLoad]] = {}
+    for ld in loads:
+        if ld.stack is None:
+            return None
+        runs.setdefault(id(ld.stack), []).append(ld)
+    first = loads[0]
+    plan: dict[tuple, tuple] = {}
+    for run in runs.values():
+        head, stack = run[0], run[0].stack
+        if [ld.expert_id for ld in run] != list(range(stack.shape[0])):
+            return None
+        lay = _layout(ctx, first.param, head)
+        if lay is None or lay[0] in plan:
+            return None
+        region, (transpose, narrow), expand = lay
+        ids = []
+        for ld in run:
+            slots = _slots(ctx, first.moe, first.param, ld.expert_id)
+            if slots is None or len(slots) != 1:
+                return None
+            ids += slots
+        if len(set(ids)) != len(ids):
+            return None
+        src = stack.transpose(-2, -1) if transpose and stack.dim() == 3 else stack
+        if narrow is not None:
+            src = src.narrow(narrow[0] + 1, narrow[1], narrow[2])
+        if expand is not None:  # setitem's broadcast of each view, for all views at once
+            lead = (len(run),) + (1,) * (len(expand) - src.dim() + 1)
+            src = src.reshape(lead + tuple(src.shape[1:])).expand((len(run),) + tuple(expand))
+        plan[region] = (ids, src)
+    return plan if _disjoint(list(plan)) else None
 
 
 def _write(param: torch.Tensor, plan: dict) -> None:
     data = param.data
-    for region, by_slot in plan.items():
-        dst = _dest(data, region)
-        src = torch.stack(list(by_slot.values())).to(device=data.device, dtype=data.dtype)
-        ids = torch.tensor(list(by_slot), dtype=torch.long, device=data.device)
-        bits = _BITS[data.element_size()]
-        dst.view(bits).index_copy_(0, ids, src.view(bits))
+    bits = _BITS[data.element_size()]
+    for region, (slots, src) in plan.items():
+        src = src.to(device=data.device, dtype=data.dtype)
+        ids = torch.tensor(slots, dtype=torch.long, device=data.device)
+        _dest(data, region).view(bits).index_copy_(0, ids, src.view(bits))
 
 
 def load_batched(loads: list[ExpertLoad]) -> list[ExpertLoad]:
@@ -288,7 +337,9 @@ def load_batched(loads: list[ExpertLoad]) -> list[ExpertLoad]:
         if id(moe) not in contexts:
             contexts[id(moe)] = _moe_context(moe)
         ctx = contexts[id(moe)]
-        plan = _plan(ctx, group) if ctx is not None else None
+        plan = None
+        if ctx is not None and _param_ok(ctx, group[0]):
+            plan = _plan_stacked(ctx, group) or _plan(ctx, group)
         if plan is None:
             left.extend(group)
             continue

@@ -59,7 +59,8 @@ def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
             unstack(name, t)  # raises: a stacked tensor is [E, ...]
         pairs = [(expert, t)] if expert is not None else enumerate(t.unbind(0))
         for e, v in pairs:
-            loads.append(ExpertLoad(len(loads), moe, param, loader, weight_name, shard, e, v))
+            loads.append(ExpertLoad(len(loads), moe, param, loader, weight_name, shard, e, v,
+                                    stack=t if expert is None else None))
     left = load_batched(loads)
     for ld in left:
         ld.loader(ld.param, ld.tensor, ld.weight_name, shard_id=ld.shard_id,
