@@ -70,7 +70,7 @@ def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     experts need direct expert loads); prefetching in the
     tensor and in-place syncs. Unset options take the engine's default for the sync; what is
     asked for explicitly must apply."""
-    from ..rollout_sglang.engine import OPTION_SYNCS, default_sync  # the engine's own rules
+    from ..rollout_sglang.sync_policy import OPTION_SYNCS, default_sync  # the engine's rules
 
     r = c["rollout"]
     resolved = default_sync(r.format) if r.sglang_sync == "auto" else r.sglang_sync
