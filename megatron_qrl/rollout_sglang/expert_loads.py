@@ -21,18 +21,14 @@ are exactly those of the per-expert stream. Stacked names are never returned for
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from .expert_batch import ExpertLoad, load_batched
-from .expert_stack import parse_stacked, unstack, unstack_all
+from .expert_stack import PER_EXPERT, parse_stacked, unstack, unstack_all
 
 MODELS = frozenset({"Qwen3MoeForCausalLM"})
 """SGLang model classes whose expert mapping is ``FusedMoE.make_expert_params_mapping``'s."""
 
-_NAME = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\."
-                   r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
 _SHARD = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_proj": ("w2_", "w2")}
 """``make_expert_params_mapping(gate_proj, down_proj, up_proj)``: param prefix and shard id."""
 
@@ -79,7 +75,7 @@ def _target(modules: dict[str, torch.nn.Module], name: str):
     if stacked is not None:
         (moe_name, proj, leaf), expert = stacked, None
     else:
-        m = _NAME.match(name)
+        m = PER_EXPERT.match(name)
         if m is None:
             return None
         moe_name, proj, leaf, expert = m["moe"], m["proj"], m["leaf"], int(m["expert"])

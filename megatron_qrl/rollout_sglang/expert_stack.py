@@ -31,9 +31,10 @@ import torch
 
 from ..quant.pack_stream import layer_prefix, tensor_kind
 
-PROJS = ("gate_proj", "up_proj", "down_proj")
-_PER_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\."
-                         r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
+PER_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\."
+                        r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
+"""A per-expert tensor name; groups ``moe`` (the FusedMoE module), ``expert``, ``proj``,
+``leaf``."""
 _STACKED = re.compile(r"^(?P<moe>.+\.experts)\.\*\."
                       r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
 
@@ -97,7 +98,7 @@ def stack_experts(stream: Iterable[tuple[str, torch.Tensor]]
             yield from _flush(held)
             held = []
         layer = key
-        if _PER_EXPERT.match(name) and isinstance(t, torch.Tensor):
+        if PER_EXPERT.match(name) and isinstance(t, torch.Tensor):
             held.append((name, t))
         else:
             yield name, t
@@ -109,7 +110,7 @@ def _flush(held: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Te
     kinds: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     for name, t in held:
         kinds.setdefault(tensor_kind(name), []).append(
-            (int(_PER_EXPERT.match(name)["expert"]), name, t))
+            (int(PER_EXPERT.match(name)["expert"]), name, t))
     stackable = {k: _stackable(members) for k, members in kinds.items()}
     if not any(stackable.values()):
         yield from held
