@@ -67,9 +67,8 @@ def _sglang_gpu(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     """Flat buckets, direct expert loads and stacked experts exist in the in-place sync only
     (the default for weight-quantized formats: ``--qrl-rollout-sglang-sync auto``; stacked
-    experts need direct expert loads); prefetching in the
-    tensor and in-place syncs. Unset options take the engine's default for the sync; what is
-    asked for explicitly must apply."""
+    experts need direct expert loads); prefetching in the tensor and in-place syncs. Unset
+    options take the engine's default for the sync; what is asked for explicitly must apply."""
     from ..rollout_sglang.sync_policy import OPTION_SYNCS, default_sync  # the engine's rules
 
     r = c["rollout"]

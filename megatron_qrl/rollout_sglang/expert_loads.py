@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .expert_batch import ExpertLoad, load_batched
-from .expert_stack import PER_EXPERT, parse_stacked, unstack, unstack_all
+from .expert_stack import PER_EXPERT, expert_views, parse_stacked, unstack_all
 
 MODELS = frozenset({"Qwen3MoeForCausalLM"})
 """SGLang model classes whose expert mapping is ``FusedMoE.make_expert_params_mapping``'s."""
@@ -51,9 +51,7 @@ def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Mo
             continue
         moe, param, loader, weight_name, shard, expert = target
         # a stacked tensor: expert e is its view t[e] (unstack's order, no copies)
-        if expert is None and t.dim() == 0:
-            unstack(name, t)  # raises: a stacked tensor is [E, ...]
-        pairs = [(expert, t)] if expert is not None else enumerate(t.unbind(0))
+        pairs = [(expert, t)] if expert is not None else enumerate(expert_views(name, t))
         for e, v in pairs:
             loads.append(ExpertLoad(len(loads), moe, param, loader, weight_name, shard, e, v,
                                     stack=t if expert is None else None))

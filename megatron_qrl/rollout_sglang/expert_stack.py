@@ -53,12 +53,17 @@ def expert_name(stacked: str, expert: int) -> str:
     return f"{moe}.{expert}.{proj}.{leaf}"
 
 
+def expert_views(name: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``t[0], t[1], ...``: the experts of the stacked tensor ``name`` (views, no names)."""
+    if t.dim() == 0:
+        raise ValueError(f"stacked expert tensor {name!r} is a scalar; expected [E, ...]")
+    return t.unbind(0)
+
+
 def unstack(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The per-expert ``(name, t[e])`` of a stacked tensor, experts in order (views)."""
     moe, proj, leaf = _parse_or_raise(name)
-    if t.dim() == 0:
-        raise ValueError(f"stacked expert tensor {name!r} is a scalar; expected [E, ...]")
-    return [(f"{moe}.{e}.{proj}.{leaf}", t[e]) for e in range(t.shape[0])]
+    return [(f"{moe}.{e}.{proj}.{leaf}", v) for e, v in enumerate(expert_views(name, t))]
 
 
 def unstack_all(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
