@@ -468,3 +468,13 @@ def test_stacks_whose_experts_share_a_slot_are_planned_view_by_view(stacked_buck
     ref, got, (calls, batched_n) = batch.load_both("int8", [batch.stream("int8")])
     batch.assert_same(ref, got)
     assert planners == {"stacked": 0, "views": 4} and sum(calls.values()) == 0
+
+
+def test_a_scalar_under_a_stacked_name_is_refused():
+    from megatron_qrl.rollout_sglang.expert_stack import expert_views
+
+    name = "model.layers.0.mlp.experts.*.up_proj.weight"
+    for fn in (expert_views, unstack):
+        with pytest.raises(ValueError, match="is a scalar; expected"):
+            fn(name, torch.tensor(1.0))
+    assert [v.tolist() for v in expert_views(name, torch.arange(4).view(2, 2))] == [[0, 1], [2, 3]]
