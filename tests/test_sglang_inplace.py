@@ -384,3 +384,51 @@ def test_state_digest_written_once_per_sync_and_tells_which_tensor_changed(tmp_p
     assert a == b
     assert digest_diff(b, c) == ["model.layers.0.mlp.experts.w2_weight"]
     assert digest_diff(b, {**b, "extra": "x"}) == ["extra"]
+
+
+@pytest.mark.parametrize("make", [lambda: torch.empty(64, 64), lambda: torch.empty_strided(
+    (64, 64), (64, 1)), lambda: torch.empty_like(torch.ones(64, 64)),
+    lambda: torch.ones(1).new_empty(64, 64)])
+def test_creation_context_zero_fills_empty_allocations(make):
+    """Re-created checkpoint params start at zeros, not at freed memory (here: a block
+    of 7s just released, which the allocator hands back to the next same-size request)."""
+    from megatron_qrl.rollout_sglang.module_state import creation_context
+
+    dirty = []
+    for _ in range(8):  # several sizes of freed blocks, so some reuse happens unpatched
+        dirty.append(torch.full((64, 64), 7.0))
+    del dirty
+    with creation_context(torch.device("cpu"), torch.float32):
+        t = make()
+        plain = torch.full((3,), 5.0)  # non-empty factories keep their values
+    assert torch.count_nonzero(t) == 0
+    assert plain.tolist() == [5.0, 5.0, 5.0]
+    assert torch.get_default_dtype() == torch.float32
+
+
+class PlaceholderMoEMethod(FakeMoEMethod):
+    """As ModelOpt NVFP4 on Hopper's Marlin path: ``create_weights`` also derives a tensor from
+    an EMPTY scale (``w13_blockscale_swizzled``) that no load and no processing writes."""
+
+    def create_weights(self, layer, *args, **extra):
+        super().create_weights(layer, *args, **extra)
+        layer.placeholder = nn.Parameter(torch.empty(E, 2 * FFN, 1) * 1, requires_grad=False)
+
+
+def test_untouched_placeholder_is_the_same_after_every_sync():
+    """Two syncs of the same weights leave equal engine bits, placeholder included (the H200
+    nvfp4 digest of 2026-11-29 differed only in such placeholders)."""
+    model = FakeModel()
+    moe = model.model.layers[0].mlp.experts
+    moe.quant_method = PlaceholderMoEMethod()
+    moe.placeholder = nn.Parameter(torch.full((E, 2 * FFN, 1), 7.0), requires_grad=False)
+    ptr = moe.placeholder.data_ptr()
+    sync(model, weights(1), 4)
+    assert moe.placeholder.data_ptr() == ptr, "the placeholder lost its storage"
+    assert torch.count_nonzero(moe.placeholder) == 0
+    first = {k: v.clone() for k, v in live_tensors(model).items()}
+    junk = [torch.full((E, 2 * FFN, 1), 9.0) for _ in range(8)]  # dirty the allocator again
+    del junk
+    sync(model, weights(1), 3)
+    for k, v in live_tensors(model).items():
+        torch.testing.assert_close(v, first[k], rtol=0, atol=0, msg=k)

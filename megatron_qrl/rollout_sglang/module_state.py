@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # flags a post-processing step sets to skip itself when run twice (compressed-tensors
 # WNA16 MoE); cleared while the module is re-processed, restored after
@@ -71,15 +72,39 @@ def device_of(states: list[OwnerState]) -> torch.device:
     return torch.device("cpu")
 
 
+_EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
+
+
+class _ZeroFilledEmpty(TorchFunctionMode):
+    """``torch.empty`` & co. return zeros: a re-created parameter no load writes holds zeros.
+
+    ``create_weights`` allocates with bare ``torch.empty``, and some of what it makes is a
+    placeholder neither ``load_weights`` nor ``process_weights_after_loading`` writes on every
+    kernel backend — ModelOpt NVFP4's ``w13/w2_blockscale_swizzled`` is the swizzle of an
+    EMPTY scale, re-derived only on the CUTLASS/TRTLLM paths, never on Hopper's Marlin path
+    (``modelopt_quant.py`` in 0.5.17). Copied into the live tensor after each sync, that
+    placeholder carried whatever memory the allocator handed back, so two syncs of the same
+    weights left different engine bits (the H200 state-digest run of 2026-11-29). Zeros are
+    one possible value of uninitialised memory, so nothing that was correct becomes wrong.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _EMPTY and isinstance(out, torch.Tensor):
+            with torch.no_grad():
+                out.zero_()
+        return out
+
+
 @contextlib.contextmanager
 def creation_context(device: torch.device, dtype: torch.dtype | None):
     """Device and default dtype as during SGLang's model init (``create_weights`` allocates
-    with bare ``torch.empty``)."""
+    with bare ``torch.empty``), and zero-filled allocations (:class:`_ZeroFilledEmpty`)."""
     old = torch.get_default_dtype()
     if dtype is not None and dtype.is_floating_point:
         torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _ZeroFilledEmpty():
             yield
     finally:
         torch.set_default_dtype(old)
