@@ -12,8 +12,9 @@
 #   tune        tools/tune_fused_moe.py for fp8_block, fp8, int8 side by side (~3 min)
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
-#   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: the defaults vs batched direct
-#               expert loads of the expert-stacked wire (~90 s per variant: each starts a 30B engine)
+#   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: per-expert loads (flat +
+#               prefetch, the default before run 10) vs the defaults (+ direct loads of the
+#               expert-stacked wire) for fp8, w4a16, nvfp4 (~90 s per variant: each starts a 30B engine)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync

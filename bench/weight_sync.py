@@ -21,8 +21,15 @@ bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one pe
 ``+prefetch`` prepares the next bucket in a thread while the engine loads one
 (``SGLangEngine(prefetch_buckets=1)``); ``+direct`` loads expert tensors straight into their
 FusedMoE parameters (``direct_expert_loads``); ``+stacked`` (with ``+direct``) sends each layer's
-experts of one kind as one stacked tensor (``stack_experts``); options combine: ``fp8:inplace+flat+prefetch``
-(the engine's default in place). A variant runs exactly the options it names.
+experts of one kind as one stacked tensor (``stack_experts``); options combine:
+``fp8:inplace+flat+prefetch+direct+stacked`` is the engine's default in place. A variant runs
+exactly the options it names.
+
+Print a saved run with ``--table FILE.jsonl``; ``--plot FILE.png`` draws where each variant's
+second sync went (after a run, or with ``--table``):
+
+    python bench/weight_sync.py --table bench/results/weight_sync_run10_stacked_default.jsonl \
+        --plot docs/weight_sync_run10.png
 """
 
 from __future__ import annotations
@@ -121,14 +128,12 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
           "bucket_bytes": bucket_mb * 2**20}
     if sync == "disk":
         kw["sync_dir"] = "/dev/shm/qrl-sync"
-    # a variant names every option it uses (the engine's defaults are flat + prefetch 1 in
-    # place): "fp8:inplace" is the plain in-place sync
+    # a variant names every option it uses (the engine's defaults in place are all four:
+    # flat + prefetch 1 + direct + stacked): "fp8:inplace" is the plain in-place sync
     kw["prefetch_buckets"] = 1 if "prefetch" in opts else 0
     kw["flatten_buckets"] = "flat" in opts
-    if "direct" in opts:
-        kw["direct_expert_loads"] = True
-    if "stacked" in opts:
-        kw["stack_experts"] = True  # SGLangEngine refuses it without +direct
+    kw["direct_expert_loads"] = "direct" in opts
+    kw["stack_experts"] = "stacked" in opts  # SGLangEngine refuses it without +direct
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
@@ -165,8 +170,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the one-at-a-time pack (stacked=False) and print the ratio")
     p.add_argument("--pack-only", action="store_true",
                    help="time the pack only; start no engine (no SGLang needed)")
+    p.add_argument("--table", type=Path, default=None,
+                   help="print the table of a saved --out file instead of running")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="also draw the second syncs' breakdown as a PNG")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.table:
+        if not a.table.is_file():
+            p.error(f"--table {a.table}: no such file (a --out file of an earlier run)")
+        rows = [json.loads(ln) for ln in a.table.read_text().splitlines() if ln.strip()]
+        print(sync_table(rows))
+        if a.plot:
+            print(f"plot: {plot_sync(rows, a.plot)}")
+        return 0
     if a.child:
         return child_main(lambda: child(a.child, a.bucket_mb, a.pack_compare, a.pack_only))
     flags = [f for f, on in (("--pack-compare", a.pack_compare), ("--pack-only", a.pack_only))
@@ -182,17 +199,72 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.get('pack_speedup', '')} |")
         if a.pack_only:
             return 0
-    parts = ("engine", "produce", "stream", "fingerprint", "flatten", "wait", "serialize", "finish")
-    print("| variant | packed GB | pack s | sync s (first) | sync s (second) | second: "
-          + " s | ".join(parts) + " s |\n|---|---|---|---|---|" + "---|" * len(parts))
+    print(sync_table(rows))
+    if a.plot:
+        print(f"plot: {plot_sync(rows, a.plot)}")
+    return 0
+
+
+PARTS = ("engine", "produce", "stream", "fingerprint", "flatten", "wait", "serialize", "finish")
+
+
+def sync_table(rows: list[dict]) -> str:
+    """Markdown: per variant, the first and second sync and where the second one went."""
+    lines = ["| variant | packed GB | pack s | sync s (first) | sync s (second) | second: "
+             + " s | ".join(PARTS) + " s |", "|---|---|---|---|---|" + "---|" * len(PARTS)]
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (3 + len(parts)))
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (3 + len(PARTS)))
         else:
-            print(f"| {r['variant']} | {r['packed_gb']} | {r['pack_s']} | {r['sync_s_v1']} | "
-                  f"{r['sync_s_v2']} | " + " | ".join(str(r.get(f"{p}_s_v2", ""))
-                                                    for p in parts) + " |")
-    return 0
+            lines.append(f"| {r['variant']} | {r['packed_gb']} | {r['pack_s']} | {r['sync_s_v1']} "
+                         f"| {r['sync_s_v2']} | " + " | ".join(str(r.get(f"{p}_s_v2", ""))
+                                                             for p in PARTS) + " |")
+    return "\n".join(lines)
+
+
+def plot_sync(rows: list[dict], path: Path) -> Path:
+    """Horizontal bars per variant (second sync): the wall time, the engine's requests, the
+    trainer's bucket preparation split into its parts (it runs in the prefetch thread,
+    overlapping the engine), and the wait the preparation did not hide."""
+    from megatron_qrl.utils.plots import new_figure, save_png
+
+    ok = [r for r in rows if "error" not in r and "sync_s_v2" in r]
+    if not ok:
+        raise ValueError(f"no variant with a second sync to plot (of {len(rows)} rows)")
+    fig, ax = new_figure(figsize=(10, 1.6 + 1.3 * len(ok)))
+    bars = ("sync (wall)", "engine requests", "trainer: buckets prepared", "trainer: wait")
+    colors = {"stream": "#8fbbd9", "fingerprint": "#f4b183", "flatten": "#c9a0dc",
+              "other": "#d9d9d9"}
+    ticks, labels = [], []
+    for i, r in enumerate(reversed(ok)):
+        y0 = i * (len(bars) + 1)
+        def get(k: str, r: dict = r) -> float:
+            return float(r.get(f"{k}_s_v2", 0.0) or 0.0)
+
+        ax.barh(y0 + 3, get("sync"), color="#404040")
+        ax.barh(y0 + 2, get("engine"), color="#5b9bd5")
+        left = 0.0
+        for part in ("stream", "fingerprint", "flatten"):
+            ax.barh(y0 + 1, get(part), left=left, color=colors[part],
+                    label=part if i == 0 else None)
+            left += get(part)
+        ax.barh(y0 + 1, max(get("produce") - left, 0.0), left=left, color=colors["other"],
+                label="other" if i == 0 else None)
+        ax.barh(y0, get("wait"), color="#c00000")
+        ticks += [y0 + k for k in range(len(bars))]
+        labels += list(reversed(bars))
+        ax.text(get("sync"), y0 + 3, f" {get('sync'):.2f} s", va="center", fontsize=8)
+        ax.text(0, y0 + 3.65, r["variant"], fontsize=8, weight="bold")
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel("seconds (second sync)")
+    ax.set_title("Weight sync, Qwen3-30B-A3B shape, colocated (trainer preparation overlaps "
+                 "the engine)", fontsize=9)
+    ax.set_ylim(-0.7, len(ok) * (len(bars) + 1) - 0.6)
+    ax.legend(title="buckets prepared", fontsize=7, title_fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -340,10 +340,21 @@ def test_sglang_sync_option_checks():
     both = ["--qrl-rollout-sglang-direct-expert-loads", "--qrl-rollout-sglang-stack-experts"]
     ok = validate_qrl_args(p.parse_args(fp8 + both), gpu_capability=HOPPER)["rollout"]
     assert ok.sglang_stack_experts and ok.sglang_direct_expert_loads
-    assert not validate_qrl_args(p.parse_args(sglang), gpu_capability=HOPPER)[
-        "rollout"].sglang_stack_experts
-    _rejected(p, fp8 + ["--qrl-rollout-sglang-stack-experts"],
-              "--qrl-rollout-sglang-stack-experts needs --qrl-rollout-sglang-direct-expert-loads")
+    unset = validate_qrl_args(p.parse_args(sglang), gpu_capability=HOPPER)["rollout"]
+    assert unset.sglang_stack_experts is None and unset.sglang_direct_expert_loads is None
+    # unset direct loads are on in place: stacking alone is accepted; with direct loads off
+    # it is refused, naming the flag that turned them off
+    alone = validate_qrl_args(p.parse_args(fp8 + ["--qrl-rollout-sglang-stack-experts"]),
+                              gpu_capability=HOPPER)["rollout"]
+    assert alone.sglang_stack_experts is True and alone.sglang_direct_expert_loads is None
+    _rejected(p, fp8 + ["--qrl-rollout-sglang-stack-experts",
+                        "--no-qrl-rollout-sglang-direct-expert-loads"],
+              "--qrl-rollout-sglang-stack-experts needs direct expert loads.*drop "
+              "--no-qrl-rollout-sglang-direct-expert-loads")
+    off = validate_qrl_args(p.parse_args(fp8 + ["--no-qrl-rollout-sglang-direct-expert-loads",
+                                                "--qrl-rollout-sglang-sync", "disk"]),
+                            gpu_capability=HOPPER)["rollout"]
+    assert off.sglang_direct_expert_loads is False and off.sglang_stack_experts is None
     _rejected(p, fp8 + ["--qrl-rollout-sglang-sync", "disk"] + both,
               "stack-experts apply to the in-place sync.*syncs with disk")
 

@@ -104,8 +104,8 @@ def test_sglang_actor_spec_and_options():
     assert spec.kind == "sglang" and spec.format == "fp8" and spec.seed == 7
     assert spec.rollout == {"sglang_sync": "disk", "sglang_mem_fraction": 0.3,
                             "sglang_sync_dir": "/tmp/qrl-sync", "sglang_flat_buckets": None,
-                            "sglang_prefetch_buckets": None, "sglang_direct_expert_loads": False,
-                            "sglang_stack_experts": False}
+                            "sglang_prefetch_buckets": None, "sglang_direct_expert_loads": None,
+                            "sglang_stack_experts": None}
     assert spec.num_gpus == 1 and engine_gpus(cfg) == 1
     for mode in ("disaggregated", "colocated"):
         layout = placement_layout(mode, 1, engine_gpus=engine_gpus(cfg))

@@ -101,3 +101,47 @@ def test_checksum_parts_many_equals_one_at_a_time(chunk_words):
             batched.add(f"t{i}", t)
         assert batched._rows or batched._queued
         assert batched.result() == want
+
+
+@pytest.mark.parametrize("chunk_words", [1 << 24, 5, 1])
+def test_checksum_rows_equal_each_row_alone(chunk_words):
+    """The rows of a stacked tensor fingerprint as the same tensors one by one: whole-word
+    rows (column blocks and row blocks of every size), ragged rows (the fallback), 1-byte
+    floats, wrapping int64 words, a non-contiguous stack, and no rows at all."""
+    from megatron_qrl.rollout.base import checksum_parts, checksum_rows
+
+    g = torch.Generator().manual_seed(2)
+    stacks = [torch.randn(4, 3, 8, generator=g),                        # 24 words a row
+              torch.randn(5, 6, generator=g).bfloat16(),                # 3 words a row
+              torch.randn(3, 7, generator=g).to(torch.float8_e4m3fn),   # 7 bytes: ragged
+              torch.randint(-2**62, 2**62, (3, 4), generator=g),        # wraps when summed
+              torch.randn(6, 4, generator=g).t(),                       # non-contiguous
+              torch.zeros(0, 4), torch.zeros(3, 0)]
+    for s in stacks:
+        want = (torch.stack([checksum_parts(r) for r in s.unbind(0)]) if s.shape[0]
+                else torch.zeros(0, 2, dtype=torch.int64))
+        assert torch.equal(checksum_rows(s, chunk_words=chunk_words), want), s.shape
+    with pytest.raises(ValueError, match="scalar"):
+        checksum_rows(torch.tensor(1.0))
+
+
+def test_add_rows_keeps_the_order_of_names_with_queued_tensors():
+    """Rows added between queued tensors land under their names, in order, as if each row
+    had been added alone; a name count that does not match dim 0 is refused."""
+    from megatron_qrl.rollout.base import Checksums
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(5, generator=g), torch.randn(2, 3, generator=g)
+    stack = torch.randn(3, 4, 2, generator=g)
+    rows = [f"experts.{e}.w" for e in range(3)]
+    for batch_host in (False, True):
+        got = Checksums(batch_host=batch_host)
+        got.add("a", a)
+        got.add_rows(rows, stack)
+        got.add("b", b)
+        want = {"a": tensor_checksum(a)} | {n: tensor_checksum(stack[e])
+                                            for e, n in enumerate(rows)} | {"b": tensor_checksum(b)}
+        assert got.result() == want
+        assert list(got.result()) == list(want)
+    with pytest.raises(ValueError, match="2 names for a tensor of shape"):
+        Checksums().add_rows(rows[:2], stack)

@@ -142,7 +142,9 @@ def test_sync_paths_measured_working_or_not_yet_run_are_allowed():
     from megatron_qrl.rollout_sglang.engine import check_sync_supported
 
     for fmt, sync in [("bf16", "tensor"), ("bf16", "disk"), ("fp8_block", "disk"),
-                      ("fp8", "disk"), ("fp8", "distributed"), ("nvfp4", "inplace")]:
+                      ("fp8", "distributed"), ("nvfp4", "inplace"), ("w4a16", "disk")]:
         check_sync_supported(fmt, sync)
-    with pytest.raises(NotImplementedError, match=r"'int8' .* sync='disk' \(measured on H200"):
-        check_sync_supported("int8", "disk")
+    for fmt in ("int8", "fp8"):  # SGLang's update_weights_from_disk: load_weights fails
+        with pytest.raises(NotImplementedError,
+                           match=rf"'{fmt}' .* sync='disk' \(measured on H200"):
+            check_sync_supported(fmt, "disk")

@@ -101,18 +101,21 @@ def test_ahead_raises_producer_errors_and_stops_when_the_consumer_does():
 
 
 def test_sync_options_defaults_per_sync_and_errors():
-    # unset: flat buckets + one bucket prefetched in place (measured), neither elsewhere
-    assert sync_options("inplace") == (True, 1, False, False)
+    # unset: in place, flat buckets + one bucket prefetched + direct loads of stacked experts
+    # (each measured on the H200), none of them elsewhere
+    assert sync_options("inplace") == (True, 1, True, True)
     for sync in ("tensor", "disk", "distributed"):
         assert sync_options(sync) == (False, 0, False, False)
-    assert sync_options("inplace", False, 0) == (False, 0, False, False)  # turned off explicitly
+    assert sync_options("inplace", False, 0, False) == (False, 0, False, False)  # all off
     assert sync_options("tensor", None, 2) == (False, 2, False, False)
-    assert sync_options("inplace", None, 3, True) == (True, 3, True, False)
-    assert sync_options("inplace", None, 3, True, True) == (True, 3, True, True)
+    assert sync_options("inplace", None, 3, True) == (True, 3, True, True)
+    assert sync_options("inplace", None, 3, True, False) == (True, 3, True, False)
+    assert sync_options("inplace", None, None, False) == (True, 1, False, False)  # stack follows
+    assert sync_options("inplace", stack_experts=True) == (True, 1, True, True)
     with pytest.raises(ValueError, match="stack_experts=True needs direct_expert_loads=True.*"
                        "--qrl-rollout-sglang-stack-experts needs "
                        "--qrl-rollout-sglang-direct-expert-loads"):
-        sync_options("inplace", stack_experts=True)
+        sync_options("inplace", direct_expert_loads=False, stack_experts=True)
     with pytest.raises(ValueError, match="stack_experts applies to sync='inplace'"):
         sync_options("distributed", stack_experts=True)
     with pytest.raises(ValueError, match="flatten_buckets applies to sync='inplace'"):

@@ -380,7 +380,8 @@ def test_engine_stacked_sync_verifies_per_expert_manifest(flatten, prefetch, mon
 
 def test_engine_option_errors():
     with pytest.raises(ValueError, match="stack_experts=True needs direct_expert_loads=True"):
-        SGLangEngine("/nonexistent", "int8", sync="inplace", stack_experts=True)
+        SGLangEngine("/nonexistent", "int8", sync="inplace", direct_expert_loads=False,
+                     stack_experts=True)
     with pytest.raises(ValueError, match="stack_experts applies to sync='inplace'"):
         SGLangEngine("/nonexistent", "fp8_block", sync="disk", sync_dir="/tmp",
                      direct_expert_loads=False, stack_experts=True)

@@ -79,16 +79,17 @@ def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     asked = [(f, o) for f, o, on in (
         ("--qrl-rollout-sglang-flat-buckets", "flatten_buckets", r.sglang_flat_buckets is True),
         ("--qrl-rollout-sglang-direct-expert-loads", "direct_expert_loads",
-         r.sglang_direct_expert_loads),
-        ("--qrl-rollout-sglang-stack-experts", "stack_experts", r.sglang_stack_experts)) if on]
+         r.sglang_direct_expert_loads is True),
+        ("--qrl-rollout-sglang-stack-experts", "stack_experts",
+         r.sglang_stack_experts is True)) if on]
     if not asked:
         return None
     if r.engine != "sglang":
         return f"{' and '.join(f for f, _ in asked)} need --qrl-rollout-engine sglang"
-    if r.sglang_stack_experts and not r.sglang_direct_expert_loads:
-        return ("--qrl-rollout-sglang-stack-experts needs "
-                "--qrl-rollout-sglang-direct-expert-loads (stacked expert tensors are loaded "
-                "straight into the FusedMoE parameters); add it or drop the first")
+    if r.sglang_stack_experts and r.sglang_direct_expert_loads is False:
+        return ("--qrl-rollout-sglang-stack-experts needs direct expert loads (stacked expert "
+                "tensors are loaded straight into the FusedMoE parameters); drop "
+                "--no-qrl-rollout-sglang-direct-expert-loads or the first")
     flags = [f for f, o in asked if resolved not in OPTION_SYNCS[o]]  # both: in place only
     if not flags:
         return None

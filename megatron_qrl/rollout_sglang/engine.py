@@ -87,7 +87,7 @@ class SGLangEngine(RolloutEngine):
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
                  flatten_buckets: bool | None = None, prefetch_buckets: int | None = None,
-                 direct_expert_loads: bool = False, stack_experts: bool = False,
+                 direct_expert_loads: bool | None = None, stack_experts: bool | None = None,
                  **engine_kwargs):
         sync = default_sync(spec_name) if sync is None else sync
         if sync not in SYNC_MODES:
@@ -104,10 +104,12 @@ class SGLangEngine(RolloutEngine):
          self.stack_experts) = sync_options(sync, flatten_buckets, prefetch_buckets,
                                             direct_expert_loads, stack_experts)
         """In-place buckets carry each layer's experts of one kind as one stacked tensor
-        (:mod:`.expert_stack`; needs ``direct_expert_loads``; bench variant
-        ``FMT:inplace+direct+stacked``)."""
+        (:mod:`.expert_stack`; needs ``direct_expert_loads``; default on in place with
+        direct loads: 30B-A3B fp8 on the H200, engine share of a sync 4.3 s -> 1.3 s,
+        bit-identical engine state in every format, docs/BENCHMARKS.md)."""
         """In-place loads put expert tensors straight into their FusedMoE parameters
-        (:mod:`.expert_loads`; bench variant ``FMT:inplace+direct``)."""
+        (:mod:`.expert_loads`; default on in place; bench variant ``FMT:inplace+nodirect``
+        turns both expert options off)."""
         """Buckets prepared ahead in a thread while the engine loads one (``tensor`` and
         ``inplace`` syncs; 0: one after the other; default 1 in place, measured in
         docs/BENCHMARKS.md, 0 otherwise; bench variant ``FMT:inplace+prefetch``)."""
@@ -207,11 +209,15 @@ class SGLangEngine(RolloutEngine):
                  ) -> Iterator[tuple[list, str, bool]]:
         """``(tensors of one request, its first name, last)`` per bucket of ``stream``.
         Fingerprints are of the stream's own (per-expert) tensors; with ``stack_experts`` the
-        wire then carries each layer's experts stacked per kind (:mod:`.expert_stack`)."""
+        wire carries each layer's experts stacked per kind (:mod:`.expert_stack`), stacked
+        before fingerprinting: the per-expert fingerprints are then taken as rows of the
+        stack, a few kernels per stack instead of a device copy and a queue entry per expert
+        (equal bit for bit: :func:`~megatron_qrl.rollout.base.checksum_rows`)."""
         lap = {} if lap is None else lap  # produce_s's parts go there
-        wire = self._fingerprinted(timed(stream, lap, "stream_s"), sent, device, lap)
+        wire = timed(stream, lap, "stream_s")
         if tracker and self.stack_experts:
             wire = expert_stack.stack_experts(wire)
+        wire = self._fingerprinted(wire, sent, device, lap)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, t in wire:
@@ -234,7 +240,10 @@ class SGLangEngine(RolloutEngine):
         for name, t in stream:
             t0 = time.perf_counter()
             t = t.detach().to(device, non_blocking=True).contiguous()
-            sent.add(name, t)
+            if expert_stack.parse_stacked(name) is None:
+                sent.add(name, t)
+            else:  # the experts' own names and fingerprints, from the rows of the stack
+                sent.add_rows([n for n, _ in expert_stack.unstack(name, t)], t)
             lap["fingerprint_s"] += time.perf_counter() - t0
             yield name, t
 

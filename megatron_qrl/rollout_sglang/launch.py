@@ -58,8 +58,8 @@ def start_job_engine(rollout_cfg: Any, hf_config: dict, seed: int, **engine_kwar
         kwargs["sync_dir"] = getattr(rollout_cfg, "sglang_sync_dir", "/dev/shm")
     for field, arg, unset in (("sglang_flat_buckets", "flatten_buckets", None),
                               ("sglang_prefetch_buckets", "prefetch_buckets", None),
-                              ("sglang_direct_expert_loads", "direct_expert_loads", False),
-                              ("sglang_stack_experts", "stack_experts", False)):
+                              ("sglang_direct_expert_loads", "direct_expert_loads", None),
+                              ("sglang_stack_experts", "stack_experts", None)):
         value = getattr(rollout_cfg, field, unset)
         if value != unset:  # only what was set: the engine picks its default per sync
             kwargs[arg] = value

@@ -20,11 +20,14 @@ __all__ = ["OPTION_SYNCS", "SYNC_MODES", "SYNC_SUPPORT", "check_sync_supported",
 # weights that was measured: int8 and fp8 raise "'Parameter' object has no attribute
 # 'weight_loader'" (w8a8 replaces its parameters after loading), fp8_block killed the engine;
 # it is refused for those formats unless measured True here (use "inplace").
-# int8 over disk fails the same way; fp8_block over disk works.
+# int8 and fp8 over disk (SGLang's update_weights_from_disk, the same load_weights) fail the
+# same way; bf16 and fp8_block over disk work.
 SYNC_MODES = ("inplace", "tensor", "disk", "distributed")
 SYNC_SUPPORT: dict[tuple[str, str], bool] = {
     ("bf16", "tensor"): True,
+    ("bf16", "disk"): True,
     ("fp8_block", "disk"): True,
+    ("fp8", "disk"): False,
     ("fp8_block", "tensor"): False,
     ("int8", "tensor"): False,
     ("fp8", "tensor"): False,
@@ -72,12 +75,13 @@ OPTION_SYNCS = {"flatten_buckets": ("inplace",), "prefetch_buckets": ("tensor", 
 
 def sync_options(sync: str, flatten_buckets: bool | None = None,
                  prefetch_buckets: int | None = None,
-                 direct_expert_loads: bool = False, stack_experts: bool = False
+                 direct_expert_loads: bool | None = None, stack_experts: bool | None = None
                  ) -> tuple[bool, int, bool, bool]:
     """The sync speed options of :class:`SGLangEngine` for ``sync``: unset (None) means the
-    default measured for it (flat buckets and one bucket prefetched in place, neither
-    elsewhere: docs/BENCHMARKS.md); an option asked for where it does not apply is an error
-    (``stack_experts`` needs ``direct_expert_loads``: stacked tensors are loaded directly)."""
+    default measured for it (in place: flat buckets, one bucket prefetched, direct expert
+    loads over the expert-stacked wire; none of them elsewhere: docs/BENCHMARKS.md); an
+    option asked for where it does not apply is an error (``stack_experts`` needs
+    ``direct_expert_loads``: stacked tensors are loaded directly)."""
     if prefetch_buckets is not None and prefetch_buckets < 0:
         raise ValueError(f"prefetch_buckets must be >= 0, got {prefetch_buckets}")
     for name, on in (("flatten_buckets", flatten_buckets), ("direct_expert_loads",
@@ -86,12 +90,15 @@ def sync_options(sync: str, flatten_buckets: bool | None = None,
         if on and sync not in OPTION_SYNCS[name]:
             raise ValueError(f"{name} applies to sync=" + " and ".join(
                 repr(s) for s in OPTION_SYNCS[name]) + f" (got sync={sync!r})")
-    if stack_experts and not direct_expert_loads:
+    inplace = sync == "inplace"
+    direct = inplace if direct_expert_loads is None else bool(direct_expert_loads)
+    if stack_experts and not direct:
         raise ValueError("stack_experts=True needs direct_expert_loads=True (stacked expert "
                          "tensors are loaded straight into the FusedMoE parameters; "
                          "--qrl-rollout-sglang-stack-experts needs "
                          "--qrl-rollout-sglang-direct-expert-loads)")
+    stack = direct if stack_experts is None else bool(stack_experts)
     if prefetch_buckets is None:
-        prefetch_buckets = 1 if sync == "inplace" else 0
-    flat = sync == "inplace" if flatten_buckets is None else bool(flatten_buckets)
-    return flat, prefetch_buckets, bool(direct_expert_loads), bool(stack_experts)
+        prefetch_buckets = 1 if inplace else 0
+    flat = inplace if flatten_buckets is None else bool(flatten_buckets)
+    return flat, prefetch_buckets, direct, stack
