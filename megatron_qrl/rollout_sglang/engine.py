@@ -108,8 +108,8 @@ class SGLangEngine(RolloutEngine):
         direct loads: 30B-A3B fp8 on the H200, engine share of a sync 4.3 s -> 1.3 s,
         bit-identical engine state in every format, docs/BENCHMARKS.md)."""
         """In-place loads put expert tensors straight into their FusedMoE parameters
-        (:mod:`.expert_loads`; default on in place; bench variant ``FMT:inplace+nodirect``
-        turns both expert options off)."""
+        (:mod:`.expert_loads`; default on in place; ``direct_expert_loads=False`` turns the
+        stacked wire off too; bench variants name it: ``FMT:inplace+direct``)."""
         """Buckets prepared ahead in a thread while the engine loads one (``tensor`` and
         ``inplace`` syncs; 0: one after the other; default 1 in place, measured in
         docs/BENCHMARKS.md, 0 otherwise; bench variant ``FMT:inplace+prefetch``)."""
