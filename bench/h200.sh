@@ -15,6 +15,9 @@
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: per-expert loads (flat +
 #               prefetch, the default before run 10) vs the defaults (+ direct loads of the
 #               expert-stacked wire) for fp8, w4a16, nvfp4 (~90 s per variant: each starts a 30B engine)
+#   produce     bench/weight_sync.py --produce-only: the trainer side of the 30B in-place sync
+#               without an engine (pack, fingerprints, expert stacking, flat buckets), stacked
+#               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -40,7 +43,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|train|aligned|te-part N|te-build|te-test|fa3-part N|fa3-install|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|te-part N|te-build|te-test|fa3-part N|fa3-install|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -110,6 +113,10 @@ case $phase in
       --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
     [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.phase_log "$OUT/inplace_phases.jsonl" ;;
+  produce)  # no SGLang: pure torch on the GPU
+    python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
+      --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \
+      | grep -E "^\||DIFFER|Error" ;;
   train)
     python3 -m megatron_qrl.rl.cli --qrl-preset tiny-cpu --qrl-rollout-engine sglang \
       --qrl-sft-steps 100 --qrl-steps 5 --qrl-output-dir /tmp/qrl_sglang --qrl-no-progress 2>&1 \

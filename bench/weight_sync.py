@@ -25,6 +25,12 @@ experts of one kind as one stacked tensor (``stack_experts``); options combine:
 ``fp8:inplace+flat+prefetch+direct+stacked`` is the engine's default in place. A variant runs
 exactly the options it names.
 
+``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
+(pure torch: pack, fingerprints, expert stacking, flat buckets, as ``SGLangEngine._buckets``),
+and checks that every variant leaves the same fingerprints; option ``fpeach`` fingerprints
+each expert before stacking (the order before 2026-11-29) to time the rows of
+``checksum_rows`` side by side. ``--device cpu --layers 1 --experts 8`` is a CPU smoke run.
+
 Print a saved run with ``--table FILE.jsonl``; ``--plot FILE.png`` draws where each variant's
 second sync went (after a run, or with ``--table``):
 
@@ -83,21 +89,88 @@ def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]
     yield "lm_head.weight", emb
 
 
-def time_pack(spec, cfg: dict, stacked: bool = True) -> tuple[float, int]:
-    """Seconds and packed bytes of ``spec.pack_state_dict`` over the whole stream."""
+def _synchronize(device: str) -> None:
     import torch
 
-    torch.cuda.synchronize()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_pack(spec, cfg: dict, stacked: bool = True, device: str = "cuda") -> tuple[float, int]:
+    """Seconds and packed bytes of ``spec.pack_state_dict`` over the whole stream."""
+    _synchronize(device)
     t = time.perf_counter()
     nbytes = 0
-    for _, p in spec.pack_state_dict(trainer_stream(cfg), stacked=stacked):
+    for _, p in spec.pack_state_dict(trainer_stream(cfg, device), stacked=stacked):
         nbytes += p.numel() * p.element_size()
-    torch.cuda.synchronize()
+    _synchronize(device)
     return time.perf_counter() - t, nbytes
 
 
+def model_config(layers: int | None = None, experts: int | None = None) -> dict:
+    """The 30B-A3B config, optionally cut to ``layers`` decoder layers / ``experts`` experts
+    (``--layers`` / ``--experts``: a CPU smoke run or a quick look at one layer's costs)."""
+    cfg = json.loads(MODEL_CONFIG.read_text())
+    for key, value in (("num_hidden_layers", layers), ("num_experts", experts)):
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"--{key.split('_')[-1]} must be >= 1, got {value}")
+            cfg[key] = value
+    cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], cfg["num_experts"])
+    return cfg
+
+
+def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> dict:
+    """The trainer's side of an in-place sync without an engine (``--produce-only``): packing,
+    fingerprints, expert stacking and flat buckets exactly as ``SGLangEngine._buckets`` does
+    them, every bucket consumed and dropped; two syncs, as the engine variants time them.
+    ``fpeach``: fingerprint each expert before stacking (the order before 2026-11-29)."""
+    import hashlib
+
+    import torch
+
+    from megatron_qrl.rollout.base import Checksums
+    from megatron_qrl.rollout_sglang.engine import SGLangEngine, packed_suffixes
+    from megatron_qrl.rollout_sglang.inplace import StreamTracker
+    from megatron_qrl.rollout_sglang.sync_policy import sync_options
+
+    eng = object.__new__(SGLangEngine)  # the bucketing needs no running SGLang
+    (eng.flatten_buckets, eng.prefetch_buckets, eng.direct_expert_loads,
+     eng.stack_experts) = sync_options("inplace", "flat" in opts, 0, "direct" in opts,
+                                       "stacked" in opts)
+    eng.bucket_bytes, eng.fingerprint_rows = bucket_mb * 2**20, "fpeach" not in opts
+    res: dict = {}
+    for version in (1, 2):
+        sent, lap = Checksums(), {}
+        tracker = StreamTracker(packed_suffixes(spec), direct_experts=eng.direct_expert_loads)
+        _synchronize(device)
+        t = time.perf_counter()
+        wire = buckets = 0
+        for items, _, _ in eng._buckets(spec.pack_state_dict(trainer_stream(cfg, device)), sent,
+                                        tracker, torch.device(device), lap):
+            buckets += 1
+            wire += len(items)
+        t1 = time.perf_counter()
+        fingerprints = sent.result()  # the engine's finish: one host transfer
+        _synchronize(device)
+        res[f"produce_s_v{version}"] = round(t1 - t, 2)
+        res[f"finish_s_v{version}"] = round(time.perf_counter() - t1, 2)
+        for part in ("stream_s", "fingerprint_s", "flatten_s"):
+            res[f"{part.removesuffix('_s')}_s_v{version}"] = round(lap.get(part, 0.0), 2)
+        res[f"buckets_v{version}"] = buckets
+    res["request_items"] = wire
+    res["fingerprints"] = len(fingerprints)
+    res["fingerprints_sha256"] = hashlib.sha256(
+        json.dumps(fingerprints, sort_keys=True).encode()).hexdigest()[:16]
+    return res
+
+
+OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach")
+
+
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
-          pack_only: bool = False) -> dict:
+          pack_only: bool = False, produce_only: bool = False, device: str = "cuda",
+          layers: int | None = None, experts: int | None = None) -> dict:
     import torch
 
     from megatron_qrl.quant import get_spec
@@ -106,22 +179,30 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
 
     fmt, sync = variant.split(":")
     sync, *opts = sync.split("+")  # FMT:inplace+flat+prefetch -> flattened, prefetched buckets
-    unknown = set(opts) - {"flat", "prefetch", "direct", "stacked"}
+    unknown = set(opts) - set(OPTIONS)
     if unknown:
         raise ValueError(f"variant {variant!r}: unknown options {sorted(unknown)} "
-                         "(flat, prefetch, direct, stacked)")
-    cfg = json.loads(MODEL_CONFIG.read_text())
+                         f"({', '.join(OPTIONS)})")
+    if produce_only and sync != "inplace":
+        raise ValueError(f"variant {variant!r}: --produce-only times the in-place sync's "
+                         "trainer side; use FMT:inplace+...")
+    cfg = model_config(layers, experts)
     spec = get_spec(fmt)
     res: dict = {"variant": variant}
-    seconds, nbytes = time_pack(spec, cfg)
+    seconds, nbytes = time_pack(spec, cfg, device=device)
     res["pack_s"] = round(seconds, 2)
     res["packed_gb"] = round(nbytes / 1e9, 2)
     if pack_compare:
-        one, _ = time_pack(spec, cfg, stacked=False)
+        one, _ = time_pack(spec, cfg, stacked=False, device=device)
         res["pack_one_s"] = round(one, 2)
         res["pack_speedup"] = round(one / seconds, 2)
+    if produce_only:
+        return res | {"device": device} | produce(spec, cfg, opts, bucket_mb, device)
     if pack_only:
         return res
+    if device != "cuda" or layers or experts:
+        raise ValueError("--device / --layers / --experts apply to --pack-only and "
+                         "--produce-only (an engine variant runs the whole 30B-A3B on the GPU)")
     d = write_engine_dir(cfg, fmt, root="/tmp")
     kw = {"load_format": "dummy", "mem_fraction_static": 0.55, "random_seed": 0,
           "enable_return_routed_experts": False, "log_level": "warning",
@@ -134,6 +215,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     kw["flatten_buckets"] = "flat" in opts
     kw["direct_expert_loads"] = "direct" in opts
     kw["stack_experts"] = "stacked" in opts  # SGLangEngine refuses it without +direct
+    if "fpeach" in opts:
+        raise ValueError(f"variant {variant!r}: fpeach is a --produce-only option")
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
@@ -170,6 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the one-at-a-time pack (stacked=False) and print the ratio")
     p.add_argument("--pack-only", action="store_true",
                    help="time the pack only; start no engine (no SGLang needed)")
+    p.add_argument("--produce-only", action="store_true",
+                   help="time the trainer side of the in-place sync only (pack, fingerprints, "
+                        "stacking, flat buckets); start no engine (no SGLang needed)")
+    p.add_argument("--device", default="cuda", help="--pack-only / --produce-only: the "
+                   "trainer's device (cpu for a smoke run)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="--pack-only / --produce-only: decoder layers (default: all 48)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="--pack-only / --produce-only: experts per layer (default: 128)")
     p.add_argument("--table", type=Path, default=None,
                    help="print the table of a saved --out file instead of running")
     p.add_argument("--plot", type=Path, default=None,
@@ -185,11 +277,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {plot_sync(rows, a.plot)}")
         return 0
     if a.child:
-        return child_main(lambda: child(a.child, a.bucket_mb, a.pack_compare, a.pack_only))
-    flags = [f for f, on in (("--pack-compare", a.pack_compare), ("--pack-only", a.pack_only))
-             if on]
+        return child_main(lambda: child(a.child, a.bucket_mb, a.pack_compare, a.pack_only,
+                                        a.produce_only, a.device, a.layers, a.experts))
+    flags = [f for f, on in (("--pack-compare", a.pack_compare), ("--pack-only", a.pack_only),
+                             ("--produce-only", a.produce_only)) if on]
+    flags += ["--device", a.device]
+    flags += [x for f, v in (("--layers", a.layers), ("--experts", a.experts)) if v is not None
+              for x in (f, str(v))]
     rows = [run_variant([__file__, "--child", v, "--bucket-mb", str(a.bucket_mb), *flags], v,
                         a.out, tag="sync") for v in a.variants.split(",")]
+    if a.produce_only:
+        print(produce_table(rows))
+        return 0
     if a.pack_compare or a.pack_only:
         print("| variant | packed GB | pack s (stacked) | pack s (one at a time) | speedup |\n"
               "|---|---|---|---|---|")
@@ -219,6 +318,26 @@ def sync_table(rows: list[dict]) -> str:
             lines.append(f"| {r['variant']} | {r['packed_gb']} | {r['pack_s']} | {r['sync_s_v1']} "
                          f"| {r['sync_s_v2']} | " + " | ".join(str(r.get(f"{p}_s_v2", ""))
                                                              for p in PARTS) + " |")
+    return "\n".join(lines)
+
+
+def produce_table(rows: list[dict]) -> str:
+    """Markdown of ``--produce-only`` rows: the trainer side of each sync, and whether every
+    variant left the same fingerprints (they must: the same weights, sent differently)."""
+    parts = ("produce", "stream", "fingerprint", "flatten", "finish")
+    lines = ["| variant | device | packed GB | " + " | ".join(f"{p} s (1st / 2nd)" for p in parts)
+             + " | request items | fingerprints |", "|---|---|---|" + "---|" * (len(parts) + 2)]
+    shas = set()
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:80]} |" + " |" * (len(parts) + 3))
+            continue
+        shas.add(r["fingerprints_sha256"])
+        lines.append(f"| {r['variant']} | {r['device']} | {r['packed_gb']} | " + " | ".join(
+            f"{r[f'{p}_s_v1']} / {r[f'{p}_s_v2']}" for p in parts)
+            + f" | {r['request_items']} | {r['fingerprints']} ({r['fingerprints_sha256']}) |")
+    if len(shas) > 1:
+        lines.append(f"\nFINGERPRINTS DIFFER between variants: {sorted(shas)}")
     return "\n".join(lines)
 
 

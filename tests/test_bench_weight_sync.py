@@ -40,3 +40,45 @@ def test_missing_table_file_names_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--table", str(tmp_path / "nope.jsonl")])
     assert "--table" in capsys.readouterr().err
+
+
+TINY = {"hidden_size": 64, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts": 4, "moe_intermediate_size": 32, "vocab_size": 96, "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_produce_only_variants_leave_the_same_fingerprints(fmt):
+    """The trainer side of an in-place sync without an engine: every variant sends the same
+    weights, so the engine would hold the same fingerprints (the rows of each stack equal
+    each expert fingerprinted alone); stacking puts fewer items on the wire."""
+    from bench.weight_sync import produce, produce_table
+    from megatron_qrl.quant import get_spec
+
+    spec = get_spec(fmt)
+    rows = {opts: produce(spec, TINY, opts.split("+"), 1, "cpu") for opts in
+            ("flat+direct+stacked", "flat+direct+stacked+fpeach", "flat", "direct")}
+    assert len({r["fingerprints_sha256"] for r in rows.values()}) == 1
+    assert len({r["fingerprints"] for r in rows.values()}) == 1
+    assert rows["flat+direct+stacked"]["request_items"] == rows["flat+direct+stacked+fpeach"][
+        "request_items"] < rows["direct"]["request_items"]
+    assert all(r["buckets_v2"] >= 1 and r["produce_s_v2"] >= 0 for r in rows.values())
+    table = produce_table([r | {"variant": f"{fmt}:inplace+{o}", "device": "cpu",
+                                "packed_gb": 0.0} for o, r in rows.items()])
+    assert "DIFFER" not in table and table.count(f"| {fmt}:inplace+") == 4
+    bad = produce_table([rows["flat"] | {"variant": "a", "device": "cpu", "packed_gb": 0},
+                         rows["flat"] | {"variant": "b", "device": "cpu", "packed_gb": 0,
+                                         "fingerprints_sha256": "0" * 16}])
+    assert "FINGERPRINTS DIFFER between variants" in bad
+
+
+def test_produce_only_refuses_what_it_cannot_time():
+    from bench.weight_sync import child, model_config
+
+    with pytest.raises(ValueError, match="--produce-only times the in-place sync"):
+        child("fp8:tensor", 1, produce_only=True, device="cpu")
+    with pytest.raises(ValueError, match="unknown options.*fpeach"):
+        child("fp8:inplace+fast", 1, produce_only=True, device="cpu")
+    with pytest.raises(ValueError, match="--layers must be >= 1"):
+        model_config(layers=0)
+    cut = model_config(layers=1, experts=4)
+    assert cut["num_hidden_layers"] == 1 and cut["num_experts"] == cut["num_experts_per_tok"] == 4

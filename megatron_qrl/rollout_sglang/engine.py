@@ -146,6 +146,10 @@ class SGLangEngine(RolloutEngine):
         """True when SGLang's process-killing SIGQUIT handlers were replaced (main thread)."""
         self._sent: dict[str, str] = {}
         self._version = -1
+        self.fingerprint_rows = True
+        """With ``stack_experts``: the experts' fingerprints are taken as rows of each stack
+        (False: one by one before stacking, the order before 2026-11-29, kept so
+        ``bench/weight_sync.py`` can time both side by side; the fingerprints are equal)."""
         self.last_sync: dict = {}
         """Where the last :meth:`update_weights` went: ``buckets`` sent, wall ``seconds``;
         tensor / in-place syncs add ``request_s`` (waiting on the engine's load requests),
@@ -215,9 +219,13 @@ class SGLangEngine(RolloutEngine):
         (equal bit for bit: :func:`~megatron_qrl.rollout.base.checksum_rows`)."""
         lap = {} if lap is None else lap  # produce_s's parts go there
         wire = timed(stream, lap, "stream_s")
-        if tracker and self.stack_experts:
+        stack = tracker and self.stack_experts
+        rows = getattr(self, "fingerprint_rows", True)
+        if stack and rows:
             wire = expert_stack.stack_experts(wire)
         wire = self._fingerprinted(wire, sent, device, lap)
+        if stack and not rows:
+            wire = expert_stack.stack_experts(wire)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, t in wire:
