@@ -186,6 +186,12 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     if produce_only and sync != "inplace":
         raise ValueError(f"variant {variant!r}: --produce-only times the in-place sync's "
                          "trainer side; use FMT:inplace+...")
+    engine = not (pack_only or produce_only)
+    if engine and (device != "cuda" or layers or experts):
+        raise ValueError("--device / --layers / --experts apply to --pack-only and "
+                         "--produce-only (an engine variant runs the whole 30B-A3B on the GPU)")
+    if engine and "fpeach" in opts:
+        raise ValueError(f"variant {variant!r}: fpeach is a --produce-only option")
     cfg = model_config(layers, experts)
     spec = get_spec(fmt)
     res: dict = {"variant": variant}
@@ -200,9 +206,6 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         return res | {"device": device} | produce(spec, cfg, opts, bucket_mb, device)
     if pack_only:
         return res
-    if device != "cuda" or layers or experts:
-        raise ValueError("--device / --layers / --experts apply to --pack-only and "
-                         "--produce-only (an engine variant runs the whole 30B-A3B on the GPU)")
     d = write_engine_dir(cfg, fmt, root="/tmp")
     kw = {"load_format": "dummy", "mem_fraction_static": 0.55, "random_seed": 0,
           "enable_return_routed_experts": False, "log_level": "warning",
@@ -215,8 +218,6 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     kw["flatten_buckets"] = "flat" in opts
     kw["direct_expert_loads"] = "direct" in opts
     kw["stack_experts"] = "stacked" in opts  # SGLangEngine refuses it without +direct
-    if "fpeach" in opts:
-        raise ValueError(f"variant {variant!r}: fpeach is a --produce-only option")
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})

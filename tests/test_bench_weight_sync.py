@@ -82,3 +82,14 @@ def test_produce_only_refuses_what_it_cannot_time():
         model_config(layers=0)
     cut = model_config(layers=1, experts=4)
     assert cut["num_hidden_layers"] == 1 and cut["num_experts"] == cut["num_experts_per_tok"] == 4
+
+
+def test_engine_variant_options_are_checked_before_any_work():
+    """Options of --produce-only / --pack-only are refused for an engine variant at once
+    (before the 30B pack is timed), naming the option."""
+    from bench.weight_sync import child
+
+    with pytest.raises(ValueError, match="fpeach is a --produce-only option"):
+        child("fp8:inplace+flat+direct+stacked+fpeach", 1)
+    with pytest.raises(ValueError, match="--device / --layers / --experts apply to"):
+        child("fp8:inplace", 1, device="cpu")
