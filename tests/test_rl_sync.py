@@ -145,3 +145,60 @@ def test_add_rows_keeps_the_order_of_names_with_queued_tensors():
         assert list(got.result()) == list(want)
     with pytest.raises(ValueError, match="2 names for a tensor of shape"):
         Checksums().add_rows(rows[:2], stack)
+
+
+class _SentStreamEngine(TinyEngine):
+    """As the in-process SGLang engine: held_checksums are of the stream it was handed."""
+
+    checksums_of_sent_stream = True
+
+    def update_weights(self, named_tensors, version):
+        from megatron_qrl.rollout.base import Checksums
+
+        sums = Checksums()
+        super().update_weights(sums.passing(named_tensors), version)
+        self.sent = sums.result()
+
+    def held_checksums(self):
+        return dict(self.sent)
+
+
+def test_an_engine_fingerprinting_its_own_stream_gets_no_second_manifest(monkeypatch):
+    """No manifest pass for an engine whose fingerprints are of the stream it was handed
+    (they would only compare each tensor with itself); the count and the version check
+    stay, and a name sent twice is still refused. A supervisor answers for its engine."""
+    from megatron_qrl.rollout import base
+    from megatron_qrl.rollout.supervisor import EngineSupervisor
+
+    cfg, weights = _source()
+
+    def no_manifest(self, stream):
+        raise AssertionError("the manifest fingerprinted the stream a second time")
+
+    monkeypatch.setattr(base.WeightManifest, "record", no_manifest)
+    engine = _SentStreamEngine(cfg, "int8", seed=0)
+    res = sync_weights(iter(weights.items()), engine, get_spec("int8"), version=3)
+    assert res.num_tensors == len(engine.held_checksums()) > len(weights)  # weight + scale
+    assert engine.weight_version() == 3
+    supervised = EngineSupervisor(lambda: _SentStreamEngine(cfg, "int8", seed=0),
+                                  lambda e, v: None)
+    assert supervised.checksums_of_sent_stream and not EngineSupervisor(
+        lambda: TinyEngine(cfg, "int8", seed=0), lambda e, v: None).checksums_of_sent_stream
+    assert sync_weights(iter(weights.items()), supervised, get_spec("int8"), 4).num_tensors == \
+        res.num_tensors
+    twice = list(weights.items())
+    twice.append(twice[0])
+    with pytest.raises(WeightSyncError, match="sent twice"):
+        sync_weights(iter(twice), engine, get_spec("bf16"), 5)
+    with pytest.raises(AssertionError, match="second time"):  # every other engine: manifest
+        sync_weights(iter(weights.items()), TinyEngine(cfg, "int8", seed=0), get_spec("int8"), 6)
+
+
+def test_only_the_in_process_sglang_engine_skips_the_manifest():
+    from megatron_qrl.rollout.base import RolloutEngine
+    from megatron_qrl.rollout.ray_actor import RayEngine
+    from megatron_qrl.rollout.reference import ReferenceEngine
+    from megatron_qrl.rollout_sglang.engine import SGLangEngine
+
+    assert SGLangEngine.checksums_of_sent_stream
+    assert not any(c.checksums_of_sent_stream for c in (RolloutEngine, ReferenceEngine, RayEngine))

@@ -110,6 +110,10 @@ class EngineSupervisor(RolloutEngine):
         self._supervised("update_weights",
                          lambda: self.engine.update_weights(named_tensors, version), retry=False)
 
+    @property
+    def checksums_of_sent_stream(self) -> bool:  # the inner engine's (see RolloutEngine)
+        return self.engine.checksums_of_sent_stream
+
     def held_checksums(self) -> dict[str, str]:
         return self._supervised("held_checksums", lambda: self.engine.held_checksums())
 

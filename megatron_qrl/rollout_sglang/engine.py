@@ -83,6 +83,8 @@ def engine_args_for(spec_name: str, is_moe: bool) -> dict:
 class SGLangEngine(RolloutEngine):
     """``sglang.Engine`` in this process, fed QuantSpec-packed weights."""
 
+    checksums_of_sent_stream = True  # held_checksums: what update_weights was handed
+
     def __init__(self, model_path: str | Path, spec_name: str, *, sync: str | None = None,
                  sync_dir: str | Path | None = None, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",
