@@ -18,7 +18,7 @@ same noise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
 from megatron_qrl.quant.spec import QuantSpec
-from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, WeightSyncError
+from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, once_each
 
 __all__ = ["SyncResult", "make_engine", "sync_weights"]
 
@@ -55,7 +55,7 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
     if sigma > 0.0:
         stream = apply_aqn(stream, sigma, AQNConfig.generator(seed, version))
     if engine.checksums_of_sent_stream:
-        engine.update_weights(_once_each(spec.pack_state_dict(stream)), version=version)
+        engine.update_weights(once_each(spec.pack_state_dict(stream)), version=version)
         sent = len(engine.held_checksums())
     else:
         manifest = WeightManifest()
@@ -66,17 +66,6 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
         raise RuntimeError(f"engine reports weight version {engine.weight_version()} after an "
                            f"update to version {version}")
     return SyncResult(version, sent, sigma)
-
-
-def _once_each(stream: Iterable[tuple[str, torch.Tensor]]
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``stream`` unchanged; a name sent twice raises (as :meth:`WeightManifest.record`)."""
-    seen: set[str] = set()
-    for name, t in stream:
-        if name in seen:
-            raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
-        seen.add(name)
-        yield name, t
 
 
 def make_engine(rollout_cfg: Any, hf_config: dict, seed: int) -> RolloutEngine:

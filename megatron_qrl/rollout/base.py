@@ -199,6 +199,17 @@ class Checksums:
                 for name, dt, shape, dev in self._meta}
 
 
+def once_each(stream: Iterable[tuple[str, torch.Tensor]], seen: set[str] | None = None
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream`` unchanged; a name sent twice in one sync (or already in ``seen``) raises."""
+    seen = set() if seen is None else seen
+    for name, t in stream:
+        if name in seen:
+            raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
+        seen.add(name)
+        yield name, t
+
+
 @dataclass
 class WeightManifest:
     """What the trainer sent in one sync: ``name -> checksum``, in send order."""
@@ -208,12 +219,8 @@ class WeightManifest:
     def record(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass ``stream`` through, fingerprinting every tensor (duplicates are an error);
         the fingerprints land in ``checksums`` when the stream is exhausted."""
-        pending, seen = Checksums(), set(self.checksums)
-        for name, t in pending.passing(stream):
-            if name in seen:
-                raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
-            seen.add(name)
-            yield name, t
+        pending = Checksums()
+        yield from once_each(pending.passing(stream), set(self.checksums))
         self.checksums.update(pending.result())
 
     def compare(self, held: dict[str, str]) -> None:
