@@ -253,7 +253,9 @@ class SGLangEngine(RolloutEngine):
             if expert_stack.parse_stacked(name) is None:
                 sent.add(name, t)
             else:  # the experts' own names and fingerprints, from the rows of the stack
-                sent.add_rows([n for n, _ in expert_stack.unstack(name, t)], t)
+                if t.dim() == 0:
+                    expert_stack.expert_views(name, t)  # raises, naming the tensor
+                sent.add_rows(expert_stack.expert_names(name, t.shape[0]), t)
             lap["fingerprint_s"] += time.perf_counter() - t0
             yield name, t
 

@@ -49,8 +49,13 @@ def parse_stacked(name: str) -> tuple[str, str, str] | None:
 
 def expert_name(stacked: str, expert: int) -> str:
     """The per-expert name of index ``expert`` of a stacked name."""
+    return expert_names(stacked, expert + 1)[expert]
+
+
+def expert_names(stacked: str, experts: int) -> list[str]:
+    """The per-expert names of indices ``0 .. experts-1`` of a stacked name (parsed once)."""
     moe, proj, leaf = _parse_or_raise(stacked)
-    return f"{moe}.{expert}.{proj}.{leaf}"
+    return [f"{moe}.{e}.{proj}.{leaf}" for e in range(experts)]
 
 
 def expert_views(name: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -62,8 +67,8 @@ def expert_views(name: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def unstack(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The per-expert ``(name, t[e])`` of a stacked tensor, experts in order (views)."""
-    moe, proj, leaf = _parse_or_raise(name)
-    return [(f"{moe}.{e}.{proj}.{leaf}", v) for e, v in enumerate(expert_views(name, t))]
+    views = expert_views(name, t)
+    return list(zip(expert_names(name, len(views)), views))
 
 
 def unstack_all(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

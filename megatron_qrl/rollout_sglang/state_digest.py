@@ -13,8 +13,8 @@ digests. Unlike comparing generated tokens, this does not assume the engine's ke
 deterministic: on the H200 (2026-11-29) the nvfp4 engine's greedy agreement with the
 reference was 0.953 in one run and 0.969 in the next for the same weights and prompts (the
 other formats repeated to the digit), and its batched-vs-per-tensor token check failed; the
-digest tells a wrong load from a non-deterministic kernel. Costs one pass over the weights per sync: leave it unset
-outside tests.
+digest tells a wrong load from a non-deterministic kernel. Costs one pass over the weights
+per sync: leave it unset outside tests.
 """
 
 from __future__ import annotations
