@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from megatron_qrl.models.export import ExportError, export_quantized
 from megatron_qrl.quant import get_spec
-from megatron_qrl.quant.export import ExportError, export_quantized
 from tests.tiny_hf import make_tiny_hf
 from tools.export_quantized import main as export_main
 

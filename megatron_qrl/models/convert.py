@@ -24,6 +24,7 @@ from megatron_qrl.models.checkpoint import (
 from megatron_qrl.models.hf_config import load_hf_config
 from megatron_qrl.models.hf_io import HFCheckpointReader, copy_side_files, write_safetensors
 from megatron_qrl.models.mapping import count_parameters, expected_hf_shapes
+from megatron_qrl.quant.uaq import apply_uaq
 
 UAQ_CONFIG_KEY = "megatron_qrl_uaq_scale"
 """config.json key recording the UAQ scale already folded into the weights."""
@@ -34,10 +35,6 @@ class UAQAlreadyAppliedError(ValueError):
 
 
 def _uaq_state(reader: HFCheckpointReader, cfg: dict[str, Any], scale: float) -> dict:
-    try:
-        from megatron_qrl.quant.uaq import apply_uaq
-    except ImportError as exc:
-        raise ImportError(f"--uaq-scale needs megatron_qrl.quant.uaq.apply_uaq ({exc})") from exc
     if scale <= 0:
         raise ValueError(f"--uaq-scale must be > 0, got {scale}")
     state = {name: reader.get(name) for name in reader.names()}

@@ -21,12 +21,15 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import targets
-from .spec import QuantizedWeight, QuantSpec
 from .stacked import MAX_STACK_ELEMENTS, Amax, can_stack, fused_amax, quantize_many
+from .weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from .spec import QuantSpec
 
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Input bytes buffered at most before a window is packed (besides the end of a layer)."""
@@ -204,7 +207,7 @@ def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tenso
         stacked = can_stack(spec, weights)
         qs = _quantize_group(spec, kind, names, weights, amaxes, stacked)
         for i, name, q in zip(idx, names, qs):
-            out[i] = spec._pack(targets.module_name(name), q)
+            out[i] = spec.pack_quantized(name, q)
         if stacked:
             _own_storage([out[i] for i in idx])
     return out

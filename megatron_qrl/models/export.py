@@ -14,10 +14,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..models.hf_config import load_hf_config
-from ..models.hf_io import HFCheckpointReader, copy_side_files, write_safetensors
+from ..quant import get_spec
 from ..utils.io import atomic_directory
-from . import get_spec
+from .hf_config import load_hf_config
+from .hf_io import HFCheckpointReader, copy_side_files, write_safetensors
 
 
 class ExportError(ValueError):
