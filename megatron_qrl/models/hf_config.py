@@ -174,5 +174,10 @@ def load_hf_config(hf_dir: str | Path) -> tuple[dict[str, Any], ModelArch]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --hf-dir must be an HF model directory "
                                 "containing config.json and *.safetensors")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{path}: not valid JSON ({exc}); fix or restore the file") from None
+    if not isinstance(cfg, dict):
+        raise UnsupportedModelError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, arch_from_dict(cfg, str(path))
