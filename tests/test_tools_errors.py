@@ -153,3 +153,16 @@ def test_run_tool_keeps_its_api_and_a_bug_keeps_its_traceback(capsys):
     assert capsys.readouterr().err == "t: error: k: not found\n"
     with pytest.raises(ZeroDivisionError):
         run_tool("t", lambda: 1 / 0)
+
+
+@pytest.mark.parametrize("line", ['{"text": "no prompt field"}', '{"prompt": "unterminated'])
+def test_mismatch_report_malformed_prompts(hf, tmp_path, capsys, line):
+    from megatron_qrl.data import CharTokenizer
+
+    CharTokenizer().save(hf, hf=True)  # a tokenizer, so the prompts file is read
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1="}\n' + line + "\n")
+    code, err = run(mismatch_report, ["--hf-dir", str(hf), "--format", "int8", "--out",
+                                      str(tmp_path / "r.png"), "--batch", "2",
+                                      "--prompts", str(prompts)], capsys)
+    one_line(code, err, f"--prompts {prompts}: prompt 2 is a JSON line without a string 'prompt'")

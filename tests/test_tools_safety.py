@@ -200,3 +200,17 @@ def test_quantized_tensors_are_refused_without_a_quantization_config(exports, tm
     assert code == 2 and re.search(r"tensor \S+ is stored as I8.*quantized export", err), err
     code, err = run(to_megatron, ["--hf-dir", str(stripped), "--out", str(tmp_path / "mg")], capsys)
     assert code == 2 and "quantized export" in err and "BF16" in err, err
+
+
+def test_converter_overwrite_replaces_only_its_own_output(workspace, tmp_path, capsys):
+    hf = workspace["hf"]
+    out = tmp_path / "mg"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an earlier conversion\n")
+    (out / MARKER_NAME).write_text(json.dumps({"tool": "export_quantized"}))
+    code, err = run(to_megatron, ["--hf-dir", str(hf), "--out", str(out), "--overwrite"], capsys)
+    assert code == 2 and "written by 'export_quantized'" in err, err
+    (out / MARKER_NAME).write_text(json.dumps({"tool": "convert_hf_to_megatron"}))
+    assert run(to_megatron, ["--hf-dir", str(hf), "--out", str(out), "--overwrite"], capsys)[0] == 0
+    assert not (out / "stale.txt").exists() and (out / "megatron_qrl.json").is_file()
+    assert json.loads((out / MARKER_NAME).read_text())["tool"] == "convert_hf_to_megatron"
