@@ -166,3 +166,23 @@ def test_mismatch_report_malformed_prompts(hf, tmp_path, capsys, line):
                                       str(tmp_path / "r.png"), "--batch", "2",
                                       "--prompts", str(prompts)], capsys)
     one_line(code, err, f"--prompts {prompts}: prompt 2 is a JSON line without a string 'prompt'")
+
+
+@pytest.mark.parametrize("override, key, fields", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be > 0", ("num_hidden_layers",)),
+    ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+     ("num_attention_heads", "num_key_value_heads")),
+])
+def test_unsupported_config_names_the_config_key(hf, tmp_path, capsys, override, key, fields):
+    """The message names config.json's key (not ModelArch's); ``fields`` lets a caller that
+    set the key from a Megatron flag name the flag."""
+    from megatron_qrl.models.hf_config import UnsupportedModelError, arch_from_dict
+
+    cfg = {**json.loads((hf / "config.json").read_text()), **override}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    code, err = run(export_tool, ["--hf-dir", str(hf), "--format", "int8", "--out",
+                                  str(tmp_path / "o")], capsys)
+    one_line(code, err, key)
+    with pytest.raises(UnsupportedModelError) as info:
+        arch_from_dict(cfg)
+    assert getattr(info.value, "fields", None) == fields
