@@ -108,6 +108,21 @@ def test_full_or_read_only_output_disk(hf, tmp_path, capsys, monkeypatch, code_,
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp-*"))
 
 
+def test_full_disk_while_saving_a_megatron_checkpoint(hf, tmp_path, capsys, monkeypatch):
+    """The .distcp writer reports a full disk as text inside a CheckpointException."""
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as writer
+    import torch.distributed.checkpoint.filesystem as torch_writer
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "shard.distcp"))
+
+    monkeypatch.setattr(writer, "_write_item", fail)
+    monkeypatch.setattr(torch_writer, "_write_item", fail)
+    code, err = run(to_megatron, ["--hf-dir", str(hf), "--out", str(tmp_path / "mg")], capsys)
+    one_line(code, err, "shard.distcp: No space left on device", "file system is full")
+    assert not (tmp_path / "mg").exists() and not list(tmp_path.glob(".mg.tmp-*"))
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "-1e-3"])
 def test_max_shard_gb_must_be_positive(hf, tmp_path, capsys, value):
     code, err = run(export_tool, ["--hf-dir", str(hf), "--format", "int8", "--out",

@@ -11,6 +11,7 @@ Layout of a checkpoint directory::
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from megatron_qrl.models.hf_io import CheckpointReadError
 
 METADATA_NAME = "megatron_qrl.json"
 FORMAT = "megatron_qrl.dist_ckpt.v1"
+_ERRNO_TEXT = re.compile(r"\[Errno (?P<errno>\d+)\] (?P<msg>[^:\n]+)(?:: '(?P<file>[^'\n]*)')?")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,7 +66,13 @@ def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, metadata: dict[
     model_dir = Path(out_dir) / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     with cuda_synchronize_noop():
-        dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+        try:
+            dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+        except (Exception, CheckpointException) as exc:
+            os_error = _os_error(exc)  # a full / read-only disk: the OSError, for one line
+            if os_error is None:
+                raise
+            raise os_error from exc
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         meta = {"format": FORMAT, **metadata}
         (Path(out_dir) / METADATA_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -85,6 +93,27 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
             "metadata file is truncated or corrupted, or belongs to another model: convert the "
             "model again") from exc
     model.load_state_dict(state, strict=True)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed save, or None: found in a CheckpointException's failures,
+    their ``__cause__`` chain, or — where the writer process's "Worker failure" reached us as
+    text — rebuilt from the standard ``[Errno N] message: 'file'`` form."""
+    failures = getattr(exc, "failures", None)
+    todo = [f[0] for f in failures.values()] if isinstance(failures, dict) else [exc]
+    seen = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        found = _ERRNO_TEXT.search(str(e))
+        if found:
+            return OSError(int(found["errno"]), found["msg"], found["file"])
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def _cause(exc: BaseException) -> str:
