@@ -88,7 +88,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, uaq_scale: float
             f"({UAQ_CONFIG_KEY}); drop --uaq-scale (re-applying would compound the scaling)")
     get_tensor = _finite_reads(reader.get, hf_dir)
     if uaq_scale is not None:
-        get_tensor = _uaq_state(_finite_reads(reader.get, hf_dir), reader, cfg, uaq_scale).__getitem__
+        get_tensor = _uaq_state(get_tensor, reader, cfg, uaq_scale).__getitem__
         cfg = {**cfg, UAQ_CONFIG_KEY: uaq_scale}
     # the stored dtype, not config.json's: the conversion must be bit-exact
     dtype = reader.dtype("model.embed_tokens.weight")

@@ -40,6 +40,8 @@ class QuantizedCheckpointError(ValueError):
 
 _USE_BF16 = ("Its tensors are quantized codes and scales, which this tool would misread as "
              "weights; pass the BF16 checkpoint it was exported from")
+_CODE_DTYPES = ("I", "U", "F8", "F6", "F4")
+"""safetensors dtype codes of quantized codes (integers, packed integers, FP8/FP6/FP4)."""
 _PACKED_LEAF = re.compile(r"(_scale|_scale_inv|_scale_2|_packed|_shape|zero_point|_g_idx)$")
 """Tensor-name endings of quantization leaves (ModelOpt, compressed-tensors, FP8 exports)."""
 
@@ -141,7 +143,7 @@ class HFCheckpointReader:
     def check_full_precision(self) -> None:
         """Raise :class:`QuantizedCheckpointError` naming a tensor stored as codes (int / fp8)."""
         for name, code in self._code_of.items():
-            if code not in _SAFETENSORS_DTYPES:
+            if code.startswith(_CODE_DTYPES):
                 raise QuantizedCheckpointError(
                     f"{self._file_of[name]}: tensor {name} is stored as {code}, not as a "
                     f"floating-point weight: {self.hf_dir} is a quantized export. {_USE_BF16}")
