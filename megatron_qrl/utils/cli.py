@@ -15,13 +15,14 @@ import argparse
 import errno
 import math
 import os
-import re
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["USER_ERRORS", "debug_enabled", "one_line_error", "positive_float", "positive_int",
+from .argparse_negative import allow_negative_numbers
+
+__all__ = ["USER_ERRORS", "allow_negative_numbers", "debug_enabled", "one_line_error", "positive_float", "positive_int",
            "run_tool", "tool_parser"]
 
 # mistakes a user fixes by changing a flag or a file (a bug elsewhere keeps its traceback)
@@ -82,22 +83,10 @@ def run_tool(tool: str, fn: Callable[[], Path | None], debug: bool | None = None
     return 0
 
 
-_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
-
-
-class _ToolParser(argparse.ArgumentParser):
-    """``argparse`` that reads ``-1e-3`` / ``-inf`` after a flag as its value, not as a flag
-    (stock 3.11 only knows ``-1`` and ``-1.5``: ``expected one argument``)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._negative_number_matcher = _NEGATIVE_NUMBER
-
-
 def tool_parser(description: str | None = None, **kwargs) -> argparse.ArgumentParser:
     """A tool's argument parser: negative numbers as values, ``--debug`` for tracebacks."""
     kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-    parser = _ToolParser(description=description, **kwargs)
+    parser = allow_negative_numbers(argparse.ArgumentParser(description=description, **kwargs))
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error (also: env {DEBUG_ENV}=1)")
     return parser
