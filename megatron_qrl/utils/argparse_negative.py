@@ -6,8 +6,8 @@ should not spend before it parses its flags.)
 Why: Python 3.11's argparse recognises only ``-1`` and ``-1.5`` as negative numbers
 (``_ActionsContainer._negative_number_matcher = r'^-\\d+$|^-\\d*\\.\\d+$'``, set per parser in
 ``__init__``), so ``--qrl-lr -1e-3`` or ``--uaq-scale -1e-3`` fails with ``expected one
-argument`` instead of reaching the flag's own check. Python 3.12.7+ / 3.13 match
-``-\\.?\\d`` and already accept these. The fix sets that (private, per-instance) attribute on
+argument`` instead of reaching the flag's own check (later CPython releases widen the
+pattern). The fix sets that (private, per-instance) attribute on
 one parser; nothing global is patched. Versions: CPython 3.11 (harmless on later versions).
 """
 
