@@ -22,8 +22,8 @@ from pathlib import Path
 
 from .argparse_negative import allow_negative_numbers
 
-__all__ = ["USER_ERRORS", "allow_negative_numbers", "debug_enabled", "one_line_error", "positive_float", "positive_int",
-           "run_tool", "tool_parser"]
+__all__ = ["USER_ERRORS", "allow_negative_numbers", "debug_enabled", "one_line_error",
+           "positive_float", "positive_int", "run_tool", "tool_parser"]
 
 # mistakes a user fixes by changing a flag or a file (a bug elsewhere keeps its traceback)
 USER_ERRORS = (FileNotFoundError, FileExistsError, ValueError, KeyError, ImportError)
@@ -50,8 +50,7 @@ def debug_enabled(debug: bool | None = None) -> bool:
 
 def one_line_error(exc: BaseException) -> str | None:
     """The one-line message for a user error, or None when ``exc`` is a bug."""
-    if isinstance(exc, OSError) and exc.errno in _DISK_HINTS \
-            and not isinstance(exc, FileNotFoundError):
+    if isinstance(exc, OSError) and exc.errno in _DISK_HINTS:
         where = f"{exc.filename}: " if exc.filename else ""
         msg = f"{where}{exc.strerror or exc} ({_DISK_HINTS[exc.errno]})"
     elif isinstance(exc, KeyError) and exc.args:
