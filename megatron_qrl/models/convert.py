@@ -95,8 +95,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, uaq_scale: float
     meta = {"architecture": arch.architecture, "dtype": str(dtype).removeprefix("torch."),
             "saved_layout": {"tp": 1, "ep": 1}, "uaq_scale": cfg.get(UAQ_CONFIG_KEY),
             "source": str(hf_dir.resolve())}
-    with single_process_megatron(), safe_output_dir(out, [hf_dir], tool=TO_MEGATRON,
-                                                    overwrite=overwrite) as tmp:
+    with safe_output_dir(out, [hf_dir], tool=TO_MEGATRON, overwrite=overwrite) as tmp, \
+            single_process_megatron():
         model = build_model(arch, params_dtype=dtype)
         names = [n for n, _ in model.named_parameters()]
         with tqdm(total=len(names), desc="HF -> Megatron", disable=not show_progress) as bar:
@@ -121,8 +121,8 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out: str | Path,
     megatron_dir = Path(megatron_dir)
     meta, _, arch = read_metadata(megatron_dir)
     n_tensors = len(expected_hf_shapes(arch))
-    with single_process_megatron(), safe_output_dir(out, [megatron_dir], tool=TO_HF,
-                                                    overwrite=overwrite) as tmp:
+    with safe_output_dir(out, [megatron_dir], tool=TO_HF, overwrite=overwrite) as tmp, \
+            single_process_megatron():
         model = build_model(arch, params_dtype=DTYPES[meta["dtype"]])
         load_checkpoint(model, megatron_dir)
         pairs = tqdm(_finite_pairs(iter_hf_tensors(model, arch), megatron_dir), total=n_tensors,
