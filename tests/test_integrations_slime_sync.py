@@ -162,6 +162,7 @@ def test_aqn_noise_on_the_rollout_copy_only(clean_shim):
 def test_init_hook_installs_and_checks_uaq(clean_shim, tmp_path):
     from megatron_qrl.config import QrlArgumentError
     from megatron_qrl.integrations.slime.hooks import qrl_megatron_init
+    from megatron_qrl.integrations.slime.options import SPEC
     from megatron_qrl.integrations.slime.quantizer import installed_quantizer
     from megatron_qrl.models.convert import UAQ_CONFIG_KEY
 
@@ -174,8 +175,14 @@ def test_init_hook_installs_and_checks_uaq(clean_shim, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     with pytest.raises(QrlArgumentError, match="UAQ is applied once, offline"):
         qrl_megatron_init(slime_args(qrl_uaq_scale=1.5, **base))
+    with pytest.raises(QrlArgumentError, match="cannot run inside slime 0.3.1 yet.*qwen3moe.py"):
+        qrl_megatron_init(slime_args(qrl_rollout_format="int8", qrl_train_forward="aligned",
+                                     spec=SPEC, **base))
     (tmp_path / "config.json").write_text(json.dumps({UAQ_CONFIG_KEY: 1.5}))
     qrl_megatron_init(slime_args(qrl_uaq_scale=1.5, **base))
+    with pytest.raises(QrlArgumentError, match="cannot run inside slime 0.3.1 yet.*qwen3moe.py"):
+        qrl_megatron_init(slime_args(qrl_rollout_format="int8", qrl_train_forward="aligned",
+                                     spec=SPEC, **base))
 
 
 def spec_args(**kw):

@@ -48,11 +48,24 @@ def check_uaq_once(opts: SlimeQrlOptions, hf_checkpoint: str | None) -> None:
                                f"{UAQ_CONFIG_KEY}={recorded!r}; UAQ is applied once, offline: {how}")
 
 
+ALIGNED_IN_SLIME = (
+    "--qrl-train-forward aligned cannot run inside slime 0.3.1 yet: the aligned layer spec "
+    "unfuses Transformer Engine's norm+QKV linear and runs grouped experts one by one, which "
+    "renames parameters (input_layernorm.weight, mlp.experts.local_experts.N.linear_fc1.weight); "
+    "slime's weight sync converts only TE-fused names (self_attention.linear_qkv."
+    "layer_norm_weight, mlp.experts.linear_fc1.weightN in megatron_to_hf/qwen3moe.py) and would "
+    "fail at the first sync, and its torch_dist checkpoints hold the TE names. Use "
+    "--qrl-train-forward bf16 (the off-policy losses correct the mismatch) until the aligned "
+    "linears exist as Transformer Engine modules that keep TE's parameter names")
+
+
 def qrl_megatron_init(args: Any) -> None:
     """slime ``--custom-megatron-init-path`` hook (see the module docstring)."""
     from megatron_qrl.integrations.slime.quantizer import install_quantizer
 
     opts = slime_options(args)
+    if opts.train.forward == "aligned":
+        raise QrlArgumentError(ALIGNED_IN_SLIME)
     check_uaq_once(opts, getattr(args, "hf_checkpoint", None))
     if opts.rollout.spec.quantizes_weights or opts.aqn.enabled:
         install_quantizer(opts.rollout.format, opts.aqn, opts.run.seed,

@@ -9,6 +9,10 @@ the project's layer-spec swap (:func:`megatron_qrl.te_quant.aligned_spec_hook`) 
 patched: the aligned linears are ``ColumnParallelLinear`` / ``RowParallelLinear`` subclasses
 built by the spec, one :class:`~megatron_qrl.te_quant.AlignedForwardState` per model chunk,
 found again by :func:`aligned_states` (the hooks drive it).
+
+Status with slime 0.3.1: the swap renames TE-fused parameters (see
+``hooks.ALIGNED_IN_SLIME``), which slime's weight converter rejects, so the init hook refuses
+``--qrl-train-forward aligned`` for now; the spec and the hooks are tested on megatron-core.
 """
 
 from __future__ import annotations
