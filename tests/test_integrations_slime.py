@@ -310,3 +310,35 @@ def test_launcher_parses_a_real_slime_command_line(monkeypatch):
             "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64"]
     args = parse(argv)
     assert (args.qrl_loss_kind, args.qrl_loss_tis_cap, args.loss_type) == ("acr", 3.0, "custom_loss")
+
+
+def test_example_script_qrl_block_is_valid():
+    """examples/slime/run_qwen3_30b_a3b_qrl.sh: its QRL_ARGS parse, validate against the slime
+    flags next to them, and every dotted path in the script names a function here."""
+    import importlib
+    import re
+    import shlex
+
+    from megatron_qrl.config import add_qrl_args
+    from megatron_qrl.integrations.slime.options import slime_options
+
+    text = (Path(__file__).resolve().parent.parent / "examples" / "slime"
+            / "run_qwen3_30b_a3b_qrl.sh").read_text()
+    block = text.split("QRL_ARGS=(", 1)[1].split("\n)", 1)[0]
+    tokens = shlex.split("\n".join(line.split("#")[0] for line in block.splitlines()))
+    tokens = [t.replace("${FORMAT}", "fp8_block") for t in tokens]
+    args, rest = add_qrl_args(argparse.ArgumentParser()).parse_known_args(tokens)
+    for flag, value in zip(rest, rest[1:] + ["--"]):
+        if flag.startswith("--"):
+            setattr(args, flag[2:].replace("-", "_"), True if value.startswith("--") else value)
+    for key, value in vars(slime_args()).items():
+        if not key.startswith("qrl_") and not hasattr(args, key):
+            setattr(args, key, value)
+    opts = slime_options(args)
+    assert (opts.loss.kind, opts.rollout.format, opts.routing.replay) == ("acr", "fp8_block", "all")
+    paths = set(re.findall(r"megatron_qrl\.integrations\.slime\.[\w.]+", text)) - {
+        "megatron_qrl.integrations.slime.launch"}
+    assert len(paths) == 5
+    for path in paths:
+        module, name = path.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), name)), path

@@ -36,7 +36,7 @@ def check_uaq_once(opts: SlimeQrlOptions, hf_checkpoint: str | None) -> None:
     if not opts.uaq.enabled:
         return
     how = (f"apply it once with `python tools/convert_hf_to_megatron.py --hf-dir HF --out M "
-           f"--uaq-scale {opts.uaq.scale}` + `python tools/convert_megatron_to_hf.py`, then "
+           f"--uaq-scale {opts.uaq.scale}` + `python tools/convert_megatron_to_hf.py --megatron-dir M --out HF2`, then "
            "convert that HF directory for slime (and export the rollout format from it)")
     cfg_path = Path(hf_checkpoint or "") / "config.json"
     if not hf_checkpoint or not cfg_path.is_file():
