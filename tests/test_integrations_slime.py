@@ -342,3 +342,64 @@ def test_example_script_qrl_block_is_valid():
     for path in paths:
         module, name = path.rsplit(".", 1)
         assert callable(getattr(importlib.import_module(module), name)), path
+
+
+def _cp2_body(rank, world_size, port, kinds):
+    """One rank of CP = 2: slime's zigzag slices of the logits and of every per-token input."""
+    import datetime
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp, slice_with_cp
+    from slime.backends.megatron_utils.loss import loss_function
+
+    from megatron_qrl.compat import cpu_device_mode, enable_cpu_megatron
+
+    enable_cpu_megatron()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    out = {}
+    try:
+        with cpu_device_mode():
+            for kind in kinds:
+                batch, logits, _ = packed_batch(seed=30 + KINDS.index(kind))
+                starts = [sum(batch["total_lengths"][:i]) for i in range(len(PROMPTS))]
+                spans = [(s, s + t) for s, t in zip(starts, batch["total_lengths"])]
+                local = torch.cat([slice_with_cp(logits[0, a:b].detach(), 0.0) for a, b in spans])
+                index = torch.cat([slice_with_cp(torch.arange(a, b), -1) for a, b in spans])
+                local = local[None].clone().requires_grad_()
+                cp = dict(batch)
+                for key in ("log_probs", "rollout_log_probs", "advantages", "ref_log_probs"):
+                    cp[key] = [slice_log_prob_with_cp(x, t, r) for x, t, r in
+                               zip(batch[key], batch["total_lengths"], batch["response_lengths"])]
+                args = slime_args(qrl_loss_kind=kind, qrl_loss_aggregation="seq_mean_token_mean",
+                                  qrl_loss_kl_coef=0.05, ref_load="/ref")
+                loss, _, _ = loss_function(args, cp, 1, len(PROMPTS), local)
+                loss.backward()
+                out[kind] = {"loss": loss.detach(), "grad": local.grad[0], "index": index}
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+def test_custom_loss_with_context_parallel_2_equals_cp1():
+    """CP = 2 (slime's zigzag layout, two gloo ranks): the mean of the ranks' losses and the
+    ranks' gradients (averaged as Megatron does over the DP x CP group) equal the CP = 1
+    reference on the whole sequences, for every kind (tbpo gathers whole sequences)."""
+    from tests.mp_utils import run_distributed
+
+    results = run_distributed(_cp2_body, 2, KINDS, timeout_s=600)
+    for kind in KINDS:
+        batch, logits, pad = packed_batch(seed=30 + KINDS.index(kind))
+        want, _ = reference(pad, kind, "seq_mean_token_mean", 0.05)
+        (grad_want,) = torch.autograd.grad(want, logits)
+        got = sum(r[kind]["loss"] for r in results) / 2
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=kind)
+        for r in results:
+            owned = r[kind]["index"] >= 0
+            torch.testing.assert_close(r[kind]["grad"][owned] / 2,
+                                       grad_want[0, r[kind]["index"][owned]],
+                                       rtol=1e-4, atol=1e-7, msg=kind)
