@@ -23,14 +23,10 @@ SLIME_DIRNAME = ("shared", "third_party", "slime-0.3.1")
 
 def find_slime_src() -> Path | None:
     """The slime 0.3.1 source folder ($SLIME_SRC, else the first ancestor holding it)."""
-    if os.environ.get("SLIME_SRC"):
-        return Path(os.environ["SLIME_SRC"])
     repo = Path(__file__).resolve().parent.parent
-    for parent in (repo, *repo.parents):
-        candidate = parent.joinpath(*SLIME_DIRNAME)
-        if (candidate / "slime" / "__init__.py").is_file():
-            return candidate
-    return None
+    candidates = ([Path(os.environ["SLIME_SRC"])] if os.environ.get("SLIME_SRC") else
+                  [parent.joinpath(*SLIME_DIRNAME) for parent in (repo, *repo.parents)])
+    return next((c for c in candidates if (c / "slime" / "__init__.py").is_file()), None)
 
 
 def slime_skip_reason() -> str | None:
@@ -38,8 +34,9 @@ def slime_skip_reason() -> str | None:
     src = find_slime_src()
     if importlib.util.find_spec("slime") is None:
         if src is None:
-            return (f"slime 0.3.1 source not found: no {'/'.join(SLIME_DIRNAME)} above "
-                    f"{Path(__file__).resolve().parent.parent} and no $SLIME_SRC")
+            where = os.environ.get("SLIME_SRC") or (f"{'/'.join(SLIME_DIRNAME)} above "
+                                                     f"{Path(__file__).resolve().parent.parent}")
+            return f"slime 0.3.1 source not found (looked at $SLIME_SRC or {where})"
         sys.path.insert(0, str(src))
     try:
         import slime.backends.megatron_utils.loss  # noqa: F401  (needs httpx)
