@@ -400,3 +400,17 @@ def test_custom_loss_with_context_parallel_2_equals_cp1():
             torch.testing.assert_close(r[kind]["grad"][owned] / 2,
                                        grad_want[0, r[kind]["index"][owned]],
                                        rtol=1e-4, atol=1e-7, msg=kind)
+
+
+def test_launcher_loads_train_py(monkeypatch, tmp_path):
+    """slime's train.py is loaded from $SLIME_TRAIN_PY (else beside the slime package; its
+    imports need wandb / sglang, so the real one loads on the GPU image only)."""
+    from megatron_qrl.integrations.slime.launch import slime_train
+
+    script = tmp_path / "train.py"
+    script.write_text("def train(args):\n    return ('trained', args)\n")
+    monkeypatch.setenv("SLIME_TRAIN_PY", str(script))
+    assert slime_train()(7) == ("trained", 7)
+    monkeypatch.setenv("SLIME_TRAIN_PY", str(tmp_path / "missing.py"))
+    with pytest.raises(FileNotFoundError, match="SLIME_TRAIN_PY"):
+        slime_train()
