@@ -242,9 +242,12 @@ def test_options_from_yaml_keys_and_slime_flags():
             slime_options(slime_args(**kw))
 
 
-def test_error_token_postprocess_folds_mask(megatron):
-    from megatron_qrl.integrations.slime.postprocess import qrl_rollout_data_postprocess
+POSTPROCESS = "megatron_qrl.integrations.slime.postprocess.qrl_rollout_data_postprocess"
 
+
+def error_token_data():
+    """Two samples: one with a 14-token repetition and one improbable token, one clean; the
+    loss masks the post-process must produce."""
     prompt, resp = 3, 30
     tokens = torch.cat([torch.tensor([1, 2, 3]), torch.arange(10) % 7 + 20,
                         torch.full((14,), 5), torch.arange(6) + 40])
@@ -256,16 +259,21 @@ def test_error_token_postprocess_folds_mask(megatron):
             "response_lengths": [resp] * 2, "loss_masks": [torch.ones(resp, dtype=torch.int)] * 2,
             "log_probs": [lprox, torch.full((resp,), -1.0)],
             "rollout_log_probs": [lbehav, torch.full((resp,), -1.0)]}
-    args = slime_args(qrl_loss_aggregation="seq_mean_token_mean", qrl_error_tokens_action="mask",
-                      rollout_data_postprocess_path="megatron_qrl.integrations.slime.postprocess."
-                                                    "qrl_rollout_data_postprocess")
-    qrl_rollout_data_postprocess(args, 0, data)
     want = torch.ones(resp, dtype=torch.int)
     want[10:24] = 0  # the run of 14 identical tokens
     want[2] = 0
-    assert data["loss_masks"][0].dtype == torch.int
-    assert torch.equal(data["loss_masks"][0], want)
-    assert torch.equal(data["loss_masks"][1], torch.ones(resp, dtype=torch.int))
+    return data, [want, torch.ones(resp, dtype=torch.int)]
+
+
+def test_error_token_postprocess_folds_mask(megatron):
+    from megatron_qrl.integrations.slime.postprocess import qrl_rollout_data_postprocess
+
+    data, want = error_token_data()
+    args = slime_args(qrl_loss_aggregation="seq_mean_token_mean", qrl_error_tokens_action="mask",
+                      rollout_data_postprocess_path=POSTPROCESS)
+    qrl_rollout_data_postprocess(args, 0, data)
+    assert all(m.dtype == torch.int for m in data["loss_masks"])
+    assert all(torch.equal(g, w) for g, w in zip(data["loss_masks"], want))
     assert data["qrl_error_token_rate"] == pytest.approx([15 / 30, 0.0])
     assert data["qrl_error_seq_rate"] == [1.0, 0.0]
 
@@ -375,6 +383,16 @@ def _cp2_body(rank, world_size, port, kinds):
                 loss, _, _ = loss_function(args, cp, 1, len(PROMPTS), local)
                 loss.backward()
                 out[kind] = {"loss": loss.detach(), "grad": local.grad[0], "index": index}
+            from megatron_qrl.integrations.slime.postprocess import qrl_rollout_data_postprocess
+
+            data, _ = error_token_data()
+            for key in ("log_probs", "rollout_log_probs"):
+                data[key] = [slice_log_prob_with_cp(x, t, r) for x, t, r in
+                             zip(data[key], data["total_lengths"], data["response_lengths"])]
+            qrl_rollout_data_postprocess(slime_args(
+                qrl_loss_aggregation="seq_mean_token_mean", qrl_error_tokens_action="mask",
+                rollout_data_postprocess_path=POSTPROCESS), 0, data)
+            out["error_masks"] = data["loss_masks"]
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -385,10 +403,14 @@ def _cp2_body(rank, world_size, port, kinds):
 def test_custom_loss_with_context_parallel_2_equals_cp1():
     """CP = 2 (slime's zigzag layout, two gloo ranks): the mean of the ranks' losses and the
     ranks' gradients (averaged as Megatron does over the DP x CP group) equal the CP = 1
-    reference on the whole sequences, for every kind (tbpo gathers whole sequences)."""
+    reference on the whole sequences, for every kind (tbpo gathers whole sequences); the
+    error-token post-process gives the CP = 1 masks."""
     from tests.mp_utils import run_distributed
 
     results = run_distributed(_cp2_body, 2, KINDS, timeout_s=600)
+    _, want_masks = error_token_data()  # the error-token post-process gathers over CP too
+    for r in results:
+        assert all(torch.equal(g, w) for g, w in zip(r["error_masks"], want_masks))
     for kind in KINDS:
         batch, logits, pad = packed_batch(seed=30 + KINDS.index(kind))
         want, _ = reference(pad, kind, "seq_mean_token_mean", 0.05)
