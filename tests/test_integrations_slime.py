@@ -215,6 +215,7 @@ def test_custom_tis_refuses_unweighted_kinds():
 
 def test_options_from_yaml_keys_and_slime_flags():
     from megatron_qrl.config import QrlArgumentError
+    from megatron_qrl.integrations.slime import options as o
     from megatron_qrl.integrations.slime.options import POSTPROCESS_PATH, SPEC, slime_options
 
     opts = slime_options(slime_args(qrl_loss_kind="acr", qrl_loss_aggregation="seq_mean_token_mean",
@@ -232,6 +233,10 @@ def test_options_from_yaml_keys_and_slime_flags():
          POSTPROCESS_PATH),
         (dict(qrl_loss_aggregation="seq_mean_token_mean", qrl_rollout_format="int8",
               qrl_train_forward="aligned"), " ".join(SPEC)),
+        (dict(qrl_loss_aggregation="seq_mean_token_mean", qrl_rollout_format="w4a16"),
+         "--qrl-rollout-format w4a16 need the init hook.*--custom-megatron-init-path"),
+        (dict(qrl_loss_aggregation="seq_mean_token_mean", qrl_aqn_enabled=True,
+              custom_megatron_init_path=o.INIT_PATH), "--custom-megatron-before-train-step-hook"),
         (dict(qrl_loss_aggregation="seq_mean_token_mean", qrl_routing_replay="all"),
          "--use-rollout-routing-replay"),
         (dict(qrl_loss_kind="tbpo", qrl_loss_aggregation="token_mean",

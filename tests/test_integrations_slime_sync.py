@@ -167,7 +167,8 @@ def test_init_hook_installs_and_checks_uaq(clean_shim, tmp_path):
     from megatron_qrl.models.convert import UAQ_CONFIG_KEY
 
     base = dict(qrl_loss_aggregation="seq_mean_token_mean", num_rollout=5,
-                hf_checkpoint=str(tmp_path))
+                hf_checkpoint=str(tmp_path),
+                custom_megatron_init_path="megatron_qrl.integrations.slime.hooks.qrl_megatron_init")
     qrl_megatron_init(slime_args(**base))
     assert installed_quantizer() is None  # bf16, no AQN: slime's own sync untouched
     qrl_megatron_init(slime_args(qrl_rollout_format="fp8", **base))
@@ -187,6 +188,8 @@ def test_init_hook_installs_and_checks_uaq(clean_shim, tmp_path):
 
 def spec_args(**kw):
     return slime_args(qrl_loss_aggregation="seq_mean_token_mean", transformer_impl="local",
+                      custom_megatron_init_path="megatron_qrl.integrations.slime.hooks."
+                                                "qrl_megatron_init",
                       num_experts=EXPERTS, moe_grouped_gemm=False, qk_layernorm=True,
                       multi_latent_attention=False, moe_use_legacy_grouped_gemm=False, **kw)
 

@@ -147,6 +147,17 @@ def slime_problems(opts: SlimeQrlOptions, args: Any) -> list[str]:
     if opts.train.forward == "aligned" and list(getattr(args, "spec", None) or []) != SPEC:
         out.append(f"--qrl-train-forward aligned swaps the quantized linears through the layer "
                    f"spec: add --spec {' '.join(SPEC)}")
+    needs_init = [f for f, on in (("--qrl-rollout-format " + opts.rollout.format,
+                                   opts.rollout.spec.quantizes_weights),
+                                  ("--qrl-aqn-enabled", opts.aqn.enabled),
+                                  ("--qrl-uaq-scale", opts.uaq.enabled)) if on]
+    if needs_init and getattr(args, "custom_megatron_init_path", None) != INIT_PATH:
+        out.append(f"{', '.join(needs_init)} need the init hook (weight-sync quantizer, UAQ "
+                   f"check): add --custom-megatron-init-path {INIT_PATH}")
+    if opts.aqn.enabled and getattr(args, "custom_megatron_before_train_step_hook_path",
+                                    None) != BEFORE_TRAIN_STEP_PATH:
+        out.append("--qrl-aqn-enabled steps its noise schedule per rollout: add "
+                   f"--custom-megatron-before-train-step-hook-path {BEFORE_TRAIN_STEP_PATH}")
     if (opts.error_tokens.action != "none"
             and getattr(args, "rollout_data_postprocess_path", None) != POSTPROCESS_PATH):
         out.append(f"--qrl-error-tokens-action {opts.error_tokens.action} folds the error-token "
