@@ -67,9 +67,12 @@ def qrl_megatron_init(args: Any) -> None:
     if opts.train.forward == "aligned":
         raise QrlArgumentError(ALIGNED_IN_SLIME)
     check_uaq_once(opts, getattr(args, "hf_checkpoint", None))
+    total = getattr(args, "num_rollout", None)
+    if opts.aqn.enabled and not total:
+        raise QrlArgumentError("--qrl-aqn-enabled: the noise schedule spans slime's rollouts, "
+                               f"but args.num_rollout is {total!r}; set --num-rollout")
     if opts.rollout.spec.quantizes_weights or opts.aqn.enabled:
-        install_quantizer(opts.rollout.format, opts.aqn, opts.run.seed,
-                          total_steps=getattr(args, "num_rollout", None) or 1)
+        install_quantizer(opts.rollout.format, opts.aqn, opts.run.seed, total_steps=total or 1)
 
 
 def _drive_aligned(args: Any, model: Any) -> None:
