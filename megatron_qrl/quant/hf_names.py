@@ -48,16 +48,27 @@ STACKED = "*"
 
 _ATTN = "q_proj|k_proj|v_proj|o_proj"
 _MLP = "gate_proj|up_proj|down_proj"
-_PROJECTION = re.compile(
-    r"^(?P<prefix>.*\.)(?:"
-    rf"(?P<attn>self_attn)\.(?P<attn_proj>{_ATTN})"
-    rf"|(?P<mlp>mlp)\.(?P<mlp_proj>{_MLP})"
-    rf"|(?P<experts>mlp\.experts)\.(?P<expert>\d+|\*)\.(?P<experts_proj>{_MLP})"
-    rf"|(?P<shared>mlp\.shared_expert)\.(?P<shared_proj>{_MLP})"
-    r")\.(?P<leaf>[^.]+)$"
-)
-"""The one grammar of a projection tensor's name; the module group that matched tells the
-alternatives apart."""
+
+
+def _grammar(expert: str, leaf: str) -> re.Pattern:
+    """The one grammar of a projection tensor's name; the module group that matched tells the
+    alternatives apart. ``expert`` / ``leaf``: what an expert index / the leaf may be."""
+    return re.compile(
+        r"^(?P<prefix>.*\.)(?:"
+        rf"(?P<attn>self_attn)\.(?P<attn_proj>{_ATTN})"
+        rf"|(?P<mlp>mlp)\.(?P<mlp_proj>{_MLP})"
+        rf"|(?P<experts>mlp\.experts)\.(?P<expert>{expert})\.(?P<experts_proj>{_MLP})"
+        rf"|(?P<shared>mlp\.shared_expert)\.(?P<shared_proj>{_MLP})"
+        rf")\.(?P<leaf>{leaf})$"
+    )
+
+
+_PROJECTION = _grammar(r"\d+|\*", r"[^.]+")
+_PROJECTION_WEIGHT = re.compile(re.sub(r"\(\?P<\w+>", "(?:", _grammar(r"\d+", "weight").pattern))
+"""The grammar with one expert and the ``weight`` leaf, without capturing groups: one match per
+tensor (the per-tensor hot paths of the pack stream and the sync)."""
+_EXPERT_INDEX = re.compile(rf"^(?P<head>.*\.mlp\.experts\.)\d+(?P<tail>\.(?:{_MLP})\.[^.]+)$")
+"""An expert projection name around its index (:func:`stacked_name`, per tensor)."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _KINDS = {"self_attn": "attention", "mlp": "mlp", "mlp.experts": "experts",
           "mlp.shared_expert": "shared_expert"}
@@ -136,10 +147,8 @@ def parse(name: str) -> HFName | None:
 
 def is_projection_weight(name: str) -> bool:
     """True for the ``weight`` of one projection (not a stack, not a packed tensor): what
-    :func:`parse` accepts with ``leaf == "weight"`` and an expert index that is a number
-    (one regex match, for per-tensor hot paths)."""
-    m = _PROJECTION.match(name)
-    return m is not None and m["leaf"] == "weight" and m["expert"] != STACKED
+    :func:`parse` accepts with ``leaf == "weight"`` and a numeric expert index, if any."""
+    return _PROJECTION_WEIGHT.match(name) is not None
 
 
 def layer_prefix(name: str) -> str | None:
@@ -151,10 +160,8 @@ def layer_prefix(name: str) -> str | None:
 def stacked_name(name: str) -> str:
     """The name with the expert index starred (every expert's ``gate_proj`` is one kind);
     any other name unchanged."""
-    m = _PROJECTION.match(name)
-    if m is None or m["expert"] is None:
-        return name
-    return f"{name[: m.start('expert')]}{STACKED}{name[m.end('expert'):]}"
+    m = _EXPERT_INDEX.match(name)
+    return name if m is None else f"{m['head']}{STACKED}{m['tail']}"
 
 
 def expert_name(name: str, expert: int) -> str:
@@ -165,13 +172,15 @@ def expert_name(name: str, expert: int) -> str:
     return str(p._replace(expert=expert))
 
 
-def fusion_group(name: str) -> tuple[str, tuple[str, ...]] | None:
+def fusion_group(name: str, weights_only: bool = False
+                 ) -> tuple[str, tuple[str, ...]] | None:
     """``(owner prefix, member names)`` of the fused module a q/k/v or gate/up tensor belongs
     to, members in :data:`FUSION_MEMBERS` order with ``name``'s leaf; None otherwise
     (``...experts.3.up_proj.weight`` -> ``("...experts.3.", ("...experts.3.gate_proj.weight",
-    "...experts.3.up_proj.weight"))``)."""
+    "...experts.3.up_proj.weight"))``). ``weights_only``: None unless
+    :func:`is_projection_weight` (the quantized weights of ``quant.targets``)."""
     m = _PROJECTION.match(name)
-    if m is None:
+    if m is None or (weights_only and (m["leaf"] != "weight" or m["expert"] == STACKED)):
         return None
     proj = m["attn_proj"] or m["mlp_proj"] or m["experts_proj"] or m["shared_proj"]
     fused = FUSED.get(proj)

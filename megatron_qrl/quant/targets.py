@@ -17,10 +17,10 @@ LAYER_KINDS = ("attention", "mlp", "experts", "shared_expert")
 UNQUANTIZED_MODULE_GLOBS = ("lm_head", "*.mlp.gate", "*.mlp.shared_expert_gate", "*embed_tokens")
 
 
-def is_quantized(hf_name: str) -> bool:
-    """True for the weight of a linear layer that the rollout runs in low precision: q/k/v/o,
-    dense gate/up/down, every expert's gate/up/down, a shared expert's gate/up/down."""
-    return hf_names.is_projection_weight(hf_name)
+is_quantized = hf_names.is_projection_weight
+"""``is_quantized(hf_name)``: True for the weight of a linear layer that the rollout runs in low
+precision: q/k/v/o, dense gate/up/down, every expert's gate/up/down, a shared expert's
+gate/up/down (:func:`megatron_qrl.quant.hf_names.is_projection_weight`)."""
 
 
 def layer_kind(hf_name: str) -> str | None:
@@ -37,8 +37,7 @@ def fusion_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
     export does the same (shared amax over the fused group). Returns ``(key, member_names)``
     or None for weights that are not fused (:func:`megatron_qrl.quant.hf_names.fusion_group`).
     """
-    group = hf_names.fusion_group(hf_name)
-    return group if group is not None and is_quantized(hf_name) else None
+    return hf_names.fusion_group(hf_name, weights_only=True)
 
 
 def module_name(hf_name: str) -> str:
