@@ -23,7 +23,7 @@ Paper modes (ALGORITHMS.md):
   engine's base; adapters only over the wire). QeRL's lr 1e-5 belongs to the model preset.
 * ``rlquant-qlora`` (rlquant, seed 003): QLoRA, NF4 double-quantized frozen base, LoRA r=8
   alpha=16 dropout 0.05, lr 1e-4 (the paper's; this paper mode sets it). NF4 is trainer
-  storage only: the engine receives the dequantized base.
+  storage only: BF16 rollouts of the dequantized base, so trainer and engine hold one base.
 * ``rlquant-qaft`` (rlquant, seed 003): QAFT-STE read as the aligned forward with INT8
   weights (our int8 is per output channel, the paper's STE scale is per tensor) and plain
   GRPO (ppo_clip, sequence-mean aggregation). PTQ-after-RL is a tool, not a run mode.
@@ -108,6 +108,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-lora-alpha": 16.0,
         "--qrl-lora-dropout": 0.05,
         "--qrl-lora-base-format": "nf4",
+        "--qrl-rollout-format": "bf16",
+        "--qrl-train-forward": "bf16",
         "--qrl-lr": 1e-4,
     },
     "rlquant-qaft": {
