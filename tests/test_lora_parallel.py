@@ -79,7 +79,7 @@ def _body(rank, world, port, fmt, sp):
                 dist.all_reduce(total)
             grads = _grads_as_adapters(model, arch)
             with torch.no_grad():  # one SGD step on the adapters, then the merged weights
-                for n, p in model.named_parameters():
+                for p in model.parameters():
                     if p.grad is not None:
                         p -= 0.5 * p.grad
             adapters = dict(adapter_tensors(model, arch, _groups()))
