@@ -90,6 +90,7 @@ def _body(rank, world, port, fmt, sp):
         destroy_cpu_distributed()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,sp", [("bf16", True), ("nvfp4", False)])
 def test_tp1_equals_tp2(fmt, sp):
     one = run_distributed(_body, 1, fmt, sp)[0]
