@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron_qrl.models.lora_config import LoraConfig
 
 __all__ = ["LoraColumnParallelLinear", "LoraRowParallelLinear", "LoraSetup", "LoraState",
-           "lora_linears", "lora_spec_hook"]
+           "freeze_all_but_adapters", "freeze_base", "lora_linears", "lora_spec_hook"]
 
 
 @dataclass
@@ -226,6 +226,13 @@ def lora_linears(model: torch.nn.Module) -> list[tuple[str, _LoraMixin]]:
             if isinstance(m, _LoraMixin)]
 
 
+def freeze_all_but_adapters(model: torch.nn.Module) -> None:
+    """``requires_grad`` only on adapters. Called before megatron DDP wraps the model (a run
+    without warm-up), DDP then allocates gradient buffers for the adapters alone."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+
+
 def freeze_base(model: torch.nn.Module, make_storage: Callable[[str, Any], Any]) -> int:
     """Freeze every parameter but the adapters; move LoRA bases into ``make_storage(name,
     linear)`` (a :mod:`lora_base` storage); turn the adapters on. Returns the adapter count."""
@@ -233,8 +240,7 @@ def freeze_base(model: torch.nn.Module, make_storage: Callable[[str, Any], Any])
     if not linears:
         raise ValueError("freeze_base: the model has no LoRA linears (build it with "
                          "lora_spec_hook)")
-    for name, p in model.named_parameters():
-        p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+    freeze_all_but_adapters(model)
     for name, lin in linears:
         if lin.qrl_frozen:
             continue
