@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_qrl.quant.nf4 import (
@@ -10,6 +11,7 @@ from megatron_qrl.quant.nf4 import (
     NF4_TABLE,
     dequantize_absmax,
     double_quantize_absmax,
+    dynamic_map,
     nf4_dequantize,
     nf4_quantize,
     nf4_table_from_quantiles,
@@ -38,31 +40,51 @@ def test_table_values_times_block_absmax_are_exact():
     assert q.codes.numel() == w.numel() // 2 and q.absmax_q.numel() == blocks
 
 
-def test_random_weight_rounds_to_nearest_grid_value():
+def _nearest(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    return grid[(x[:, None] - grid).abs().argmin(1)]
+
+
+def test_random_weight_codes_nearest_to_w_over_absmax():
+    """Codes: nearest table value to w / absmax (exact absmax); value: table * absmax_hat."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 80, generator=g) * torch.linspace(0.1, 3, 80)
     q = nf4_quantize(w)
-    deq = nf4_dequantize(q)
-    flat, dflat = w.reshape(-1), deq.reshape(-1)
+    dflat = nf4_dequantize(q).reshape(-1)
+    blocks = w.reshape(-1, NF4_BLOCK)
+    absmax = blocks.abs().amax(1)
     ahat = dequantize_absmax(q.absmax_q, q.absmax_scale, q.absmax_mean)
-    n_blocks = -(-flat.numel() // NF4_BLOCK)
-    assert ahat.numel() == n_blocks
-    for b in range(n_blocks):
-        x = flat[b * NF4_BLOCK:(b + 1) * NF4_BLOCK]
-        grid = NF4_TABLE * ahat[b]
-        nearest = grid[(x[:, None].clamp(-ahat[b], ahat[b]) - grid).abs().argmin(1)]
-        assert torch.equal(dflat[b * NF4_BLOCK:(b + 1) * NF4_BLOCK], nearest)
+    assert ahat.numel() == blocks.shape[0] and not torch.equal(ahat, absmax)
+    for b in range(blocks.shape[0]):
+        want = _nearest(blocks[b] / absmax[b], NF4_TABLE) * ahat[b]
+        assert torch.equal(dflat[b * NF4_BLOCK:(b + 1) * NF4_BLOCK], want)
 
 
-def test_double_quantized_absmax_error_is_half_a_step():
+def test_double_quantized_absmax_is_the_nearest_dynamic_map_value():
     g = torch.Generator().manual_seed(2)
     absmax = torch.rand(3 * NF4_DQ_BLOCK + 17, generator=g) * 2 + 0.1
     aq, scale, mean = double_quantize_absmax(absmax)
-    assert aq.dtype == torch.int8 and scale.numel() == 4
+    assert aq.dtype == torch.uint8 and scale.numel() == 4 and float(mean) == float(absmax.mean())
+    dyn = dynamic_map()
+    assert dyn.numel() == 256 and bool((dyn[1:] >= dyn[:-1]).all()) and 1.0 in dyn and 0.0 in dyn
     back = dequantize_absmax(aq, scale, mean)
-    step = scale.repeat_interleave(NF4_DQ_BLOCK)[: absmax.numel()]
-    assert bool(((back - absmax).abs() <= step / 2 + 1e-6).all())
-    assert float(mean) == float(absmax.mean())
+    centred = absmax - mean
+    for i in range(absmax.numel()):
+        s2 = scale[i // NF4_DQ_BLOCK]
+        want = _nearest((centred[i] / s2).reshape(1), dyn) * s2 + mean
+        assert torch.allclose(back[i], want, atol=1e-7, rtol=0), i
+    assert float((back - absmax).abs().max()) < 0.02 * float(scale.max())
+
+
+def test_bit_identical_to_bitsandbytes():
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    w = torch.randn(200, 320, generator=torch.Generator().manual_seed(4))
+    qb, st = bnb_f.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    ours = nf4_quantize(w)
+    assert torch.equal(st.code, NF4_TABLE)
+    assert torch.equal(st.absmax, ours.absmax_q) and float(st.offset) == float(ours.absmax_mean)
+    assert torch.equal(st.state2.absmax, ours.absmax_scale)
+    assert torch.equal(st.state2.code, dynamic_map())
+    assert torch.equal(bnb_f.dequantize_4bit(qb, st), nf4_dequantize(ours))
 
 
 def test_memory_is_about_4_127_bits_per_weight():

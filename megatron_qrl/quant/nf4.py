@@ -11,15 +11,17 @@ NormalFloat4 (QLoRA sec. 3, eq. 4): the 16 values are quantiles of N(0, 1), asym
     positive side p = linspace(delta, 1/2, 9)[:-1], negative p = linspace(delta, 1/2, 8)[:-1],
     delta = 0.9677083 (bitsandbytes ``create_normal_map``: 1/2 (1/32 + 1/30) from the top)
 
-A weight is flattened and cut into blocks of 64; each block stores 4-bit codes
-``c = argmin_i |w / absmax - q_i|`` and ``w_hat = q_c * absmax``.
+A weight is flattened and cut into blocks of 64; each block stores 4-bit codes, the nearest
+table value to ``w / absmax`` (``w * (1/absmax)``, ties to the lower code), and
+``w_hat = q_c * absmax_hat``.
 
-Double quantization (QLoRA sec. 3, "Double Quantization"): the fp32 block absmaxes are
-quantized again in blocks of 256 after subtracting their mean: ``a = mean + s2 * a8`` with
-``a8`` int8 and one fp32 ``s2 = max|absmax - mean| / 127`` per 256 absmaxes. QLoRA (and
-bitsandbytes) code ``a8`` with an 8-bit dynamic float map; we use symmetric linear int8,
-which keeps the same memory (0.127 bit/parameter overhead instead of 0.5) — the values differ
-from bitsandbytes' by the second-level rounding only.
+Double quantization (QLoRA sec. 3, "Double Quantization"): the fp32 block absmaxes minus
+their mean are quantized again in blocks of 256 with the signed 8-bit dynamic map (Dettmers
+2015; bitsandbytes ``create_dynamic_map``): ``absmax_hat = mean + s2 * D[a8]``, ``a8`` uint8,
+one fp32 ``s2 = max|absmax - mean|`` per 256 absmaxes (0.127 bit/parameter instead of 0.5).
+This is bitsandbytes' ``quantize_4bit(..., quant_type="nf4", compress_statistics=True)``
+(0.50.2, its default CPU backend) step for step; ``tests/test_nf4.py`` compares bit for bit
+where bitsandbytes imports.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NF4_BLOCK", "NF4_DQ_BLOCK", "NF4_TABLE", "NF4Weight", "nf4_dequantize",
-           "nf4_quantize", "nf4_table_from_quantiles"]
+__all__ = ["NF4_BLOCK", "NF4_DQ_BLOCK", "NF4_TABLE", "NF4Weight", "dynamic_map",
+           "nf4_dequantize", "nf4_quantize", "nf4_table_from_quantiles"]
 
 NF4_BLOCK = 64
 """Weights per absmax (QLoRA: 64)."""
@@ -61,9 +63,9 @@ class NF4Weight:
     codes: torch.Tensor
     """uint8 ``[ceil(n/2)]``: two 4-bit codes per byte (low nibble first)."""
     absmax_q: torch.Tensor
-    """int8 ``[ceil(n/64)]``: second-level codes of the block absmaxes."""
+    """uint8 ``[ceil(n/64)]``: dynamic-map codes of the centred block absmaxes."""
     absmax_scale: torch.Tensor
-    """fp32 ``[ceil(n/64/256)]``: one scale per 256 absmaxes."""
+    """fp32 ``[ceil(n/64/256)]``: max |absmax - mean| per 256 absmaxes."""
     absmax_mean: torch.Tensor
     """fp32 scalar subtracted before the second quantization."""
     shape: tuple[int, ...]
@@ -86,29 +88,50 @@ def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
     return flat.reshape(-1, size)
 
 
+def dynamic_map() -> torch.Tensor:
+    """The signed 8-bit dynamic quantization map (bitsandbytes ``create_dynamic_map()``:
+    ``max_exponent_bits=7``; 256 sorted values in [-1, 1], 0 and 1 exact)."""
+    data: list[float] = []
+    for i in range(7):
+        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist()
+        data += (-(10 ** (-6 + i)) * means).tolist()
+    data += [0.0, 1.0]
+    data += [0.0] * (256 - len(data))
+    return torch.tensor(sorted(data), dtype=torch.float32)
+
+
+def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest value of the sorted ``code`` (ties to the lower one)."""
+    return torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True)
+
+
+def _scaled(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    absmax = blocks.abs().amax(dim=1)
+    return (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp(-1, 1), absmax
+
+
 def double_quantize_absmax(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(int8 codes, fp32 scales per 256, fp32 mean)`` of fp32 block absmaxes."""
+    """``(uint8 codes, fp32 scale per 256, fp32 mean)`` of fp32 block absmaxes."""
     mean = absmax.mean()
-    centred = _blocks(absmax - mean, NF4_DQ_BLOCK)
-    scale = centred.abs().amax(dim=1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(centred / safe[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.reshape(-1)[:absmax.numel()], scale, mean
+    scaled, scale = _scaled(_blocks(absmax - mean, NF4_DQ_BLOCK))
+    q = _nearest(scaled.reshape(-1)[:absmax.numel()].contiguous(), dynamic_map().to(absmax.device))
+    return q.to(torch.uint8), scale, mean
 
 
 def dequantize_absmax(q: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """fp32 block absmaxes from :func:`double_quantize_absmax`'s output."""
     n = q.numel()
-    full = _blocks(q.float(), NF4_DQ_BLOCK) * scale[:, None]
-    return full.reshape(-1)[:n] + mean
+    vals = dynamic_map().to(q.device)[q.long()]
+    return (_blocks(vals, NF4_DQ_BLOCK) * scale[:, None]).reshape(-1)[:n] + mean
 
 
 def nf4_quantize(w: torch.Tensor) -> NF4Weight:
     """NF4 codes of ``w`` (any shape) in blocks of 64, absmax double-quantized.
 
-    The code of each element is the nearest table value to ``w / absmax_hat`` where
-    ``absmax_hat`` is the DOUBLE-QUANTIZED block absmax (what dequantization multiplies by),
-    so the rounding is to the grid the weight is reconstructed on.
+    Codes are taken against the exact block absmax, the weight is reconstructed with the
+    double-quantized one (bitsandbytes' order).
     """
     if not w.is_floating_point():
         raise TypeError(f"nf4_quantize needs a float tensor, got {w.dtype}")
@@ -116,15 +139,10 @@ def nf4_quantize(w: torch.Tensor) -> NF4Weight:
         x = w.detach().float()
         if not bool(torch.isfinite(x).all()):
             raise ValueError("nf4_quantize: the weight has non-finite values")
-        blocks = _blocks(x, NF4_BLOCK)
-        absmax = blocks.abs().amax(dim=1)
+        scaled, absmax = _scaled(_blocks(x, NF4_BLOCK))
         aq, ascale, amean = double_quantize_absmax(absmax)
-        ahat = dequantize_absmax(aq, ascale, amean)
-        safe = torch.where(ahat > 0, ahat, torch.ones_like(ahat))
-        normed = (blocks / safe[:, None]).clamp(-1, 1)
-        table = NF4_TABLE.to(x.device)
-        codes = (normed.unsqueeze(-1) - table).abs().argmin(dim=-1).to(torch.uint8).reshape(-1)
-        codes = codes[:x.numel()]
+        codes = _nearest(scaled.reshape(-1)[:x.numel()].contiguous(),
+                         NF4_TABLE.to(x.device)).to(torch.uint8)
         if codes.numel() % 2:
             codes = torch.cat([codes, codes.new_zeros(1)])
         packed = codes[0::2] | (codes[1::2] << 4)
@@ -132,7 +150,7 @@ def nf4_quantize(w: torch.Tensor) -> NF4Weight:
 
 
 def nf4_dequantize(q: NF4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``table[code] * absmax_hat`` per element, reshaped to the weight."""
+    """``table[code] * absmax_hat`` per element (fp32), reshaped to the weight."""
     n = 1
     for s in q.shape:
         n *= s
