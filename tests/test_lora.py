@@ -245,3 +245,22 @@ def test_engine_refuses_expert_adapters_and_bad_shapes(megatron):
                               cfg, 1)
     with pytest.raises(WeightSyncError, match="lacks"):
         eng.load_lora_adapter("x", {a: torch.zeros(2, 256)}, cfg, 1)
+
+
+def test_without_warmup_ddp_holds_adapter_gradients_only(megatron):
+    """``--qrl-sft-steps 0``: the base is frozen before megatron DDP wraps the model."""
+    from types import SimpleNamespace
+
+    from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
+    from megatron_qrl.rl.forward import _lora_plan
+    from megatron_qrl.rl.trainer import build_policy
+
+    _, arch = tiny_hf("dense", 0)
+    for warmup, expect_base in ((0, False), (3, True)):
+        configs = {"lora": LoraConfig(rank=4), "train": TrainForwardConfig(),
+                   "routing": RoutingReplayConfig(), "rollout": SimpleNamespace(format="bf16"),
+                   "run": SimpleNamespace(sft_steps=warmup)}
+        policy = build_policy(arch, 1e-3, _lora_plan(configs, arch))
+        with_grad = {n for n, p in policy.ddp.module.named_parameters() if hasattr(p, "main_grad")}
+        assert any(".lora_B." in n for n in with_grad)
+        assert any(".lora_" not in n for n in with_grad) == expect_base, warmup
