@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Merge the LoRA adapters of a qrl-train run into its base: an HF checkpoint SGLang loads.
 
-    python tools/merge_lora.py --run-dir OUT --out MERGED [--adapter-out ADAPTER]
+    python tools/merge_lora.py --run-dir OUT --out MERGED [--adapter-out ADAPTER] [--overwrite]
 
 Reads the newest driver checkpoint of ``OUT`` (``OUT/checkpoints/step_*.pt``, written after
 the RL phase started), rebuilds the run's model from the flags stored in it (single process,
@@ -10,7 +10,9 @@ product in fp32) with the frozen base as the trainer held it (NF4 / rollout-form
 dequantized), plus config.json and the tokenizer. ``--adapter-out`` also writes the PEFT
 adapter (adapter_model.safetensors + adapter_config.json). Quantize the merged checkpoint for
 SGLang with tools/export_quantized.py. Runs with Megatron shape flags after ``--`` are not
-reconstructed (only the tiny models and ``--qrl-model checkpoint``).
+reconstructed (only the tiny models and ``--qrl-model checkpoint``). ``--out`` /
+``--adapter-out`` must not overlap the run directory; ``--overwrite`` replaces only an earlier
+output of this tool.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_qrl.utils.cli import tool_parser
+
+    p = tool_parser(__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", required=True, help="qrl-train --qrl-output-dir of a LoRA run")
-    p.add_argument("--out", required=True, help="merged HF directory to write")
+    p.add_argument("--out", required=True, help="merged HF directory (written atomically)")
     p.add_argument("--adapter-out", default=None, help="also write the PEFT adapter here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace outputs written earlier by this tool")
     return p.parse_args(argv)
 
 
@@ -43,7 +48,8 @@ def _configs(flags: dict) -> dict:
     return qrl_configs_from_args(args)
 
 
-def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | None = None) -> Path:
+def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | None = None,
+              overwrite: bool = False) -> Path:
     import torch
 
     from megatron_qrl.models.hf_io import write_safetensors
@@ -54,8 +60,13 @@ def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | No
     from megatron_qrl.rl.forward import forward_plan
     from megatron_qrl.rl.lora_sync import enter_lora
     from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
-    from megatron_qrl.utils.io import atomic_directory, atomic_write_json
+    from megatron_qrl.utils.io import atomic_write_json
+    from megatron_qrl.utils.outdir import check_output_dir, safe_output_dir
 
+    check_output_dir(out, [run_dir], tool="merge_lora", overwrite=overwrite)
+    if adapter_out is not None:
+        check_output_dir(adapter_out, [run_dir, out], tool="merge_lora", overwrite=overwrite,
+                         flag="--adapter-out")
     path = latest_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(f"--run-dir {run_dir}: no checkpoints/step_*.pt")
@@ -75,14 +86,15 @@ def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | No
         trainer.load_state_dict({"model": model_state,
                                  "optimizer": trainer.policy.optimizer.state_dict()})
         adapters = dict(adapter_tensors(trainer.module, data.arch))
-        with atomic_directory(out) as tmp:
+        with safe_output_dir(out, [run_dir], tool="merge_lora", overwrite=overwrite) as tmp:
             write_safetensors(merge_into(base_hf_tensors(trainer.module, data.arch), adapters,
                                          lora.scaling), tmp)
             atomic_write_json(Path(tmp) / "config.json", data.hf_config)
             _save_tokenizer(data.tokenizer, Path(tmp))
         if adapter_out is not None:
             peft = {k: v.contiguous() for k, v in adapters.items()}
-            with atomic_directory(adapter_out) as tmp:
+            with safe_output_dir(adapter_out, [run_dir, out], tool="merge_lora",
+                                 overwrite=overwrite, flag="--adapter-out") as tmp:
                 from safetensors.torch import save_file
 
                 save_file(peft, str(Path(tmp) / "adapter_model.safetensors"))
@@ -101,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megatron_qrl.utils.cli import run_tool
 
-    return run_tool("merge_lora", lambda: merge_run(args.run_dir, args.out, args.adapter_out))
+    return run_tool("merge_lora", lambda: merge_run(args.run_dir, args.out, args.adapter_out,
+                                                    args.overwrite))
 
 
 if __name__ == "__main__":
