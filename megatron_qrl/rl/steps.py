@@ -155,7 +155,6 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
 
     ``step`` is the global step (metrics, seeds), ``rl_index`` the 0-based RL step (AQN stage).
     """
-    run = ctx.configs["run"]
     t0 = time.perf_counter()
     batch, rewards, texts = ctx.world.broadcast(
         _rollout(ctx, step) if ctx.world.is_main else None)
