@@ -296,8 +296,7 @@ class PolicyTrainer:
                          if v is not None and torch.is_tensor(v)},
                "optimizer": optimizer.state_dict()}
         if self.policy.options.distributed_optimizer:
-            out["optimizer_shards"] = [o.get_parameter_state_dp_reshardable()
-                                       for o in _members(optimizer)]
+            out["optimizer_shards"] = [_shard_state(o) for o in _members(optimizer)]
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -314,9 +313,27 @@ class PolicyTrainer:
             if shards is None:
                 raise ValueError("the checkpoint was written without --use-distributed-optimizer;"
                                  " resume with the flags it was written with")
-            for o, shard in zip(_members(optimizer), shards, strict=True):
-                o.load_parameter_state_from_dp_reshardable(shard)
+            with torch.no_grad():  # copies into the fp32 master parameters
+                for o, shard in zip(_members(optimizer), shards, strict=True):
+                    o.load_parameter_state_from_dp_reshardable(shard)
         self.policy.plan.weights_changed()
+
+
+def _shard_state(optimizer: Any) -> dict:
+    """A copy of this rank's shard of a ``DistributedOptimizer`` (masters, Adam moments) in
+    megatron-core's "dp_reshardable" layout. megatron-core 0.16.1's getter returns live
+    tensors and leaves out the ``padding`` entry its loader reads; both are added here."""
+    state = optimizer.get_parameter_state_dp_reshardable()
+    for key, by_dtype in state.items():
+        if not isinstance(key, int):
+            continue
+        for buckets in by_dtype.values():
+            for bucket in buckets:
+                for i, elem in enumerate(bucket):
+                    bucket[i] = {k: v.detach().clone() if torch.is_tensor(v) else v
+                                 for k, v in elem.items()}
+                    bucket[i].setdefault("padding", False)
+    return state
 
 
 def _members(optimizer: Any) -> list:
