@@ -300,7 +300,8 @@ class RunConfig:
     """Directory of the TensorBoard event files; none = <output-dir>/tensorboard."""
 
     save_interval: int = 0
-    """Save an (atomic) checkpoint every N steps; 0 = only at the end."""
+    """Save an (atomic) checkpoint every N steps; 0 = only at the end; -1 = never (benchmarks,
+    smoke runs: a Qwen3-4B checkpoint with its Adam state is ~70 GB)."""
 
     resume: bool = False
     """Resume from the latest checkpoint in the output directory (reproduces the next step
@@ -338,7 +339,7 @@ class RunConfig:
                                  ("--qrl-max-tokens-per-micro-batch",
                                   self.max_tokens_per_micro_batch, 0),
                                  ("--qrl-seed", self.seed, 0),
-                                 ("--qrl-save-interval", self.save_interval, 0),
+                                 ("--qrl-save-interval", self.save_interval, -1),
                                  ("--qrl-engine-max-restarts", self.engine_max_restarts, 0)):
             _int(flag, value, low)
         _real("--qrl-lr", self.lr, 0.0, low_open=True)

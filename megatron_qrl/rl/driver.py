@@ -294,8 +294,8 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
             bar.set_postfix(_postfix(rec), refresh=False)
             done = step + 1
             rl_done = done - sft_steps
-            if done == sft_steps or done == total or (
-                    rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0):
+            if run.save_interval >= 0 and (done == sft_steps or done == total or (
+                    rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0)):
                 _save(ctx, out, done, flags)
     finally:
         bar.close()

@@ -155,6 +155,9 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
 
     ``step`` is the global step (metrics, seeds), ``rl_index`` the 0-based RL step (AQN stage).
     """
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     batch, rewards, texts = ctx.world.broadcast(
         _rollout(ctx, step) if ctx.world.is_main else None)
@@ -174,7 +177,9 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     ctx.sync(step + 1)
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
+    rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return {**rec, "routing_agreement": agreement}
 
 
