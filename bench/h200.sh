@@ -40,7 +40,7 @@
 #               lists the options: fa3, flashinfer, deepgemm, deepgemm_dense, sglang)
 #
 #   randckpt    tools/make_random_checkpoint.py on the GPU: Qwen3-4B (all 36 layers) and a
-#               Qwen3-30B-A3B shape with ${LAYERS_30B:-8} layers under /tmp/qrl_random_ckpt (~1-2 min)
+#               Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers under /tmp/qrl_random_ckpt (~1-2 min)
 #   tespec      tests/gpu/test_te_spec.py: TE spec vs local spec (BF16 noise), the aligned forward
 #               on the TE spec vs the rollout reference (every format), SDPA on CUDA (TE tests
 #               skip with the reason when /tmp/te_site is absent: run te-part/te-build first)
@@ -179,8 +179,8 @@ case $phase in
   randckpt)
     [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
     python3 tools/make_random_checkpoint.py --config qwen3_4b --out /tmp/qrl_random_ckpt/qwen3_4b-allL
-    python3 tools/make_random_checkpoint.py --config qwen3_30b_a3b --layers "${LAYERS_30B:-8}" \
-      --out "/tmp/qrl_random_ckpt/qwen3_30b_a3b-${LAYERS_30B:-8}L"
+    python3 tools/make_random_checkpoint.py --config qwen3_30b_a3b --layers "${LAYERS_30B:-4}" \
+      --out "/tmp/qrl_random_ckpt/qwen3_30b_a3b-${LAYERS_30B:-4}L"
     du -sh /tmp/qrl_random_ckpt/* ;;
   tespec)
     [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
@@ -192,8 +192,8 @@ case $phase in
       --megatron "${RLSTEP_MEGATRON:---recompute-granularity full --recompute-method uniform --recompute-num-layers 1}" \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
       --out "$OUT/rl_step.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20
-    if [ -n "${LAYERS_30B:-8}" ] && [ "${SKIP_30B:-0}" != 1 ]; then
-      python3 bench/rl_step.py --model qwen3_30b_a3b --layers "${LAYERS_30B:-8}" \
+    if [ -n "${LAYERS_30B:-4}" ] && [ "${SKIP_30B:-0}" != 1 ]; then
+      python3 bench/rl_step.py --model qwen3_30b_a3b --layers "${LAYERS_30B:-4}" \
         --formats "${VARIANTS_30B:-bf16,fp8}" --prompts "${PROMPTS:-32}" --n 8 \
         --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 --micro-batch-size 2 \
         --megatron "${RLSTEP_MEGATRON_30B:---recompute-granularity full --recompute-method uniform --recompute-num-layers 1}" \

@@ -12,11 +12,12 @@
 #   CKPT=/tmp/qwen3-4b-random STEPS=3 SAVE_INTERVAL=-1 bash examples/run_qwen3_4b_1gpu.sh
 # Memory on a 141 GB H200 (why these defaults): trainer BF16 weights + fp32 grads + fp32 masters
 # + Adam ~72 GB; activations bounded by full recompute (every layer's input kept, the layer
-# recomputed in backward) and micro batches of 4; the engine at MEM_FRACTION 0.3 (42 GB) fits
-# beside that even if its memory were not released. Knobs: MEM_FRACTION, MAX_NEW_TOKENS,
+# recomputed in backward) and micro batches of 4; the engine at MEM_FRACTION 0.3 (SGLang
+# 0.5.17 sizes its KV pool as 0.3 x the memory free at its start minus its weights: ~22-26 GB
+# beside the trainer's first ~40 GB) fits beside the trainer even if its memory were not released. Knobs: MEM_FRACTION, MAX_NEW_TOKENS,
 # MICRO_BATCH, RECOMPUTE=0 (no activation recompute: faster, needs the engine's memory released),
 # OFFLOAD=1 (--use-distributed-optimizer --optimizer-cpu-offload: masters + Adam on the CPU),
-# STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
+# RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
 # STATUS: CPU-tested with tiny equivalents (tests/test_rl_ray.py, tests/test_trainer_memory_flags.py,
 # tests/test_rl_examples.py). GPU run: NOT YET — the lead fills in what ran on the H200
@@ -35,13 +36,15 @@ if [ "${OFFLOAD:-0}" = 1 ]; then
     MEMORY_ARGS+=(--use-distributed-optimizer --optimizer-cpu-offload)
 fi
 if [ -n "${TIMPL:-}" ]; then MEMORY_ARGS+=(--transformer-impl "${TIMPL}"); fi
+RELEASE_ARGS=()
+if [ "${RELEASE:-1}" = 0 ]; then RELEASE_ARGS+=(--no-qrl-rollout-sglang-release-memory); fi
 QRL_ARGS=(
     --qrl-preset qwen3-4b-1gpu --qrl-model checkpoint --qrl-checkpoint "${CKPT}"
     --qrl-rollout-engine sglang
     --qrl-rollout-format "${FORMAT:-fp8}" --qrl-loss-kind "${LOSS:-tis}"
     --qrl-rollout-sglang-mem-fraction "${MEM_FRACTION:-0.3}"
     --qrl-rollout-max-new-tokens "${MAX_NEW_TOKENS:-1024}"
-    --qrl-micro-batch-size "${MICRO_BATCH:-4}"
+    --qrl-micro-batch-size "${MICRO_BATCH:-4}" "${RELEASE_ARGS[@]}"
     --qrl-output-dir "${OUT:-qrl_runs/qwen3-4b-${FORMAT:-fp8}}"
 )
 if [ -n "${STEPS:-}" ]; then QRL_ARGS+=(--qrl-steps "${STEPS}"); fi

@@ -36,13 +36,15 @@ def test_defaults_single_mode_release_recompute(tmp_path):
 def test_knobs(tmp_path):
     argv = _captured_args(tmp_path, SCRIPT, {
         "CKPT": str(tmp_path), "STEPS": "3", "SAVE_INTERVAL": "-1", "RECOMPUTE": "0",
-        "OFFLOAD": "1", "TIMPL": "local", "MEM_FRACTION": "0.25", "MODE": "colocated"})
+        "OFFLOAD": "1", "TIMPL": "local", "MEM_FRACTION": "0.25", "MODE": "colocated",
+        "RELEASE": "0"})
     qrl, megatron = _split(argv)
     assert qrl[:2] == ["--qrl-mode", "colocated"]
     for flag, value in (("--qrl-steps", "3"), ("--qrl-save-interval", "-1"),
                         ("--qrl-rollout-sglang-mem-fraction", "0.25")):
         assert qrl[qrl.index(flag) + 1] == value
     assert "--recompute-granularity" not in megatron
+    assert "--no-qrl-rollout-sglang-release-memory" in qrl
     assert {"--use-distributed-optimizer", "--optimizer-cpu-offload"} <= set(megatron)
     assert megatron[megatron.index("--transformer-impl") + 1] == "local"
     with pytest.raises(Exception, match="CUDA|GPU"):  # offload needs a GPU (CPU host here)
