@@ -123,9 +123,6 @@ def test_one_process_flag_equals_plain(plain, hf_dir, tmp_path, flags):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="resumed distributed-optimizer run differs from the uninterrupted one "
-                          "at the first resumed step (grad norm 7.8452 vs ~7.834 on CPU); cause "
-                          "not found yet", strict=False)
 def test_distributed_optimizer_resumes(plain, hf_dir, tmp_path):
     """Stop after the first RL step, resume: the second RL step equals the full run's."""
     out = tmp_path / "run"

@@ -315,6 +315,7 @@ class PolicyTrainer:
                                  " resume with the flags it was written with")
             with torch.no_grad():  # copies into the fp32 master parameters
                 for o, shard in zip(_members(optimizer), shards, strict=True):
+                    _unshare_adam_steps(o)
                     o.load_parameter_state_from_dp_reshardable(shard)
         self.policy.plan.weights_changed()
 
@@ -334,6 +335,21 @@ def _shard_state(optimizer: Any) -> dict:
                                  for k, v in elem.items()}
                     bucket[i].setdefault("padding", False)
     return state
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam ``step`` tensor.
+
+    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` on the torch-Adam path
+    (no TE / Apex: a CPU host) stores ONE step tensor in every parameter's state; torch's Adam
+    increments each parameter's step in place, so the shared counter would advance once per
+    parameter per update and the bias correction after a resume would be wrong (found by
+    tests/test_trainer_memory_flags.py::test_distributed_optimizer_resumes)."""
+    inner = getattr(optimizer, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if torch.is_tensor(step):
+            state["step"] = step.clone()
 
 
 def _members(optimizer: Any) -> list:
