@@ -45,15 +45,17 @@
 #               on the TE spec vs the rollout reference (every format), SDPA on CUDA (TE tests
 #               skip with the reason when /tmp/te_site is absent: run te-part/te-build first)
 #   rlstep      bench/rl_step.py: one RL step (rollout / recompute / train / sync, trainer MFU,
-#               peak trainer memory) of Qwen3-4B, BF16 vs FP8 rollouts (+ FP8 with the
-#               distributed optimizer + CPU offload), then the 30B-A3B shape (needs randckpt)
+#               peak trainer memory) of Qwen3-4B, BF16 vs FP8 rollouts (~5 min)
+#   rlstep-offload  the same, FP8, with --use-distributed-optimizer --optimizer-cpu-offload
+#               (its peak trainer memory next to rlstep's fp8 row)
+#   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first)
 #   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single), 3 RL steps on the random
 #               Qwen3-4B, no checkpoint written; the metrics go to $OUT/example4b_metrics.jsonl
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|te-part N|te-build|te-test|fa3-part N|fa3-install|randckpt|tespec|rlstep|example4b|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|te-part N|te-build|te-test|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|example4b|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -185,20 +187,20 @@ case $phase in
   tespec)
     [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
     python3 -m pytest -q tests/gpu/test_te_spec.py -s -rs 2>&1 | tee "$OUT/te_spec.log" | tail -n 30 ;;
-  rlstep)  # 4B: bf16 vs fp8 rollouts, fp8 again with the optimizer state on the CPU
+  rlstep|rlstep-offload|rlstep30b)  # one phase per device call (~2.5 min per variant)
     [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
-    python3 bench/rl_step.py --model qwen3_4b --formats "${VARIANTS:-bf16,fp8,fp8@offload}" \
+    recompute="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    case $phase in
+      rlstep) model=(--model qwen3_4b); variants=${VARIANTS:-bf16,fp8}; mbs=4 ;;
+      rlstep-offload) model=(--model qwen3_4b); variants=${VARIANTS:-fp8@offload}; mbs=4 ;;
+      rlstep30b) model=(--model qwen3_30b_a3b --layers "${LAYERS_30B:-4}")
+                 variants=${VARIANTS:-bf16,fp8}; mbs=2 ;;
+    esac
+    python3 bench/rl_step.py "${model[@]}" --formats "$variants" \
       --variant-flags "offload=--use-distributed-optimizer --optimizer-cpu-offload" \
-      --megatron "${RLSTEP_MEGATRON:---recompute-granularity full --recompute-method uniform --recompute-num-layers 1}" \
+      --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
-      --out "$OUT/rl_step.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20
-    if [ -n "${LAYERS_30B:-4}" ] && [ "${SKIP_30B:-0}" != 1 ]; then
-      python3 bench/rl_step.py --model qwen3_30b_a3b --layers "${LAYERS_30B:-4}" \
-        --formats "${VARIANTS_30B:-bf16,fp8}" --prompts "${PROMPTS:-32}" --n 8 \
-        --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 --micro-batch-size 2 \
-        --megatron "${RLSTEP_MEGATRON_30B:---recompute-granularity full --recompute-method uniform --recompute-num-layers 1}" \
-        --out "$OUT/rl_step.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20
-    fi ;;
+      --out "$OUT/rl_step.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20 ;;
   example4b)
     [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
     [ -f /tmp/qrl_random_ckpt/qwen3_4b-allL/config.json ] || python3 tools/make_random_checkpoint.py \
