@@ -104,3 +104,23 @@ def test_local_spec_uses_sdpa_and_packed_sequences_raise(megatron):
         module(x, x[:, :, :1], x[:, :, :1], None, packed_seq_params=object())
     with pytest.raises(ValueError, match="transformer-impl"):
         config_and_spec(arch, use_te="transformer_engine")
+
+
+def test_transformer_impl_resolution():
+    from megatron_qrl.models.builder import resolve_transformer_impl, use_transformer_engine
+
+    assert resolve_transformer_impl("local") is False and resolve_transformer_impl(True) is True
+    auto = use_transformer_engine() and torch.cuda.is_available()
+    assert resolve_transformer_impl(None) == resolve_transformer_impl("auto") == auto
+    with pytest.raises(ValueError, match="choose one of"):
+        resolve_transformer_impl("te")
+
+
+def test_grouped_gemm_needs_the_te_spec(megatron):
+    from megatron_qrl.data import CharTokenizer, tiny_moe_config
+    from megatron_qrl.models.builder import config_and_spec
+    from megatron_qrl.models.hf_config import arch_from_dict
+
+    arch = arch_from_dict(tiny_moe_config(CharTokenizer().vocab_size))
+    with pytest.raises(ValueError, match="--moe-grouped-gemm"):
+        config_and_spec(arch, use_te="local", moe_grouped_gemm=True)
