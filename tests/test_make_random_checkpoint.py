@@ -54,11 +54,20 @@ def test_tiny_checkpoint_loads_into_qrl_train_and_is_deterministic(tmp_path):
     norm = a["model.layers.0.input_layernorm.weight"].float()
     assert 0.9 < norm.mean() < 1.1 and norm.std() > 0  # gains near 1, not all equal
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(ValueError, match="--overwrite"):
         make_random_checkpoint(str(TINY_MOE), out, layers=1)
+    make_random_checkpoint(str(TINY_MOE), out, layers=2, overwrite=True)  # its own output
+    assert read_start_checkpoint(out).arch.num_layers == 2
 
 
-def test_cli_error_is_one_line(tmp_path):
+def test_cli_errors_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(TOOL), "--config", "missing.json", "--out",
                            str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "make_random_checkpoint: error: --config" in proc.stderr
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    proc = subprocess.run([sys.executable, str(TOOL), "--config", str(TINY_MOE), "--out",
+                           str(tmp_path / "mine"), "--overwrite"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "not an output of make_random_checkpoint" in proc.stderr
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

@@ -12,7 +12,8 @@ or an HF ``config.json``; ``--layers N`` keeps the first N decoder layers' shape
 embedding weights ~ N(0, initializer_range), norm gains 1 + N(0, 0.02); each tensor is drawn
 from its own generator (seed + name), on the GPU when there is one, and streamed into
 safetensors shards, so at most one shard (``--shard-gb``) is held in host memory. The
-directory appears atomically (written under a temporary name, then renamed).
+directory appears atomically (``utils.outdir.safe_output_dir``: built under a temporary name,
+marked as this tool's output, renamed; ``--overwrite`` replaces only an earlier output).
 """
 
 from __future__ import annotations
@@ -69,14 +70,13 @@ def make_random_checkpoint(config: str, out: str | Path, layers: int | None = No
     """Write the checkpoint directory ``out``; returns it."""
     from megatron_qrl.data import CharTokenizer
     from megatron_qrl.models.hf_io import write_safetensors
-    from megatron_qrl.utils.io import atomic_directory, atomic_write_json
+    from megatron_qrl.utils.io import atomic_write_json
+    from megatron_qrl.utils.outdir import safe_output_dir
 
     cfg = load_config(config, layers)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} exists; pass --overwrite or choose another directory")
-    with atomic_directory(out) as tmp:
+    inputs = [] if config in BUILTIN else [config]
+    with safe_output_dir(out, inputs, tool="make_random_checkpoint", overwrite=overwrite) as tmp:
         atomic_write_json(tmp / "config.json", cfg)
         atomic_write_json(tmp / "generation_config.json", {
             "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
@@ -84,19 +84,23 @@ def make_random_checkpoint(config: str, out: str | Path, layers: int | None = No
         write_safetensors(random_tensors(cfg, seed, device), tmp,
                           max_shard_bytes=int(shard_gb * 2**30))
         CharTokenizer().save(tmp, hf=True)
-    return out
+    return Path(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_qrl.utils.cli import positive_float, positive_int, tool_parser
+
+    p = tool_parser(__doc__)
     p.add_argument("--config", required=True, help=f"{' | '.join(BUILTIN)} | path/config.json")
-    p.add_argument("--out", required=True, help="output directory (must not exist)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: config's)")
+    p.add_argument("--out", required=True, help="output directory (new, or see --overwrite)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="decoder layers (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-gb", type=float, default=2.0, help="safetensors shard size (GiB)")
+    p.add_argument("--shard-gb", type=positive_float, default=2.0,
+                   help="safetensors shard size (GiB)")
     p.add_argument("--device", default=None, help="where to draw (default: cuda if present)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out written earlier by this tool")
     return p.parse_args(argv)
 
 
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_tool("make_random_checkpoint", lambda: make_random_checkpoint(
         args.config, args.out, args.layers, args.seed, args.shard_gb, args.device,
-        args.overwrite))
+        args.overwrite), debug=args.debug)
 
 
 if __name__ == "__main__":
