@@ -105,7 +105,7 @@ def test_sglang_actor_spec_and_options():
     assert spec.rollout == {"sglang_sync": "disk", "sglang_mem_fraction": 0.3,
                             "sglang_sync_dir": "/tmp/qrl-sync", "sglang_flat_buckets": None,
                             "sglang_prefetch_buckets": None, "sglang_direct_expert_loads": None,
-                            "sglang_stack_experts": None}
+                            "sglang_stack_experts": None, "sglang_release_memory": True}
     assert spec.num_gpus == 1 and engine_gpus(cfg) == 1
     for mode in ("disaggregated", "colocated"):
         layout = placement_layout(mode, 1, engine_gpus=engine_gpus(cfg))
@@ -138,7 +138,8 @@ def test_sglang_actor_builds_the_job_engine(monkeypatch):
     engine = build_engine(engine_spec(cfg, hf, 11))
     assert isinstance(engine, FakeSGLangEngine) and built["spec"] == "fp8"
     assert built["kwargs"] == {"load_format": "dummy", "random_seed": 11,
-                               "mem_fraction_static": 0.25, "sync": "tensor"}
+                               "mem_fraction_static": 0.25, "sync": "tensor",
+                               "enable_memory_saver": True}  # colocated: release frees memory
     # the sync options reach the engine (and only when set)
     opts = _rollout_cfg(sglang_flat_buckets=True, sglang_prefetch_buckets=2,
                         sglang_direct_expert_loads=True, sglang_stack_experts=True)

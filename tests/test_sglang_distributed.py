@@ -117,6 +117,10 @@ def test_job_engine_gets_sync_and_base_gpu(monkeypatch):
     assert built["kwargs"]["sync"] == "distributed" and built["kwargs"]["base_gpu_id"] == 2
     start_job_engine(RolloutConfig(format="int8", engine="sglang"), hf, 3)
     assert "base_gpu_id" not in built["kwargs"] and "sync" not in built["kwargs"]
+    assert built["kwargs"]["enable_memory_saver"]  # release_memory_occupation frees memory
+    start_job_engine(RolloutConfig(format="int8", engine="sglang", sglang_release_memory=False),
+                     hf, 3)
+    assert "enable_memory_saver" not in built["kwargs"]
     with pytest.raises(ValueError, match="--qrl-rollout-sglang-base-gpu"):
         RolloutConfig(sglang_base_gpu=-1)
 

@@ -149,9 +149,18 @@ def _batches(c: Mapping[str, Any], env: CheckEnv) -> str | None:
             f"--qrl-micro-batch-size {run.micro_batch_size}")
 
 
+def _token_budget(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    agg = getattr(c.get("loss"), "aggregation", "token_mean")
+    if c["run"].max_tokens_per_micro_batch and agg != "token_mean":
+        return (f"--qrl-max-tokens-per-micro-batch {c['run'].max_tokens_per_micro_batch} "
+                "normalises the loss by the step's tokens (the global token mean); it needs "
+                f"--qrl-loss-aggregation token_mean, not {agg}")
+    return None
+
+
 CHECKS: tuple[Callable[[Mapping[str, Any], CheckEnv], str | None], ...] = (
     _w4a4, _sglang_gpu, _inplace_options, _tbpo, _aligned, _routing, _uaq, _batches,
-    lora_problem,
+    lora_problem, _token_budget,
 )
 
 

@@ -122,6 +122,13 @@ class RolloutConfig:
     """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
     (the trainer needs the rest when colocated)."""
 
+    sglang_release_memory: bool = True
+    """Start SGLang with its memory saver (torch_memory_saver) and release the engine's GPU
+    memory (weights, KV cache, CUDA graphs) after each rollout, resuming it before the next
+    weight sync, so recompute + training get the GPU (--qrl-mode single and colocated; the
+    sync refills every weight). --no-qrl-rollout-sglang-release-memory keeps it resident
+    (then size --qrl-rollout-sglang-mem-fraction for engine + trainer together)."""
+
     nvfp4_w4a4: bool = False
     """NVFP4 rollouts with FP4 activations too (W4A4); needs a Blackwell GPU (compute
     capability >= 10). Off: NVFP4 is weight-only (W4A16, Marlin on Hopper)."""
@@ -267,6 +274,12 @@ class RunConfig:
     micro_batch_size: int = 8
     """Responses per trainer forward/backward micro batch."""
 
+    max_tokens_per_micro_batch: int = 0
+    """RL steps: form the trainer's micro batches by this token budget (rows x longest row,
+    samples sorted by length, each micro batch cut to its longest row) instead of
+    --qrl-micro-batch-size padded rows; the policy loss is then the global token mean of each
+    optimizer step (needs --qrl-loss-aggregation token_mean). 0 = off."""
+
     updates_per_step: int = 1
     """Optimizer steps per rollout batch (mini batches); > 1 makes pi_theta move away from
     pi_prox within a step, which is what the clipping acts on."""
@@ -287,7 +300,8 @@ class RunConfig:
     """Directory of the TensorBoard event files; none = <output-dir>/tensorboard."""
 
     save_interval: int = 0
-    """Save an (atomic) checkpoint every N steps; 0 = only at the end."""
+    """Save an (atomic) checkpoint every N steps; 0 = only at the end; -1 = never (benchmarks,
+    smoke runs: a Qwen3-4B checkpoint with its Adam state is ~70 GB)."""
 
     resume: bool = False
     """Resume from the latest checkpoint in the output directory (reproduces the next step
@@ -322,8 +336,10 @@ class RunConfig:
                                  ("--qrl-prompts-per-step", self.prompts_per_step, 1),
                                  ("--qrl-micro-batch-size", self.micro_batch_size, 1),
                                  ("--qrl-updates-per-step", self.updates_per_step, 1),
+                                 ("--qrl-max-tokens-per-micro-batch",
+                                  self.max_tokens_per_micro_batch, 0),
                                  ("--qrl-seed", self.seed, 0),
-                                 ("--qrl-save-interval", self.save_interval, 0),
+                                 ("--qrl-save-interval", self.save_interval, -1),
                                  ("--qrl-engine-max-restarts", self.engine_max_restarts, 0)):
             _int(flag, value, low)
         _real("--qrl-lr", self.lr, 0.0, low_open=True)

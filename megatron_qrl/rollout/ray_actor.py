@@ -79,7 +79,8 @@ def from_wire(t: torch.Tensor | WireTensor) -> torch.Tensor:
 
 SGLANG_ROLLOUT_FIELDS = ("sglang_sync", "sglang_mem_fraction", "sglang_sync_dir",
                          "sglang_flat_buckets", "sglang_prefetch_buckets",
-                         "sglang_direct_expert_loads", "sglang_stack_experts")
+                         "sglang_direct_expert_loads", "sglang_stack_experts",
+                         "sglang_release_memory")
 """The :class:`~megatron_qrl.config.run.RolloutConfig` fields ``start_job_engine`` reads."""
 
 

@@ -52,6 +52,8 @@ def start_job_engine(rollout_cfg: Any, hf_config: dict, seed: int, **engine_kwar
     sync = getattr(rollout_cfg, "sglang_sync", "auto")
     kwargs: dict[str, Any] = {"load_format": "dummy", "random_seed": seed,
                               "mem_fraction_static": getattr(rollout_cfg, "sglang_mem_fraction", 0.5)}
+    if getattr(rollout_cfg, "sglang_release_memory", False):
+        kwargs["enable_memory_saver"] = True  # release_memory_occupation frees memory only so
     if sync != "auto":
         kwargs["sync"] = sync
     if kwargs.get("sync") == "disk":
