@@ -23,6 +23,7 @@ from megatron_qrl.compat.distributed import free_port
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.config.megatron_flags import parse_megatron_flags
 from megatron_qrl.data import CharTokenizer
+from megatron_qrl.rl.trainer import TrainerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
@@ -65,9 +66,9 @@ def test_flags_reach_the_trainer_options_and_config():
                                     "--transformer-impl", "local"])
     assert dict(s.config_overrides) == {"recompute_granularity": "full",
                                         "recompute_method": "uniform", "recompute_num_layers": 1}
-    opts = s.trainer_options(per_token_loss=True)
+    opts = TrainerOptions.from_flags(s, per_token_loss=True)
     assert opts.distributed_optimizer and opts.transformer_impl == "local" and opts.per_token_loss
-    assert parse_megatron_flags([])[0].trainer_options().transformer_impl == "auto"
+    assert TrainerOptions.from_flags(parse_megatron_flags([])[0]).transformer_impl == "auto"
 
 
 @pytest.fixture(scope="module")

@@ -227,17 +227,6 @@ class MegatronSettings:
         return ParallelLayout(tp=self.tp, ep=self.ep, etp=self.etp,
                               sequence_parallel=self.sequence_parallel)
 
-    def trainer_options(self, per_token_loss: bool = False) -> Any:
-        """The :class:`megatron_qrl.rl.trainer.TrainerOptions` of these flags."""
-        from megatron_qrl.rl.trainer import TrainerOptions
-
-        return TrainerOptions(
-            transformer_impl=self.transformer_impl,
-            distributed_optimizer=self.distributed_optimizer,
-            optimizer_cpu_offload=self.optimizer_cpu_offload,
-            optimizer_offload_fraction=self.optimizer_offload_fraction,
-            per_token_loss=per_token_loss)
-
     def describe(self) -> str:
         """The layout as stored with checkpoints (a resume must use the same one)."""
         text = f"tp={self.tp},ep={self.ep},etp={self.etp},sp={int(self.sequence_parallel)}"

@@ -47,7 +47,7 @@ from megatron_qrl.rl.start_model import (
 )
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
 from megatron_qrl.rl.sync import make_engine, sync_weights
-from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
+from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 from megatron_qrl.utils.metrics import MetricsLogger
 
 __all__ = ["JobData", "prepare_job", "run_job"]
@@ -174,7 +174,8 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     layout = mega.layout() if world.world_size > 1 else None
     trainer = PolicyTrainer(build_policy(
         data.arch, run.sft_lr, plan, layout=layout, groups=world.shard_groups(), bf16=mega.bf16,
-        options=mega.trainer_options(per_token_loss=run.max_tokens_per_micro_batch > 0)))
+        options=TrainerOptions.from_flags(
+            mega, per_token_loss=run.max_tokens_per_micro_batch > 0)))
     if data.start is not None:
         load_start_weights(trainer.module, data.start)
         plan.weights_changed()

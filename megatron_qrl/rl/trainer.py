@@ -47,6 +47,15 @@ class TrainerOptions:
     ``calculate_per_token_loss``): the objective is the global token mean of the optimizer
     step, independent of how samples are grouped into micro batches (token-budget batches)."""
 
+    @classmethod
+    def from_flags(cls, mega: Any, per_token_loss: bool = False) -> TrainerOptions:
+        """The options of parsed Megatron flags (``config.megatron_flags.MegatronSettings``)."""
+        return cls(transformer_impl=mega.transformer_impl,
+                   distributed_optimizer=mega.distributed_optimizer,
+                   optimizer_cpu_offload=mega.optimizer_cpu_offload,
+                   optimizer_offload_fraction=mega.optimizer_offload_fraction,
+                   per_token_loss=per_token_loss)
+
     def __post_init__(self) -> None:
         if self.optimizer_cpu_offload and not self.distributed_optimizer:
             raise ValueError("TrainerOptions: optimizer_cpu_offload needs distributed_optimizer")
