@@ -21,7 +21,9 @@ bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one pe
 ``+prefetch`` prepares the next bucket in a thread while the engine loads one
 (``SGLangOptions(prefetch_buckets=1)``); ``+direct`` loads expert tensors straight into their
 FusedMoE parameters (``direct_expert_loads``); ``+stacked`` (with ``+direct``) sends each layer's
-experts of one kind as one stacked tensor (``stack_experts``); options combine:
+experts of one kind as one stacked tensor (``stack_experts``); ``+noreceipt`` skips the
+engine's receipt (its fingerprints of what it received, compared with what was sent: on by
+default, ``SGLangOptions.receipt``); options combine:
 ``fp8:inplace+flat+prefetch+direct+stacked`` is the engine's default in place. A variant runs
 exactly the options it names.
 
@@ -165,7 +167,7 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
     return res
 
 
-OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach")
+OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "noreceipt")
 
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
@@ -218,7 +220,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         sync=sync, sync_dir="/dev/shm/qrl-sync", prefetch_buckets=int("prefetch" in opts),
         flat_buckets=("flat" in opts) if inplace else None,
         direct_expert_loads=("direct" in opts) if inplace else None,
-        stack_experts=("stacked" in opts) if inplace else None)  # refused without +direct
+        stack_experts=("stacked" in opts) if inplace else None,  # refused without +direct
+        receipt="noreceipt" not in opts)
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})

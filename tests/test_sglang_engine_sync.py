@@ -71,10 +71,11 @@ def fake_io_struct(monkeypatch, tmp_path):
 
 
 def _engine(model, bucket_bytes, flatten, prefetch, fail_at=None, direct=False, stacked=False,
-            transport=None):
+            transport=None, receipt=True):
     eng = object.__new__(SGLangEngine)  # no sglang.Engine: the stand-in above
     eng.options = SGLangOptions(sync="inplace", flat_buckets=flatten, prefetch_buckets=prefetch,
-                                direct_expert_loads=direct, stack_experts=stacked).resolve("int8")
+                                direct_expert_loads=direct, stack_experts=stacked,
+                                receipt=receipt).resolve("int8")
     eng.spec, eng.trainer_device = get_spec("int8"), torch.device("cpu")
     eng.bucket_bytes, eng.processes = bucket_bytes, 1
     eng.engine = _Engine(model, fail_at, transport)
@@ -204,6 +205,11 @@ def test_a_tensor_dropped_or_corrupted_in_transport_fails_the_sync(flatten, faul
         eng.update_weights(iter(weights(1)), version=2)
     clean = _engine(FakeModel(), bucket_bytes=300, flatten=flatten, prefetch=0)
     clean.update_weights(iter(weights(1)), version=2)  # the same sync without the fault passes
+    # --no-qrl-rollout-sglang-receipt: only the version is checked, the fault goes unseen
+    blind = _engine(FakeModel(), bucket_bytes=300, flatten=flatten, prefetch=0,
+                    transport=fault(name), receipt=False)
+    blind.update_weights(iter(weights(1)), version=2)
+    assert blind.last_sync["verified"] == "version" and blind._receipts is None
 
 
 def test_a_parameter_loaded_differently_from_what_arrived_fails_the_sync():

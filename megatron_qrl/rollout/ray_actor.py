@@ -218,7 +218,7 @@ def weight_backend(engine_kind: str, colocated: bool = False) -> str:
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
     """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
-    bucket, :func:`~megatron_qrl.rollout.broadcast.iter_buckets`), each tensor in its
+    bucket, :func:`~megatron_qrl.rollout.wire.iter_buckets`), each tensor in its
     :func:`to_wire` form."""
     for bucket in iter_buckets(stream, bucket_bytes):
         yield [(name, to_wire(t)) for name, t in bucket]

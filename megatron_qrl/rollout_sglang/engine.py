@@ -23,7 +23,8 @@ Verification: after every sync the engine's ``weight_version`` must equal the ve
 Where our loader runs (in place, and quantized distributed syncs), each scheduler process
 also fingerprints what it received (and the parameters it holds in the received layout) and
 :meth:`SGLangEngine.update_weights` compares that receipt with the fingerprints of the stream
-it was handed, raising :class:`WeightSyncError` naming the tensor. SGLang's own loaders
+it was handed, raising :class:`WeightSyncError` naming the tensor (``SGLangOptions.receipt``,
+on by default). SGLang's own loaders
 (``tensor``, ``disk``, bf16 ``distributed``) return no receipt: there only the version is
 checked. Requires a CUDA GPU and SGLang; imports fail with a message naming the ``[gpu]``
 extra.
@@ -169,7 +170,8 @@ class SGLangEngine(RolloutEngine):
     # ---- weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         sent = Checksums()  # fingerprints fetched once at the end (no sync per tensor)
-        receipt = self._receipt_prefix(version) if self.uses_loader else None
+        receipt = (self._receipt_prefix(version) if self.uses_loader and self.options.receipt
+                   else None)
         t0 = time.perf_counter()
         self.last_sync = {"buckets": 0, "seconds": 0.0}
         with crash.engine_call():
@@ -195,8 +197,11 @@ class SGLangEngine(RolloutEngine):
         self.last_sync["seconds"] = t2 - t0
 
     def _receipt_prefix(self, version: int) -> str:
+        """Where this sync's receipts go (a sync that failed left its own: removed)."""
         if self._receipts is None:
             self._receipts = tempfile.mkdtemp(prefix="qrl-sglang-receipts-")
+        for old in Path(self._receipts).glob("*"):
+            old.unlink(missing_ok=True)
         return str(Path(self._receipts) / f"v{version}")
 
     def request(self, send: str, req, first: str) -> tuple[bool, str]:

@@ -104,6 +104,13 @@ class SGLangOptions:
     Unset: on wherever direct expert loads are; --no-qrl-rollout-sglang-stack-experts turns
     it off."""
 
+    receipt: bool = True
+    """In-place (and quantized distributed) syncs: each engine process fingerprints what it
+    received, and the parameters it holds in the received layout, and the engine compares
+    that receipt with the fingerprints of what was sent, failing the sync on the first
+    tensor missing or different. --no-qrl-rollout-sglang-receipt skips it (only the
+    engine's weight version is checked then)."""
+
     mem_fraction: float = 0.5
     """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
     (the trainer needs the rest when colocated)."""

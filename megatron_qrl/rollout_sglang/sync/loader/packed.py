@@ -25,19 +25,22 @@ captured CUDA graphs stay valid:
 Buckets: a sync is several calls. Between calls every module holds its live tensors; the
 checkpoint-layout parameters of a module whose tensors are split across buckets wait in a
 per-model pending table (only modules in progress hold a copy). Which modules are complete
-is declared by the sender (:class:`~..sender.StreamTracker`) in a control tensor named
+is declared by the sender (``sync.sender.StreamTracker``) in a control tensor named
 ``CONTROL`` in each bucket (:mod:`..protocol`): ``{"begin", "final", "done": {module:
-n_tensors}, ...}``; the
-loader checks the received count of each done module and, on ``final``, that no module is
-left half-loaded. Modules without post-processing (``Unquantized*`` methods, norms,
+n_tensors}, ...}``; the loader checks the received count of each done module and, on
+``final``, that no module is left half-loaded. Modules without post-processing (``Unquantized*`` methods, norms,
 embeddings) load directly through ``model.load_weights`` in the same call.
 
 Counts are of WIRE tensors: an expert-stacked tensor (:mod:`..protocol`,
 ``...experts.*.gate_proj.weight``) counts once on both sides (the tracker's ``done`` and the
 loader's ``received``; the phase log's ``tensors``), while the shard-load check of
 :func:`_finish` counts per expert (each view is one ``weight_loader`` call, or one counted
-load of a batched copy). Stacked tensors load through :mod:`.expert_loads` when the control
+load of a batched copy). Stacked tensors load through :mod:`.experts` when the control
 message asks for direct loads, else they are unstacked into per-expert views first.
+
+When the sender names a receipt, every bucket's tensors are fingerprinted as they arrived
+(after unpacking, before loading) and the final bucket writes the receipt (:mod:`.receipt`);
+the engine compares it with what it sent.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ....rollout.wire import unflatten
+from ....rollout.wire import from_bytes, unflatten
 from ..debug import PhaseLog, write_digest
 from ..protocol import CONTROL, FLAT, RECV, InplaceSyncError, decode_control, module_key
 from .experts import load_experts_directly, unstack_all
@@ -199,8 +202,7 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
     log = PhaseLog()
     views = msg.get("views", {})
     with log.phase("unpack"):
-        weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
-                   for n, t in bucket_weights(named, ctl[0].device)]
+        weights = [(n, from_bytes(t, views.get(n))) for n, t in bucket_weights(named, ctl[0].device)]
     with log.phase("receipt"):
         note_received(model, msg, weights)
     pending: dict[str, _Pending] = vars(model).setdefault(_STATE_ATTR, {})
