@@ -234,3 +234,21 @@ def test_a_scheduler_without_a_receipt_fails_the_sync():
     eng.processes = 2  # TP 2: two scheduler processes must each report
     with pytest.raises(WeightSyncError, match="1 of the engine's 2 scheduler"):
         eng.update_weights(iter(weights(1)), version=1)
+
+
+def test_the_receipt_reads_views_at_any_byte_offset_of_a_flat_bucket():
+    """A flat bucket's tensors are views at any byte offset; the fingerprints read 32-bit
+    words, so a view that is not 4-byte aligned is fingerprinted from a copy, equal to the
+    sender's (per expert for a stack)."""
+    from megatron_qrl.rollout_sglang.sync.loader.receipt import RECEIPT_ATTR, note_received
+
+    flat = torch.arange(64, dtype=torch.uint8)
+    stack = flat[2:18].view(torch.bfloat16).view(2, 4)  # offset 2: rows of 8 bytes
+    norm = flat[19:26]
+    model = torch.nn.Module()
+    name = "model.layers.0.mlp.experts.*.up_proj.weight"
+    note_received(model, {"receipt": "x", "begin": True}, [(name, stack), (NORM, norm)])
+    got = vars(model)[RECEIPT_ATTR].result()
+    assert got == {"model.layers.0.mlp.experts.0.up_proj.weight": tensor_checksum(stack[0].clone()),
+                   "model.layers.0.mlp.experts.1.up_proj.weight": tensor_checksum(stack[1].clone()),
+                   NORM: tensor_checksum(norm.clone())}
