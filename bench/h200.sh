@@ -125,7 +125,7 @@ case $phase in
       --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
       --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
-    [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.phase_log "$OUT/inplace_phases.jsonl" ;;
+    [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.sync.debug "$OUT/inplace_phases.jsonl" ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
       --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \

@@ -1,6 +1,7 @@
 """Run-level configs of the RL loop; each field's docstring is its ``--qrl-*`` help.
 
-Flags (prefix in brackets): RolloutConfig [rollout], TrainForwardConfig [train],
+Flags (prefix in brackets): RolloutConfig [rollout; its ``sglang`` field, an
+:class:`~megatron_qrl.rollout_sglang.options.SGLangOptions`, [rollout-sglang]], TrainForwardConfig [train],
 RoutingReplayConfig [routing], UAQConfig [uaq], TaskConfig [task], RunConfig [none].
 Each ``__post_init__`` checks its own fields; combinations are checked by
 :func:`megatron_qrl.config.validate_qrl_args`.
@@ -15,6 +16,7 @@ from typing import Literal
 
 from ..quant import get_spec, list_specs
 from ..quant.uaq import validate_uaq_scale
+from ..rollout_sglang.options import SGLangOptions
 from .presets import preset_names
 
 __all__ = [
@@ -77,57 +79,10 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()
     """Stop strings: generation of a response ends after the first one it produces."""
 
-    sglang_sync: Literal["auto", "tensor", "disk", "inplace", "distributed"] = "auto"
-    """SGLang weight-sync path: tensor (update_weights_from_tensor, colocated), disk
-    (safetensors in --qrl-rollout-sglang-sync-dir + update_weights_from_disk), inplace
-    (tensor buckets re-processed into the engine's live quantized layout), distributed
-    (--qrl-mode single, engine on other GPUs of the node: every bucket broadcast from the
-    trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), auto (the engine's choice per
-    format)."""
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
+    """SGLang engine options (--qrl-rollout-sglang-*: sync path and speed options, placement,
+    memory), passed whole to the engine."""
 
-    sglang_base_gpu: int = 0
-    """First GPU of the in-process SGLang engine (its TP ranks take the next ones); with
-    --qrl-rollout-sglang-sync distributed, a GPU the trainer does not use."""
-
-    sglang_sync_dir: str = "/dev/shm"
-    """Directory for --qrl-rollout-sglang-sync disk (fast local storage)."""
-
-    sglang_flat_buckets: bool | None = None
-    """In-place sync: send each bucket as one flattened buffer (one CUDA-IPC handle per bucket
-    instead of one per tensor). Unset: on for the in-place sync (30B-A3B fp8 on an H200,
-    prefetch off: 12.8 s -> 7.3 s per sync); --no-qrl-rollout-sglang-flat-buckets turns it
-    off."""
-
-    sglang_prefetch_buckets: int | None = None
-    """Tensor / in-place sync: weight buckets prepared (packed, fingerprinted, flattened) in a
-    thread ahead of the one the engine is loading (0: one after the other). Unset: 1 for the
-    in-place sync (30B-A3B fp8 on an H200, flat buckets: 6.9-7.3 s -> 3.8-4.3 s per sync), 0
-    for the tensor sync."""
-
-    sglang_direct_expert_loads: bool | None = None
-    """In-place sync: expert tensors go straight to their FusedMoE parameters' weight loaders
-    in batched copies, skipping SGLang's per-tensor expert-mapping scan in load_weights
-    (Qwen3-MoE). Unset: on for the in-place sync (the engine's bits equal a per-tensor load
-    in all five formats on an H200); --no-qrl-rollout-sglang-direct-expert-loads turns it and
-    --qrl-rollout-sglang-stack-experts off."""
-
-    sglang_stack_experts: bool | None = None
-    """In-place sync with direct expert loads: send each decoder layer's experts of one kind
-    (e.g. every expert's gate_proj.weight) as one stacked tensor instead of one tensor per
-    expert (~37k fewer wire tensors per Qwen3-30B-A3B sync); fingerprints stay per expert.
-    Unset: on wherever direct expert loads are (30B-A3B fp8 on an H200: 5.4 s -> 3.3 s per
-    sync, engine share 4.3 s -> 1.3 s); --no-qrl-rollout-sglang-stack-experts turns it off."""
-
-    sglang_mem_fraction: float = 0.5
-    """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
-    (the trainer needs the rest when colocated)."""
-
-    sglang_release_memory: bool = True
-    """Start SGLang with its memory saver (torch_memory_saver) and release the engine's GPU
-    memory (weights, KV cache, CUDA graphs) after each rollout, resuming it before the next
-    weight sync, so recompute + training get the GPU (--qrl-mode single and colocated; the
-    sync refills every weight). --no-qrl-rollout-sglang-release-memory keeps it resident
-    (then size --qrl-rollout-sglang-mem-fraction for engine + trainer together)."""
 
     nvfp4_w4a4: bool = False
     """NVFP4 rollouts with FP4 activations too (W4A4); needs a Blackwell GPU (compute
@@ -138,13 +93,8 @@ class RolloutConfig:
             raise ValueError(f"--qrl-rollout-format {self.format!r} is not a registered "
                              f"QuantSpec; choose one of {', '.join(list_specs())}")
         _choice("--qrl-rollout-engine", self.engine, ("reference", "sglang"))
-        _choice("--qrl-rollout-sglang-sync", self.sglang_sync,
-                ("auto", "tensor", "disk", "inplace", "distributed"))
-        _int("--qrl-rollout-sglang-base-gpu", self.sglang_base_gpu, 0)
-        if self.sglang_prefetch_buckets is not None:
-            _int("--qrl-rollout-sglang-prefetch-buckets", self.sglang_prefetch_buckets, 0)
-        _real("--qrl-rollout-sglang-mem-fraction", self.sglang_mem_fraction, 0.0, 1.0,
-              low_open=True)
+        if not isinstance(self.sglang, SGLangOptions):
+            raise TypeError(f"RolloutConfig.sglang must be SGLangOptions, got {self.sglang!r}")
         _int("--qrl-rollout-n-samples-per-prompt", self.n_samples_per_prompt, 1)
         _int("--qrl-rollout-max-new-tokens", self.max_new_tokens, 1)
         _real("--qrl-rollout-temperature", self.temperature, 0.0, low_open=True)

@@ -225,7 +225,7 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     if hasattr(engine, "bind_resync"):  # Ray modes: a restarted engine actor re-syncs
         engine.bind_resync(resync)
     # single mode: the in-process engine shares the trainer's GPU (Ray colocated: the actor)
-    release = bool(getattr(configs["rollout"], "sglang_release_memory", False)
+    release = bool(configs["rollout"].sglang.release_memory
                    and configs["rollout"].engine == "sglang" and not hasattr(engine, "bind_resync"))
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
                        make_loss_fn(configs), sync, world, mega.seq_length,
