@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -67,7 +70,28 @@ def build_parser() -> argparse.ArgumentParser:
                              "`ray start` cluster, else starts a local one); the trainer stays "
                              "in this process or torchrun's ranks (rank 0 talks to Ray)")
     launch.add_argument("--qrl-no-progress", action="store_true", help="no progress bar")
+    launch.add_argument("--debug", action="store_true",
+                        help="show the traceback behind an error (also: env QRL_DEBUG=1)")
     return parser
+
+
+_NEGATIVE_NUMBER = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?|-inf(?:inity)?|-nan",
+                              re.IGNORECASE)
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse (Python < 3.13) reads a negative number
+    in exponent notation as an option and says "expected one argument"; joined, the value
+    reaches the flag's own check, which names the flag."""
+    out: list[str] = []
+    for tok in argv:
+        prev = out[-1] if out else ""
+        if _NEGATIVE_NUMBER.fullmatch(tok) and prev.startswith("--") and "=" not in prev \
+                and prev != "--":
+            out[-1] = f"{prev}={tok}"
+        else:
+            out.append(tok)
+    return out
 
 
 def _with_default_preset(argv: Sequence[str]) -> list[str]:
@@ -125,8 +149,8 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     :class:`QrlArgumentError` (one message naming the flags) on bad values.
     """
     argv = list(argv)
-    megatron_argv = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    megatron_argv = join_negative_values(argv[argv.index("--") + 1:]) if "--" in argv else []
+    argv = join_negative_values(argv[: argv.index("--")] if "--" in argv else argv)
     argv, settings = _megatron_rewrites(argv, megatron_argv)
     args = build_parser().parse_args(_with_default_preset(argv))
     args.megatron_argv = megatron_argv
@@ -145,6 +169,11 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
             f"GPUs of this process's node); in --qrl-mode {args.qrl_mode} the weights reach the "
             "engine actor by --qrl-ray-weight-transport broadcast, and the actor loads them "
             "on its own GPU: use --qrl-rollout-sglang-sync auto")
+    run = configs["run"]
+    if run.steps == 0 and (run.sft_steps == 0 or args.qrl_compare):
+        raise QrlArgumentError(
+            f"--qrl-steps 0{'' if args.qrl_compare else ' with --qrl-sft-steps 0'}: nothing "
+            "to run; give --qrl-steps N (or --train-iters N after '--')")
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")
@@ -155,15 +184,35 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
 
 
 def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
-    """Entry point of the ``qrl-train`` console script."""
+    """Entry point of the ``qrl-train`` console script.
+
+    A user-fixable failure (bad flag or file, damaged checkpoint, full / read-only disk, a
+    run stopped by ``--qrl-max-bad-steps``) is ONE line ``qrl-train: error: ...`` on rank 0
+    (exit 2; 1 for a stopped run); ``--debug`` or env ``QRL_DEBUG=1`` shows the traceback.
+    """
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    debug = "--debug" in head or os.environ.get("QRL_DEBUG", "") not in ("", "0")
     try:
         configs, flags, args = parse_configs(argv)
     except QrlArgumentError as exc:
         build_parser().error(str(exc))
+    try:
+        _run_main(args, configs, flags, argv, engine_factory)
+    except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
+        line, code = error_line(exc, configs["run"])
+        if line is None or debug:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"qrl-train: error: {line}", file=sys.stderr)
+        return code
+    return 0
+
+
+def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
+              engine_factory: Any) -> None:
     from megatron_qrl.rl.driver import run_job
-    from megatron_qrl.rl.forward import ForwardUnavailableError
     from megatron_qrl.rl.sync import make_engine
 
     factory: list[Any] = [engine_factory or make_engine]
@@ -174,19 +223,51 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         return run_job(cfg, fl, engine_factory=factory[0], progress=progress, world=world[0],
                        **kw)
 
-    try:
-        if args.world_size > 1:
-            _launch_ranks(args, configs, flags, run, world, factory, engine_factory)
-        else:
-            with _ray_session(args.qrl_mode, configs, True) as session:
-                if session is not None and engine_factory is None:
-                    factory[0] = session.engine_factory
-                _launch(args, configs, flags, argv, run)
-    except (FileExistsError, FileNotFoundError, NotImplementedError, QrlArgumentError,
-            ForwardUnavailableError) as exc:  # user-fixable: one line, no traceback
-        print(f"qrl-train: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    if args.world_size > 1:
+        _launch_ranks(args, configs, flags, run, world, factory, engine_factory)
+    else:
+        with _ray_session(args.qrl_mode, configs, True) as session:
+            if session is not None and engine_factory is None:
+                factory[0] = session.engine_factory
+            _launch(args, configs, flags, argv, run)
+
+
+_DISK_ERRNOS = {errno.ENOSPC: "free space", errno.EROFS: "the filesystem is read-only",
+                errno.EDQUOT: "free space (disk quota)", errno.EACCES: "fix its permissions",
+                errno.EPERM: "fix its permissions"}
+_DAMAGED = ("SafetensorError", "CheckpointException", "UnpicklingError", "EOFError")
+"""Exception types of an unreadable (damaged, truncated) weight file."""
+
+
+def error_line(exc: BaseException, run: Any) -> tuple[str | None, int]:
+    """``(one-line message, exit code)`` of a user-fixable failure; ``(None, 1)`` for a bug
+    (its traceback is shown)."""
+    from megatron_qrl.data.dataset import PromptFileError
+    from megatron_qrl.models.hf_config import UnsupportedModelError
+    from megatron_qrl.models.hf_io import CheckpointMismatchError
+    from megatron_qrl.quant.uaq import AlreadyScaledError
+    from megatron_qrl.rl.checkpoint import DriverCheckpointError
+    from megatron_qrl.rl.forward import ForwardUnavailableError
+    from megatron_qrl.rl.guard import BadStepsError
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, BadStepsError):
+        return first, 1
+    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError)):
+        where = f"--qrl-checkpoint {run.checkpoint}: " if run.checkpoint else ""
+        return where + first, 2
+    if isinstance(exc, (FileExistsError, FileNotFoundError, NotImplementedError,
+                        QrlArgumentError, ForwardUnavailableError, DriverCheckpointError,
+                        PromptFileError, AlreadyScaledError)):
+        return first, 2
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        what = exc.filename or run.resolved_output_dir()
+        return (f"{what}: {exc.strerror}; {_DISK_ERRNOS[exc.errno]}, or choose another "
+                "--qrl-output-dir"), 2
+    if type(exc).__name__ in _DAMAGED and run.checkpoint:
+        return (f"--qrl-checkpoint {run.checkpoint}: a weight file is damaged or truncated "
+                f"({type(exc).__name__}: {first}); copy or convert the checkpoint again"), 2
+    return None, 1
 
 
 def _world_size(args: argparse.Namespace, mega: Any) -> int:
