@@ -114,7 +114,7 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
             "grad_norm": grad_norm, **metrics}
 
 
-def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str]]:
+def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str], int]:
     run, ro = ctx.configs["run"], ctx.configs["rollout"]
     n = ro.n_samples_per_prompt
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), run.prompts_per_step,
@@ -129,13 +129,13 @@ def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str]
     vocab = ctx.tokenizer.vocab_size  # ids of the padded vocabulary tail decode to nothing
     texts = [ctx.tokenizer.decode([i for i in r if i < vocab]) for r in responses]
     bonus = ctx.configs["task"].format_bonus
-    rewards = torch.tensor([score_math(t, recs[i // n].answer, bonus).reward
-                            for i, t in enumerate(texts)], dtype=torch.float32)
+    scores = [score_math(t, recs[i // n].answer, bonus) for i, t in enumerate(texts)]
+    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     lps = [row[m] for row, m in zip(out.logprobs, out.mask)]
     batch = pack_samples(prompts, responses, lps, ctx.tokenizer.pad_id, out.routed_experts)
     groups = torch.arange(len(recs)).repeat_interleave(n)
     batch["advantages"] = grpo_advantages(rewards, groups)
-    return batch, rewards, texts
+    return batch, rewards, texts, sum(s.over_budget for s in scores)
 
 
 def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     """
     run = ctx.configs["run"]
     t0 = time.perf_counter()
-    batch, rewards, texts = ctx.world.broadcast(
+    batch, rewards, texts, over_budget = ctx.world.broadcast(
         _rollout(ctx, step) if ctx.world.is_main else None)
     batch = ctx.check_length(batch)
     t1 = time.perf_counter()
@@ -162,7 +162,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     ctx.sync(step + 1)
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
-    return {**rec, "routing_agreement": agreement}
+    return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget}
 
 
 def _nonneg(v: float | None) -> float | None:
