@@ -53,8 +53,9 @@ class BadStepGuard:
                 f"{self.max_bad_steps}, the run stops (its weights are those before the bad "
                 "updates; the last checkpoint is intact). Lower --qrl-lr / --qrl-sft-lr or "
                 "check the data and --qrl-loss-* values")
-        self.log(f"[qrl-train] {what}: optimizer update skipped ({self.bad_steps} of "
-                 f"--qrl-max-bad-steps {self.max_bad_steps} bad steps)")
+        if self.skipped == 1:
+            self.log(f"[qrl-train] {what}: optimizer update skipped ({self.bad_steps} of "
+                     f"--qrl-max-bad-steps {self.max_bad_steps} bad steps)")
 
     def record(self, rec: dict[str, Any]) -> dict[str, Any]:
         """``rec`` with the counts added; a bad step's non-finite values become None."""
