@@ -86,7 +86,8 @@ def _agree(bad: bool) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return bad
-    flag = torch.tensor([float(bad)])
+    nccl = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+    flag = torch.tensor([float(bad)], device=torch.cuda.current_device() if nccl else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
