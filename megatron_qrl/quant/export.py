@@ -4,7 +4,9 @@ Used for post-training quantization after RL (the rlquant study, ALGORITHMS.md s
 and to start a low-bit rollout engine from disk. The packed tensors come from
 :meth:`QuantSpec.pack_state_dict` — the same function weight sync uses — and config.json
 gets the spec's ``quantization_config``. Output is written to a temporary sibling directory
-and renamed into place only when complete (:func:`~megatron_qrl.utils.io.atomic_directory`).
+and renamed into place only when complete; ``out`` must not overlap the input and an existing
+``out`` is replaced only when it is an earlier export (:mod:`megatron_qrl.utils.outdir`).
+The input must be full precision: a quantized export is refused (codes are not weights).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..models.hf_config import load_hf_config
-from ..models.hf_io import HFCheckpointReader, copy_side_files, write_safetensors
-from ..utils.io import atomic_directory
+from ..models.hf_io import copy_side_files, open_hf_checkpoint, write_safetensors
+from ..utils.outdir import safe_output_dir
 from . import get_spec
+
+TOOL = "export_quantized"
 
 
 class ExportError(ValueError):
@@ -36,17 +39,10 @@ def export_quantized(
     """Quantize ``hf_dir`` with format ``fmt`` into ``out``; return the output path."""
     spec = get_spec(fmt)
     hf_dir, out = Path(hf_dir), Path(out)
-    cfg, arch = load_hf_config(hf_dir)
-    if cfg.get("quantization_config"):
-        raise ExportError(
-            f"{hf_dir}/config.json already has a quantization_config "
-            f"({cfg['quantization_config'].get('quant_method')}); export from the BF16 checkpoint"
-        )
-    reader = HFCheckpointReader(hf_dir)
-    reader.check_against(arch)
-    if out.exists() and not overwrite:
-        raise ExportError(f"--out {out} already exists; remove it or pass --overwrite")
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    if max_shard_bytes <= 0:
+        raise ExportError(f"--max-shard-gb must be > 0 (got {max_shard_bytes} bytes)")
+    cfg, _, reader = open_hf_checkpoint(hf_dir)
+    with safe_output_dir(out, [hf_dir], tool=TOOL, overwrite=overwrite) as tmp:
         stream = ((n, reader.get(n)) for n in tqdm(
             reader.names(), desc=f"quantize {fmt}", unit="tensor", disable=not progress))
         write_safetensors(spec.pack_state_dict(stream), tmp, max_shard_bytes=max_shard_bytes)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..utils.finite import require_finite
 from . import targets
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -289,12 +290,7 @@ class QuantSpec:
         self._check_shape(tuple(w.shape), name)
 
     def _check_finite(self, w: torch.Tensor, name: str) -> None:
-        if not bool(torch.isfinite(w).all()):
-            bad = int((~torch.isfinite(w)).sum())
-            raise ValueError(
-                f"{self.name}: {name} has {bad} non-finite values (NaN/Inf); "
-                "the checkpoint or the last optimizer step is broken"
-            )
+        require_finite(w, f"{self.name}: {name}", "the checkpoint or the last optimizer step is broken")
 
     def _check_finite_amax(self, a: torch.Tensor, w: torch.Tensor, name: str) -> None:
         """The finite check of :meth:`_check_weight` from an amax ``a`` reduced over all of
