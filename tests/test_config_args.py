@@ -506,12 +506,12 @@ def test_negative_values_reach_the_flags_own_check(argv, needle):
 
 
 def test_negative_values_parse_where_they_are_valid():
-    from megatron_qrl.rl.cli import join_negative_values, parse_configs
+    from megatron_qrl.rl.cli import parse_configs
 
-    assert join_negative_values(["--qrl-lr", "-1e-3", "--", "--x", "-.5", "-1"]) == \
-        ["--qrl-lr=-1e-3", "--", "--x=-.5", "-1"]
     configs, _, _ = parse_configs(["--qrl-rollout-top-k", "-1", "--qrl-loss-eps-low", "0.1"])
     assert configs["rollout"].top_k == -1
+    with pytest.raises(QrlArgumentError, match="eps_low=-0.5"):
+        parse_configs(["--qrl-loss-eps-low", "-5e-1"])
 
 
 @pytest.mark.parametrize("argv", [

@@ -230,7 +230,7 @@ class SafetensorError(Exception):  # the name safetensors' own error class has
 
 @pytest.mark.parametrize("exc, needle, code", [
     (OSError(errno.ENOSPC, "No space left on device", "/out/ckpt.pt"),
-     "/out/ckpt.pt: No space left on device; free space", 2),
+     "/out/ckpt.pt: No space left on device (the file system is full", 2),
     (OSError(errno.EROFS, "Read-only file system", "/out"), "read-only", 2),
     (SafetensorError("Error while deserializing header: MetadataIncompleteBuffer"),
      "--qrl-checkpoint /ckpt: a weight file is damaged or truncated", 2),

@@ -39,11 +39,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..utils.argparse_negative import allow_negative_numbers
 from .args import QrlArgumentError
 from .generator import finite_float
 
@@ -140,10 +140,11 @@ def megatron_parser() -> tuple[argparse.ArgumentParser, bool]:
             importlib.util.find_spec("megatron.training.arguments") is not None:
         from megatron.training.arguments import add_megatron_arguments  # pragma: no cover
 
-        return add_megatron_arguments(argparse.ArgumentParser(  # pragma: no cover
-            prog="qrl-train -- (Megatron flags)", allow_abbrev=False)), True
-    parser = argparse.ArgumentParser(prog="qrl-train -- (Megatron flags)", allow_abbrev=False,
-                                     add_help=False)
+        return add_megatron_arguments(allow_negative_numbers(  # pragma: no cover
+            argparse.ArgumentParser(prog="qrl-train -- (Megatron flags)",
+                                    allow_abbrev=False))), True
+    parser = allow_negative_numbers(argparse.ArgumentParser(
+        prog="qrl-train -- (Megatron flags)", allow_abbrev=False, add_help=False))
     for flag, dest, kind, default, choices in FLAGS:
         if kind in (_T, _F):
             parser.add_argument(flag, dest=dest, action=kind, default=default)
@@ -282,9 +283,8 @@ def check_shape(settings: MegatronSettings, cfg: dict, source: str) -> Any:
         return arch_from_dict(cfg, source=source)
     except UnsupportedModelError as exc:
         text = str(exc).replace("config.json: ", "")
-        given = [(d, v, row[1], row[2]) for d, v in settings.shape
-                 for row in SHAPE if row[0] == d]
-        named = [g for g in given if re.search(rf"\b({g[2]}|{g[3]})\b", text)] or given
+        given = [(d, v, row[2]) for d, v in settings.shape for row in SHAPE if row[0] == d]
+        named = [g for g in given if g[2] in exc.fields] or given
         if not named:
             raise
         flags = " ".join(f"{_FLAG_OF[d]} {v}" for d, v, *_ in named)

@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import os
-import re
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
+from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, one_line_error
 
 __all__ = ["build_parser", "main", "parse_configs"]
 
@@ -53,10 +53,10 @@ MODES = ("single", "colocated", "disaggregated")
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``qrl-train`` parser: every ``--qrl-*`` flag plus the launcher flags."""
-    parser = argparse.ArgumentParser(
+    parser = allow_negative_numbers(argparse.ArgumentParser(
         prog="qrl-train", allow_abbrev=False,
         description="megatron_qrl RL job: SFT warm-up + RL with quantized rollouts "
-                    f"(default --qrl-preset {DEFAULT_PRESET})")
+                    f"(default --qrl-preset {DEFAULT_PRESET})"))  # --qrl-lr -1e-3: a value
     add_qrl_args(parser)
     launch = parser.add_argument_group("qrl-train launcher")
     launch.add_argument("--qrl-compare", action="store_true",
@@ -73,25 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--debug", action="store_true",
                         help="show the traceback behind an error (also: env QRL_DEBUG=1)")
     return parser
-
-
-_NEGATIVE_NUMBER = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?|-inf(?:inity)?|-nan",
-                              re.IGNORECASE)
-
-
-def join_negative_values(argv: Sequence[str]) -> list[str]:
-    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse (Python < 3.13) reads a negative number
-    in exponent notation as an option and says "expected one argument"; joined, the value
-    reaches the flag's own check, which names the flag."""
-    out: list[str] = []
-    for tok in argv:
-        prev = out[-1] if out else ""
-        if _NEGATIVE_NUMBER.fullmatch(tok) and prev.startswith("--") and "=" not in prev \
-                and prev != "--":
-            out[-1] = f"{prev}={tok}"
-        else:
-            out.append(tok)
-    return out
 
 
 def _with_default_preset(argv: Sequence[str]) -> list[str]:
@@ -149,8 +130,8 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     :class:`QrlArgumentError` (one message naming the flags) on bad values.
     """
     argv = list(argv)
-    megatron_argv = join_negative_values(argv[argv.index("--") + 1:]) if "--" in argv else []
-    argv = join_negative_values(argv[: argv.index("--")] if "--" in argv else argv)
+    megatron_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     argv, settings = _megatron_rewrites(argv, megatron_argv)
     args = build_parser().parse_args(_with_default_preset(argv))
     args.megatron_argv = megatron_argv
@@ -193,7 +174,7 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
     head = argv[: argv.index("--")] if "--" in argv else argv
-    debug = "--debug" in head or os.environ.get("QRL_DEBUG", "") not in ("", "0")
+    debug = debug_enabled("--debug" in head)
     try:
         configs, flags, args = parse_configs(argv)
     except QrlArgumentError as exc:
@@ -202,9 +183,11 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         _run_main(args, configs, flags, argv, engine_factory)
     except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
         line, code = error_line(exc, configs["run"])
-        if line is None or debug:
+        if line is None:
             raise
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
+            if debug:
+                traceback.print_exc()
             print(f"qrl-train: error: {line}", file=sys.stderr)
         return code
     return 0
@@ -232,9 +215,6 @@ def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[s
             _launch(args, configs, flags, argv, run)
 
 
-_DISK_ERRNOS = {errno.ENOSPC: "free space", errno.EROFS: "the filesystem is read-only",
-                errno.EDQUOT: "free space (disk quota)", errno.EACCES: "fix its permissions",
-                errno.EPERM: "fix its permissions"}
 _DAMAGED = ("SafetensorError", "CheckpointException", "UnpicklingError", "EOFError")
 """Exception types of an unreadable (damaged, truncated) weight file."""
 
@@ -244,7 +224,7 @@ def error_line(exc: BaseException, run: Any) -> tuple[str | None, int]:
     (its traceback is shown)."""
     from megatron_qrl.data.dataset import PromptFileError
     from megatron_qrl.models.hf_config import UnsupportedModelError
-    from megatron_qrl.models.hf_io import CheckpointMismatchError
+    from megatron_qrl.models.hf_io import CheckpointMismatchError, CheckpointReadError
     from megatron_qrl.quant.uaq import AlreadyScaledError
     from megatron_qrl.rl.checkpoint import DriverCheckpointError
     from megatron_qrl.rl.forward import ForwardUnavailableError
@@ -253,17 +233,15 @@ def error_line(exc: BaseException, run: Any) -> tuple[str | None, int]:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, BadStepsError):
         return first, 1
-    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError)):
+    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError, CheckpointReadError)):
         where = f"--qrl-checkpoint {run.checkpoint}: " if run.checkpoint else ""
         return where + first, 2
     if isinstance(exc, (FileExistsError, FileNotFoundError, NotImplementedError,
                         QrlArgumentError, ForwardUnavailableError, DriverCheckpointError,
                         PromptFileError, AlreadyScaledError)):
         return first, 2
-    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        what = exc.filename or run.resolved_output_dir()
-        return (f"{what}: {exc.strerror}; {_DISK_ERRNOS[exc.errno]}, or choose another "
-                "--qrl-output-dir"), 2
+    if isinstance(exc, OSError) and (line := one_line_error(exc)) is not None:
+        return line, 2  # a full / read-only disk: utils.cli's wording, as the tools say it
     if type(exc).__name__ in _DAMAGED and run.checkpoint:
         return (f"--qrl-checkpoint {run.checkpoint}: a weight file is damaged or truncated "
                 f"({type(exc).__name__}: {first}); copy or convert the checkpoint again"), 2
