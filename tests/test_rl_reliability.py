@@ -355,3 +355,18 @@ def test_malformed_prompts_one_line_and_debug_traceback(tmp_path):
     assert f"{prompts}, line 2: invalid JSON" in line
     debug = _qrl(tmp_path / "b", "--qrl-task-prompts", str(prompts), "--debug")
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+@pytest.mark.slow
+def test_truncated_start_checkpoint_shard_is_one_line(tmp_path):
+    from tiny_hf import make_tiny_hf
+
+    from megatron_qrl.data import CharTokenizer
+
+    hf = make_tiny_hf(tmp_path / "hf", "moe")
+    CharTokenizer().save(hf, hf=False)
+    shard = hf / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    line = _one_line_error(_qrl(tmp_path / "run", "--qrl-model", "checkpoint",
+                                "--qrl-checkpoint", str(hf)))
+    assert f"--qrl-checkpoint {hf}" in line and "model.safetensors" in line
