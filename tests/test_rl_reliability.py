@@ -370,3 +370,24 @@ def test_truncated_start_checkpoint_shard_is_one_line(tmp_path):
     line = _one_line_error(_qrl(tmp_path / "run", "--qrl-model", "checkpoint",
                                 "--qrl-checkpoint", str(hf)))
     assert f"--qrl-checkpoint {hf}" in line and "model.safetensors" in line
+
+
+@pytest.mark.slow
+def test_truncated_distcp_shard_of_a_megatron_start_checkpoint_is_one_line(tmp_path):
+    from tiny_hf import make_tiny_hf
+
+    from megatron_qrl.data import CharTokenizer
+
+    hf = make_tiny_hf(tmp_path / "hf", "moe")
+    CharTokenizer().save(hf, hf=True)  # travels into ckpt/hf/
+    ckpt = tmp_path / "ckpt"
+    conv = subprocess.run([sys.executable, str(TESTS.parent / "tools" / "convert_hf_to_megatron.py"),
+                           "--hf-dir", str(hf), "--out", str(ckpt)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=TESTS.parent)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    shards = sorted(ckpt.rglob("*.distcp"))
+    assert shards
+    _truncate(shards[0])
+    line = _one_line_error(_qrl(tmp_path / "run", "--qrl-model", "checkpoint",
+                                "--qrl-checkpoint", str(ckpt)))
+    assert f"--qrl-checkpoint {ckpt}" in line and "truncated" in line and ".distcp" in line
