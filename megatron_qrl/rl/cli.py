@@ -155,6 +155,10 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
         raise QrlArgumentError(
             f"--qrl-steps 0{'' if args.qrl_compare else ' with --qrl-sft-steps 0'}: nothing "
             "to run; give --qrl-steps N (or --train-iters N after '--')")
+    if args.qrl_mode != "single" and configs["lora"].enabled:
+        raise QrlArgumentError(
+            f"--qrl-lora-rank {configs['lora'].rank} with --qrl-mode {args.qrl_mode}: the Ray "
+            "engine actor does not serve LoRA adapters yet; use --qrl-mode single")
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")
