@@ -452,3 +452,112 @@ def test_run_level_helpers():
     assert run.resolved_output_dir() == "/x/y"
     with pytest.raises(QrlArgumentError, match="--qrl-rollout-stop strings must be non-empty"):
         qrl_configs_from_args(p.parse_args(["--qrl-rollout-stop", ""]))
+
+
+# --- issue 24: non-finite and negative numbers, nothing to run -----------------------------
+
+def _float_flags() -> list[str]:
+    """Every generated float flag (introspected from the config dataclasses) and every float
+    flag of the Megatron subset after '--'."""
+    import typing
+
+    from megatron_qrl.config.megatron_flags import FLAGS
+
+    out = []
+    for group in default_config_classes():
+        hints = typing.get_type_hints(group.cls)
+        for spec in flag_specs(group):
+            tp = hints[spec.field]
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if (tp is float or args == [float]) and spec.choices is None:
+                out.append(spec.flag)
+    out += [f"-- {flag}" for flag, _, kind, _, _ in FLAGS if kind is float]
+    return out
+
+
+FLOAT_FLAGS = _float_flags()
+
+
+def test_float_flags_are_found():
+    assert "--qrl-loss-tis-cap" in FLOAT_FLAGS and "--qrl-lr" in FLOAT_FLAGS
+    assert "-- --lr" in FLOAT_FLAGS and len(FLOAT_FLAGS) > 15
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+def test_every_float_flag_rejects_non_finite_values_naming_the_flag(flag, value, capsys):
+    from megatron_qrl.rl.cli import parse_configs
+
+    argv = flag.split() + [value]
+    with pytest.raises((SystemExit, QrlArgumentError)) as info:
+        parse_configs(argv)
+    text = str(info.value) + capsys.readouterr().err
+    assert flag.split()[-1] in text and ("finite" in text), text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--qrl-lr", "-1e-3"], "--qrl-lr must be a finite number in (0.0, inf], got -0.001"),
+    (["--qrl-sft-lr", "-2E-4"], "--qrl-sft-lr must be"),
+    (["--", "--lr", "-1e-3"], "got -0.001"),
+])
+def test_negative_values_reach_the_flags_own_check(argv, needle):
+    from megatron_qrl.rl.cli import parse_configs
+
+    with pytest.raises(QrlArgumentError) as info:
+        parse_configs(argv)
+    assert needle in str(info.value)
+
+
+def test_negative_values_parse_where_they_are_valid():
+    from megatron_qrl.rl.cli import parse_configs
+
+    configs, _, _ = parse_configs(["--qrl-rollout-top-k", "-1", "--qrl-loss-eps-low", "0.1"])
+    assert configs["rollout"].top_k == -1
+    with pytest.raises(QrlArgumentError, match="eps_low=-0.5"):
+        parse_configs(["--qrl-loss-eps-low", "-5e-1"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--qrl-steps", "0", "--qrl-sft-steps", "0"],
+    ["--qrl-compare", "--qrl-steps", "0"],
+    ["--qrl-sft-steps", "0", "--", "--train-iters", "0"],
+])
+def test_nothing_to_run_is_an_error_naming_the_flag(argv):
+    from megatron_qrl.rl.cli import parse_configs
+
+    with pytest.raises(QrlArgumentError, match="--qrl-steps 0"):
+        parse_configs(argv)
+    parse_configs(["--qrl-steps", "0", "--qrl-sft-steps", "1"])  # a warm-up alone is a run
+
+
+def test_max_bad_steps_flag():
+    from megatron_qrl.rl.cli import parse_configs
+
+    assert parse_configs([])[0]["run"].max_bad_steps == 3
+    assert parse_configs(["--qrl-max-bad-steps", "0"])[0]["run"].max_bad_steps == 0
+    with pytest.raises(QrlArgumentError, match="--qrl-max-bad-steps"):
+        parse_configs(["--qrl-max-bad-steps", "-1"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--", "--moe-router-topk", "0"], "--moe-router-topk must be >= 1"),
+    (["--", "--num-experts", "0"], "--num-experts must be >= 1"),
+])
+def test_zero_shape_flags_name_the_megatron_flag(argv, needle):
+    from megatron_qrl.rl.cli import parse_configs
+
+    with pytest.raises(QrlArgumentError, match=needle):
+        parse_configs(argv)
+
+
+def test_unsupported_shape_names_the_megatron_flag():
+    from megatron_qrl.config.megatron_flags import check_shape, parse_megatron_flags
+    from megatron_qrl.data import CharTokenizer, tiny_moe_config
+    from megatron_qrl.models import arch_from_dict
+
+    settings, _, _ = parse_megatron_flags(["--moe-router-topk", "9"])
+    cfg = tiny_moe_config(CharTokenizer().vocab_size)
+    cfg = settings.apply_to_hf_config(cfg, arch_from_dict(cfg), "--qrl-model tiny-moe", False)
+    with pytest.raises(QrlArgumentError, match=r"^--moe-router-topk 9 \(after '--'\)") as info:
+        check_shape(settings, cfg, "--qrl-model tiny-moe")
+    assert "config.json" not in str(info.value)

@@ -32,13 +32,18 @@ def _load_json(path: Path, flag: str) -> dict[str, Any]:
     return data
 
 
-def _safetensors_metadata(root: Path) -> dict[str, Any]:
-    from safetensors import safe_open
+def _safetensors_metadata(root: Path, flag: str) -> dict[str, Any]:
+    from safetensors import SafetensorError, safe_open
 
     meta: dict[str, Any] = {}
     for shard in sorted(root.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            meta.update(f.metadata() or {})
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                meta.update(f.metadata() or {})
+        except SafetensorError as exc:
+            raise ValueError(f"{flag} {root}: {shard} is not a readable safetensors file "
+                             f"({exc}); it is truncated or corrupted: copy or convert it "
+                             "again") from None
     return meta
 
 
@@ -49,7 +54,7 @@ def read_checkpoint_info(path: str | Path, flag: str = "--qrl-checkpoint") -> tu
         raise FileNotFoundError(f"{flag} {root}: no such directory")
     if (root / MEGATRON_QRL_METADATA).is_file():
         return _load_json(root / MEGATRON_QRL_METADATA, flag), _load_json(root / "hf" / "config.json", flag)
-    return _safetensors_metadata(root), _load_json(root / "config.json", flag)
+    return _safetensors_metadata(root, flag), _load_json(root / "config.json", flag)
 
 
 def is_moe_config(config: dict[str, Any]) -> bool:

@@ -7,7 +7,7 @@ the dataclasses by one ``add_qrl_args(parser)``"):
   empty), or the name declared in the field's metadata (``{"flag": "--qrl-..."}``, or
   megatron-core's ``{"argparse_meta": {"arg_names": [...]}}``);
 * type from the annotation: ``int``/``float``/``str``, ``Optional[X]`` / ``X | None`` (the
-  value ``none`` sets None), ``bool`` as ``--qrl-x`` / ``--no-qrl-x``, ``Literal[...]`` as
+  value ``none`` sets None; a ``float`` flag refuses ``nan`` / ``inf`` naming the flag), ``bool`` as ``--qrl-x`` / ``--no-qrl-x``, ``Literal[...]`` as
   choices, ``tuple[str, ...]`` as zero or more values; choices also from the metadata key
   ``choices`` (a sequence, or a callable returning one, evaluated when the flag is made);
 * help: the docstring string literal placed under the field (read once with ``ast``);
@@ -27,6 +27,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -41,6 +42,7 @@ __all__ = [
     "add_group_args",
     "explicit_dests",
     "field_docstrings",
+    "finite_float",
     "flag_specs",
 ]
 
@@ -113,6 +115,21 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def finite_float(text: str) -> float:
+    """``float(text)``, refusing NaN and +-inf (argparse then names the flag: ``argument
+    --qrl-x: nan is not a finite number``); every generated ``float`` flag parses with it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+finite_float.__name__ = "float"
+
+
 def _optional_parser(base: Callable[[str], Any]) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         return None if text.strip().lower() == NONE_WORD else base(text)
@@ -128,7 +145,9 @@ def _scalar_type(tp: Any, where: str) -> tuple[Callable[[str], Any], tuple[Any, 
         if len(kinds) != 1 or kinds.pop() not in (str, int, float):
             raise TypeError(f"{where}: Literal values must all be str, int or float: {values}")
         return type(values[0]), tuple(values)
-    if tp in (int, float, str):
+    if tp is float:
+        return finite_float, None
+    if tp in (int, str):
         return tp, None
     raise TypeError(f"{where}: annotation {tp!r} cannot become a flag (use int, float, str, "
                     "bool, Literal[...], Optional[...] or tuple[str, ...])")

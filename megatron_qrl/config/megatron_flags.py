@@ -46,14 +46,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..utils.argparse_negative import allow_negative_numbers
 from .args import QrlArgumentError
+from .generator import finite_float
 
-__all__ = ["FLAGS", "MegatronSettings", "megatron_parser", "parse_megatron_flags",
-           "qrl_equivalents"]
+__all__ = ["FLAGS", "MegatronSettings", "check_shape", "flag_for_hf_key", "megatron_parser",
+           "parse_megatron_flags", "qrl_equivalents"]
 
 _T, _F = "store_true", "store_false"
 # (flag, dest, type or action, default, choices): Megatron-LM's names, dests and defaults.
@@ -152,15 +155,17 @@ def megatron_parser() -> tuple[argparse.ArgumentParser, bool]:
             importlib.util.find_spec("megatron.training.arguments") is not None:
         from megatron.training.arguments import add_megatron_arguments  # pragma: no cover
 
-        return add_megatron_arguments(argparse.ArgumentParser(  # pragma: no cover
-            prog="qrl-train -- (Megatron flags)", allow_abbrev=False)), True
-    parser = argparse.ArgumentParser(prog="qrl-train -- (Megatron flags)", allow_abbrev=False,
-                                     add_help=False)
+        return add_megatron_arguments(allow_negative_numbers(  # pragma: no cover
+            argparse.ArgumentParser(prog="qrl-train -- (Megatron flags)",
+                                    allow_abbrev=False))), True
+    parser = allow_negative_numbers(argparse.ArgumentParser(
+        prog="qrl-train -- (Megatron flags)", allow_abbrev=False, add_help=False))
     for flag, dest, kind, default, choices in FLAGS:
         if kind in (_T, _F):
             parser.add_argument(flag, dest=dest, action=kind, default=default)
         else:
-            parser.add_argument(flag, dest=dest, type=kind, default=default, choices=choices)
+            parser.add_argument(flag, dest=dest, type=finite_float if kind is float else kind,
+                                default=default, choices=choices)
     return parser, False
 
 
@@ -176,6 +181,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, frozenset[str], boo
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     explicit = frozenset(vars(probe.parse_known_args(list(argv))[0]))
+    for dest in sorted(explicit):  # the upstream parser's float flags take nan / inf
+        value = getattr(ns, dest, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise QrlArgumentError(f"{_FLAG_OF.get(dest, dest)} {value}: not a finite number")
     unused = sorted(d for d in explicit if d not in _FLAG_OF)  # upstream parser: more flags
     if unused:
         raise QrlArgumentError(
@@ -280,6 +289,31 @@ class MegatronSettings:
                     f"{what}); drop {_FLAG_OF[dest]} or give the model's value")
             out[row[2]] = value
         return out
+
+
+def flag_for_hf_key(key: str) -> str | None:
+    """The Megatron flag that sets the HF config.json field ``key`` (None: no flag does)."""
+    if key == "tie_word_embeddings":
+        return "--untie-embeddings-and-output-weights"
+    return next((_FLAG_OF[d] for d, _, k in SHAPE if k == key), None)
+
+
+def check_shape(settings: MegatronSettings, cfg: dict, source: str) -> Any:
+    """``cfg``'s ``ModelArch``; a config the shape flags made unsupported is one error
+    naming the flags (not the config.json field they set)."""
+    from megatron_qrl.models.hf_config import UnsupportedModelError, arch_from_dict
+
+    try:
+        return arch_from_dict(cfg, source=source)
+    except UnsupportedModelError as exc:
+        text = str(exc).replace("config.json: ", "")
+        given = [(d, v, row[2]) for d, v in settings.shape for row in SHAPE if row[0] == d]
+        named = [g for g in given if g[2] in exc.fields] or given
+        if not named:
+            raise
+        flags = " ".join(f"{_FLAG_OF[d]} {v}" for d, v, *_ in named)
+        raise QrlArgumentError(f"{flags} (after '--'): {source} with this shape is not "
+                               f"supported: {text}; give other values") from None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -404,7 +438,10 @@ def parse_megatron_flags(argv: Sequence[str]
     _refuse(ns, explicit)
     for dest in ("tensor_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "micro_batch_size", "global_batch_size",
-                 "seq_length", "save_interval", "train_iters", "num_layers", "hidden_size"):
+                 "seq_length", "save_interval", "train_iters", "num_layers", "hidden_size",
+                 "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                 "max_position_embeddings", "vocab_size", "num_experts", "moe_router_topk",
+                 "moe_ffn_hidden_size", "make_vocab_size_divisible_by"):
         value = getattr(ns, dest)
         if dest in explicit and value is not None and value < (0 if dest in (
                 "save_interval", "train_iters") else 1):

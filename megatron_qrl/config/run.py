@@ -254,8 +254,15 @@ class RunConfig:
     smoke runs: a Qwen3-4B checkpoint with its Adam state is ~70 GB)."""
 
     resume: bool = False
-    """Resume from the latest checkpoint in the output directory (reproduces the next step
-    exactly on CPU)."""
+    """Resume from the newest intact checkpoint in the output directory (reproduces the next
+    step exactly on CPU); a run that stopped before its first checkpoint starts again. Without
+    it a used output directory is refused."""
+
+    max_bad_steps: int = 3
+    """Steps whose loss or gradient norm is NaN / inf skip their optimizer update (logged,
+    counted in the metrics bad_updates / bad_steps_total); one more bad step than this stops
+    the run, naming the step and the metric, before broken weights reach the engine (0: stop
+    at the first)."""
 
     ray_weight_transport: Literal["broadcast", "objectstore"] = "broadcast"
     """Ray modes: how weights reach the engine actor. broadcast: a process group of the
@@ -290,7 +297,8 @@ class RunConfig:
                                   self.max_tokens_per_micro_batch, 0),
                                  ("--qrl-seed", self.seed, 0),
                                  ("--qrl-save-interval", self.save_interval, -1),
-                                 ("--qrl-engine-max-restarts", self.engine_max_restarts, 0)):
+                                 ("--qrl-engine-max-restarts", self.engine_max_restarts, 0),
+                                 ("--qrl-max-bad-steps", self.max_bad_steps, 0)):
             _int(flag, value, low)
         _real("--qrl-lr", self.lr, 0.0, low_open=True)
         _real("--qrl-sft-lr", self.sft_lr, 0.0, low_open=True)

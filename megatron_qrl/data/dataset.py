@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PromptRecord", "load_prompt_jsonl"]
+__all__ = ["PromptFileError", "PromptRecord", "load_prompt_jsonl"]
+
+
+class PromptFileError(ValueError):
+    """A malformed prompts file; the message names the file, the line and the flag."""
 
 
 @dataclass(frozen=True)
@@ -19,16 +24,18 @@ class PromptRecord:
 
 def _record(obj: object, where: str) -> PromptRecord:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object {{\"prompt\": ..., \"answer\": ...}}, "
-                         f"got {type(obj).__name__}")
+        raise PromptFileError(f"{where}: expected a JSON object {{\"prompt\": ..., "
+                              f"\"answer\": ...}}, got {type(obj).__name__}")
     missing = [k for k in ("prompt", "answer") if k not in obj]
     if missing:
-        raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
+        raise PromptFileError(f"{where}: missing key(s) {', '.join(missing)}")
     prompt, answer = obj["prompt"], obj["answer"]
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "":
-        raise ValueError(f"{where}: \"answer\" must be a non-empty string or a number, got {answer!r}")
+        raise PromptFileError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "" \
+            or (isinstance(answer, float) and not math.isfinite(answer)):
+        raise PromptFileError(f"{where}: \"answer\" must be a non-empty string or a finite "
+                              f"number, got {answer!r}")
     return PromptRecord(prompt, answer if isinstance(answer, str) else json.dumps(answer))
 
 
@@ -42,16 +49,21 @@ def load_prompt_jsonl(path: str | Path, flag: str = "--qrl-task-prompts") -> lis
         raise FileNotFoundError(f"{flag} {p}: file not found (one JSON object per line with "
                                 "\"prompt\" and \"answer\")")
     records = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{flag} {p}, line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptFileError(f"{where}: not UTF-8 text (byte {exc.start + 1}); save "
+                                      "the file as UTF-8 JSONL") from None
             if not line.strip():
                 continue
-            where = f"{flag} {p}, line {lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+                raise PromptFileError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
             records.append(_record(obj, where))
     if not records:
-        raise ValueError(f"{flag} {p}: no records (the file is empty)")
+        raise PromptFileError(f"{flag} {p}: no records (the file is empty)")
     return records

@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
+from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, one_line_error
 
 __all__ = ["build_parser", "main", "parse_configs"]
 
@@ -50,10 +53,10 @@ MODES = ("single", "colocated", "disaggregated")
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``qrl-train`` parser: every ``--qrl-*`` flag plus the launcher flags."""
-    parser = argparse.ArgumentParser(
+    parser = allow_negative_numbers(argparse.ArgumentParser(
         prog="qrl-train", allow_abbrev=False,
         description="megatron_qrl RL job: SFT warm-up + RL with quantized rollouts "
-                    f"(default --qrl-preset {DEFAULT_PRESET})")
+                    f"(default --qrl-preset {DEFAULT_PRESET})"))  # --qrl-lr -1e-3: a value
     add_qrl_args(parser)
     launch = parser.add_argument_group("qrl-train launcher")
     launch.add_argument("--qrl-compare", action="store_true",
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "`ray start` cluster, else starts a local one); the trainer stays "
                              "in this process or torchrun's ranks (rank 0 talks to Ray)")
     launch.add_argument("--qrl-no-progress", action="store_true", help="no progress bar")
+    launch.add_argument("--debug", action="store_true",
+                        help="show the traceback behind an error (also: env QRL_DEBUG=1)")
     return parser
 
 
@@ -145,6 +150,11 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
             f"GPUs of this process's node); in --qrl-mode {args.qrl_mode} the weights reach the "
             "engine actor by --qrl-ray-weight-transport broadcast, and the actor loads them "
             "on its own GPU: use --qrl-rollout-sglang-sync auto")
+    run = configs["run"]
+    if run.steps == 0 and (run.sft_steps == 0 or args.qrl_compare):
+        raise QrlArgumentError(
+            f"--qrl-steps 0{'' if args.qrl_compare else ' with --qrl-sft-steps 0'}: nothing "
+            "to run; give --qrl-steps N (or --train-iters N after '--')")
     if args.qrl_mode != "single" and configs["lora"].enabled:
         raise QrlArgumentError(
             f"--qrl-lora-rank {configs['lora'].rank} with --qrl-mode {args.qrl_mode}: the Ray "
@@ -159,15 +169,37 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
 
 
 def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
-    """Entry point of the ``qrl-train`` console script."""
+    """Entry point of the ``qrl-train`` console script.
+
+    A user-fixable failure (bad flag or file, damaged checkpoint, full / read-only disk, a
+    run stopped by ``--qrl-max-bad-steps``) is ONE line ``qrl-train: error: ...`` on rank 0
+    (exit 2; 1 for a stopped run); ``--debug`` or env ``QRL_DEBUG=1`` shows the traceback.
+    """
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    debug = debug_enabled("--debug" in head)
     try:
         configs, flags, args = parse_configs(argv)
     except QrlArgumentError as exc:
         build_parser().error(str(exc))
+    try:
+        _run_main(args, configs, flags, argv, engine_factory)
+    except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
+        line, code = error_line(exc, configs["run"])
+        if line is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
+            if debug:
+                traceback.print_exc()
+            print(f"qrl-train: error: {line}", file=sys.stderr)
+        return code
+    return 0
+
+
+def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
+              engine_factory: Any) -> None:
     from megatron_qrl.rl.driver import run_job
-    from megatron_qrl.rl.forward import ForwardUnavailableError
     from megatron_qrl.rl.sync import make_engine
 
     factory: list[Any] = [engine_factory or make_engine]
@@ -178,19 +210,46 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         return run_job(cfg, fl, engine_factory=factory[0], progress=progress, world=world[0],
                        **kw)
 
-    try:
-        if args.world_size > 1:
-            _launch_ranks(args, configs, flags, run, world, factory, engine_factory)
-        else:
-            with _ray_session(args.qrl_mode, configs, True) as session:
-                if session is not None and engine_factory is None:
-                    factory[0] = session.engine_factory
-                _launch(args, configs, flags, argv, run)
-    except (FileExistsError, FileNotFoundError, NotImplementedError, QrlArgumentError,
-            ForwardUnavailableError) as exc:  # user-fixable: one line, no traceback
-        print(f"qrl-train: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    if args.world_size > 1:
+        _launch_ranks(args, configs, flags, run, world, factory, engine_factory)
+    else:
+        with _ray_session(args.qrl_mode, configs, True) as session:
+            if session is not None and engine_factory is None:
+                factory[0] = session.engine_factory
+            _launch(args, configs, flags, argv, run)
+
+
+_DAMAGED = ("SafetensorError", "CheckpointException", "UnpicklingError", "EOFError")
+"""Exception types of an unreadable (damaged, truncated) weight file."""
+
+
+def error_line(exc: BaseException, run: Any) -> tuple[str | None, int]:
+    """``(one-line message, exit code)`` of a user-fixable failure; ``(None, 1)`` for a bug
+    (its traceback is shown)."""
+    from megatron_qrl.data.dataset import PromptFileError
+    from megatron_qrl.models.hf_config import UnsupportedModelError
+    from megatron_qrl.models.hf_io import CheckpointMismatchError, CheckpointReadError
+    from megatron_qrl.quant.uaq import AlreadyScaledError
+    from megatron_qrl.rl.checkpoint import DriverCheckpointError
+    from megatron_qrl.rl.forward import ForwardUnavailableError
+    from megatron_qrl.rl.guard import BadStepsError
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, BadStepsError):
+        return first, 1
+    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError, CheckpointReadError)):
+        where = f"--qrl-checkpoint {run.checkpoint}: " if run.checkpoint else ""
+        return where + first, 2
+    if isinstance(exc, (FileExistsError, FileNotFoundError, NotImplementedError,
+                        QrlArgumentError, ForwardUnavailableError, DriverCheckpointError,
+                        PromptFileError, AlreadyScaledError)):
+        return first, 2
+    if isinstance(exc, OSError) and (line := one_line_error(exc)) is not None:
+        return line, 2  # a full / read-only disk: utils.cli's wording, as the tools say it
+    if type(exc).__name__ in _DAMAGED and run.checkpoint:
+        return (f"--qrl-checkpoint {run.checkpoint}: a weight file is damaged or truncated "
+                f"({type(exc).__name__}: {first}); copy or convert the checkpoint again"), 2
+    return None, 1
 
 
 def _world_size(args: argparse.Namespace, mega: Any) -> int:

@@ -28,13 +28,18 @@ from typing import Any
 import torch
 
 from megatron_qrl.config import QrlArgumentError
-from megatron_qrl.config.megatron_flags import MegatronSettings
+from megatron_qrl.config.megatron_flags import MegatronSettings, check_shape
 from megatron_qrl.data import CharTokenizer, addition_problems, tiny_dense_config, tiny_moe_config
 from megatron_qrl.data.dataset import PromptRecord, load_prompt_jsonl
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
 from megatron_qrl.models.runtime import RankWorld
-from megatron_qrl.rl.checkpoint import load_driver_checkpoint, save_driver_checkpoint
+from megatron_qrl.rl.checkpoint import (
+    load_driver_checkpoint,
+    prepare_output_dir,
+    save_driver_checkpoint,
+)
 from megatron_qrl.rl.forward import forward_plan
+from megatron_qrl.rl.guard import BadStepGuard
 from megatron_qrl.rl.lora_sync import LoraSync, enter_lora
 from megatron_qrl.rl.rank_resync import ResyncWorld
 from megatron_qrl.rl.start_model import (
@@ -101,7 +106,7 @@ def prepare_job(configs: dict[str, Any]) -> JobData:
     cfg = (tiny_moe_config if run.model == "tiny-moe" else tiny_dense_config)(char.vocab_size)
     cfg = mega.apply_to_hf_config(cfg, arch_from_dict(cfg, source=source), source,
                                   fixed_model=False)
-    return _checked(JobData(char, records, cfg, arch_from_dict(cfg, source=source)), mega)
+    return _checked(JobData(char, records, cfg, check_shape(mega, cfg, source)), mega)
 
 
 def _checked(data: JobData, mega: MegatronSettings) -> JobData:
@@ -151,7 +156,7 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
 
 def _postfix(rec: dict[str, Any]) -> dict[str, str]:
     if rec["phase"] == "sft":
-        return {"sft_loss": f"{rec.get('sft_loss', 0):.3f}"}
+        return {"sft_loss": f"{rec.get('sft_loss') or 0:.3f}"}
 
     def f(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3g}"
@@ -233,19 +238,36 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
                        release_engine_memory=release)
 
 
-def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any]) -> None:
-    """Rank 0 writes one checkpoint with every rank's trainer state (atomic)."""
+def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any], data: JobData) -> None:
+    """Rank 0 writes one checkpoint with every rank's trainer state (atomic, verified)."""
     world = ctx.world
     states = world.gather(ctx.trainer.state_dict())
     if world.is_main:
         save_driver_checkpoint(out, done, states[0], flags,
-                               rank_states=states if world.world_size > 1 else None)
+                               rank_states=states if world.world_size > 1 else None,
+                               model_config=data.hf_config)
     world.barrier()
 
 
-def _resume(ctx: StepContext, out: Path, flags: dict[str, Any]) -> tuple[int, dict, Any]:
-    """``(next step, this rank's trainer state, torch RNG state)`` of the latest checkpoint."""
-    state = load_driver_checkpoint(out, flags)
+def _on_main(world: RankWorld, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on rank 0; its result (or its error) on every rank."""
+    if world.world_size == 1:
+        return fn()
+    try:
+        result = fn() if world.is_main else None
+    except (OSError, ValueError) as exc:
+        result = exc
+    result = world.broadcast(result)
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _resume(ctx: StepContext, out: Path, flags: dict[str, Any], data: JobData,
+            log: Callable[[str], None]) -> tuple[int, dict, Any]:
+    """``(next step, this rank's trainer state, torch RNG state)`` of the newest intact
+    checkpoint (damaged newer ones are reported through ``log``)."""
+    state = load_driver_checkpoint(out, flags, data.hf_config, report=log)
     trainer_state = state["trainer"]
     if ctx.world.world_size > 1:
         ranks = state.get("rank_states") or []
@@ -278,12 +300,16 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
     run = configs["run"]
     out = Path(run.resolved_output_dir())
     log(f"[qrl-train] output directory: {out}")
+    has_checkpoint = _on_main(world, lambda: prepare_output_dir(out, run.resume))
+    if run.resume and not has_checkpoint:
+        log(f"[qrl-train] --qrl-resume: no checkpoint in {out} yet; starting the run at step 0")
     data = prepare_job(configs)
     ctx = _build(configs, data, engine_factory, start_weights, world)
+    guard = ctx.trainer.guard = BadStepGuard(configs["run"].max_bad_steps, log)
     sft_steps = 0 if skip_sft else run.sft_steps
     start, resumed = 0, False
-    if run.resume:
-        start, trainer_state, rng = _resume(ctx, out, flags)
+    if has_checkpoint:
+        start, trainer_state, rng = _resume(ctx, out, flags, data, log)
         if start > sft_steps:
             enter_lora(ctx.trainer, configs)
             ctx.trainer.policy.set_optimizer(ctx.trainer.policy.new_optimizer(run.lr))
@@ -292,6 +318,8 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
         torch.set_rng_state(rng)
         log(f"[qrl-train] resumed from step {start}")
     total = sft_steps + run.steps
+    if start >= total:
+        log(f"[qrl-train] the run is complete ({start} steps); raise --qrl-steps to continue")
     logger = MetricsLogger(out, tensorboard=run.tensorboard, tensorboard_dir=run.tensorboard_dir,
                            resume_from_step=start if run.resume else None) if main else None
     records: list[dict[str, Any]] = []
@@ -299,19 +327,21 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
                file=sys.stderr)
     try:
         for step in bar:
+            guard.begin(step)
             if step < sft_steps:
                 rec = sft_step(ctx, step)
             else:
                 if step == start or step == sft_steps:
                     _start_rl(ctx, data, step, resumed and step == start)
                 rec = rl_step(ctx, step, step - sft_steps)
+            rec = guard.record(rec)
             records.append(logger.log(rec) if logger is not None else rec)
             bar.set_postfix(_postfix(rec), refresh=False)
             done = step + 1
             rl_done = done - sft_steps
             if run.save_interval >= 0 and (done == sft_steps or done == total or (
                     rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0)):
-                _save(ctx, out, done, flags)
+                _save(ctx, out, done, flags, data)
     finally:
         bar.close()
         png = logger.close(plot=True) if logger is not None else None

@@ -126,7 +126,7 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
             "grad_norm": grad_norm, **metrics}
 
 
-def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str]]:
+def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str], int]:
     run, ro = ctx.configs["run"], ctx.configs["rollout"]
     n = ro.n_samples_per_prompt
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), run.prompts_per_step,
@@ -141,13 +141,13 @@ def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str]
     vocab = ctx.tokenizer.vocab_size  # ids of the padded vocabulary tail decode to nothing
     texts = [ctx.tokenizer.decode([i for i in r if i < vocab]) for r in responses]
     bonus = ctx.configs["task"].format_bonus
-    rewards = torch.tensor([score_math(t, recs[i // n].answer, bonus).reward
-                            for i, t in enumerate(texts)], dtype=torch.float32)
+    scores = [score_math(t, recs[i // n].answer, bonus) for i, t in enumerate(texts)]
+    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     lps = [row[m] for row, m in zip(out.logprobs, out.mask)]
     batch = pack_samples(prompts, responses, lps, ctx.tokenizer.pad_id, out.routed_experts)
     groups = torch.arange(len(recs)).repeat_interleave(n)
     batch["advantages"] = grpo_advantages(rewards, groups)
-    return batch, rewards, texts
+    return batch, rewards, texts, sum(s.over_budget for s in scores)
 
 
 def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
@@ -159,7 +159,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    batch, rewards, texts = ctx.world.broadcast(
+    batch, rewards, texts, over_budget = ctx.world.broadcast(
         _rollout(ctx, step) if ctx.world.is_main else None)
     batch = ctx.check_length(batch)
     ctx.engine_memory(release=True)  # the trainer's recompute + update run next
@@ -180,7 +180,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
     rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    return {**rec, "routing_agreement": agreement}
+    return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget}
 
 
 def micro_batches(ctx: StepContext, batch: dict) -> list[list[dict]]:

@@ -25,6 +25,7 @@ import torch
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.rl.forward import ForwardPlan
+from megatron_qrl.rl.guard import BadStepGuard, guarded_step
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,8 @@ class PolicyTrainer:
         """Mean over MoE layers of the fraction of (token, expert) choices of the last
         :meth:`log_probs` (pi_prox recompute) where the trainer's own top-k equals the
         engine's routed experts; None for dense models or rollouts without routing."""
+        self.guard: BadStepGuard | None = None
+        """Skips updates with a non-finite loss / grad norm (``rl.guard``; None: plain steps)."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -285,14 +288,11 @@ class PolicyTrainer:
             store = self._run(microbatches, loss_fn, False)
         finally:
             config.calculate_per_token_loss = saved
-        ok, grad_norm, _ = optimizer.step()
-        if not ok:
-            raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
-                               "--qrl-lr / --qrl-sft-lr")
+        grad_norm = guarded_step(optimizer, store, self.guard)  # NaN: update skipped
         metrics = average_metrics(store)
         if self.policy.groups is not None:
             metrics = _data_parallel_mean(metrics)
-        return metrics, float(grad_norm if grad_norm is not None else 0.0)
+        return metrics, grad_norm
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` of the current weights. One process: no collectives;

@@ -1,0 +1,113 @@
+"""Non-finite loss / gradient guard of the trainer's optimizer steps (``--qrl-max-bad-steps``).
+
+Before megatron's optimizer applies an update, :func:`guarded_step` reads the loss metrics of
+the micro batches and the gradient norm (``prepare_grads`` + ``get_grad_norm``, the first half
+of megatron's own ``step``). A NaN / inf in either skips the update (the weights stay as they
+were, so no broken weights ever reach the engine) and is counted by :class:`BadStepGuard`; the
+step that makes the count exceed ``max_bad_steps`` raises :class:`BadStepsError` naming the
+step and the metric, before the step's weight sync. Multi-rank: the decision is agreed over
+every rank (a MAX all-reduce of the flag), so all ranks skip or step together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["BadStepGuard", "BadStepsError", "guarded_step", "non_finite_loss"]
+
+
+class BadStepsError(RuntimeError):
+    """More non-finite steps than ``--qrl-max-bad-steps``; names the step and the metric."""
+
+
+class BadStepGuard:
+    """Counts steps whose update was skipped; stops the run past ``max_bad_steps``."""
+
+    def __init__(self, max_bad_steps: int, log: Callable[[str], None] = print) -> None:
+        self.max_bad_steps = max_bad_steps
+        self.log = log
+        self.step = 0
+        """The global step being run (the driver sets it)."""
+        self.bad_steps = 0
+        """Steps of this invocation with at least one skipped update."""
+        self.skipped = 0
+        """Updates skipped in the current step."""
+
+    def begin(self, step: int) -> None:
+        """A new step starts."""
+        self.step, self.skipped = step, 0
+
+    def skip(self, metric: str, value: float) -> None:
+        """One update of the current step is skipped; raise past ``max_bad_steps``."""
+        self.skipped += 1
+        if self.skipped == 1:
+            self.bad_steps += 1
+        what = f"step {self.step}: {metric} is {value}"
+        if self.bad_steps > self.max_bad_steps:
+            raise BadStepsError(
+                f"{what}; {self.bad_steps} bad steps exceed --qrl-max-bad-steps "
+                f"{self.max_bad_steps}, the run stops (its weights are those before the bad "
+                "updates; the last checkpoint is intact). Lower --qrl-lr / --qrl-sft-lr or "
+                "check the data and --qrl-loss-* values")
+        if self.skipped == 1:
+            self.log(f"[qrl-train] {what}: optimizer update skipped ({self.bad_steps} of "
+                     f"--qrl-max-bad-steps {self.max_bad_steps} bad steps)")
+
+    def record(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """``rec`` with the counts added; a bad step's non-finite values become None."""
+        out = dict(rec)
+        if self.skipped:
+            out = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                   for k, v in out.items()}
+        out["bad_updates"] = self.skipped
+        out["bad_steps_total"] = self.bad_steps
+        return out
+
+
+def non_finite_loss(store: Sequence[dict]) -> tuple[str, float] | None:
+    """``(metric, value)`` of the first NaN / inf loss metric (``loss`` / ``*_loss``) of the
+    micro batches' metrics, or None."""
+    for d in store:
+        for k, v in d.items():
+            if k == "loss" or k.endswith("_loss"):
+                x = float(v) if torch.is_tensor(v) and v.numel() == 1 else v
+                if isinstance(x, float) and not math.isfinite(x):
+                    return k, x
+    return None
+
+
+def _agree(bad: bool) -> bool:
+    """True on every rank when any rank is bad (no collective in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return bad
+    nccl = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+    flag = torch.tensor([float(bad)], device=torch.cuda.current_device() if nccl else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def guarded_step(optimizer: Any, store: Sequence[dict], guard: BadStepGuard | None) -> float:
+    """Megatron's ``optimizer.step()`` and its gradient norm, unless ``guard`` is given and
+    the loss or the gradient norm is non-finite: then the update is skipped, ``guard`` counts
+    it and the norm is NaN. Costs one extra gradient-norm pass per guarded update."""
+    if guard is not None:
+        bad = non_finite_loss(store)
+        if optimizer.prepare_grads():  # a grad scaler found inf (megatron's own check)
+            bad = bad or ("gradient (grad scaler)", math.inf)
+        norm = float(optimizer.get_grad_norm() or 0.0)
+        if bad is None and not math.isfinite(norm):
+            bad = ("grad_norm", norm)
+        if _agree(bad is not None):
+            guard.skip(*(bad or ("grad_norm (on another rank)", math.nan)))
+            return math.nan
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
+                           "--qrl-lr / --qrl-sft-lr")
+    return float(grad_norm if grad_norm is not None else 0.0)
