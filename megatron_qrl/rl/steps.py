@@ -184,6 +184,8 @@ def _record(step: int, rewards: torch.Tensor, texts: list[str], batch: dict,
         "clip_frac": agg.get("clip_frac_low", 0.0) + agg.get("clip_frac_high", 0.0),
         "error_token_rate": agg.get("error_token_rate"),
         "response_len": float(mask.sum(1).float().mean()),
+        # -log pi_behav of the sampled tokens: a Monte-Carlo estimate of the rollout entropy
+        "rollout_nll": float(-(batch["rollout_log_probs"] * mask).sum() / mask.sum().clamp_min(1)),
         "time_rollout_s": t[1] - t[0], "time_recompute_s": t[2] - t[1],
         "time_train_s": t[3] - t[2], "time_sync_s": t[4] - t[3],
         "grad_norm": _mean([g for _, g in updates]), "sample": texts[0],
