@@ -23,6 +23,7 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.data.dataset import PromptRecord
+from megatron_qrl.data.synthetic import noisy_demos
 from megatron_qrl.losses import grpo_advantages
 from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rewards import score_math
@@ -98,13 +99,16 @@ def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = Fa
 
 
 def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
-    """One supervised step on ``prompts_per_step * n`` task answers (+ ``<eos>``)."""
+    """One supervised step on ``prompts_per_step * n`` task answers (+ ``<eos>``), a
+    ``--qrl-task-demo-noise`` fraction of them reversed (:func:`noisy_demos`)."""
     run = ctx.configs["run"]
     size = run.prompts_per_step * ctx.configs["rollout"].n_samples_per_prompt
     t0 = time.perf_counter()
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), size, run.seed, step)]
+    demos = noisy_demos([r.answer for r in recs], ctx.configs["task"].demo_noise,
+                        step_seed(run.seed, step, 3))
     batch = sft_batch([ctx.prompt_ids(r) for r in recs],
-                      [[*ctx.tokenizer.encode(r.answer), ctx.tokenizer.eos_id] for r in recs])
+                      [[*ctx.tokenizer.encode(d), ctx.tokenizer.eos_id] for d in demos])
     batch = ctx.check_length(batch)
     metrics, grad_norm = ctx.trainer.train_step(
         ctx.world.local(split_batch(batch, run.micro_batch_size), 1), _sft_loss)
