@@ -115,3 +115,30 @@ def test_summary_line_uses_ten_step_windows(capsys):
     _summary(recs)
     out = capsys.readouterr().out
     assert "first 10 steps 0.200" in out and "last 10 steps 0.700" in out
+
+
+def test_visible_update_fraction_closed_form():
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.rl.compare_report import visible_update_fraction
+
+    int8 = get_spec("int8")  # per output row: step = amax / 127
+    w = torch.zeros(2, 128)
+    w[:, 0] = 1.27  # amax 1.27 -> step 0.01 in both rows
+    after = w.clone()
+    after[0, 1] = 0.004  # below half a step: rounds to 0, invisible
+    after[1, 1] = 0.006  # above half a step: one code up, visible
+    after[1, 2] = 0.0001  # invisible
+    before_sd = {"decoder.layers.0.self_attention.linear_qkv.weight": w,
+                 "decoder.layers.0.input_layernorm.weight": torch.ones(128),
+                 "embedding.word_embeddings.weight": torch.zeros(4, 128)}
+    after_sd = {**before_sd, "decoder.layers.0.self_attention.linear_qkv.weight": after,
+                "embedding.word_embeddings.weight": torch.ones(4, 128)}  # not a linear: skipped
+    assert visible_update_fraction(before_sd, after_sd, int8) == pytest.approx(1 / 3)
+    # UAQ divides the weight by s (QuRL eq. 10-12): amax and step shrink by s, the update does not
+    s = 1.5
+    scaled = {k: (v / s if "linear_" in k else v) for k, v in before_sd.items()}
+    moved = {k: scaled[k] + (after_sd[k] - before_sd[k]) if "linear_" in k else v
+             for k, v in after_sd.items()}
+    assert visible_update_fraction(scaled, moved, int8) == pytest.approx(2 / 3)
+    assert visible_update_fraction(before_sd, before_sd, int8) is None
+    assert visible_update_fraction(before_sd, after_sd, get_spec("bf16")) == 1.0

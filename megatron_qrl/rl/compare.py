@@ -29,11 +29,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from megatron_qrl.config import QrlArgumentError
-from megatron_qrl.rl.checkpoint import latest_checkpoint
+from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
 __all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "run_compare", "variant_argv"]
 
@@ -109,6 +110,19 @@ def _warm_up(argv: list[str], parse: Callable, run: Callable, sft_dir: Path,
     return state["trainer"]["model"]
 
 
+def _with_visible_updates(records: list[dict], vdir: Path, spec: Any) -> list[dict]:
+    """``records`` with :data:`~megatron_qrl.rl.compare_report.VISIBLE_KEY` in a copy of the
+    last one: the visible fraction of the update between the run's last two checkpoints."""
+    from megatron_qrl.rl.compare_report import VISIBLE_KEY, visible_update_fraction
+
+    ckpts = sorted((vdir / CKPT_DIR).glob("step_*.pt")) if (vdir / CKPT_DIR).is_dir() else []
+    if len(ckpts) < 2 or not records:
+        return records
+    states = [torch.load(p, map_location="cpu", weights_only=False)["trainer"]["model"]
+              for p in ckpts[-2:]]
+    return [*records[:-1], {**records[-1], VISIBLE_KEY: visible_update_fraction(*states, spec)}]
+
+
 def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, dict]],
                 run: Callable[..., list[dict]], out_dir: str | Path,
                 log: Callable[[str], None] = print,
@@ -135,7 +149,9 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
             v_argv, note = variant_argv(s_argv, extra, vdir, have_aligned)
             configs, flags = parse(v_argv)
             log(f"[compare] seed {configs['run'].seed}: {label}{note} -> {vdir}")
-            records = run(configs, flags, start_weights=start, skip_sft=True)
+            records = _with_visible_updates(
+                run(configs, flags, start_weights=start, skip_sft=True), vdir,
+                configs["rollout"].spec)
             runs.setdefault(label + note, {})[str(configs["run"].seed)] = records
     md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())

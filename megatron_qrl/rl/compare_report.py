@@ -12,7 +12,11 @@ over the seeds, :func:`megatron_qrl.utils.curves.mean_std`):
   differs from TIS, QuRL eq. 9); clip fraction,
 * early rollout NLL: mean over the first half of the steps of the sampled tokens' negative
   log-probability under the rollout policy (a Monte-Carlo estimate of its entropy, the
-  quantity AQN's noise acts on); early entropy: the trainer policy's entropy, same steps.
+  quantity AQN's noise acts on); early entropy: the trainer policy's entropy, same steps,
+* visible updates: of the linear-layer weights that moved between the run's last two
+  checkpoints, the fraction whose value in the rollout format moved too
+  (:func:`visible_update_fraction`; QuRL's UAQ claim, eq. 10-12), written by
+  :func:`megatron_qrl.rl.compare.run_compare` into the run's last record.
 
 ``compare.png``: accuracy against RL step (mean over seeds, band +- 1 std), the rollout NLL,
 and the mismatch KL (log scale), one line per variant.
@@ -28,7 +32,10 @@ from megatron_qrl.utils.curves import WINDOW, band, mean_std, window_change
 from megatron_qrl.utils.io import atomic_write_text
 from megatron_qrl.utils.plots import new_figure, save_png
 
-__all__ = ["COLUMNS", "aggregate", "run_columns", "write_report"]
+__all__ = ["COLUMNS", "VISIBLE_KEY", "aggregate", "run_columns", "visible_update_fraction",
+           "write_report"]
+
+VISIBLE_KEY = "visible_update_frac"
 
 Runs = Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]]
 
@@ -64,8 +71,33 @@ COLUMNS: tuple[tuple[str, Callable[[Sequence[Mapping[str, Any]]], float | None]]
     ("clip fraction", lambda rl: _mean(_series(rl, "clip_frac"))),
     ("early rollout NLL", _early("rollout_nll")),
     ("early entropy", _early("entropy")),
+    ("visible updates", lambda rl: _mean(_series(rl, VISIBLE_KEY))),
 )
 """(title, value of one run's RL records)."""
+
+
+def visible_update_fraction(before: Mapping[str, Any], after: Mapping[str, Any],
+                            spec: Any) -> float | None:
+    """Of the elements of the Megatron linear weights (``*linear_*.weight``, 2-D) that differ
+    between the state dicts ``before`` and ``after``, the fraction whose rollout value
+    ``spec.quantize_dequantize`` differs too (per Megatron tensor: per-row formats see the
+    HF rows; two-level formats see one amax per fused tensor). None when nothing moved.
+
+    QuRL (eq. 10-12): an update smaller than half the rounding step is invisible to the
+    rollout engine; UAQ shrinks the step by s so more of the update survives.
+    """
+    import torch
+
+    moved = visible = 0
+    for name, w0 in before.items():
+        if ".linear_" not in name or not name.endswith(".weight") or w0.dim() != 2:
+            continue
+        w0, w1 = w0.float(), after[name].float()
+        diff = w0 != w1
+        q_diff = spec.quantize_dequantize(w0) != spec.quantize_dequantize(w1)
+        moved += int(diff.sum())
+        visible += int(torch.logical_and(diff, q_diff).sum())
+    return visible / moved if moved else None
 
 
 def _rl(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
