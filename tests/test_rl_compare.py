@@ -142,3 +142,23 @@ def test_visible_update_fraction_closed_form():
     assert visible_update_fraction(scaled, moved, int8) == pytest.approx(2 / 3)
     assert visible_update_fraction(before_sd, before_sd, int8) is None
     assert visible_update_fraction(before_sd, after_sd, get_spec("bf16")) == 1.0
+
+
+def test_report_from_seed_dirs(tmp_path):
+    from megatron_qrl.rl.compare import report_from_dirs
+    from megatron_qrl.utils.metrics import MetricsLogger
+
+    req = {"reward_mean": 0.5, "error_token_rate": 0.0, "time_rollout_s": 0.0,
+           "time_train_s": 0.0, "time_sync_s": 0.0}
+    for seed, acc in ((1, 0.2), (2, 0.4)):
+        for slug in ("bf16", "w4a16_naive"):
+            with MetricsLogger(tmp_path / f"run{seed}" / f"seed{seed}" / slug,
+                               tensorboard=False) as log:
+                for r in _rl([acc] * 4):
+                    log.log({**req, **r})
+    md, png = report_from_dirs([tmp_path / "run1", tmp_path / "run2"], tmp_path / "all")
+    text = md.read_text()
+    assert "| bf16 | 0.3 ± 0.14 |" in text and "| w4a16 naive | 0.3 ± 0.14 |" in text
+    assert "| seed 1 | seed 2 |" in text and png.is_file()
+    with pytest.raises(FileNotFoundError, match="no compare runs"):
+        report_from_dirs([tmp_path / "nothing"], tmp_path / "x")

@@ -36,7 +36,8 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
-__all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "run_compare", "variant_argv"]
+__all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "report_from_dirs", "run_compare",
+           "variant_argv"]
 
 LOW_LR = 3e-6
 """Learning rate of the UAQ pair (below QuRL's UAQ limit of 1e-5)."""
@@ -156,3 +157,27 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
     md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
     return md, png
+
+
+def report_from_dirs(seed_dirs: Sequence[str | Path], out_dir: str | Path,
+                     variants: Sequence[tuple[str, list[str]]] = VARIANTS) -> tuple[Path, Path]:
+    """The report of finished compare runs on disk: each of ``seed_dirs`` holds one seed's
+    variant directories (``<dir>/<variant>`` or ``<dir>/seed<S>/<variant>``), e.g. seeds run
+    as separate processes (``--qrl-seeds 1``, ``--qrl-seeds 2``, ...) to use several cores."""
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.rl.compare_report import write_report
+    from megatron_qrl.utils.metrics import read_metrics
+
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for d in map(Path, seed_dirs):
+        for sub in [d, *sorted(d.glob("seed*"))]:
+            for label, extra in variants:
+                vdir = sub / _slug(label)
+                if not (vdir / "metrics.jsonl").is_file():
+                    continue
+                fmt = extra[extra.index("--qrl-rollout-format") + 1]
+                records = _with_visible_updates(read_metrics(vdir), vdir, get_spec(fmt))
+                runs.setdefault(label, {})[sub.name.removeprefix("seed")] = records
+    if not runs:
+        raise FileNotFoundError(f"no compare runs (<variant>/metrics.jsonl) under {seed_dirs}")
+    return write_report(runs, out_dir)
