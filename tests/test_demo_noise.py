@@ -1,4 +1,4 @@
-"""--qrl-task-demo-noise: reversed demonstrations in the warm-up, the reward on the true sum."""
+"""--qrl-task-demo-noise: demonstrations with a trailing 0 in the warm-up, reward on the true sum."""
 
 import pytest
 
@@ -7,26 +7,24 @@ from megatron_qrl.rewards import score_math
 from megatron_qrl.rl.cli import parse_configs
 
 
-def test_noisy_demos_reverse_a_fraction():
-    answers = [str(n) for n in range(100, 10100)]
+def test_noisy_demos_append_a_zero_to_a_fraction():
+    answers = [str(n) for n in range(10000)]
     assert noisy_demos(answers, 0.0, 1) == answers
-    assert noisy_demos(answers[:3], 1.0, 1) == ["001", "101", "201"]
+    assert noisy_demos(answers[:3], 1.0, 1) == ["00", "10", "20"]
     out = noisy_demos(answers, 0.5, 7)
     assert out == noisy_demos(answers, 0.5, 7) != noisy_demos(answers, 0.5, 8)
-    flipped = sum(o != a for o, a in zip(out, answers))
-    palindromes = sum(a == a[::-1] for a in answers)  # reversed == itself: never "flipped"
-    assert abs(flipped / (len(answers) - palindromes) - 0.5) < 0.03
-    assert all(o in (a, a[::-1]) for o, a in zip(out, answers))
+    assert all(o in (a, a + "0") for o, a in zip(out, answers))
+    assert abs(sum(o != a for o, a in zip(out, answers)) / len(answers) - 0.5) < 0.03
     with pytest.raises(ValueError, match="--qrl-task-demo-noise"):
         noisy_demos(answers, 1.5, 0)
 
 
-def test_reversed_answer_earns_only_the_format_bonus():
-    for p in addition_problems(50, seed=3, digits_min=2, digits_max=2):
+def test_noisy_answer_earns_only_the_format_bonus():
+    for p in addition_problems(50, seed=3, digits_min=1, digits_max=2):
         a = p["answer"]
         assert score_math(a, a, 0.1).reward == pytest.approx(1.1)
-        if a != a[::-1]:
-            assert score_math(a[::-1], a, 0.1).reward == pytest.approx(0.1)
+        if a != "0":  # 0 * 10 == 0
+            assert score_math(a + "0", a, 0.1).reward == pytest.approx(0.1)
 
 
 def test_flag_and_default_job():
@@ -65,10 +63,10 @@ def test_sft_step_trains_on_the_noisy_demos(noise):
             targets.append(tok.decode(labels[mask]))
     truth = {r.prompt: r.answer for r in recs}
     wrong = [t != truth[p] for p, t in zip(prompts, targets)]
-    assert all(t in (truth[p], truth[p][::-1]) for p, t in zip(prompts, targets))
+    assert all(t in (truth[p], truth[p] + "0") for p, t in zip(prompts, targets))
     n = len(wrong)  # 16 prompts x 8 samples
     assert n == 128
     if noise == 0.0:
         assert not any(wrong)
     else:
-        assert 0.3 < sum(wrong) / n < 0.6  # some sums are palindromes (never wrong)
+        assert 0.35 < sum(wrong) / n < 0.65

@@ -218,10 +218,10 @@ class TaskConfig:
     rewards are in {0, 0.1, 1.1}); 0 disables."""
 
     demo_noise: float = 0.0
-    """Fraction of the supervised warm-up's demonstrations written in a wrong convention
-    (the answer's characters reversed, drawn anew for each demonstration); the RL reward
-    always checks the true answer. The CPU default job uses 0.5: SFT learns both
-    conventions, RL has to find the rewarded one."""
+    """Fraction of the supervised warm-up's demonstrations with a spurious trailing "0"
+    (ten times the answer; drawn anew for each demonstration, data/synthetic.py); the RL
+    reward always checks the true answer. The CPU default job uses 0.5: the warm-up learns
+    the habit, RL has to drop it."""
 
     def __post_init__(self) -> None:
         _int("--qrl-task-digits-min", self.digits_min, 1)

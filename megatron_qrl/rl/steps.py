@@ -100,7 +100,8 @@ def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = Fa
 
 def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
     """One supervised step on ``prompts_per_step * n`` task answers (+ ``<eos>``), a
-    ``--qrl-task-demo-noise`` fraction of them reversed (:func:`noisy_demos`)."""
+    ``--qrl-task-demo-noise`` fraction of them with a spurious trailing 0
+    (:func:`~megatron_qrl.data.synthetic.noisy_demos`)."""
     run = ctx.configs["run"]
     size = run.prompts_per_step * ctx.configs["rollout"].n_samples_per_prompt
     t0 = time.perf_counter()
