@@ -31,8 +31,7 @@ def test_every_variant_is_a_valid_run(have_aligned, tmp_path):
         assert bool(note) == (aligned and not have_aligned)
         assert configs["aqn"].enabled == label.endswith("aqn")
         assert configs["uaq"].enabled == label.endswith("uaq")
-        if label.startswith("int8"):
-            assert configs["run"].lr == LOW_LR
+        assert (configs["run"].lr == LOW_LR) == ("low-lr" in label)
 
 
 def test_seeds_flag():

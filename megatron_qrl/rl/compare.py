@@ -9,6 +9,8 @@ plots the accuracy curves with +-1 std bands.
 Variants (issue 22; the papers' claims they test are in docs/COMPARE.md):
 
 * ``bf16``: BF16 rollouts and trainer, PPO-clip (the reference).
+* ``int8 aligned+acr``: the default job's RL (tiny-cpu: INT8 W8A8 rollouts, aligned forward,
+  ACR), from the compare's warm-up.
 * ``w4a16 naive``: W4A16 rollouts (int4 weights, group 128), BF16 trainer forward, the
   naive ratio pi_theta / pi_behav (QuRL eq. 3).
 * ``w4a16 tis`` / ``w4a16 acr``: the same with the decoupled objective and TIS (QuRL eq. 5)
@@ -48,6 +50,8 @@ _INT8_LOW = ["--qrl-rollout-format", "int8", "--qrl-train-forward", "bf16", "--q
 VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("bf16", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
               "--qrl-loss-kind", "ppo_clip"]),
+    ("int8 aligned+acr", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "aligned",
+                          "--qrl-loss-kind", "acr"]),
     ("w4a16 naive", [*_W4, "--qrl-loss-kind", "naive_quant"]),
     ("w4a16 tis", [*_W4, "--qrl-loss-kind", "tis"]),
     ("w4a16 acr", [*_W4, "--qrl-loss-kind", "acr"]),
