@@ -52,7 +52,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-task-digits-max": 2,
         "--qrl-task-num-prompts": 512,
         "--qrl-task-demo-noise": 0.5,
-        "--qrl-steps": 100,
+        "--qrl-steps": 150,
         "--qrl-sft-steps": 600,
         "--qrl-lr": 3e-4,
         "--qrl-sft-lr": 3e-3,
