@@ -103,9 +103,8 @@ def test_one_warm_up_per_seed_shared_by_every_variant(tmp_path):
     rl = [c for c in calls if c[1] == 7]
     assert [(c[0], c[2]) for c in rl] == [(5, True)] * 2 + [(6, True)] * 2
     assert all(float(c[3]["w"]) == c[0] for c in rl)  # each seed's own warm-up weights
-    assert [c[4] for c in calls] == [tmp_path / "seed5" / "sft", tmp_path / "seed5" / "bf16",
-                                     tmp_path / "seed5" / "w4a16_naive", tmp_path / "seed6" / "sft",
-                                     tmp_path / "seed6" / "bf16", tmp_path / "seed6" / "w4a16_naive"]
+    assert [c[4] for c in calls] == [tmp_path / f"seed{s}" / d for s in (5, 6)
+                                     for d in ("sft", "bf16", "int8_aligned+acr")]
     assert "mean ± std over 2 seed(s)" in md.read_text()
 
 
