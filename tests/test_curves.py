@@ -52,3 +52,12 @@ def test_mean_std_and_band():
     assert stds == pytest.approx([math.sqrt(2.0), math.sqrt(2.0)])
     with pytest.raises(ValueError):
         band([])
+
+
+def test_rolling_mean():
+    from megatron_qrl.utils.curves import rolling_mean
+
+    assert rolling_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert rolling_mean([2.0, 4.0], 10) == [2.0, 3.0]
+    with pytest.raises(ValueError):
+        rolling_mean([1.0], 0)

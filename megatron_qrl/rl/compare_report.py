@@ -18,8 +18,9 @@ over the seeds, :func:`megatron_qrl.utils.curves.mean_std`):
   (:func:`visible_update_fraction`; QuRL's UAQ claim, eq. 10-12), written by
   :func:`megatron_qrl.rl.compare.run_compare` into the run's last record.
 
-``compare.png``: accuracy against RL step (mean over seeds, band +- 1 std), the rollout NLL,
-and the mismatch KL (log scale), one line per variant.
+``compare.png``: accuracy against RL step (each run smoothed by a trailing 10-step mean, then
+mean over seeds, band +- 1 std), the rollout NLL and the mismatch KL (log scale), the same
+way, one line per variant.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_qrl.utils.curves import WINDOW, band, mean_std, window_change
+from megatron_qrl.utils.curves import WINDOW, band, mean_std, rolling_mean, window_change
 from megatron_qrl.utils.io import atomic_write_text
 from megatron_qrl.utils.plots import new_figure, save_png
 
@@ -152,7 +153,7 @@ def table(runs: Runs) -> str:
 
 def _panel(ax: Any, runs: Runs, key: str, title: str, log_y: bool = False) -> None:
     for label, by_seed in runs.items():
-        curves = [_series(_rl(recs), key) for recs in by_seed.values()]
+        curves = [rolling_mean(_series(_rl(recs), key)) for recs in by_seed.values()]
         curves = [c for c in curves if c]
         if not curves:
             continue
@@ -176,7 +177,7 @@ def write_report(runs: Runs, out_dir: str | Path, name: str = "compare") -> tupl
     out = Path(out_dir)
     md = atomic_write_text(out / f"{name}.md", table(runs))
     fig, axes = new_figure(3, 1, figsize=(9, 11), sharex=True)
-    _panel(axes[0], runs, "accuracy", "accuracy (mean ± std over seeds)")
+    _panel(axes[0], runs, "accuracy", f"accuracy ({WINDOW}-step mean; ± std over seeds)")
     _panel(axes[1], runs, "rollout_nll", "rollout NLL (entropy est.)")
     _panel(axes[2], runs, "mismatch_kl", "KL(behav || prox)", log_y=True)
     axes[0].legend(fontsize=7, loc="lower right")

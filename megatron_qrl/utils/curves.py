@@ -11,7 +11,7 @@ its plot read a run through these, so a curve is never judged on 5-step endpoint
   on the uncertainty.
 * :func:`mean_std`: mean and sample standard deviation (``ddof = 1``; 0 for one value).
 * :func:`band`: per-step mean and standard deviation over several runs' curves (truncated
-  to the shortest), for the compare plot's bands.
+  to the shortest), for the compare plot's bands; :func:`rolling_mean` smooths a curve first.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["WINDOW", "WindowChange", "band", "mean_std", "summary_line", "window_change"]
+__all__ = ["WINDOW", "WindowChange", "band", "mean_std", "rolling_mean", "summary_line",
+           "window_change"]
 
 WINDOW = 10
 """Steps averaged at each end of a curve (never fewer than 10 when the curve allows it)."""
@@ -101,6 +102,17 @@ def summary_line(values: Sequence[float], name: str = "accuracy") -> str:
     if wc.slope is not None:
         text += f"; fitted slope {wc.slope:+.4f} +- {wc.slope_ci:.4f} per step (95%)"
     return text
+
+
+def rolling_mean(values: Sequence[float], window: int = WINDOW) -> list[float]:
+    """Trailing mean over up to ``window`` values (the first points average what exists)."""
+    if window < 1:
+        raise ValueError(f"rolling_mean: window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def band(curves: Sequence[Sequence[float]]) -> tuple[list[float], list[float]]:
