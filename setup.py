@@ -11,7 +11,7 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_qrl", "megatron_qrl.*"]),
-    package_data={"megatron_qrl": ["data/*", "data/**/*", "rollout_sglang/moe_configs/*/*.json"]},
+    package_data={"megatron_qrl": ["data/*", "data/**/*", "rollout_sglang/kernels/configs/*/*.json"]},
     install_requires=[
         # torch is never resolved from an open range on a fresh machine: install with
         # `-c constraints-cpu.txt` (CPU) or on top of the machine's CUDA torch (GPU).
@@ -34,7 +34,9 @@ setup(
         # ray runs on CPU: the Ray-mode tests run in CI too
         "test": ["pytest>=8", "ruff>=0.6", "ray>=2.40", "tensorboard==2.21.0",
                  # SGLang's event loop: the crash tests run their fake engine on it too
-                 "uvloop==0.21.0"],
+                 "uvloop==0.21.0",
+                 # slime 0.3.1's loss module imports it: tests/test_integrations_slime*.py
+                 "httpx"],
         "ray": ["ray>=2.40"],
         # GPU-only: neither installs nor imports on a CPU machine; imported lazily.
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang>=0.5.17"],

@@ -6,8 +6,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from megatron_qrl.models.export import export_quantized
+from megatron_qrl.models.hf_io import QuantizedCheckpointError
 from megatron_qrl.quant import get_spec
-from megatron_qrl.quant.export import ExportError, export_quantized
+from megatron_qrl.utils.outdir import OutputDirError
 from tests.tiny_hf import make_tiny_hf
 from tools.export_quantized import main as export_main
 
@@ -52,9 +54,9 @@ def test_export_writes_what_the_spec_packs(hf_dir, tmp_path, fmt):
 
 def test_existing_output_and_quantized_input_are_refused(hf_dir, tmp_path):
     out = export_quantized(hf_dir, "int8", tmp_path / "q", progress=False)
-    with pytest.raises(ExportError, match="already exists.*--overwrite"):
+    with pytest.raises(OutputDirError, match="already exists.*--overwrite"):
         export_quantized(hf_dir, "int8", out, progress=False)
-    with pytest.raises(ExportError, match="already has a quantization_config"):
+    with pytest.raises(QuantizedCheckpointError, match="already has a quantization_config"):
         export_quantized(out, "fp8", tmp_path / "again", progress=False)
     export_quantized(hf_dir, "fp8", out, overwrite=True, progress=False)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "w8a8_fp8"

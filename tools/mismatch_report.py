@@ -7,47 +7,52 @@ Runs the Megatron trainer forward of the HF model in DIR with the rollout-aligne
 quantization enabled in one layer type at a time (attention, dense mlp or experts) and in
 all of them, prints the token-mean / max KL against the BF16 forward (and, for MoE, how
 often the top-k routing still agrees with BF16), and writes a bar chart. Prompts are random
-token ids unless --prompts names a text/JSONL file (then DIR needs a tokenizer).
+token ids unless --prompts names a text/JSONL file (then DIR needs a tokenizer). DIR must be
+the full-precision checkpoint: a quantized export (tools/export_quantized.py) is refused, its
+codes are not weights. ``--debug`` shows tracebacks.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_qrl.quant import list_specs  # noqa: E402
+from megatron_qrl.utils.cli import positive_int, run_tool, tool_parser  # noqa: E402
+
+
+def _report(args) -> Path:
+    from megatron_qrl.models.hf_io import open_hf_checkpoint
+    from megatron_qrl.te_quant.attribution import format_table, plot_rows, prompt_ids, run_report
+    from megatron_qrl.utils.outdir import check_output_file
+
+    out = check_output_file(args.out, [args.hf_dir, args.prompts])
+    _, arch, _ = open_hf_checkpoint(args.hf_dir)  # refuses a quantized export by name
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts}: file not found")
+    ids = prompt_ids(args.hf_dir, args.prompts, args.batch, args.seq_len, arch.vocab_size,
+                     args.seed)
+    _, rows = run_report(args.hf_dir, args.format, ids)
+    print(format_table(rows, args.format))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot_rows(rows, args.format, str(out))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf-dir", required=True, help="HF Qwen3 / Qwen3-MoE directory")
+    p = tool_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--hf-dir", required=True, help="HF Qwen3 / Qwen3-MoE directory (full precision)")
     p.add_argument("--format", required=True, choices=[f for f in list_specs() if f != "bf16"],
                    help="rollout QuantSpec name")
     p.add_argument("--out", required=True, help="PNG bar chart to write")
     p.add_argument("--prompts", default=None, help="text (one per line) or JSONL with 'prompt'")
-    p.add_argument("--batch", type=int, default=4, help="number of sequences")
-    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--batch", type=positive_int, default=4, help="number of sequences (>= 1)")
+    p.add_argument("--seq-len", type=positive_int, default=32, help="tokens per sequence (>= 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     args = p.parse_args(argv)
-    from megatron_qrl.models.hf_config import load_hf_config
-    from megatron_qrl.te_quant.attribution import format_table, plot_rows, prompt_ids, run_report
-
-    try:
-        _, arch = load_hf_config(args.hf_dir)
-        ids = prompt_ids(args.hf_dir, args.prompts, args.batch, args.seq_len, arch.vocab_size,
-                         args.seed)
-        _, rows = run_report(args.hf_dir, args.format, ids)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"mismatch_report: error: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(rows, args.format))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    plot_rows(rows, args.format, args.out)
-    print(f"wrote {args.out}")
-    return 0
+    return run_tool("mismatch_report", lambda: _report(args), debug=args.debug)
 
 
 if __name__ == "__main__":

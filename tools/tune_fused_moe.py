@@ -6,8 +6,8 @@
         --summary bench/results/moe_tune.json
 
 Needs a CUDA GPU and SGLang (the H200 recipe). Writes one SGLang-named JSON per format into
-megatron_qrl/rollout_sglang/moe_configs/triton_<version>/ (picked up by SGLangEngine via
-SGLANG_MOE_CONFIG_DIR, see megatron_qrl.rollout_sglang.moe_configs) and a summary with the
+megatron_qrl/rollout_sglang/kernels/configs/triton_<version>/ (picked up by SGLangEngine via
+SGLANG_MOE_CONFIG_DIR, see megatron_qrl.rollout_sglang.kernels.moe_configs) and a summary with the
 kernel time of SGLang's own choice vs the tuned one per token count, measured in this run.
 Defaults: Qwen3-30B-A3B at TP=1 (E=128, N=768, K=2048, top-8).
 """
@@ -22,25 +22,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_qrl.rollout_sglang.moe_configs import SHIPPED, write_config  # noqa: E402
-from megatron_qrl.rollout_sglang.moe_tune import DEFAULT_M, TUNE_FORMATS, make_case, tune  # noqa: E402
+from megatron_qrl.rollout_sglang.kernels.moe_configs import SHIPPED, write_config  # noqa: E402
+from megatron_qrl.rollout_sglang.kernels.moe_tune import DEFAULT_M, TUNE_FORMATS, make_case, tune  # noqa: E402
+from megatron_qrl.utils.cli import positive_float, positive_int, tool_parser  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = tool_parser(__doc__.split("\n\n")[0])
     p.add_argument("--formats", default="fp8_block,fp8,int8",
                    help=f"comma list of {sorted(TUNE_FORMATS)}")
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--moe-intermediate", type=int, default=768,
+    p.add_argument("--experts", type=positive_int, default=128)
+    p.add_argument("--moe-intermediate", type=positive_int, default=768,
                    help="moe_intermediate_size per TP rank (N)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=positive_int, default=2048)
+    p.add_argument("--top-k", type=positive_int, default=8)
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="token counts to tune")
     p.add_argument("--out", type=Path, default=SHIPPED, help="config root (default: shipped)")
     p.add_argument("--summary", type=Path, default=None, help="write a JSON summary here")
-    p.add_argument("--budget-s", type=float, default=float("inf"),
+    p.add_argument("--budget-s", type=positive_float, default=float("inf"),
                    help="stop searching a format after this many seconds (keep the best so far)")
     a = p.parse_args(argv)
+    try:
+        a.m = [positive_int(m) for m in a.m.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--m {a.m}: token counts {exc}")
     bad = [f for f in a.formats.split(",") if f not in TUNE_FORMATS]
     if bad:
         p.error(f"--formats {','.join(bad)}: not a Triton fused-MoE format; choose from "
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                   "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4,
                   "head_dim": 128, "vocab_size": 1024, "intermediate_size": 4 * a.hidden,
                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-6})
-    ms = [int(m) for m in a.m.split(",")]
+    ms = a.m
     summary = {"device": torch.cuda.get_device_name(), "triton": triton.__version__,
                "E": a.experts, "N": a.moe_intermediate, "K": a.hidden, "top_k": a.top_k,
                "formats": {}}

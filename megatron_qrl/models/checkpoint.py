@@ -10,19 +10,20 @@ Layout of a checkpoint directory::
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
-from megatron_qrl.utils.io import atomic_directory
+from megatron_qrl.models.hf_io import CheckpointReadError
 
 METADATA_NAME = "megatron_qrl.json"
 FORMAT = "megatron_qrl.dist_ckpt.v1"
+_ERRNO_TEXT = re.compile(r"\[Errno (?P<errno>\d+)\] (?P<msg>[^:\n]+)(?:: '(?P<file>[^'\n]*)')?")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,14 +35,23 @@ def read_metadata(ckpt_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any],
         raise FileNotFoundError(
             f"{meta_path} not found: --megatron-dir must be a checkpoint written by "
             "tools/convert_hf_to_megatron.py")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    meta = _read_json(meta_path)
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt != FORMAT:
+        raise ValueError(f"{meta_path}: format {fmt!r}, expected {FORMAT!r}")
     cfg_path = root / "hf" / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: the checkpoint lost its HF config")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_json(cfg_path)
     return meta, cfg, arch_from_dict(cfg, str(cfg_path))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointReadError(f"{path}: not valid JSON ({exc}); the checkpoint is damaged: "
+                                  "convert the model again") from None
 
 
 def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, metadata: dict[str, Any]) -> None:
@@ -56,7 +66,13 @@ def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, metadata: dict[
     model_dir = Path(out_dir) / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     with cuda_synchronize_noop():
-        dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+        try:
+            dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
+        except (Exception, CheckpointException) as exc:
+            os_error = _os_error(exc)  # a full / read-only disk: the OSError, for one line
+            if os_error is None:
+                raise
+            raise os_error from exc
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         meta = {"format": FORMAT, **metadata}
         (Path(out_dir) / METADATA_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -69,15 +85,41 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     model_dir = Path(ckpt_dir) / "model"
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir} not found: not a megatron_qrl checkpoint directory")
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+        raise CheckpointReadError(
+            f"{model_dir}: the checkpoint shards cannot be read ({_cause(exc)}); a .distcp / "
+            "metadata file is truncated or corrupted, or belongs to another model: convert the "
+            "model again") from exc
     model.load_state_dict(state, strict=True)
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out: str | Path) -> Iterator[Path]:
-    """Yield a temp directory next to ``out``; rename it to ``out`` only if the body succeeds."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose a new --out or remove it first")
-    with atomic_directory(out, overwrite=False) as tmp:
-        yield tmp
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed save, or None: found in a CheckpointException's failures,
+    their ``__cause__`` chain, or — where the writer process's "Worker failure" reached us as
+    text — rebuilt from the standard ``[Errno N] message: 'file'`` form."""
+    failures = getattr(exc, "failures", None)
+    todo = [f[0] for f in failures.values()] if isinstance(failures, dict) else [exc]
+    seen = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        found = _ERRNO_TEXT.search(str(e))
+        if found:
+            return OSError(int(found["errno"]), found["msg"], found["file"])
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _cause(exc: BaseException) -> str:
+    """``Type: message`` of the first failure inside a (torch) CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))[0]
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -15,7 +15,22 @@ from typing import Any
 
 
 class UnsupportedModelError(ValueError):
-    """The HF config names an architecture or a feature this package cannot convert."""
+    """The HF config names an architecture or a feature this package cannot convert.
+
+    ``fields``: the config.json keys at fault, so a caller that set them from other flags
+    (e.g. Megatron's ``--moe-router-topk`` -> ``num_experts_per_tok``) can name its flags.
+    """
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+_CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
+               "num_experts": "num_experts", "moe_top_k": "num_experts_per_tok",
+               "moe_ffn_hidden_size": "moe_intermediate_size"}
+"""ModelArch field -> the config.json key it is read from (where the names differ)."""
 
 
 @dataclass(frozen=True)
@@ -61,17 +76,21 @@ class ModelArch:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "ffn_hidden_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise UnsupportedModelError(f"config.json: {name} must be > 0, got {getattr(self, name)}")
+                key = _CONFIG_KEY.get(name, name)
+                raise UnsupportedModelError(
+                    f"config.json: {key} must be > 0, got {getattr(self, name)}", (key,))
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"config.json: num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}")
+                f"num_key_value_heads={self.num_kv_heads}",
+                ("num_attention_heads", "num_key_value_heads"))
         if self.num_experts and not (0 < self.moe_top_k <= self.num_experts):
             raise UnsupportedModelError(
                 f"config.json: num_experts_per_tok={self.moe_top_k} must be in [1, num_experts="
-                f"{self.num_experts}]")
+                f"{self.num_experts}]", ("num_experts_per_tok", "num_experts"))
         if self.num_experts and self.moe_ffn_hidden_size <= 0:
-            raise UnsupportedModelError("config.json: moe_intermediate_size must be > 0 for MoE")
+            raise UnsupportedModelError("config.json: moe_intermediate_size must be > 0 for MoE",
+                                        ("moe_intermediate_size",))
 
     @property
     def is_moe(self) -> bool:
@@ -84,7 +103,7 @@ def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
         if cfg.get(name) is not None:
             return cfg[name]
     if default is None:
-        raise UnsupportedModelError(f"config.json: missing field {names[0]!r}")
+        raise UnsupportedModelError(f"config.json: missing field {names[0]!r}", (names[0],))
     return default
 
 
@@ -97,7 +116,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
             "rope_scaling / rope_parameters.rope_type or use a model without RoPE scaling")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
-        raise UnsupportedModelError("config.json: missing rope_theta (or rope_parameters.rope_theta)")
+        raise UnsupportedModelError("config.json: missing rope_theta (or rope_parameters.rope_theta)",
+                                    ("rope_theta",))
     return float(theta)
 
 
@@ -174,5 +194,10 @@ def load_hf_config(hf_dir: str | Path) -> tuple[dict[str, Any], ModelArch]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --hf-dir must be an HF model directory "
                                 "containing config.json and *.safetensors")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{path}: not valid JSON ({exc}); fix or restore the file") from None
+    if not isinstance(cfg, dict):
+        raise UnsupportedModelError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, arch_from_dict(cfg, str(path))

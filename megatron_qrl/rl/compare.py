@@ -21,9 +21,6 @@ Variants (issue 22; the papers' claims they test are in docs/COMPARE.md):
   ``w4a16 tis`` (AQN off).
 * ``int8 low-lr`` / ``int8 low-lr+uaq``: INT8 W8A8 rollouts, ACR, lr :data:`LOW_LR`, UAQ
   s = 1.5 off / on (QuRL eq. 10-12: QuRL uses UAQ at lr < 1e-5 only).
-
-When the aligned forward is not installed the aligned variant runs the bf16 training
-forward and its label says so.
 """
 
 from __future__ import annotations
@@ -80,26 +77,13 @@ def parse_seeds(text: str | None) -> list[int | None]:
     return list(seeds)
 
 
-def aligned_available() -> bool:
-    """True when ``--qrl-train-forward aligned`` can be built (megatron_qrl.te_quant)."""
-    import importlib.util
-
-    return importlib.util.find_spec("megatron_qrl.te_quant") is not None
-
-
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)
 
 
-def variant_argv(argv: Sequence[str], flags: Sequence[str], out: Path,
-                 have_aligned: bool) -> tuple[list[str], str]:
-    """The command line of one variant and the note for its label ('' when as asked)."""
-    flags = list(flags)
-    note = ""
-    if not have_aligned and "aligned" in flags:
-        flags[flags.index("aligned")] = "bf16"
-        note = " (bf16 fwd: aligned forward not installed)"
-    return [*argv, *flags, "--qrl-sft-steps", "0", "--qrl-output-dir", str(out)], note
+def variant_argv(argv: Sequence[str], flags: Sequence[str], out: Path) -> list[str]:
+    """The command line of one variant."""
+    return [*argv, *flags, "--qrl-sft-steps", "0", "--qrl-output-dir", str(out)]
 
 
 def _warm_up(argv: list[str], parse: Callable, run: Callable, sft_dir: Path,
@@ -143,7 +127,6 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
     from megatron_qrl.rl.compare_report import write_report
 
     out = Path(out_dir)
-    have_aligned = aligned_available()
     runs: dict[str, dict[str, list[dict]]] = {}
     for seed in seeds:
         s_argv = list(argv) if seed is None else [*argv, "--qrl-seed", str(seed)]
@@ -151,13 +134,12 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
         start = _warm_up(s_argv, parse, run, s_out / "sft", log)
         for label, extra in variants:
             vdir = s_out / _slug(label)
-            v_argv, note = variant_argv(s_argv, extra, vdir, have_aligned)
-            configs, flags = parse(v_argv)
-            log(f"[compare] seed {configs['run'].seed}: {label}{note} -> {vdir}")
+            configs, flags = parse(variant_argv(s_argv, extra, vdir))
+            log(f"[compare] seed {configs['run'].seed}: {label} -> {vdir}")
             records = _with_visible_updates(
                 run(configs, flags, start_weights=start, skip_sft=True), vdir,
                 configs["rollout"].spec)
-            runs.setdefault(label + note, {})[str(configs["run"].seed)] = records
+            runs.setdefault(label, {})[str(configs["run"].seed)] = records
     md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
     return md, png

@@ -5,13 +5,12 @@ what :func:`megatron_qrl.rl.trainer.build_policy` needs, through
 ``megatron_qrl.te_quant.trainer_forward``: the spec hook (aligned linears, replay routers),
 the aligned-forward state (its cached quantized weights are invalidated after every
 optimizer step and after every external weight change) and the routing-replay context.
-When the installed megatron_qrl lacks those packages a requested feature is an error naming
-the flag — never a silent fallback to the plain forward.
+A combination the aligned forward cannot build is an error naming the flag — never a silent
+fallback to the plain forward.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ __all__ = ["ForwardPlan", "ForwardUnavailableError", "forward_plan"]
 
 
 class ForwardUnavailableError(RuntimeError):
-    """A requested training forward is not available in this megatron_qrl installation."""
+    """A requested training forward cannot be built for this model and format."""
 
 
 @dataclass
@@ -34,6 +33,12 @@ class ForwardPlan:
     """``moe.RoutingReplay`` (MoE models) or None; its mode decides where ids are replayed."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """``TransformerConfig`` overrides (Transformer Engine recipes)."""
+    lora: Any = None
+    """``models.lora.LoraState`` of a LoRA run (``--qrl-lora-rank`` > 0), else None. Its frozen
+    base in the rollout format IS the aligned forward of the base (no aligned linears)."""
+    prepare_model: Any = None
+    """``(bare GPTModel) -> None`` run by ``build_policy`` before megatron DDP wraps the model
+    (LoRA without warm-up: only the adapters require grad, so DDP buffers only theirs)."""
 
     def weights_changed(self) -> None:
         """Invalidate cached quantized weights (after a load / UAQ; steps do it themselves)."""
@@ -49,22 +54,37 @@ class ForwardPlan:
 def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
     """Resolve ``--qrl-train-forward`` / ``--qrl-routing-replay`` for ``arch`` (errors name the flag)."""
     train, routing, rollout = configs["train"], configs["routing"], configs["rollout"]
+    lora = configs.get("lora")
+    if lora is not None and lora.enabled:
+        return _lora_plan(configs, arch)
     needed = train.forward == "aligned" or routing.replay != "off" or arch.is_moe
     if not needed:
         return ForwardPlan()
-    try:
-        te_quant = importlib.import_module("megatron_qrl.te_quant")
-    except ImportError as exc:
-        if train.forward == "bf16" and routing.replay == "off":
-            return ForwardPlan()  # nothing was asked for; routing metrics need te_quant/moe
-        flag = ("--qrl-train-forward aligned" if train.forward == "aligned"
-                else f"--qrl-routing-replay {routing.replay}")
-        raise ForwardUnavailableError(
-            f"{flag} needs megatron_qrl.te_quant / megatron_qrl.moe ({exc}); they are not part "
-            "of this megatron_qrl installation. Run with --qrl-train-forward bf16 "
-            "--qrl-routing-replay off or update megatron_qrl") from None
+    from megatron_qrl import te_quant  # megatron-core and the aligned linears: when needed
+
     try:
         fwd = te_quant.trainer_forward(train, rollout.format, routing, arch)
     except ValueError as exc:
         raise ForwardUnavailableError(str(exc)) from None
     return ForwardPlan(fwd.spec_hook, fwd.aligned, fwd.replay, dict(fwd.config_overrides))
+
+
+def _lora_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
+    """LoRA: every linear a LoRA linear (``models.lora``), routing replay as usual."""
+    import dataclasses
+
+    from megatron_qrl.models.lora import LoraState, freeze_all_but_adapters, lora_spec_hook
+    from megatron_qrl.te_quant import compose_hooks, trainer_forward
+
+    state = LoraState(configs["lora"])
+    train = dataclasses.replace(configs["train"], forward="bf16")
+    try:
+        fwd = trainer_forward(train, configs["rollout"].format, configs["routing"], arch)
+    except ValueError as exc:
+        raise ForwardUnavailableError(str(exc)) from None
+    # the LoRA linears swap into megatron-core's local spec (use_te goes to config_and_spec)
+    run = configs.get("run")
+    no_warmup = run is not None and run.sft_steps == 0
+    return ForwardPlan(compose_hooks(lora_spec_hook(state), fwd.spec_hook), None, fwd.replay,
+                       {**fwd.config_overrides, "use_te": False}, state,
+                       freeze_all_but_adapters if no_warmup else None)

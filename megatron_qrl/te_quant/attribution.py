@@ -135,7 +135,17 @@ def prompt_ids(hf_dir: str, prompts: str | None, batch: int, seq_len: int, vocab
         raise ValueError(f"--prompts needs a tokenizer in --hf-dir {hf_dir} ({exc}); drop "
                          "--prompts to use random token ids") from None
     lines = [ln for ln in Path(prompts).read_text().splitlines() if ln.strip()][:batch]
-    texts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    texts = []
+    for i, ln in enumerate(lines, 1):
+        if not ln.lstrip().startswith("{"):
+            texts.append(ln)
+            continue
+        try:
+            texts.append(str(json.loads(ln)["prompt"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--prompts {prompts}: prompt {i} is a JSON line without a string "
+                             f"'prompt' field ({exc!r}); give one JSON object with 'prompt' or "
+                             "plain text per line") from None
     if len(texts) < batch:
         raise ValueError(f"{prompts}: {len(texts)} prompts, need --batch {batch}")
     rows = []
