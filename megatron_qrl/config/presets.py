@@ -8,7 +8,10 @@ in order (later ones win), so a machine preset combines with a paper mode, e.g.
 Machine / job presets:
 
 * ``tiny-cpu``: the CPU default job. Tiny Qwen3-MoE on the char tokenizer, synthetic
-  addition, supervised warm-up then RL with INT8 rollouts, aligned forward and ACR.
+  addition whose warm-up demonstrations have a spurious trailing "0" half of the time
+  (``--qrl-task-demo-noise 0.5``: the warm-up leaves headroom that the reward, on the true
+  sum, lets RL close),
+  supervised warm-up then RL with INT8 rollouts, aligned forward and ACR.
 * ``qwen3-4b-1gpu``: Qwen3-4B on one GPU, SGLang rollouts (needs ``--qrl-checkpoint``).
 * ``qwen3-30b-a3b``: Qwen3-30B-A3B, multi-node, FP8-block SGLang rollouts, routing replay
   (needs ``--qrl-checkpoint``; TP/EP layout are Megatron flags in examples/).
@@ -52,7 +55,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-task-digits-min": 1,
         "--qrl-task-digits-max": 2,
         "--qrl-task-num-prompts": 512,
-        "--qrl-steps": 100,
+        "--qrl-task-demo-noise": 0.5,
+        "--qrl-steps": 150,
         "--qrl-sft-steps": 600,
         "--qrl-lr": 3e-4,
         "--qrl-sft-lr": 3e-3,

@@ -174,6 +174,12 @@ class TaskConfig:
     """Reward for a well-formatted response (rlquant study: 1.0 correct + 0.1 format, so
     rewards are in {0, 0.1, 1.1}); 0 disables."""
 
+    demo_noise: float = 0.0
+    """Fraction of the supervised warm-up's demonstrations with a spurious trailing "0"
+    (ten times the answer; drawn anew for each demonstration, data/synthetic.py); the RL
+    reward always checks the true answer. The CPU default job uses 0.5: the warm-up learns
+    the habit, RL has to drop it."""
+
     def __post_init__(self) -> None:
         _int("--qrl-task-digits-min", self.digits_min, 1)
         _int("--qrl-task-digits-max", self.digits_max, 1)
@@ -184,6 +190,7 @@ class TaskConfig:
             raise ValueError(f"--qrl-task-digits-max must be <= 18, got {self.digits_max}")
         _int("--qrl-task-num-prompts", self.num_prompts, 1)
         _real("--qrl-task-format-bonus", self.format_bonus, 0.0, 1.0)
+        _real("--qrl-task-demo-noise", self.demo_noise, 0.0, 1.0)
         if self.prompts is not None and not (isinstance(self.prompts, str) and self.prompts):
             raise ValueError(f"--qrl-task-prompts must be a file path, got {self.prompts!r}")
 

@@ -1,9 +1,11 @@
 """Synthetic verifiable task: multi-digit addition, deterministic per seed.
 
-A problem is ``{"prompt": "12+345=", "answer": "357"}``. Each operand has a number of
-digits drawn uniformly from ``[digits_min, digits_max]`` and is uniform among the integers
-with exactly that many digits (1 digit: 0..9). Prompts are distinct; the list depends only
-on ``(n, seed, digits_min, digits_max)`` (``random.Random(seed)``, no global state).
+Noisy demonstrations (:func:`noisy_demos`, ``--qrl-task-demo-noise p``): each supervised
+demonstration is, with probability ``p`` and independently of the others, the answer with a
+spurious trailing ``0`` (``"357"`` -> ``"3570"``, ten times the sum: a consistent wrong habit
+of some annotators that costs the model no extra arithmetic). The warm-up then learns the
+sums and, after a sum, stops or writes the ``0`` about ``1 - p`` / ``p`` of the time; the
+reward always checks the true answer, so RL has a reason, and a way, to drop the habit.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from pathlib import Path
 
 from ..utils.io import atomic_write_text
 
-__all__ = ["addition_problems", "count_addition_problems", "write_jsonl"]
+NOISE_SUFFIX = "0"
+"""Appended to a noisy demonstration (see the module docstring)."""
+
+__all__ = ["NOISE_SUFFIX", "addition_problems", "count_addition_problems", "noisy_demos", "write_jsonl"]
 
 
 def _check(digits_min: int, digits_max: int) -> None:
@@ -56,6 +61,18 @@ def addition_problems(n: int, seed: int, digits_min: int = 1, digits_max: int = 
         seen.add((a, b))
         out.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
     return out
+
+
+def noisy_demos(answers: list[str], noise: float, seed: int) -> list[str]:
+    """``answers`` with a ``0`` appended to each with probability ``noise``
+    (``random.Random(seed)``, one draw per answer in order; ``noise == 0`` returns them
+    unchanged)."""
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"--qrl-task-demo-noise must be in [0, 1], got {noise}")
+    if noise == 0.0:
+        return list(answers)
+    rng = random.Random(seed)
+    return [a + NOISE_SUFFIX if rng.random() < noise else a for a in answers]
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> Path:

@@ -60,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_qrl_args(parser)
     launch = parser.add_argument_group("qrl-train launcher")
     launch.add_argument("--qrl-compare", action="store_true",
-                        help="run the same RL budget for bf16, int8+naive_quant, int8+tis, "
-                             "int8+acr, int8 aligned+tbpo, nvfp4 aligned+tbpo and write "
-                             "compare.md / compare.png in the output directory")
+                        help="run the same RL budget for every variant of "
+                             "megatron_qrl.rl.compare (bf16, w4a16 naive / tis / acr / "
+                             "aligned+tbpo / tis+aqn, int8 low-lr with and without UAQ) and "
+                             "write compare.md / compare.png in the output directory")
+    launch.add_argument("--qrl-seeds", default=None, metavar="S1,S2,...",
+                        help="with --qrl-compare: run every variant on each of these seeds "
+                             "(one warm-up per seed); the table gives mean +- std over them")
     launch.add_argument("--qrl-mode", choices=MODES, default="single",
                         help="single: the rollout engine in this process (rank 0 under "
                              "torchrun). colocated / disaggregated: the rollout engine in a Ray "
@@ -162,6 +166,12 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")
+    if args.qrl_seeds is not None and not args.qrl_compare:
+        raise QrlArgumentError("--qrl-seeds is for --qrl-compare; for one run use --qrl-seed")
+    if args.qrl_compare:
+        from megatron_qrl.rl.compare import parse_seeds
+
+        parse_seeds(args.qrl_seeds)
     if args.qrl_compare and megatron_argv:
         raise QrlArgumentError("--qrl-compare runs its variants in one process; drop the "
                                "Megatron flags after '--' (or run the variants one by one)")
@@ -311,29 +321,40 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
 
     with single_process_megatron():
         if args.qrl_compare:
-            from megatron_qrl.rl.compare import run_compare
+            from megatron_qrl.rl.compare import parse_seeds, run_compare
 
-            base = [a for a in _with_default_preset(argv) if a != "--qrl-compare"]
+            base = _compare_base(argv)
 
             def parse(v: list[str]) -> tuple[dict, dict]:
                 return parse_configs(v)[:2]
 
             out = configs["run"].output_dir or configs["run"].resolved_output_dir() + "-compare"
-            run_compare(base, parse, run, out)
+            run_compare(base, parse, run, out, seeds=parse_seeds(args.qrl_seeds))
         else:
             records = run(configs, flags)
             _summary(records)
 
 
-def _summary(records: Sequence[dict]) -> None:
-    rl = [r for r in records if r["phase"] == "rl"]
-    if not rl:
-        return
-    k = max(1, min(5, len(rl) // 4))
-    first = sum(r["reward_mean"] for r in rl[:k]) / k
-    last = sum(r["reward_mean"] for r in rl[-k:]) / k
-    print(f"[qrl-train] reward (mean of {k} RL steps): start {first:.3f} -> end {last:.3f}")
+def _compare_base(argv: Sequence[str]) -> list[str]:
+    """The command line of the compare's runs: without the launcher's compare flags."""
+    out, skip = [], False
+    for a in _with_default_preset(argv):
+        if skip:
+            skip = False
+        elif a == "--qrl-seeds":
+            skip = True
+        elif a != "--qrl-compare" and not a.startswith("--qrl-seeds="):
+            out.append(a)
+    return out
 
+
+def _summary(records: Sequence[dict]) -> None:
+    """The RL phase's accuracy in windows of 10 steps and its fitted slope (utils.curves)."""
+    from megatron_qrl.utils.curves import summary_line
+
+    acc = [r["accuracy"] for r in records if r["phase"] == "rl" and r.get("accuracy") is not None]
+    if len(acc) >= 2:
+        print(f"[qrl-train] {summary_line(acc)}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,13 +1,26 @@
-"""``qrl-train --qrl-compare``: the same RL budget for each rollout format / loss, one table.
+"""``qrl-train --qrl-compare [--qrl-seeds 1,2,3]``: the papers' variants on the same budget.
 
-One supervised warm-up (plain forward) is run first (``<out>/sft``); every variant starts RL from its weights
-with the same seed, prompts and step count, in ``<out>/<variant>``; the table (``compare.md``)
-and the bar chart (``compare.png``) summarise the RL steps (final reward, mean KL(behav||prox),
-max prox/behav ratio, clip fraction, error-token rate; ``utils.metrics.COMPARE_COLUMNS``).
+For each seed one supervised warm-up (plain forward) runs first (``<out>/seed<S>/sft``);
+every variant starts RL from its weights with that seed, the same prompts and step count, in
+``<out>/seed<S>/<variant>``. The report (``compare.md``, ``compare.png``,
+:mod:`megatron_qrl.rl.compare_report`) gives each column as mean +- std over the seeds and
+plots the accuracy curves with +-1 std bands.
 
-Variants (issue 6, item 6): bf16 (ppo_clip), int8 + naive_quant, int8 + tis, int8 + acr,
-int8 aligned + tbpo, nvfp4 aligned + tbpo. When the aligned forward is not installed the
-aligned variants run the bf16 training forward and their label says so.
+Variants (issue 22; the papers' claims they test are in docs/COMPARE.md):
+
+* ``bf16``: BF16 rollouts and trainer, PPO-clip (the reference).
+* ``int8 aligned+acr``: the default job's RL (tiny-cpu: INT8 W8A8 rollouts, aligned forward,
+  ACR), from the compare's warm-up.
+* ``w4a16 naive``: W4A16 rollouts (int4 weights, group 128), BF16 trainer forward, the
+  naive ratio pi_theta / pi_behav (QuRL eq. 3).
+* ``w4a16 tis`` / ``w4a16 acr``: the same with the decoupled objective and TIS (QuRL eq. 5)
+  / ACR (QuRL eq. 7-9), cap C = 2.
+* ``w4a16 aligned+tbpo``: the trainer computes with the rollout's W4A16 weights (QaRL's
+  aligned forward) and TBPO (QaRL, sequence level).
+* ``w4a16 tis+aqn``: ``w4a16 tis`` with AQN on the rollout copy (QeRL); its pair is
+  ``w4a16 tis`` (AQN off).
+* ``int8 low-lr`` / ``int8 low-lr+uaq``: INT8 W8A8 rollouts, ACR, lr :data:`LOW_LR`, UAQ
+  s = 1.5 off / on (QuRL eq. 10-12: QuRL uses UAQ at lr < 1e-5 only).
 """
 
 from __future__ import annotations
@@ -19,26 +32,49 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.rl.checkpoint import latest_checkpoint
+from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
-__all__ = ["VARIANTS", "run_compare", "variant_argv"]
+__all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "report_from_dirs", "run_compare",
+           "variant_argv"]
 
-_TBPO = ["--qrl-loss-kind", "tbpo", "--qrl-loss-aggregation", "seq_mean_token_mean"]
+LOW_LR = 3e-6
+"""Learning rate of the UAQ pair (below QuRL's UAQ limit of 1e-5)."""
+
+_W4 = ["--qrl-rollout-format", "w4a16", "--qrl-train-forward", "bf16"]
+_INT8_LOW = ["--qrl-rollout-format", "int8", "--qrl-train-forward", "bf16", "--qrl-loss-kind",
+             "acr", "--qrl-lr", str(LOW_LR)]
 VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("bf16", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
               "--qrl-loss-kind", "ppo_clip"]),
-    ("int8+naive_quant", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "bf16",
-                          "--qrl-loss-kind", "naive_quant"]),
-    ("int8+tis", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "bf16",
-                  "--qrl-loss-kind", "tis"]),
-    ("int8+acr", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "bf16",
-                  "--qrl-loss-kind", "acr"]),
-    ("int8 aligned+tbpo", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "aligned",
-                           *_TBPO]),
-    ("nvfp4 aligned+tbpo", ["--qrl-rollout-format", "nvfp4", "--qrl-train-forward", "aligned",
-                            *_TBPO]),
+    ("int8 aligned+acr", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "aligned",
+                          "--qrl-loss-kind", "acr"]),
+    ("w4a16 naive", [*_W4, "--qrl-loss-kind", "naive_quant"]),
+    ("w4a16 tis", [*_W4, "--qrl-loss-kind", "tis"]),
+    ("w4a16 acr", [*_W4, "--qrl-loss-kind", "acr"]),
+    ("w4a16 aligned+tbpo", ["--qrl-rollout-format", "w4a16", "--qrl-train-forward", "aligned",
+                            "--qrl-loss-kind", "tbpo", "--qrl-loss-aggregation",
+                            "seq_mean_token_mean"]),
+    ("w4a16 tis+aqn", [*_W4, "--qrl-loss-kind", "tis", "--qrl-aqn-enabled"]),
+    ("int8 low-lr", [*_INT8_LOW, "--qrl-uaq-scale", "1.0"]),
+    ("int8 low-lr+uaq", [*_INT8_LOW, "--qrl-uaq-scale", "1.5"]),
 )
 """(label, flags appended to the user's command line: later flags win)."""
+
+
+def parse_seeds(text: str | None) -> list[int | None]:
+    """``--qrl-seeds 1,2,3`` -> ``[1, 2, 3]`` (distinct non-negative integers); None / '' ->
+    ``[None]`` (one run at ``--qrl-seed``)."""
+    if not text:
+        return [None]
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise QrlArgumentError(f"--qrl-seeds {text!r}: give comma-separated integers, e.g. "
+                               "--qrl-seeds 1,2,3") from None
+    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise QrlArgumentError(f"--qrl-seeds {text!r}: seeds must be distinct and >= 0")
+    return list(seeds)
 
 
 def _slug(label: str) -> str:
@@ -50,35 +86,84 @@ def variant_argv(argv: Sequence[str], flags: Sequence[str], out: Path) -> list[s
     return [*argv, *flags, "--qrl-sft-steps", "0", "--qrl-output-dir", str(out)]
 
 
+def _warm_up(argv: list[str], parse: Callable, run: Callable, sft_dir: Path,
+             log: Callable[[str], None]) -> dict | None:
+    """The shared supervised warm-up of one seed (plain forward, no rollouts): its weights."""
+    configs, flags = parse([*argv, "--qrl-steps", "0", "--qrl-train-forward", "bf16",
+                            "--qrl-output-dir", str(sft_dir)])
+    if not configs["run"].sft_steps:
+        return None
+    log(f"[compare] supervised warm-up ({configs['run'].sft_steps} steps) -> {sft_dir}")
+    run(configs, flags)
+    state = torch.load(latest_checkpoint(sft_dir), map_location="cpu", weights_only=False)
+    return state["trainer"]["model"]
+
+
+def _with_visible_updates(records: list[dict], vdir: Path, spec: Any) -> list[dict]:
+    """``records`` with :data:`~megatron_qrl.rl.compare_report.VISIBLE_KEY` in a copy of the
+    last one: the visible fraction of the update between the run's last two checkpoints."""
+    from megatron_qrl.rl.compare_report import VISIBLE_KEY, visible_update_fraction
+
+    ckpts = sorted((vdir / CKPT_DIR).glob("step_*.pt")) if (vdir / CKPT_DIR).is_dir() else []
+    if len(ckpts) < 2 or not records:
+        return records
+    states = [torch.load(p, map_location="cpu", weights_only=False)["trainer"]["model"]
+              for p in ckpts[-2:]]
+    return [*records[:-1], {**records[-1], VISIBLE_KEY: visible_update_fraction(*states, spec)}]
+
+
 def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, dict]],
                 run: Callable[..., list[dict]], out_dir: str | Path,
-                log: Callable[[str], None] = print) -> tuple[Path, Path]:
-    """Run the warm-up and every variant; write ``compare.md`` / ``compare.png`` in ``out_dir``.
+                log: Callable[[str], None] = print,
+                seeds: Sequence[int | None] = (None,),
+                variants: Sequence[tuple[str, list[str]]] = VARIANTS) -> tuple[Path, Path]:
+    """Run the warm-up and every variant for every seed; write ``compare.md`` /
+    ``compare.png`` in ``out_dir`` (:func:`megatron_qrl.rl.compare_report.write_report`).
 
     ``parse(argv) -> (configs, flags)`` validates a command line; ``run(configs, flags,
     start_weights=..., skip_sft=...)`` is :func:`megatron_qrl.rl.driver.run_job` (inside a
-    megatron job).
+    megatron job). ``seeds``: None = the command line's ``--qrl-seed``.
     """
-    from megatron_qrl.utils.metrics import compare_runs
+    from megatron_qrl.rl.compare_report import write_report
 
     out = Path(out_dir)
-    sft_dir = out / "sft"
-    # the shared warm-up trains the BF16 masters with the plain forward (no rollouts)
-    configs, flags = parse([*argv, "--qrl-steps", "0", "--qrl-train-forward", "bf16",
-                            "--qrl-output-dir", str(sft_dir)])
-    if configs["run"].sft_steps:
-        log(f"[compare] supervised warm-up ({configs['run'].sft_steps} steps) -> {sft_dir}")
-        run(configs, flags)
-        state = torch.load(latest_checkpoint(sft_dir), map_location="cpu", weights_only=False)
-        start = state["trainer"]["model"]
-    else:
-        start = None
-    runs: dict[str, Any] = {}
-    for label, extra in VARIANTS:
-        vdir = out / _slug(label)
-        configs, flags = parse(variant_argv(argv, extra, vdir))
-        log(f"[compare] {label} -> {vdir}")
-        runs[label] = run(configs, flags, start_weights=start, skip_sft=True)
-    md, png = compare_runs(runs, out)
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for seed in seeds:
+        s_argv = list(argv) if seed is None else [*argv, "--qrl-seed", str(seed)]
+        s_out = out if seed is None else out / f"seed{seed}"
+        start = _warm_up(s_argv, parse, run, s_out / "sft", log)
+        for label, extra in variants:
+            vdir = s_out / _slug(label)
+            configs, flags = parse(variant_argv(s_argv, extra, vdir))
+            log(f"[compare] seed {configs['run'].seed}: {label} -> {vdir}")
+            records = _with_visible_updates(
+                run(configs, flags, start_weights=start, skip_sft=True), vdir,
+                configs["rollout"].spec)
+            runs.setdefault(label, {})[str(configs["run"].seed)] = records
+    md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
     return md, png
+
+
+def report_from_dirs(seed_dirs: Sequence[str | Path], out_dir: str | Path,
+                     variants: Sequence[tuple[str, list[str]]] = VARIANTS) -> tuple[Path, Path]:
+    """The report of finished compare runs on disk: each of ``seed_dirs`` holds one seed's
+    variant directories (``<dir>/<variant>`` or ``<dir>/seed<S>/<variant>``), e.g. seeds run
+    as separate processes (``--qrl-seeds 1``, ``--qrl-seeds 2``, ...) to use several cores."""
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.rl.compare_report import write_report
+    from megatron_qrl.utils.metrics import read_metrics
+
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for d in map(Path, seed_dirs):
+        for sub in [d, *sorted(d.glob("seed*"))]:
+            for label, extra in variants:
+                vdir = sub / _slug(label)
+                if not (vdir / "metrics.jsonl").is_file():
+                    continue
+                fmt = extra[extra.index("--qrl-rollout-format") + 1]
+                records = _with_visible_updates(read_metrics(vdir), vdir, get_spec(fmt))
+                runs.setdefault(label, {})[sub.name.removeprefix("seed")] = records
+    if not runs:
+        raise FileNotFoundError(f"no compare runs (<variant>/metrics.jsonl) under {seed_dirs}")
+    return write_report(runs, out_dir)

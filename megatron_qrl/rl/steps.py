@@ -23,6 +23,7 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.data.dataset import PromptRecord
+from megatron_qrl.data.synthetic import noisy_demos
 from megatron_qrl.losses import grpo_advantages
 from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rewards import score_math
@@ -109,13 +110,17 @@ def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = Fa
 
 
 def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
-    """One supervised step on ``prompts_per_step * n`` task answers (+ ``<eos>``)."""
+    """One supervised step on ``prompts_per_step * n`` task answers (+ ``<eos>``), a
+    ``--qrl-task-demo-noise`` fraction of them with a spurious trailing 0
+    (:func:`~megatron_qrl.data.synthetic.noisy_demos`)."""
     run = ctx.configs["run"]
     size = run.prompts_per_step * ctx.configs["rollout"].n_samples_per_prompt
     t0 = time.perf_counter()
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), size, run.seed, step)]
+    demos = noisy_demos([r.answer for r in recs], ctx.configs["task"].demo_noise,
+                        step_seed(run.seed, step, 3))
     batch = sft_batch([ctx.prompt_ids(r) for r in recs],
-                      [[*ctx.tokenizer.encode(r.answer), ctx.tokenizer.eos_id] for r in recs])
+                      [[*ctx.tokenizer.encode(d), ctx.tokenizer.eos_id] for d in demos])
     batch = ctx.check_length(batch)
     metrics, grad_norm = ctx.trainer.train_step(
         ctx.world.local(split_batch(batch, run.micro_batch_size), 1), _sft_loss,
@@ -217,6 +222,8 @@ def _record(step: int, rewards: torch.Tensor, texts: list[str], batch: dict,
         "clip_frac": agg.get("clip_frac_low", 0.0) + agg.get("clip_frac_high", 0.0),
         "error_token_rate": agg.get("error_token_rate"),
         "response_len": float(mask.sum(1).float().mean()),
+        # -log pi_behav of the sampled tokens: a Monte-Carlo estimate of the rollout entropy
+        "rollout_nll": float(-(batch["rollout_log_probs"] * mask).sum() / mask.sum().clamp_min(1)),
         "time_rollout_s": t[1] - t[0], "time_recompute_s": t[2] - t[1],
         "time_train_s": t[3] - t[2], "time_sync_s": t[4] - t[3],
         "grad_norm": _mean([g for _, g in updates]), "sample": texts[0],
