@@ -11,6 +11,9 @@
 #   setup       unpack SGLang, install megatron-core, start the Marlin prewarm in the background
 #   tune        tools/tune_fused_moe.py for fp8_block, fp8, int8 side by side (~3 min)
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
+#   kvthroughput  the same at RL lengths with the KV-cache variants (issue 23): PRESET=rl-512 |
+#               rl-1024, VARIANTS=... (default: the `kv` set; ~2.5 min per variant at rl-512,
+#               so give one call three variants) -> $OUT/kvthroughput.jsonl
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: per-expert loads (flat +
 #               prefetch, the default before run 10) vs the defaults (+ direct loads of the
@@ -91,6 +94,10 @@ case $phase in
     marlin_wait
     python3 bench/rollout_throughput.py --variants "${VARIANTS:-bf16,int8,fp8,fp8_block,w4a16,nvfp4}" \
       --out "$OUT/throughput.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 15 ;;
+  kvthroughput)
+    marlin_wait
+    python3 bench/rollout_throughput.py --preset "${PRESET:-rl-512}" --variants "${VARIANTS:-kv}" \
+      --out "$OUT/kvthroughput.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 15 ;;
   inplace)
     marlin_wait
     python3 -m pytest -q tests/gpu/test_sglang_inplace.py -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \

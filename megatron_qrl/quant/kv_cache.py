@@ -70,6 +70,25 @@ class KVCacheFormat:
         """Largest finite magnitude of the storage type (inf when nothing is rounded)."""
         return float("inf") if self.storage_dtype is None else float(torch.finfo(self.storage_dtype).max)
 
+    @property
+    def sglang_engine_kwargs(self) -> dict:
+        """The ``sglang.Engine`` arguments that serve this format so that the rollout's
+        attention follows the rule of :mod:`megatron_qrl.te_quant.kv_attention` exactly.
+
+        Always an explicit ``kv_cache_dtype`` (``auto`` would switch to e4m3 for a checkpoint
+        whose quant config names ``kv_cache_quant_algo: FP8``). For a rounding format also
+        ``disable_radix_cache`` and ``chunked_prefill_size=-1``: a radix prefix hit (the GRPO
+        samples of one prompt share it) or a prefill split into chunks makes the later part
+        of a prefill read the ROUNDED K/V of the earlier part, at positions that depend on the
+        scheduler and that the trainer cannot know (``managers/schedule_policy.py``
+        ``PrefillAdder`` truncates the last request to the chunk budget). The cost: each
+        sample prefills its prompt itself (small next to RL-length decodes).
+        """
+        kw: dict = {"kv_cache_dtype": self.sglang_kv_cache_dtype}
+        if self.quantizes:
+            kw |= {"disable_radix_cache": True, "chunked_prefill_size": -1}
+        return kw
+
     def _top_step(self) -> float:
         fi = torch.finfo(self.storage_dtype)
         return 2.0 ** torch.tensor(fi.max).log2().floor().item() * fi.eps  # top binade's spacing
