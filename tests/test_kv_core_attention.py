@@ -89,3 +89,29 @@ def test_bad_state_is_refused():
 
     with pytest.raises(TypeError, match="KVAlignState"):
         kv_spec_hook("fp8_e4m3")
+
+
+def test_trainer_forward_adds_the_kv_alignment(megatron):
+    from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
+    from megatron_qrl.te_quant import trainer_forward
+    from megatron_qrl.te_quant.kv_core_attention import KVAlignedCoreAttention
+
+    hf, arch = tiny_hf("dense")
+    off = RoutingReplayConfig("off")
+    kv_only = trainer_forward(TrainForwardConfig("aligned"), "bf16", off, arch, kv_cache="fp8_e4m3")
+    assert kv_only.aligned is None and kv_only.kv.fmt.name == "fp8_e4m3"
+    both = trainer_forward(TrainForwardConfig("aligned"), "int8", off, arch, kv_cache="fp8_e5m2")
+    assert both.aligned is not None and both.kv.fmt.name == "fp8_e5m2"
+    assert trainer_forward(TrainForwardConfig("bf16"), "int8", off, arch, kv_cache="fp8_e4m3").kv is None
+    assert trainer_forward(TrainForwardConfig("aligned"), "int8", off, arch).kv is None
+    with pytest.raises(ValueError, match="--qrl-rollout-kv-cache"):
+        trainer_forward(TrainForwardConfig("aligned"), "bf16", off, arch, kv_cache="bf16")
+    model = build(arch, hf_state(hf), both.spec_hook)
+    layer = model.decoder.layers[0].self_attention
+    assert isinstance(layer.core_attention, KVAlignedCoreAttention)
+    assert type(layer.linear_qkv).__name__ == "AlignedColumnParallelLinear"
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, 1:] = True
+    mask[1, 3:] = True
+    both.kv.set_micro_batch(mask)
+    assert both.kv.cache_from.tolist() == [2, 4]

@@ -53,6 +53,13 @@ class KVAlignState:
         finally:
             self.enabled = saved
 
+    def set_micro_batch(self, loss_mask: torch.Tensor) -> None:
+        """Take ``cache_from`` (the prompt lengths) from the micro batch's ``loss_mask``
+        (rl/batch.py layout); the RL loop calls it before each micro batch's forward."""
+        from megatron_qrl.te_quant.kv_attention import cache_from_loss_mask
+
+        self.cache_from = cache_from_loss_mask(loss_mask)
+
     @contextmanager
     def for_batch(self, cache_from: torch.Tensor | None) -> Iterator[None]:
         """Forwards inside the block treat positions ``>= cache_from[b]`` of sample ``b`` as
