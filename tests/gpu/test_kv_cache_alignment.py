@@ -25,7 +25,7 @@ from tests.gpu import skip_unless_sglang_gpu
 
 skip_unless_sglang_gpu("KV-cache alignment test")
 
-from megatron_qrl.quant.kv_cache import get_kv_format  # noqa: E402
+from megatron_qrl.quant.kv_cache import cast_overflow_behaviour, get_kv_format  # noqa: E402
 from megatron_qrl.te_quant.kv_attention import rollout_kv_attention  # noqa: E402
 from tests.gpu.sglang_reference import build_tiny, load_model  # noqa: E402
 
@@ -100,6 +100,8 @@ def test_fp8_kv_alignment_brings_the_mismatch_to_the_bf16_floor(tmp_path):
     for k, v in res.items():
         print(f"{k:<36} KL(k3) {v['kl_k3']:.3e}  mean|dlogp| {v['mean_abs_dlogp']:.3e}  "
               f"tokens {v['n_tokens']}")
+    print("torch cast of an out-of-range value to float8_e4m3fn on this GPU:",
+          cast_overflow_behaviour("fp8_e4m3", "cuda"))
     floor = res["bf16 KV engine / plain trainer"]["kl_k3"]
     plain = res["fp8 KV engine / plain trainer"]["kl_k3"]
     aligned = res["fp8 KV engine / KV-aligned trainer"]["kl_k3"]
