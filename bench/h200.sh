@@ -26,6 +26,7 @@
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
 #   train       qrl-train tiny-cpu with --qrl-rollout-engine sglang (int8 in place, aligned)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
+#   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
 #   te-part N   Transformer Engine, part N of 5 of the 276 MB transformer_engine_cu13 wheel
 #               (carry .stage/teN; the parts are split here with `split -b 57000000 -d`)
 #   te-build    (carry .stage/te0: TE meta wheel, transformer_engine_torch sdist, deps) reassemble,
@@ -46,7 +47,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|te-part N|te-build|te-test|fa3-part N|fa3-install|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|te-part N|te-build|te-test|fa3-part N|fa3-install|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -129,6 +130,10 @@ case $phase in
       --qrl-sft-steps 100 --qrl-steps 5 --qrl-output-dir /tmp/qrl_sglang --qrl-no-progress 2>&1 \
       | grep -v Warning | tail -n 20
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
+  lora-mem)  # trainer memory: full RL vs LoRA vs QLoRA-NF4 vs rollout-format bases (Qwen3-4B)
+    python3 -m pytest -q tests/test_lora.py tests/test_nf4.py 2>&1 | tail -n 2
+    python3 bench/lora_memory.py --layers 36 --seq-len 2048 --out "$OUT/lora_memory.jsonl" 2>&1 \
+      | grep -v -i warn | tail -n 12 ;;
   aligned)  # one micro-batch (re-quantization dominates), then eight (activations dominate)
     # the fake-quant fast path must be bit-identical to the codes path on CUDA too: checked first
     python3 -m pytest -q tests/test_quant_fake_fast.py -k cuda 2>&1 | tail -n 3

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..losses import ErrorTokenConfig, PolicyLossConfig
+from ..models.lora_config import LoraConfig, base_format_choices
 from ..quant.aqn import AQNConfig
 from .checkpoint_info import read_checkpoint_info
 from .checks import CheckEnv, combination_problems, combination_warnings
@@ -90,6 +91,8 @@ def default_config_classes() -> list[ConfigGroup]:
         *_loss_groups(),
         ConfigGroup("uaq", UAQConfig, "uaq"),
         ConfigGroup("aqn", AQNConfig, "aqn"),
+        ConfigGroup("lora", LoraConfig, "lora",
+                    {"base_format": {"choices": base_format_choices}}),
         ConfigGroup("task", TaskConfig, "task"),
     ]
 

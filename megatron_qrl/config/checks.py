@@ -15,6 +15,7 @@ from typing import Any
 from ..quant import get_spec, list_specs
 from ..quant.uaq import UAQ_MAX_LR, AlreadyScaledError, check_not_already_scaled
 from .checkpoint_info import is_moe_config
+from .lora_checks import lora_problem
 
 __all__ = ["TBPO_AGGREGATIONS", "CheckEnv", "combination_problems", "combination_warnings"]
 
@@ -150,6 +151,7 @@ def _batches(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 
 CHECKS: tuple[Callable[[Mapping[str, Any], CheckEnv], str | None], ...] = (
     _w4a4, _sglang_gpu, _inplace_options, _tbpo, _aligned, _routing, _uaq, _batches,
+    lora_problem,
 )
 
 

@@ -238,7 +238,7 @@ class RunConfig:
     preset: str | None = None
     """Named flag set(s) applied before the user's flags (user flags win); a comma-separated
     list applies several in order, later ones winning (e.g. qwen3-4b-1gpu,qurl). Names:
-    tiny-cpu, qwen3-4b-1gpu, qwen3-30b-a3b, qurl, qerl, rlquant-qaft, qarl."""
+    tiny-cpu, qwen3-4b-1gpu, qwen3-30b-a3b, qurl, qerl, rlquant-qaft, rlquant-qlora, qarl."""
 
     model: Literal["tiny-moe", "tiny-dense", "checkpoint"] = "tiny-moe"
     """tiny-moe / tiny-dense: the built-in tiny Qwen3(-MoE) sized for the char tokenizer

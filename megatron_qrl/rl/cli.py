@@ -145,6 +145,10 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
             f"GPUs of this process's node); in --qrl-mode {args.qrl_mode} the weights reach the "
             "engine actor by --qrl-ray-weight-transport broadcast, and the actor loads them "
             "on its own GPU: use --qrl-rollout-sglang-sync auto")
+    if args.qrl_mode != "single" and configs["lora"].enabled:
+        raise QrlArgumentError(
+            f"--qrl-lora-rank {configs['lora'].rank} with --qrl-mode {args.qrl_mode}: the Ray "
+            "engine actor does not serve LoRA adapters yet; use --qrl-mode single")
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")

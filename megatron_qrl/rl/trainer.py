@@ -73,6 +73,8 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, **plan.config_overrides)
+    if plan.prepare_model is not None:
+        plan.prepare_model(model)
     config = model.config
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True) if bf16
