@@ -132,7 +132,7 @@ def kv_spec_hook(state: KVAlignState):
     def hook(layer_spec: Any, config: Any) -> Any:
         from megatron.core.transformer.spec_utils import ModuleSpec
 
-        from megatron_qrl.te_quant.spec_hook import copy_spec
+        from megatron_qrl.models.spec_tree import copy_spec
 
         spec = copy_spec(layer_spec)
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
