@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -146,12 +147,19 @@ def effective_values(args: argparse.Namespace, groups: Sequence[ConfigGroup] | N
 
 
 def _build(group: ConfigGroup, specs: Sequence[FlagSpec], values: Mapping[str, Any]) -> Any:
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}  # a dataclass field's own fields (generator)
     for s in specs:
         if values[s.dest] is None and s.default is None and not s.optional:
             raise QrlArgumentError(f"{s.flag} is required ({s.help})")
-        kwargs[s.field] = values[s.dest]
+        head, dot, rest = s.field.partition(".")
+        if dot:
+            nested.setdefault(head, {})[rest] = values[s.dest]
+        else:
+            kwargs[s.field] = values[s.dest]
     try:
+        hints = typing.get_type_hints(group.cls) if nested else {}
+        kwargs |= {head: hints[head](**sub) for head, sub in nested.items()}
         return group.cls(**kwargs)
     except (ValueError, TypeError) as exc:
         text = str(exc)

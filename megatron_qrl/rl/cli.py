@@ -135,11 +135,11 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     configs["megatron"] = settings
     flags["megatron_layout"] = settings.describe()
     args.world_size = _world_size(args, settings)
-    if args.qrl_mode != "single" and configs["rollout"].sglang_base_gpu:
+    if args.qrl_mode != "single" and configs["rollout"].sglang.base_gpu:
         raise QrlArgumentError(
             f"--qrl-rollout-sglang-base-gpu places the in-process engine of --qrl-mode single; "
             f"in --qrl-mode {args.qrl_mode} Ray gives the engine actor its GPU: drop the flag")
-    if args.qrl_mode != "single" and configs["rollout"].sglang_sync == "distributed":
+    if args.qrl_mode != "single" and configs["rollout"].sglang.sync == "distributed":
         raise QrlArgumentError(
             f"--qrl-rollout-sglang-sync distributed is for --qrl-mode single (engine on other "
             f"GPUs of this process's node); in --qrl-mode {args.qrl_mode} the weights reach the "

@@ -47,7 +47,7 @@ from megatron_qrl.rl.start_model import (
 )
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
 from megatron_qrl.rl.sync import make_engine, sync_weights
-from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
+from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 from megatron_qrl.utils.metrics import MetricsLogger
 
 __all__ = ["JobData", "prepare_job", "run_job"]
@@ -172,8 +172,10 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     plan.config_overrides.update(dict(mega.config_overrides))
     _seed_megatron(run.seed)
     layout = mega.layout() if world.world_size > 1 else None
-    trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, plan, layout=layout,
-                                         groups=world.shard_groups(), bf16=mega.bf16))
+    trainer = PolicyTrainer(build_policy(
+        data.arch, run.sft_lr, plan, layout=layout, groups=world.shard_groups(), bf16=mega.bf16,
+        options=TrainerOptions.from_flags(
+            mega, per_token_loss=run.max_tokens_per_micro_batch > 0)))
     if data.start is not None:
         load_start_weights(trainer.module, data.start)
         plan.weights_changed()
@@ -222,9 +224,13 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
 
     if hasattr(engine, "bind_resync"):  # Ray modes: a restarted engine actor re-syncs
         engine.bind_resync(resync)
+    # single mode: the in-process engine shares the trainer's GPU (Ray colocated: the actor)
+    release = bool(configs["rollout"].sglang.release_memory
+                   and configs["rollout"].engine == "sglang" and not hasattr(engine, "bind_resync"))
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
                        make_loss_fn(configs), sync, world, mega.seq_length,
-                       mega.tp if world.world_size > 1 and mega.sequence_parallel else 1)
+                       mega.tp if world.world_size > 1 and mega.sequence_parallel else 1,
+                       release_engine_memory=release)
 
 
 def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any]) -> None:
@@ -303,8 +309,8 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
             bar.set_postfix(_postfix(rec), refresh=False)
             done = step + 1
             rl_done = done - sft_steps
-            if done == sft_steps or done == total or (
-                    rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0):
+            if run.save_interval >= 0 and (done == sft_steps or done == total or (
+                    rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0)):
                 _save(ctx, out, done, flags)
     finally:
         bar.close()
