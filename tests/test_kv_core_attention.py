@@ -27,6 +27,18 @@ def _round(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor([round_half_even(float(x), grid) for x in t.flatten()]).view_as(t)
 
 
+def _dot_product_attention(layer_spec, config):
+    """The reference's core attention: Megatron's own DotProductAttention (materialised
+    softmax), whatever the builder's default is."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_qrl.models.spec_tree import copy_spec
+
+    spec = copy_spec(layer_spec)
+    spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    return spec
+
+
 def _reference_hooks(model, cache_from: torch.Tensor):
     """On every core attention: out[t, b] = attention on rounded K/V where t >= cache_from[b]."""
 
@@ -48,7 +60,7 @@ def test_fp8_kv_forward_equals_hand_built_reference_and_differs_from_bf16(megatr
     tensors = hf_state(hf)
     state = KVAlignState("fp8_e4m3")
     model = build(arch, tensors, kv_spec_hook(state))
-    plain = build(arch, tensors)
+    plain = build(arch, tensors, _dot_product_attention)
     assert type(plain.decoder.layers[0].self_attention.core_attention).__name__ == "DotProductAttention"
     x = ids(batch=2, seq=10)
     cache_from = torch.tensor([4, 7])
