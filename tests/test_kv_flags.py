@@ -76,3 +76,28 @@ def test_forward_plan_carries_the_kv_state_and_the_trainer_sets_prompt_lengths()
              "loss_mask": mask}
     _forward_step(iter([batch]), Model(), loss_fn=lambda b, out: out, replay=None, kv=plan.kv)
     assert seen == [[3, 5]]
+
+
+def test_sglang_engine_starts_sglang_with_the_kv_arguments(tmp_path, monkeypatch):
+    """SGLangEngine -> sglang.Engine(...) with a recording stand-in for sglang."""
+    import json
+    import types
+
+    from megatron_qrl.rollout_sglang import crash, engine
+
+    got = {}
+
+    class Engine:
+        def __init__(self, **kw):
+            got.update(kw)
+
+    monkeypatch.setattr(engine, "require", lambda *a, **k: types.SimpleNamespace(Engine=Engine))
+    monkeypatch.setattr(crash, "install", lambda eng: False)
+    monkeypatch.setenv("SGLANG_MOE_CONFIG_DIR", "")
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    engine.SGLangEngine(tmp_path, "bf16", SGLangOptions(kv_cache="fp8_e4m3"), trainer_device="cpu")
+    assert (got["kv_cache_dtype"], got["disable_radix_cache"], got["chunked_prefill_size"]) == (
+        "fp8_e4m3", True, -1)
+    got.clear()
+    engine.SGLangEngine(tmp_path, "bf16", SGLangOptions(), trainer_device="cpu")
+    assert got["kv_cache_dtype"] == "bf16" and "disable_radix_cache" not in got
