@@ -33,11 +33,17 @@ The SGLang 0.5.17 facts behind each option (paths under ``sglang/srt/``):
   site; it JIT-compiles its kernels with nvcc at the first start).
 * ``sglang``: SGLang's own fused-MoE configs (no ``SGLANG_MOE_CONFIG_DIR``) instead of the
   ones megatron_qrl ships (tools/tune_fused_moe.py).
+* ``kv_NAME`` (one per rounding format of ``megatron_qrl.quant.kv_cache``, e.g.
+  ``kv_fp8_e4m3``): the KV cache in that format, with exactly the engine arguments a
+  ``--qrl-rollout-kv-cache NAME`` rollout uses (``KVCacheFormat.sglang_engine_kwargs``:
+  ``kv_cache_dtype``, no radix cache, no chunked prefill).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from megatron_qrl.quant.kv_cache import get_kv_format, list_kv_formats
 
 OPTIONS: dict[str, str] = {
     "sglang": "SGLang's own fused-MoE configs instead of megatron_qrl's",
@@ -45,10 +51,12 @@ OPTIONS: dict[str, str] = {
     "flashinfer": "attention_backend='flashinfer' (JIT-compiled with nvcc at start)",
     "deepgemm": "DeepGEMM for the block-FP8 dense GEMMs and the MoE (fp8_block only)",
     "deepgemm_dense": "DeepGEMM for the block-FP8 dense GEMMs only (fp8_block only)",
-}
+} | {f"kv_{n}": f"KV cache {n} ({get_kv_format(n).description})"
+     for n in list_kv_formats() if get_kv_format(n).quantizes}
 """Every option a variant may carry after ``FMT:``, joined with ``+``."""
 
 ATTENTION_OPTIONS = ("fa3", "flashinfer")
+KV_OPTIONS = tuple(o for o in OPTIONS if o.startswith("kv_"))
 DEEPGEMM_OPTIONS = ("deepgemm", "deepgemm_dense")
 DEEPGEMM_FORMATS = ("fp8_block",)
 """Formats whose SGLang kernels DeepGEMM can replace (block FP8, ``quant_method: fp8``)."""
@@ -93,9 +101,10 @@ def parse_variant(variant: str) -> VariantPlan:
         raise ValueError(f"variant {variant!r}: an option is repeated")
     attn = [o for o in opts if o in ATTENTION_OPTIONS]
     dg = [o for o in opts if o in DEEPGEMM_OPTIONS]
-    if len(attn) > 1 or len(dg) > 1:
-        raise ValueError(f"variant {variant!r}: pick at most one of {ATTENTION_OPTIONS} and one "
-                         f"of {DEEPGEMM_OPTIONS}")
+    kv = [o for o in opts if o in KV_OPTIONS]
+    if len(attn) > 1 or len(dg) > 1 or len(kv) > 1:
+        raise ValueError(f"variant {variant!r}: pick at most one of {ATTENTION_OPTIONS}, one "
+                         f"of {DEEPGEMM_OPTIONS} and one of {KV_OPTIONS}")
     if dg and fmt not in DEEPGEMM_FORMATS:
         raise ValueError(
             f"variant {variant!r}: DeepGEMM serves only {DEEPGEMM_FORMATS} in SGLang 0.5.17 "
@@ -106,6 +115,8 @@ def parse_variant(variant: str) -> VariantPlan:
     env_defaults: dict = {}
     if attn:
         kw["attention_backend"] = attn[0]
+    if kv:
+        kw |= get_kv_format(kv[0].removeprefix("kv_")).sglang_engine_kwargs
     if "fa3" in opts:
         env["SGLANG_USE_SGL_FA3_KERNEL"] = "1"
     if dg:

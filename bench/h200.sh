@@ -11,6 +11,14 @@
 #   setup       unpack SGLang, install megatron-core, start the Marlin prewarm in the background
 #   tune        tools/tune_fused_moe.py for fp8_block, fp8, int8 side by side (~3 min)
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
+#   kvthroughput  the same at RL lengths with the KV-cache variants (issue 23): PRESET=rl-512 |
+#               rl-1024, VARIANTS=... (default: the `kv` set; ~2.5 min per variant at rl-512,
+#               so give one call three variants) -> $OUT/kvthroughput.jsonl
+#   kvalign     tests/gpu/test_kv_cache_alignment.py: trainer vs SGLang log-probs with an FP8 KV
+#               cache, KV-aligned vs plain vs the BF16-KV floor (tiny Qwen3, ~2 min)
+#   kvtrain     qrl-train end to end, ${STEPS:-2} RL steps of the random Qwen3-4B (randckpt or
+#               example4b makes it), --qrl-rollout-format ${FORMAT:-fp8} --qrl-rollout-kv-cache
+#               ${KV_CACHE:-fp8_e4m3} --qrl-train-forward aligned -> $OUT/kvtrain_metrics.jsonl
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: per-expert loads (flat +
 #               prefetch, the default before run 10) vs the defaults (+ direct loads of the
@@ -104,6 +112,29 @@ case $phase in
     marlin_wait
     python3 bench/rollout_throughput.py --variants "${VARIANTS:-bf16,int8,fp8,fp8_block,w4a16,nvfp4}" \
       --out "$OUT/throughput.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 15 ;;
+  kvalign)
+    python3 -m pytest -q -s -rs tests/gpu/test_kv_cache_alignment.py 2>&1 \
+      | tee "$OUT/kv_alignment.log" | grep -v Warning | tail -n 20 ;;
+  kvtrain)
+    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    [ -f /tmp/qrl_random_ckpt/qwen3_4b-allL/config.json ] || python3 tools/make_random_checkpoint.py \
+      --config qwen3_4b --out /tmp/qrl_random_ckpt/qwen3_4b-allL
+    source examples/models/qwen3_4b.sh
+    kvout=/tmp/qrl_kvtrain_$(date +%s)
+    python3 -m megatron_qrl.rl.cli --qrl-mode single --qrl-preset qwen3-4b-1gpu \
+      --qrl-model checkpoint --qrl-checkpoint /tmp/qrl_random_ckpt/qwen3_4b-allL \
+      --qrl-rollout-engine sglang --qrl-rollout-format "${FORMAT:-fp8}" \
+      --qrl-rollout-kv-cache "${KV_CACHE:-fp8_e4m3}" --qrl-train-forward aligned \
+      --qrl-rollout-sglang-mem-fraction 0.3 --qrl-rollout-max-new-tokens 512 \
+      --qrl-steps "${STEPS:-2}" --qrl-save-interval -1 --qrl-output-dir "$kvout" \
+      -- "${MODEL_ARGS[@]}" --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --bf16 \
+      --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 2>&1 \
+      | grep -v Warning | tail -n 25
+    cp "$kvout/metrics.jsonl" "$OUT/kvtrain_metrics.jsonl" 2>/dev/null ;;
+  kvthroughput)
+    marlin_wait
+    python3 bench/rollout_throughput.py --preset "${PRESET:-rl-512}" --variants "${VARIANTS:-kv}" \
+      --out "$OUT/kvthroughput.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 15 ;;
   inplace)
     marlin_wait
     python3 -m pytest -q tests/gpu/test_sglang_inplace.py -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \

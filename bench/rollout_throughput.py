@@ -40,7 +40,19 @@ keeps the site, FA3 and the DeepGEMM cache; ~25 min of device time in all):
    bash bench/h200.sh run throughput:580`` (~7 min with the cache warm). Optional, if time is
    left: ``fp8:flashinfer`` (FlashInfer's own JIT at start).
 
-Print a saved run with ``--table``; the records carry ``engine_kwargs`` and ``env``.
+Print saved runs with ``--table F.jsonl [G.jsonl ...]``; each record carries every engine
+argument the variant ran with (``engine_kwargs``: SGLangEngine's, the bench's, the variant's
+and ``--extra``), the variant's own (``variant_engine_kwargs``), ``extra``, the shape
+(``prompt_len``, ``new``), the KV-cache capacity (``max_total_num_tokens``) and ``env``.
+
+RL lengths and the KV-cache table (issue 23): ``--preset rl-512`` (512 prompt + 1,536 new,
+batches 256,128) or ``--preset rl-1024`` (1,024 + 4,096, batch 128) with ``--variants kv``
+(bf16, fp8, fp8 + fp8 KV, int8 + fp8 KV, w4a16 + fp8 KV, bf16 + fp8 KV; ``FMT:kv_fp8_e4m3``
+runs the engine exactly as ``--qrl-rollout-kv-cache fp8_e4m3`` does). On the H200:
+``PRESET=rl-512 VARIANTS=bf16,fp8,fp8:kv_fp8_e4m3 bash bench/h200.sh run kvthroughput:580``
+then ``VARIANTS=int8:kv_fp8_e4m3,w4a16:kv_fp8_e4m3,bf16:kv_fp8_e4m3`` (about 2.5 min per
+variant at rl-512, one device call holds three), the same for ``PRESET=rl-1024``; merge the
+calls' ``kvthroughput.jsonl`` with ``--table``.
 """
 
 from __future__ import annotations
@@ -60,6 +72,19 @@ from bench._runner import child_main, run_variant  # noqa: E402
 from bench.engine_variants import child_env, parse_variant  # noqa: E402
 
 MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
+
+PRESETS: dict[str, dict] = {
+    "short": {"prompt_len": 128, "new": 512, "batches": "256,64"},
+    "rl-512": {"prompt_len": 512, "new": 1536, "batches": "256,128"},
+    "rl-1024": {"prompt_len": 1024, "new": 4096, "batches": "128"},
+}
+"""``--preset``: prompt length, new tokens and batch sizes (RL lengths: issue 23; at 1,024 +
+4,096 a batch of 256 does not fit BF16 K/V next to the 30B-A3B weights on one H200)."""
+
+VARIANT_SETS: dict[str, str] = {
+    "kv": "bf16,fp8,fp8:kv_fp8_e4m3,int8:kv_fp8_e4m3,w4a16:kv_fp8_e4m3,bf16:kv_fp8_e4m3",
+}
+"""``--variants NAME`` shorthands: ``kv`` = the KV-cache table of docs/BENCHMARKS.md."""
 
 
 def copy_bandwidth_gbs(gib: int = 4, reps: int = 10) -> float:
@@ -81,30 +106,40 @@ def copy_bandwidth_gbs(gib: int = 4, reps: int = 10) -> float:
     return 2 * n / dt / 1e9
 
 
+def engine_kwargs(variant: str, batches: list[int], extra: dict, model_path: str) -> dict:
+    """Every ``sglang.Engine`` argument one variant runs with: SGLangEngine's for the format,
+    the bench's own, the variant's options, then ``--extra`` (later ones win)."""
+    from megatron_qrl.rollout_sglang.engine import engine_args_for
+
+    plan = parse_variant(variant)
+    kw = engine_args_for(plan.fmt, is_moe=True)
+    kw |= {"model_path": model_path, "load_format": "dummy", "mem_fraction_static": 0.85,
+           "enable_return_routed_experts": False, "cuda_graph_max_bs_decode": max(batches),
+           "cuda_graph_bs_decode": sorted({1, *batches}), "cuda_graph_backend_prefill": "disabled",
+           "random_seed": 0, "log_level": "warning"}
+    return kw | plan.engine_kwargs | extra
+
+
 def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: dict) -> dict:
     """Run one variant in this process; returns its result record."""
     import sglang
 
-    from megatron_qrl.rollout_sglang.engine import engine_args_for
     from megatron_qrl.rollout_sglang.launch import write_engine_dir
 
     plan = parse_variant(variant)
     fmt = plan.fmt
     cfg = json.loads(MODEL_CONFIG.read_text())
     d = write_engine_dir(cfg, fmt, root="/tmp")
-    kw = engine_args_for(fmt, is_moe=True)
-    kw |= {"model_path": str(d), "load_format": "dummy", "mem_fraction_static": 0.85,
-           "enable_return_routed_experts": False, "cuda_graph_max_bs_decode": max(batches),
-           "cuda_graph_bs_decode": sorted({1, *batches}), "cuda_graph_backend_prefill": "disabled",
-           "random_seed": 0, "log_level": "warning"}
-    kw |= plan.engine_kwargs
-    kw |= extra
+    kw = engine_kwargs(variant, batches, extra, str(d))
     t0 = time.time()
     eng = sglang.Engine(**kw)
     res = {"variant": variant, "format": fmt, "moe_config_dir": os.environ.get("SGLANG_MOE_CONFIG_DIR"),
-           "startup_s": round(time.time() - t0, 1), "engine_kwargs": plan.engine_kwargs,
+           "startup_s": round(time.time() - t0, 1), "engine_kwargs": kw,
+           "variant_engine_kwargs": plan.engine_kwargs, "extra": extra,
+           "prompt_len": prompt_len, "new": new,
            "env": {k: os.environ.get(k) for k in {**plan.env_defaults, **plan.env}}}
     info = eng.get_server_info()
+    res["max_total_num_tokens"] = info.get("max_total_num_tokens")  # KV-cache capacity
     for st in info.get("internal_states", [])[:1]:
         res["weight_gb"] = st.get("memory_usage", {}).get("weight")
     rng = random.Random(0)
@@ -138,7 +173,8 @@ def _env_for(variant: str) -> dict:
 
 def table(results: list[dict], batches: list[int], bw_gbs: float) -> str:
     base = next((r for r in results if r["variant"] == "bf16" and "error" not in r), None)
-    lines = [f"device-to-device copy bandwidth: {bw_gbs:.0f} GB/s", "",
+    shapes = sorted({f"{r['prompt_len']} prompt + {r['new']} new" for r in results if "new" in r})
+    lines = [f"device-to-device copy bandwidth: {bw_gbs:.0f} GB/s; shape: {', '.join(shapes)}", "",
              "| variant | weights GB | " + " | ".join(
                  f"bs {b} decode tok/s (x bf16) | bs {b} weight-read BW share" for b in batches)
              + " |", "|---|---|" + "---|---|" * len(batches)]
@@ -157,33 +193,46 @@ def table(results: list[dict], batches: list[int], bw_gbs: float) -> str:
     return "\n".join(lines)
 
 
+def resolve(a: argparse.Namespace) -> argparse.Namespace:
+    """Apply ``--preset`` (explicit ``--prompt-len`` / ``--new`` / ``--batches`` win) and the
+    ``--variants`` shorthands; a misspelt variant option raises before any engine starts."""
+    preset = PRESETS[a.preset]
+    for key in ("prompt_len", "new", "batches"):
+        if getattr(a, key) is None:
+            setattr(a, key, preset[key])
+    a.variants = VARIANT_SETS.get(a.variants, a.variants)
+    for v in a.variants.split(","):
+        parse_variant(v)
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="bf16,fp8_block,fp8,int8")
-    p.add_argument("--batches", default="256,64")
-    p.add_argument("--new", type=int, default=512)
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--variants", default="bf16,fp8_block,fp8,int8",
+                   help=f"comma-separated FMT[:OPT+OPT] or one of {sorted(VARIANT_SETS)}")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="short",
+                   help="; ".join(f"{k}: {v}" for k, v in PRESETS.items()))
+    p.add_argument("--batches", default=None)
+    p.add_argument("--new", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--extra", default="{}", help="JSON of extra sglang.Engine arguments")
     p.add_argument("--out", type=Path, default=None, help="append result records (JSONL)")
-    p.add_argument("--table", type=Path, default=None,
-                   help="print the table of a saved --out JSONL (no GPU needed) and exit")
+    p.add_argument("--table", type=Path, nargs="+", default=None,
+                   help="print the table of saved --out JSONL files (no GPU needed) and exit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    a = resolve(p.parse_args(argv))
     batches = [int(b) for b in a.batches.split(",")]
     if a.table:
-        rows = [json.loads(ln) for ln in a.table.read_text().splitlines() if ln.strip()]
+        rows = [json.loads(ln) for f in a.table for ln in f.read_text().splitlines() if ln.strip()]
         print(table(rows, batches, rows[0]["copy_bw_gbs"]))
         return 0
     if a.child:
         return child_main(lambda: child(a.child, batches, a.new, a.prompt_len,
                                         json.loads(a.extra)))
-    variants = a.variants.split(",")
-    for v in variants:
-        parse_variant(v)  # a misspelt option fails here, before any engine starts
     bw = copy_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
     results = []
-    for v in variants:
+    for v in a.variants.split(","):
         results.append(run_variant(
             [__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
              "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, a.out, _env_for(v),

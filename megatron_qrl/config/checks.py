@@ -73,6 +73,9 @@ def _sglang_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     r = c["rollout"]
     if r.engine == "sglang":
         return r.sglang.problem(r.format)
+    if r.sglang.kv_cache != "bf16":
+        return (f"--qrl-rollout-kv-cache {r.sglang.kv_cache} needs --qrl-rollout-engine sglang "
+                "(the reference engine keeps K/V in the model dtype)")
     asked = [f"--qrl-rollout-sglang-{name.replace('_', '-')}" for name in
              ("flat_buckets", "direct_expert_loads", "stack_experts")
              if getattr(r.sglang, name) is True]
@@ -89,12 +92,13 @@ def _tbpo(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 
 
 def _aligned(c: Mapping[str, Any], env: CheckEnv) -> str | None:
-    fmt = c["rollout"].format
-    if c["train"].forward != "aligned" or get_spec(fmt).quantizes_weights:
+    fmt, kv = c["rollout"].format, c["rollout"].sglang.kv_cache
+    if c["train"].forward != "aligned" or get_spec(fmt).quantizes_weights or kv != "bf16":
         return None
     quantized = [n for n in list_specs() if get_spec(n).quantizes_weights]
     return (f"--qrl-train-forward aligned needs a quantized --qrl-rollout-format (one of "
-            f"{', '.join(quantized)}), got {fmt}; use --qrl-train-forward bf16 with {fmt} rollouts")
+            f"{', '.join(quantized)}) or --qrl-rollout-kv-cache, got {fmt}; use "
+            f"--qrl-train-forward bf16 with {fmt} rollouts")
 
 
 def _routing(c: Mapping[str, Any], env: CheckEnv) -> str | None:

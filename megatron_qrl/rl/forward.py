@@ -39,6 +39,9 @@ class ForwardPlan:
     prepare_model: Any = None
     """``(bare GPTModel) -> None`` run by ``build_policy`` before megatron DDP wraps the model
     (LoRA without warm-up: only the adapters require grad, so DDP buffers only theirs)."""
+    kv: Any = None
+    """``te_quant.KVAlignState`` (``--qrl-train-forward aligned`` with a rounding
+    ``--qrl-rollout-kv-cache``) or None; the trainer sets its prompt lengths per micro batch."""
 
     def weights_changed(self) -> None:
         """Invalidate cached quantized weights (after a load / UAQ; steps do it themselves)."""
@@ -63,10 +66,12 @@ def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
     from megatron_qrl import te_quant  # megatron-core and the aligned linears: when needed
 
     try:
-        fwd = te_quant.trainer_forward(train, rollout.format, routing, arch)
+        fwd = te_quant.trainer_forward(train, rollout.format, routing, arch,
+                                       kv_cache=rollout.sglang.kv_cache)
     except ValueError as exc:
         raise ForwardUnavailableError(str(exc)) from None
-    return ForwardPlan(fwd.spec_hook, fwd.aligned, fwd.replay, dict(fwd.config_overrides))
+    return ForwardPlan(fwd.spec_hook, fwd.aligned, fwd.replay, dict(fwd.config_overrides),
+                       kv=fwd.kv)
 
 
 def _lora_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:

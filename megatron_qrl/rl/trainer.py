@@ -192,7 +192,7 @@ def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
 
 
 def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,
-                  routing_sink: list | None = None):
+                  routing_sink: list | None = None, kv: Any = None):
     batch = next(data_iterator)
     device = next(model.parameters()).device
     if device.type != "cpu":  # batches are built on the host; the GPU trainer reads them there
@@ -200,6 +200,8 @@ def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,
                  for k, v in batch.items()}
     if replay is not None:
         replay.set_micro_batch(_replay_ids(batch))
+    if kv is not None:  # KV-cache alignment: each sample's prompt positions read fresh K/V
+        kv.set_micro_batch(batch["loss_mask"])
     logits = model(batch["tokens"], batch["position_ids"], None)
     if routing_sink is not None and replay is not None:
         counts = _routing_counts(replay, batch)
@@ -238,7 +240,7 @@ class PolicyTrainer:
         with ctx:
             return get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay,
-                                          routing_sink=routing_sink),
+                                          routing_sink=routing_sink, kv=self.policy.plan.kv),
                 data_iterator=iter(microbatches), model=[self.policy.ddp],
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                 forward_only=forward_only, collect_non_loss_data=forward_only)

@@ -119,7 +119,8 @@ class SGLangEngine(RolloutEngine):
         self.num_layers = int(cfg["num_hidden_layers"])
         self.top_k = int(cfg.get("num_experts_per_tok", 0))
         args = engine_args_for(spec_name, self.is_moe) | {
-            "mem_fraction_static": self.options.mem_fraction} | self._placement()
+            "mem_fraction_static": self.options.mem_fraction} | self._placement() \
+            | self.options.kv_engine_kwargs
         if self.options.release_memory:  # release_memory_occupation frees memory only so
             args["enable_memory_saver"] = True
         if engine_kwargs.get("disable_cuda_graph"):

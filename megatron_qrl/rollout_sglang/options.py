@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..quant import get_spec
+from ..quant.kv_cache import get_kv_format, list_kv_formats
 
 __all__ = ["OPTION_SYNCS", "SYNC_MODES", "SYNC_SUPPORT", "SGLangOptions",
            "check_sync_supported", "default_sync"]
@@ -122,7 +123,16 @@ class SGLangOptions:
     sync refills every weight). --no-qrl-rollout-sglang-release-memory keeps it resident
     (then size --qrl-rollout-sglang-mem-fraction for engine + trainer together)."""
 
+    kv_cache: str = field(default="bf16", metadata={"flag": "--qrl-rollout-kv-cache",
+                                                    "choices": list_kv_formats})
+    """KV-cache format of the rollout (megatron_qrl.quant.kv_cache): bf16, fp8_e4m3 or
+    fp8_e5m2 (SGLang kv_cache_dtype, per-tensor scale 1.0). A rounding format also runs the
+    engine without its radix cache and chunked prefill, so that which positions read rounded
+    K/V is fixed (prompt: fresh, response: the cache); with --qrl-train-forward aligned the
+    trainer's attention reads K/V rounded the same way."""
+
     def __post_init__(self) -> None:
+        get_kv_format(self.kv_cache)  # an unknown format: one error naming the flag
         if self.sync not in ("auto", *SYNC_MODES):
             raise ValueError(f"{_flag('sync')} must be one of auto, {', '.join(SYNC_MODES)}, "
                              f"got {self.sync!r}")
@@ -135,6 +145,12 @@ class SGLangOptions:
                 math.isfinite(m) and 0.0 < m <= 1.0):
             raise ValueError(f"{_flag('mem_fraction')} must be a finite number in (0.0, 1.0], "
                              f"got {m!r}")
+
+    @property
+    def kv_engine_kwargs(self) -> dict:
+        """The ``sglang.Engine`` arguments of :attr:`kv_cache`
+        (``KVCacheFormat.sglang_engine_kwargs``)."""
+        return get_kv_format(self.kv_cache).sglang_engine_kwargs
 
     def replace(self, **changes) -> SGLangOptions:
         """A copy with ``changes`` (checked again)."""

@@ -5,6 +5,10 @@ For one batch the trainer forward is run with quantization enabled in ONE layer 
 ``KL(pi_aligned || pi_bf16) = mean_t sum_v p_a(v|t) (log p_a(v|t) - log p_b(v|t))``
 (ALGORITHMS.md section 5: the aligned forward is what the rollout computes) tells how much of
 the mismatch that layer type causes, i.e. which layers are worth keeping in BF16.
+
+With a quantized KV cache (``--kv-cache fp8_e4m3``) a ``kv cache`` row runs the BF16 weights
+with K/V rounded as the engine's cache stores them (:mod:`megatron_qrl.te_quant.kv_core_attention`,
+every position read as a decode step reads it) and ``all`` includes the rounding too.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_qrl.models.hf_config import ModelArch
+from megatron_qrl.te_quant.kv_core_attention import KVAlignState
 from megatron_qrl.te_quant.state import AlignedForwardState
 
 
@@ -66,23 +71,41 @@ def _routing(replay: Any, arch: ModelArch) -> torch.Tensor | None:
     return None if replay is None else recorded_ids(replay, arch.num_layers)
 
 
+def _runs(state: AlignedForwardState, arch: ModelArch, kv: KVAlignState | None
+          ) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(row label, quantized layer kinds, KV rounding on) of each attribution run."""
+    kinds = layer_kinds(arch) if state.spec.quantizes_weights else ()
+    kv_on = kv is not None and kv.fmt.quantizes
+    runs = [(kind, (kind,), False) for kind in kinds]
+    if kv_on:
+        runs.append(("kv cache", (), True))
+    return runs + [("all", kinds, kv_on)]
+
+
 def attribute_mismatch(model: Any, state: AlignedForwardState, arch: ModelArch,
-                       ids: torch.Tensor, replay: Any = None) -> list[AttributionRow]:
-    """Rows for each layer type of ``arch`` and ``all`` (``model`` built with ``state``).
+                       ids: torch.Tensor, replay: Any = None,
+                       kv: KVAlignState | None = None) -> list[AttributionRow]:
+    """Rows for each layer type of ``arch``, the KV cache (``kv``: the model's
+    :class:`KVAlignState`, when its format rounds) and ``all`` (``model`` built with
+    ``state`` and ``kv``).
 
     ``replay``: the model's :class:`~megatron_qrl.moe.RoutingReplay` (mode ``off``) to also
     report how often quantization changes the routing of MoE models.
     """
+    from contextlib import nullcontext
+
     from megatron_qrl.moe import routing_agreement
 
+    def kv_as(flag: bool):
+        return nullcontext() if kv is None else kv.enabled_as(flag)
+
     model.eval()
-    with state.only(()):
+    with state.only(()), kv_as(False):
         ref = megatron_logits(model, ids)
         ref_routes = _routing(replay, arch)
-    runs = [(kind, (kind,)) for kind in layer_kinds(arch)] + [("all", layer_kinds(arch))]
     stats = []
-    for label, kinds in runs:
-        with state.only(kinds):
+    for label, kinds, kv_on in _runs(state, arch, kv):
+        with state.only(kinds), kv_as(kv_on):
             kl = token_kl(megatron_logits(model, ids), ref)
             routes = _routing(replay, arch)
         agree = None if routes is None else float(routing_agreement(routes, ref_routes).mean())
@@ -155,22 +178,29 @@ def prompt_ids(hf_dir: str, prompts: str | None, batch: int, seq_len: int, vocab
     return torch.tensor(rows, dtype=torch.long)
 
 
-def run_report(hf_dir: str, fmt: str, ids: torch.Tensor) -> tuple[ModelArch, list[AttributionRow]]:
-    """Load ``hf_dir`` into a one-process megatron model with the aligned forward; attribute."""
+def run_report(hf_dir: str, fmt: str, ids: torch.Tensor, kv_cache: str = "bf16"
+               ) -> tuple[ModelArch, list[AttributionRow]]:
+    """Load ``hf_dir`` into a one-process megatron model with the aligned forward (and the
+    KV-cache rounding of ``kv_cache``); attribute."""
     from megatron_qrl.models.hf_config import load_hf_config
     from megatron_qrl.models.hf_io import HFCheckpointReader
     from megatron_qrl.models.runtime import build_model, single_process_megatron
     from megatron_qrl.models.streaming import load_hf_weights
     from megatron_qrl.moe import RoutingReplay, replay_spec_hook
+    from megatron_qrl.te_quant.kv_core_attention import kv_spec_hook
     from megatron_qrl.te_quant.spec_hook import aligned_spec_hook, compose_hooks
 
     _, arch = load_hf_config(hf_dir)
     state = AlignedForwardState(fmt)
-    if not state.spec.quantizes_weights:
-        raise ValueError(f"--format {fmt} quantizes nothing; choose a quantized format")
+    kv = KVAlignState(kv_cache)
+    if not state.spec.quantizes_weights and not kv.fmt.quantizes:
+        raise ValueError(f"--format {fmt} with --kv-cache {kv_cache} quantizes nothing; choose a "
+                         "quantized format or KV cache")
     replay = RoutingReplay("off", arch.num_experts, arch.moe_top_k) if arch.is_moe else None
-    hook = compose_hooks(aligned_spec_hook(state), replay and replay_spec_hook(replay))
+    hook = compose_hooks(aligned_spec_hook(state), replay and replay_spec_hook(replay),
+                         kv_spec_hook(kv) if kv.fmt.quantizes else None)
     with single_process_megatron():
         model = build_model(arch, spec_hook=hook)
         load_hf_weights(model, arch, HFCheckpointReader(hf_dir).get)
-        return arch, attribute_mismatch(model, state, arch, ids, replay)
+        return arch, attribute_mismatch(model, state, arch, ids, replay,
+                                        kv if kv.fmt.quantizes else None)

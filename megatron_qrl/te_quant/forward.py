@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_qrl.models.hf_config import ModelArch
+from megatron_qrl.quant.kv_cache import get_kv_format
+from megatron_qrl.te_quant.kv_core_attention import KVAlignState, kv_spec_hook
 from megatron_qrl.te_quant.spec_hook import SpecHook, aligned_spec_hook, compose_hooks
 from megatron_qrl.te_quant.state import AlignedForwardState
 from megatron_qrl.te_quant.te_recipes import te_config_overrides
@@ -31,30 +33,37 @@ class TrainerForward:
     routing for the agreement metric); None for dense models."""
     config_overrides: dict[str, str]
     """``TransformerConfig`` fields of the Transformer Engine path (empty otherwise)."""
+    kv: KVAlignState | None = None
+    """Set for ``--qrl-train-forward aligned`` with a rounding ``--qrl-rollout-kv-cache``: the
+    RL loop calls ``kv.set_micro_batch(loss_mask)`` before each micro batch's forward."""
 
 
 def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelArch,
-                    te_recipe: bool | str = False) -> TrainerForward:
+                    te_recipe: bool | str = False, kv_cache: str = "bf16") -> TrainerForward:
     """Build the trainer forward from ``TrainForwardConfig`` / ``RoutingReplayConfig``.
 
     ``te_recipe``: serve the aligned forward with a Transformer Engine recipe instead of the
     fake-quant linears; raises one clear error if no recipe reproduces ``rollout_format`` on
     this GPU (see :mod:`megatron_qrl.te_quant.te_recipes`); ``"approximate"`` also takes a
-    recipe that differs only by rounding (speed measurements).
+    recipe that differs only by rounding (speed measurements). ``kv_cache``: the rollout's
+    KV-cache format (``--qrl-rollout-kv-cache``); with the aligned forward and a rounding
+    format the core attention reads K/V as the engine's cache serves them
+    (:mod:`megatron_qrl.te_quant.kv_core_attention`), also with BF16 weights.
     """
     from megatron_qrl.moe import RoutingReplay, replay_spec_hook
 
-    aligned = None
+    aligned = kv = None
     overrides: dict[str, str] = {}
     if train.forward == "aligned":
         state = AlignedForwardState(rollout_format)
-        if not state.spec.quantizes_weights:
-            raise ValueError(f"--qrl-train-forward aligned needs a quantized --qrl-rollout-format,"
-                             f" got {rollout_format!r}")
-        if te_recipe:
+        kv = KVAlignState(kv_cache) if get_kv_format(kv_cache).quantizes else None
+        if not state.spec.quantizes_weights and kv is None:
+            raise ValueError(f"--qrl-train-forward aligned needs a quantized --qrl-rollout-format"
+                             f" or --qrl-rollout-kv-cache, got {rollout_format!r} and {kv_cache!r}")
+        if state.spec.quantizes_weights and te_recipe:
             overrides = te_config_overrides(rollout_format, approximate=te_recipe == "approximate")
-        else:
-            aligned = state
+        elif state.spec.quantizes_weights:
+            aligned = state  # (BF16 weights with a rounding KV cache: plain linears)
     elif te_recipe:
         raise ValueError("a TE recipe serves only --qrl-train-forward aligned")
     replay = None
@@ -64,5 +73,5 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
         raise ValueError(f"--qrl-routing-replay {routing.replay} needs an MoE model; "
                          f"{arch.architecture} is dense (use off)")
     hook = compose_hooks(aligned and aligned_spec_hook(aligned),
-                         replay and replay_spec_hook(replay))
-    return TrainerForward(hook, aligned, replay, overrides)
+                         replay and replay_spec_hook(replay), kv and kv_spec_hook(kv))
+    return TrainerForward(hook, aligned, replay, overrides, kv)
