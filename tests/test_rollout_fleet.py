@@ -1,0 +1,241 @@
+"""The rollout fleet (megatron_qrl.rollout.fleet / fleet_sync / fleet_layout).
+
+Pure: impossible engine layouts are one clear error naming the flag; a fleet of 1, 2, 3
+in-process reference engines gives the same batch for the same seed (sampling seeded per
+prompt group). Ray (one local 2-CPU cluster, 3 reference-engine actors shared by the
+fleets): N = 1, 2, 3 actors synced over ONE gloo group give identical batches, and the
+driver's broadcasts are as many for 3 engines as for 1 (each bucket sent once); an actor
+killed mid-rollout and one whose process exits mid-sync are restarted (alone / with a fleet
+re-sync) and the batch equals the unkilled one.
+"""
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_qrl.quant import get_spec
+from megatron_qrl.quant.hf_reference import hf_tensors
+from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
+from megatron_qrl.rollout.fleet import EngineFleet, group_seed, merge_outputs
+from megatron_qrl.rollout.fleet_layout import fleet_layout
+from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine
+from megatron_qrl.rollout.reference import ReferenceEngine, build_hf_model
+
+CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
+       "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
+       "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+       "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+       "max_position_embeddings": 64, "tie_word_embeddings": False}
+G = 2  # samples per prompt group
+PROMPTS = [p for p in ([5, 6, 7], [9, 10, 11, 12], [3], [20, 21]) for _ in range(G)]
+SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0, seed=11)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def packed():
+    torch.manual_seed(0)
+    model = build_hf_model(CFG, torch.float32, "cpu")
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0, 0.2)
+    return list(get_spec("int8").pack_state_dict(hf_tensors(model)))
+
+
+def _sync(fleet, packed, version):
+    """What the driver's sync does: record, send, verify on every engine, check the version."""
+    manifest = WeightManifest()
+    fleet.update_weights(manifest.record(iter(packed)), version)
+    fleet.verify(manifest)
+    assert fleet.weight_version() == version
+    return manifest
+
+
+def _same(a, b):
+    assert a.prompt_ids == b.prompt_ids and a.finish_reasons == b.finish_reasons
+    for x, y in ((a.output_ids, b.output_ids), (a.logprobs, b.logprobs), (a.mask, b.mask),
+                 (a.routed_experts, b.routed_experts)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_engines=0), "--qrl-rollout-num-engines"),
+    (dict(num_engines=2, engine_tp=2), "reference engine is one process"),
+    (dict(num_engines=2, engine_tp=4, engine_ep=3, engine_kind="sglang"), "must divide"),
+    (dict(num_engines=2, engine_tp=8, engine_kind="sglang", gpus_per_node=4),
+     "bundle of 8 GPUs"),
+    (dict(num_engines=4, engine_tp=2, engine_kind="sglang", cluster_gpus=8, trainer_gpus=4),
+     "lower --qrl-rollout-num-engines to <= 2"),
+    (dict(num_engines=3, engine_tp=2, engine_kind="sglang", mode="colocated", trainer_gpus=4),
+     "tile the trainer's GPUs"),
+    (dict(num_engines=3, engine_kind="sglang", mode="colocated", trainer_gpus=2),
+     "multiple of the trainer's 2 GPUs"),
+    (dict(num_engines=2, engine_kind="sglang", mode="colocated", trainer_gpus=1,
+          mem_fraction=0.5), "--qrl-rollout-sglang-mem-fraction"),
+])
+def test_impossible_layouts_are_one_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fleet_layout(**kwargs)
+
+
+def test_possible_layouts():
+    one_gpu = fleet_layout(2, engine_kind="sglang", mode="colocated", trainer_gpus=1,
+                           mem_fraction=0.3)
+    assert one_gpu.engines_per_gpu == 2 and one_gpu.bundles == ({"CPU": 1.0, "GPU": 0.5},) * 2
+    tp2 = fleet_layout(3, engine_tp=2, engine_ep=2, engine_kind="sglang", cluster_gpus=8,
+                       trainer_gpus=2, gpus_per_node=8)
+    assert tp2.total_gpus == 6 and tp2.bundles == ({"CPU": 1.0, "GPU": 2.0},) * 3
+    assert fleet_layout(3).bundles == ({"CPU": 1.0},) * 3
+
+
+def test_group_seeds_and_merge():
+    assert len({group_seed(b, k) for b in range(3) for k in range(5)}) == 15
+    assert all(0 <= group_seed(7, k) < 2**63 for k in range(4))
+    eng = ReferenceEngine(CFG, "bf16")
+    eng.update_weights(get_spec("bf16").pack_state_dict(hf_tensors(eng.model)), 0)
+    parts = [eng.generate(PROMPTS[i:i + G], SAMPLING) for i in range(0, len(PROMPTS), G)]
+    merged = merge_outputs(parts)
+    t = merged.output_ids.shape[1]
+    for i, p in enumerate(parts):  # each group's rows, right-padded to the longest
+        rows = slice(i * G, (i + 1) * G)
+        w = p.output_ids.shape[1]
+        assert torch.equal(merged.output_ids[rows, :w], p.output_ids)
+        assert not merged.mask[rows, w:t].any()
+        assert torch.equal(merged.routed_experts[rows, :p.routed_experts.shape[1]],
+                           p.routed_experts)
+
+
+def test_in_process_fleets_of_1_2_3_agree(packed):
+    outs = []
+    for n in (1, 2, 3):
+        fleet = EngineFleet([lambda s=i: ReferenceEngine(CFG, "int8", seed=s)
+                             for i in range(n)], group_size=G)
+        _sync(fleet, packed, 1)
+        outs.append(fleet.generate(PROMPTS, SAMPLING))
+        assert sum(fleet.metrics()[f"fleet/engine{i}_groups"] for i in range(n)) == 4
+    for o in outs[1:]:
+        _same(outs[0], o)
+    with pytest.raises(ValueError, match="n-samples-per-prompt"):
+        fleet.generate(PROMPTS[:3], SAMPLING)
+    # the manifest is checked on every engine, the error names the engine
+    manifest = _sync(fleet, packed, 2)
+    name = packed[0][0]
+    fleet.members[2].engine._packed[name] = torch.zeros(1)
+    with pytest.raises(WeightSyncError, match=f"fleet engine 2: .*{name}"):
+        fleet.verify(manifest)
+
+
+# ---- Ray ------------------------------------------------------------------------------
+class ExitingActor(EngineActor):
+    """An engine actor whose process exits after the first bucket of its ``exit_at``-th
+    broadcast weight update."""
+
+    def __init__(self, *args, exit_at=0):
+        super().__init__(*args)
+        self.exit_at, self.n_updates = exit_at, 0
+
+    def update_weights_broadcast(self, version):
+        from megatron_qrl.rollout.broadcast import receive_stream
+
+        self.n_updates += 1
+        if self.n_updates == self.exit_at:
+            next(receive_stream(self.weight_group, self.weight_device))
+            os._exit(1)
+        super().update_weights_broadcast(version)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+def _actor_args(spec):
+    if "build" in inspect.signature(EngineActor.__init__).parameters:
+        from megatron_qrl.rollout_sglang.factory import build_engine
+
+        return (spec, build_engine)
+    return (spec,)
+
+
+def _new(ray, cls=EngineActor, **kw):
+    spec = EngineSpec("reference", CFG, "int8", seed=0, num_threads=1)
+    actor = ray.remote(cls).options(num_cpus=0, max_restarts=0).remote(*_actor_args(spec), **kw)
+    return RayEngine(actor, bucket_bytes=8192, transport="broadcast", backend="gloo",
+                     timeout_s=20)
+
+
+def _fleet(ray, engines, **kw):
+    """A fleet over ``engines`` (used as they are) whose restarts start plain actors."""
+    from megatron_qrl.rollout.fleet_sync import FleetBroadcast
+
+    made = {i: e for i, e in enumerate(engines)}
+    return EngineFleet([lambda i=i: made.pop(i, None) or _new(ray) for i in range(len(engines))],
+                       group_size=G, broadcast=FleetBroadcast("gloo", 20, 8192), **kw)
+
+
+def test_ray_fleets_agree_and_broadcast_each_bucket_once(ray_cluster, packed, monkeypatch):
+    import megatron_qrl.rollout.broadcast as bc
+
+    calls = []
+    real = bc.broadcast_from_trainer
+    monkeypatch.setattr(bc, "broadcast_from_trainer", lambda t, g: (calls.append(1), real(t, g)))
+    engines = [_new(ray_cluster) for _ in range(3)]
+    ref = EngineFleet([lambda: ReferenceEngine(CFG, "int8")], group_size=G)
+    _sync(ref, packed, 1)
+    expect = ref.generate(PROMPTS, SAMPLING)
+    sends = {}
+    for n in (1, 2, 3):
+        fleet = _fleet(ray_cluster, engines[:n])
+        calls.clear()
+        _sync(fleet, packed, 1)
+        sends[n] = (len(calls), fleet.broadcast.broadcasts)
+        _same(fleet.generate(PROMPTS, SAMPLING), expect)
+        m = fleet.metrics()
+        assert sum(m[f"fleet/engine{i}_tokens"] for i in range(n)) == int(expect.mask.sum())
+        fleet.broadcast.close()
+    buckets = sends[1][1]
+    assert buckets > 1 and sends[1] == sends[2] == sends[3] == (3 * buckets + 1, buckets)
+    for e in engines:
+        e.shutdown()
+
+
+def test_ray_engine_killed_mid_rollout_and_mid_sync(ray_cluster, packed):
+    ray = ray_cluster
+    ref = EngineFleet([lambda: ReferenceEngine(CFG, "int8")], group_size=G)
+    _sync(ref, packed, 1)
+    expect = ref.generate(PROMPTS, SAMPLING)
+
+    class Killing(RayEngine):
+        n = 0
+
+        def generate(self, prompts, sampling):
+            Killing.n += 1
+            if Killing.n == 2:  # the engine's second group: it dies with the group in hand
+                ray.kill(self.actor, no_restart=True)
+            return super().generate(prompts, sampling)
+
+    victim = _new(ray)
+    victim.__class__ = Killing
+    fleet = _fleet(ray, [victim, _new(ray, ExitingActor, exit_at=2)])
+    fleet.bind_resync(lambda v: _sync(fleet, packed, v))
+    _sync(fleet, packed, 1)
+    _same(fleet.generate(PROMPTS, SAMPLING), expect)
+    assert [m.restarts for m in fleet.members] == [1, 0]
+    assert fleet.members[0].engine is not victim
+    # engine 1's process exits after the first bucket of the next sync: restarted, the
+    # fleet re-synced (the other engine's stream was cut too), the batch unchanged
+    first = fleet.members[1].engine
+    _sync(fleet, packed, 1)
+    assert [m.restarts for m in fleet.members] == [1, 1]
+    assert fleet.members[1].engine is not first and fleet.weight_version() == 1
+    _same(fleet.generate(PROMPTS, SAMPLING), expect)
+    assert fleet.metrics()["fleet/engine1_restarts"] == 1.0
+    fleet.shutdown()
