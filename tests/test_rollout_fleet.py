@@ -181,13 +181,22 @@ def _fleet(ray, engines, **kw):
                        group_size=G, broadcast=FleetBroadcast("gloo", 20, 8192), **kw)
 
 
-def test_ray_fleets_agree_and_broadcast_each_bucket_once(ray_cluster, packed, monkeypatch):
+@pytest.fixture(scope="module")
+def engines(ray_cluster):
+    made = [_new(ray_cluster) for _ in range(3)]
+    assert [e.weight_version() for e in made] == [-1] * 3  # started (slow on a busy host)
+    yield made
+    for e in made:
+        e.shutdown()
+
+
+def test_ray_fleets_agree_and_broadcast_each_bucket_once(engines, ray_cluster, packed,
+                                                         monkeypatch):
     import megatron_qrl.rollout.broadcast as bc
 
     calls = []
     real = bc.broadcast_from_trainer
     monkeypatch.setattr(bc, "broadcast_from_trainer", lambda t, g: (calls.append(1), real(t, g)))
-    engines = [_new(ray_cluster) for _ in range(3)]
     ref = EngineFleet([lambda: ReferenceEngine(CFG, "int8")], group_size=G)
     _sync(ref, packed, 1)
     expect = ref.generate(PROMPTS, SAMPLING)
@@ -203,11 +212,9 @@ def test_ray_fleets_agree_and_broadcast_each_bucket_once(ray_cluster, packed, mo
         fleet.broadcast.close()
     buckets = sends[1][1]
     assert buckets > 1 and sends[1] == sends[2] == sends[3] == (3 * buckets + 1, buckets)
-    for e in engines:
-        e.shutdown()
 
 
-def test_ray_engine_killed_mid_rollout_and_mid_sync(ray_cluster, packed):
+def test_ray_engine_killed_mid_rollout_and_mid_sync(engines, ray_cluster, packed):
     ray = ray_cluster
     ref = EngineFleet([lambda: ReferenceEngine(CFG, "int8")], group_size=G)
     _sync(ref, packed, 1)
@@ -222,7 +229,7 @@ def test_ray_engine_killed_mid_rollout_and_mid_sync(ray_cluster, packed):
                 ray.kill(self.actor, no_restart=True)
             return super().generate(prompts, sampling)
 
-    victim = _new(ray)
+    victim = engines[0]
     victim.__class__ = Killing
     fleet = _fleet(ray, [victim, _new(ray, ExitingActor, exit_at=2)])
     fleet.bind_resync(lambda v: _sync(fleet, packed, v))

@@ -117,6 +117,17 @@ class FleetBroadcast:
         host = ray.util.get_node_ip_address()
         port, name = free_port(), f"qrl-fleet-{uuid.uuid4().hex[:12]}"
         world = len(engines) + 1
+        dead = []
+        for i, e in enumerate(engines):  # started (an SGLang engine takes minutes), or dead
+            try:
+                ray.get(e.actor.weight_version.remote())
+            except Exception as exc:  # noqa: BLE001 - a dead engine is restarted by the fleet
+                if not _died(exc):
+                    raise
+                dead.append(i)
+        if dead:
+            raise FleetSyncError(f"engines {dead} died before joining the fleet weight group",
+                                 dead)
         joins = [e.actor.join_weight_group.remote(host, port, world, i + 1, name, self.backend,
                                                   self.timeout_s)
                  for i, e in enumerate(engines)]
@@ -131,7 +142,6 @@ class FleetBroadcast:
 
         thread = threading.Thread(target=rank0, name=name, daemon=True)
         thread.start()
-        dead = []
         for i, ref in enumerate(joins):
             try:
                 ray.get(ref, timeout=self.timeout_s + 30)
