@@ -162,7 +162,8 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     ctx.sync(step + 1)
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
-    return {**rec, "routing_agreement": agreement}
+    fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
+    return {**rec, "routing_agreement": agreement, **(fleet() if callable(fleet) else {})}
 
 
 def _nonneg(v: float | None) -> float | None:

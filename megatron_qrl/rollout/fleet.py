@@ -92,7 +92,8 @@ class EngineFleet(RolloutEngine):
     """``factories[i]()`` builds engine ``i`` (module docstring)."""
 
     def __init__(self, factories: Sequence[Callable[[], RolloutEngine]], group_size: int,
-                 max_restarts: int = 2, broadcast: FleetBroadcast | None = None):
+                 max_restarts: int = 2, broadcast: FleetBroadcast | None = None,
+                 colocated: bool = False):
         if not factories:
             raise ValueError("EngineFleet needs at least one engine factory")
         if group_size < 1 or max_restarts < 0:
@@ -101,6 +102,9 @@ class EngineFleet(RolloutEngine):
         self.members = [_Member(i, f) for i, f in enumerate(factories)]
         self.group_size, self.max_restarts = group_size, max_restarts
         self.broadcast = broadcast
+        self.colocated, self.released = colocated, False
+        """Colocated: every engine's memory is released after a rollout and resumed before
+        the next sync or rollout (the trainer's recompute + update run in between)."""
         self._resync: Callable[[int], Any] | None = None
         self._targets: list[_Member] | None = None  # set while re-syncing some engines
         self._version = -1
@@ -164,6 +168,8 @@ class EngineFleet(RolloutEngine):
             self._send(self._targets, named_tensors, version)
             return
         self._version = version
+        if self.released:
+            self.resume_memory()
         try:
             self._send(self.members, named_tensors, version)
         except FleetSyncError as exc:
@@ -239,6 +245,8 @@ class EngineFleet(RolloutEngine):
         if not prompts or len(prompts) % g:
             raise ValueError(f"EngineFleet.generate: {len(prompts)} prompts are not whole "
                              f"prompt groups of {g} (--qrl-rollout-n-samples-per-prompt)")
+        if self.released:
+            self.resume_memory()
         self._calls += 1
         for m in self.members:
             m.tokens, m.groups, m.busy_s, m.queue_s = 0, 0, 0.0, 0.0
@@ -276,18 +284,31 @@ class EngineFleet(RolloutEngine):
         self._in_parallel(serve)
         if errors:
             raise errors[0]
+        if self.colocated:
+            self.release_memory()
         return merge_outputs(results)
 
     def _in_parallel(self, fn: Callable[[_Member], None]) -> None:
+        """``fn(m)`` for every engine, one thread each; the first error is raised."""
         if len(self.members) == 1:
             fn(self.members[0])
             return
-        threads = [threading.Thread(target=fn, args=(m,), name=f"qrl-fleet-{m.index}",
+        errors: list[BaseException] = []
+
+        def run(m: _Member) -> None:
+            try:
+                fn(m)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(m,), name=f"qrl-fleet-{m.index}",
                                     daemon=True) for m in self.members]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if errors:
+            raise errors[0]
 
     # ---- metrics and lifecycle ---------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -304,9 +325,12 @@ class EngineFleet(RolloutEngine):
 
     def release_memory(self) -> None:
         self._in_parallel(lambda m: m.engine.release_memory())
+        self.released = True
 
     def resume_memory(self) -> None:
+        # a restarted engine starts resumed; resume_memory is a no-op for it
         self._in_parallel(lambda m: self._supervised(m, lambda e: e.resume_memory()))
+        self.released = False
 
     def shutdown(self) -> None:
         for m in self.members:
