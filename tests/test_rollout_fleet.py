@@ -246,3 +246,28 @@ def test_ray_engine_killed_mid_rollout_and_mid_sync(engines, ray_cluster, packed
     _same(fleet.generate(PROMPTS, SAMPLING), expect)
     assert fleet.metrics()["fleet/engine1_restarts"] == 1.0
     fleet.shutdown()
+
+
+def test_qrl_train_with_a_fleet_of_two(ray_cluster, tmp_path):
+    """``qrl-train --qrl-mode colocated --qrl-rollout-num-engines 2`` end to end: two engine
+    actors in their own bundles, per-engine metrics in every RL step's record."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_qrl.rl.cli", "--qrl-preset", "tiny-cpu",
+         "--qrl-sft-steps", "0", "--qrl-steps", "1", "--qrl-prompts-per-step", "2",
+         "--qrl-rollout-n-samples-per-prompt", "2", "--qrl-rollout-max-new-tokens", "3",
+         "--qrl-micro-batch-size", "2", "--qrl-updates-per-step", "1",
+         "--qrl-save-interval", "0", "--qrl-no-progress",
+         "--qrl-mode", "colocated", "--qrl-rollout-num-engines", "2",
+         "--qrl-output-dir", str(out)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert rec["fleet/engine0_groups"] + rec["fleet/engine1_groups"] == 2
+    assert rec["fleet/engine0_restarts"] == rec["fleet/engine1_restarts"] == 0
