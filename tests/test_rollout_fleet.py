@@ -271,3 +271,28 @@ def test_qrl_train_with_a_fleet_of_two(ray_cluster, tmp_path):
     rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert rec["fleet/engine0_groups"] + rec["fleet/engine1_groups"] == 2
     assert rec["fleet/engine0_restarts"] == rec["fleet/engine1_restarts"] == 0
+
+
+def test_bench_fleet_sums_the_engines(tmp_path, monkeypatch):
+    """``bench/rollout_throughput.py --engines N``: N children at once, the fleet's tok/s is
+    the sum of theirs, each child ran 1/N of every batch behind the shared barrier."""
+    from bench._fleet import BARRIER_ENV, ENGINES_ENV, barrier, run_fleet
+
+    seen = []
+
+    def run_one(env, tag):
+        seen.append((env[ENGINES_ENV], Path(env[BARRIER_ENV]).is_dir(), tag))
+        i = int(tag.split()[-1])
+        return {"variant": "bf16", "startup_s": 1 + i,
+                "bs4": {"out_tokens": 8, "wall_s": 1.0 + i, "prefill_s": 0.1,
+                        "decode_tok_s": 10.0 * (i + 1)}}
+
+    res = run_fleet(run_one, {}, 2, [8])
+    assert sorted(seen) == [("2", True, "engine 0"), ("2", True, "engine 1")]
+    assert res["bs8"] == {"out_tokens": 16, "wall_s": 2.0, "prefill_s": 0.1,
+                          "decode_tok_s": 30.0, "per_engine_tok_s": [10.0, 20.0]}
+    assert "bs4" not in res and res["engines"] == 2 and res["startup_s"] == 2
+    monkeypatch.setenv(BARRIER_ENV, str(tmp_path))
+    monkeypatch.setenv(ENGINES_ENV, "1")
+    barrier("bs8")  # the last engine to arrive passes at once
+    assert len(list((tmp_path / "bs8").iterdir())) == 1
