@@ -4,18 +4,44 @@ import json
 
 import pytest
 
-from bench.weight_sync import main, plot_sync, sync_table
-
-RESULTS = "bench/results/weight_sync_run10_stacked_default.jsonl"
+from bench.weight_sync import PARTS, main, plot_sync, sync_table
 
 
-def test_table_of_a_saved_run_lists_every_variant_and_part(capsys):
-    assert main(["--table", RESULTS]) == 0
+def _rows() -> list[dict]:
+    """Two synthetic runs, every number distinct, one part missing in the second."""
+    rows = []
+    for i, variant in enumerate(("fp8:inplace+flat", "nvfp4:inplace+direct+stacked")):
+        r = {"variant": variant, "packed_gb": 31.0 + i, "pack_s": 1.5 + i, "sync_s_v1": 5.25 + i,
+             "sync_s_v2": 3.75 + i, "generated_tokens": 8}
+        r |= {f"{p}_s_v2": round(0.01 * (k + 1) + i, 2) for k, p in enumerate(PARTS)}
+        r |= {f"{p}_s_v1": 99.0 for p in PARTS}  # the first sync's parts are not in the table
+        rows.append(r)
+    del rows[1][f"{PARTS[0]}_s_v2"]
+    return rows
+
+
+def _saved(tmp_path) -> str:
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    return str(path)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_table_of_a_saved_run_puts_every_value_under_its_column(tmp_path, capsys):
+    assert main(["--table", _saved(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = [json.loads(x) for x in open(RESULTS)]
-    assert len(out) == 2 + len(rows)
-    assert out[3].startswith("| fp8:inplace+flat+prefetch+direct+stacked | 31.26 | 1.24 | 3.87 | 3.34 "
-                             "| 1.44 | 3.21 | 1.65 | 1.27 | 0.03 | 1.79 |")
+    head = _cells(out[0])
+    assert head[:5] == ["variant", "packed GB", "pack s", "sync s (first)", "sync s (second)"]
+    assert head[5:] == [f"second: {PARTS[0]} s"] + [f"{p} s" for p in PARTS[1:]]
+    keys = ["variant", "packed_gb", "pack_s", "sync_s_v1", "sync_s_v2",
+            *(f"{p}_s_v2" for p in PARTS)]
+    body = [line for line in out[2:] if line.startswith("|")]
+    assert len(body) == 2
+    for line, row in zip(body, _rows()):
+        assert _cells(line) == [str(row.get(k, "")) for k in keys]
 
 
 def test_failed_variant_keeps_its_row():
@@ -26,7 +52,7 @@ def test_failed_variant_keeps_its_row():
 
 def test_plot_of_a_saved_run_is_a_png(tmp_path, capsys):
     out = tmp_path / "sync.png"
-    assert main(["--table", RESULTS, "--plot", str(out)]) == 0
+    assert main(["--table", _saved(tmp_path), "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {out}" in capsys.readouterr().out
 

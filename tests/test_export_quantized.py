@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from megatron_qrl.models.export import export_quantized
 from megatron_qrl.models.hf_io import QuantizedCheckpointError
 from megatron_qrl.quant import get_spec
-from megatron_qrl.quant.export import export_quantized
 from megatron_qrl.utils.outdir import OutputDirError
 from tests.tiny_hf import make_tiny_hf
 from tools.export_quantized import main as export_main

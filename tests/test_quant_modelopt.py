@@ -13,6 +13,7 @@ Deliberate differences, checked against our own closed form instead:
 import copy
 import warnings
 
+import modelopt.torch.quantization as mtq  # a required dependency (setup.py): never skipped
 import pytest
 import torch
 
@@ -20,7 +21,6 @@ from megatron_qrl.quant import get_spec
 from tests.quant_cases import QUANT_NAME, gaussian, heavy_tailed
 
 warnings.filterwarnings("ignore")
-mtq = pytest.importorskip("modelopt.torch.quantization")
 
 
 class _OneLinear(torch.nn.Module):

@@ -29,8 +29,6 @@ from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSync
 from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine, bucketize
 from megatron_qrl.rollout.supervisor import EngineDiedError
 
-ray = pytest.importorskip("ray")
-
 TESTS = Path(__file__).resolve().parent
 TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
@@ -40,7 +38,13 @@ TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def ray():
+    """The ``ray`` module; only the cases that start Ray skip where it is not installed."""
+    return pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray):
     ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ctx.address_info["gcs_address"]
     ray.shutdown()
@@ -98,7 +102,7 @@ def _group_names() -> set[str]:
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
-def test_actor_sync_verify_kill_and_placement(cluster, transport):
+def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
     cfg, packed = _packed()
     with RaySession("disaggregated", weight_transport=transport) as session:
         spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
@@ -158,7 +162,7 @@ def test_nvfp4_weights_reach_the_actor(cluster, transport):
         engine.shutdown()
 
 
-def test_broadcast_failures(cluster):
+def test_broadcast_failures(ray, cluster):
     import time
 
     cfg, packed = _packed()
@@ -194,7 +198,7 @@ def test_broadcast_failures(cluster):
         RaySession("colocated", weight_transport="nccl")
 
 
-def test_actor_death_mid_send_aborts_the_group(cluster, monkeypatch):
+def test_actor_death_mid_send_aborts_the_group(ray, cluster, monkeypatch):
     """NCCL does not notice a dead peer: with ``abort_on_death`` (on for NCCL groups) a
     watcher aborts the group when the actor dies, so the blocked send fails at once instead
     of at the group timeout. The send here blocks until its group is aborted, as an NCCL
@@ -230,26 +234,34 @@ def test_actor_death_mid_send_aborts_the_group(cluster, monkeypatch):
         assert time.monotonic() - start < 20 and engine.group.aborted.is_set()
 
 
-def test_ray_flags_reach_the_session(cluster):
+RAY_FLAGS = ["--qrl-ray-weight-transport", "objectstore", "--qrl-engine-max-restarts", "5",
+             "--qrl-ray-weight-timeout-s", "42"]
+
+
+def test_ray_flags_parse_and_validate():
     from megatron_qrl.config import QrlArgumentError
-    from megatron_qrl.rl.cli import _ray_session, parse_configs
+    from megatron_qrl.rl.cli import parse_configs
 
     run = parse_configs([])[0]["run"]
     assert (run.ray_weight_transport, run.ray_weight_timeout_s, run.engine_max_restarts) == (
         "broadcast", 300.0, 2)
-    configs, flags, _ = parse_configs(["--qrl-ray-weight-transport", "objectstore",
-                                       "--qrl-engine-max-restarts", "5",
-                                       "--qrl-ray-weight-timeout-s", "42"])
+    configs, flags, _ = parse_configs(RAY_FLAGS)
     assert flags["qrl_ray_weight_transport"] == "objectstore"
+    for bad in (["--qrl-engine-max-restarts", "-1"], ["--qrl-ray-weight-timeout-s", "0"]):
+        with pytest.raises(QrlArgumentError, match=bad[0]):
+            parse_configs(bad)
+
+
+def test_ray_flags_reach_the_session(cluster):
+    from megatron_qrl.rl.cli import _ray_session, parse_configs
+
+    configs, _, _ = parse_configs(RAY_FLAGS)
     cfg, _ = _packed()
     with _ray_session("colocated", configs, True) as session:
         engine = session.engine_factory(configs["rollout"], cfg, 0)
         assert engine.supervisor.max_restarts == 5
         assert (engine.actor.transport, engine.actor.timeout_s) == ("objectstore", 42.0)
         engine.shutdown()
-    for bad in (["--qrl-engine-max-restarts", "-1"], ["--qrl-ray-weight-timeout-s", "0"]):
-        with pytest.raises(QrlArgumentError, match=bad[0]):
-            parse_configs(bad)
 
 
 def test_sglang_engine_needs_a_gpu_bundle(cluster):

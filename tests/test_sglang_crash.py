@@ -15,12 +15,17 @@ import threading
 import time
 
 import pytest
-import uvloop
 
 from megatron_qrl.rollout.supervisor import EngineDiedError
 from megatron_qrl.rollout_sglang import crash
 
-LOOPS = {"asyncio": asyncio.DefaultEventLoopPolicy, "uvloop": uvloop.EventLoopPolicy}
+
+def _uvloop_policy() -> asyncio.AbstractEventLoopPolicy:
+    """uvloop's policy (SGLang's); only the ``uvloop`` cases skip where it is not installed."""
+    return pytest.importorskip("uvloop").EventLoopPolicy()
+
+
+LOOPS = {"asyncio": asyncio.DefaultEventLoopPolicy, "uvloop": _uvloop_policy}
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,10 @@ Reference: ``quant.hf_reference.quantized_copy`` = a transformers model holding
 ``spec.dequantize(spec.unpack(spec.pack(W)))`` (what weight sync ships to the engine) with
 activation fake-quant hooks for W8A8 — built independently of te_quant.
 
-About the fixed token batch: both sides compute in fp32 with different GEMM shapes, so they
-differ by accumulation order (~1e-6). Where an activation sits within ~1e-7 of a rounding
-boundary of the quantizer (int8 ``x*127/amax`` at n+0.5, an E4M3 tie), that noise flips one
-code and the logits then differ by up to 1e-2. On this model ~8% of random 2x8 batches contain
-such a flip for some W8A8 format; seed 3 contains none, so the 1e-4 bound holds exactly where
-the two implementations agree (a wrong scale, layout or missing hook gives >= 1e-2).
+Trainer and reference agree within 1e-4 except where a rounding-boundary flip moves one
+sequence (``tests.test_te_quant_fixtures.flips``): the checks count the flipped sequences and
+allow at most half of a batch, on any token batch (the one used holds flips); a wrong scale,
+layout or missing hook moves every sequence by >= 1e-2.
 """
 
 from __future__ import annotations
@@ -20,7 +18,10 @@ import torch
 from megatron_qrl.quant import get_spec, list_specs
 from megatron_qrl.quant.hf_reference import quantized_copy
 from tests.test_te_quant_fixtures import (
+    FLIP_BATCH,
+    assert_close_up_to_flips,
     build,
+    flips,
     grads_as_hf,
     hf_state,
     ids,
@@ -53,8 +54,8 @@ def test_aligned_forward_matches_reference(megatron, kind):
     from megatron_qrl.te_quant.attribution import megatron_logits
 
     hf, arch, state, model = _aligned(kind, "bf16")
-    x = ids()
-    diffs = {}
+    x = ids(**FLIP_BATCH)
+    found = {}
     for fmt in list_specs():
         state.spec = get_spec(fmt)
         state.mark_weights_updated()
@@ -63,11 +64,11 @@ def test_aligned_forward_matches_reference(megatron, kind):
         got = megatron_logits(model, x)
         with state.only(()):
             plain = megatron_logits(model, x)
-        diffs[fmt] = (got - ref).abs().max().item()
+        found[fmt] = assert_close_up_to_flips(got, ref, f"{kind} {fmt}", TOL)
         if fmt != "bf16":  # the check can fail: the plain forward is far from the reference
-            assert (plain - ref).abs().max().item() > 100 * TOL, fmt
-    print(f"{kind} max |logit diff| aligned vs reference:", diffs)
-    assert all(d <= TOL for d in diffs.values()), diffs
+            assert len(flips(plain, ref, 100 * TOL)) == x.shape[0], fmt
+    print(f"{kind} rounding-boundary flips (sequence: first token) vs reference:", found)
+    assert not found["bf16"] and not found["w4a16"] and not found["nvfp4"], found  # weight-only
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_block", "nvfp4"])
@@ -75,13 +76,18 @@ def test_ste_gradient_equals_plain_gradient_at_quantized_weights(megatron, fmt):
     """dL/dW of the aligned forward == dL/dW_q of the reference holding W_q = Q(W) (STE)."""
     # no load-balancing loss: transformers adds none to this loss either
     hf, arch, state, model = _aligned("moe", fmt, moe_aux_loss_coeff=0.0)
-    x = ids()
+    x = ids(**FLIP_BATCH)
     pos = torch.arange(x.shape[1])[None].expand_as(x)
     model.train()
-    model(x, pos, attention_mask=None).float().log_softmax(-1)[..., 0].sum().backward()
-    got = grads_as_hf(model, arch)
+    out = model(x, pos, attention_mask=None).float()
     ref_model = quantized_copy(hf, get_spec(fmt)).train()
-    ref_model(input_ids=x).logits.float().log_softmax(-1)[..., 0].sum().backward()
+    ref_out = ref_model(input_ids=x).logits.float()
+    # the loss of the sequences without a rounding-boundary flip (a flip stays in its sequence)
+    clean = [b for b in range(x.shape[0])
+             if b not in assert_close_up_to_flips(out, ref_out, fmt, TOL)]
+    out.log_softmax(-1)[clean, :, 0].sum().backward()
+    got = grads_as_hf(model, arch)
+    ref_out.log_softmax(-1)[clean, :, 0].sum().backward()
     for p in ref_model.parameters():
         p.data = p.grad
     want = hf_state(ref_model)

@@ -57,8 +57,43 @@ def hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def ids(batch: int = 2, seq: int = 8, seed: int = 3, vocab: int = 512) -> torch.Tensor:
-    """Deterministic token ids. Seed 3: see test_te_quant.py on rounding-boundary flips."""
+    """Deterministic token ids."""
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+FLIP_BATCH = dict(batch=4, seed=7)
+"""The token batch of the trainer-vs-reference comparisons: any seed works (see :func:`flips`);
+this one holds flips (dense fp8 and fp8_block, sequence 1), so the tolerance is exercised."""
+
+
+def flips(got: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> dict[int, int]:
+    """``{sequence: first token}`` of every sequence whose logits leave ``tol`` of the reference.
+
+    The trainer and the reference compute in fp32 with different GEMM shapes, so they differ by
+    accumulation order (~1e-6). An activation within ~1e-7 of a rounding boundary of the
+    quantizer (int8 ``x * 127 / amax`` at n + 0.5, an E4M3 tie) then gets one code apart on the
+    two sides: a flip. It moves that token's logits by up to ~1e-1 and, through attention, the
+    later tokens of its sequence — never another sequence. About 4% of random 8-token
+    sequences hold one per W8A8 format on the tiny models. A wrong scale, layout or missing
+    hook moves every sequence from its first tokens on."""
+    tok = (got.detach().float() - ref.detach().float()).abs().amax(-1)  # [batch, seq]
+    out = {}
+    for b in range(tok.shape[0]):
+        over = (tok[b] > tol).nonzero()
+        if len(over):
+            out[b] = int(over[0])
+    return out
+
+
+def assert_close_up_to_flips(got: torch.Tensor, ref: torch.Tensor, what: str,
+                             tol: float = 1e-4) -> dict[int, int]:
+    """Every sequence within ``tol`` of the reference except at most half of them, each from
+    a flip on (:func:`flips`); returns the flips."""
+    found = flips(got, ref, tol)
+    assert len(found) <= got.shape[0] // 2, (
+        f"{what}: {len(found)} of {got.shape[0]} sequences leave {tol} of the reference "
+        f"(sequence: first token {found}); rounding-boundary flips touch a few, not most")
+    return found
 
 
 def build(arch: ModelArch, tensors: dict, spec_hook=None, **overrides):

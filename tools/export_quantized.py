@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_qrl.models.export import export_quantized  # noqa: E402
 from megatron_qrl.quant import list_specs  # noqa: E402
-from megatron_qrl.quant.export import export_quantized  # noqa: E402
 from megatron_qrl.utils.cli import positive_float, run_tool, tool_parser  # noqa: E402
 
 

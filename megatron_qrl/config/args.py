@@ -14,12 +14,11 @@ flag set is generated from :func:`default_config_classes` (see ``generator``).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..losses import ErrorTokenConfig, PolicyLossConfig
 from ..quant.aqn import AQNConfig
 from .checkpoint_info import read_checkpoint_info
 from .checks import CheckEnv, combination_problems, combination_warnings
@@ -46,59 +45,49 @@ __all__ = [
 
 GROUP_TITLE = "megatron_qrl"
 
-# (key, module, class name, flag prefix, {field: constant of the class's module holding the
-# field's choices}): config classes of other packages, imported lazily so that this module
-# works whether or not they are installed.
-LAZY_GROUPS: tuple[tuple[str, str, str, str, dict[str, str]], ...] = (
-    ("loss", "megatron_qrl.losses", "PolicyLossConfig", "loss",
+# (key, class, flag prefix, {field: constant of the class's module holding the field's
+# choices}): the config classes of losses/, whose fields do not carry their choices.
+LOSS_GROUPS: tuple[tuple[str, type, str, dict[str, str]], ...] = (
+    ("loss", PolicyLossConfig, "loss",
      {"kind": "LOSS_KINDS", "tbpo_mask": "TBPO_MASK_RULES", "aggregation": "AGGREGATIONS"}),
-    ("error_tokens", "megatron_qrl.losses", "ErrorTokenConfig", "error-tokens",
-     {"action": "ERROR_TOKEN_ACTIONS"}),
+    ("error_tokens", ErrorTokenConfig, "error-tokens", {"action": "ERROR_TOKEN_ACTIONS"}),
 )
-LAZY_DEFAULTS: dict[str, dict[str, object]] = {"loss": {"kind": "ppo_clip"}}
-"""Command-line defaults of lazy-group fields that have none upstream."""
+LOSS_DEFAULTS: dict[str, dict[str, object]] = {"loss": {"kind": "ppo_clip"}}
+"""Command-line defaults of loss-group fields that have none in the dataclass."""
 
 
 class QrlArgumentError(ValueError):
     """A ``--qrl-*`` value or combination is invalid; the message names the flags."""
 
 
-def _lazy_overrides(key: str, cls: type, choices: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Defaults and choices that a foreign dataclass does not carry in its annotations."""
+def _loss_overrides(key: str, cls: type, choices: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Defaults and choices that a losses/ dataclass does not carry in its annotations."""
     home = inspect.getmodule(cls)
-    over: dict[str, dict[str, Any]] = {f: {"default": v} for f, v in LAZY_DEFAULTS.get(key, {}).items()}
+    over: dict[str, dict[str, Any]] = {f: {"default": v} for f, v in LOSS_DEFAULTS.get(key, {}).items()}
     for fname, const in choices.items():
         if hasattr(home, const):
             over.setdefault(fname, {})["choices"] = tuple(getattr(home, const))
     return over
 
 
-def _lazy_groups() -> list[ConfigGroup]:
-    out = []
-    for key, module, name, prefix, choices in LAZY_GROUPS:
-        if importlib.util.find_spec(module) is None:
-            continue  # not installed in this checkout: its flags are simply absent
-        mod = importlib.import_module(module)  # a real import error inside it propagates
-        if not hasattr(mod, name):
-            continue
-        cls = getattr(mod, name)
-        out.append(ConfigGroup(key, cls, prefix, _lazy_overrides(key, cls, choices)))
-    return out
+def _loss_groups() -> list[ConfigGroup]:
+    return [ConfigGroup(key, cls, prefix, _loss_overrides(key, cls, choices))
+            for key, cls, prefix, choices in LOSS_GROUPS]
 
 
 def default_config_classes() -> list[ConfigGroup]:
     """Every config group behind the ``--qrl-*`` flags, in help order.
 
     ``PolicyLossConfig`` (``--qrl-loss-*``) and ``ErrorTokenConfig`` (``--qrl-error-tokens-*``)
-    come from ``megatron_qrl.losses`` when it is installed; the loss ``kind`` defaults to
-    ``ppo_clip`` on the command line (the dataclass has no default).
+    come from ``megatron_qrl.losses``; the loss ``kind`` defaults to ``ppo_clip`` on the
+    command line (the dataclass has no default).
     """
     return [
         ConfigGroup("run", RunConfig, ""),
         ConfigGroup("rollout", RolloutConfig, "rollout"),
         ConfigGroup("train", TrainForwardConfig, "train"),
         ConfigGroup("routing", RoutingReplayConfig, "routing"),
-        *_lazy_groups(),
+        *_loss_groups(),
         ConfigGroup("uaq", UAQConfig, "uaq"),
         ConfigGroup("aqn", AQNConfig, "aqn"),
         ConfigGroup("task", TaskConfig, "task"),
@@ -107,7 +96,7 @@ def default_config_classes() -> list[ConfigGroup]:
 
 def _missing_prefixes(groups: Sequence[ConfigGroup]) -> tuple[str, ...]:
     present = {g.key for g in groups}
-    return tuple(f"--qrl-{g[3]}-" for g in LAZY_GROUPS if g[0] not in present)
+    return tuple(f"--qrl-{g[2]}-" for g in LOSS_GROUPS if g[0] not in present)
 
 
 def add_qrl_args(parser: argparse.ArgumentParser,

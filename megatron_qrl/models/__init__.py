@@ -4,7 +4,9 @@
 - :mod:`builder`: ``TransformerConfig`` + layer spec (with a spec hook) and ``GPTModel``;
 - :mod:`layout` / :mod:`mapping`: fused QKV / gate-up layouts and the parameter name table;
 - :mod:`streaming`: ``iter_hf_tensors`` (sharded model -> HF pairs) and ``load_hf_weights``;
-- :mod:`hf_io` / :mod:`checkpoint` / :mod:`runtime`: files, dist checkpoints, 1-rank jobs.
+- :mod:`hf_io` / :mod:`checkpoint` / :mod:`runtime`: files, dist checkpoints, 1-rank jobs;
+- :mod:`export`: an HF checkpoint quantized with a QuantSpec (the directory SGLang loads);
+- :mod:`spec_tree`: copy a ``ModuleSpec`` tree for spec hooks.
 
 Megatron and torch.distributed are imported lazily inside functions.
 """

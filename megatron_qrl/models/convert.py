@@ -27,6 +27,7 @@ from megatron_qrl.models.hf_io import (
     write_safetensors,
 )
 from megatron_qrl.models.mapping import count_parameters, expected_hf_shapes
+from megatron_qrl.quant.uaq import apply_uaq
 from megatron_qrl.utils.finite import require_finite
 from megatron_qrl.utils.outdir import safe_output_dir
 
@@ -43,10 +44,6 @@ class UAQAlreadyAppliedError(ValueError):
 
 def _uaq_state(get_tensor: Callable, reader: HFCheckpointReader, cfg: dict[str, Any],
                scale: float) -> dict:
-    try:
-        from megatron_qrl.quant.uaq import apply_uaq
-    except ImportError as exc:
-        raise ImportError(f"--uaq-scale needs megatron_qrl.quant.uaq.apply_uaq ({exc})") from exc
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"--uaq-scale must be a finite number > 0, got {scale}")
     state = {name: get_tensor(name) for name in reader.names()}

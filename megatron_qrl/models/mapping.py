@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.layout import global_expert_index
+from megatron_qrl.quant.hf_names import fusion_group
 
 KINDS = ("replicated", "column", "row", "qkv", "gate_up")
 
@@ -50,13 +51,17 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def _members(hf_name: str) -> tuple[str, ...]:
+    """The HF tensors Megatron fuses with ``hf_name`` (q/k/v; gate/up), in Megatron's order."""
+    return fusion_group(hf_name)[1]
+
+
 def _layer_rule(arch: ModelArch, layer: int, rest: str, ep_rank: int,
                 num_local_experts: int) -> ParamRule:
     p = f"model.layers.{layer}."
     table = {
         "input_layernorm.weight": ("replicated", (p + "input_layernorm.weight",)),
-        "self_attention.linear_qkv.weight": (
-            "qkv", tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+        "self_attention.linear_qkv.weight": ("qkv", _members(p + "self_attn.q_proj.weight")),
         "self_attention.q_layernorm.weight": ("replicated", (p + "self_attn.q_norm.weight",)),
         "self_attention.k_layernorm.weight": ("replicated", (p + "self_attn.k_norm.weight",)),
         "self_attention.linear_proj.weight": ("row", (p + "self_attn.o_proj.weight",)),
@@ -65,8 +70,7 @@ def _layer_rule(arch: ModelArch, layer: int, rest: str, ep_rank: int,
     if arch.is_moe:
         table["mlp.router.weight"] = ("replicated", (p + "mlp.gate.weight",))
     else:
-        table["mlp.linear_fc1.weight"] = ("gate_up", (p + "mlp.gate_proj.weight",
-                                                      p + "mlp.up_proj.weight"))
+        table["mlp.linear_fc1.weight"] = ("gate_up", _members(p + "mlp.gate_proj.weight"))
         table["mlp.linear_fc2.weight"] = ("row", (p + "mlp.down_proj.weight",))
     if rest in table:
         kind, names = table[rest]
@@ -76,7 +80,7 @@ def _layer_rule(arch: ModelArch, layer: int, rest: str, ep_rank: int,
         e = global_expert_index(int(match.group(1)), ep_rank, num_local_experts)
         q = f"{p}mlp.experts.{e}."
         if match.group(2) == "linear_fc1":
-            return ParamRule("gate_up", (q + "gate_proj.weight", q + "up_proj.weight"), True)
+            return ParamRule("gate_up", _members(q + "gate_proj.weight"), True)
         return ParamRule("row", (q + "down_proj.weight",), True)
     raise KeyError(f"no HF mapping for Megatron parameter decoder.layers.{layer}.{rest} "
                    f"of {arch.architecture}")

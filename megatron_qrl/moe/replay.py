@@ -169,7 +169,7 @@ def replay_spec_hook(replay: RoutingReplay) -> Callable[[Any, Any], Any]:
     def hook(layer_spec: Any, config: Any) -> Any:
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        from megatron_qrl.te_quant.spec_hook import copy_spec
+        from megatron_qrl.models.spec_tree import copy_spec
 
         spec = copy_spec(layer_spec)
         if spec.submodules.mlp.module is not MoELayer:

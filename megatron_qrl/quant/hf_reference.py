@@ -10,16 +10,21 @@ engine and the aligned-forward tests. Works with transformers 4.x (experts as a 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
+from . import hf_names
 from .spec import QuantSpec
 from .targets import is_quantized
 
-_EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+def _expert_weight(name: str) -> hf_names.HFName | None:
+    """The parts of one expert's projection weight name (``...mlp.experts.3.up_proj.weight``)."""
+    p = hf_names.parse(name)
+    return p if p is not None and p.module == "mlp.experts" and isinstance(p.expert, int) \
+        and p.leaf == "weight" else None
 
 
 def build_hf_model(hf_config: dict, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
@@ -60,15 +65,14 @@ def _assign(model: nn.Module, params: dict, name: str, w: torch.Tensor) -> torch
     if name in params:
         params[name].copy_(w.to(params[name].dtype))
         return params[name]
-    m = _EXPERT.match(name)
-    if m is not None and f"{m['moe']}.gate_up_proj" in params:  # transformers 5 fused experts
-        e = int(m["e"])
-        if m["proj"] == "down_proj":
-            target = params[f"{m['moe']}.down_proj"][e]
+    m = _expert_weight(name)
+    if m is not None and f"{m.experts_module}.gate_up_proj" in params:  # transformers 5 fused
+        if m.proj == "down_proj":
+            target = params[f"{m.experts_module}.down_proj"][m.expert]
         else:
-            fused = params[f"{m['moe']}.gate_up_proj"][e]
+            fused = params[f"{m.experts_module}.gate_up_proj"][m.expert]
             half = fused.shape[0] // 2
-            target = fused[:half] if m["proj"] == "gate_proj" else fused[half:]
+            target = fused[:half] if m.proj == "gate_proj" else fused[half:]
         target.copy_(w.to(target.dtype))
         return target
     if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
@@ -147,14 +151,13 @@ def hf_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         if name in params:
             yield name, params[name].detach()
             continue
-        m = _EXPERT.match(name)
-        e = int(m["e"])
-        if m["proj"] == "down_proj":
-            yield name, params[f"{m['moe']}.down_proj"][e].detach()
+        m = _expert_weight(name)
+        if m.proj == "down_proj":
+            yield name, params[f"{m.experts_module}.down_proj"][m.expert].detach()
         else:
-            fused = params[f"{m['moe']}.gate_up_proj"][e].detach()
+            fused = params[f"{m.experts_module}.gate_up_proj"][m.expert].detach()
             half = fused.shape[0] // 2
-            yield name, fused[:half] if m["proj"] == "gate_proj" else fused[half:]
+            yield name, fused[:half] if m.proj == "gate_proj" else fused[half:]
 
 
 def quantized_copy(model: nn.Module, spec: QuantSpec) -> nn.Module:

@@ -19,14 +19,18 @@ storage (pickling a view would send the whole stack).
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import targets
-from .spec import QuantizedWeight, QuantSpec
+from .hf_names import layer_prefix
+from .hf_names import stacked_name as tensor_kind
 from .stacked import MAX_STACK_ELEMENTS, Amax, can_stack, fused_amax, quantize_many
+from .weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from .spec import QuantSpec
 
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Input bytes buffered at most before a window is packed (besides the end of a layer)."""
@@ -35,22 +39,13 @@ CPU_STACK_ELEMENTS = 1 << 22
 cost more in page faults than the tensor count saves (fp8 measured 4x slower)."""
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
-_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 Pairs = list[tuple[str, torch.Tensor]]
 Pending = dict[str, dict[str, torch.Tensor]]
 
-
-def layer_prefix(hf_name: str) -> str | None:
-    """``model.layers.3.mlp.gate.weight`` -> ``model.layers.3.``; None outside decoder layers."""
-    m = _LAYER.search(hf_name)
-    return hf_name[: m.end()] if m else None
-
-
-def tensor_kind(hf_name: str) -> str:
-    """The name with the expert index starred: every expert's ``gate_proj`` is one kind."""
-    return _EXPERT.sub(".experts.*.", hf_name)
+__all__ = ["layer_prefix", "pack_one_at_a_time", "pack_stream", "tensor_kind"]
+"""``layer_prefix`` and ``tensor_kind`` (:func:`.hf_names.stacked_name`) come from
+:mod:`.hf_names`; they are re-exported for the callers that import them from here."""
 
 
 def pack_one_at_a_time(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -204,7 +199,7 @@ def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tenso
         stacked = can_stack(spec, weights)
         qs = _quantize_group(spec, kind, names, weights, amaxes, stacked)
         for i, name, q in zip(idx, names, qs):
-            out[i] = spec._pack(targets.module_name(name), q)
+            out[i] = spec.pack_quantized(name, q)
         if stacked:
             _own_storage([out[i] for i in idx])
     return out

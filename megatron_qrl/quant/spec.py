@@ -23,27 +23,10 @@ import torch
 
 from ..utils.finite import require_finite
 from . import targets
+from .pack_stream import pack_one_at_a_time, pack_stream
+from .weight import QuantizedWeight
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """The exact result of quantizing one [out, in] weight.
-
-    ``codes`` are unpacked (one element per weight: int8 values, int4 values in int8,
-    float8_e4m3fn values, or E2M1 4-bit codes in uint8); ``scale`` is the dequantization
-    multiplier in the format's own layout (per channel ``[out, 1]``, per 128x128 block
-    ``[ceil(out/128), ceil(in/128)]``, per group ``[out, in/g]``); ``global_scale`` is the fp32
-    per-tensor scale of two-level formats (NVFP4), else None.
-    """
-
-    spec: str
-    codes: torch.Tensor
-    scale: torch.Tensor | None
-    global_scale: torch.Tensor | None
-    shape: tuple[int, int]
-    dtype: torch.dtype
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -170,7 +153,12 @@ class QuantSpec:
         """
         if not self.is_quantized(hf_name):
             return [(hf_name, w)]
-        q = self.quantize_weight(w, global_amax=global_amax, name=hf_name)
+        return self.pack_quantized(hf_name, self.quantize_weight(w, global_amax=global_amax,
+                                                                 name=hf_name))
+
+    def pack_quantized(self, hf_name: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+        """The tensors :meth:`pack` emits for quantized weight ``hf_name`` from ``q``, its
+        :meth:`quantize_weight` (or its split of a stacked one, :mod:`.stacked`)."""
         return self._pack(targets.module_name(hf_name), q)
 
     def unpack(
@@ -212,8 +200,6 @@ class QuantSpec:
         stream has no launches to save); ``stacked=False`` is the one-at-a-time reference.
         Both give the same names, order, dtypes and bits.
         """
-        from .pack_stream import pack_one_at_a_time, pack_stream
-
         if not stacked:
             return pack_one_at_a_time(self, named_tensors)
         return pack_stream(self, named_tensors, window_bytes=window_bytes)

@@ -27,10 +27,14 @@ single-weight reference for every format. :func:`fused_amax` gives the fused-gro
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from .spec import QuantizedWeight, QuantSpec
+from .weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from .spec import QuantSpec
 
 MAX_STACK_ELEMENTS = 1 << 27
 """Largest stack quantized in one call (elements; fp32 temporaries are ~3x its bytes)."""

@@ -7,17 +7,7 @@ BF16 (as in the rollout engine). Names are HF Qwen3 / Qwen3-MoE names.
 
 from __future__ import annotations
 
-import re
-
-# q/k/v/o, dense gate/up/down, every expert's gate/up/down, a shared expert's gate/up/down
-_QUANTIZED = re.compile(
-    r"^(?P<prefix>.*\.)(?:"
-    r"self_attn\.(?P<attn>q_proj|k_proj|v_proj|o_proj)"
-    r"|mlp\.(?P<mlp>gate_proj|up_proj|down_proj)"
-    r"|mlp\.experts\.(?P<expert>\d+)\.(?P<eproj>gate_proj|up_proj|down_proj)"
-    r"|mlp\.shared_expert\.(?P<sproj>gate_proj|up_proj|down_proj)"
-    r")\.weight$"
-)
+from . import hf_names
 
 # Layer kinds, used by reports and by per-layer-type switches.
 LAYER_KINDS = ("attention", "mlp", "experts", "shared_expert")
@@ -27,23 +17,15 @@ LAYER_KINDS = ("attention", "mlp", "experts", "shared_expert")
 UNQUANTIZED_MODULE_GLOBS = ("lm_head", "*.mlp.gate", "*.mlp.shared_expert_gate", "*embed_tokens")
 
 
-def is_quantized(hf_name: str) -> bool:
-    """True for the weight of a linear layer that the rollout runs in low precision."""
-    return _QUANTIZED.match(hf_name) is not None
+is_quantized = hf_names.is_projection_weight
+"""``is_quantized(hf_name)``: True for the weight of a linear layer that the rollout runs in low
+precision: q/k/v/o, dense gate/up/down, every expert's gate/up/down, a shared expert's
+gate/up/down (:func:`megatron_qrl.quant.hf_names.is_projection_weight`)."""
 
 
 def layer_kind(hf_name: str) -> str | None:
     """``attention`` / ``mlp`` / ``experts`` / ``shared_expert`` for a quantized weight, else None."""
-    m = _QUANTIZED.match(hf_name)
-    if m is None:
-        return None
-    if m["attn"]:
-        return "attention"
-    if m["mlp"]:
-        return "mlp"
-    if m["eproj"]:
-        return "experts"
-    return "shared_expert"
+    return hf_names.parse(hf_name).kind if is_quantized(hf_name) else None
 
 
 def fusion_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
@@ -53,27 +35,9 @@ def fusion_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
     into ``w13`` per expert). Formats with ONE per-tensor scale (NVFP4's ``weight_scale_2``)
     must share it across the members, or the engine silently rescales some of them; ModelOpt's
     export does the same (shared amax over the fused group). Returns ``(key, member_names)``
-    or None for weights that are not fused.
+    or None for weights that are not fused (:func:`megatron_qrl.quant.hf_names.fusion_group`).
     """
-    m = _QUANTIZED.match(hf_name)
-    if m is None:
-        return None
-    prefix = m["prefix"]
-    if m["attn"] in ("q_proj", "k_proj", "v_proj"):
-        base = f"{prefix}self_attn."
-        members = ("q_proj", "k_proj", "v_proj")
-    elif m["mlp"] in ("gate_proj", "up_proj"):
-        base = f"{prefix}mlp."
-        members = ("gate_proj", "up_proj")
-    elif m["eproj"] in ("gate_proj", "up_proj"):
-        base = f"{prefix}mlp.experts.{m['expert']}."
-        members = ("gate_proj", "up_proj")
-    elif m["sproj"] in ("gate_proj", "up_proj"):
-        base = f"{prefix}mlp.shared_expert."
-        members = ("gate_proj", "up_proj")
-    else:
-        return None
-    return base, tuple(f"{base}{p}.weight" for p in members)
+    return hf_names.fusion_group(hf_name, weights_only=True)
 
 
 def module_name(hf_name: str) -> str:

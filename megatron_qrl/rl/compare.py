@@ -41,26 +41,13 @@ VARIANTS: tuple[tuple[str, list[str]], ...] = (
 """(label, flags appended to the user's command line: later flags win)."""
 
 
-def aligned_available() -> bool:
-    """True when ``--qrl-train-forward aligned`` can be built (megatron_qrl.te_quant)."""
-    import importlib.util
-
-    return importlib.util.find_spec("megatron_qrl.te_quant") is not None
-
-
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)
 
 
-def variant_argv(argv: Sequence[str], flags: Sequence[str], out: Path,
-                 have_aligned: bool) -> tuple[list[str], str]:
-    """The command line of one variant and the note for its label ('' when as asked)."""
-    flags = list(flags)
-    note = ""
-    if not have_aligned and "aligned" in flags:
-        flags[flags.index("aligned")] = "bf16"
-        note = " (bf16 fwd: aligned forward not installed)"
-    return [*argv, *flags, "--qrl-sft-steps", "0", "--qrl-output-dir", str(out)], note
+def variant_argv(argv: Sequence[str], flags: Sequence[str], out: Path) -> list[str]:
+    """The command line of one variant."""
+    return [*argv, *flags, "--qrl-sft-steps", "0", "--qrl-output-dir", str(out)]
 
 
 def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, dict]],
@@ -86,14 +73,12 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
         start = state["trainer"]["model"]
     else:
         start = None
-    have_aligned = aligned_available()
     runs: dict[str, Any] = {}
     for label, extra in VARIANTS:
         vdir = out / _slug(label)
-        v_argv, note = variant_argv(argv, extra, vdir, have_aligned)
-        configs, flags = parse(v_argv)
-        log(f"[compare] {label}{note} -> {vdir}")
-        runs[label + note] = run(configs, flags, start_weights=start, skip_sft=True)
+        configs, flags = parse(variant_argv(argv, extra, vdir))
+        log(f"[compare] {label} -> {vdir}")
+        runs[label] = run(configs, flags, start_weights=start, skip_sft=True)
     md, png = compare_runs(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
     return md, png

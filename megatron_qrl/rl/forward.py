@@ -5,13 +5,12 @@ what :func:`megatron_qrl.rl.trainer.build_policy` needs, through
 ``megatron_qrl.te_quant.trainer_forward``: the spec hook (aligned linears, replay routers),
 the aligned-forward state (its cached quantized weights are invalidated after every
 optimizer step and after every external weight change) and the routing-replay context.
-When the installed megatron_qrl lacks those packages a requested feature is an error naming
-the flag — never a silent fallback to the plain forward.
+A combination the aligned forward cannot build is an error naming the flag — never a silent
+fallback to the plain forward.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ __all__ = ["ForwardPlan", "ForwardUnavailableError", "forward_plan"]
 
 
 class ForwardUnavailableError(RuntimeError):
-    """A requested training forward is not available in this megatron_qrl installation."""
+    """A requested training forward cannot be built for this model and format."""
 
 
 @dataclass
@@ -52,17 +51,8 @@ def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
     needed = train.forward == "aligned" or routing.replay != "off" or arch.is_moe
     if not needed:
         return ForwardPlan()
-    try:
-        te_quant = importlib.import_module("megatron_qrl.te_quant")
-    except ImportError as exc:
-        if train.forward == "bf16" and routing.replay == "off":
-            return ForwardPlan()  # nothing was asked for; routing metrics need te_quant/moe
-        flag = ("--qrl-train-forward aligned" if train.forward == "aligned"
-                else f"--qrl-routing-replay {routing.replay}")
-        raise ForwardUnavailableError(
-            f"{flag} needs megatron_qrl.te_quant / megatron_qrl.moe ({exc}); they are not part "
-            "of this megatron_qrl installation. Run with --qrl-train-forward bf16 "
-            "--qrl-routing-replay off or update megatron_qrl") from None
+    from megatron_qrl import te_quant  # megatron-core and the aligned linears: when needed
+
     try:
         fwd = te_quant.trainer_forward(train, rollout.format, routing, arch)
     except ValueError as exc:

@@ -71,12 +71,8 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
 def make_engine(rollout_cfg: Any, hf_config: dict, seed: int) -> RolloutEngine:
     """The rollout engine named by ``--qrl-rollout-engine`` for the single-process driver."""
     if rollout_cfg.engine == "reference":
-        try:
-            from megatron_qrl.rollout.reference import ReferenceEngine
-        except ImportError as exc:
-            raise RuntimeError(
-                "--qrl-rollout-engine reference needs megatron_qrl.rollout.reference, which this "
-                f"checkout does not have ({exc}); update megatron_qrl") from None
+        from megatron_qrl.rollout.reference import ReferenceEngine
+
         return ReferenceEngine(hf_config, rollout_cfg.format, device="cpu",
                                dtype=torch.float32, seed=seed)
     if rollout_cfg.engine == "sglang":

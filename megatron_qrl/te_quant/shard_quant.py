@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_qrl.models.layout import fuse_qkv, split_qkv
 from megatron_qrl.quant import QuantSpec
 
 
@@ -52,10 +53,8 @@ class FusionLayout:
             if w.shape[0] % per:
                 raise ValueError(f"linear_qkv shard has {w.shape[0]} rows, not a multiple of "
                                  f"(heads_per_group + 2) * head_dim = {per}")
-            g = w.reshape(w.shape[0] // per, per, w.shape[1])
-            q, k, v = torch.split(g, [self.heads_per_group * self.head_dim, self.head_dim,
-                                      self.head_dim], dim=1)
-            return [t.reshape(-1, w.shape[1]) for t in (q, k, v)]
+            groups = w.shape[0] // per
+            return list(split_qkv(w, groups * self.heads_per_group, groups, self.head_dim))
         return [w]
 
     def fuse(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -65,9 +64,7 @@ class FusionLayout:
         if self.kind == "qkv":
             q, k, v = parts
             groups = k.shape[0] // self.head_dim
-            cols = q.shape[1]
-            return torch.cat([q.reshape(groups, -1, cols), k.reshape(groups, -1, cols),
-                              v.reshape(groups, -1, cols)], dim=1).reshape(-1, cols)
+            return fuse_qkv(q, k, v, groups * self.heads_per_group, groups, self.head_dim)
         return parts[0]
 
 

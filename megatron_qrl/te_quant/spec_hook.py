@@ -16,11 +16,10 @@ opt-in path (:mod:`megatron_qrl.te_quant.te_recipes`).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from megatron_qrl.models.spec_tree import copy_spec
 from megatron_qrl.te_quant.linears import (
     AlignedColumnParallelLinear,
     AlignedRowParallelLinear,
@@ -30,28 +29,6 @@ from megatron_qrl.te_quant.shard_quant import FusionLayout
 from megatron_qrl.te_quant.state import AlignedForwardState
 
 SpecHook = Callable[[Any, Any], Any]
-
-
-def copy_spec(obj: Any) -> Any:
-    """Copy a ``ModuleSpec`` tree (specs and submodule dataclasses), sharing everything else.
-
-    ``copy.deepcopy`` would also copy the state objects held in ``params`` (the aligned-forward
-    state, the routing-replay context), silently detaching the built layers from them.
-    """
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if isinstance(obj, ModuleSpec):
-        return ModuleSpec(module=obj.module, params=dict(obj.params),
-                          submodules=copy_spec(obj.submodules), metainfo=dict(obj.metainfo or {}))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for field in dataclasses.fields(obj):
-            value = getattr(obj, field.name)
-            if isinstance(value, ModuleSpec) or (dataclasses.is_dataclass(value)
-                                                 and not isinstance(value, type)):
-                setattr(new, field.name, copy_spec(value))
-        return new
-    return obj
 
 
 def _linear(cls: type, state: AlignedForwardState, kind: str, layout: FusionLayout) -> Any:

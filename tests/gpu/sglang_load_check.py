@@ -4,7 +4,7 @@
     python tests/gpu/sglang_load_check.py --out OUT [--formats bf16,int8,...] [--models moe,dense]
 
 For each tiny random model (Qwen3-MoE and dense Qwen3) and each format: export with
-:func:`megatron_qrl.quant.export.export_quantized`, start ``sglang.Engine`` on the directory
+:func:`megatron_qrl.models.export.export_quantized`, start ``sglang.Engine`` on the directory
 in its own process (:mod:`sglang_engine_worker`, with a timeout), greedy-generate 16 tokens
 for 4 random prompts with per-token log-probs, then teacher-force those tokens through
 (a) the aligned reference (weights dequantized from the same exported tensors, activation
@@ -59,7 +59,7 @@ def export_all(root: Path, models: list[str], formats: list[str]) -> dict:
     """Build the tiny models and export every format; returns {(model, fmt): dir or error}."""
     from sglang_reference import build_tiny
 
-    from megatron_qrl.quant.export import export_quantized
+    from megatron_qrl.models.export import export_quantized
 
     dirs: dict = {}
     for kind in models:

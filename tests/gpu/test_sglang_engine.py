@@ -13,8 +13,8 @@ from tests.gpu import skip_unless_sglang_gpu
 
 skip_unless_sglang_gpu("SGLang engine tests")
 
+from megatron_qrl.models.export import export_quantized  # noqa: E402
 from megatron_qrl.quant import get_spec  # noqa: E402
-from megatron_qrl.quant.export import export_quantized  # noqa: E402
 from megatron_qrl.quant.hf_reference import hf_tensors  # noqa: E402
 from megatron_qrl.rollout import SamplingParams, WeightManifest  # noqa: E402
 from megatron_qrl.rollout.reference import ReferenceEngine, build_hf_model  # noqa: E402

@@ -88,8 +88,8 @@ def prompts() -> list[list[int]]:
 # ---- worker (one engine, own process) --------------------------------------------------
 def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
     """``sync``: ``inplace``, ``distributed`` or ``inplace+direct`` (see the module doc)."""
+    from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
-    from megatron_qrl.quant.export import export_quantized
     from megatron_qrl.quant.hf_reference import hf_tensors
     from megatron_qrl.rollout import SamplingParams, WeightManifest
     from megatron_qrl.rollout_sglang import SGLangEngine

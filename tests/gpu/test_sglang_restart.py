@@ -45,8 +45,8 @@ def worker(out: Path) -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(STUCK_S, exit=True)
+    from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
-    from megatron_qrl.quant.export import export_quantized
     from megatron_qrl.quant.hf_reference import hf_tensors
     from megatron_qrl.rollout import SamplingParams
     from megatron_qrl.rollout.supervisor import EngineSupervisor

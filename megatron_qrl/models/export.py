@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..models.hf_io import copy_side_files, open_hf_checkpoint, write_safetensors
+from ..quant import get_spec
 from ..utils.outdir import safe_output_dir
-from . import get_spec
+from .hf_io import copy_side_files, open_hf_checkpoint, write_safetensors
 
 TOOL = "export_quantized"
 
