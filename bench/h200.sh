@@ -22,6 +22,9 @@
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
 #   train       qrl-train tiny-cpu with --qrl-rollout-engine sglang (int8 in place, aligned)
+#   fleet       tests/gpu/test_sglang_fleet.py (two SGLang engines in Ray actors on one GPU: one
+#               broadcast, digests on both, split rollout, SIGKILL + recovery; needs Ray in the
+#               site), then bench/rollout_throughput.py --engines 2 vs 1 (VARIANTS, default fp8)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
 #   te-part N   Transformer Engine, part N of 5 of the 276 MB transformer_engine_cu13 wheel
 #               (carry .stage/teN; the parts are split here with `split -b 57000000 -d`)
@@ -166,5 +169,13 @@ case $phase in
       echo "$FA3_SO_SHA256  $so" | sha256sum -c || exit 1
     fi
     python3 tools/check_fa3.py ;;
+  fleet)
+    python3 -c "import ray; print('ray', ray.__version__)" || echo "Ray is not in the site: the fleet test skips"
+    python3 -m pytest -q tests/gpu/test_sglang_fleet.py -s 2>&1 \
+      | grep -E "\[fleet\]|passed|failed|skipped|SKIP|Error|assert " | tail -n 40
+    for n in 1 2; do
+      python3 bench/rollout_throughput.py --variants "${VARIANTS:-fp8}" --batches 128 --new 256 \
+        --engines $n --out "$OUT/throughput_fleet.jsonl" 2>&1 | grep -E "^\||Error" | tail -n 4
+    done ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
