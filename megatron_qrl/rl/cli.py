@@ -139,17 +139,17 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
         raise QrlArgumentError(
             f"--qrl-rollout-sglang-base-gpu places the in-process engine of --qrl-mode single; "
             f"in --qrl-mode {args.qrl_mode} Ray gives the engine actor its GPU: drop the flag")
-    if args.qrl_mode == "single" and configs["rollout"].num_engines > 1:
-        raise QrlArgumentError(
-            f"--qrl-rollout-num-engines {configs['rollout'].num_engines} runs the engines as Ray "
-            "actors: add --qrl-mode colocated (engines on the trainer's GPUs) or "
-            "disaggregated (GPUs of their own)")
     if args.qrl_mode != "single" and configs["rollout"].sglang_sync == "distributed":
         raise QrlArgumentError(
             f"--qrl-rollout-sglang-sync distributed is for --qrl-mode single (engine on other "
             f"GPUs of this process's node); in --qrl-mode {args.qrl_mode} the weights reach the "
             "engine actor by --qrl-ray-weight-transport broadcast, and the actor loads them "
             "on its own GPU: use --qrl-rollout-sglang-sync auto")
+    if args.qrl_mode == "single" and configs["rollout"].num_engines > 1:
+        raise QrlArgumentError(
+            f"--qrl-rollout-num-engines {configs['rollout'].num_engines} runs the engines as Ray "
+            "actors: add --qrl-mode colocated (engines on the trainer's GPUs) or "
+            "disaggregated (GPUs of their own)")
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")

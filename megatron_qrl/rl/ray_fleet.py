@@ -35,7 +35,16 @@ def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
     return fleet_layout(rollout_cfg.num_engines, rollout_cfg.engine_tp, rollout_cfg.engine_ep,
                         rollout_cfg.engine, mode, cluster_gpus=cluster_gpus,
                         trainer_gpus=trainer, gpus_per_node=gpus_per_node,
-                        mem_fraction=getattr(rollout_cfg, "sglang_mem_fraction", 0.5))
+                        mem_fraction=_mem_fraction(rollout_cfg))
+
+
+def _mem_fraction(rollout_cfg: Any) -> float:
+    """--qrl-rollout-sglang-mem-fraction (``RolloutConfig.sglang.mem_fraction`` once the
+    SGLang options are one dataclass, ``sglang_mem_fraction`` before)."""
+    options = getattr(rollout_cfg, "sglang", None)
+    if options is not None and hasattr(options, "mem_fraction"):
+        return float(options.mem_fraction)
+    return float(getattr(rollout_cfg, "sglang_mem_fraction", 0.5))
 
 
 class FleetSession(RaySession):
