@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.rl import ray_modes
 from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, fleet_layout
@@ -90,7 +91,10 @@ class FleetSession(RaySession):
         opts = {"num_cpus": 1.0, "num_gpus": self.fleet.gpus_per_engine, "max_restarts": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=index)}
-        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec),
+        # the engine factory ray_modes hands its actor, where the actor takes one
+        build = getattr(ray_modes, "build_engine", None)
+        args = (spec,) if build is None else (spec, build)
+        return RayEngine(ray.remote(EngineActor).options(**opts).remote(*args),
                          transport=self.weight_transport, engine_kind=spec.kind,
                          backend=self.backend(spec), timeout_s=self.weight_timeout_s)
 
