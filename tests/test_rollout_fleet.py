@@ -23,6 +23,7 @@ from megatron_qrl.rollout.fleet import EngineFleet, group_seed, merge_outputs
 from megatron_qrl.rollout.fleet_layout import fleet_layout
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine
 from megatron_qrl.rollout.reference import ReferenceEngine, build_hf_model
+from megatron_qrl.rollout.supervisor import EngineDiedError
 
 CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
@@ -126,6 +127,49 @@ def test_in_process_fleets_of_1_2_3_agree(packed):
     fleet.members[2].engine._packed[name] = torch.zeros(1)
     with pytest.raises(WeightSyncError, match=f"fleet engine 2: .*{name}"):
         fleet.verify(manifest)
+
+
+class Dying(ReferenceEngine):
+    """An in-process engine whose ``plan`` says in which of its calls it "dies"."""
+
+    def __init__(self, plan, log):
+        super().__init__(CFG, "int8")
+        self.plan, self.log, self.n = plan, log, {}
+
+    def _maybe_die(self, what):
+        self.n[what] = self.n.get(what, 0) + 1
+        self.log.append(what)
+        if self.n[what] in self.plan.get(what, ()):
+            raise EngineDiedError(f"engine died in {what} #{self.n[what]}")
+
+    def generate(self, prompts, sampling):
+        self._maybe_die("generate")
+        return super().generate(prompts, sampling)
+
+    def update_weights(self, named_tensors, version):
+        items = list(named_tensors)  # half-way through the stream, then gone
+        self._maybe_die("update")
+        super().update_weights(iter(items), version)
+
+
+def test_in_process_deaths_restart_one_engine_and_keep_the_batch(packed):
+    ref = EngineFleet([lambda: ReferenceEngine(CFG, "int8")], group_size=G)
+    _sync(ref, packed, 1)
+    expect = ref.generate(PROMPTS, SAMPLING)
+    plans = [{"generate": {2}}, {"update": {2}}]  # engine 0 dies in its 2nd group, 1 in sync 2
+    logs = [[], []]
+    fleet = EngineFleet([lambda i=i: Dying(plans[i], logs[i]) for i in range(2)], group_size=G)
+    fleet.bind_resync(lambda v: _sync(fleet, packed, v))
+    _sync(fleet, packed, 1)
+    _same(fleet.generate(PROMPTS, SAMPLING), expect)
+    assert [m.restarts for m in fleet.members] == [1, 0]
+    _sync(fleet, packed, 2)  # engine 1 dies mid-sync: restarted, the fleet re-synced
+    assert [m.restarts for m in fleet.members] == [1, 1] and fleet.weight_version() == 2
+    _same(fleet.generate(PROMPTS, SAMPLING), expect)
+    plans[0]["generate"] = {1, 2, 3, 4}  # dies every time: gives up, naming the flag
+    fleet.members[0].engine = Dying(plans[0], logs[0])
+    with pytest.raises(EngineDiedError, match="--qrl-engine-max-restarts 2"):
+        fleet.generate(PROMPTS, SAMPLING)
 
 
 # ---- Ray ------------------------------------------------------------------------------

@@ -209,15 +209,24 @@ class EngineFleet(RolloutEngine):
             return
         items = stream if len(members) == 1 else list(stream)  # one pass per engine
         for m in members:
-            m.engine.update_weights(iter(items), version)
+            try:
+                m.engine.update_weights(iter(items), version)
+            except RESTARTABLE as exc:
+                raise FleetSyncError(f"fleet engine {m.index} died in the weight sync of version "
+                                     f"{version}: {type(exc).__name__}: {exc}", [m.index]) from exc
             m.sync_s = time.perf_counter() - start
 
     def _targeted(self) -> list[_Member]:
         return self._targets if self._targets is not None else self.members
 
+    def _ask(self, m: _Member, call: Callable[[RolloutEngine], Any]) -> Any:
+        """``call(m.engine)``, supervised outside a re-sync (inside, a death goes to the
+        restart running it)."""
+        return call(m.engine) if self._targets is not None else self._supervised(m, call)
+
     def held_checksums(self) -> dict[str, str]:
         """Engine 0's fingerprints, after checking every engine holds the same ones."""
-        held = [m.engine.held_checksums() for m in self._targeted()]
+        held = [self._ask(m, lambda e: e.held_checksums()) for m in self._targeted()]
         for m, h in zip(self._targeted()[1:], held[1:]):
             if h != held[0]:
                 diff = next((k for k in held[0] if held[0][k] != h.get(k)), None)
@@ -229,12 +238,12 @@ class EngineFleet(RolloutEngine):
         """The manifest against every engine; an error names the engine and the tensor."""
         for m in self._targeted():
             try:
-                manifest.compare(m.engine.held_checksums())
+                manifest.compare(self._ask(m, lambda e: e.held_checksums()))
             except WeightSyncError as exc:
                 raise WeightSyncError(f"fleet engine {m.index}: {exc}") from exc
 
     def weight_version(self) -> int:
-        versions = {m.index: m.engine.weight_version() for m in self._targeted()}
+        versions = {m.index: self._ask(m, lambda e: e.weight_version()) for m in self._targeted()}
         if len(set(versions.values())) > 1:
             raise WeightSyncError(f"fleet engines hold different weight versions: {versions}")
         return next(iter(versions.values()))
