@@ -11,7 +11,7 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_qrl", "megatron_qrl.*"]),
-    package_data={"megatron_qrl": ["data/*", "data/**/*", "rollout_sglang/moe_configs/*/*.json"]},
+    package_data={"megatron_qrl": ["data/*", "data/**/*", "rollout_sglang/kernels/configs/*/*.json"]},
     install_requires=[
         # torch is never resolved from an open range on a fresh machine: install with
         # `-c constraints-cpu.txt` (CPU) or on top of the machine's CUDA torch (GPU).

@@ -26,6 +26,7 @@
 #               broadcast, digests on both, split rollout, SIGKILL + recovery; needs Ray in the
 #               site), then bench/rollout_throughput.py --engines 2 vs 1 (VARIANTS, default fp8)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
+#   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
 #   te-part N   Transformer Engine, part N of 5 of the 276 MB transformer_engine_cu13 wheel
 #               (carry .stage/teN; the parts are split here with `split -b 57000000 -d`)
 #   te-build    (carry .stage/te0: TE meta wheel, transformer_engine_torch sdist, deps) reassemble,
@@ -42,11 +43,23 @@
 #               (~1 min). Then VARIANTS=...:fa3 for throughput (bench/rollout_throughput.py
 #               lists the options: fa3, flashinfer, deepgemm, deepgemm_dense, sglang)
 #
+#   randckpt    tools/make_random_checkpoint.py on the GPU: Qwen3-4B (all 36 layers) and a
+#               Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers under /tmp/qrl_random_ckpt (~1-2 min)
+#   tespec      tests/gpu/test_te_spec.py: TE spec vs local spec (BF16 noise), the aligned forward
+#               on the TE spec vs the rollout reference (every format), SDPA on CUDA (TE tests
+#               skip with the reason when /tmp/te_site is absent: run te-part/te-build first)
+#   rlstep      bench/rl_step.py: one RL step (rollout / recompute / train / sync, trainer MFU,
+#               peak trainer memory) of Qwen3-4B, BF16 vs FP8 rollouts (~5 min)
+#   rlstep-offload  the same, FP8, with --use-distributed-optimizer --optimizer-cpu-offload
+#               (its peak trainer memory next to rlstep's fp8 row)
+#   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first)
+#   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single), 3 RL steps on the random
+#               Qwen3-4B, no checkpoint written; the metrics go to $OUT/example4b_metrics.jsonl
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|te-part N|te-build|te-test|fa3-part N|fa3-install|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|te-part N|te-build|te-test|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|example4b|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -115,7 +128,7 @@ case $phase in
       --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
       --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
-    [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.phase_log "$OUT/inplace_phases.jsonl" ;;
+    [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.sync.debug "$OUT/inplace_phases.jsonl" ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
       --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \
@@ -125,6 +138,10 @@ case $phase in
       --qrl-sft-steps 100 --qrl-steps 5 --qrl-output-dir /tmp/qrl_sglang --qrl-no-progress 2>&1 \
       | grep -v Warning | tail -n 20
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
+  lora-mem)  # trainer memory: full RL vs LoRA vs QLoRA-NF4 vs rollout-format bases (Qwen3-4B)
+    python3 -m pytest -q tests/test_lora.py tests/test_nf4.py 2>&1 | tail -n 2
+    python3 bench/lora_memory.py --layers 36 --seq-len 2048 --out "$OUT/lora_memory.jsonl" 2>&1 \
+      | grep -v -i warn | tail -n 12 ;;
   aligned)  # one micro-batch (re-quantization dominates), then eight (activations dominate)
     # the fake-quant fast path must be bit-identical to the codes path on CUDA too: checked first
     python3 -m pytest -q tests/test_quant_fake_fast.py -k cuda 2>&1 | tail -n 3
@@ -169,6 +186,38 @@ case $phase in
       echo "$FA3_SO_SHA256  $so" | sha256sum -c || exit 1
     fi
     python3 tools/check_fa3.py ;;
+  randckpt)
+    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    python3 tools/make_random_checkpoint.py --config qwen3_4b --out /tmp/qrl_random_ckpt/qwen3_4b-allL
+    python3 tools/make_random_checkpoint.py --config qwen3_30b_a3b --layers "${LAYERS_30B:-4}" \
+      --out "/tmp/qrl_random_ckpt/qwen3_30b_a3b-${LAYERS_30B:-4}L"
+    du -sh /tmp/qrl_random_ckpt/* ;;
+  tespec)
+    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    python3 -m pytest -q tests/gpu/test_te_spec.py -s -rs 2>&1 | tee "$OUT/te_spec.log" | tail -n 30 ;;
+  rlstep|rlstep-offload|rlstep30b)  # one phase per device call (~2.5 min per variant)
+    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    recompute="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    case $phase in
+      rlstep) model=(--model qwen3_4b); variants=${VARIANTS:-bf16,fp8}; mbs=4 ;;
+      rlstep-offload) model=(--model qwen3_4b); variants=${VARIANTS:-fp8@offload}; mbs=4 ;;
+      rlstep30b) model=(--model qwen3_30b_a3b --layers "${LAYERS_30B:-4}")
+                 variants=${VARIANTS:-bf16,fp8}; mbs=2 ;;
+    esac
+    python3 bench/rl_step.py "${model[@]}" --formats "$variants" \
+      --variant-flags "offload=--use-distributed-optimizer --optimizer-cpu-offload" \
+      --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
+      --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
+      --out "$OUT/rl_step.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20 ;;
+  example4b)
+    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    [ -f /tmp/qrl_random_ckpt/qwen3_4b-allL/config.json ] || python3 tools/make_random_checkpoint.py \
+      --config qwen3_4b --out /tmp/qrl_random_ckpt/qwen3_4b-allL
+    CKPT=/tmp/qrl_random_ckpt/qwen3_4b-allL STEPS=${STEPS:-3} SAVE_INTERVAL=-1 \
+      OUT=/tmp/qrl_example4b bash examples/run_qwen3_4b_1gpu.sh 2>&1 \
+      | grep -v Warning | tail -n 25
+    cp /tmp/qrl_example4b/metrics.jsonl "$OUT/example4b_metrics.jsonl" 2>/dev/null
+    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$OUT/example4b_metrics.jsonl'))]" ;;
   fleet)
     python3 -c "import ray; print('ray', ray.__version__)" || echo "Ray is not in the site: the fleet test skips"
     python3 -m pytest -q tests/gpu/test_sglang_fleet.py -s 2>&1 \

@@ -132,7 +132,7 @@ def _env_for(variant: str) -> dict:
     plan = parse_variant(variant)
     d = None
     if plan.own_moe_configs:
-        from megatron_qrl.rollout_sglang.moe_configs import config_dir_for_engine
+        from megatron_qrl.rollout_sglang.kernels.moe_configs import config_dir_for_engine
 
         d = config_dir_for_engine()
     return child_env(plan, dict(os.environ), d)

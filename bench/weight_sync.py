@@ -19,14 +19,17 @@ NCCL (the disaggregated layout on one node); on one GPU it runs over gloo on the
 (the protocol, not the speed NCCL would give). ``FMT:inplace+flat`` sends each in-place
 bucket as one flattened buffer (one CUDA-IPC handle per bucket instead of one per tensor);
 ``+prefetch`` prepares the next bucket in a thread while the engine loads one
-(``SGLangEngine(prefetch_buckets=1)``); ``+direct`` loads expert tensors straight into their
+(``SGLangOptions(prefetch_buckets=1)``); ``+direct`` loads expert tensors straight into their
 FusedMoE parameters (``direct_expert_loads``); ``+stacked`` (with ``+direct``) sends each layer's
-experts of one kind as one stacked tensor (``stack_experts``); options combine:
+experts of one kind as one stacked tensor (``stack_experts``); ``+noreceipt`` skips the
+engine's receipt (its fingerprints of what it received, compared with what was sent: on by
+default, ``SGLangOptions.receipt``); options combine:
 ``fp8:inplace+flat+prefetch+direct+stacked`` is the engine's default in place. A variant runs
 exactly the options it names.
 
 ``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
-(pure torch: pack, fingerprints, expert stacking, flat buckets, as ``SGLangEngine._buckets``),
+(pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:
+``megatron_qrl.rollout_sglang.sync.sender.requests``),
 and checks that every variant leaves the same fingerprints; option ``fpeach`` fingerprints
 each expert before stacking (the order before 2026-11-29) to time the rows of
 ``checksum_rows`` side by side. ``--device cpu --layers 1 --experts 8`` is a CPU smoke run.
@@ -122,32 +125,31 @@ def model_config(layers: int | None = None, experts: int | None = None) -> dict:
 
 def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> dict:
     """The trainer's side of an in-place sync without an engine (``--produce-only``): packing,
-    fingerprints, expert stacking and flat buckets exactly as ``SGLangEngine._buckets`` does
-    them, every bucket consumed and dropped; two syncs, as the engine variants time them.
+    fingerprints, expert stacking and flat buckets exactly as the engine's sender
+    (:func:`megatron_qrl.rollout_sglang.sync.sender.requests`) does them, every bucket consumed and dropped; two syncs, as the engine variants time them.
     ``fpeach``: fingerprint each expert before stacking (the order before 2026-11-29)."""
     import hashlib
 
     import torch
 
     from megatron_qrl.rollout.base import Checksums
-    from megatron_qrl.rollout_sglang.engine import SGLangEngine, packed_suffixes
-    from megatron_qrl.rollout_sglang.inplace import StreamTracker
-    from megatron_qrl.rollout_sglang.sync_policy import sync_options
+    from megatron_qrl.rollout_sglang import SGLangOptions
+    from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, packed_suffixes, requests
 
-    eng = object.__new__(SGLangEngine)  # the bucketing needs no running SGLang
-    (eng.flatten_buckets, eng.prefetch_buckets, eng.direct_expert_loads,
-     eng.stack_experts) = sync_options("inplace", "flat" in opts, 0, "direct" in opts,
-                                       "stacked" in opts)
-    eng.bucket_bytes, eng.fingerprint_rows = bucket_mb * 2**20, "fpeach" not in opts
+    o = SGLangOptions(sync="inplace", flat_buckets="flat" in opts, prefetch_buckets=0,
+                      direct_expert_loads="direct" in opts,
+                      stack_experts="stacked" in opts).resolve(spec.name)
     res: dict = {}
     for version in (1, 2):
         sent, lap = Checksums(), {}
-        tracker = StreamTracker(packed_suffixes(spec), direct_experts=eng.direct_expert_loads)
+        tracker = StreamTracker(packed_suffixes(spec), direct_experts=o.direct_expert_loads)
         _synchronize(device)
         t = time.perf_counter()
         wire = buckets = 0
-        for items, _, _ in eng._buckets(spec.pack_state_dict(trainer_stream(cfg, device)), sent,
-                                        tracker, torch.device(device), lap):
+        for items, _, _ in requests(spec.pack_state_dict(trainer_stream(cfg, device)), sent,
+                                    tracker, torch.device(device), bucket_bytes=bucket_mb * 2**20,
+                                    flat=o.flat_buckets, stack=o.stack_experts,
+                                    rows="fpeach" not in opts, lap=lap):
             buckets += 1
             wire += len(items)
         t1 = time.perf_counter()
@@ -165,7 +167,7 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
     return res
 
 
-OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach")
+OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "noreceipt")
 
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
@@ -174,7 +176,7 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     import torch
 
     from megatron_qrl.quant import get_spec
-    from megatron_qrl.rollout_sglang.engine import SGLangEngine
+    from megatron_qrl.rollout_sglang import SGLangEngine, SGLangOptions
     from megatron_qrl.rollout_sglang.launch import write_engine_dir
 
     fmt, sync = variant.split(":")
@@ -210,20 +212,22 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     kw = {"load_format": "dummy", "mem_fraction_static": 0.55, "random_seed": 0,
           "enable_return_routed_experts": False, "log_level": "warning",
           "bucket_bytes": bucket_mb * 2**20}
-    if sync == "disk":
-        kw["sync_dir"] = "/dev/shm/qrl-sync"
     # a variant names every option it uses (the engine's defaults in place are all four:
-    # flat + prefetch 1 + direct + stacked): "fp8:inplace" is the plain in-place sync
-    kw["prefetch_buckets"] = 1 if "prefetch" in opts else 0
-    kw["flatten_buckets"] = "flat" in opts
-    kw["direct_expert_loads"] = "direct" in opts
-    kw["stack_experts"] = "stacked" in opts  # SGLangEngine refuses it without +direct
+    # flat + prefetch 1 + direct + stacked): "fp8:inplace" is the plain in-place sync; only
+    # the in-place sync takes them all (the options refuse the others elsewhere)
+    inplace = sync == "inplace"
+    options = SGLangOptions(
+        sync=sync, sync_dir="/dev/shm/qrl-sync", prefetch_buckets=int("prefetch" in opts),
+        flat_buckets=("flat" in opts) if inplace else None,
+        direct_expert_loads=("direct" in opts) if inplace else None,
+        stack_experts=("stacked" in opts) if inplace else None,  # refused without +direct
+        receipt="noreceipt" not in opts)
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
         res["group_backend"] = kw.get("group_backend", "nccl")
     t = time.perf_counter()
-    eng = SGLangEngine(d, fmt, sync=sync, **kw)
+    eng = SGLangEngine(d, fmt, options, **kw)
     res["startup_s"] = round(time.perf_counter() - t, 1)
     for version in (1, 2):  # the first sync also pays one-time costs (IPC setup, allocations)
         torch.cuda.synchronize()

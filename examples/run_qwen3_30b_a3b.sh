@@ -72,8 +72,9 @@ PARALLEL_ARGS=(
 )
 case "${VARIANT:-fp8}" in
     fp8)        VARIANT_ARGS=(--qrl-rollout-format fp8_block --qrl-loss-kind tis) ;;
-    nvfp4)      VARIANT_ARGS=(--qrl-preset qwen3-30b-a3b,qerl) ;;
-    nvfp4-w4a4) VARIANT_ARGS=(--qrl-preset qwen3-30b-a3b,qerl --qrl-rollout-nvfp4-w4a4) ;;
+    # qerl's LoRA needs adapter serving in SGLang, not wired yet (docs/LORA.md): full-parameter RL
+    nvfp4)      VARIANT_ARGS=(--qrl-preset qwen3-30b-a3b,qerl --qrl-lora-rank 0) ;;
+    nvfp4-w4a4) VARIANT_ARGS=(--qrl-preset qwen3-30b-a3b,qerl --qrl-lora-rank 0 --qrl-rollout-nvfp4-w4a4) ;;
     qarl)       VARIANT_ARGS=(--qrl-preset qwen3-30b-a3b,qarl --qrl-rollout-format fp8_block) ;;
     *) echo "VARIANT must be fp8, nvfp4, nvfp4-w4a4 or qarl, got ${VARIANT}" >&2; exit 2 ;;
 esac

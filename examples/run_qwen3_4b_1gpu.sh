@@ -1,28 +1,55 @@
 #!/usr/bin/env bash
-# Qwen3-4B on ONE GPU: Megatron-core trainer (BF16 + fp32 masters) in this process and an
-# SGLang engine (FP8 rollouts by default, TP 1) in a Ray actor on the same GPU (colocated: the
-# engine's memory is released during recompute + training), TIS correction. Needs an HF
-# checkpoint directory. Ray: joins RAY_ADDRESS / a `ray start` cluster, else starts a local one.
+# Qwen3-4B on ONE GPU: Megatron-core trainer (BF16 + fp32 masters; Transformer Engine layers
+# where TE imports, else the local spec with SDPA attention) and an SGLang engine (FP8 rollouts
+# by default, TP 1) on the same GPU. MODE=single (default): the engine runs in this process;
+# colocated: in a Ray actor. Either way the engine's memory is released after each rollout
+# (recompute + training get the GPU) and resumed before the weight sync.
 #   CKPT=/data/Qwen3-4B bash examples/run_qwen3_4b_1gpu.sh
 #   CKPT=... FORMAT=int8 LOSS=acr bash examples/run_qwen3_4b_1gpu.sh
-#   CKPT=... MODE=single bash examples/run_qwen3_4b_1gpu.sh   # engine in this process, no Ray
-# STATUS: tested on CPU only, with tiny equivalents: --qrl-mode colocated with the reference
-# engine in a Ray actor matches --qrl-mode single bit for bit (tests/test_rl_ray.py, also
-# 2 torchrun ranks in tests/test_rl_ray_multirank.py); MODEL_ARGS are checked against
-# ${CKPT}/config.json (tests of megatron_qrl/config/megatron_flags.py); the SGLang-in-a-Ray-
-# actor construction (1-GPU actor, start_job_engine arguments) is unit-tested with a fake
-# engine class. NEVER RUN: this script itself — a GPU, SGLang inside a Ray actor, Qwen3-4B.
+#   CKPT=... MODE=colocated bash examples/run_qwen3_4b_1gpu.sh   # engine in a Ray actor
+# No checkpoint at hand? A random Qwen3-4B with the char tokenizer (~8 GB, ~1 min on a GPU):
+#   python tools/make_random_checkpoint.py --config qwen3_4b --out /tmp/qwen3-4b-random
+#   CKPT=/tmp/qwen3-4b-random STEPS=3 SAVE_INTERVAL=-1 bash examples/run_qwen3_4b_1gpu.sh
+# Memory on a 141 GB H200 (why these defaults): trainer BF16 weights + fp32 grads + fp32 masters
+# + Adam ~72 GB; activations bounded by full recompute (every layer's input kept, the layer
+# recomputed in backward) and micro batches of 4; the engine at MEM_FRACTION 0.3 (SGLang
+# 0.5.17 sizes its KV pool as 0.3 x the memory free at its start minus its weights: ~22-26 GB
+# beside the trainer's first ~40 GB) fits beside the trainer even if its memory were not released. Knobs: MEM_FRACTION, MAX_NEW_TOKENS,
+# MICRO_BATCH, RECOMPUTE=0 (no activation recompute: faster, needs the engine's memory released),
+# OFFLOAD=1 (--use-distributed-optimizer --optimizer-cpu-offload: masters + Adam on the CPU),
+# RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
+# (--transformer-impl local|transformer_engine; unset: TE where it imports).
+# STATUS: CPU-tested with tiny equivalents (tests/test_rl_ray.py, tests/test_trainer_memory_flags.py,
+# tests/test_rl_examples.py). GPU run: NOT YET — the lead fills in what ran on the H200
+# (bench/h200.sh phase example4b) and its step times here.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"
-: "${CKPT:?set CKPT to the Qwen3-4B HF directory}"
+: "${CKPT:?set CKPT to the Qwen3-4B HF directory (or make one: tools/make_random_checkpoint.py)}"
 
 PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --bf16)
+MEMORY_ARGS=()
+if [ "${RECOMPUTE:-1}" = 1 ]; then
+    MEMORY_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+fi
+if [ "${OFFLOAD:-0}" = 1 ]; then
+    MEMORY_ARGS+=(--use-distributed-optimizer --optimizer-cpu-offload)
+fi
+if [ -n "${TIMPL:-}" ]; then MEMORY_ARGS+=(--transformer-impl "${TIMPL}"); fi
+RELEASE_ARGS=()
+if [ "${RELEASE:-1}" = 0 ]; then RELEASE_ARGS+=(--no-qrl-rollout-sglang-release-memory); fi
 QRL_ARGS=(
     --qrl-preset qwen3-4b-1gpu --qrl-model checkpoint --qrl-checkpoint "${CKPT}"
     --qrl-rollout-engine sglang
     --qrl-rollout-format "${FORMAT:-fp8}" --qrl-loss-kind "${LOSS:-tis}"
+    --qrl-rollout-sglang-mem-fraction "${MEM_FRACTION:-0.3}"
+    --qrl-rollout-max-new-tokens "${MAX_NEW_TOKENS:-1024}"
+    --qrl-micro-batch-size "${MICRO_BATCH:-4}" "${RELEASE_ARGS[@]}"
     --qrl-output-dir "${OUT:-qrl_runs/qwen3-4b-${FORMAT:-fp8}}"
 )
-exec qrl-train --qrl-mode "${MODE:-colocated}" "${QRL_ARGS[@]}" \
-    -- "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "$@"
+if [ -n "${STEPS:-}" ]; then QRL_ARGS+=(--qrl-steps "${STEPS}"); fi
+if [ -n "${SAVE_INTERVAL:-}" ]; then QRL_ARGS+=(--qrl-save-interval "${SAVE_INTERVAL}"); fi
+if command -v qrl-train >/dev/null 2>&1; then TRAIN=(qrl-train); else
+    TRAIN=(python3 -m megatron_qrl.rl.cli); fi  # a checkout on PYTHONPATH, not installed
+exec "${TRAIN[@]}" --qrl-mode "${MODE:-single}" "${QRL_ARGS[@]}" \
+    -- "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" "$@"

@@ -10,7 +10,7 @@ take (padded loading, GGUF data, fused shared experts, ROCm), and quant methods 
 our formats use: ``W8A8Int8MoEMethod``, ``Fp8MoEMethod`` (block and per-tensor),
 ``ModelOptNvFp4FusedMoEMethod``, compressed-tensors ``CompressedTensorsWNA16MoE``.
 Their ``weight_loader`` globals (``_is_hip``, ``get_global_expert_location_metadata``) live in
-this module, as they live in layer.py, so :mod:`megatron_qrl.rollout_sglang.expert_batch`
+this module, as they live in layer.py, so :mod:`megatron_qrl.rollout_sglang.sync.loader.expert_batch`
 reads them here.
 """
 

@@ -15,16 +15,9 @@ import torch
 import torch.distributed as dist
 from mp_utils import run_distributed
 
-from megatron_qrl.rollout.broadcast import (
-    find_group,
-    flatten,
-    init_group,
-    iter_buckets,
-    receive_stream,
-    send_stream,
-    unflatten,
-)
+from megatron_qrl.rollout.broadcast import find_group, init_group, receive_stream, send_stream
 from megatron_qrl.rollout.ray_actor import EngineActor
+from megatron_qrl.rollout.wire import flatten, iter_buckets, unflatten
 
 GROUP = "qrl-test-weights"
 BUCKET = 1024

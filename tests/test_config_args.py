@@ -308,19 +308,19 @@ def test_sglang_sync_option_checks():
     ok = validate_qrl_args(p.parse_args(sglang + [
         "--qrl-rollout-format", "int8", "--qrl-rollout-sglang-flat-buckets",
         "--qrl-rollout-sglang-prefetch-buckets", "2", "--qrl-rollout-sglang-direct-expert-loads"]),
-        gpu_capability=HOPPER)["rollout"]
-    assert ok.sglang_flat_buckets and ok.sglang_prefetch_buckets == 2
-    assert ok.sglang_direct_expert_loads
+        gpu_capability=HOPPER)["rollout"].sglang
+    assert ok.flat_buckets and ok.prefetch_buckets == 2
+    assert ok.direct_expert_loads
     # unset: the engine's default for the sync (flat + prefetch 1 in place); turning an
     # option off is allowed with any sync
     unset = validate_qrl_args(p.parse_args(sglang + ["--qrl-rollout-format", "bf16"]),
-                              gpu_capability=HOPPER)["rollout"]
-    assert unset.sglang_flat_buckets is None and unset.sglang_prefetch_buckets is None
+                              gpu_capability=HOPPER)["rollout"].sglang
+    assert unset.flat_buckets is None and unset.prefetch_buckets is None
     off = validate_qrl_args(p.parse_args(sglang + [
         "--qrl-rollout-format", "bf16", "--no-qrl-rollout-sglang-flat-buckets",
         "--qrl-rollout-sglang-sync", "disk", "--qrl-rollout-sglang-prefetch-buckets", "0"]),
-        gpu_capability=HOPPER)["rollout"]
-    assert off.sglang_flat_buckets is False and off.sglang_prefetch_buckets == 0
+        gpu_capability=HOPPER)["rollout"].sglang
+    assert off.flat_buckets is False and off.prefetch_buckets == 0
     _rejected(p, sglang + ["--qrl-rollout-format", "bf16", "--qrl-rollout-sglang-flat-buckets"],
               r"--qrl-rollout-sglang-flat-buckets apply to the in-place sync.*syncs with auto "
               r"\(tensor for bf16\)")
@@ -338,23 +338,26 @@ def test_sglang_sync_option_checks():
               "prefetch-buckets must be")
     # stacked experts: in place, with direct expert loads only
     both = ["--qrl-rollout-sglang-direct-expert-loads", "--qrl-rollout-sglang-stack-experts"]
-    ok = validate_qrl_args(p.parse_args(fp8 + both), gpu_capability=HOPPER)["rollout"]
-    assert ok.sglang_stack_experts and ok.sglang_direct_expert_loads
-    unset = validate_qrl_args(p.parse_args(sglang), gpu_capability=HOPPER)["rollout"]
-    assert unset.sglang_stack_experts is None and unset.sglang_direct_expert_loads is None
+    ok = validate_qrl_args(p.parse_args(fp8 + both), gpu_capability=HOPPER)["rollout"].sglang
+    assert ok.stack_experts and ok.direct_expert_loads
+    unset = validate_qrl_args(p.parse_args(sglang), gpu_capability=HOPPER)["rollout"].sglang
+    assert unset.stack_experts is None and unset.direct_expert_loads is None
     # unset direct loads are on in place: stacking alone is accepted; with direct loads off
     # it is refused, naming the flag that turned them off
     alone = validate_qrl_args(p.parse_args(fp8 + ["--qrl-rollout-sglang-stack-experts"]),
-                              gpu_capability=HOPPER)["rollout"]
-    assert alone.sglang_stack_experts is True and alone.sglang_direct_expert_loads is None
+                              gpu_capability=HOPPER)["rollout"].sglang
+    assert alone.stack_experts is True and alone.direct_expert_loads is None
     _rejected(p, fp8 + ["--qrl-rollout-sglang-stack-experts",
                         "--no-qrl-rollout-sglang-direct-expert-loads"],
               "--qrl-rollout-sglang-stack-experts needs direct expert loads.*drop "
               "--no-qrl-rollout-sglang-direct-expert-loads")
     off = validate_qrl_args(p.parse_args(fp8 + ["--no-qrl-rollout-sglang-direct-expert-loads",
-                                                "--qrl-rollout-sglang-sync", "disk"]),
-                            gpu_capability=HOPPER)["rollout"]
-    assert off.sglang_direct_expert_loads is False and off.sglang_stack_experts is None
+                                                "--qrl-rollout-sglang-sync", "distributed"]),
+                            gpu_capability=HOPPER)["rollout"].sglang
+    assert off.direct_expert_loads is False and off.stack_experts is None
+    # a (format, path) SGLang cannot update is refused with the flags, not at engine start
+    _rejected(p, fp8 + ["--qrl-rollout-sglang-sync", "disk"],
+              r"cannot update 'fp8' weights in place with sync='disk' \(measured on H200")
     _rejected(p, fp8 + ["--qrl-rollout-sglang-sync", "disk"] + both,
               "stack-experts apply to the in-place sync.*syncs with disk")
 

@@ -42,11 +42,7 @@ imports inside a tier form no cycle.
 - The top-level ``megatron_qrl/__init__.py`` (``__version__``) imports nothing of its own, so
   any module may import it."""
 
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    # TODO(issue 20): rollout/ray_actor.py starts the SGLang engine inside the Ray actor;
-    # the arch-sync branch moves that choice up (one engine factory). Remove after merging it.
-    ("rollout/ray_actor.py", "rollout_sglang"): "issue 20 item 2",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 """(file under megatron_qrl/, imported package) -> why it is allowed for now."""
 
 _LOADERS = {"import_module", "find_spec", "__import__"}

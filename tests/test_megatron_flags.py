@@ -76,7 +76,7 @@ def test_qrl_and_megatron_flag_disagree(qrl, megatron, names):
 @pytest.mark.parametrize("argv, needle", [
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
     (["--fp16"], "--fp16"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--optimizer-cpu-offload"], "--use-distributed-optimizer"),
     (["--moe-token-dispatcher-type", "flex"], "DeepEP"),
     (["--normalization", "LayerNorm"], "RMSNorm"),
     (["--position-embedding-type", "learned_absolute"], "rope"),
@@ -277,11 +277,11 @@ def test_flags_known_only_to_a_larger_upstream_parser_are_refused(monkeypatch):
 
     def upstream():  # a stand-in for Megatron-LM's parser: the subset plus one more flag
         parser, _ = built()
-        parser.add_argument("--recompute-granularity", default=None)
+        parser.add_argument("--overlap-grad-reduce", action="store_true")
         return parser, True
 
     monkeypatch.setattr(megatron_flags, "megatron_parser", upstream)
     settings, _, _ = parse_megatron_flags(["--tensor-model-parallel-size", "2"])
     assert settings.tp == 2
-    with pytest.raises(QrlArgumentError, match="recompute_granularity .* no effect"):
-        parse_megatron_flags(["--recompute-granularity", "full"])
+    with pytest.raises(QrlArgumentError, match="overlap_grad_reduce .* no effect"):
+        parse_megatron_flags(["--overlap-grad-reduce"])

@@ -5,9 +5,14 @@ import json
 
 import pytest
 
-from megatron_qrl.rollout_sglang import moe_configs as mc
+from megatron_qrl.rollout_sglang.kernels import moe_configs as mc
+from megatron_qrl.rollout_sglang.kernels.moe_tune import (
+    TUNE_FORMATS,
+    make_case,
+    stage1_space,
+    stage2_space,
+)
 from megatron_qrl.rollout_sglang.launch import engine_config, write_engine_dir
-from megatron_qrl.rollout_sglang.moe_tune import TUNE_FORMATS, make_case, stage1_space, stage2_space
 
 NAME = "E=8,N=64,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
 

@@ -22,10 +22,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_qrl.compat.distributed import free_port
 from megatron_qrl.rl.ray_modes import actor_options, engine_gpus, engine_spec, placement_layout
-from megatron_qrl.rollout.ray_actor import EngineSpec, build_engine
+from megatron_qrl.rollout.ray_actor import EngineSpec
+from megatron_qrl.rollout_sglang import SGLangOptions
+from megatron_qrl.rollout_sglang.factory import build_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -83,7 +86,7 @@ def test_tp2_ray_modes_match_single_and_survive_a_killed_actor(tmp_path):
         ray.shutdown()
 
 
-def _rollout_cfg(engine: str = "sglang", **fields):
+def _rollout_cfg(engine: str = "sglang", **sglang):
     # parsed on this GPU-less host with the reference engine, then switched (as a GPU host
     # would parse it): the flag check refuses sglang without CUDA
     from megatron_qrl.rl.cli import parse_configs
@@ -91,21 +94,16 @@ def _rollout_cfg(engine: str = "sglang", **fields):
     configs, _, _ = parse_configs(["--qrl-train-forward", "bf16", "--qrl-routing-replay", "off",
                                    "--qrl-rollout-format", "fp8"])
     cfg = configs["rollout"]
-    for k, v in {"engine": engine, **fields}.items():
-        setattr(cfg, k, v)
+    cfg.engine, cfg.sglang = engine, SGLangOptions(**sglang)
     return cfg
 
 
 def test_sglang_actor_spec_and_options():
-    cfg = _rollout_cfg(sglang_mem_fraction=0.3, sglang_sync="disk",
-                       sglang_sync_dir="/tmp/qrl-sync")
+    cfg = _rollout_cfg(mem_fraction=0.3, sync="disk", sync_dir="/tmp/qrl-sync")
     hf = {"model_type": "qwen3", "num_hidden_layers": 2}
     spec = engine_spec(cfg, hf, 7)
     assert spec.kind == "sglang" and spec.format == "fp8" and spec.seed == 7
-    assert spec.rollout == {"sglang_sync": "disk", "sglang_mem_fraction": 0.3,
-                            "sglang_sync_dir": "/tmp/qrl-sync", "sglang_flat_buckets": None,
-                            "sglang_prefetch_buckets": None, "sglang_direct_expert_loads": None,
-                            "sglang_stack_experts": None}
+    assert spec.sglang is cfg.sglang and spec.num_threads is None  # the options, whole
     assert spec.num_gpus == 1 and engine_gpus(cfg) == 1
     for mode in ("disaggregated", "colocated"):
         layout = placement_layout(mode, 1, engine_gpus=engine_gpus(cfg))
@@ -118,7 +116,8 @@ def test_sglang_actor_spec_and_options():
     with pytest.raises(ValueError, match="tp_size"):
         EngineSpec("sglang", hf, "fp8", sglang_kwargs={"tp_size": 2})
     ref = engine_spec(_rollout_cfg("reference"), hf, 0)
-    assert ref.kind == "reference" and ref.num_gpus == 0
+    assert ref.kind == "reference" and ref.num_gpus == 0 and engine_gpus(_rollout_cfg("reference")) == 0
+    assert ref.num_threads == torch.get_num_threads()  # CPU results as in single mode
 
 
 def test_sglang_actor_builds_the_job_engine(monkeypatch):
@@ -129,32 +128,25 @@ def test_sglang_actor_builds_the_job_engine(monkeypatch):
     built = {}
 
     class FakeSGLangEngine:
-        def __init__(self, model_path, spec_name, **kwargs):
-            built.update(path=Path(model_path), spec=spec_name, kwargs=kwargs)
+        def __init__(self, model_path, spec_name, options=None, **kwargs):
+            built.update(path=Path(model_path), spec=spec_name, options=options, kwargs=kwargs)
 
     monkeypatch.setattr(sglang_engine, "SGLangEngine", FakeSGLangEngine)
     hf = tiny_moe_config(CharTokenizer().vocab_size)
-    cfg = _rollout_cfg(sglang_mem_fraction=0.25, sglang_sync="tensor")
+    cfg = _rollout_cfg(mem_fraction=0.25, sync="tensor", flat_buckets=False, prefetch_buckets=2)
     engine = build_engine(engine_spec(cfg, hf, 11))
     assert isinstance(engine, FakeSGLangEngine) and built["spec"] == "fp8"
-    assert built["kwargs"] == {"load_format": "dummy", "random_seed": 11,
-                               "mem_fraction_static": 0.25, "sync": "tensor"}
-    # the sync options reach the engine (and only when set)
-    opts = _rollout_cfg(sglang_flat_buckets=True, sglang_prefetch_buckets=2,
-                        sglang_direct_expert_loads=True, sglang_stack_experts=True)
-    build_engine(engine_spec(opts, hf, 11))
-    assert {k: built["kwargs"][k] for k in ("flatten_buckets", "prefetch_buckets",
-                                            "direct_expert_loads", "stack_experts")} == {
-        "flatten_buckets": True, "prefetch_buckets": 2, "direct_expert_loads": True,
-        "stack_experts": True}
-    # turned off explicitly: the engine gets the off value, not its in-place default
-    build_engine(engine_spec(_rollout_cfg(sglang_flat_buckets=False, sglang_prefetch_buckets=0),
-                             hf, 11))
-    assert built["kwargs"]["flatten_buckets"] is False and built["kwargs"]["prefetch_buckets"] == 0
-    assert "direct_expert_loads" not in built["kwargs"] and "stack_experts" not in built["kwargs"]
+    assert built["kwargs"] == {"load_format": "dummy", "random_seed": 11}
+    # the options reach the engine whole (it resolves them per sync path)
+    assert built["options"] == cfg.sglang
+    # a pickled spec (what Ray sends the actor) carries them unchanged
+    import pickle
+
+    assert pickle.loads(pickle.dumps(engine_spec(cfg, hf, 11))).sglang == cfg.sglang
     written = json.loads((built["path"] / "config.json").read_text())
     assert written["num_hidden_layers"] == hf["num_hidden_layers"]
     assert written["torch_dtype"] == "bfloat16" and "quantization_config" in written
     # a checkpoint directory (programmatic use) still starts SGLangEngine from it
     build_engine(EngineSpec("sglang", hf, "int8", sglang_kwargs={"model_path": "/ckpt"}))
     assert built["path"] == Path("/ckpt") and built["spec"] == "int8" and built["kwargs"] == {}
+    assert built["options"] == SGLangOptions()

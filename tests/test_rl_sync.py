@@ -147,10 +147,11 @@ def test_add_rows_keeps_the_order_of_names_with_queued_tensors():
         Checksums().add_rows(rows[:2], stack)
 
 
-class _SentStreamEngine(TinyEngine):
-    """As the in-process SGLang engine: held_checksums are of the stream it was handed."""
+class _SelfVerifyingEngine(TinyEngine):
+    """As the in-process SGLang engine: update_weights checks the sync itself (here it keeps
+    the fingerprints of the stream it was handed, the count the driver reports)."""
 
-    checksums_of_sent_stream = True
+    verifies_own_update = True
 
     def update_weights(self, named_tensors, version):
         from megatron_qrl.rollout.base import Checksums
@@ -163,10 +164,10 @@ class _SentStreamEngine(TinyEngine):
         return dict(self.sent)
 
 
-def test_an_engine_fingerprinting_its_own_stream_gets_no_second_manifest(monkeypatch):
-    """No manifest pass for an engine whose fingerprints are of the stream it was handed
-    (they would only compare each tensor with itself); the count and the version check
-    stay, and a name sent twice is still refused. A supervisor answers for its engine."""
+def test_an_engine_verifying_its_own_updates_gets_no_second_manifest(monkeypatch):
+    """No manifest pass for an engine whose update_weights checks the sync itself (a second
+    per-tensor pass over the same stream); the count and the version check stay, and a name
+    sent twice is still refused. A supervisor answers for its engine."""
     from megatron_qrl.rollout import base
     from megatron_qrl.rollout.supervisor import EngineSupervisor
 
@@ -176,14 +177,14 @@ def test_an_engine_fingerprinting_its_own_stream_gets_no_second_manifest(monkeyp
         raise AssertionError("the manifest fingerprinted the stream a second time")
 
     monkeypatch.setattr(base.WeightManifest, "record", no_manifest)
-    engine = _SentStreamEngine(cfg, "int8", seed=0)
+    engine = _SelfVerifyingEngine(cfg, "int8", seed=0)
     res = sync_weights(iter(weights.items()), engine, get_spec("int8"), version=3)
     assert res.num_tensors == len(engine.held_checksums()) > len(weights)  # weight + scale
     assert engine.weight_version() == 3
-    supervised = EngineSupervisor(lambda: _SentStreamEngine(cfg, "int8", seed=0),
+    supervised = EngineSupervisor(lambda: _SelfVerifyingEngine(cfg, "int8", seed=0),
                                   lambda e, v: None)
-    assert supervised.checksums_of_sent_stream and not EngineSupervisor(
-        lambda: TinyEngine(cfg, "int8", seed=0), lambda e, v: None).checksums_of_sent_stream
+    assert supervised.verifies_own_update and not EngineSupervisor(
+        lambda: TinyEngine(cfg, "int8", seed=0), lambda e, v: None).verifies_own_update
     assert sync_weights(iter(weights.items()), supervised, get_spec("int8"), 4).num_tensors == \
         res.num_tensors
     twice = list(weights.items())
@@ -200,5 +201,5 @@ def test_only_the_in_process_sglang_engine_skips_the_manifest():
     from megatron_qrl.rollout.reference import ReferenceEngine
     from megatron_qrl.rollout_sglang.engine import SGLangEngine
 
-    assert SGLangEngine.checksums_of_sent_stream
-    assert not any(c.checksums_of_sent_stream for c in (RolloutEngine, ReferenceEngine, RayEngine))
+    assert SGLangEngine.verifies_own_update
+    assert not any(c.verifies_own_update for c in (RolloutEngine, ReferenceEngine, RayEngine))

@@ -9,7 +9,6 @@ killed mid-rollout and one whose process exits mid-sync are restarted (alone / w
 re-sync) and the batch equals the unkilled one.
 """
 
-import inspect
 import os
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from megatron_qrl.rollout.fleet_layout import fleet_layout
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine
 from megatron_qrl.rollout.reference import ReferenceEngine, build_hf_model
 from megatron_qrl.rollout.supervisor import EngineDiedError
+from megatron_qrl.rollout_sglang.factory import build_engine
 
 CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
@@ -201,17 +201,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _actor_args(spec):
-    if "build" in inspect.signature(EngineActor.__init__).parameters:
-        from megatron_qrl.rollout_sglang.factory import build_engine
-
-        return (spec, build_engine)
-    return (spec,)
-
-
 def _new(ray, cls=EngineActor, **kw):
     spec = EngineSpec("reference", CFG, "int8", seed=0, num_threads=1)
-    actor = ray.remote(cls).options(num_cpus=0, max_restarts=0).remote(*_actor_args(spec), **kw)
+    actor = ray.remote(cls).options(num_cpus=0, max_restarts=0).remote(spec, build_engine, **kw)
     return RayEngine(actor, bucket_bytes=8192, transport="broadcast", backend="gloo",
                      timeout_s=20)
 

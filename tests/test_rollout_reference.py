@@ -123,15 +123,17 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 
 def test_sglang_engine_refuses_sync_paths_measured_broken_before_importing_sglang():
-    from megatron_qrl.rollout_sglang.engine import SGLangEngine
+    from megatron_qrl.rollout_sglang import SGLangEngine, SGLangOptions
 
     with pytest.raises(NotImplementedError, match=r"cannot update 'int8' weights in place"):
-        SGLangEngine("/nonexistent", "int8", sync="tensor")
+        SGLangEngine("/nonexistent", "int8", SGLangOptions(sync="tensor"))
+    with pytest.raises(TypeError, match="sync= is an SGLangOptions field"):
+        SGLangEngine("/nonexistent", "int8", sync="inplace")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_block", "w4a16", "nvfp4"])
 def test_plain_tensor_sync_is_refused_for_every_format_that_quantizes_weights(fmt):
-    from megatron_qrl.rollout_sglang.engine import check_sync_supported
+    from megatron_qrl.rollout_sglang.options import check_sync_supported
 
     with pytest.raises(NotImplementedError, match=r"rollout-sglang-sync inplace"):
         check_sync_supported(fmt, "tensor")
@@ -139,7 +141,7 @@ def test_plain_tensor_sync_is_refused_for_every_format_that_quantizes_weights(fm
 
 
 def test_sync_paths_measured_working_or_not_yet_run_are_allowed():
-    from megatron_qrl.rollout_sglang.engine import check_sync_supported
+    from megatron_qrl.rollout_sglang.options import check_sync_supported
 
     for fmt, sync in [("bf16", "tensor"), ("bf16", "disk"), ("fp8_block", "disk"),
                       ("fp8", "distributed"), ("nvfp4", "inplace"), ("w4a16", "disk")]:

@@ -1,7 +1,9 @@
-"""SGLangEngine's bucketing (CPU): request payloads, the empty last bucket, prefetching."""
+"""The SGLang sender's bucketing (CPU): request payloads, the last bucket, prefetching, and the
+options' sync-path rules (SGLangOptions.resolve)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -9,16 +11,15 @@ import pytest
 import torch
 
 from megatron_qrl.rollout.base import Checksums, tensor_checksum
-from megatron_qrl.rollout_sglang.engine import SGLangEngine, sync_options
-from megatron_qrl.rollout_sglang.inplace import CONTROL, FLAT, RECV, StreamTracker, decode_control
-from megatron_qrl.rollout_sglang.prefetch import ahead, timed
+from megatron_qrl.rollout_sglang.options import SGLangOptions
+from megatron_qrl.rollout_sglang.sync.prefetch import ahead, timed
+from megatron_qrl.rollout_sglang.sync.protocol import CONTROL, FLAT, RECV, decode_control
+from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, requests
 
 
-def _engine(bucket_bytes, flatten=False):
-    eng = object.__new__(SGLangEngine)  # the bucketing needs no running SGLang
-    eng.bucket_bytes, eng.flatten_buckets, eng.prefetch_buckets = bucket_bytes, flatten, 0
-    eng.stack_experts = False
-    return eng
+def _requests(stream, sent, tracker, bucket_bytes, flatten=False):
+    return list(requests(iter(stream), sent, tracker, torch.device("cpu"),
+                         bucket_bytes=bucket_bytes, flat=flatten))
 
 
 def _stream(n=5, numel=16):
@@ -28,9 +29,9 @@ def _stream(n=5, numel=16):
 
 @pytest.mark.parametrize("flatten", [False, True])
 def test_buckets_split_by_bytes_and_end_with_a_final_control(flatten):
-    eng, sent = _engine(bucket_bytes=2 * 64, flatten=flatten), Checksums()
+    sent = Checksums()
     stream = _stream()  # 5 tensors of 64 bytes: buckets of 2, 2, 1
-    out = list(eng._buckets(iter(stream), sent, StreamTracker(("weight",)), torch.device("cpu")))
+    out = _requests(stream, sent, StreamTracker(("weight",)), 2 * 64, flatten)
     assert [(first, last) for _, first, last in out] == [
         (stream[0][0], False), (stream[2][0], False), (stream[4][0], True)]
     for items, _, last in out:
@@ -40,17 +41,22 @@ def test_buckets_split_by_bytes_and_end_with_a_final_control(flatten):
     assert sent.result() == {n: tensor_checksum(t) for n, t in stream}
 
 
-def test_stream_ending_on_a_full_bucket_sends_an_empty_final_bucket():
-    """Found on the H200: the final bucket was empty and naming it raised IndexError."""
-    eng = _engine(bucket_bytes=2 * 64)
-    out = list(eng._buckets(iter(_stream(4)), Checksums(), StreamTracker(("weight",)),
-                            torch.device("cpu")))
-    items, first, last = out[-1]
-    assert len(out) == 3 and last and first == "end of sync"
-    assert [n for n, _ in items] == [CONTROL] and decode_control(items[0][1])["final"]
-    # a plain (not in-place) sync: the last request carries no tensors, only the version
-    plain = list(eng._buckets(iter(_stream(4)), Checksums(), None, torch.device("cpu")))
-    assert plain[-1] == ([], "end of sync", True)
+def test_a_stream_ending_on_a_full_bucket_marks_that_bucket_last():
+    """One bucketing rule (megatron_qrl.rollout.wire.buckets): cut before the tensor that would
+    overflow, the last bucket marked without reading ahead, so a stream that fills its last
+    bucket exactly sends no extra request (found on the H200 with the old rule: an empty final
+    bucket, and naming it raised IndexError)."""
+    out = _requests(_stream(4), Checksums(), StreamTracker(("weight",)), 2 * 64)
+    assert [(len(items), last) for items, _, last in out] == [(3, False), (3, True)]
+    assert decode_control(out[-1][0][-1][1])["final"]
+    # an empty stream still sends one request: it carries the version (in place: the control)
+    items, first, last = _requests([], Checksums(), StreamTracker(("weight",)), 2 * 64)[-1]
+    assert last and first == "end of sync" and [n for n, _ in items] == [CONTROL]
+    assert _requests([], Checksums(), None, 2 * 64) == [([], "end of sync", True)]
+    # a tensor larger than a bucket is its own bucket
+    big = [("a.weight", torch.zeros(64)), ("b.weight", torch.zeros(4))]
+    assert [[n for n, _ in items] for items, _, _ in _requests(big, Checksums(), None, 64)] == [
+        ["a.weight"], ["b.weight"]]
 
 
 def test_ahead_prefetches_in_order_in_another_thread():
@@ -100,32 +106,47 @@ def test_ahead_raises_producer_errors_and_stops_when_the_consumer_does():
     assert len(produced) == n <= 4
 
 
-def test_sync_options_defaults_per_sync_and_errors():
+def _resolved(fmt="int8", **kw):
+    o = SGLangOptions(**kw).resolve(fmt)
+    return o.flat_buckets, o.prefetch_buckets, o.direct_expert_loads, o.stack_experts
+
+
+def test_options_resolve_defaults_per_sync_and_errors():
     # unset: in place, flat buckets + one bucket prefetched + direct loads of stacked experts
     # (each measured on the H200), none of them elsewhere
-    assert sync_options("inplace") == (True, 1, True, True)
-    for sync in ("tensor", "disk", "distributed"):
-        assert sync_options(sync) == (False, 0, False, False)
-    assert sync_options("inplace", False, 0, False) == (False, 0, False, False)  # all off
-    assert sync_options("tensor", None, 2) == (False, 2, False, False)
-    assert sync_options("inplace", None, 3, True) == (True, 3, True, True)
-    assert sync_options("inplace", None, 3, True, False) == (True, 3, True, False)
-    assert sync_options("inplace", None, None, False) == (True, 1, False, False)  # stack follows
-    assert sync_options("inplace", stack_experts=True) == (True, 1, True, True)
-    with pytest.raises(ValueError, match="stack_experts=True needs direct_expert_loads=True.*"
-                       "--qrl-rollout-sglang-stack-experts needs "
-                       "--qrl-rollout-sglang-direct-expert-loads"):
-        sync_options("inplace", direct_expert_loads=False, stack_experts=True)
-    with pytest.raises(ValueError, match="stack_experts applies to sync='inplace'"):
-        sync_options("distributed", stack_experts=True)
-    with pytest.raises(ValueError, match="flatten_buckets applies to sync='inplace'"):
-        sync_options("tensor", True)
-    with pytest.raises(ValueError, match="direct_expert_loads applies to sync='inplace'"):
-        sync_options("disk", direct_expert_loads=True)
-    with pytest.raises(ValueError, match="prefetch_buckets applies to sync='tensor' and "):
-        sync_options("distributed", prefetch_buckets=1)
-    with pytest.raises(ValueError, match="prefetch_buckets must be >= 0"):
-        sync_options("inplace", prefetch_buckets=-1)
+    assert _resolved(sync="inplace") == (True, 1, True, True)
+    assert SGLangOptions().resolve("int8").sync == "inplace"  # auto: the format's default
+    assert SGLangOptions().resolve("bf16").sync == "tensor"
+    for fmt, sync in (("bf16", "tensor"), ("bf16", "disk"), ("int8", "distributed")):
+        assert _resolved(fmt, sync=sync) == (False, 0, False, False)
+    assert _resolved(sync="inplace", flat_buckets=False, prefetch_buckets=0,
+                     direct_expert_loads=False) == (False, 0, False, False)  # all off
+    assert _resolved("bf16", sync="tensor", prefetch_buckets=2) == (False, 2, False, False)
+    assert _resolved(prefetch_buckets=3, direct_expert_loads=True) == (True, 3, True, True)
+    assert _resolved(prefetch_buckets=3, direct_expert_loads=True,
+                     stack_experts=False) == (True, 3, True, False)
+    assert _resolved(direct_expert_loads=False) == (True, 1, False, False)  # stack follows
+    assert _resolved(stack_experts=True) == (True, 1, True, True)
+    with pytest.raises(ValueError, match="--qrl-rollout-sglang-stack-experts needs direct "
+                       "expert loads.*drop --no-qrl-rollout-sglang-direct-expert-loads"):
+        SGLangOptions(direct_expert_loads=False, stack_experts=True).resolve("int8")
+    for field, flag in (("stack_experts", "stack-experts"), ("flat_buckets", "flat-buckets"),
+                        ("direct_expert_loads", "direct-expert-loads")):
+        with pytest.raises(ValueError, match=f"--qrl-rollout-sglang-{flag} apply to the "
+                           "in-place sync.*syncs with distributed"):
+            SGLangOptions(sync="distributed", **{field: True}).resolve("int8")
+    with pytest.raises(ValueError, match=r"flat-buckets apply to the in-place sync.*syncs with "
+                       r"auto \(tensor for bf16\)"):
+        SGLangOptions(flat_buckets=True).resolve("bf16")
+    with pytest.raises(ValueError, match="prefetch-buckets applies to the tensor and in-place "
+                       "syncs, not --qrl-rollout-sglang-sync distributed"):
+        SGLangOptions(sync="distributed", prefetch_buckets=1).resolve("int8")
+    with pytest.raises(ValueError, match="prefetch-buckets must be an integer >= 0"):
+        SGLangOptions(prefetch_buckets=-1)
+    with pytest.raises(NotImplementedError, match="cannot update 'int8' weights in place"):
+        SGLangOptions(sync="tensor").resolve("int8")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SGLangOptions().sync = "disk"  # one frozen object from the flags to the engine
 
 
 def test_timed_adds_the_time_spent_getting_each_item():
@@ -143,14 +164,14 @@ def test_timed_adds_the_time_spent_getting_each_item():
 
 @pytest.mark.parametrize("flatten", [False, True])
 def test_float8_travels_as_uint8_unless_flattened(flatten):
-    from megatron_qrl.rollout_sglang.inplace import bucket_weights
+    from megatron_qrl.rollout_sglang.sync.loader.packed import bucket_weights
 
-    eng, sent = _engine(bucket_bytes=1 << 20, flatten=flatten), Checksums()
+    sent = Checksums()
     w = torch.randn(4, 8).to(torch.float8_e4m3fn)
     stream = [("model.layers.0.mlp.down_proj.weight", w),
               ("model.layers.0.mlp.down_proj.weight_scale", torch.ones(4, 1))]
-    (items, _, _), = eng._buckets(iter(stream), sent, StreamTracker(("weight", "weight_scale")),
-                                  torch.device("cpu"))
+    (items, _, _), = _requests(stream, sent, StreamTracker(("weight", "weight_scale")), 1 << 20,
+                               flatten)
     ctl = decode_control(items[-1][1])
     got = dict(bucket_weights(items, torch.device("cpu")))
     if flatten:  # the meta names the real dtype: no per-tensor re-view on the engine

@@ -1,4 +1,4 @@
-"""``SGLangEngine(sync="distributed")`` pieces that run without a GPU, on gloo: the trainer
+"""``SGLangOptions(sync="distributed")`` pieces that run without a GPU, on gloo: the trainer
 joins the weight-update group while the "engine" side joins from another process (as
 SGLang's ``init_weights_update_group`` does), a bucket broadcast under an engine request
 is received by the in-place loader's :func:`receive_bucket`, and the layout checks.
@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from megatron_qrl.rollout.base import WeightSyncError
-from megatron_qrl.rollout.broadcast import flatten, init_group
-from megatron_qrl.rollout_sglang.distributed import (
-    lookahead,
+from megatron_qrl.rollout.broadcast import init_group
+from megatron_qrl.rollout.wire import flatten
+from megatron_qrl.rollout_sglang.engine import _check_distributed_layout
+from megatron_qrl.rollout_sglang.sync.distributed import (
+    flat_buckets,
     open_group,
     run_alongside,
     send_bucket,
 )
-from megatron_qrl.rollout_sglang.engine import _check_distributed_layout
-from megatron_qrl.rollout_sglang.inplace import receive_bucket
+from megatron_qrl.rollout_sglang.sync.loader.packed import receive_bucket
 
 BUCKET = [("a.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
           ("a.weight_scale", torch.tensor([0.5, 2.0], dtype=torch.bfloat16)),
@@ -77,9 +78,11 @@ def test_broadcast_thread_error_is_raised():
         run_alongside(lambda: (True, ""), lambda: 1 / 0, timeout_s=5)
 
 
-def test_lookahead_marks_the_last_item():
-    assert list(lookahead([1, 2, 3])) == [(1, False), (2, False), (3, True)]
-    assert list(lookahead([])) == []
+def test_flat_buckets_mark_the_last_bucket():
+    out = list(flat_buckets(BUCKET, 48, torch.device("cpu")))  # the wire's one bucketing rule
+    assert [(names, last) for names, _, _, last in out] == [
+        (["a.weight"], False), (["a.weight_scale", "b.weight", "c.weight"], True)]
+    assert list(flat_buckets([], 48, torch.device("cpu"))) == []
 
 
 @pytest.mark.parametrize("trainer,kwargs,match", [
@@ -89,36 +92,46 @@ def test_lookahead_marks_the_last_item():
 ])
 def test_distributed_layout_errors(trainer, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        _check_distributed_layout(torch.device(trainer), "nccl", kwargs)
+        _check_distributed_layout(torch.device(trainer), "nccl", kwargs.get("base_gpu_id", 0),
+                                  kwargs.get("tp_size", 1))
 
 
 def test_distributed_layout_accepts_separate_gpus():
-    _check_distributed_layout(torch.device("cuda:0"), "nccl", {"base_gpu_id": 1, "tp_size": 2})
-    _check_distributed_layout(torch.device("cpu"), "gloo", {})
+    _check_distributed_layout(torch.device("cuda:0"), "nccl", 1, 2)
+    _check_distributed_layout(torch.device("cpu"), "gloo", 0, 1)
 
 
 def test_job_engine_gets_sync_and_base_gpu(monkeypatch):
-    """--qrl-rollout-sglang-sync distributed / --qrl-rollout-sglang-base-gpu reach SGLangEngine."""
+    """--qrl-rollout-sglang-sync distributed / --qrl-rollout-sglang-base-gpu reach SGLangEngine:
+    the job's options object whole, placed on base_gpu (checked before SGLang is imported)."""
     import megatron_qrl.rollout_sglang.engine as sglang_engine
     from megatron_qrl.config.run import RolloutConfig
     from megatron_qrl.data import CharTokenizer, tiny_moe_config
+    from megatron_qrl.rollout_sglang import SGLangOptions
     from megatron_qrl.rollout_sglang.launch import start_job_engine
+    from megatron_qrl.utils.optional import MissingDependencyError
 
     built = {}
 
     class FakeSGLangEngine:
-        def __init__(self, model_path, spec_name, **kwargs):
-            built.update(spec=spec_name, kwargs=kwargs)
+        def __init__(self, model_path, spec_name, options, **kwargs):
+            built.update(spec=spec_name, options=options, kwargs=kwargs)
 
+    real = sglang_engine.SGLangEngine
     monkeypatch.setattr(sglang_engine, "SGLangEngine", FakeSGLangEngine)
     hf = tiny_moe_config(CharTokenizer().vocab_size)
-    start_job_engine(RolloutConfig(format="int8", engine="sglang", sglang_sync="distributed",
-                                   sglang_base_gpu=2), hf, 3)
-    assert built["kwargs"]["sync"] == "distributed" and built["kwargs"]["base_gpu_id"] == 2
-    start_job_engine(RolloutConfig(format="int8", engine="sglang"), hf, 3)
-    assert "base_gpu_id" not in built["kwargs"] and "sync" not in built["kwargs"]
+    cfg = RolloutConfig(format="int8", engine="sglang",
+                        sglang=SGLangOptions(sync="distributed", base_gpu=2))
+    start_job_engine(cfg.sglang, cfg.format, hf, 3)
+    assert built["options"] is cfg.sglang and built["spec"] == "int8"
+    assert built["kwargs"] == {"load_format": "dummy", "random_seed": 3}
+    # the engine places itself on base_gpu: GPU 0 would hold the trainer's cuda:0
+    with pytest.raises(ValueError, match=r"GPUs \[0\].*include the trainer's cuda:0"):
+        real("/nonexistent", "int8", SGLangOptions(sync="distributed"), trainer_device="cuda:0")
+    with pytest.raises((MissingDependencyError, FileNotFoundError)):  # GPU 2: past the check
+        real("/nonexistent", "int8", cfg.sglang, trainer_device="cuda:0")
     with pytest.raises(ValueError, match="--qrl-rollout-sglang-base-gpu"):
-        RolloutConfig(sglang_base_gpu=-1)
+        SGLangOptions(base_gpu=-1)
 
 
 def test_distributed_sync_is_refused_in_ray_modes(monkeypatch):

@@ -1,4 +1,4 @@
-"""Batched direct expert loads (megatron_qrl.rollout_sglang.expert_batch) against per-tensor
+"""Batched direct expert loads (megatron_qrl.rollout_sglang.sync.loader.expert_batch) against per-tensor
 ``FusedMoE.weight_loader`` calls, on the SGLang-like fake of tests/sglang_fused_moe_fake.py:
 bit-identical parameters for every parameter kind batched (TP=1, both ranks of TP=2, EP, an
 expert-location map), per-tensor fallback for what is not reproduced, buckets that split a
@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_qrl.rollout_sglang import expert_loads
-from megatron_qrl.rollout_sglang.inplace import StreamTracker, load_packed
+from megatron_qrl.rollout_sglang.sync.loader import experts as expert_loads
+from megatron_qrl.rollout_sglang.sync.loader import load_packed
+from megatron_qrl.rollout_sglang.sync.sender import StreamTracker
 from tests import sglang_fused_moe_fake as fake
 
 E, H, N = 4, 32, 32  # experts, hidden, moe_intermediate_size (full, before TP)
@@ -231,7 +232,7 @@ def test_inplace_sync_with_batched_direct_loads_equals_per_tensor_sync(fmt, tmp_
                                                                      monkeypatch):
     """Through load_packed: the shard-load check counts the batched loads, and the result
     equals an in-place sync through model.load_weights; the phase log counts the loads."""
-    from megatron_qrl.rollout_sglang.phase_log import PROFILE_ENV, summarize
+    from megatron_qrl.rollout_sglang.sync.debug import PROFILE_ENV, summarize
 
     def sync(direct):
         moe = make_moe(fmt, (2, 1))

@@ -1,4 +1,4 @@
-"""Expert-stacked wire tensors (megatron_qrl.rollout_sglang.expert_stack, ``stack_experts``).
+"""Expert-stacked wire tensors (megatron_qrl.rollout_sglang.sync: ``stack_experts``).
 
 The stream transform (order, what stacks and what passes through, one layer held), and the
 in-place sync with stacked tensors against the per-tensor sync: SGLangEngine's real bucketing
@@ -21,16 +21,12 @@ import torch
 from torch import nn
 
 from megatron_qrl.rollout.base import Checksums, WeightManifest, tensor_checksum
-from megatron_qrl.rollout_sglang import expert_loads
-from megatron_qrl.rollout_sglang.engine import SGLangEngine
-from megatron_qrl.rollout_sglang.expert_stack import (
-    expert_name,
-    parse_stacked,
-    stack_experts,
-    unstack,
-    unstack_all,
-)
-from megatron_qrl.rollout_sglang.inplace import StreamTracker, load_packed, module_key
+from megatron_qrl.rollout_sglang import SGLangEngine, SGLangOptions
+from megatron_qrl.rollout_sglang.sync.loader import experts as expert_loads
+from megatron_qrl.rollout_sglang.sync.loader import load_packed
+from megatron_qrl.rollout_sglang.sync.loader.experts import unstack, unstack_all
+from megatron_qrl.rollout_sglang.sync.protocol import expert_name, module_key, parse_stacked
+from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, requests, stack_experts
 from tests import sglang_fused_moe_fake as fake
 from tests import test_sglang_expert_batch as batch
 from tests.test_sglang_engine_sync import fake_io_struct  # noqa: F401  (sglang io_struct stub)
@@ -224,13 +220,10 @@ def model_stream(fmt, seed=3):
 def send(model, stream, fmt, *, flat, direct, stacked, bucket_bytes, sent=None):
     """SGLangEngine's in-place bucketing (fingerprints, stacking, tracker, flat buckets), each
     bucket applied by ``load_packed`` as the engine's scheduler would."""
-    eng = object.__new__(SGLangEngine)
-    eng.bucket_bytes, eng.flatten_buckets, eng.prefetch_buckets = bucket_bytes, flat, 0
-    eng.stack_experts = stacked
     tracker = StreamTracker(tuple(FORMATS[fmt][2]), direct_experts=direct)
     n = 0
-    for items, _, _ in eng._buckets(iter(stream), sent or Checksums(), tracker,
-                                    torch.device("cpu")):
+    for items, _, _ in requests(iter(stream), sent or Checksums(), tracker, torch.device("cpu"),
+                                bucket_bytes=bucket_bytes, flat=flat, stack=stacked):
         load_packed(model, items)
         n += 1
     return n
@@ -248,7 +241,7 @@ def assert_same_model(ref, got):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_stacked_inplace_sync_is_bit_identical_to_per_tensor_sync(fmt, tp, flat, tmp_path,
                                                                   monkeypatch):
-    from megatron_qrl.rollout_sglang.phase_log import PROFILE_ENV, summarize
+    from megatron_qrl.rollout_sglang.sync.debug import PROFILE_ENV, summarize
 
     stream = model_stream(fmt)
     ref = Qwen3MoeForCausalLM(fmt, tp)
@@ -289,13 +282,14 @@ def test_stacked_tensors_are_unstacked_without_direct_loads(flat):
 def test_a_stacked_name_reaching_load_weights_fails_the_module():
     """Were a stacked tensor handed to load_weights by name, SGLang would skip it: the
     shard-load check must catch that (it is why the loader unstacks)."""
-    from megatron_qrl.rollout_sglang import inplace
+    from megatron_qrl.rollout_sglang.sync.loader import packed
+    from megatron_qrl.rollout_sglang.sync.protocol import InplaceSyncError
 
     fmt = "int8"
     got = Qwen3MoeForCausalLM(fmt, (1, 0))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(inplace, "unstack_all", lambda weights: list(weights))
-        with pytest.raises(inplace.InplaceSyncError, match=r"experts: 'w13_weight' got 0 of 8"):
+        mp.setattr(packed, "unstack_all", lambda weights: list(weights))
+        with pytest.raises(InplaceSyncError, match=r"experts: 'w13_weight' got 0 of 8"):
             send(got, model_stream(fmt), fmt, flat=False, direct=False, stacked=True,
                  bucket_bytes=1 << 30)
 
@@ -379,12 +373,12 @@ def test_engine_stacked_sync_verifies_per_expert_manifest(flatten, prefetch, mon
 
 
 def test_engine_option_errors():
-    with pytest.raises(ValueError, match="stack_experts=True needs direct_expert_loads=True"):
-        SGLangEngine("/nonexistent", "int8", sync="inplace", direct_expert_loads=False,
-                     stack_experts=True)
-    with pytest.raises(ValueError, match="stack_experts applies to sync='inplace'"):
-        SGLangEngine("/nonexistent", "fp8_block", sync="disk", sync_dir="/tmp",
-                     direct_expert_loads=False, stack_experts=True)
+    with pytest.raises(ValueError, match="stack-experts needs direct expert loads"):
+        SGLangEngine("/nonexistent", "int8", SGLangOptions(
+            sync="inplace", direct_expert_loads=False, stack_experts=True))
+    with pytest.raises(ValueError, match="stack-experts apply to the in-place sync.*with disk"):
+        SGLangEngine("/nonexistent", "fp8_block", SGLangOptions(
+            sync="disk", sync_dir="/tmp", direct_expert_loads=False, stack_experts=True))
 
 
 # ---- CPU timing: python -m tests.test_sglang_expert_stack ------------------------------
@@ -401,13 +395,12 @@ def _time_layer(fmt="fp8_block", experts=128, runs=7):
         n_expert = sum(".experts." in n for n, _ in stream)
         out = {}
         for label, stacked in (("direct", False), ("direct+stacked", True)):
-            eng = object.__new__(SGLangEngine)
-            eng.bucket_bytes, eng.flatten_buckets, eng.stack_experts = 1 << 30, True, stacked
             times = []
             for _ in range(runs):
                 tracker = StreamTracker(tuple(FORMATS[fmt][2]), direct_experts=True)
-                buckets = [items for items, _, _ in eng._buckets(
-                    iter(stream), Checksums(), tracker, torch.device("cpu"))]
+                buckets = [items for items, _, _ in requests(
+                    iter(stream), Checksums(), tracker, torch.device("cpu"),
+                    bucket_bytes=1 << 30, flat=True, stack=stacked)]
                 model = Qwen3MoeForCausalLM(fmt, (1, 0))
                 t0 = time.perf_counter()
                 for items in buckets:
@@ -432,7 +425,7 @@ if __name__ == "__main__":
 @pytest.fixture
 def planners(monkeypatch):
     """Which planner wrote each parameter: ``stacked`` (one step per stack) or ``views``."""
-    from megatron_qrl.rollout_sglang import expert_batch as eb
+    from megatron_qrl.rollout_sglang.sync.loader import expert_batch as eb
 
     used = {"stacked": 0, "views": 0}
     real_stacked, real_views = eb._plan_stacked, eb._plan
@@ -472,7 +465,7 @@ def test_stacks_whose_experts_share_a_slot_are_planned_view_by_view(stacked_buck
 
 
 def test_a_scalar_under_a_stacked_name_is_refused():
-    from megatron_qrl.rollout_sglang.expert_stack import expert_views
+    from megatron_qrl.rollout_sglang.sync.protocol import expert_views
 
     name = "model.layers.0.mlp.experts.*.up_proj.weight"
     for fn in (expert_views, unstack):

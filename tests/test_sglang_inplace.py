@@ -1,4 +1,4 @@
-"""CPU tests of the in-place reload loader (megatron_qrl.rollout_sglang.inplace).
+"""CPU tests of the in-place reload loader (megatron_qrl.rollout_sglang.sync.loader).
 
 SGLang cannot be imported here, so the model below follows SGLang 0.5.17's protocol with
 small fakes: quant methods whose ``create_weights`` register checkpoint-layout parameters
@@ -14,17 +14,17 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_qrl.rollout.broadcast import flatten
-from megatron_qrl.rollout_sglang.inplace import (
+from megatron_qrl.rollout.wire import flatten
+from megatron_qrl.rollout_sglang.sync.loader import load_packed
+from megatron_qrl.rollout_sglang.sync.protocol import (
     CONTROL,
     FLAT,
     RECV,
     InplaceSyncError,
-    StreamTracker,
     encode_control,
-    load_packed,
     module_key,
 )
+from megatron_qrl.rollout_sglang.sync.sender import StreamTracker
 
 H, FFN, E, HEAD = 8, 6, 3, 4
 SUFFIXES = ("weight", "weight_scale")
@@ -287,7 +287,7 @@ def test_stream_cut_before_final_names_the_half_loaded_module():
         bucket.append((name, t))
     load_packed(model, bucket + [(CONTROL, tracker.control(final=False))])
     ctl = {"begin": False, "final": True, "done": {}, "suffixes": list(SUFFIXES)}
-    from megatron_qrl.rollout_sglang.inplace import encode_control
+    from megatron_qrl.rollout_sglang.sync.protocol import encode_control
 
     with pytest.raises(InplaceSyncError, match=r"never completed.*qkv_proj"):
         load_packed(model, [(CONTROL, encode_control(ctl))])
@@ -315,7 +315,8 @@ def test_module_reappearing_in_the_stream_is_refused_by_the_sender():
 
 def test_engine_defaults_to_inplace_for_weight_quantized_formats():
     from megatron_qrl.quant import get_spec
-    from megatron_qrl.rollout_sglang.engine import default_sync, packed_suffixes
+    from megatron_qrl.rollout_sglang.options import default_sync
+    from megatron_qrl.rollout_sglang.sync.sender import packed_suffixes
 
     assert default_sync("bf16") == "tensor"
     assert {default_sync(f) for f in ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")} == {
@@ -344,7 +345,7 @@ def test_float8_tensors_travel_as_uint8_and_arrive_as_float8():
 
 
 def test_phase_log_records_each_bucket_and_sums_per_sync(tmp_path, monkeypatch):
-    from megatron_qrl.rollout_sglang.phase_log import PROFILE_ENV, summarize
+    from megatron_qrl.rollout_sglang.sync.debug import PROFILE_ENV, summarize
 
     path = tmp_path / "phases.jsonl"
     model = FakeModel()
@@ -363,7 +364,7 @@ def test_phase_log_records_each_bucket_and_sums_per_sync(tmp_path, monkeypatch):
 
 
 def test_state_digest_written_once_per_sync_and_tells_which_tensor_changed(tmp_path, monkeypatch):
-    from megatron_qrl.rollout_sglang.state_digest import DIGEST_ENV, digest_diff, read_digests
+    from megatron_qrl.rollout_sglang.sync.debug import DIGEST_ENV, digest_diff, read_digests
 
     path = tmp_path / "digest.jsonl"
     model = FakeModel()
@@ -392,7 +393,7 @@ def test_state_digest_written_once_per_sync_and_tells_which_tensor_changed(tmp_p
 def test_creation_context_zero_fills_empty_allocations(make):
     """Re-created checkpoint params start at zeros, not at freed memory (here: a block
     of 7s just released, which the allocator hands back to the next same-size request)."""
-    from megatron_qrl.rollout_sglang.module_state import creation_context
+    from megatron_qrl.rollout_sglang.sync.loader.module_state import creation_context
 
     dirty = []
     for _ in range(8):  # several sizes of freed blocks, so some reuse happens unpatched

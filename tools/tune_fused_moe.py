@@ -6,8 +6,8 @@
         --summary bench/results/moe_tune.json
 
 Needs a CUDA GPU and SGLang (the H200 recipe). Writes one SGLang-named JSON per format into
-megatron_qrl/rollout_sglang/moe_configs/triton_<version>/ (picked up by SGLangEngine via
-SGLANG_MOE_CONFIG_DIR, see megatron_qrl.rollout_sglang.moe_configs) and a summary with the
+megatron_qrl/rollout_sglang/kernels/configs/triton_<version>/ (picked up by SGLangEngine via
+SGLANG_MOE_CONFIG_DIR, see megatron_qrl.rollout_sglang.kernels.moe_configs) and a summary with the
 kernel time of SGLang's own choice vs the tuned one per token count, measured in this run.
 Defaults: Qwen3-30B-A3B at TP=1 (E=128, N=768, K=2048, top-8).
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_qrl.rollout_sglang.moe_configs import SHIPPED, write_config  # noqa: E402
-from megatron_qrl.rollout_sglang.moe_tune import DEFAULT_M, TUNE_FORMATS, make_case, tune  # noqa: E402
+from megatron_qrl.rollout_sglang.kernels.moe_configs import SHIPPED, write_config  # noqa: E402
+from megatron_qrl.rollout_sglang.kernels.moe_tune import DEFAULT_M, TUNE_FORMATS, make_case, tune  # noqa: E402
 from megatron_qrl.utils.cli import positive_float, positive_int, tool_parser  # noqa: E402
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..losses import ErrorTokenConfig, PolicyLossConfig
+from ..models.lora_config import LoraConfig, base_format_choices
 from ..quant.aqn import AQNConfig
 from .checkpoint_info import read_checkpoint_info
 from .checks import CheckEnv, combination_problems, combination_warnings
@@ -90,6 +92,8 @@ def default_config_classes() -> list[ConfigGroup]:
         *_loss_groups(),
         ConfigGroup("uaq", UAQConfig, "uaq"),
         ConfigGroup("aqn", AQNConfig, "aqn"),
+        ConfigGroup("lora", LoraConfig, "lora",
+                    {"base_format": {"choices": base_format_choices}}),
         ConfigGroup("task", TaskConfig, "task"),
     ]
 
@@ -143,12 +147,19 @@ def effective_values(args: argparse.Namespace, groups: Sequence[ConfigGroup] | N
 
 
 def _build(group: ConfigGroup, specs: Sequence[FlagSpec], values: Mapping[str, Any]) -> Any:
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}  # a dataclass field's own fields (generator)
     for s in specs:
         if values[s.dest] is None and s.default is None and not s.optional:
             raise QrlArgumentError(f"{s.flag} is required ({s.help})")
-        kwargs[s.field] = values[s.dest]
+        head, dot, rest = s.field.partition(".")
+        if dot:
+            nested.setdefault(head, {})[rest] = values[s.dest]
+        else:
+            kwargs[s.field] = values[s.dest]
     try:
+        hints = typing.get_type_hints(group.cls) if nested else {}
+        kwargs |= {head: hints[head](**sub) for head, sub in nested.items()}
         return group.cls(**kwargs)
     except (ValueError, TypeError) as exc:
         text = str(exc)

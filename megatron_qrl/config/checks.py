@@ -15,6 +15,7 @@ from typing import Any
 from ..quant import get_spec, list_specs
 from ..quant.uaq import UAQ_MAX_LR, AlreadyScaledError, check_not_already_scaled
 from .checkpoint_info import is_moe_config
+from .lora_checks import lora_problem
 
 __all__ = ["TBPO_AGGREGATIONS", "CheckEnv", "combination_problems", "combination_warnings"]
 
@@ -64,38 +65,18 @@ def _sglang_gpu(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     return None
 
 
-def _inplace_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
-    """Flat buckets, direct expert loads and stacked experts exist in the in-place sync only
-    (the default for weight-quantized formats: ``--qrl-rollout-sglang-sync auto``; stacked
-    experts need direct expert loads); prefetching in the tensor and in-place syncs. Unset
-    options take the engine's default for the sync; what is asked for explicitly must apply."""
-    from ..rollout_sglang.sync_policy import OPTION_SYNCS, default_sync  # the engine's rules
-
+def _sglang_options(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    """The SGLang options' own rules for the format
+    (:meth:`~megatron_qrl.rollout_sglang.options.SGLangOptions.problem`: which sync paths
+    work, which speed options apply to which path); with another engine, speed options
+    asked for explicitly are an error."""
     r = c["rollout"]
-    resolved = default_sync(r.format) if r.sglang_sync == "auto" else r.sglang_sync
-    if r.sglang_prefetch_buckets and resolved not in OPTION_SYNCS["prefetch_buckets"]:
-        return (f"--qrl-rollout-sglang-prefetch-buckets applies to the tensor and in-place "
-                f"syncs, not --qrl-rollout-sglang-sync {r.sglang_sync}")
-    asked = [(f, o) for f, o, on in (
-        ("--qrl-rollout-sglang-flat-buckets", "flatten_buckets", r.sglang_flat_buckets is True),
-        ("--qrl-rollout-sglang-direct-expert-loads", "direct_expert_loads",
-         r.sglang_direct_expert_loads is True),
-        ("--qrl-rollout-sglang-stack-experts", "stack_experts",
-         r.sglang_stack_experts is True)) if on]
-    if not asked:
-        return None
-    if r.engine != "sglang":
-        return f"{' and '.join(f for f, _ in asked)} need --qrl-rollout-engine sglang"
-    if r.sglang_stack_experts and r.sglang_direct_expert_loads is False:
-        return ("--qrl-rollout-sglang-stack-experts needs direct expert loads (stacked expert "
-                "tensors are loaded straight into the FusedMoE parameters); drop "
-                "--no-qrl-rollout-sglang-direct-expert-loads or the first")
-    flags = [f for f, o in asked if resolved not in OPTION_SYNCS[o]]  # both: in place only
-    if not flags:
-        return None
-    sync = r.sglang_sync if r.sglang_sync != "auto" else f"auto ({resolved} for {r.format})"
-    return (f"{' and '.join(flags)} apply to the in-place sync (--qrl-rollout-sglang-sync "
-            f"inplace, the default for weight-quantized formats); this run syncs with {sync}")
+    if r.engine == "sglang":
+        return r.sglang.problem(r.format)
+    asked = [f"--qrl-rollout-sglang-{name.replace('_', '-')}" for name in
+             ("flat_buckets", "direct_expert_loads", "stack_experts")
+             if getattr(r.sglang, name) is True]
+    return f"{' and '.join(asked)} need --qrl-rollout-engine sglang" if asked else None
 
 
 def _tbpo(c: Mapping[str, Any], env: CheckEnv) -> str | None:
@@ -148,8 +129,18 @@ def _batches(c: Mapping[str, Any], env: CheckEnv) -> str | None:
             f"--qrl-micro-batch-size {run.micro_batch_size}")
 
 
+def _token_budget(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    agg = getattr(c.get("loss"), "aggregation", "token_mean")
+    if c["run"].max_tokens_per_micro_batch and agg != "token_mean":
+        return (f"--qrl-max-tokens-per-micro-batch {c['run'].max_tokens_per_micro_batch} "
+                "normalises the loss by the step's tokens (the global token mean); it needs "
+                f"--qrl-loss-aggregation token_mean, not {agg}")
+    return None
+
+
 CHECKS: tuple[Callable[[Mapping[str, Any], CheckEnv], str | None], ...] = (
-    _w4a4, _sglang_gpu, _inplace_options, _tbpo, _aligned, _routing, _uaq, _batches,
+    _w4a4, _sglang_gpu, _sglang_options, _tbpo, _aligned, _routing, _uaq, _batches,
+    lora_problem, _token_budget,
 )
 
 

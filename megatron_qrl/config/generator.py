@@ -12,7 +12,10 @@ the dataclasses by one ``add_qrl_args(parser)``"):
   ``choices`` (a sequence, or a callable returning one, evaluated when the flag is made);
 * help: the docstring string literal placed under the field (read once with ``ast``);
 * default: the field's default (a group may override defaults / choices of a foreign
-  dataclass it cannot annotate, see :class:`ConfigGroup`).
+  dataclass it cannot annotate, see :class:`ConfigGroup`);
+* a field whose type is itself a dataclass (e.g. ``RolloutConfig.sglang``) gives that
+  dataclass's flags under ``--qrl-<prefix>-<field>-`` (its :class:`FlagSpec` ``field`` is
+  dotted, ``sglang.sync``); the group builds it whole from them.
 
 Every generated argument records on the namespace that the user set it (``explicit_dests``),
 which is how presets apply BEFORE user flags (user flags win) whatever the argv order.
@@ -170,6 +173,10 @@ def flag_specs(group: ConfigGroup) -> list[FlagSpec]:
         where = f"{group.cls.__name__}.{f.name}"
         meta = _meta(f, group)
         stem = f.name.replace("_", "-")
+        if dataclasses.is_dataclass(hints[f.name]):  # one dataclass: its flags, nested
+            sub = ConfigGroup(group.key, hints[f.name], f"{group.prefix}-{stem}".strip("-"))
+            specs += [dataclasses.replace(s, field=f"{f.name}.{s.field}") for s in flag_specs(sub)]
+            continue
         flag = meta.get("flag") or (f"--qrl-{group.prefix}-{stem}" if group.prefix else f"--qrl-{stem}")
         if not flag.startswith("--qrl-"):
             raise TypeError(f"{where}: flag {flag!r} must start with --qrl-")

@@ -9,8 +9,16 @@ mapping applies. Every accepted flag has an effect or raises; none is silently i
 * parallel layout: ``--tensor-model-parallel-size``, ``--expert-model-parallel-size``,
   ``--expert-tensor-parallel-size`` (Megatron default: equal to TP), ``--sequence-parallel``
   (off unless given, as in Megatron; MoE with TP > 1 needs it),
-  ``--pipeline-model-parallel-size`` (only 1), ``--use-distributed-optimizer`` (refused),
-  ``--bf16`` (below);
+  ``--pipeline-model-parallel-size`` (only 1), ``--bf16`` (below);
+* trainer memory / speed (:meth:`MegatronSettings.trainer_options`): ``--transformer-impl``
+  (``transformer_engine`` | ``local``; absent: TE where it imports on a GPU, as Megatron-LM
+  defaults to it), ``--recompute-granularity`` / ``--recompute-method`` /
+  ``--recompute-num-layers`` (TransformerConfig's activation recomputation, Megatron's
+  checks), ``--use-distributed-optimizer`` (optimizer state sharded over data-parallel ranks;
+  checkpoints hold each rank's shard), ``--optimizer-cpu-offload`` /
+  ``--optimizer-offload-fraction`` (megatron-core's HybridDeviceOptimizer: that share of the
+  fp32 master weights + Adam moments lives and steps on the CPU; needs the distributed
+  optimizer);
 * run flags, rewritten to ``--qrl-*`` flags (:func:`qrl_equivalents`; a ``--qrl-*`` flag
   that says something else is one error naming both): ``--lr`` -> ``--qrl-lr``, ``--seed``
   -> ``--qrl-seed``, ``--micro-batch-size`` -> ``--qrl-micro-batch-size``, ``--load DIR`` ->
@@ -56,6 +64,13 @@ FLAGS: tuple[tuple[str, str, Any, Any, tuple | None], ...] = (
     ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", int, None, None),
     ("--sequence-parallel", "sequence_parallel", _T, False, None),
     ("--use-distributed-optimizer", "use_distributed_optimizer", _T, False, None),
+    ("--optimizer-cpu-offload", "optimizer_cpu_offload", _T, False, None),
+    ("--optimizer-offload-fraction", "optimizer_offload_fraction", float, 1.0, None),
+    ("--transformer-impl", "transformer_impl", str, "transformer_engine",
+     ("local", "transformer_engine")),
+    ("--recompute-granularity", "recompute_granularity", str, None, ("full", "selective")),
+    ("--recompute-method", "recompute_method", str, None, ("uniform", "block")),
+    ("--recompute-num-layers", "recompute_num_layers", int, None, None),
     ("--micro-batch-size", "micro_batch_size", int, None, None),
     ("--global-batch-size", "global_batch_size", int, None, None),
     ("--lr", "lr", float, None, None),
@@ -188,7 +203,15 @@ class MegatronSettings:
     shape: tuple[tuple[str, Any], ...] = ()
     """Explicit model-shape flags ``(dest, value)`` (checked / applied on the model)."""
     config_overrides: tuple[tuple[str, Any], ...] = ()
-    """TransformerConfig overrides (token dispatcher, grouped GEMM)."""
+    """TransformerConfig overrides (token dispatcher, grouped GEMM, activation recompute)."""
+    transformer_impl: str = "auto"
+    """--transformer-impl (``auto`` when absent: TE where it imports and a GPU is present)."""
+    distributed_optimizer: bool = False
+    """--use-distributed-optimizer."""
+    optimizer_cpu_offload: bool = False
+    """--optimizer-cpu-offload."""
+    optimizer_offload_fraction: float = 1.0
+    """--optimizer-offload-fraction (share of the optimizer state on the CPU)."""
     argv: tuple[str, ...] = field(default=())
     """The Megatron flags as given."""
 
@@ -207,7 +230,8 @@ class MegatronSettings:
     def describe(self) -> str:
         """The layout as stored with checkpoints (a resume must use the same one)."""
         text = f"tp={self.tp},ep={self.ep},etp={self.etp},sp={int(self.sequence_parallel)}"
-        return text + (",bf16" if self.bf16 else "")
+        return text + (",bf16" if self.bf16 else "") + (",distopt" if self.distributed_optimizer
+                                                        else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise naming the flags when ``world_size`` processes cannot hold the layout."""
@@ -271,11 +295,7 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
             f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size}: qrl-train's "
             "trainer has no pipeline stages (it runs the whole model on every rank); use "
             "--pipeline-model-parallel-size 1 and more --tensor/--expert-model-parallel-size")
-    if ns.use_distributed_optimizer:
-        raise QrlArgumentError(
-            "--use-distributed-optimizer: qrl-train saves and resumes the plain (per-rank) "
-            "megatron optimizer state, which the distributed optimizer shards differently; "
-            "drop the flag")
+    _refuse_memory_flags(ns, explicit)
     if ns.fp16:
         raise QrlArgumentError(
             "--fp16: qrl-train's trainer runs fp32 or --bf16 (fp32 master weights); fp16 needs "
@@ -297,6 +317,9 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
                 f"{needs_te[0]} needs Transformer Engine on a GPU (megatron-core 0.16.1's "
                 "alltoall dispatcher builds a CUDA stream, grouped GEMM is TE's); without it "
                 "drop the flag (qrl-train then uses the allgather dispatcher, same maths)")
+    if ns.moe_grouped_gemm and "transformer_impl" in explicit and ns.transformer_impl == "local":
+        raise QrlArgumentError("--moe-grouped-gemm uses Transformer Engine's grouped GEMM; "
+                               "drop it or --transformer-impl local")
     if "num_query_groups" in explicit and not ns.group_query_attention:
         raise QrlArgumentError("--num-query-groups without --group-query-attention: Megatron "
                                "ignores it then; add --group-query-attention")
@@ -311,6 +334,46 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
             raise QrlArgumentError(
                 f"{_FLAG_OF[dest]} {getattr(ns, dest)}: megatron_qrl builds Qwen3 / Qwen3-MoE "
                 f"models, which need {want}; drop the flag")
+
+
+def _refuse_memory_flags(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
+    """Megatron-LM's own checks of the recompute / optimizer-offload flags, as one error each."""
+    if ns.optimizer_cpu_offload and not ns.use_distributed_optimizer:
+        raise QrlArgumentError("--optimizer-cpu-offload needs --use-distributed-optimizer "
+                               "(megatron-core offloads the distributed optimizer's state)")
+    if ns.optimizer_cpu_offload:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise QrlArgumentError("--optimizer-cpu-offload moves the optimizer state from the "
+                                   "GPU to the CPU (megatron-core's HybridDeviceOptimizer needs "
+                                   "CUDA); on a CPU-only host drop it")
+    if "optimizer_offload_fraction" in explicit and not ns.optimizer_cpu_offload:
+        raise QrlArgumentError("--optimizer-offload-fraction without --optimizer-cpu-offload "
+                               "has no effect; add --optimizer-cpu-offload or drop it")
+    if not 0.0 <= ns.optimizer_offload_fraction <= 1.0:
+        raise QrlArgumentError(f"--optimizer-offload-fraction {ns.optimizer_offload_fraction} "
+                               "must be in [0, 1]")
+    gran, method, layers = ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers
+    if gran is None and (method is not None or layers is not None):
+        raise QrlArgumentError("--recompute-method / --recompute-num-layers need "
+                               "--recompute-granularity full")
+    if gran == "full" and (method is None or layers is None):
+        raise QrlArgumentError("--recompute-granularity full needs --recompute-method "
+                               "uniform|block and --recompute-num-layers N (e.g. uniform 1: "
+                               "every layer's input kept, the layer recomputed in backward)")
+    if gran == "selective" and (method is not None or layers is not None):
+        raise QrlArgumentError("--recompute-granularity selective takes no --recompute-method / "
+                               "--recompute-num-layers (Megatron recomputes core attention)")
+    if layers is not None and layers < 1:
+        raise QrlArgumentError(f"--recompute-num-layers must be >= 1, got {layers}")
+    if "transformer_impl" in explicit and ns.transformer_impl == "transformer_engine":
+        from megatron_qrl.models.builder import use_transformer_engine
+
+        if not use_transformer_engine():
+            raise QrlArgumentError("--transformer-impl transformer_engine: Transformer Engine "
+                                   "does not import here; install it or use --transformer-impl "
+                                   "local (SDPA attention)")
 
 
 def qrl_equivalents(ns: argparse.Namespace, explicit: frozenset[str]
@@ -354,6 +417,9 @@ def parse_megatron_flags(argv: Sequence[str]
     overrides: list[tuple[str, Any]] = []
     if "moe_token_dispatcher_type" in explicit:
         overrides.append(("moe_token_dispatcher_type", ns.moe_token_dispatcher_type))
+    for dest in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        if getattr(ns, dest) is not None:
+            overrides.append((dest, getattr(ns, dest)))
     if ns.moe_grouped_gemm:
         overrides.append(("moe_grouped_gemm", True))
         shape += (("moe_grouped_gemm", True),)
@@ -366,5 +432,9 @@ def parse_megatron_flags(argv: Sequence[str]
         sequence_parallel=bool(ns.sequence_parallel), bf16=bool(ns.bf16),
         seq_length=ns.seq_length,
         shape=shape, config_overrides=tuple(overrides),
+        transformer_impl=ns.transformer_impl if "transformer_impl" in explicit else "auto",
+        distributed_optimizer=bool(ns.use_distributed_optimizer),
+        optimizer_cpu_offload=bool(ns.optimizer_cpu_offload),
+        optimizer_offload_fraction=float(ns.optimizer_offload_fraction),
         argv=tuple(argv))
     return settings, qrl_equivalents(ns, explicit), ns.global_batch_size

@@ -18,8 +18,12 @@ Paper modes (ALGORITHMS.md):
 * ``qurl`` (QuRL, seed 000): INT8 W8A8 rollouts, ACR (eq. 9), UAQ s=1.5 (eq. 10-12).
   QuRL uses UAQ at lr 1e-6 only (validation warns at lr >= 1e-5). Paper modes never set
   the learning rate: it belongs to the model/machine preset.
-* ``qerl`` (QeRL, seed 002): NVFP4 (W4A16) rollouts + AQN with TIS correcting the noise.
-  LoRA is not part of megatron_qrl yet.
+* ``qerl`` (QeRL, seed 002): NVFP4 (W4A16) rollouts + AQN with TIS correcting the noise,
+  LoRA r=32 alpha=32 on every attention / dense-MLP projection over an NVFP4 frozen base (the
+  engine's base; adapters only over the wire). QeRL's lr 1e-5 belongs to the model preset.
+* ``rlquant-qlora`` (rlquant, seed 003): QLoRA, NF4 double-quantized frozen base, LoRA r=8
+  alpha=16 dropout 0.05, lr 1e-4 (the paper's; this paper mode sets it). NF4 is trainer
+  storage only: BF16 rollouts of the dequantized base, so trainer and engine hold one base.
 * ``rlquant-qaft`` (rlquant, seed 003): QAFT-STE read as the aligned forward with INT8
   weights (our int8 is per output channel, the paper's STE scale is per tensor) and plain
   GRPO (ppo_clip, sequence-mean aggregation). PTQ-after-RL is a tool, not a run mode.
@@ -95,6 +99,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-rollout-format": "nvfp4",
         "--qrl-aqn-enabled": True,
         "--qrl-loss-kind": "tis",
+        "--qrl-lora-rank": 32,
+        "--qrl-lora-alpha": 32.0,
+        "--qrl-lora-base-format": "nvfp4",
+    },
+    "rlquant-qlora": {
+        "--qrl-lora-rank": 8,
+        "--qrl-lora-alpha": 16.0,
+        "--qrl-lora-dropout": 0.05,
+        "--qrl-lora-base-format": "nf4",
+        "--qrl-rollout-format": "bf16",
+        "--qrl-train-forward": "bf16",
+        "--qrl-lr": 1e-4,
     },
     "rlquant-qaft": {
         "--qrl-rollout-format": "int8",

@@ -1,6 +1,7 @@
 """Run-level configs of the RL loop; each field's docstring is its ``--qrl-*`` help.
 
-Flags (prefix in brackets): RolloutConfig [rollout], TrainForwardConfig [train],
+Flags (prefix in brackets): RolloutConfig [rollout; its ``sglang`` field, an
+:class:`~megatron_qrl.rollout_sglang.options.SGLangOptions`, [rollout-sglang]], TrainForwardConfig [train],
 RoutingReplayConfig [routing], UAQConfig [uaq], TaskConfig [task], RunConfig [none].
 Each ``__post_init__`` checks its own fields; combinations are checked by
 :func:`megatron_qrl.config.validate_qrl_args`.
@@ -15,6 +16,7 @@ from typing import Literal
 
 from ..quant import get_spec, list_specs
 from ..quant.uaq import validate_uaq_scale
+from ..rollout_sglang.options import SGLangOptions
 from .presets import preset_names
 
 __all__ = [
@@ -90,50 +92,10 @@ class RolloutConfig:
     stop: tuple[str, ...] = ()
     """Stop strings: generation of a response ends after the first one it produces."""
 
-    sglang_sync: Literal["auto", "tensor", "disk", "inplace", "distributed"] = "auto"
-    """SGLang weight-sync path: tensor (update_weights_from_tensor, colocated), disk
-    (safetensors in --qrl-rollout-sglang-sync-dir + update_weights_from_disk), inplace
-    (tensor buckets re-processed into the engine's live quantized layout), distributed
-    (--qrl-mode single, engine on other GPUs of the node: every bucket broadcast from the
-    trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), auto (the engine's choice per
-    format)."""
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
+    """SGLang engine options (--qrl-rollout-sglang-*: sync path and speed options, placement,
+    memory), passed whole to the engine."""
 
-    sglang_base_gpu: int = 0
-    """First GPU of the in-process SGLang engine (its TP ranks take the next ones); with
-    --qrl-rollout-sglang-sync distributed, a GPU the trainer does not use."""
-
-    sglang_sync_dir: str = "/dev/shm"
-    """Directory for --qrl-rollout-sglang-sync disk (fast local storage)."""
-
-    sglang_flat_buckets: bool | None = None
-    """In-place sync: send each bucket as one flattened buffer (one CUDA-IPC handle per bucket
-    instead of one per tensor). Unset: on for the in-place sync (30B-A3B fp8 on an H200,
-    prefetch off: 12.8 s -> 7.3 s per sync); --no-qrl-rollout-sglang-flat-buckets turns it
-    off."""
-
-    sglang_prefetch_buckets: int | None = None
-    """Tensor / in-place sync: weight buckets prepared (packed, fingerprinted, flattened) in a
-    thread ahead of the one the engine is loading (0: one after the other). Unset: 1 for the
-    in-place sync (30B-A3B fp8 on an H200, flat buckets: 6.9-7.3 s -> 3.8-4.3 s per sync), 0
-    for the tensor sync."""
-
-    sglang_direct_expert_loads: bool | None = None
-    """In-place sync: expert tensors go straight to their FusedMoE parameters' weight loaders
-    in batched copies, skipping SGLang's per-tensor expert-mapping scan in load_weights
-    (Qwen3-MoE). Unset: on for the in-place sync (the engine's bits equal a per-tensor load
-    in all five formats on an H200); --no-qrl-rollout-sglang-direct-expert-loads turns it and
-    --qrl-rollout-sglang-stack-experts off."""
-
-    sglang_stack_experts: bool | None = None
-    """In-place sync with direct expert loads: send each decoder layer's experts of one kind
-    (e.g. every expert's gate_proj.weight) as one stacked tensor instead of one tensor per
-    expert (~37k fewer wire tensors per Qwen3-30B-A3B sync); fingerprints stay per expert.
-    Unset: on wherever direct expert loads are (30B-A3B fp8 on an H200: 5.4 s -> 3.3 s per
-    sync, engine share 4.3 s -> 1.3 s); --no-qrl-rollout-sglang-stack-experts turns it off."""
-
-    sglang_mem_fraction: float = 0.5
-    """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
-    (the trainer needs the rest when colocated)."""
 
     nvfp4_w4a4: bool = False
     """NVFP4 rollouts with FP4 activations too (W4A4); needs a Blackwell GPU (compute
@@ -144,13 +106,8 @@ class RolloutConfig:
             raise ValueError(f"--qrl-rollout-format {self.format!r} is not a registered "
                              f"QuantSpec; choose one of {', '.join(list_specs())}")
         _choice("--qrl-rollout-engine", self.engine, ("reference", "sglang"))
-        _choice("--qrl-rollout-sglang-sync", self.sglang_sync,
-                ("auto", "tensor", "disk", "inplace", "distributed"))
-        _int("--qrl-rollout-sglang-base-gpu", self.sglang_base_gpu, 0)
-        if self.sglang_prefetch_buckets is not None:
-            _int("--qrl-rollout-sglang-prefetch-buckets", self.sglang_prefetch_buckets, 0)
-        _real("--qrl-rollout-sglang-mem-fraction", self.sglang_mem_fraction, 0.0, 1.0,
-              low_open=True)
+        if not isinstance(self.sglang, SGLangOptions):
+            raise TypeError(f"RolloutConfig.sglang must be SGLangOptions, got {self.sglang!r}")
         _int("--qrl-rollout-n-samples-per-prompt", self.n_samples_per_prompt, 1)
         _int("--qrl-rollout-max-new-tokens", self.max_new_tokens, 1)
         _real("--qrl-rollout-temperature", self.temperature, 0.0, low_open=True)
@@ -254,7 +211,7 @@ class RunConfig:
     preset: str | None = None
     """Named flag set(s) applied before the user's flags (user flags win); a comma-separated
     list applies several in order, later ones winning (e.g. qwen3-4b-1gpu,qurl). Names:
-    tiny-cpu, qwen3-4b-1gpu, qwen3-30b-a3b, qurl, qerl, rlquant-qaft, qarl."""
+    tiny-cpu, qwen3-4b-1gpu, qwen3-30b-a3b, qurl, qerl, rlquant-qaft, rlquant-qlora, qarl."""
 
     model: Literal["tiny-moe", "tiny-dense", "checkpoint"] = "tiny-moe"
     """tiny-moe / tiny-dense: the built-in tiny Qwen3(-MoE) sized for the char tokenizer
@@ -283,6 +240,12 @@ class RunConfig:
     micro_batch_size: int = 8
     """Responses per trainer forward/backward micro batch."""
 
+    max_tokens_per_micro_batch: int = 0
+    """RL steps: form the trainer's micro batches by this token budget (rows x longest row,
+    samples sorted by length, each micro batch cut to its longest row) instead of
+    --qrl-micro-batch-size padded rows; the policy loss is then the global token mean of each
+    optimizer step (needs --qrl-loss-aggregation token_mean). 0 = off."""
+
     updates_per_step: int = 1
     """Optimizer steps per rollout batch (mini batches); > 1 makes pi_theta move away from
     pi_prox within a step, which is what the clipping acts on."""
@@ -303,7 +266,8 @@ class RunConfig:
     """Directory of the TensorBoard event files; none = <output-dir>/tensorboard."""
 
     save_interval: int = 0
-    """Save an (atomic) checkpoint every N steps; 0 = only at the end."""
+    """Save an (atomic) checkpoint every N steps; 0 = only at the end; -1 = never (benchmarks,
+    smoke runs: a Qwen3-4B checkpoint with its Adam state is ~70 GB)."""
 
     resume: bool = False
     """Resume from the latest checkpoint in the output directory (reproduces the next step
@@ -338,8 +302,10 @@ class RunConfig:
                                  ("--qrl-prompts-per-step", self.prompts_per_step, 1),
                                  ("--qrl-micro-batch-size", self.micro_batch_size, 1),
                                  ("--qrl-updates-per-step", self.updates_per_step, 1),
+                                 ("--qrl-max-tokens-per-micro-batch",
+                                  self.max_tokens_per_micro_batch, 0),
                                  ("--qrl-seed", self.seed, 0),
-                                 ("--qrl-save-interval", self.save_interval, 0),
+                                 ("--qrl-save-interval", self.save_interval, -1),
                                  ("--qrl-engine-max-restarts", self.engine_max_restarts, 0)):
             _int(flag, value, low)
         _real("--qrl-lr", self.lr, 0.0, low_open=True)

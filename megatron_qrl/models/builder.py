@@ -3,7 +3,14 @@
 :func:`config_and_spec` is the one place the ``TransformerConfig`` and the layer
 ``ModuleSpec`` are made; callers that swap linear layers (the rollout-aligned forward) pass
 ``spec_hook``, a function ``(ModuleSpec, TransformerConfig) -> ModuleSpec`` applied last.
-The local (pure torch) spec is used where Transformer Engine is not importable.
+
+Which layer implementation (Megatron-LM's ``--transformer-impl``): :data:`TRANSFORMER_IMPLS`,
+resolved by :func:`resolve_transformer_impl`. ``transformer_engine`` is Megatron's TE spec (TE
+linears with the pre-norm fused in, ``TEDotProductAttention`` / flash attention,
+``TEGroupedMLP`` experts with ``moe_grouped_gemm``); ``local`` is the pure-torch spec with
+core attention through ``scaled_dot_product_attention`` (:mod:`.sdpa_attention`; never the
+materialised softmax); ``auto`` (the default) picks TE where it imports and a GPU is present,
+as Megatron-LM defaults to TE.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.utils.optional import available
 
 SpecHook = Callable[[Any, Any], Any]
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,32 @@ def use_transformer_engine() -> bool:
     return available("transformer_engine.pytorch")[0]
 
 
+def resolve_transformer_impl(impl: str | bool | None = "auto") -> bool:
+    """True for the TE spec. ``impl``: one of :data:`TRANSFORMER_IMPLS` (None = ``auto``: TE
+    where it imports and CUDA is present) or a bool (True = TE). Raises naming the flag when
+    ``transformer_engine`` is asked for and TE does not import."""
+    if isinstance(impl, bool):
+        return impl
+    impl = impl or "auto"
+    if impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"--transformer-impl {impl!r}: choose one of {TRANSFORMER_IMPLS}")
+    if impl == "local":
+        return False
+    te = use_transformer_engine()
+    if impl == "transformer_engine" and not te:
+        raise ValueError("--transformer-impl transformer_engine: Transformer Engine does not "
+                         f"import here ({available('transformer_engine.pytorch')[1]}); install it "
+                         "or use --transformer-impl local")
+    return te and (impl == "transformer_engine" or torch.cuda.is_available())
+
+
 def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
-                       params_dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
-    """The megatron-core ``TransformerConfig`` of ``arch`` at ``layout``; ``overrides`` win."""
+                       params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                       **overrides: Any) -> Any:
+    """The megatron-core ``TransformerConfig`` of ``arch`` at ``layout``; ``overrides`` win.
+
+    ``use_te`` (default: TE importable): the TE spec will be built, so the alltoall dispatcher
+    may be used; without TE the MoE dispatcher is allgather (below)."""
     from megatron.core.transformer import TransformerConfig
 
     layout = layout or ParallelLayout()
@@ -102,7 +133,7 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
         )
     if arch.is_moe:
         kwargs.update(moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall")
-    if not use_transformer_engine():
+    if not (use_transformer_engine() if use_te is None else use_te):
         # megatron-core 0.16.1 without TE: the alltoall dispatcher builds a torch.cuda.Stream
         # in __init__, so the CPU build uses the allgather dispatcher (same maths, dropless).
         # Parameters are created on the GPU when there is one (megatron's default).
@@ -114,24 +145,32 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: ModelArch, config: Any, use_te: bool | None = None,
+def layer_spec(arch: ModelArch, config: Any, use_te: bool | str | None = None,
                spec_hook: SpecHook | None = None) -> Any:
-    """The decoder block spec: TE spec if ``use_te`` (default: TE importable), else local.
+    """The decoder block spec: TE spec if ``use_te`` (a bool or a :data:`TRANSFORMER_IMPLS`
+    name; default ``auto``), else local with SDPA core attention.
 
     ``spec_hook`` maps the decoder LAYER ``ModuleSpec`` (before it is repeated over layers).
     The local spec gets :class:`SequenceParallelRMSNorm` for every norm, the final one too.
+    Grouped-GEMM experts follow ``config.moe_grouped_gemm`` (TE spec only).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    use_te = use_transformer_engine() if use_te is None else use_te
+    from megatron_qrl.models.sdpa_attention import SDPACoreAttention
+
+    use_te = resolve_transformer_impl(use_te)
     num_experts = arch.num_experts if arch.is_moe else None
+    grouped = bool(arch.is_moe and config.moe_grouped_gemm)
     if use_te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=arch.is_moe, qk_layernorm=True)
+            num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=True)
         from megatron.core.extensions.transformer_engine import TENorm
         final_norm: Any = TENorm
     else:
+        if grouped:
+            raise ValueError("--moe-grouped-gemm needs the Transformer Engine spec "
+                             "(--transformer-impl transformer_engine)")
         spec = specs.get_gpt_layer_local_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
             normalization="RMSNorm")
@@ -140,6 +179,7 @@ def layer_spec(arch: ModelArch, config: Any, use_te: bool | None = None,
         sub.pre_mlp_layernorm = SequenceParallelRMSNorm
         sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
         sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+        sub.self_attention.submodules.core_attention = SDPACoreAttention
         final_norm = SequenceParallelRMSNorm
     if spec_hook is not None:
         spec = spec_hook(spec, config)
@@ -148,11 +188,12 @@ def layer_spec(arch: ModelArch, config: Any, use_te: bool | None = None,
 
 
 def config_and_spec(arch: ModelArch, layout: ParallelLayout | None = None,
-                    params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                    params_dtype: torch.dtype = torch.float32, use_te: bool | str | None = None,
                     spec_hook: SpecHook | None = None, **overrides: Any) -> tuple[Any, Any]:
     """``(TransformerConfig, decoder block spec)`` of ``arch``; see the module docstring."""
-    config = transformer_config(arch, layout, params_dtype, **overrides)
-    return config, layer_spec(arch, config, use_te, spec_hook)
+    te = resolve_transformer_impl(use_te)
+    config = transformer_config(arch, layout, params_dtype, use_te=te, **overrides)
+    return config, layer_spec(arch, config, te, spec_hook)
 
 
 def build_gpt_model(arch: ModelArch, config: Any, spec: Any, pg_collection: Any = None,

@@ -176,12 +176,17 @@ def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1,
 
 def build_model(arch: ModelArch, layout: ParallelLayout | None = None,
                 params_dtype: torch.dtype = torch.float32, spec_hook: SpecHook | None = None,
-                pg_collection: Any = None, **overrides: Any) -> torch.nn.Module:
-    """``config_and_spec`` + ``build_gpt_model`` (call inside an initialised megatron job)."""
+                pg_collection: Any = None, use_te: bool | str | None = None,
+                **overrides: Any) -> torch.nn.Module:
+    """``config_and_spec`` + ``build_gpt_model`` (call inside an initialised megatron job).
+
+    ``use_te``: the layer implementation (``models.builder.TRANSFORMER_IMPLS`` or a bool;
+    None = auto: the TE spec where TE imports and CUDA is present)."""
     if arch.is_moe and not use_transformer_engine():
         from megatron_qrl.compat.moe_cpu import enable_moe_router_without_te
         enable_moe_router_without_te()
-    config, spec = config_and_spec(arch, layout, params_dtype, spec_hook=spec_hook, **overrides)
+    config, spec = config_and_spec(arch, layout, params_dtype, use_te=use_te,
+                                   spec_hook=spec_hook, **overrides)
     return build_gpt_model(arch, config, spec, pg_collection=pg_collection)
 
 

@@ -11,7 +11,7 @@ is the one place that reads megatron's ``parallel_state``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,22 +87,33 @@ def _shard(rule: ParamRule, full: list[torch.Tensor], arch: ModelArch, rank: int
     return layout.shard_gate_up(full[0], full[1], rank, size, what)
 
 
+def _is_adapter(name: str) -> bool:
+    """LoRA adapter parameters have no HF tensor here (``models.lora_io`` streams them)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def _num_local_experts(arch: ModelArch, groups: ShardGroups) -> int:
     _, ep_size = _rank_size(groups.ep)
     return arch.num_experts // ep_size if arch.is_moe else 0
 
 
 def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
-                    groups: ShardGroups | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    groups: ShardGroups | None = None,
+                    named: Iterable[tuple[str, torch.Tensor]] | None = None,
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every HF tensor of ``model``, one parameter at a time.
 
     Collective: all ranks of ``groups`` must consume the generator in lockstep. Tensors are
     detached copies in the parameter dtype; experts come in (local index, EP rank) order.
+    ``named``: the ``(megatron name, local tensor)`` pairs to stream instead of
+    ``model.named_parameters()`` (a LoRA model's frozen bases, ``models.lora_io``).
     """
     groups = groups or ShardGroups()
     ep_rank, ep_size = _rank_size(groups.ep)
     n_local = _num_local_experts(arch, groups)
-    for name, param in model.named_parameters():
+    for name, param in (model.named_parameters() if named is None else named):
+        if _is_adapter(name):
+            continue
         rule = rule_for(name, arch, ep_rank, n_local)
         shard_group = groups.etp if rule.expert else groups.tp
         shards = [param.detach()] if rule.kind == "replicated" else _all_gather(
@@ -133,6 +144,8 @@ def load_hf_weights(model: torch.nn.Module, arch: ModelArch, get_tensor: Callabl
     used: set[str] = set()
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if _is_adapter(name):
+                continue
             rule = rule_for(name, arch, ep_rank, n_local)
             full = [get_tensor(n) for n in rule.hf_names]
             rank, size = (etp_rank, etp_size) if rule.expert else (tp_rank, tp_size)

@@ -27,7 +27,7 @@ _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_out
                         "qrl_rollout_sglang_sync_dir", "qrl_rollout_sglang_base_gpu",
                         "qrl_rollout_sglang_flat_buckets", "qrl_rollout_sglang_prefetch_buckets",
                         "qrl_rollout_sglang_direct_expert_loads",
-                        "qrl_rollout_sglang_stack_experts",
+                        "qrl_rollout_sglang_stack_experts", "qrl_rollout_sglang_receipt",
                         "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
                         "qrl_engine_max_restarts")
 """Flags that may differ between a run and its resumption (run length, saving, resume, and

@@ -135,11 +135,11 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     configs["megatron"] = settings
     flags["megatron_layout"] = settings.describe()
     args.world_size = _world_size(args, settings)
-    if args.qrl_mode != "single" and configs["rollout"].sglang_base_gpu:
+    if args.qrl_mode != "single" and configs["rollout"].sglang.base_gpu:
         raise QrlArgumentError(
             f"--qrl-rollout-sglang-base-gpu places the in-process engine of --qrl-mode single; "
             f"in --qrl-mode {args.qrl_mode} Ray gives the engine actor its GPU: drop the flag")
-    if args.qrl_mode != "single" and configs["rollout"].sglang_sync == "distributed":
+    if args.qrl_mode != "single" and configs["rollout"].sglang.sync == "distributed":
         raise QrlArgumentError(
             f"--qrl-rollout-sglang-sync distributed is for --qrl-mode single (engine on other "
             f"GPUs of this process's node); in --qrl-mode {args.qrl_mode} the weights reach the "
@@ -150,6 +150,10 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
             f"--qrl-rollout-num-engines {configs['rollout'].num_engines} runs the engines as Ray "
             "actors: add --qrl-mode colocated (engines on the trainer's GPUs) or "
             "disaggregated (GPUs of their own)")
+    if args.qrl_mode != "single" and configs["lora"].enabled:
+        raise QrlArgumentError(
+            f"--qrl-lora-rank {configs['lora'].rank} with --qrl-mode {args.qrl_mode}: the Ray "
+            "engine actor does not serve LoRA adapters yet; use --qrl-mode single")
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")

@@ -35,6 +35,7 @@ from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
 from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rl.checkpoint import load_driver_checkpoint, save_driver_checkpoint
 from megatron_qrl.rl.forward import forward_plan
+from megatron_qrl.rl.lora_sync import LoraSync, enter_lora
 from megatron_qrl.rl.rank_resync import ResyncWorld
 from megatron_qrl.rl.start_model import (
     HFTokenizer,
@@ -46,7 +47,7 @@ from megatron_qrl.rl.start_model import (
 )
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
 from megatron_qrl.rl.sync import make_engine, sync_weights
-from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
+from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 from megatron_qrl.utils.metrics import MetricsLogger
 
 __all__ = ["JobData", "prepare_job", "run_job"]
@@ -140,6 +141,7 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
     configs = ctx.configs
     policy = ctx.trainer.policy
     if not resumed:
+        enter_lora(ctx.trainer, configs)  # LoRA: freeze (and quantize) the base, adapters on
         policy.set_optimizer(policy.new_optimizer(configs["run"].lr))
         if configs["uaq"].enabled:
             _apply_uaq(ctx.trainer, data, configs["uaq"].scale)
@@ -170,8 +172,10 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     plan.config_overrides.update(dict(mega.config_overrides))
     _seed_megatron(run.seed)
     layout = mega.layout() if world.world_size > 1 else None
-    trainer = PolicyTrainer(build_policy(data.arch, run.sft_lr, plan, layout=layout,
-                                         groups=world.shard_groups(), bf16=mega.bf16))
+    trainer = PolicyTrainer(build_policy(
+        data.arch, run.sft_lr, plan, layout=layout, groups=world.shard_groups(), bf16=mega.bf16,
+        options=TrainerOptions.from_flags(
+            mega, per_token_loss=run.max_tokens_per_micro_batch > 0)))
     if data.start is not None:
         load_start_weights(trainer.module, data.start)
         plan.weights_changed()
@@ -184,7 +188,15 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     # a Ray engine under torchrun: its restarts re-sync through every rank (rank_resync)
     ray_ranks = world.world_size > 1 and world.broadcast(hasattr(engine, "bind_resync"))
 
-    def gather() -> None:  # the gathers of iter_hf_tensors need every rank
+    lora = LoraSync(configs["lora"]) if plan.lora is not None else None
+
+    def aqn_at(version: int) -> dict[str, int]:
+        return {"aqn_step": min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
+                "total_steps": max(run.steps, 1)}
+
+    def gather(version: int = 0) -> None:  # the gathers of iter_hf_tensors need every rank
+        if lora is not None and plan.lora.active:
+            return lora.consume(trainer, aqn, **aqn_at(version))
         for _ in trainer.hf_tensors():
             pass
 
@@ -192,26 +204,33 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
         world = ResyncWorld.of(world, serve=gather)
 
     def send(version: int) -> Any:
+        if lora is not None and plan.lora.active:  # the base once, then adapters only
+            return lora.send(trainer, engine, spec, version, aqn, run.seed, **aqn_at(version))
         return sync_weights(trainer.hf_tensors(), engine, spec, version, aqn, run.seed,
-                            aqn_step=min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
-                            total_steps=max(run.steps, 1))
+                            **aqn_at(version))
 
     def sync(version: int) -> Any:
-        result = send(version) if world.is_main else gather()
+        result = send(version) if world.is_main else gather(version)
         if ray_ranks:  # rank 0: the sync is over; the others serve its re-syncs until then
             world.broadcast(None)
         return result
 
     def resync(version: int) -> Any:  # rank 0, after an engine actor restart
+        if lora is not None:  # a restarted engine holds no base
+            lora.base_sent = False
         if ray_ranks:
             world.announce_resync()
         return send(version)
 
     if hasattr(engine, "bind_resync"):  # Ray modes: a restarted engine actor re-syncs
         engine.bind_resync(resync)
+    # single mode: the in-process engine shares the trainer's GPU (Ray colocated: the actor)
+    release = bool(configs["rollout"].sglang.release_memory
+                   and configs["rollout"].engine == "sglang" and not hasattr(engine, "bind_resync"))
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
                        make_loss_fn(configs), sync, world, mega.seq_length,
-                       mega.tp if world.world_size > 1 and mega.sequence_parallel else 1)
+                       mega.tp if world.world_size > 1 and mega.sequence_parallel else 1,
+                       release_engine_memory=release)
 
 
 def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any]) -> None:
@@ -266,6 +285,7 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
     if run.resume:
         start, trainer_state, rng = _resume(ctx, out, flags)
         if start > sft_steps:
+            enter_lora(ctx.trainer, configs)
             ctx.trainer.policy.set_optimizer(ctx.trainer.policy.new_optimizer(run.lr))
             resumed = True
         ctx.trainer.load_state_dict(trainer_state)
@@ -289,8 +309,8 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
             bar.set_postfix(_postfix(rec), refresh=False)
             done = step + 1
             rl_done = done - sft_steps
-            if done == sft_steps or done == total or (
-                    rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0):
+            if run.save_interval >= 0 and (done == sft_steps or done == total or (
+                    rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0)):
                 _save(ctx, out, done, flags)
     finally:
         bar.close()

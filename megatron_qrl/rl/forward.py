@@ -33,6 +33,12 @@ class ForwardPlan:
     """``moe.RoutingReplay`` (MoE models) or None; its mode decides where ids are replayed."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """``TransformerConfig`` overrides (Transformer Engine recipes)."""
+    lora: Any = None
+    """``models.lora.LoraState`` of a LoRA run (``--qrl-lora-rank`` > 0), else None. Its frozen
+    base in the rollout format IS the aligned forward of the base (no aligned linears)."""
+    prepare_model: Any = None
+    """``(bare GPTModel) -> None`` run by ``build_policy`` before megatron DDP wraps the model
+    (LoRA without warm-up: only the adapters require grad, so DDP buffers only theirs)."""
 
     def weights_changed(self) -> None:
         """Invalidate cached quantized weights (after a load / UAQ; steps do it themselves)."""
@@ -48,6 +54,9 @@ class ForwardPlan:
 def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
     """Resolve ``--qrl-train-forward`` / ``--qrl-routing-replay`` for ``arch`` (errors name the flag)."""
     train, routing, rollout = configs["train"], configs["routing"], configs["rollout"]
+    lora = configs.get("lora")
+    if lora is not None and lora.enabled:
+        return _lora_plan(configs, arch)
     needed = train.forward == "aligned" or routing.replay != "off" or arch.is_moe
     if not needed:
         return ForwardPlan()
@@ -58,3 +67,24 @@ def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
     except ValueError as exc:
         raise ForwardUnavailableError(str(exc)) from None
     return ForwardPlan(fwd.spec_hook, fwd.aligned, fwd.replay, dict(fwd.config_overrides))
+
+
+def _lora_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
+    """LoRA: every linear a LoRA linear (``models.lora``), routing replay as usual."""
+    import dataclasses
+
+    from megatron_qrl.models.lora import LoraState, freeze_all_but_adapters, lora_spec_hook
+    from megatron_qrl.te_quant import compose_hooks, trainer_forward
+
+    state = LoraState(configs["lora"])
+    train = dataclasses.replace(configs["train"], forward="bf16")
+    try:
+        fwd = trainer_forward(train, configs["rollout"].format, configs["routing"], arch)
+    except ValueError as exc:
+        raise ForwardUnavailableError(str(exc)) from None
+    # the LoRA linears swap into megatron-core's local spec (use_te goes to config_and_spec)
+    run = configs.get("run")
+    no_warmup = run is not None and run.sft_steps == 0
+    return ForwardPlan(compose_hooks(lora_spec_hook(state), fwd.spec_hook), None, fwd.replay,
+                       {**fwd.config_overrides, "use_te": False}, state,
+                       freeze_all_but_adapters if no_warmup else None)

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.rl import ray_modes
 from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, fleet_layout
 from megatron_qrl.rollout.fleet_sync import FleetBroadcast
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, weight_backend
+from megatron_qrl.rollout_sglang.factory import build_engine
 
 __all__ = ["FleetSession", "session_layout"]
 
@@ -36,16 +36,7 @@ def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
     return fleet_layout(rollout_cfg.num_engines, rollout_cfg.engine_tp, rollout_cfg.engine_ep,
                         rollout_cfg.engine, mode, cluster_gpus=cluster_gpus,
                         trainer_gpus=trainer, gpus_per_node=gpus_per_node,
-                        mem_fraction=_mem_fraction(rollout_cfg))
-
-
-def _mem_fraction(rollout_cfg: Any) -> float:
-    """--qrl-rollout-sglang-mem-fraction (``RolloutConfig.sglang.mem_fraction`` once the
-    SGLang options are one dataclass, ``sglang_mem_fraction`` before)."""
-    options = getattr(rollout_cfg, "sglang", None)
-    if options is not None and hasattr(options, "mem_fraction"):
-        return float(options.mem_fraction)
-    return float(getattr(rollout_cfg, "sglang_mem_fraction", 0.5))
+                        mem_fraction=rollout_cfg.sglang.mem_fraction)
 
 
 class FleetSession(RaySession):
@@ -91,10 +82,7 @@ class FleetSession(RaySession):
         opts = {"num_cpus": 1.0, "num_gpus": self.fleet.gpus_per_engine, "max_restarts": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=index)}
-        # the engine factory ray_modes hands its actor, where the actor takes one
-        build = getattr(ray_modes, "build_engine", None)
-        args = (spec,) if build is None else (spec, build)
-        return RayEngine(ray.remote(EngineActor).options(**opts).remote(*args),
+        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
                          transport=self.weight_transport, engine_kind=spec.kind,
                          backend=self.backend(spec), timeout_s=self.weight_timeout_s)
 

@@ -31,7 +31,7 @@ the GPU of the trainer's rank 0 (a one-GPU Ray instance on that GPU).
 
 Ray: ``ray.init()`` joins the running cluster (``RAY_ADDRESS``, or the one ``ray start`` left
 in ``/tmp/ray``) or else starts a local instance. ``--qrl-rollout-engine sglang``: the actor
-asks for 1 GPU (one SGLang engine, TP 1) and starts it as ``start_job_engine`` does in single
+asks for 1 GPU (one SGLang engine, TP 1) and starts it as ``make_engine`` does in single
 mode (config-only directory, ``load_format="dummy"``, filled by the first sync).
 """
 
@@ -51,10 +51,11 @@ from megatron_qrl.rollout.ray_actor import (
     EngineActor,
     EngineSpec,
     RayEngine,
-    sglang_job_spec,
     weight_backend,
 )
 from megatron_qrl.rollout.supervisor import EngineSupervisor
+from megatron_qrl.rollout_sglang.factory import build_engine
+from megatron_qrl.rollout_sglang.factory import engine_spec as _engine_spec
 
 __all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "actor_options", "engine_gpus",
            "engine_spec", "placement_layout"]
@@ -104,13 +105,9 @@ def _init_ray() -> bool:
 
 
 def engine_spec(rollout_cfg: Any, hf_config: dict, seed: int) -> EngineSpec:
-    """The actor's :class:`EngineSpec` for ``--qrl-rollout-engine`` (``rollout_cfg``)."""
-    threads = torch.get_num_threads()
-    if rollout_cfg.engine == "reference":
-        return EngineSpec("reference", hf_config, rollout_cfg.format, seed, num_threads=threads)
-    if rollout_cfg.engine == "sglang":
-        return sglang_job_spec(rollout_cfg, hf_config, seed)
-    raise NotImplementedError(f"--qrl-rollout-engine {rollout_cfg.engine}: no such engine")
+    """The actor's :class:`EngineSpec` for ``--qrl-rollout-engine`` (``rollout_cfg``); a
+    reference engine runs with this process's torch threads (CPU results as in single mode)."""
+    return _engine_spec(rollout_cfg, hf_config, seed, num_threads=torch.get_num_threads())
 
 
 def actor_options(layout: PlacementLayout, spec: EngineSpec, pg: Any = None) -> dict[str, Any]:
@@ -134,7 +131,7 @@ def actor_options(layout: PlacementLayout, spec: EngineSpec, pg: Any = None) -> 
 
 def engine_gpus(rollout_cfg: Any) -> int:
     """GPUs of the engine bundle for ``--qrl-rollout-engine`` (1: SGLang, 0: reference)."""
-    return 1 if rollout_cfg.engine == "sglang" else 0
+    return _engine_spec(rollout_cfg, {}, 0).num_gpus
 
 
 class RaySession:
@@ -195,7 +192,7 @@ class RaySession:
         if self.pg is None or self.layout is None:
             raise RuntimeError("RaySession.new_actor outside `with RaySession(...)`")
         opts = actor_options(self.layout, spec, self.pg)
-        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec),
+        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
                          transport=self.weight_transport, engine_kind=spec.kind,
                          backend=weight_backend(spec.kind, colocated=self.mode == "colocated"),
                          timeout_s=self.weight_timeout_s)

@@ -31,7 +31,8 @@ from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
 
-__all__ = ["StepContext", "rl_step", "sample_indices", "sft_step", "step_seed"]
+__all__ = ["StepContext", "micro_batches", "rl_step", "sample_indices", "sft_step",
+           "step_seed"]
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -70,6 +71,16 @@ class StepContext:
     seq_multiple: int = 1
     """Sequence lengths are padded to a multiple of this (TP size under sequence parallel)."""
 
+    release_engine_memory: bool = False
+    """Single mode, an in-process SGLang engine sharing the trainer's GPU: release its memory
+    after each rollout (before recompute + train) and resume it before the weight sync
+    (``--qrl-rollout-sglang-release-memory``; the Ray colocated engine does it itself)."""
+
+    def engine_memory(self, release: bool) -> None:
+        """Release (or resume) the engine's GPU memory when ``release_engine_memory``."""
+        if self.release_engine_memory and self.world.is_main and self.engine is not None:
+            (self.engine.release_memory if release else self.engine.resume_memory)()
+
     def check_length(self, batch: dict) -> dict:
         """``batch`` padded to ``seq_multiple``; raise naming ``--seq-length`` when longer."""
         s = batch["tokens"].shape[1]
@@ -107,7 +118,8 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
                       [[*ctx.tokenizer.encode(r.answer), ctx.tokenizer.eos_id] for r in recs])
     batch = ctx.check_length(batch)
     metrics, grad_norm = ctx.trainer.train_step(
-        ctx.world.local(split_batch(batch, run.micro_batch_size), 1), _sft_loss)
+        ctx.world.local(split_batch(batch, run.micro_batch_size), 1), _sft_loss,
+        per_token_loss=False)
     return {"step": step, "phase": "sft", "reward_mean": None, "mismatch_kl": None,
             "clip_frac": None, "error_token_rate": None, "time_rollout_s": 0.0,
             "time_train_s": time.perf_counter() - t0, "time_sync_s": 0.0,
@@ -143,27 +155,48 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
 
     ``step`` is the global step (metrics, seeds), ``rl_index`` the 0-based RL step (AQN stage).
     """
-    run = ctx.configs["run"]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     batch, rewards, texts = ctx.world.broadcast(
         _rollout(ctx, step) if ctx.world.is_main else None)
     batch = ctx.check_length(batch)
+    ctx.engine_memory(release=True)  # the trainer's recompute + update run next
     t1 = time.perf_counter()
-    mbs = ctx.world.local(split_batch(batch, run.micro_batch_size), run.updates_per_step)
+    groups = micro_batches(ctx, batch)
+    mbs = [mb for group in groups for mb in group]
     old = ctx.trainer.log_probs(mbs, ctx.loss_fn)
     agreement = ctx.trainer.last_routing_agreement
     for mb, lp in zip(mbs, old):
         mb["old_log_probs"] = lp
     t2 = time.perf_counter()
-    per_update = len(mbs) // run.updates_per_step
-    updates = [ctx.trainer.train_step(mbs[u * per_update:(u + 1) * per_update], ctx.loss_fn)
-               for u in range(run.updates_per_step)]
+    updates = [ctx.trainer.train_step(group, ctx.loss_fn) for group in groups]
     t3 = time.perf_counter()
+    ctx.engine_memory(release=False)
     ctx.sync(step + 1)
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
+    rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
+    rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
     return {**rec, "routing_agreement": agreement, **(fleet() if callable(fleet) else {})}
+
+
+def micro_batches(ctx: StepContext, batch: dict) -> list[list[dict]]:
+    """This rank's micro batches of each optimizer step of an RL step: padded rows of
+    ``--qrl-micro-batch-size``, or by ``--qrl-max-tokens-per-micro-batch`` (rl.microbatch)."""
+    run, world = ctx.configs["run"], ctx.world
+    if run.max_tokens_per_micro_batch:
+        from megatron_qrl.rl.microbatch import budget_micro_batches
+
+        return budget_micro_batches(batch, run.max_tokens_per_micro_batch, run.updates_per_step,
+                                    world.dp_size, world.dp_rank, ctx.seq_multiple,
+                                    ctx.tokenizer.pad_id)
+    mbs = world.local(split_batch(batch, run.micro_batch_size), run.updates_per_step)
+    per_update = len(mbs) // run.updates_per_step
+    return [mbs[u * per_update:(u + 1) * per_update] for u in range(run.updates_per_step)]
 
 
 def _nonneg(v: float | None) -> float | None:

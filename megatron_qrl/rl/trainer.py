@@ -27,6 +27,42 @@ from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.rl.forward import ForwardPlan
 
 
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How the trainer is built and steps (from the Megatron flags after ``--``)."""
+
+    transformer_impl: str = "auto"
+    """``models.builder.TRANSFORMER_IMPLS``: transformer_engine, local (SDPA attention) or
+    auto (TE where it imports and a GPU is present)."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: fp32 masters + Adam state sharded over data-parallel
+    ranks, gradients reduce-scattered (``--use-distributed-optimizer``)."""
+    optimizer_cpu_offload: bool = False
+    """``--optimizer-cpu-offload``: megatron-core's HybridDeviceOptimizer keeps
+    ``optimizer_offload_fraction`` of the optimizer state on the CPU and steps it there."""
+    optimizer_offload_fraction: float = 1.0
+    """Share of the optimizer state offloaded (with ``optimizer_cpu_offload``)."""
+    per_token_loss: bool = False
+    """Policy-loss steps normalise by the step's total loss tokens (Megatron's
+    ``calculate_per_token_loss``): the objective is the global token mean of the optimizer
+    step, independent of how samples are grouped into micro batches (token-budget batches)."""
+
+    @classmethod
+    def from_flags(cls, mega: Any, per_token_loss: bool = False) -> TrainerOptions:
+        """The options of parsed Megatron flags (``config.megatron_flags.MegatronSettings``)."""
+        return cls(transformer_impl=mega.transformer_impl,
+                   distributed_optimizer=mega.distributed_optimizer,
+                   optimizer_cpu_offload=mega.optimizer_cpu_offload,
+                   optimizer_offload_fraction=mega.optimizer_offload_fraction,
+                   per_token_loss=per_token_loss)
+
+    def __post_init__(self) -> None:
+        if self.optimizer_cpu_offload and not self.distributed_optimizer:
+            raise ValueError("TrainerOptions: optimizer_cpu_offload needs distributed_optimizer")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError("TrainerOptions.optimizer_offload_fraction must be in [0, 1]")
+
+
 @dataclass
 class PolicyModel:
     """A DDP-wrapped megatron-core model, its optimizer and config."""
@@ -40,10 +76,11 @@ class PolicyModel:
     """``models.streaming.ShardGroups`` of a multi-rank job (None: one process)."""
     bf16: bool = False
     """BF16 parameters with fp32 master weights (megatron's mixed-precision optimizer)."""
+    options: TrainerOptions = TrainerOptions()
 
     def new_optimizer(self, lr: float) -> Any:
         """A fresh optimizer (new moments) at ``lr`` of the same precision."""
-        return make_optimizer(self.ddp, lr, bf16=self.bf16)
+        return make_optimizer(self.ddp, lr, bf16=self.bf16, options=self.options)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Use ``optimizer`` from now on (the aligned-forward cache follows its steps)."""
@@ -53,7 +90,8 @@ class PolicyModel:
 
 def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
                  clip_grad: float = 1.0, weight_decay: float = 0.0, layout: Any = None,
-                 groups: Any = None, bf16: bool = False) -> PolicyModel:
+                 groups: Any = None, bf16: bool = False,
+                 options: TrainerOptions | None = None) -> PolicyModel:
     """Build the policy (fp32 masters), wrap it in megatron DDP and make an Adam optimizer.
 
     ``plan.spec_hook`` maps the decoder layer ModuleSpec (aligned linears, replay routers);
@@ -61,8 +99,10 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
     ``models.builder.ParallelLayout`` of a multi-rank job (megatron's ``parallel_state`` must
     match it) and ``groups`` its ``models.streaming.ShardGroups``; None: one process.
     ``bf16``: BF16 parameters, fp32 gradient reduction and fp32 master weights in Adam.
+    ``options``: layer implementation, distributed optimizer / CPU offload, loss normalisation.
     """
     plan = plan or ForwardPlan()
+    options = options or TrainerOptions()
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -72,24 +112,36 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
     from megatron_qrl.models.runtime import build_model
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, **plan.config_overrides)
+    overrides = dict(plan.config_overrides)
+    # a forward plan that needs one layer implementation (LoRA: the local spec) names it
+    use_te = overrides.pop("use_te", options.transformer_impl)
+    model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, use_te=use_te, **overrides)
+    if plan.prepare_model is not None:
+        plan.prepare_model(model)
     config = model.config
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True) if bf16
-        else DistributedDataParallelConfig(), model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bf16, use_distributed_optimizer=options.distributed_optimizer)
+    ddp = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
-    policy = PolicyModel(ddp, None, config, arch, plan, groups, bf16)
-    policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay, bf16))
+    policy = PolicyModel(ddp, None, config, arch, plan, groups, bf16, options)
+    policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay, bf16, options))
     return policy
 
 
 def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0,
-                   bf16: bool = False) -> Any:
+                   bf16: bool = False, options: TrainerOptions | None = None) -> Any:
     """A fresh megatron-core Adam optimizer over ``ddp`` (new moments; used per phase);
-    ``bf16``: the mixed-precision optimizer (fp32 master copies of the BF16 parameters)."""
+    ``bf16``: the mixed-precision optimizer (fp32 master copies of the BF16 parameters);
+    ``options``: distributed optimizer / CPU offload."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    options = options or TrainerOptions()
     extra: dict[str, Any] = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    if options.distributed_optimizer:
+        extra["use_distributed_optimizer"] = True
+    if options.optimizer_cpu_offload:
+        extra.update(optimizer_cpu_offload=True,
+                     optimizer_offload_fraction=options.optimizer_offload_fraction)
     return get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
                         adam_beta2=0.99, **extra), [ddp])
@@ -212,16 +264,27 @@ class PolicyTrainer:
         self.last_routing_agreement = agree / tokens if tokens else None
         return [d["log_probs"].float() for d in store]
 
-    def train_step(self, microbatches: Sequence[dict], loss_fn: Callable
-                   ) -> tuple[dict[str, float], float]:
+    def train_step(self, microbatches: Sequence[dict], loss_fn: Callable,
+                   per_token_loss: bool | None = None) -> tuple[dict[str, float], float]:
         """Forward/backward over ``microbatches`` and one optimizer step.
 
-        Returns the loss function's metrics averaged over micro batches and the grad norm.
+        ``per_token_loss`` (default: ``TrainerOptions.per_token_loss``): the loss function
+        returns ``(loss * tokens, tokens, metrics)`` and the gradient is divided by the step's
+        total tokens (over data-parallel ranks too) instead of per micro batch — the global
+        token mean, whatever the micro batches. Returns the loss function's metrics averaged
+        over micro batches and the grad norm.
         """
         ddp, optimizer = self.policy.ddp, self.policy.optimizer
+        config = self.policy.config
+        per_token = self.policy.options.per_token_loss if per_token_loss is None \
+            else per_token_loss
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        store = self._run(microbatches, loss_fn, False)
+        saved, config.calculate_per_token_loss = config.calculate_per_token_loss, per_token
+        try:
+            store = self._run(microbatches, loss_fn, False)
+        finally:
+            config.calculate_per_token_loss = saved
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
@@ -239,10 +302,15 @@ class PolicyTrainer:
         return iter_hf_tensors(self.module, self.policy.arch, self.policy.groups)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state for a checkpoint."""
-        return {"model": {k: v.detach().clone() for k, v in self.module.state_dict().items()
-                          if v is not None and torch.is_tensor(v)},
-                "optimizer": self.policy.optimizer.state_dict()}
+        """Model and optimizer state for a checkpoint (the distributed optimizer adds this
+        rank's shard of the fp32 masters and Adam moments under ``optimizer_shards``)."""
+        optimizer = self.policy.optimizer
+        out = {"model": {k: v.detach().clone() for k, v in self.module.state_dict().items()
+                         if v is not None and torch.is_tensor(v)},
+               "optimizer": optimizer.state_dict()}
+        if self.policy.options.distributed_optimizer:
+            out["optimizer_shards"] = [_shard_state(o) for o in _members(optimizer)]
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (exactly: parameters, Adam moments and step counts)."""
@@ -251,8 +319,55 @@ class PolicyTrainer:
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-        self.policy.optimizer.load_state_dict(state["optimizer"])
+        optimizer = self.policy.optimizer
+        optimizer.load_state_dict(state["optimizer"])
+        shards = state.get("optimizer_shards")
+        if self.policy.options.distributed_optimizer:
+            if shards is None:
+                raise ValueError("the checkpoint was written without --use-distributed-optimizer;"
+                                 " resume with the flags it was written with")
+            with torch.no_grad():  # copies into the fp32 master parameters
+                for o, shard in zip(_members(optimizer), shards, strict=True):
+                    _unshare_adam_steps(o)
+                    o.load_parameter_state_from_dp_reshardable(shard)
         self.policy.plan.weights_changed()
+
+
+def _shard_state(optimizer: Any) -> dict:
+    """A copy of this rank's shard of a ``DistributedOptimizer`` (masters, Adam moments) in
+    megatron-core's "dp_reshardable" layout. megatron-core 0.16.1's getter returns live
+    tensors and leaves out the ``padding`` entry its loader reads; both are added here."""
+    state = optimizer.get_parameter_state_dp_reshardable()
+    for key, by_dtype in state.items():
+        if not isinstance(key, int):
+            continue
+        for buckets in by_dtype.values():
+            for bucket in buckets:
+                for i, elem in enumerate(bucket):
+                    bucket[i] = {k: v.detach().clone() if torch.is_tensor(v) else v
+                                 for k, v in elem.items()}
+                    bucket[i].setdefault("padding", False)
+    return state
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam ``step`` tensor.
+
+    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` on the torch-Adam path
+    (no TE / Apex: a CPU host) stores ONE step tensor in every parameter's state; torch's Adam
+    increments each parameter's step in place, so the shared counter would advance once per
+    parameter per update and the bias correction after a resume would be wrong (found by
+    tests/test_trainer_memory_flags.py::test_distributed_optimizer_resumes)."""
+    inner = getattr(optimizer, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if torch.is_tensor(step):
+            state["step"] = step.clone()
+
+
+def _members(optimizer: Any) -> list:
+    """The optimizers of a megatron ``ChainedOptimizer`` (EP > 1), or ``[optimizer]``."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def average_metrics(store: Sequence[dict]) -> dict[str, float]:

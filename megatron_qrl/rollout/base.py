@@ -283,14 +283,14 @@ class GenerationOutput:
 class RolloutEngine(ABC):
     """A generation engine that receives packed low-precision weights from the trainer."""
 
-    checksums_of_sent_stream: bool = False
-    """True for an engine in the trainer's process whose :meth:`held_checksums` are the
-    fingerprints of the stream :meth:`update_weights` was handed (SGLang holds weights in its
-    own post-processed layout, which cannot be fingerprinted against the packed form): a
-    sender's :class:`WeightManifest` of the same stream would compare those tensors with
-    themselves, so the driver's sync (:func:`megatron_qrl.rl.sync.sync_weights`) skips it and
-    its per-tensor pass. False where the fingerprints are of what the engine holds or received
-    (the reference engine's parameters, a Ray actor's received tensors)."""
+    verifies_own_update: bool = False
+    """True for an engine whose :meth:`update_weights` checks the sync itself before returning
+    (raising :class:`WeightSyncError` naming the tensor), so the driver's sync
+    (:func:`megatron_qrl.rl.sync.sync_weights`) builds no :class:`WeightManifest`: the
+    in-process SGLang engine, which compares the fingerprints its scheduler took of what it
+    received with those of the stream it was handed (see its ``last_sync["verified"]``).
+    False where the driver compares :meth:`held_checksums` with its manifest (the reference
+    engine's parameters, a Ray actor's received tensors)."""
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

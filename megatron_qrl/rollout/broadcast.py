@@ -8,9 +8,10 @@ bucket, no object store, no host copy on an NCCL group.
 :func:`init_group` meets SGLang's ``init_weights_update_group`` (SGLang 0.5.17
 ``sglang.srt.utils.init_custom_process_group``): a TCP rendezvous at ``host:port``, a
 ``PrefixStore`` named after the group, and torch's process-group constructor, so the trainer
-and the engine's schedulers join the same group. :func:`flatten` lays a bucket out as
-SGLang's ``FlattenedTensorBucket`` does (each tensor's bytes in order), so SGLang's
-``update_weights_from_distributed(load_format="flattened_bucket")`` reconstructs it.
+and the engine's schedulers join the same group. Buckets are laid out by
+:func:`megatron_qrl.rollout.wire.flatten` (SGLang's ``FlattenedTensorBucket`` layout), so
+SGLang's ``update_weights_from_distributed(load_format="flattened_bucket")`` reconstructs
+them.
 
 :func:`send_stream` / :func:`receive_stream` frame a whole stream for receivers that are not
 SGLang (the Ray engine actor): per bucket a header ``int64[2]`` = (metadata bytes, payload
@@ -19,21 +20,17 @@ bytes), the JSON metadata, then the payload; a ``(0, 0)`` header ends the stream
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BucketMeta", "broadcast_from_trainer", "bucket_nbytes", "find_group", "flatten",
-           "free_port", "init_group", "iter_buckets", "json_tensor", "receive_stream",
-           "send_stream", "tensor_json", "unflatten"]
+from .wire import flatten, iter_buckets, json_tensor, tensor_json, unflatten
 
-BucketMeta = list[tuple[str, str, list[int]]]
-"""One bucket's ``(name, dtype name without "torch.", shape)`` per tensor, in payload order."""
+__all__ = ["broadcast_from_trainer", "find_group", "free_port", "init_group", "receive_stream",
+           "send_stream"]
 
 
 def free_port(host: str = "") -> int:
@@ -84,69 +81,9 @@ def find_group(group_name: str) -> dist.ProcessGroup:
                    f"{sorted(c10d._world.pg_names.values())}")
 
 
-def flatten(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, BucketMeta]:
-    """One ``uint8`` buffer holding every tensor's bytes in order (SGLang's
-    ``FlattenedTensorBucket`` layout) and its :data:`BucketMeta`."""
-    if not named:
-        raise ValueError("flatten: empty bucket")
-    meta = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named]
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
-    return flat, meta
-
-
-def json_tensor(obj: Any, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``obj`` as JSON bytes in a ``uint8`` tensor (metadata that travels beside tensors)."""
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
-
-
-def tensor_json(t: torch.Tensor) -> Any:
-    """Inverse of :func:`json_tensor`."""
-    # one buffer copy (a bucket's meta is ~0.3 MB: tolist() took ~6 ms of it per bucket)
-    return json.loads(t.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes().decode())
-
-
-def bucket_nbytes(meta: BucketMeta) -> int:
-    """Bytes of the flat buffer :data:`BucketMeta` describes."""
-    return sum(getattr(torch, dtype).itemsize * int(torch.Size(shape).numel())
-               for _, dtype, shape in meta)
-
-
 def broadcast_from_trainer(t: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Broadcast ``t`` from rank 0 (the trainer) of the weight group, in place on the others."""
     dist.broadcast(t, group=group, group_src=0)
-
-
-def unflatten(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
-    """Views of ``flat`` as the tensors :func:`flatten` packed (no copy)."""
-    out, pos = [], 0
-    for name, dtype, shape in meta:
-        dt = getattr(torch, dtype)
-        n = dt.itemsize
-        for s in shape:
-            n *= s
-        out.append((name, flat[pos:pos + n].view(dt).reshape(shape)))
-        pos += n
-    if pos != flat.numel():
-        raise ValueError(f"unflatten: metadata covers {pos} bytes, the buffer holds {flat.numel()}")
-    return out
-
-
-def iter_buckets(stream: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """``stream`` in lists of about ``bucket_bytes`` (a larger tensor is its own bucket)."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in stream:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def send_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,

@@ -1,7 +1,9 @@
 """A rollout engine in a Ray actor, behind the same :class:`RolloutEngine` interface.
 
-:class:`EngineActor` (run as ``ray.remote``) builds the engine inside the actor process —
-the reference engine, or lazily SGLang's (one GPU per actor) — and :class:`RayEngine` is the
+:class:`EngineActor` (run as ``ray.remote``) builds the engine an :class:`EngineSpec` names
+inside the actor process, with the engine factory it is handed
+(:func:`megatron_qrl.rollout_sglang.factory.build_engine`: the reference engine, or SGLang's
+with one GPU per actor; this layer never imports SGLang), and :class:`RayEngine` is the
 driver-side proxy whose methods call the actor. ``verify`` compares the actor's
 ``held_checksums`` with the sender's :class:`WeightManifest` exactly as in single mode. The
 packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
@@ -18,9 +20,10 @@ packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
 * ``objectstore``: every bucket is ``ray.put`` as it fills and the actor loads the stream
   from the ObjectRefs (a full copy of the weights in the object store per sync). Tensors of
   the 1-byte float dtypes (FP8 / NVFP4 codes and scales) travel as their ``uint8`` bytes
-  plus the dtype (:class:`WireTensor`): torch's pickler cannot round-trip them (measured with
-  torch 2.13: ``pickle.loads(pickle.dumps(float8 tensor))`` fails in ``_legacy_load`` on
-  ``UntypedStorage.dtype``), and Ray pickles what it stores.
+  plus the dtype (:class:`WireTensor`, :func:`megatron_qrl.rollout.wire.as_bytes`): torch's
+  pickler cannot round-trip them (measured with torch 2.13: ``pickle.loads(pickle.dumps(float8
+  tensor))`` fails in ``_legacy_load`` on ``UntypedStorage.dtype``), and Ray pickles what it
+  stores.
 
 A dead actor (``RayActorError`` / ``ActorDiedError``) surfaces as :class:`EngineDiedError`,
 which :class:`EngineSupervisor` restarts; so does a broadcast that fails (gloo measured with
@@ -37,24 +40,20 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams
-from .broadcast import free_port, init_group, iter_buckets, receive_stream, send_stream
+from .broadcast import free_port, init_group, receive_stream, send_stream
 from .supervisor import EngineDiedError
+from .wire import as_bytes, from_bytes, iter_buckets
 
-__all__ = ["SGLANG_ROLLOUT_FIELDS", "WEIGHT_TRANSPORTS", "EngineActor", "EngineSpec", "RayEngine",
-           "WireTensor", "bucketize", "build_engine", "from_wire", "sglang_job_spec", "to_wire",
-           "weight_backend"]
+__all__ = ["WEIGHT_TRANSPORTS", "EngineActor", "EngineBuilder", "EngineSpec", "RayEngine",
+           "WireTensor", "bucketize", "from_wire", "to_wire", "weight_backend"]
 
 WEIGHT_TRANSPORTS = ("broadcast", "objectstore")
 """How :class:`RayEngine` sends weights to its actor (module docstring)."""
-
-_PICKLE_SAFE_1B = (torch.uint8, torch.int8, torch.bool)
-
 
 @dataclass(frozen=True)
 class WireTensor:
@@ -66,26 +65,19 @@ class WireTensor:
 
 def to_wire(t: torch.Tensor) -> torch.Tensor | WireTensor:
     """``t`` on the driver's CPU, in a form Ray can pickle (see the module docstring)."""
-    t = t.detach().cpu()
-    if t.element_size() == 1 and t.dtype not in _PICKLE_SAFE_1B:
-        return WireTensor(t.contiguous().view(torch.uint8), str(t.dtype).removeprefix("torch."))
-    return t
+    raw, dtype = as_bytes(t.detach().cpu())
+    return raw if dtype is None else WireTensor(raw, dtype)
 
 
 def from_wire(t: torch.Tensor | WireTensor) -> torch.Tensor:
     """Undo :func:`to_wire`."""
-    return t.data.view(getattr(torch, t.dtype)) if isinstance(t, WireTensor) else t
-
-
-SGLANG_ROLLOUT_FIELDS = ("sglang_sync", "sglang_mem_fraction", "sglang_sync_dir",
-                         "sglang_flat_buckets", "sglang_prefetch_buckets",
-                         "sglang_direct_expert_loads", "sglang_stack_experts")
-"""The :class:`~megatron_qrl.config.run.RolloutConfig` fields ``start_job_engine`` reads."""
+    return from_bytes(t.data, t.dtype) if isinstance(t, WireTensor) else t
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What the actor builds: ``kind`` ``reference`` (transformers, CPU) or ``sglang``.
+    """What the actor builds (picklable): ``kind`` ``reference`` (transformers, CPU) or
+    ``sglang``, made by :func:`megatron_qrl.rollout_sglang.factory.engine_spec`.
 
     ``sglang`` without ``sglang_kwargs["model_path"]`` is the job engine of
     ``--qrl-rollout-engine sglang``: :func:`megatron_qrl.rollout_sglang.launch.start_job_engine`
@@ -100,20 +92,16 @@ class EngineSpec:
     num_threads: int | None = None
     """torch intra-op threads in the actor (None: Ray's default); the driver passes its own
     so CPU results match single mode bit for bit."""
+    sglang: Any = None
+    """Kind ``sglang``: the job's :class:`~megatron_qrl.rollout_sglang.options.SGLangOptions`
+    (None: their defaults)."""
     sglang_kwargs: dict = field(default_factory=dict)
     """Extra ``SGLangEngine`` keyword arguments for kind ``sglang``; with ``model_path`` the
     engine starts from that HF checkpoint directory instead of the job's config-only one."""
-    rollout: dict = field(default_factory=dict)
-    """Kind ``sglang`` job engine: the :data:`SGLANG_ROLLOUT_FIELDS` of the job's
-    ``RolloutConfig`` (sync mode, memory fraction, sync directory)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("reference", "sglang"):
             raise ValueError(f"EngineSpec.kind must be 'reference' or 'sglang', got {self.kind!r}")
-        unknown = set(self.rollout) - set(SGLANG_ROLLOUT_FIELDS)
-        if unknown:
-            raise ValueError(f"EngineSpec.rollout: unknown field(s) {sorted(unknown)}; the "
-                             f"fields are {SGLANG_ROLLOUT_FIELDS}")
         tp = int(self.sglang_kwargs.get("tp_size", 1))
         if self.kind == "sglang" and tp != 1:
             raise ValueError(
@@ -127,41 +115,16 @@ class EngineSpec:
         return 1 if self.kind == "sglang" else 0
 
 
-def sglang_job_spec(rollout_cfg: Any, hf_config: dict, seed: int,
-                    num_threads: int | None = None) -> EngineSpec:
-    """The :class:`EngineSpec` of ``--qrl-rollout-engine sglang`` (``rollout_cfg``: a
-    ``RolloutConfig``): the arguments :func:`~megatron_qrl.rollout_sglang.launch.start_job_engine`
-    takes in single mode."""
-    return EngineSpec("sglang", dict(hf_config), rollout_cfg.format, seed, num_threads=num_threads,
-                      rollout={k: getattr(rollout_cfg, k) for k in SGLANG_ROLLOUT_FIELDS
-                               if hasattr(rollout_cfg, k)})
-
-
-def build_engine(spec: EngineSpec) -> RolloutEngine:
-    """The engine named by ``spec`` (imports SGLang only when asked for it)."""
-    if spec.num_threads:
-        torch.set_num_threads(spec.num_threads)
-    if spec.kind == "reference":
-        from .reference import ReferenceEngine
-
-        return ReferenceEngine(spec.hf_config, spec.format, device="cpu", dtype=torch.float32,
-                               seed=spec.seed)
-    kwargs = dict(spec.sglang_kwargs)
-    if "model_path" not in kwargs:
-        from megatron_qrl.rollout_sglang.launch import start_job_engine
-
-        cfg = SimpleNamespace(format=spec.format, **spec.rollout)
-        return start_job_engine(cfg, spec.hf_config, spec.seed, **kwargs)
-    from megatron_qrl.rollout_sglang.engine import SGLangEngine
-
-    return SGLangEngine(kwargs.pop("model_path"), spec.format, **kwargs)
+EngineBuilder = Callable[[EngineSpec], RolloutEngine]
+"""Builds the engine a spec names (``megatron_qrl.rollout_sglang.factory.build_engine``)."""
 
 
 class EngineActor:
-    """The actor body: owns one engine, built at construction inside the actor process."""
+    """The actor body: owns one engine, built at construction inside the actor process by
+    ``build`` (a module-level function: Ray pickles it by reference)."""
 
-    def __init__(self, spec: EngineSpec):
-        self.engine = build_engine(spec)
+    def __init__(self, spec: EngineSpec, build: EngineBuilder):
+        self.engine = build(spec)
         self.calls: list[str] = []
         self.weight_group: Any = None
         self.weight_device = "cpu"
@@ -255,7 +218,7 @@ def weight_backend(engine_kind: str, colocated: bool = False) -> str:
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
     """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
-    bucket, :func:`~megatron_qrl.rollout.broadcast.iter_buckets`), each tensor in its
+    bucket, :func:`~megatron_qrl.rollout.wire.iter_buckets`), each tensor in its
     :func:`to_wire` form."""
     for bucket in iter_buckets(stream, bucket_bytes):
         yield [(name, to_wire(t)) for name, t in bucket]

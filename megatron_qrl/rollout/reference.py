@@ -23,6 +23,7 @@ from ..quant.hf_reference import (
     load_packed_weights,
 )
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError, tensor_checksum
+from .lora_adapters import AdapterSet
 from .sampling import sample_next
 
 
@@ -42,6 +43,7 @@ class ReferenceEngine(RolloutEngine):
         self._routers = [m for n, m in self.model.named_modules() if n.endswith("mlp.gate")]
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         attach_activation_quant(self.model, self.spec)
+        self.adapter = AdapterSet()
 
     # ---- weights ---------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -65,6 +67,32 @@ class ReferenceEngine(RolloutEngine):
 
     def held_checksums(self) -> dict[str, str]:
         return {name: tensor_checksum(t) for name, t in self._packed.items()}
+
+    # ---- LoRA (rollout/lora_adapters.py; SGLang's load_lora_adapter_from_tensors) ---------
+    def load_lora_adapter(self, name: str, tensors: dict, config: dict, version: int) -> None:
+        """Serve adapter ``tensors`` (PEFT names, PEFT ``config``) on top of the held base."""
+        if self._version < 0:
+            raise WeightSyncError("load_lora_adapter() before the first update_weights(): the "
+                                  "engine holds no base weights yet")
+        self.adapter.install(self.model, name, tensors, config, self.device)
+        self._version = version
+
+    def held_lora_checksums(self) -> dict[str, str]:
+        return self.adapter.checksums()
+
+    def update_base_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                            version: int) -> None:
+        """Replace some unquantized base tensors (AQN's noisy norm gains between adapter syncs)."""
+        part = {n: t.detach().to(self.device, copy=True) for n, t in named_tensors}
+        bad = [n for n in part if n not in self._packed or self.spec.is_quantized(n)]
+        if bad:
+            raise WeightSyncError(f"update_base_tensors: {bad[:3]} are not unquantized tensors "
+                                  "the engine holds")
+        differ = load_packed_weights(self.model, self.spec, part, list(part))
+        if differ:
+            raise WeightSyncError(f"engine failed to load {differ[0]!r}")
+        self._packed.update(part)
+        self._version = version
 
     def weight_version(self) -> int:
         return self._version

@@ -111,8 +111,8 @@ class EngineSupervisor(RolloutEngine):
                          lambda: self.engine.update_weights(named_tensors, version), retry=False)
 
     @property
-    def checksums_of_sent_stream(self) -> bool:  # the inner engine's (see RolloutEngine)
-        return self.engine.checksums_of_sent_stream
+    def verifies_own_update(self) -> bool:  # the inner engine's (see RolloutEngine)
+        return self.engine.verifies_own_update
 
     def held_checksums(self) -> dict[str, str]:
         return self._supervised("held_checksums", lambda: self.engine.held_checksums())

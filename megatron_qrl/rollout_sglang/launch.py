@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..quant import get_spec
+from .options import SGLangOptions
 
 __all__ = ["engine_config", "start_job_engine", "write_engine_dir"]
 
@@ -43,28 +44,13 @@ def write_engine_dir(hf_config: dict, spec_name: str, root: str | Path | None = 
     return d
 
 
-def start_job_engine(rollout_cfg: Any, hf_config: dict, seed: int, **engine_kwargs: Any):
+def start_job_engine(options: SGLangOptions, spec_name: str, hf_config: dict, seed: int,
+                     **engine_kwargs: Any):
     """The SGLang engine of ``--qrl-rollout-engine sglang`` (placeholder weights until the
-    first sync). ``rollout_cfg``: :class:`megatron_qrl.config.run.RolloutConfig`."""
+    first sync): a config-only directory for ``spec_name``, ``load_format="dummy"``, the
+    job's ``seed``; ``options`` go to the engine whole."""
     from .engine import SGLangEngine
 
-    d = write_engine_dir(hf_config, rollout_cfg.format)
-    sync = getattr(rollout_cfg, "sglang_sync", "auto")
-    kwargs: dict[str, Any] = {"load_format": "dummy", "random_seed": seed,
-                              "mem_fraction_static": getattr(rollout_cfg, "sglang_mem_fraction", 0.5)}
-    if sync != "auto":
-        kwargs["sync"] = sync
-    if kwargs.get("sync") == "disk":
-        kwargs["sync_dir"] = getattr(rollout_cfg, "sglang_sync_dir", "/dev/shm")
-    for field, arg, unset in (("sglang_flat_buckets", "flatten_buckets", None),
-                              ("sglang_prefetch_buckets", "prefetch_buckets", None),
-                              ("sglang_direct_expert_loads", "direct_expert_loads", None),
-                              ("sglang_stack_experts", "stack_experts", None)):
-        value = getattr(rollout_cfg, field, unset)
-        if value != unset:  # only what was set: the engine picks its default per sync
-            kwargs[arg] = value
-    base_gpu = getattr(rollout_cfg, "sglang_base_gpu", 0)
-    if base_gpu or sync == "distributed":
-        kwargs["base_gpu_id"] = base_gpu
-    kwargs |= engine_kwargs
-    return SGLangEngine(d, rollout_cfg.format, **kwargs)
+    d = write_engine_dir(hf_config, spec_name)
+    kwargs: dict[str, Any] = {"load_format": "dummy", "random_seed": seed} | engine_kwargs
+    return SGLangEngine(d, spec_name, options, **kwargs)

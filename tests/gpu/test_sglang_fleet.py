@@ -31,28 +31,18 @@ FMT = "int8"
 G = 2
 
 
-def _actor_args(spec):
-    import inspect
-
-    from megatron_qrl.rollout.ray_actor import EngineActor
-
-    if "build" in inspect.signature(EngineActor.__init__).parameters:
-        from megatron_qrl.rollout_sglang.factory import build_engine
-
-        return (spec, build_engine)
-    return (spec,)
-
-
 @pytest.mark.gpu
 def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
     import megatron_qrl.rollout.broadcast as bc
+    from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
-    from megatron_qrl.quant.export import export_quantized
     from megatron_qrl.quant.hf_reference import hf_tensors
     from megatron_qrl.rollout import SamplingParams, WeightManifest
     from megatron_qrl.rollout.fleet import EngineFleet
     from megatron_qrl.rollout.fleet_sync import FleetBroadcast
     from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine
+    from megatron_qrl.rollout_sglang.factory import build_engine
+    from megatron_qrl.rollout_sglang.options import SGLangOptions
 
     sys.path.insert(0, str(HERE))
     from test_sglang_inplace import CFG_PATH, prompts, source_model
@@ -67,12 +57,12 @@ def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
     import json
 
     spec = EngineSpec("sglang", json.loads(CFG_PATH.read_text()), FMT, seed=0,
-                      sglang_kwargs={"model_path": str(tmp_path / FMT),
-                                     "mem_fraction_static": 0.3, "random_seed": 0})
+                      sglang=SGLangOptions(mem_fraction=0.3),
+                      sglang_kwargs={"model_path": str(tmp_path / FMT), "random_seed": 0})
 
     def new_engine():
         actor = ray.remote(EngineActor).options(num_gpus=0.5, num_cpus=1, max_restarts=0)
-        return RayEngine(actor.remote(*_actor_args(spec)), transport="broadcast",
+        return RayEngine(actor.remote(spec, build_engine), transport="broadcast",
                          backend="gloo", timeout_s=300)
 
     calls = []

@@ -19,17 +19,17 @@ in the background when the session begins and overlaps the first three formats.
 
 Variant ``direct`` (``test_direct_expert_loads_match_per_tensor_loads``): the same worker with
 direct expert loads per expert (``stack_experts`` off) — expert tensors go straight to SGLang's FusedMoE
-parameters, batched where :mod:`megatron_qrl.rollout_sglang.expert_batch` reproduces
+parameters, batched where :mod:`megatron_qrl.rollout_sglang.sync.loader.expert_batch` reproduces
 ``FusedMoE.weight_loader`` — syncs A then B; then, per tensor through ``model.load_weights``
 (``direct_expert_loads`` off), A then B again. With ``QRL_INPLACE_DIGEST`` set, the loader
-records the engine's bits after each sync (:mod:`megatron_qrl.rollout_sglang.state_digest`):
+records the engine's bits after each sync (:mod:`megatron_qrl.rollout_sglang.sync.debug`):
 after the same weights, batched and per-tensor syncs must leave every parameter, buffer and
 quant-method tensor bit-identical. Equal generations are printed, not required: on the H200
 (2026-11-29) nvfp4's digests were equal while its greedy tokens differed (max |dlogp| 0.84),
 so its Marlin MoE kernel is not run-to-run deterministic. B is also checked against
 the aligned reference as above, and the sync times are printed. Between the two, the same
 engine syncs A and B again with ``stack_experts=True`` (each layer's experts of one kind sent as
-one stacked tensor, :mod:`megatron_qrl.rollout_sglang.expert_stack`): one engine start per
+one stacked tensor, :mod:`megatron_qrl.rollout_sglang.sync.sender`): one engine start per
 format for all three load paths. Just this variant:
 
     PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_inplace.py -x -s -k direct
@@ -92,8 +92,8 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.hf_reference import hf_tensors
     from megatron_qrl.rollout import SamplingParams, WeightManifest
-    from megatron_qrl.rollout_sglang import SGLangEngine
-    from megatron_qrl.rollout_sglang.state_digest import DIGEST_ENV, digest_diff, read_digests
+    from megatron_qrl.rollout_sglang import SGLangEngine, SGLangOptions
+    from megatron_qrl.rollout_sglang.sync.debug import DIGEST_ENV, digest_diff, read_digests
 
     work = out.parent / f"work-{fmt}"
     a, b = source_model(0), source_model(1)
@@ -116,7 +116,7 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
     digests = out.parent / f"digest-{fmt}.jsonl"
     if direct:  # the engine's bits after each sync (state_digest), inherited
         os.environ[DIGEST_ENV] = str(digests)
-    engine = SGLangEngine(work / fmt, fmt, sync=sync, bucket_bytes=BUCKET_BYTES,
+    engine = SGLangEngine(work / fmt, fmt, SGLangOptions(sync=sync), bucket_bytes=BUCKET_BYTES,
                           mem_fraction_static=0.3, random_seed=0, **placement)
     # (tag, weights, version, (direct expert loads, expert-stacked wire) or None: the
     # engine's defaults for the sync — in place: both on)
@@ -129,11 +129,14 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
     try:
         for tag, model, version, expert_opts in steps:
             if expert_opts is not None:
-                engine.direct_expert_loads, engine.stack_experts = expert_opts
+                engine.options = engine.options.replace(direct_expert_loads=expert_opts[0],
+                                                        stack_experts=expert_opts[1])
             manifest = WeightManifest()
             engine.update_weights(manifest.record(spec.pack_state_dict(hf_tensors(model))),
                                   version)
-            engine.verify(manifest)
+            engine.verify(manifest)  # the scheduler's receipt of what it received, where it runs
+            want = "receipt" if engine.uses_loader else "version"  # bf16 distributed: SGLang's
+            assert engine.last_sync["verified"] == want, (tag, engine.last_sync)
             res[f"sync_{tag}"] = dict(engine.last_sync, version=engine.weight_version())
             o = engine.generate(prompts(), greedy)
             res[f"out_{tag}"] = {"ids": o.output_ids.tolist(), "lp": o.logprobs.tolist(),
@@ -246,7 +249,7 @@ def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewar
     """Batched direct expert loads, per expert and over the expert-stacked wire, vs SGLang's
     per-tensor loaders on the same engine: after syncing the same weights each way, every
     parameter, buffer and quant-method tensor of the engine's model must be bit-identical
-    (:mod:`megatron_qrl.rollout_sglang.state_digest`). Equal generations are reported, not
+    (:mod:`megatron_qrl.rollout_sglang.sync.debug`). Equal generations are reported, not
     required: the nvfp4 engine's greedy tokens varied between runs with the same weights on
     the H200, so tokens cannot tell a wrong load from a non-deterministic kernel; bits can."""
     _wait_for_marlin(fmt, marlin_prewarm)
@@ -270,7 +273,7 @@ def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewar
         f"{fmt}: after the same weights, the engine's tensors differ from a per-tensor sync "
         f"({bad}; a/b: batched direct loads, *_stacked: over the expert-stacked wire) — a "
         "batched expert load wrote something FusedMoE.weight_loader does not "
-        "(megatron_qrl/rollout_sglang/expert_batch.py, expert_stack.py)")
+        "(megatron_qrl/rollout_sglang/sync/loader/expert_batch.py, sync/sender.py)")
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """A post-processed SGLang module's kernel state, and its checkpoint-layout parameters.
 
-Helpers of the in-place loader (:mod:`.inplace`), read from SGLang 0.5.17's
+Helpers of the in-place loader (:mod:`.packed`), read from SGLang 0.5.17's
 ``sglang/srt/layers/linear.py`` and ``moe/fused_moe_triton/layer.py``: which objects hold a
 module's tensors (the module, its ``quant_method`` and ``scheme``), taking them off and
 putting them back, and re-creating the parameters ``quant_method.create_weights`` made at

@@ -25,18 +25,22 @@ captured CUDA graphs stay valid:
 Buckets: a sync is several calls. Between calls every module holds its live tensors; the
 checkpoint-layout parameters of a module whose tensors are split across buckets wait in a
 per-model pending table (only modules in progress hold a copy). Which modules are complete
-is declared by the sender (:class:`StreamTracker`) in a control tensor named
-:data:`CONTROL` in each bucket: ``{"begin", "final", "done": {module: n_tensors}}``; the
-loader checks the received count of each done module and, on ``final``, that no module is
-left half-loaded. Modules without post-processing (``Unquantized*`` methods, norms,
+is declared by the sender (``sync.sender.StreamTracker``) in a control tensor named
+``CONTROL`` in each bucket (:mod:`..protocol`): ``{"begin", "final", "done": {module:
+n_tensors}, ...}``; the loader checks the received count of each done module and, on
+``final``, that no module is left half-loaded. Modules without post-processing (``Unquantized*`` methods, norms,
 embeddings) load directly through ``model.load_weights`` in the same call.
 
-Counts are of WIRE tensors: an expert-stacked tensor (:mod:`.expert_stack`,
+Counts are of WIRE tensors: an expert-stacked tensor (:mod:`..protocol`,
 ``...experts.*.gate_proj.weight``) counts once on both sides (the tracker's ``done`` and the
 loader's ``received``; the phase log's ``tensors``), while the shard-load check of
 :func:`_finish` counts per expert (each view is one ``weight_loader`` call, or one counted
-load of a batched copy). Stacked tensors load through :mod:`.expert_loads` when the control
+load of a batched copy). Stacked tensors load through :mod:`.experts` when the control
 message asks for direct loads, else they are unstacked into per-expert views first.
+
+When the sender names a receipt, every bucket's tensors are fingerprinted as they arrived
+(after unpacking, before loading) and the final bucket writes the receipt (:mod:`.receipt`);
+the engine compares it with what it sent.
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rollout.broadcast import json_tensor, tensor_json
-from .expert_loads import load_experts_directly
-from .expert_stack import unstack_all
+from ....rollout.wire import from_bytes, unflatten
+from ..debug import PhaseLog, write_digest
+from ..protocol import CONTROL, FLAT, RECV, InplaceSyncError, decode_control, module_key
+from .experts import load_experts_directly, unstack_all
 from .module_state import (
     OwnerState,
     attach,
@@ -59,107 +64,11 @@ from .module_state import (
     needs_reload,
     state_owners,
 )
-from .phase_log import PhaseLog
-from .state_digest import write_digest
+from .receipt import note_received, write_receipt
 
-CONTROL = "__qrl_inplace__"
-RECV = "__qrl_recv__"
-"""A flattened bucket's metadata ``{"meta": BucketMeta}``: its tensors are the views of one
-``uint8`` buffer (:func:`megatron_qrl.rollout.broadcast.flatten`), sent in the same bucket
-as :data:`FLAT` (one CUDA-IPC handle per bucket instead of one per tensor), or — with
-``"group"`` — received by broadcast on that weight-update group
-(``SGLangEngine(sync="distributed")``, :mod:`.distributed`)."""
-FLAT = "__qrl_flat__"
-LOADER = "megatron_qrl.rollout_sglang.inplace.load_packed"
-"""The ``load_format`` / ``custom_weight_loader`` entry (SGLang's ``dynamic_import`` splits
-on the last dot)."""
+__all__ = ["bucket_weights", "expected_loads", "load_packed", "receive_bucket"]
 
-_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?:\d+|\*)\.(?:gate_proj|up_proj|down_proj)$")
 _STATE_ATTR = "_qrl_inplace_pending"
-
-
-class InplaceSyncError(RuntimeError):
-    """A bucketed in-place sync that cannot be applied (names the module and the tensor)."""
-
-
-def module_key(hf_name: str) -> str:
-    """The SGLang module an HF checkpoint tensor loads into: ``...q_proj.weight_scale`` ->
-    ``...qkv_proj``, ``...experts.3.up_proj.weight`` -> ``...experts`` (Qwen3 naming)."""
-    prefix = hf_name.rpartition(".")[0]
-    m = _EXPERT.match(prefix)
-    if m:
-        return m["moe"]
-    head, _, leaf = prefix.rpartition(".")
-    leaf = _STACKED.get(leaf, leaf)
-    return f"{head}.{leaf}" if head else leaf
-
-
-# ---- sender side ---------------------------------------------------------------------
-@dataclass
-class StreamTracker:
-    """Sender-side bookkeeping: which modules of a packed stream are complete.
-
-    The stream must send each module's tensors contiguously (``pack_state_dict`` does: q/k/v
-    and an expert's gate/up/down are adjacent); a module that reappears is an error."""
-
-    suffixes: tuple[str, ...] = ()
-    """Checkpoint tensor suffixes of the format (``weight``, ``weight_scale``, ...): every
-    reloaded parameter with one of these names must receive all its shards."""
-    direct_experts: bool = False
-    """Ask the loader to put expert tensors straight into their ``FusedMoE`` parameters
-    (:mod:`.expert_loads`) instead of through ``model.load_weights``."""
-    current: str | None = None
-    counts: dict[str, int] = field(default_factory=dict)
-    closed: set[str] = field(default_factory=set)
-    done: dict[str, int] = field(default_factory=dict)
-    views: dict[str, str] = field(default_factory=dict)
-    begun: bool = False
-
-    def send_as(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The tensor to put in the bucket: 1-byte floats (float8) travel as a uint8 view,
-        re-viewed by the loader, so the CUDA-IPC transfer only sees plain integer storage.
-        Not needed in a flattened bucket (one uint8 buffer; its meta names each dtype)."""
-        if t.dtype.is_floating_point and t.element_size() == 1:
-            self.views[name] = str(t.dtype).removeprefix("torch.")
-            return t.view(torch.uint8)
-        return t
-
-    def add(self, name: str) -> None:
-        key = module_key(name)
-        if key != self.current:
-            if key in self.closed:
-                raise InplaceSyncError(
-                    f"in-place sync: tensor {name!r} of module {key!r} arrives after the "
-                    "stream moved on to other modules; send each module's tensors together")
-            self._close()
-            self.current = key
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-    def _close(self) -> None:
-        if self.current is not None:
-            self.closed.add(self.current)
-            self.done[self.current] = self.counts[self.current]
-        self.current = None
-
-    def control(self, final: bool) -> torch.Tensor:
-        """The control tensor for the bucket about to be sent (takes the done modules)."""
-        if final:
-            self._close()
-        msg = {"begin": not self.begun, "final": final, "done": self.done,
-               "suffixes": list(self.suffixes), "views": self.views,
-               "direct_experts": self.direct_experts}
-        self.begun, self.done, self.views = True, {}, {}
-        return encode_control(msg)
-
-
-def encode_control(msg: dict) -> torch.Tensor:
-    return json_tensor(msg)
-
-
-def decode_control(t: torch.Tensor) -> dict:
-    return tensor_json(t)
 
 
 # ---- one module ----------------------------------------------------------------------
@@ -293,8 +202,9 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
     log = PhaseLog()
     views = msg.get("views", {})
     with log.phase("unpack"):
-        weights = [(n, t.view(getattr(torch, views[n])) if n in views else t)
-                   for n, t in bucket_weights(named, ctl[0].device)]
+        weights = [(n, from_bytes(t, views.get(n))) for n, t in bucket_weights(named, ctl[0].device)]
+    with log.phase("receipt"):
+        note_received(model, msg, weights)
     pending: dict[str, _Pending] = vars(model).setdefault(_STATE_ATTR, {})
     if msg["begin"] and pending:
         left = sorted(pending)
@@ -335,7 +245,8 @@ def load_packed(model: torch.nn.Module, named_tensors) -> None:
         pending.clear()
         raise InplaceSyncError(f"in-place sync ended with modules never completed "
                                f"(tensors received so far): {left}")
-    write_digest(model, msg["final"])  # no-op unless QRL_INPLACE_DIGEST names a file
+    write_receipt(model, msg)  # after the final bucket, when the sender asked for one
+    write_digest(model, msg["final"], needs_reload)  # no-op unless QRL_INPLACE_DIGEST names a file
 
 
 def bucket_weights(named: list, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -347,8 +258,6 @@ def bucket_weights(named: list, device: torch.device) -> list[tuple[str, torch.T
     if not recv:
         return plain
     if flat:
-        from ..rollout.broadcast import unflatten
-
         return plain + unflatten(flat[0], recv[0]["meta"])
     return plain + receive_bucket(recv[0], device)
 
@@ -356,7 +265,8 @@ def bucket_weights(named: list, device: torch.device) -> list[tuple[str, torch.T
 def receive_bucket(msg: dict, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a broadcast bucket (:data:`RECV` message ``{"group", "meta"}``):
     receive the flat buffer from rank 0 of the weight-update group and view it."""
-    from ..rollout.broadcast import broadcast_from_trainer, bucket_nbytes, find_group, unflatten
+    from ....rollout.broadcast import broadcast_from_trainer, find_group
+    from ....rollout.wire import bucket_nbytes
 
     flat = torch.empty(bucket_nbytes(msg["meta"]), dtype=torch.uint8, device=device)
     broadcast_from_trainer(flat, find_group(msg["group"]))

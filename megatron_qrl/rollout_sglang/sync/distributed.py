@@ -1,17 +1,17 @@
-"""Weight sync to an SGLang engine on other GPUs: ``SGLangEngine(sync="distributed")``.
+"""Weight sync to an SGLang engine on other GPUs, the trainer's side: ``sync="distributed"``.
 
 The trainer process is rank 0 of a weight-update group whose other ranks are the engine's
 TP schedulers (SGLang's ``init_weights_update_group``; :func:`megatron_qrl.rollout.broadcast.init_group`
 on our side). Each bucket of the packed stream is flattened into one ``uint8`` buffer
-(:func:`~megatron_qrl.rollout.broadcast.flatten`) and broadcast from the trainer's GPU:
+(:func:`~megatron_qrl.rollout.wire.flatten`) and broadcast from the trainer's GPU:
 - formats whose loaded layout is the checkpoint's (bf16): SGLang's own
   ``update_weights_from_distributed(load_format="flattened_bucket")``, which receives the
   buffer, re-views it by the names / dtypes / shapes of the request and calls
   ``model.load_weights``;
 - quantized formats: ``update_weights_from_tensor`` with our in-place loader
-  (:mod:`.inplace`) and two small tensors — the bucket's metadata (:data:`RECV`, naming the
+  (:mod:`.loader`) and two small tensors — the bucket's metadata (``RECV``, naming the
   group) and the in-place control tensor; the loader receives the buffer on the same group,
-  then reloads the modules as in a colocated in-place sync. SGLang's distributed path would
+  then reloads the modules as in a colocated in-place sync (and returns its receipt). SGLang's distributed path would
   call plain ``model.load_weights``, which fails or silently skips names on the
   post-processed quantized layers (docs/gpu_sglang_engine_sync.md).
 The engine's request and the trainer's broadcast must run at the same time: the broadcast
@@ -24,21 +24,19 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
-from ..rollout.base import WeightSyncError
-from ..rollout.broadcast import (
-    broadcast_from_trainer,
-    flatten,
-    free_port,
-    init_group,
-    iter_buckets,
-)
+from ...rollout.base import Checksums, WeightSyncError
+from ...rollout.broadcast import broadcast_from_trainer, free_port, init_group
+from ...rollout.wire import buckets, flatten
+from .protocol import CONTROL, LOADER, RECV, encode_control
+from .sender import StreamTracker, packed_suffixes
 
-__all__ = ["WeightGroup", "flat_buckets", "lookahead", "open_group", "run_alongside",
-           "send_bucket"]
+__all__ = ["WeightGroup", "flat_buckets", "open_group", "run_alongside", "send_bucket",
+           "send_distributed_sync"]
 
 
 @dataclass
@@ -114,22 +112,49 @@ def open_group(init_engine_side: Callable[[str, int, int, str], tuple], tp_size:
     return WeightGroup(name, box["pg"], world, device)
 
 
-def lookahead(it: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """``(item, is_last)`` for each item of ``it``."""
-    it = iter(it)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
-
-
 def flat_buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                  device: torch.device) -> Iterator[tuple[list[str], torch.Tensor, list, bool]]:
     """``(names, flat uint8 buffer on device, BucketMeta, is_last)`` per bucket of ``stream``."""
-    for bucket, last in lookahead(iter_buckets(stream, bucket_bytes)):
+    for bucket, last in buckets(stream, bucket_bytes):
+        if not bucket:  # an empty stream: nothing to broadcast
+            continue
         flat, meta = flatten([(n, t.to(device, non_blocking=True)) for n, t in bucket])
         yield [n for n, _ in bucket], flat, meta, last
+
+
+def send_distributed_sync(eng: Any, stream: Iterable[tuple[str, torch.Tensor]], version: int,
+                          sent: Checksums, receipt: str | None) -> None:
+    """Every bucket broadcast from the trainer's device to the engine ``eng``
+    (:class:`~megatron_qrl.rollout_sglang.engine.SGLangEngine`) while its request waits:
+    our loader's request for quantized formats (with ``receipt``), SGLang's own
+    ``update_weights_from_distributed`` for bf16."""
+    from sglang.srt.managers.io_struct import (
+        UpdateWeightsFromDistributedReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+
+    group = eng.weight_group()
+    tracker = (StreamTracker(packed_suffixes(eng.spec), receipt=receipt)
+               if eng.spec.quantizes_weights else None)
+    for names, flat, meta, last in flat_buckets(sent.passing(stream), eng.bucket_bytes,
+                                                eng.trainer_device):
+        wv = str(version) if last else None
+        if tracker:
+            for n in names:
+                tracker.add(n)
+            small = [(RECV, encode_control({"group": group.name, "meta": meta}).cuda()),
+                     (CONTROL, tracker.control(final=last).cuda())]
+            req = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=eng.engine._serialize_tensors_per_rank(small, None),
+                load_format=LOADER, flush_cache=last, weight_version=wv)
+        else:
+            req = UpdateWeightsFromDistributedReqInput(
+                names=names, dtypes=[d for _, d, _ in meta], shapes=[s for _, _, s in meta],
+                group_name=group.name, flush_cache=last, weight_version=wv,
+                load_format="flattened_bucket")
+        send = "update_weights_from_tensor" if tracker else "update_weights_from_distributed"
+        ok, msg = run_alongside(partial(eng.request, send, req, names[0]),
+                                partial(send_bucket, flat, group))
+        if not ok:
+            raise WeightSyncError(f"SGLang rejected a broadcast weight bucket ({names[0]} ...): {msg}")
+        eng.last_sync["buckets"] += 1

@@ -1,4 +1,5 @@
-"""Load a bucket's expert tensors straight into their ``FusedMoE`` parameters (opt-in).
+"""Expert tensors in the engine: unstacking, and loading straight into their ``FusedMoE``
+parameters (the direct loads, opt-in per sync).
 
 SGLang 0.5.17's Qwen3-MoE ``load_weights`` (``sglang/srt/models/qwen3_moe.py``) finds an expert
 tensor's parameter by scanning ``FusedMoE.make_expert_params_mapping`` — 3 x num_experts
@@ -10,27 +11,50 @@ SGLang would make; the calls whose effect :mod:`.expert_batch` reproduces exactl
 done many experts per copy (one stack + one ``index_copy_`` per parameter region), the others
 are made one by one as SGLang makes them. Every other tensor still goes through
 ``model.load_weights``. Only for the model classes whose ``load_weights`` was read
-(:data:`MODELS`); the sender opts in per sync (``SGLangEngine(direct_expert_loads=True)``).
+(:data:`MODELS`); the sender opts in per sync (``SGLangOptions(direct_expert_loads=True)``).
 
-Expert-stacked tensors (:mod:`.expert_stack`, ``SGLangEngine(stack_experts=True)``:
+Expert-stacked tensors (:mod:`..protocol`, ``SGLangOptions(stack_experts=True)``:
 ``...experts.*.gate_proj.weight`` of shape ``[E, ...]``) are loaded as the per-expert tensors
 of their views ``t[e]``: the same ``ExpertLoad`` per expert, so batched and per-tensor loads
 are exactly those of the per-expert stream. Stacked names are never returned for
-``model.load_weights`` (which would skip them): what cannot be loaded here is unstacked.
+``model.load_weights`` (which would skip them, having no parameter mapping for ``*``): what
+cannot be loaded here is unstacked (:func:`unstack_all`: per-expert names and views ``t[e]``,
+no copies).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
+from ..protocol import PER_EXPERT, expert_names, expert_views, parse_stacked
 from .expert_batch import ExpertLoad, load_batched
-from .expert_stack import PER_EXPERT, expert_views, parse_stacked, unstack_all
+
+__all__ = ["MODELS", "load_experts_directly", "unstack", "unstack_all"]
 
 MODELS = frozenset({"Qwen3MoeForCausalLM"})
 """SGLang model classes whose expert mapping is ``FusedMoE.make_expert_params_mapping``'s."""
 
 _SHARD = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_proj": ("w2_", "w2")}
 """``make_expert_params_mapping(gate_proj, down_proj, up_proj)``: param prefix and shard id."""
+
+
+def unstack(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The per-expert ``(name, t[e])`` of a stacked tensor, experts in order (views)."""
+    views = expert_views(name, t)
+    return list(zip(expert_names(name, len(views)), views))
+
+
+def unstack_all(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with every stacked tensor replaced by its per-expert views, in place."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in named:
+        if parse_stacked(name) is None:
+            out.append((name, t))
+        else:
+            out.extend(unstack(name, t))
+    return out
 
 
 def load_experts_directly(model: torch.nn.Module, modules: dict[str, torch.nn.Module],

@@ -1,7 +1,7 @@
 """Shipped fused-MoE kernel configurations, selected automatically when an engine starts.
 
 ``tools/tune_fused_moe.py`` writes SGLang-named JSON files (``E=..,N=..,device_name=..,
-dtype=...json``) into ``megatron_qrl/rollout_sglang/moe_configs/triton_<version>/``. SGLang
+dtype=...json``) into ``megatron_qrl/rollout_sglang/kernels/configs/triton_<version>/``. SGLang
 reads configurations from one directory (``SGLANG_MOE_CONFIG_DIR``), so
 :func:`config_dir_for_engine` builds a merged view — SGLang's own shipped files plus ours,
 ours winning on a name clash — and the engine points ``SGLANG_MOE_CONFIG_DIR`` at it. A
@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["SHIPPED", "config_dir_for_engine", "sglang_config_root", "write_config"]
 
-SHIPPED = Path(__file__).with_name("moe_configs")
+SHIPPED = Path(__file__).with_name("configs")
 """Our tuned files: ``SHIPPED/triton_<x_y_z>/<SGLang file name>``."""
 
 

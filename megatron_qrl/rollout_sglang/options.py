@@ -1,0 +1,212 @@
+"""The SGLang engine's options: one frozen object from the flags to the engine.
+
+:class:`SGLangOptions` is generated into the ``--qrl-rollout-sglang-*`` flags (it is the
+``sglang`` field of :class:`megatron_qrl.config.run.RolloutConfig`) and passed whole to
+:func:`~megatron_qrl.rollout_sglang.launch.start_job_engine`, to
+:class:`~megatron_qrl.rollout_sglang.engine.SGLangEngine` and into a Ray engine actor.
+:meth:`SGLangOptions.resolve` owns the rules of the sync paths: which paths SGLang 0.5.17 was
+measured to support per format, the default path, and which speed options apply to which
+path with their measured defaults (docs/BENCHMARKS.md). The flag checks call it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from ..quant import get_spec
+
+__all__ = ["OPTION_SYNCS", "SYNC_MODES", "SYNC_SUPPORT", "SGLangOptions",
+           "check_sync_supported", "default_sync"]
+
+# In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
+# (tests/gpu/test_sglang_engine.py and tests/gpu/test_sglang_inplace.py, 2026-11-29): True
+# works, False fails, absent = not yet run. "distributed" ran between two GPUs over NCCL.
+# Plain "tensor" (SGLang's own model.load_weights) fails for every format that quantizes
+# weights that was measured: int8 and fp8 raise "'Parameter' object has no attribute
+# 'weight_loader'" (w8a8 replaces its parameters after loading), fp8_block killed the engine;
+# it is refused for those formats unless measured True here (use "inplace").
+# int8 and fp8 over disk (SGLang's update_weights_from_disk, the same load_weights) fail the
+# same way; bf16 and fp8_block over disk work.
+SYNC_MODES = ("inplace", "tensor", "disk", "distributed")
+SYNC_SUPPORT: dict[tuple[str, str], bool] = {
+    ("bf16", "tensor"): True,
+    ("bf16", "disk"): True,
+    ("fp8_block", "disk"): True,
+    ("fp8", "disk"): False,
+    ("fp8_block", "tensor"): False,
+    ("int8", "tensor"): False,
+    ("fp8", "tensor"): False,
+    ("int8", "disk"): False,
+    ("int8", "inplace"): True,
+    ("fp8", "inplace"): True,
+    ("fp8_block", "inplace"): True,
+    ("w4a16", "inplace"): True,
+    ("nvfp4", "inplace"): True,
+    ("bf16", "distributed"): True,
+    ("int8", "distributed"): True,
+    ("fp8", "distributed"): True,
+}
+
+OPTION_SYNCS = {"flat_buckets": ("inplace",), "prefetch_buckets": ("tensor", "inplace"),
+                "direct_expert_loads": ("inplace",), "stack_experts": ("inplace",)}
+"""The syncs each speed option applies to."""
+
+_FLAG = "--qrl-rollout-sglang-"
+
+
+def _flag(field: str) -> str:
+    return _FLAG + field.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    """SGLang rollout engine: weight-sync path and speed options, placement, memory."""
+
+    sync: Literal["auto", "tensor", "disk", "inplace", "distributed"] = "auto"
+    """SGLang weight-sync path: tensor (update_weights_from_tensor, colocated), disk
+    (safetensors in --qrl-rollout-sglang-sync-dir + update_weights_from_disk), inplace
+    (tensor buckets re-processed into the engine's live quantized layout), distributed
+    (--qrl-mode single, engine on other GPUs of the node: every bucket broadcast from the
+    trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), auto (the engine's choice per
+    format)."""
+
+    base_gpu: int = 0
+    """First GPU of the in-process SGLang engine (its TP ranks take the next ones); with
+    --qrl-rollout-sglang-sync distributed, a GPU the trainer does not use."""
+
+    sync_dir: str = "/dev/shm"
+    """Directory for --qrl-rollout-sglang-sync disk (fast local storage)."""
+
+    flat_buckets: bool | None = None
+    """In-place sync: send each bucket as one flattened buffer (one CUDA-IPC handle per bucket
+    instead of one per tensor). Unset: on for the in-place sync;
+    --no-qrl-rollout-sglang-flat-buckets turns it off."""
+
+    prefetch_buckets: int | None = None
+    """Tensor / in-place sync: weight buckets prepared (packed, fingerprinted, flattened) in a
+    thread ahead of the one the engine is loading (0: one after the other). Unset: 1 for the
+    in-place sync, 0 for the tensor sync."""
+
+    direct_expert_loads: bool | None = None
+    """In-place sync: expert tensors go straight to their FusedMoE parameters' weight loaders
+    in batched copies, skipping SGLang's per-tensor expert-mapping scan in load_weights
+    (Qwen3-MoE). Unset: on for the in-place sync (the engine's bits equal a per-tensor load
+    in all five formats); --no-qrl-rollout-sglang-direct-expert-loads turns it and
+    --qrl-rollout-sglang-stack-experts off."""
+
+    stack_experts: bool | None = None
+    """In-place sync with direct expert loads: send each decoder layer's experts of one kind
+    (e.g. every expert's gate_proj.weight) as one stacked tensor instead of one tensor per
+    expert (~37k fewer wire tensors per Qwen3-30B-A3B sync); fingerprints stay per expert.
+    Unset: on wherever direct expert loads are; --no-qrl-rollout-sglang-stack-experts turns
+    it off."""
+
+    receipt: bool = True
+    """In-place (and quantized distributed) syncs: each engine process fingerprints what it
+    received, and the parameters it holds in the received layout, and the engine compares
+    that receipt with the fingerprints of what was sent, failing the sync on the first
+    tensor missing or different. --no-qrl-rollout-sglang-receipt skips it (only the
+    engine's weight version is checked then)."""
+
+    mem_fraction: float = 0.5
+    """SGLang mem_fraction_static: share of GPU memory for the engine's weights + KV cache
+    (the trainer needs the rest when colocated)."""
+
+    release_memory: bool = True
+    """Start SGLang with its memory saver (torch_memory_saver) and release the engine's GPU
+    memory (weights, KV cache, CUDA graphs) after each rollout, resuming it before the next
+    weight sync, so recompute + training get the GPU (--qrl-mode single and colocated; the
+    sync refills every weight). --no-qrl-rollout-sglang-release-memory keeps it resident
+    (then size --qrl-rollout-sglang-mem-fraction for engine + trainer together)."""
+
+    def __post_init__(self) -> None:
+        if self.sync not in ("auto", *SYNC_MODES):
+            raise ValueError(f"{_flag('sync')} must be one of auto, {', '.join(SYNC_MODES)}, "
+                             f"got {self.sync!r}")
+        for name in ("base_gpu", "prefetch_buckets"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{_flag(name)} must be an integer >= 0, got {v!r}")
+        m = self.mem_fraction
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (
+                math.isfinite(m) and 0.0 < m <= 1.0):
+            raise ValueError(f"{_flag('mem_fraction')} must be a finite number in (0.0, 1.0], "
+                             f"got {m!r}")
+
+    def replace(self, **changes) -> SGLangOptions:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def problem(self, spec_name: str) -> str | None:
+        """Why these options cannot run with format ``spec_name`` (naming the flags), or None:
+        a speed option asked for (True / > 0) on a sync it does not apply to, stacked experts
+        without direct expert loads, or a (format, sync) SGLang 0.5.17 cannot update."""
+        resolved = default_sync(spec_name) if self.sync == "auto" else self.sync
+        said = self.sync if self.sync != "auto" else f"auto ({resolved} for {spec_name})"
+        if self.prefetch_buckets and resolved not in OPTION_SYNCS["prefetch_buckets"]:
+            return (f"{_flag('prefetch_buckets')} applies to the tensor and in-place syncs, "
+                    f"not {_flag('sync')} {said}")
+        flags = [_flag(f) for f in ("flat_buckets", "direct_expert_loads", "stack_experts")
+                 if getattr(self, f) is True and resolved not in OPTION_SYNCS[f]]
+        if flags:
+            return (f"{' and '.join(flags)} apply to the in-place sync ({_flag('sync')} "
+                    f"inplace, the default for weight-quantized formats); this run syncs "
+                    f"with {said}")
+        if self.stack_experts and self.direct_expert_loads is False:
+            return (f"{_flag('stack_experts')} needs direct expert loads (stacked expert "
+                    "tensors are loaded straight into the FusedMoE parameters); drop "
+                    f"--no-{_flag('direct_expert_loads')[2:]} or the first")
+        return _unsupported(spec_name, resolved)
+
+    def resolve(self, spec_name: str) -> SGLangOptions:
+        """These options for format ``spec_name`` with every choice made: ``sync`` auto ->
+        the format's default path; unset speed options -> their measured defaults for the
+        path (in place: flat buckets, one bucket prefetched, direct expert loads over the
+        expert-stacked wire; none of them elsewhere). Raises ``ValueError`` with
+        :meth:`problem`'s text (``NotImplementedError`` for an unsupported format / path)."""
+        text = self.problem(spec_name)
+        if text is not None:
+            err = NotImplementedError if text.startswith("SGLang 0.5.17 cannot") else ValueError
+            raise err(text)
+        sync = default_sync(spec_name) if self.sync == "auto" else self.sync
+        inplace = sync == "inplace"
+        direct = inplace if self.direct_expert_loads is None else self.direct_expert_loads
+        return self.replace(
+            sync=sync, direct_expert_loads=direct,
+            stack_experts=direct if self.stack_experts is None else self.stack_experts,
+            flat_buckets=inplace if self.flat_buckets is None else self.flat_buckets,
+            prefetch_buckets=(1 if inplace else 0) if self.prefetch_buckets is None
+            else self.prefetch_buckets)
+
+
+def default_sync(spec_name: str) -> str:
+    """``inplace`` for formats that quantize weights (their loaded layout differs from the
+    checkpoint's), ``tensor`` for bf16."""
+    return "inplace" if get_spec(spec_name).quantizes_weights else "tensor"
+
+
+def _unsupported(spec_name: str, sync: str) -> str | None:
+    known = SYNC_SUPPORT.get((spec_name, sync))
+    if known or (known is None and not (sync == "tensor"
+                                        and get_spec(spec_name).quantizes_weights)):
+        return None
+    works = sorted(f"{f}/{p}" for (f, p), ok in SYNC_SUPPORT.items() if ok)
+    why = ("measured on H200" if known is False else "SGLang's plain load_weights cannot "
+           "reload a quantized layer after its post-load processing; every quantized format "
+           "measured failed")
+    return (f"SGLang 0.5.17 cannot update {spec_name!r} weights in place with sync={sync!r} "
+            f"({why}; see SYNC_SUPPORT in {__name__}). Known to work: {works}; use "
+            "sync='inplace' (--qrl-rollout-sglang-sync inplace), --qrl-rollout-engine "
+            "reference, or another format / sync path")
+
+
+def check_sync_supported(spec_name: str, sync: str) -> None:
+    """Raise ``NotImplementedError`` for a (format, sync path) known not to work on SGLang
+    0.5.17: those measured broken, and ``tensor`` for any format that quantizes weights
+    unless measured working."""
+    text = _unsupported(spec_name, sync)
+    if text is not None:
+        raise NotImplementedError(text)

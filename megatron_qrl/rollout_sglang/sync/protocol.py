@@ -1,0 +1,100 @@
+"""What the trainer's sender and the engine's loader agree on: the reserved tensor names of
+an in-place bucket, the control message, and how HF tensor names map to SGLang modules and
+to expert stacks. Imported on both sides of the process boundary; it runs nothing.
+
+A bucket of an in-place sync is ``update_weights_from_tensor`` with ``load_format`` =
+:data:`LOADER` and these tensors besides the HF-named weights:
+
+* :data:`CONTROL` (every bucket): JSON ``{"begin", "final", "done": {module: n_tensors},
+  "suffixes", "views", "direct_experts", "receipt"}`` written by
+  :class:`~megatron_qrl.rollout_sglang.sync.sender.StreamTracker`;
+* :data:`RECV` (flattened buckets): JSON ``{"meta": BucketMeta}`` — the bucket's tensors are
+  views of :data:`FLAT` (one ``uint8`` buffer, one CUDA-IPC handle per bucket) or, with
+  ``"group"``, arrive by broadcast on that weight-update group (``sync="distributed"``).
+
+Expert stacks: a decoder layer's experts of one kind travel as ONE tensor named with the
+expert index starred, ``<moe>.experts.*.<proj>.<leaf>`` (e.g.
+``model.layers.3.mlp.experts.*.gate_proj.weight``), expert ``e`` at index ``e``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ...rollout.wire import json_tensor, tensor_json
+
+__all__ = ["CONTROL", "FLAT", "LOADER", "PER_EXPERT", "RECV", "InplaceSyncError", "decode_control",
+           "encode_control", "expert_name", "expert_names", "expert_views", "module_key", "parse_stacked"]
+
+CONTROL = "__qrl_inplace__"
+RECV = "__qrl_recv__"
+FLAT = "__qrl_flat__"
+LOADER = "megatron_qrl.rollout_sglang.sync.loader.load_packed"
+"""The ``load_format`` / ``custom_weight_loader`` entry (SGLang's ``dynamic_import`` splits
+on the last dot)."""
+
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?:\d+|\*)\.(?:gate_proj|up_proj|down_proj)$")
+PER_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\."
+                        r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
+"""A per-expert tensor name; groups ``moe`` (the FusedMoE module), ``expert``, ``proj``,
+``leaf``."""
+_STACKED = re.compile(r"^(?P<moe>.+\.experts)\.\*\."
+                      r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
+
+
+class InplaceSyncError(RuntimeError):
+    """A bucketed in-place sync that cannot be applied (names the module and the tensor)."""
+
+
+def encode_control(msg: dict) -> torch.Tensor:
+    return json_tensor(msg)
+
+
+def decode_control(t: torch.Tensor) -> dict:
+    return tensor_json(t)
+
+
+def module_key(hf_name: str) -> str:
+    """The SGLang module an HF checkpoint tensor loads into: ``...q_proj.weight_scale`` ->
+    ``...qkv_proj``, ``...experts.3.up_proj.weight`` -> ``...experts`` (Qwen3 naming)."""
+    prefix = hf_name.rpartition(".")[0]
+    m = _EXPERT.match(prefix)
+    if m:
+        return m["moe"]
+    head, _, leaf = prefix.rpartition(".")
+    leaf = _FUSED.get(leaf, leaf)
+    return f"{head}.{leaf}" if head else leaf
+
+
+def parse_stacked(name: str) -> tuple[str, str, str] | None:
+    """``(moe module, proj, leaf)`` of a stacked name
+    (``model.layers.3.mlp.experts.*.up_proj.weight`` -> ``("model.layers.3.mlp.experts",
+    "up_proj", "weight")``); None for any other name."""
+    m = _STACKED.match(name)
+    return (m["moe"], m["proj"], m["leaf"]) if m else None
+
+
+def expert_name(stacked: str, expert: int) -> str:
+    """The per-expert name of index ``expert`` of a stacked name."""
+    return expert_names(stacked, expert + 1)[expert]
+
+
+def expert_names(stacked: str, experts: int) -> list[str]:
+    """The per-expert names of indices ``0 .. experts-1`` of a stacked name (parsed once)."""
+    parsed = parse_stacked(stacked)
+    if parsed is None:
+        raise ValueError(f"{stacked!r} is not a stacked expert name "
+                         "('<prefix>.experts.*.<gate_proj|up_proj|down_proj>.<leaf>')")
+    moe, proj, leaf = parsed
+    return [f"{moe}.{e}.{proj}.{leaf}" for e in range(experts)]
+
+
+def expert_views(name: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``t[0], t[1], ...``: the experts of the stacked tensor ``name`` (views, no names)."""
+    if t.dim() == 0:
+        raise ValueError(f"stacked expert tensor {name!r} is a scalar; expected [E, ...]")
+    return t.unbind(0)

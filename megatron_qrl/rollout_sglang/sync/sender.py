@@ -1,0 +1,313 @@
+"""The trainer's side of a bucketed SGLang sync: fingerprints, expert stacks, buckets.
+
+Runs in the trainer's process (in :func:`~.prefetch.ahead`'s thread when buckets are
+prefetched). The packed ``(hf_name, tensor)`` stream becomes requests of about
+``bucket_bytes`` (:func:`megatron_qrl.rollout.wire.buckets`, the one bucketing rule):
+
+1. optionally each decoder layer's experts of one kind are stacked into one wire tensor
+   (:func:`stack_experts`; names in :mod:`.protocol`);
+2. every tensor goes to the trainer's device and is fingerprinted (:class:`Checksums`;
+   a stack's experts as rows of the stack, equal bit for bit to one by one:
+   :func:`~megatron_qrl.rollout.base.checksum_rows`);
+3. in-place buckets name their complete modules in a control tensor
+   (:class:`StreamTracker`) and travel either as one flat ``uint8`` buffer per bucket or per
+   tensor with 1-byte floats as ``uint8`` (:func:`megatron_qrl.rollout.wire.as_bytes`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...quant.pack_stream import layer_prefix, tensor_kind
+from ...rollout.base import Checksums, WeightManifest, WeightSyncError
+from ...rollout.wire import as_bytes, buckets, flatten
+from .protocol import (
+    CONTROL,
+    FLAT,
+    LOADER,
+    PER_EXPERT,
+    RECV,
+    InplaceSyncError,
+    encode_control,
+    expert_names,
+    expert_views,
+    module_key,
+    parse_stacked,
+)
+
+__all__ = ["StreamTracker", "check_receipts", "fingerprinted", "packed_suffixes", "requests",
+           "send_disk_sync", "send_tensor_sync", "stack_experts"]
+
+
+def packed_suffixes(spec) -> tuple[str, ...]:
+    """The tensor suffixes ``spec`` packs a quantized linear into (``weight``,
+    ``weight_scale``, ...), read off :meth:`QuantSpec.packed_names`."""
+    probe = "model.layers.0.self_attn.o_proj.weight"
+    if not spec.is_quantized(probe):
+        return ()
+    mod = probe.rpartition(".")[0]
+    return tuple(n[len(mod) + 1:] for n in spec.packed_names(probe))
+
+
+@dataclass
+class StreamTracker:
+    """Which modules of a packed stream are complete, and the control tensor saying so.
+
+    The stream must send each module's tensors contiguously (``pack_state_dict`` does: q/k/v
+    and an expert's gate/up/down are adjacent); a module that reappears is an error."""
+
+    suffixes: tuple[str, ...] = ()
+    """Checkpoint tensor suffixes of the format (``weight``, ``weight_scale``, ...): every
+    reloaded parameter with one of these names must receive all its shards."""
+    direct_experts: bool = False
+    """Ask the loader to put expert tensors straight into their ``FusedMoE`` parameters
+    (:mod:`.loader.experts`) instead of through ``model.load_weights``."""
+    receipt: str | None = None
+    """Path prefix where each engine process writes the fingerprints of what it received
+    (:mod:`.loader.receipt`); None: no receipt."""
+    current: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    closed: set[str] = field(default_factory=set)
+    done: dict[str, int] = field(default_factory=dict)
+    views: dict[str, str] = field(default_factory=dict)
+    begun: bool = False
+
+    def send_as(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The tensor to put in a per-tensor bucket: a 1-byte float as its ``uint8`` view,
+        re-viewed by the loader (a flat bucket's meta names each dtype instead)."""
+        raw, dtype = as_bytes(t)
+        if dtype is not None:
+            self.views[name] = dtype
+        return raw
+
+    def add(self, name: str) -> None:
+        key = module_key(name)
+        if key != self.current:
+            if key in self.closed:
+                raise InplaceSyncError(
+                    f"in-place sync: tensor {name!r} of module {key!r} arrives after the "
+                    "stream moved on to other modules; send each module's tensors together")
+            self._close()
+            self.current = key
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _close(self) -> None:
+        if self.current is not None:
+            self.closed.add(self.current)
+            self.done[self.current] = self.counts[self.current]
+        self.current = None
+
+    def control(self, final: bool) -> torch.Tensor:
+        """The control tensor for the bucket about to be sent (takes the done modules)."""
+        if final:
+            self._close()
+        msg = {"begin": not self.begun, "final": final, "done": self.done,
+               "suffixes": list(self.suffixes), "views": self.views,
+               "direct_experts": self.direct_experts, "receipt": self.receipt}
+        self.begun, self.done, self.views = True, {}, {}
+        return encode_control(msg)
+
+
+# ---- expert stacks -------------------------------------------------------------------
+def stack_experts(stream: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream`` with each decoder layer's per-expert tensors stacked per kind.
+
+    A kind stacks only when its tensors in the layer are exactly experts ``0..E-1``, once
+    each, in ascending stream order, with one shape, dtype and device (``torch.stack``,
+    expert ``e`` at index ``e``); otherwise its tensors stay per expert, in stream order.
+    Tensors that are not per-expert pass through at once; a layer's expert tensors are held
+    until the layer ends, then emitted kind by kind in the order the kinds first appeared
+    (if no kind stacks, exactly as they came). At most one layer's expert tensors are held."""
+    held: list[tuple[str, torch.Tensor]] = []
+    layer = None
+    for name, t in stream:
+        key = layer_prefix(name)
+        if held and key != layer:
+            yield from _flush(held)
+            held = []
+        layer = key
+        if PER_EXPERT.match(name) and isinstance(t, torch.Tensor):
+            held.append((name, t))
+        else:
+            yield name, t
+    if held:
+        yield from _flush(held)
+
+
+def _flush(held: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    kinds: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
+    for name, t in held:
+        kinds.setdefault(tensor_kind(name), []).append(
+            (int(PER_EXPERT.match(name)["expert"]), name, t))
+    stackable = {k: _stackable(members) for k, members in kinds.items()}
+    if not any(stackable.values()):
+        yield from held
+        return
+    held.clear()  # the caller's list: drop its references as the kinds go out
+    for kind, members in kinds.items():
+        if stackable[kind]:
+            yield kind, torch.stack([t for _, _, t in members])
+        else:
+            yield from ((name, t) for _, name, t in members)
+        members.clear()
+
+
+def _stackable(members: list[tuple[int, str, torch.Tensor]]) -> bool:
+    """Experts 0..E-1 once each in ascending order, one shape / dtype / device."""
+    _, _, first = members[0]
+    return all(e == i and t.shape == first.shape and t.dtype == first.dtype
+               and t.device == first.device for i, (e, _, t) in enumerate(members))
+
+
+# ---- fingerprints and requests -------------------------------------------------------
+def fingerprinted(stream: Iterable[tuple[str, torch.Tensor]], sent: Checksums,
+                  device: torch.device, lap: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream`` moved to ``device``, each tensor fingerprinted into ``sent`` under its
+    stream name (a stack's experts under their own names, as rows)."""
+    lap.setdefault("fingerprint_s", 0.0)
+    for name, t in stream:
+        t0 = time.perf_counter()
+        t = t.detach().to(device, non_blocking=True).contiguous()
+        if parse_stacked(name) is None:
+            sent.add(name, t)
+        else:
+            if t.dim() == 0:
+                expert_views(name, t)  # raises, naming the tensor
+            sent.add_rows(expert_names(name, t.shape[0]), t)
+        lap["fingerprint_s"] += time.perf_counter() - t0
+        yield name, t
+
+
+def requests(stream: Iterable[tuple[str, torch.Tensor]], sent: Checksums,
+             tracker: StreamTracker | None, device: torch.device, *, bucket_bytes: int,
+             flat: bool = False, stack: bool = False, rows: bool = True,
+             lap: dict | None = None) -> Iterator[tuple[list, str, bool]]:
+    """``(tensors of one request, its first name, last)`` per bucket of ``stream``.
+
+    ``tracker``: an in-place sync (control tensors, ``flat`` buckets, ``stack`` experts);
+    None: plain tensors for SGLang's own loader. ``rows`` False fingerprints each expert
+    before stacking (the order before 2026-11-29; ``bench/weight_sync.py`` times both; the
+    fingerprints are equal). ``lap`` gains ``stream_s`` (waiting on the packed stream),
+    ``fingerprint_s`` and ``flatten_s``."""
+    from .prefetch import timed
+
+    lap = {} if lap is None else lap
+    wire = timed(stream, lap, "stream_s")
+    stack = bool(tracker) and stack
+    if stack and rows:
+        wire = stack_experts(wire)
+    wire = fingerprinted(wire, sent, device, lap)
+    if stack and not rows:
+        wire = stack_experts(wire)
+    for bucket, last in buckets(wire, bucket_bytes):
+        if tracker:
+            for name, _ in bucket:
+                tracker.add(name)
+            if not flat:
+                bucket = [(n, tracker.send_as(n, t)) for n, t in bucket]
+        yield _request_items(bucket, tracker, device, last, flat, lap)
+
+
+def _request_items(bucket: list, tracker: StreamTracker | None, device: torch.device,
+                   last: bool, flat: bool, lap: dict) -> tuple[list, str, bool]:
+    items = bucket
+    if tracker and flat and bucket:
+        t0 = time.perf_counter()
+        buf, meta = flatten(bucket)
+        items = [(RECV, encode_control({"meta": meta}).to(device)), (FLAT, buf)]
+        lap["flatten_s"] = lap.get("flatten_s", 0.0) + time.perf_counter() - t0
+    if tracker:
+        items = items + [(CONTROL, tracker.control(final=last).to(device))]
+    return items, bucket[0][0] if bucket else "end of sync", last
+
+
+# ---- requests to the engine ----------------------------------------------------------
+def send_tensor_sync(eng: Any, stream: Iterable[tuple[str, torch.Tensor]], version: int,
+                     sent: Checksums, receipt: str | None) -> None:
+    """Buckets through ``update_weights_from_tensor`` (``eng``: the
+    :class:`~megatron_qrl.rollout_sglang.engine.SGLangEngine`); in place with our loader and
+    a control tensor per bucket. With ``prefetch_buckets`` the next buckets are prepared in
+    a thread while the engine loads one; the requests stay in order, in this thread."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    from .prefetch import ahead, timed
+
+    opts, device, lap = eng.options, eng.trainer_device, eng.last_sync
+    tracker = (StreamTracker(packed_suffixes(eng.spec), direct_experts=opts.direct_expert_loads,
+                             receipt=receipt) if opts.sync == "inplace" else None)
+    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    produced = requests(stream, sent, tracker, device, bucket_bytes=eng.bucket_bytes,
+                        flat=opts.flat_buckets, stack=opts.stack_experts, lap=lap)
+    lap.setdefault("serialize_s", 0.0)
+    for items, first, last in timed(ahead(timed(produced, lap, "produce_s"),
+                                          opts.prefetch_buckets, init), lap, "wait_s"):
+        t0 = time.perf_counter()
+        payload = eng.engine._serialize_tensors_per_rank(items, None)
+        lap["serialize_s"] += time.perf_counter() - t0
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payload, load_format=LOADER if tracker else None,
+            flush_cache=last, weight_version=str(version) if last else None)
+        ok, msg = eng.request("update_weights_from_tensor", req, first)
+        if not ok:
+            raise WeightSyncError(f"SGLang rejected a weight bucket ({first} ...): {msg}")
+        lap["buckets"] += 1
+
+
+def send_disk_sync(eng: Any, stream: Iterable[tuple[str, torch.Tensor]], version: int,
+                   sent: Checksums) -> None:
+    """The stream as safetensors in ``sync_dir/v<version>``, loaded with SGLang's
+    ``update_weights_from_disk`` (which re-runs each layer's post-load processing)."""
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    from ...models.hf_io import copy_side_files, write_safetensors
+
+    target = Path(eng.options.sync_dir) / f"v{version}"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    write_safetensors(sent.passing(stream), target)
+    copy_side_files(eng.model_path, target)
+    req = UpdateWeightFromDiskReqInput(model_path=str(target), weight_version=str(version))
+    ok, msg = eng.engine.loop.run_until_complete(
+        eng.engine.tokenizer_manager.update_weights_from_disk(req, None))[:2]
+    shutil.rmtree(target, ignore_errors=True)
+    if not ok:
+        raise WeightSyncError(f"SGLang failed to load the synced weights: {msg}")
+
+
+def check_receipts(prefix: str, sent: dict[str, str], processes: int) -> dict[str, str]:
+    """Compare every engine process's receipt (``<prefix>.<pid>.json``, written by
+    :mod:`.loader.receipt`) with the fingerprints of the sent stream; returns what the
+    engine received. Raises :class:`WeightSyncError` naming the first tensor missing,
+    different, unexpected or held differently, or a missing receipt. The files are removed."""
+    files = sorted(glob.glob(f"{glob.escape(prefix)}.*.json"))
+    try:
+        receipts = [json.loads(Path(f).read_text()) for f in files]
+    finally:
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+    if len(receipts) != processes:
+        raise WeightSyncError(f"{len(receipts)} of the engine's {processes} scheduler "
+                              "process(es) reported what they received; the in-place loader "
+                              "did not finish the sync")
+    manifest = WeightManifest(dict(sent))
+    for rec in receipts:
+        got = rec["received"]
+        manifest.compare(got)
+        extra = next((n for n in got if n not in sent), None)
+        if extra is not None:
+            raise WeightSyncError(f"engine received tensor {extra!r}, which was not sent")
+        for name, held in rec["held"].items():
+            if held != got[name]:
+                raise WeightSyncError(f"engine holds a different {name!r} after loading: "
+                                      f"received {got[name]}, holds {held}")
+    return receipts[0]["received"]

@@ -1,0 +1,159 @@
+"""H200: the trainer's Transformer Engine spec vs its local spec, the aligned forward on TE, SDPA.
+
+1. TE spec (TE linears with fused norms, TEDotProductAttention, TEGroupedMLP) vs the local spec
+   (SDPA attention), both BF16 with the same weights: logits and every weight gradient within
+   BF16 noise, where "noise" is the local BF16 model's own distance from an fp32 local model
+   (the TE model may be at most 3x as far, + a floor: 5e-3 logits, 2e-2 per gradient tensor).
+2. The rollout-aligned forward swapped into the TE spec (te_quant.aligned_spec_hook) vs the
+   rollout reference (``quant.hf_reference.quantized_copy``) for every format, fp32 (the
+   CPU test's bound, test_te_quant.py, with the GPU's kernels).
+3. SDPA core attention on CUDA: flash / memory-efficient kernels only (no math fallback), equal
+   to DotProductAttention within BF16 noise, and a 8k-token sequence whose materialised softmax
+   alone would take 4 GiB runs forward + backward in well under that.
+
+Run: ``pytest tests/gpu/test_te_spec.py -s`` (bench/h200.sh phase ``tespec``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from tests.test_te_quant_fixtures import grads_as_hf, hf_state, ids, tiny_hf  # noqa: E402
+
+HAVE_TE = False
+try:
+    import transformer_engine.pytorch  # noqa: F401
+
+    HAVE_TE = True
+except Exception as exc:  # noqa: BLE001 - the reason is the skip message
+    TE_REASON = f"Transformer Engine does not import: {exc}"
+needs_te = pytest.mark.skipif(not HAVE_TE, reason="" if HAVE_TE else TE_REASON)
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from megatron_qrl.models.runtime import single_process_megatron
+
+    with single_process_megatron():
+        yield
+
+
+def _model(arch, tensors, impl, dtype, spec_hook=None, **overrides):
+    from megatron_qrl.models.runtime import build_model
+    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
+
+    model = build_model(arch, None, dtype, spec_hook=spec_hook, use_te=impl, **overrides)
+    load_hf_weights(model, arch, tensors.__getitem__, groups_from_parallel_state())
+    return model.cuda()
+
+
+def _logits_and_grads(model, arch, x):
+    pos = torch.arange(x.shape[1], device="cuda")[None].expand_as(x)
+    out = model(x, pos, attention_mask=None)
+    g = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1),
+                    device="cuda", dtype=torch.float32)
+    (out.float() * g).sum().backward()
+    return out.detach().float(), {k: v.float() for k, v in grads_as_hf(model, arch).items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@needs_te
+@pytest.mark.parametrize("kind,overrides", [
+    ("dense", {}), ("moe", {}), ("moe", {"moe_grouped_gemm": True}),
+], ids=["dense", "moe-sequential", "moe-grouped"])
+def test_te_spec_matches_local_spec_within_bf16_noise(megatron, kind, overrides):
+    hf, arch = tiny_hf(kind)
+    tensors = hf_state(hf)
+    x = ids(batch=2, seq=64).cuda()
+    ref, ref_g = _logits_and_grads(_model(arch, tensors, "local", torch.float32), arch, x)
+    loc, loc_g = _logits_and_grads(_model(arch, tensors, "local", torch.bfloat16), arch, x)
+    te_model = _model(arch, tensors, "transformer_engine", torch.bfloat16, **overrides)
+    names = {type(m).__name__ for m in te_model.modules()}
+    assert "TEDotProductAttention" in names, names
+    if overrides.get("moe_grouped_gemm"):
+        assert "TEGroupedMLP" in names, names
+    te, te_g = _logits_and_grads(te_model, arch, x)
+    noise, err = _rel(loc, ref), _rel(te, ref)
+    print(f"\n{kind}{overrides}: logits rel err local-bf16 {noise:.2e}, TE-bf16 {err:.2e}")
+    assert err <= 3 * noise + 5e-3, (err, noise)
+    worst = max((_rel(te_g[k], ref_g[k]) - 3 * _rel(loc_g[k], ref_g[k]), k) for k in ref_g)
+    print(f"worst gradient (TE rel err - 3 x local rel err, tensor): {worst}")
+    assert worst[0] <= 2e-2, worst
+
+
+@needs_te
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_aligned_te_spec_forward_matches_rollout_reference(megatron, kind):
+    from megatron_qrl.quant import get_spec, list_specs
+    from megatron_qrl.quant.hf_reference import quantized_copy
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
+
+    hf, arch = tiny_hf(kind)
+    state = AlignedForwardState("bf16")
+    model = _model(arch, hf_state(hf), "transformer_engine", torch.float32,
+                   aligned_spec_hook(state))
+    x = ids()
+    pos = torch.arange(x.shape[1])[None].expand_as(x)
+    diffs = {}
+    for fmt in list_specs():
+        state.spec = get_spec(fmt)
+        state.mark_weights_updated()
+        with torch.no_grad():
+            want = quantized_copy(hf, state.spec)(input_ids=x).logits
+            got = model(x.cuda(), pos.cuda(), attention_mask=None).float().cpu()
+            with state.only(()):
+                plain = model(x.cuda(), pos.cuda(), attention_mask=None).float().cpu()
+        diffs[fmt] = (got - want).abs().max().item()
+        if fmt != "bf16":
+            assert (plain - want).abs().max().item() > 1e-2, fmt
+    print(f"\n{kind} TE-spec aligned vs rollout reference, max |logit diff|:", diffs)
+    assert all(d <= 1e-3 for d in diffs.values()), diffs
+
+
+def test_sdpa_on_cuda_uses_fused_kernels_and_saves_memory(megatron):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_qrl.models.sdpa_attention import SDPACoreAttention
+
+    def make(cls, heads, groups, dim):
+        cfg = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                                num_query_groups=groups, kv_channels=dim, bf16=True,
+                                params_dtype=torch.bfloat16, attention_dropout=0.0,
+                                masked_softmax_fusion=False)
+        return cls(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                   attention_type="self")
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def qkv(s, b, heads, groups, dim):
+        return [torch.randn(s, b, n, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+                .requires_grad_(True) for n in (heads, groups, groups)]
+
+    q, k, v = qkv(512, 2, 32, 8, 128)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = make(SDPACoreAttention, 32, 8, 128)(q, k, v, None)
+    want = make(DotProductAttention, 32, 8, 128)(q, k, v, None)
+    assert _rel(got.float(), want.float()) < 1e-2
+    torch.cuda.synchronize()
+    q, k, v = qkv(8192, 1, 16, 4, 128)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out = make(SDPACoreAttention, 16, 4, 128)(q, k, v, None)
+        out.float().square().sum().backward()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    scores = 16 * 8192 * 8192 * 2 / 2**30  # one bf16 [heads, s, s] softmax: 2 GiB
+    print(f"\nSDPA 8k tokens fwd+bwd: {peak:.2f} GiB above the inputs (softmax alone {scores} GiB)")
+    assert peak < scores / 4

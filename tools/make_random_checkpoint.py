@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Write a randomly initialised HF checkpoint (safetensors + config.json + the char tokenizer).
+
+    python tools/make_random_checkpoint.py --config qwen3_4b --out /tmp/qwen3-4b-random
+    python tools/make_random_checkpoint.py --config qwen3_30b_a3b --layers 8 --out DIR
+    python tools/make_random_checkpoint.py --config my/config.json --layers 2 --out DIR
+
+The smoke-test checkpoint every example and bench can use without a hub: ``--qrl-model
+checkpoint --qrl-checkpoint DIR`` reads it (the char tokenizer's ids are a prefix of the
+model's vocabulary). ``--config``: ``qwen3_4b`` / ``qwen3_30b_a3b`` (megatron_qrl/data/configs)
+or an HF ``config.json``; ``--layers N`` keeps the first N decoder layers' shape. Linear and
+embedding weights ~ N(0, initializer_range), norm gains 1 + N(0, 0.02); each tensor is drawn
+from its own generator (seed + name), on the GPU when there is one, and streamed into
+safetensors shards, so at most one shard (``--shard-gb``) is held in host memory. The
+directory appears atomically (``utils.outdir.safe_output_dir``: built under a temporary name,
+marked as this tool's output, renamed; ``--overwrite`` replaces only an earlier output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import torch  # noqa: E402
+
+BUILTIN = ("qwen3_4b", "qwen3_30b_a3b")
+
+
+def load_config(name: str, layers: int | None) -> dict:
+    """The HF config of ``name`` (built-in or a file) with ``layers`` decoder layers."""
+    if name in BUILTIN:
+        path = Path(__file__).resolve().parents[1] / "megatron_qrl/data/configs" / f"{name}.json"
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {name}: neither {' / '.join(BUILTIN)} nor a "
+                                    "config.json file")
+    cfg = json.loads(path.read_text())
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        cfg["num_hidden_layers"] = layers
+        cfg["max_window_layers"] = min(int(cfg.get("max_window_layers", layers)), layers)
+    cfg["torch_dtype"] = "bfloat16"
+    return cfg
+
+
+def random_tensors(cfg: dict, seed: int, device: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, bf16 CPU tensor)`` of every weight of ``cfg``'s model, one at a time."""
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.models.mapping import expected_hf_shapes
+
+    std = float(cfg.get("initializer_range", 0.02))
+    for name, shape in expected_hf_shapes(arch_from_dict(cfg, source="--config")).items():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        t = 1.0 + 0.02 * t if name.endswith("norm.weight") else std * t
+        yield name, t.to(torch.bfloat16).cpu()
+
+
+def make_random_checkpoint(config: str, out: str | Path, layers: int | None = None,
+                           seed: int = 0, shard_gb: float = 2.0, device: str | None = None,
+                           overwrite: bool = False) -> Path:
+    """Write the checkpoint directory ``out``; returns it."""
+    from megatron_qrl.data import CharTokenizer
+    from megatron_qrl.models.hf_io import write_safetensors
+    from megatron_qrl.utils.io import atomic_write_json
+    from megatron_qrl.utils.outdir import safe_output_dir
+
+    cfg = load_config(config, layers)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    inputs = [] if config in BUILTIN else [config]
+    with safe_output_dir(out, inputs, tool="make_random_checkpoint", overwrite=overwrite) as tmp:
+        atomic_write_json(tmp / "config.json", cfg)
+        atomic_write_json(tmp / "generation_config.json", {
+            "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
+            "do_sample": True})
+        write_safetensors(random_tensors(cfg, seed, device), tmp,
+                          max_shard_bytes=int(shard_gb * 2**30))
+        CharTokenizer().save(tmp, hf=True)
+    return Path(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatron_qrl.utils.cli import positive_float, positive_int, tool_parser
+
+    p = tool_parser(__doc__)
+    p.add_argument("--config", required=True, help=f"{' | '.join(BUILTIN)} | path/config.json")
+    p.add_argument("--out", required=True, help="output directory (new, or see --overwrite)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="decoder layers (default: the config's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-gb", type=positive_float, default=2.0,
+                   help="safetensors shard size (GiB)")
+    p.add_argument("--device", default=None, help="where to draw (default: cuda if present)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out written earlier by this tool")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_qrl.utils.cli import run_tool
+
+    return run_tool("make_random_checkpoint", lambda: make_random_checkpoint(
+        args.config, args.out, args.layers, args.seed, args.shard_gb, args.device,
+        args.overwrite), debug=args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

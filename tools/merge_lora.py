@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Merge the LoRA adapters of a qrl-train run into its base: an HF checkpoint SGLang loads.
+
+    python tools/merge_lora.py --run-dir OUT --out MERGED [--adapter-out ADAPTER] [--overwrite]
+
+Reads the newest driver checkpoint of ``OUT`` (``OUT/checkpoints/step_*.pt``, written after
+the RL phase started), rebuilds the run's model from the flags stored in it (single process,
+CPU or one GPU), and writes ``W + (alpha/r) B A`` for every adapted projection (LoRA eq. 3,
+product in fp32) with the frozen base as the trainer held it (NF4 / rollout-format bases are
+dequantized), plus config.json and the tokenizer. ``--adapter-out`` also writes the PEFT
+adapter (adapter_model.safetensors + adapter_config.json). Quantize the merged checkpoint for
+SGLang with tools/export_quantized.py. Runs with Megatron shape flags after ``--`` are not
+reconstructed (only the tiny models and ``--qrl-model checkpoint``). ``--out`` /
+``--adapter-out`` must not overlap the run directory; ``--overwrite`` replaces only an earlier
+output of this tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatron_qrl.utils.cli import tool_parser
+
+    p = tool_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", required=True, help="qrl-train --qrl-output-dir of a LoRA run")
+    p.add_argument("--out", required=True, help="merged HF directory (written atomically)")
+    p.add_argument("--adapter-out", default=None, help="also write the PEFT adapter here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace outputs written earlier by this tool")
+    return p.parse_args(argv)
+
+
+def _configs(flags: dict) -> dict:
+    from megatron_qrl.config import qrl_configs_from_args
+    from megatron_qrl.rl.cli import build_parser
+
+    args = build_parser().parse_args([])
+    for k, v in flags.items():
+        if hasattr(args, k):
+            setattr(args, k, v)
+    args.qrl_preset = None  # the stored values are already the effective ones
+    return qrl_configs_from_args(args)
+
+
+def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | None = None,
+              overwrite: bool = False) -> Path:
+    import torch
+
+    from megatron_qrl.models.hf_io import write_safetensors
+    from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
+    from megatron_qrl.models.runtime import single_process_megatron
+    from megatron_qrl.rl.checkpoint import latest_checkpoint
+    from megatron_qrl.rl.driver import prepare_job
+    from megatron_qrl.rl.forward import forward_plan
+    from megatron_qrl.rl.lora_sync import enter_lora
+    from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
+    from megatron_qrl.utils.io import atomic_write_json
+    from megatron_qrl.utils.outdir import check_output_dir, safe_output_dir
+
+    check_output_dir(out, [run_dir], tool="merge_lora", overwrite=overwrite)
+    if adapter_out is not None:
+        check_output_dir(adapter_out, [run_dir, out], tool="merge_lora", overwrite=overwrite,
+                         flag="--adapter-out")
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"--run-dir {run_dir}: no checkpoints/step_*.pt")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    configs = _configs(state["flags"])
+    lora = configs["lora"]
+    if not lora.enabled:
+        raise ValueError(f"--run-dir {run_dir}: the run has no adapters (--qrl-lora-rank 0)")
+    data = prepare_job(configs)
+    with single_process_megatron():
+        trainer = PolicyTrainer(build_policy(data.arch, 1e-4, forward_plan(configs, data.arch)))
+        enter_lora(trainer, configs)
+        model_state = state["trainer"]["model"]
+        if not any(".qrl_base." in k for k in model_state):
+            raise ValueError(f"{path} was written before the RL phase (no frozen base); merge a "
+                             "checkpoint of the LoRA phase")
+        trainer.load_state_dict({"model": model_state,
+                                 "optimizer": trainer.policy.optimizer.state_dict()})
+        adapters = dict(adapter_tensors(trainer.module, data.arch))
+        with safe_output_dir(out, [run_dir], tool="merge_lora", overwrite=overwrite) as tmp:
+            write_safetensors(merge_into(base_hf_tensors(trainer.module, data.arch), adapters,
+                                         lora.scaling), tmp)
+            atomic_write_json(Path(tmp) / "config.json", data.hf_config)
+            _save_tokenizer(data.tokenizer, Path(tmp))
+        if adapter_out is not None:
+            peft = {k: v.contiguous() for k, v in adapters.items()}
+            with safe_output_dir(adapter_out, [run_dir, out], tool="merge_lora",
+                                 overwrite=overwrite, flag="--adapter-out") as tmp:
+                from safetensors.torch import save_file
+
+                save_file(peft, str(Path(tmp) / "adapter_model.safetensors"))
+                atomic_write_json(Path(tmp) / "adapter_config.json", lora.peft_config())
+    return Path(out)
+
+
+def _save_tokenizer(tok, out: Path) -> None:
+    if hasattr(tok, "save"):
+        tok.save(out)
+    elif hasattr(tok, "tok"):
+        tok.tok.save_pretrained(str(out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_qrl.utils.cli import run_tool
+
+    return run_tool("merge_lora", lambda: merge_run(args.run_dir, args.out, args.adapter_out,
+                                                    args.overwrite))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
