@@ -30,6 +30,9 @@
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
 #   train       qrl-train tiny-cpu with --qrl-rollout-engine sglang (int8 in place, aligned)
+#   fleet       tests/gpu/test_sglang_fleet.py (two SGLang engines in Ray actors on one GPU: one
+#               broadcast, digests on both, split rollout, SIGKILL + recovery; needs Ray in the
+#               site), then bench/rollout_throughput.py --engines 2 vs 1 (VARIANTS, default fp8)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
 #   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
 #   te-part N   Transformer Engine, part N of 5 of the 276 MB transformer_engine_cu13 wheel
@@ -246,5 +249,13 @@ case $phase in
       | grep -v Warning | tail -n 25
     cp /tmp/qrl_example4b/metrics.jsonl "$OUT/example4b_metrics.jsonl" 2>/dev/null
     python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$OUT/example4b_metrics.jsonl'))]" ;;
+  fleet)
+    python3 -c "import ray; print('ray', ray.__version__)" || echo "Ray is not in the site: the fleet test skips"
+    python3 -m pytest -q tests/gpu/test_sglang_fleet.py -s 2>&1 \
+      | grep -E "\[fleet\]|passed|failed|skipped|SKIP|Error|assert " | tail -n 40
+    for n in 1 2; do
+      python3 bench/rollout_throughput.py --variants "${VARIANTS:-fp8}" --batches 128 --new 256 \
+        --engines $n --out "$OUT/throughput_fleet.jsonl" 2>&1 | grep -E "^\||Error" | tail -n 4
+    done ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -68,6 +68,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._fleet import barrier, engines_here, run_fleet  # noqa: E402
 from bench._runner import child_main, run_variant  # noqa: E402
 from bench.engine_variants import child_env, parse_variant  # noqa: E402
 
@@ -113,7 +114,8 @@ def engine_kwargs(variant: str, batches: list[int], extra: dict, model_path: str
 
     plan = parse_variant(variant)
     kw = engine_args_for(plan.fmt, is_moe=True)
-    kw |= {"model_path": model_path, "load_format": "dummy", "mem_fraction_static": 0.85,
+    kw |= {"model_path": model_path, "load_format": "dummy",
+           "mem_fraction_static": 0.85 / engines_here(),
            "enable_return_routed_experts": False, "cuda_graph_max_bs_decode": max(batches),
            "cuda_graph_bs_decode": sorted({1, *batches}), "cuda_graph_backend_prefill": "disabled",
            "random_seed": 0, "log_level": "warning"}
@@ -147,6 +149,7 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
         ids = [[rng.randrange(1000, 150000) for _ in range(prompt_len)] for _ in range(bs)]
         sp = {"max_new_tokens": new, "ignore_eos": True, "temperature": 1.0}
         eng.generate(input_ids=ids, sampling_params={**sp, "max_new_tokens": 32})  # warm-up
+        barrier(f"bs{bs}")  # --engines N: every engine decodes at once
         t = time.time()
         out = eng.generate(input_ids=ids, sampling_params=sp)
         dt = time.time() - t
@@ -219,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="append result records (JSONL)")
     p.add_argument("--table", type=Path, nargs="+", default=None,
                    help="print the table of saved --out JSONL files (no GPU needed) and exit")
+    p.add_argument("--engines", type=int, default=1,
+                   help="N engines at once (bench/_fleet.py): 1/N of the memory and of each "
+                        "batch each; reports the fleet's tok/s (one GPU: a sanity check)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = resolve(p.parse_args(argv))
     batches = [int(b) for b in a.batches.split(",")]
@@ -229,10 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         return child_main(lambda: child(a.child, batches, a.new, a.prompt_len,
                                         json.loads(a.extra)))
+    variants = a.variants.split(",")
+    if a.engines > 1 and any(b % a.engines for b in batches):
+        p.error(f"--engines {a.engines} must divide every --batches size ({a.batches})")
     bw = copy_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
     results = []
-    for v in a.variants.split(","):
+    per = ",".join(str(b // a.engines) for b in batches)
+    for v in variants:
+        if a.engines > 1:
+            res = run_fleet(lambda env, tag, v=v: run_variant(
+                [__file__, "--child", v, "--batches", per, "--new", str(a.new), "--prompt-len",
+                 str(a.prompt_len), "--extra", a.extra], f"{v} {tag}", None, env),
+                _env_for(v), a.engines, batches) | {"copy_bw_gbs": round(bw, 1)}
+            results.append(res)
+            if a.out is not None:
+                with a.out.open("a") as f:
+                    f.write(json.dumps(res) + "\n")
+            continue
         results.append(run_variant(
             [__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
              "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, a.out, _env_for(v),

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Qwen3-30B-A3B: Megatron trainer on 2 nodes x 8 GPUs under torchrun (TP 2 x EP 8, sequence
-# parallel, BF16 + fp32 masters) and one SGLang rollout engine (TP 1, one GPU) in a Ray actor
-# that trainer rank 0 drives. FP8-block (Hopper) or NVFP4 (W4A16 on Hopper, W4A4 on
+# parallel, BF16 + fp32 masters) and a fleet of ENGINES SGLang rollout engines (default 8; TP 1,
+# one GPU each) in Ray actors that trainer rank 0 drives (--qrl-rollout-num-engines, sizing in
+# docs/LAUNCH.md). FP8-block (Hopper) or NVFP4 (W4A16 on Hopper, W4A4 on
 # Blackwell) rollouts, routing replay, TIS (fp8) / QeRL AQN + TIS (nvfp4).
 #
-# MODE=disaggregated (default): 3 nodes. The Ray cluster holds the ENGINE's GPU only; the
+# MODE=disaggregated (default): 3 nodes. The Ray cluster holds the ENGINES' GPUs only; the
 # trainer's GPUs are torchrun's, not Ray's (Ray must not hand them to the engine actor):
 #   engine node:     ROLE=engine  HEAD_ADDR=10.0.0.1 bash examples/run_qwen3_30b_a3b.sh
 #   trainer node 0:  ROLE=head    CKPT=/data/Qwen3-30B-A3B bash examples/run_qwen3_30b_a3b.sh
 #   trainer node 1:  ROLE=trainer NODE_RANK=1 HEAD_ADDR=10.0.0.1 CKPT=... bash examples/...
 # (ROLE=head starts the Ray head with 0 GPUs, so rank 0 has a local raylet to join with
 # ray.init(); start the engine node after it, then both trainer nodes.)
-# MODE=colocated: 2 nodes, no engine node; the Ray head on trainer node 0 is given GPU 0
-# only, so the engine shares rank 0's GPU (its memory released during recompute + training).
+# MODE=colocated: 2 nodes, no engine node; the Ray head on trainer node 0 is given its first
+# ENGINES GPUs, one engine on each, shared with the trainer ranks there (engine memory
+# released during recompute + training). ENGINES=1 is the single engine actor of before.
 #   variants:        VARIANT=fp8 (default) | nvfp4 | nvfp4-w4a4 (Blackwell) | qarl
 #
 # STATUS: tested on CPU only, with tiny equivalents (tests/test_rl_ray_multirank.py): 2
@@ -35,6 +37,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_30b_a3b.sh"
 
 ROLE="${ROLE:-head}"
+ENGINES="${ENGINES:-8}"        # rollout engines (one GPU each)
 MODE="${MODE:-disaggregated}"
 RAY_PORT="${RAY_PORT:-6379}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
@@ -43,14 +46,15 @@ MASTER_PORT="${MASTER_PORT:-29500}"
 
 if [[ "${ROLE}" == engine ]]; then
     : "${HEAD_ADDR:?set HEAD_ADDR to trainer node 0 (the Ray head)}"
-    exec ray start --address "${HEAD_ADDR}:${RAY_PORT}" --num-gpus 1 --block
+    exec ray start --address "${HEAD_ADDR}:${RAY_PORT}" --num-gpus "${ENGINES}" --block
 fi
 : "${CKPT:?set CKPT to the Qwen3-30B-A3B HF directory}"
 if [[ "${ROLE}" == head ]]; then
     HEAD_ADDR="${HEAD_ADDR:-$(hostname -I | awk '{print $1}')}"
     NODE_RANK=0
     if [[ "${MODE}" == colocated ]]; then
-        CUDA_VISIBLE_DEVICES=0 ray start --head --port "${RAY_PORT}" --num-gpus 1
+        CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((ENGINES - 1)))" \
+            ray start --head --port "${RAY_PORT}" --num-gpus "${ENGINES}"
     else
         ray start --head --port "${RAY_PORT}" --num-gpus 0
     fi
@@ -76,7 +80,7 @@ case "${VARIANT:-fp8}" in
 esac
 QRL_ARGS=(
     --qrl-preset qwen3-30b-a3b --qrl-model checkpoint --qrl-checkpoint "${CKPT}"
-    --qrl-routing-replay all --qrl-rollout-engine sglang
+    --qrl-routing-replay all --qrl-rollout-engine sglang --qrl-rollout-num-engines "${ENGINES}"
     --qrl-output-dir "${OUT:-qrl_runs/qwen3-30b-a3b-${VARIANT:-fp8}}"
 )
 # rank 0 joins the Ray cluster of this node (ray.init() finds it); other ranks never use Ray

@@ -61,6 +61,19 @@ class RolloutConfig:
     """Rollout engine: reference (transformers model on CPU/GPU, weights from the packed
     tensors) or sglang (GPU)."""
 
+    num_engines: int = 1
+    """Rollout engines (Ray modes): N engine actors, one placement-group bundle each, prompt
+    groups spread over them, weights broadcast to all at once (megatron_qrl.rollout.fleet);
+    sampling is seeded per prompt group, so the batch does not depend on N. 1: the single
+    engine actor."""
+
+    engine_tp: int = 1
+    """Tensor-parallel size of each SGLang engine of the fleet (its GPUs, one node)."""
+
+    engine_ep: int = 1
+    """Expert-parallel size of each SGLang engine (divides --qrl-rollout-engine-tp: SGLang's EP
+    group is made of the engine's TP ranks)."""
+
     n_samples_per_prompt: int = 8
     """Group size G: responses sampled per prompt (GRPO groups)."""
 
@@ -103,6 +116,9 @@ class RolloutConfig:
                 self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"--qrl-rollout-top-k must be -1 (off) or >= 1, got {self.top_k!r}")
         self.stop = tuple(self.stop)
+        from ..rollout.fleet_layout import fleet_layout  # (kept out of the import block)
+
+        fleet_layout(self.num_engines, self.engine_tp, self.engine_ep, self.engine)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"--qrl-rollout-stop strings must be non-empty, got {self.stop!r}")
 

@@ -159,6 +159,11 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
         raise QrlArgumentError(
             f"--qrl-steps 0{'' if args.qrl_compare else ' with --qrl-sft-steps 0'}: nothing "
             "to run; give --qrl-steps N (or --train-iters N after '--')")
+    if args.qrl_mode == "single" and configs["rollout"].num_engines > 1:
+        raise QrlArgumentError(
+            f"--qrl-rollout-num-engines {configs['rollout'].num_engines} runs the engines as Ray "
+            "actors: add --qrl-mode colocated (engines on the trainer's GPUs) or "
+            "disaggregated (GPUs of their own)")
     if args.qrl_mode != "single" and configs["lora"].enabled:
         raise QrlArgumentError(
             f"--qrl-lora-rank {configs['lora'].rank} with --qrl-mode {args.qrl_mode}: the Ray "
@@ -293,6 +298,14 @@ def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
     from megatron_qrl.rl.ray_modes import RaySession, engine_gpus
 
     run = configs["run"]
+    if configs["rollout"].num_engines > 1:  # a rollout fleet (megatron_qrl.rl.ray_fleet)
+        from megatron_qrl.rl.ray_fleet import FleetSession
+
+        with FleetSession(mode, configs["rollout"], max_restarts=run.engine_max_restarts,
+                          weight_transport=run.ray_weight_transport,
+                          weight_timeout_s=run.ray_weight_timeout_s) as session:
+            yield session
+        return
     with RaySession(mode, engine_gpus=engine_gpus(configs["rollout"]),
                     max_restarts=run.engine_max_restarts,
                     weight_transport=run.ray_weight_transport,

@@ -185,7 +185,9 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
     rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget}
+    fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
+    return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget,
+            **(fleet() if callable(fleet) else {})}
 
 
 def micro_batches(ctx: StepContext, batch: dict) -> list[list[dict]]:

@@ -1,0 +1,111 @@
+"""The Ray modes with a rollout fleet: ``--qrl-rollout-num-engines N`` engine actors.
+
+A :class:`FleetSession` is a :class:`~megatron_qrl.rl.ray_modes.RaySession` whose placement
+group holds one bundle per engine (:func:`~megatron_qrl.rollout.fleet_layout.fleet_layout`:
+colocated bundles are fractions / tiles of the trainer's GPUs, disaggregated ones GPUs of
+their own, plus the trainer's CPU bundle), and whose engine factory is an
+:class:`~megatron_qrl.rollout.fleet.EngineFleet`: engine ``i`` always starts in bundle ``i``
+(a restart too), weights go to all engines over ONE broadcast group
+(:class:`~megatron_qrl.rollout.fleet_sync.FleetBroadcast`; the objectstore transport sends
+the stream to each engine in turn), prompt groups are spread over the engines by the driver.
+Colocated: the fleet releases every engine's memory after a rollout and resumes it before the
+next sync or rollout, as the single actor does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
+from megatron_qrl.rollout.fleet import EngineFleet
+from megatron_qrl.rollout.fleet_layout import FleetLayout, fleet_layout
+from megatron_qrl.rollout.fleet_sync import FleetBroadcast
+from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, weight_backend
+from megatron_qrl.rollout_sglang.factory import build_engine
+
+__all__ = ["FleetSession", "session_layout"]
+
+
+def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
+                   gpus_per_node: int | None = None) -> FleetLayout:
+    """The fleet layout of ``--qrl-mode`` / the ``--qrl-rollout-*`` fleet flags; colocated
+    engines share the trainer's GPUs (this process's CUDA devices, one if it has none)."""
+    trainer = (torch.cuda.device_count() or 1) if mode == "colocated" else 0
+    return fleet_layout(rollout_cfg.num_engines, rollout_cfg.engine_tp, rollout_cfg.engine_ep,
+                        rollout_cfg.engine, mode, cluster_gpus=cluster_gpus,
+                        trainer_gpus=trainer, gpus_per_node=gpus_per_node,
+                        mem_fraction=rollout_cfg.sglang.mem_fraction)
+
+
+class FleetSession(RaySession):
+    """Ray + the fleet's placement group (module docstring); a context manager."""
+
+    def __init__(self, mode: str, rollout_cfg: Any, **kwargs: Any):
+        super().__init__(mode, **kwargs)
+        self.rollout_cfg = rollout_cfg
+        self.fleet: FleetLayout | None = None
+
+    def __enter__(self) -> FleetSession:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self._started = _init_ray()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
+        self.fleet = session_layout(self.mode, self.rollout_cfg, cluster_gpus=sum(gpus),
+                                    gpus_per_node=max(gpus, default=0) or None)
+        bundles = list(self.fleet.bundles)
+        if self.mode == "disaggregated":
+            bundles.append({"CPU": 1.0})  # the trainer's share (torchrun owns its GPUs)
+        strategy = "SPREAD" if len(nodes) > 1 else "PACK"
+        self.pg = placement_group(bundles, strategy=strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=self.pg_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.__exit__(None, None, None)
+            raise RuntimeError(
+                f"--qrl-rollout-num-engines {self.fleet.num_engines}: the Ray cluster cannot "
+                f"place bundles {bundles} ({strategy}) within {self.pg_timeout_s:.0f} s; it has "
+                f"{ray.cluster_resources()} — add GPUs or lower --qrl-rollout-num-engines"
+            ) from None
+        return self
+
+    def new_engine(self, spec: EngineSpec, index: int) -> RayEngine:
+        """A fresh engine actor in bundle ``index`` (engine ``index``'s, restarts included)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self.pg is None or self.fleet is None:
+            raise RuntimeError("FleetSession.new_engine outside `with FleetSession(...)`")
+        opts = {"num_cpus": 1.0, "num_gpus": self.fleet.gpus_per_engine, "max_restarts": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=index)}
+        return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
+                         transport=self.weight_transport, engine_kind=spec.kind,
+                         backend=self.backend(spec), timeout_s=self.weight_timeout_s)
+
+    def backend(self, spec: EngineSpec) -> str:
+        """NCCL only where every engine has GPUs of its own (never two ranks on one GPU)."""
+        shared = self.mode == "colocated" or (self.fleet and self.fleet.engines_per_gpu > 1)
+        return weight_backend(spec.kind, colocated=bool(shared))
+
+    def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> EngineFleet:
+        """The driver's engine factory: the fleet of this session."""
+        if self.fleet is None:
+            raise RuntimeError("FleetSession.engine_factory outside `with FleetSession(...)`")
+        if self.fleet.engine_tp > 1:
+            raise NotImplementedError(
+                f"--qrl-rollout-engine-tp {self.fleet.engine_tp}: the layout is valid, but an "
+                "engine actor runs SGLang with TP 1 in this build (engine TP > 1 in Ray actors "
+                "comes with multi-GPU support); use --qrl-rollout-engine-tp 1 and more engines")
+        spec = engine_spec(rollout_cfg, hf_config, seed)
+        broadcast = None
+        if self.weight_transport == "broadcast":
+            broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s)
+        return EngineFleet([lambda i=i: self.new_engine(spec, i)
+                            for i in range(self.fleet.num_engines)],
+                           group_size=rollout_cfg.n_samples_per_prompt,
+                           max_restarts=self.max_restarts, broadcast=broadcast,
+                           colocated=self.mode == "colocated")

@@ -1,0 +1,170 @@
+"""Weights to every engine of a fleet at once: ONE broadcast group, each bucket sent once.
+
+The driver (the trainer's sending rank) is rank 0 of a group whose ranks 1..N are the N
+engine actors (:class:`~megatron_qrl.rollout.ray_actor.EngineActor`, each joining with
+``join_weight_group``; gloo on CPU, NCCL where every engine has its own GPU). Per sync the
+driver starts ``update_weights_broadcast(version)`` on every actor, then broadcasts the
+packed stream as framed buckets (:func:`~megatron_qrl.rollout.broadcast.send_stream`): one
+broadcast per bucket (header, metadata, payload) however many engines listen, so the
+trainer's send cost does not grow with N (NCCL / gloo broadcast trees fan it out).
+
+A failure (an actor dead before or during the sync, a broken send) destroys the group on
+the driver (so the live receivers' pending broadcasts fail instead of waiting for the
+timeout), drains the stream (under torchrun every trainer rank gathers it), waits for every
+actor's call and raises :class:`FleetSyncError` naming the dead engines: the fleet restarts
+those and re-syncs (a new group for the new membership).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .broadcast import free_port, init_group, send_stream
+from .supervisor import EngineDiedError
+
+__all__ = ["FleetBroadcast", "FleetSyncError"]
+
+
+class FleetSyncError(EngineDiedError):
+    """A fleet sync failed; ``dead`` are the indices of the engines whose actor died."""
+
+    def __init__(self, message: str, dead: Sequence[int]):
+        super().__init__(message)
+        self.dead = tuple(dead)
+
+
+def _died(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
+class FleetBroadcast:
+    """The fleet's weight group and its sends (module docstring).
+
+    ``engines``: the :class:`~megatron_qrl.rollout.ray_actor.RayEngine` proxies (their
+    ``actor`` handles); the group is formed on the first sync and again whenever the set of
+    actors changed (a restart). ``broadcasts``: buckets sent, over all syncs.
+    """
+
+    def __init__(self, backend: str = "gloo", timeout_s: float = 300.0,
+                 bucket_bytes: int = 256 * 2**20):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"FleetBroadcast backend {backend!r}: gloo or nccl")
+        self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
+        self.group: Any = None
+        self.group_name: str | None = None
+        self._members: tuple[int, ...] = ()
+        self.broadcasts = 0
+        self.sync_s: list[float] = []
+        """Per engine: seconds from the start of the last sync to that engine's load done."""
+
+    def send(self, engines: Sequence[Any], stream: Iterable[tuple[str, torch.Tensor]],
+             version: int) -> None:
+        """Broadcast ``stream`` once to every engine as ``version`` (module docstring)."""
+        import ray
+
+        members = tuple(id(e.actor) for e in engines)
+        if self.group is None or members != self._members:
+            self.close()
+            self._join(engines)
+            self._members = members
+        start = time.perf_counter()
+        refs = [e.actor.update_weights_broadcast.remote(version) for e in engines]
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        sent_error: BaseException | None = None
+        try:
+            self.broadcasts += send_stream(stream, self.group, device, self.bucket_bytes)
+        except Exception as exc:  # noqa: BLE001 - a peer is gone: reported with the deaths
+            sent_error = exc
+            self.close()  # the live receivers' broadcasts fail now, not at the timeout
+            for _ in stream:  # under torchrun every trainer rank gathers this stream
+                pass
+        dead, errors, self.sync_s = [], [], [0.0] * len(engines)
+        pending = dict(enumerate(refs))
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1,
+                                timeout=self.timeout_s + 30)
+            if not ready:
+                raise FleetSyncError(f"fleet weight sync: engines {sorted(pending)} did not "
+                                     f"finish within {self.timeout_s + 30:.0f} s", sorted(pending))
+            i = next(k for k, r in pending.items() if r == ready[0])
+            del pending[i]
+            self.sync_s[i] = time.perf_counter() - start
+            try:
+                ray.get(ready[0])
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                (dead if _died(exc) else errors).append((i, exc))
+        if dead or sent_error is not None:
+            self.close()
+            what = "; ".join(f"engine {i}: {type(e).__name__}: {str(e)[:200]}" for i, e in dead)
+            raise FleetSyncError(f"fleet weight sync of version {version} failed (group "
+                                 f"{self.group_name}): {what or sent_error}",
+                                 [i for i, _ in dead])
+        if errors:  # an engine's own error (a bad stream): the group is still in step
+            raise errors[0][1]
+
+    def _join(self, engines: Sequence[Any]) -> None:
+        """Form the group: the driver rank 0 (rendezvous host), engine ``i`` rank ``i + 1``."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        port, name = free_port(), f"qrl-fleet-{uuid.uuid4().hex[:12]}"
+        world = len(engines) + 1
+        dead = []
+        for i, e in enumerate(engines):  # started (an SGLang engine takes minutes), or dead
+            try:
+                ray.get(e.actor.weight_version.remote())
+            except Exception as exc:  # noqa: BLE001 - a dead engine is restarted by the fleet
+                if not _died(exc):
+                    raise
+                dead.append(i)
+        if dead:
+            raise FleetSyncError(f"engines {dead} died before joining the fleet weight group",
+                                 dead)
+        joins = [e.actor.join_weight_group.remote(host, port, world, i + 1, name, self.backend,
+                                                  self.timeout_s)
+                 for i, e in enumerate(engines)]
+        result: dict[str, Any] = {}
+
+        def rank0() -> None:
+            try:
+                result["group"] = init_group(host, port, world, 0, name, self.backend,
+                                             self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                result["error"] = exc
+
+        thread = threading.Thread(target=rank0, name=name, daemon=True)
+        thread.start()
+        for i, ref in enumerate(joins):
+            try:
+                ray.get(ref, timeout=self.timeout_s + 30)
+            except Exception as exc:  # noqa: BLE001 - a dead engine is restarted by the fleet
+                if not _died(exc):
+                    raise
+                dead.append(i)
+        if dead:  # rank 0 waits for the missing ranks until its timeout: do not join it
+            raise FleetSyncError(f"engines {dead} died joining the fleet weight group {name}",
+                                 dead)
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        self.group, self.group_name = result["group"], name
+
+    def close(self) -> None:
+        """Destroy the group on the driver (a peer may be dead; never raises)."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        group, self.group, self._members = self.group, None, ()
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - best effort: the group is unusable either way
+            pass
