@@ -19,9 +19,11 @@
 # OFFLOAD=1 (--use-distributed-optimizer --optimizer-cpu-offload: masters + Adam on the CPU),
 # RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
-# STATUS: CPU-tested with tiny equivalents (tests/test_rl_ray.py, tests/test_trainer_memory_flags.py,
-# tests/test_rl_examples.py). GPU run: NOT YET — the lead fills in what ran on the H200
-# (bench/h200.sh phase example4b) and its step times here.
+# STATUS: RAN AS SHIPPED on one H200 (2026-12-01, `bash bench/h200.sh example4b`: MODE=single,
+# default flags, random Qwen3-4B from tools/make_random_checkpoint.py, local spec + SDPA since TE
+# was not installed yet): 3 RL steps completed; steps 2-3: rollout 15-17 s, recompute 6 s, train
+# 22 s, sync 0.8 s (step 1: 26 / 7 / 24 s), trainer peak 82.6 GiB (bench/results/example4b_run1_metrics.jsonl).
+# Not run on a GPU: MODE=colocated (Ray is not on the H200 machine), OFFLOAD=1, RECOMPUTE=0.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"

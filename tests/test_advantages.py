@@ -1,4 +1,4 @@
-"""GRPO / Dr.GRPO group advantages (ALGORITHMS.md section 1)."""
+"""GRPO / Dr.GRPO group advantages (docs/ALGORITHMS.md section 1)."""
 
 from __future__ import annotations
 

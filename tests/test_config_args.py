@@ -465,9 +465,11 @@ def _float_flags() -> list[str]:
 
     out = []
     for group in default_config_classes():
-        hints = typing.get_type_hints(group.cls)
         for spec in flag_specs(group):
-            tp = hints[spec.field]
+            cls, *path, name = [group.cls, *spec.field.split(".")]
+            for part in path:  # a nested options dataclass (e.g. rollout.sglang.mem_fraction)
+                cls = typing.get_type_hints(cls)[part]
+            tp = typing.get_type_hints(cls)[name]
             args = [a for a in typing.get_args(tp) if a is not type(None)]
             if (tp is float or args == [float]) and spec.choices is None:
                 out.append(spec.flag)

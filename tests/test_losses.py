@@ -1,4 +1,4 @@
-"""Closed-form and property tests of compute_policy_loss (ALGORITHMS.md sections 1, 2, 5)."""
+"""Closed-form and property tests of compute_policy_loss (docs/ALGORITHMS.md sections 1, 2, 5)."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_acr_upper_bound_is_exactly_one_plus_eps_over_r_when_truncated():
     cap, eps = 2.5, 0.28
     cfg = PolicyLossConfig(kind="acr", tis_cap=cap, eps_high=eps)
     terms = acr_terms(torch.zeros_like(prox), prox.log(), behav.log(), cfg)
-    r = behav / torch.maximum(behav, prox / cap)  # ALGORITHMS.md section 2 definition
+    r = behav / torch.maximum(behav, prox / cap)  # docs/ALGORITHMS.md section 2 definition
     assert (r < 1).tolist() == [[True, False, True, False]]
     torch.testing.assert_close(terms.upper, (1 + eps) / r, rtol=1e-12, atol=0)
     torch.testing.assert_close(terms.weight, torch.clamp(prox / behav, max=cap), rtol=1e-12, atol=0)

@@ -1,4 +1,4 @@
-"""TBPO (QaRL, ALGORITHMS.md section 5): closed form, band masks, dual clip."""
+"""TBPO (QaRL, docs/ALGORITHMS.md section 5): closed form, band masks, dual clip."""
 
 from __future__ import annotations
 

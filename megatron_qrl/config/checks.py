@@ -20,7 +20,7 @@ from .lora_checks import lora_problem
 __all__ = ["TBPO_AGGREGATIONS", "CheckEnv", "combination_problems", "combination_warnings"]
 
 TBPO_AGGREGATIONS = ("seq_mean_token_mean",)
-"""Aggregations allowed with ``--qrl-loss-kind tbpo``. TBPO (QaRL, ALGORITHMS.md section 5)
+"""Aggregations allowed with ``--qrl-loss-kind tbpo``. TBPO (QaRL, docs/ALGORITHMS.md section 5)
 is a sequence-level objective ``J = mean_i(m_i w_i L_i)``: one term per sequence, averaged
 over sequences. The sequence-level aggregation is the one whose outer reduction is a plain
 mean over sequences with each sequence weighted equally, ``seq_mean_token_mean``; applied to

@@ -1,7 +1,7 @@
 """Generate argparse flags from config dataclasses, and build the dataclasses back.
 
-One generic mapping, used for every ``--qrl-*`` flag (DESIGN.md: "Flags are generated from
-the dataclasses by one ``add_qrl_args(parser)``"):
+One generic mapping, used for every ``--qrl-*`` flag (docs/DESIGN.md: "flags are generated from
+them (``add_qrl_args``, usable as Megatron's ``extra_args_provider``)"):
 
 * flag name: ``--qrl-<prefix>-<field-with-dashes>`` (``--qrl-<field>`` when the prefix is
   empty), or the name declared in the field's metadata (``{"flag": "--qrl-..."}``, or

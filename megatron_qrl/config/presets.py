@@ -16,7 +16,7 @@ Machine / job presets:
 * ``qwen3-30b-a3b``: Qwen3-30B-A3B, multi-node, FP8-block SGLang rollouts, routing replay
   (needs ``--qrl-checkpoint``; TP/EP layout are Megatron flags in examples/).
 
-Paper modes (ALGORITHMS.md):
+Paper modes (docs/ALGORITHMS.md):
 
 * ``qurl`` (QuRL, seed 000): INT8 W8A8 rollouts, ACR (eq. 9), UAQ s=1.5 (eq. 10-12).
   QuRL uses UAQ at lr 1e-6 only (validation warns at lr >= 1e-5). Paper modes never set

@@ -1,7 +1,7 @@
 """Policy losses for quantized-rollout RL: pure tensor functions + one Megatron adapter.
 
 Kinds (``PolicyLossConfig.kind``): ppo_clip, naive_quant, decoupled, tis, acr, tbpo.
-Maths: ../shared/spec/ALGORITHMS.md sections 1, 2, 5. The Megatron adapter lives in
+Maths: docs/ALGORITHMS.md sections 1, 2, 5. The Megatron adapter lives in
 :mod:`megatron_qrl.losses.megatron_adapter` (imported lazily; it needs megatron-core).
 """
 

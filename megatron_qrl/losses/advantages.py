@@ -1,4 +1,4 @@
-"""Group-relative advantages: GRPO and Dr.GRPO (ALGORITHMS.md section 1).
+"""Group-relative advantages: GRPO and Dr.GRPO (docs/ALGORITHMS.md section 1).
 
 Responses are grouped by an index tensor (``group_index[i]`` = the prompt of response i;
 any integer ids, groups need not be contiguous or equal-sized).

@@ -1,6 +1,6 @@
 """``PolicyLossConfig``: which off-policy objective to train with, and its constants.
 
-Maths: ../shared/spec/ALGORITHMS.md sections 1 (PPO/GRPO baselines), 2 (QuRL: naive,
+Maths: docs/ALGORITHMS.md sections 1 (PPO/GRPO baselines), 2 (QuRL: naive,
 decoupled PPO, TIS, ACR) and 5 (QaRL: TBPO). The field docstrings become ``--qrl-*`` help.
 """
 

@@ -1,4 +1,4 @@
-"""Error tokens in quantized rollouts (QaRL, ALGORITHMS.md section 5).
+"""Error tokens in quantized rollouts (QaRL, docs/ALGORITHMS.md section 5).
 
 Long low-bit rollouts drift into repetitive or garbled text that the full-precision trainer
 finds very improbable. A token is flagged when either

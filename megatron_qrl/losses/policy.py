@@ -65,7 +65,7 @@ def _check_shapes(log_probs: Tensor, others: dict[str, Tensor | None], advantage
 
 
 def k3_kl(log_p_sample: Tensor, log_q: Tensor) -> Tensor:
-    """k3 estimator of KL(p || q) on samples from p (Schulman 2020, ALGORITHMS.md section 1):
+    """k3 estimator of KL(p || q) on samples from p (Schulman 2020, docs/ALGORITHMS.md section 1):
     ``rho - log rho - 1`` with ``rho = q/p``; non-negative per token, unbiased in expectation.
     The exponent is clamped at 20 (finite for log-probs down to -100)."""
     log_rho = log_q - log_p_sample
@@ -143,7 +143,7 @@ def compute_policy_loss(
     ``-w * min(R A, clip(R, 1-eps_low, U) A)``, see :mod:`megatron_qrl.losses.token_kinds`
     (QuRL eq. 3/4/5/9), reduced by ``cfg.aggregation``. ``tbpo``: the sequence-level QaRL
     objective, see :mod:`megatron_qrl.losses.tbpo` (its own mean over sequences).
-    KL term (ALGORITHMS.md section 1): ``kl_coef * agg(exp(lr - lp) - (lr - lp) - 1)``.
+    KL term (docs/ALGORITHMS.md section 1): ``kl_coef * agg(exp(lr - lp) - (lr - lp) - 1)``.
 
     ``entropy`` ([batch, seq]) or full-vocab ``logits`` ([batch, seq, vocab]) only feed the
     ``entropy`` metric. Returns ``(loss scalar, {name: detached scalar})``; names in

@@ -36,12 +36,12 @@ def masked_max(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def aggregate_token_loss(per_token: Tensor, mask: Tensor, aggregation: str) -> Tensor:
-    """Reduce a per-token loss ``[batch, seq]`` to a scalar (ALGORITHMS.md section 1).
+    """Reduce a per-token loss ``[batch, seq]`` to a scalar (docs/ALGORITHMS.md section 1).
 
     - ``token_mean`` (DAPO): ``sum_{i,t} m l / sum_{i,t} m``.
     - ``seq_mean_token_mean`` (GRPO): ``mean_i (sum_t m l / sum_t m)`` over rows with at
       least one valid token (fully masked rows are left out, never NaN).
-    - ``seq_mean_token_sum_norm`` (Dr.GRPO, Liu et al. 2025; ALGORITHMS.md section 1): ``sum_{i,t} m l / (B * S)``
+    - ``seq_mean_token_sum_norm`` (Dr.GRPO, Liu et al. 2025; docs/ALGORITHMS.md section 1): ``sum_{i,t} m l / (B * S)``
       with ``B`` rows and ``S`` = the padded length (a constant normaliser, no length bias).
     """
     if aggregation == "token_mean":

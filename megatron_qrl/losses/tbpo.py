@@ -1,4 +1,4 @@
-"""TBPO — Trust-Band Policy Optimization (QaRL, ALGORITHMS.md section 5).
+"""TBPO — Trust-Band Policy Optimization (QaRL, docs/ALGORITHMS.md section 5).
 
 Sequence-level objective with dual clipping for negative samples. Per sequence i with
 valid-token mask m_{i,t} (n_i = sum_t m_{i,t}):

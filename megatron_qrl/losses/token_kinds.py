@@ -9,7 +9,7 @@ registered function each (no ``if kind == ...`` chain in the loss):
 - ``w``: the importance weight (no gradient),
 - ``U``: the upper clip bound.
 
-Notation (ALGORITHMS.md): lp = log pi_theta, lprox = log pi_prox, lbehav = log pi_behav,
+Notation (docs/ALGORITHMS.md): lp = log pi_theta, lprox = log pi_prox, lbehav = log pi_behav,
 d = lprox - lbehav (the train/rollout mismatch of the sampled token).
 """
 
@@ -108,7 +108,7 @@ def clipped_surrogate(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token loss ``-w * min(R A, clip(R, 1-eps_low, U) A)`` (+ dual clip for A < 0).
 
-    Dual clip (Ye et al. 2020, ALGORITHMS.md section 1): for A < 0 the surrogate becomes
+    Dual clip (Ye et al. 2020, docs/ALGORITHMS.md section 1): for A < 0 the surrogate becomes
     ``max(min(R A, clip(R) A), c A)``. Returns the per-token loss and boolean event masks
     (``clip_low``, ``clip_high``, ``dual_clip``) for the metrics.
     """

@@ -2,7 +2,7 @@
 
 Both directions run in one process at TP = EP = 1 (megatron re-shards the dist checkpoint
 when a job loads it at another layout), write into a temporary directory next to the output
-and rename it when complete. UAQ (QuRL, ALGORITHMS.md section 2) is applied to the HF
+and rename it when complete. UAQ (QuRL, docs/ALGORITHMS.md section 2) is applied to the HF
 state dict on the way in, at most once: the scale is recorded in the checkpoint metadata and
 in the travelling config.json (key :data:`UAQ_CONFIG_KEY`), and a second application is refused.
 """

@@ -1,6 +1,6 @@
 """Export an HF checkpoint quantized with a QuantSpec: the directory SGLang loads directly.
 
-Used for post-training quantization after RL (the rlquant study, ALGORITHMS.md section 4)
+Used for post-training quantization after RL (the rlquant study, docs/ALGORITHMS.md section 4)
 and to start a low-bit rollout engine from disk. The packed tensors come from
 :meth:`QuantSpec.pack_state_dict` — the same function weight sync uses — and config.json
 gets the spec's ``quantization_config``. Output is written to a temporary sibling directory

@@ -50,6 +50,11 @@ def single_process_megatron() -> Iterator[None]:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(minutes=30))
         parallel_state.initialize_model_parallel()
+        # TE layers initialise their weights under the model-parallel RNG tracker (the H200
+        # run of tests/gpu/test_te_spec.py failed without it: "cuda rng state ... not added")
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
         mode = contextlib.nullcontext()
     try:
         with mode:

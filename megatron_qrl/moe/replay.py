@@ -2,7 +2,7 @@
 
 A tiny router-logit difference between the quantized rollout and the BF16 trainer flips a
 top-k choice, and the token then goes through other experts: the largest source of
-train/rollout mismatch in MoE RL (spec/ALGORITHMS.md section 6; "rollout routing replay", R3,
+train/rollout mismatch in MoE RL (docs/ALGORITHMS.md section 6; "rollout routing replay", R3,
 Ma et al. 2025). With replay the trainer uses the rollout's expert ids; the gates
 are still the trainer's own: with ``norm_topk_prob`` (``moe_router_pre_softmax=False``)
 ``g_i = softmax(l_{e_1..e_k})_i`` over the replayed experts' logits, otherwise

@@ -14,9 +14,9 @@ gains are the default targets. Not included by default: ``q_norm`` / ``k_norm`` 
 the projections (noise there perturbs attention logits, not a linear's weights) and the
 final ``model.norm`` feeds ``lm_head``, which QeRL keeps unquantized. ``targets`` is a
 parameter for other choices. The importance weight ``pi_prox / pi_behav`` (decoupled PPO /
-TIS, ALGORITHMS.md section 2) accounts for the noise when enabled.
+TIS, docs/ALGORITHMS.md section 2) accounts for the noise when enabled.
 
-Schedule (ALGORITHMS.md section 3): ``K`` stages evenly spaced over the run; stage 0 has
+Schedule (docs/ALGORITHMS.md section 3): ``K`` stages evenly spaced over the run; stage 0 has
 ``sigma = 0``, stage ``k >= 1`` has
 ``sigma_k = sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2))``,
 a geometric decay from ``sigma_start`` (stage 1) to ``sigma_end`` (stage K-1).
@@ -82,7 +82,7 @@ def aqn_sigma(
     sigma_end: float = 5e-4,
     num_stages: int = 10,
 ) -> float:
-    """QeRL's AQN noise scale at 0-based ``step`` (ALGORITHMS.md section 3).
+    """QeRL's AQN noise scale at 0-based ``step`` (docs/ALGORITHMS.md section 3).
 
     Stage 0 (the first ``1/K`` of the run) is noise-free; stage ``k >= 1`` uses
     ``sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2))`` so stage 1 is

@@ -95,7 +95,7 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     a ``searchsorted`` of the fp32 value into 15 signed thresholds and a 16-entry table lookup.
 
     The same rounding as :func:`e2m1_encode` (OCP MX spec v1.0 sec. 5.3.3: nearest, ties to
-    the even mantissa, saturating at 6; QeRL seed 002 / ALGORITHMS.md sec. 3) without building
+    the even mantissa, saturating at 6; QeRL seed 002 / docs/ALGORITHMS.md sec. 3) without building
     codes: the odd ties 0.75, 1.75, 3.5 (and their negatives' mirror images) are encoded in
     the thresholds instead of a fix-up pass.
     """

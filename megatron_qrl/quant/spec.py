@@ -1,6 +1,6 @@
 """The QuantSpec: one frozen object per format, from which every consumer is derived.
 
-One spec gives (DESIGN.md, "The one idea that holds it together"):
+One spec gives (docs/DESIGN.md, "One spec per format"):
 1. the exact reference quantizer (pure torch, CPU): :meth:`QuantSpec.quantize_weight`,
    :meth:`QuantSpec.dequantize`, :meth:`QuantSpec.fake_quant_weight`,
    :meth:`QuantSpec.fake_quant_activation`; :meth:`QuantSpec.quantize_dequantize` is

@@ -12,7 +12,7 @@ would get alone when no scale spans two weights:
 - block formats (``fp8_block``): when every weight's row count is a multiple of the block's rows
   (128), so that no block straddles two weights (partial edge blocks are zero-padded alone);
 - formats with a per-tensor scale (``nvfp4``'s ``weight_scale_2``, QeRL seed 002 /
-  ALGORITHMS.md sec. 3): every block depends only on its row's tensor scale, so the stack is
+  docs/ALGORITHMS.md sec. 3): every block depends only on its row's tensor scale, so the stack is
   quantized with the tensor scale given PER ROW, expanded from each weight's amax (its own, or
   its fused group's: ``global_amax``); the format takes a ``[out, 1]`` ``global_amax``
   (:meth:`NVFP4Spec.quantize_weight <megatron_qrl.quant.formats.nvfp4.NVFP4Spec.quantize_weight>`)

@@ -1,6 +1,6 @@
 """Verifiable math reward: extract the final answer, compare it, add a format bonus.
 
-Reward (rlquant study, seed 003; ALGORITHMS.md section 4): ``1.0`` for a correct final
+Reward (rlquant study, seed 003; docs/ALGORITHMS.md section 4): ``1.0`` for a correct final
 answer plus ``format_bonus`` (0.1) for a well-formatted response, so the values are
 ``{0, 0.1, 1.1}``.
 

@@ -12,7 +12,7 @@ summation order).
 The objective must not depend on the grouping: the trainer then normalises the policy loss by
 the step's total loss tokens (``TrainerOptions.per_token_loss``, Megatron's
 ``calculate_per_token_loss``), the global token mean ``sum_{i,t} m l / sum_{i,t} m`` (DAPO's
-token-level loss, Yu et al. 2025; ALGORITHMS.md section 1, "token-mean over the batch"), so
+token-level loss, Yu et al. 2025; docs/ALGORITHMS.md section 1, "token-mean over the batch"), so
 only ``--qrl-loss-aggregation token_mean`` is accepted with a budget.
 """
 

@@ -6,7 +6,7 @@ The tokenizer comes from ``DIR`` (or ``DIR/hf``): a tokenizer ``transformers.Aut
 loads from local files only (never the hub), else the repo's char tokenizer file
 (:data:`megatron_qrl.data.tokenizer.TOKENIZER_FILE`), else a clear error.
 
-A UAQ scale already folded into the weights (QuRL eq. 10-12, ALGORITHMS.md section 2) is
+A UAQ scale already folded into the weights (QuRL eq. 10-12, docs/ALGORITHMS.md section 2) is
 read from the checkpoint metadata (``uaq_scale``) or config.json
 (:data:`megatron_qrl.models.convert.UAQ_CONFIG_KEY`); the driver refuses to apply UAQ again.
 """

@@ -13,7 +13,7 @@ handed) gets the stream without the manifest, a second per-tensor pass over the 
 way.
 
 The trainer's weights are never modified: AQN noise draws a new tensor for each norm gain
-it perturbs (QeRL, ALGORITHMS.md), seeded by ``(seed, version)`` so a resumed run sends the
+it perturbs (QeRL, docs/ALGORITHMS.md), seeded by ``(seed, version)`` so a resumed run sends the
 same noise.
 """
 

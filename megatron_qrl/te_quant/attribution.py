@@ -3,7 +3,7 @@
 For one batch the trainer forward is run with quantization enabled in ONE layer type at a time
 (attention, dense mlp, experts) and in all of them; each run's token-mean
 ``KL(pi_aligned || pi_bf16) = mean_t sum_v p_a(v|t) (log p_a(v|t) - log p_b(v|t))``
-(ALGORITHMS.md section 5: the aligned forward is what the rollout computes) tells how much of
+(docs/ALGORITHMS.md section 5: the aligned forward is what the rollout computes) tells how much of
 the mismatch that layer type causes, i.e. which layers are worth keeping in BF16.
 
 With a quantized KV cache (``--kv-cache fp8_e4m3``) a ``kv cache`` row runs the BF16 weights

@@ -1,6 +1,6 @@
 """Transformer Engine recipes for the aligned forward, used only where TE's numerics equal the spec's.
 
-The aligned forward must reproduce the rollout's quantized GEMM (QaRL, ALGORITHMS.md section 5).
+The aligned forward must reproduce the rollout's quantized GEMM (QaRL, docs/ALGORITHMS.md section 5).
 A TE recipe qualifies only if its weight and activation quantizers produce the same values as
 the spec's reference quantizer; the table below records, per rollout format, the candidate
 recipe, the GPUs that run it and whether its numerics match:

@@ -13,7 +13,7 @@ batch (per-sample lists, CP-local except ``loss_masks``):
   :mod:`megatron_qrl.losses.token_kinds` reduced by slime's ``sum_of_sample_mean`` — so
   ``--qrl-loss-aggregation token_mean`` is slime's ``--calculate-per-token-loss`` and
   ``seq_mean_token_mean`` its per-sample mean (checked by ``options.slime_problems``);
-- tbpo (QaRL, ALGORITHMS.md section 5): each sequence's term from
+- tbpo (QaRL, docs/ALGORITHMS.md section 5): each sequence's term from
   :func:`megatron_qrl.losses.tbpo.tbpo_loss` on the whole sequence (CP slices gathered with
   slime's differentiable ``all_gather_with_cp``, as its GSPO does), spread over the sequence's
   tokens so ``sum_of_sample_mean`` adds it once per sequence;

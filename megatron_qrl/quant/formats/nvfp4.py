@@ -1,6 +1,6 @@
 """``nvfp4``: E2M1 weights in blocks of 16, FP8-E4M3 block scales, one FP32 tensor scale.
 
-QeRL (seed 002), NVFP4 as in ALGORITHMS.md section 3: ``W_hat = s_fp32 * (s_e4m3 * W_q)``.
+QeRL (seed 002), NVFP4 as in docs/ALGORITHMS.md section 3: ``W_hat = s_fp32 * (s_e4m3 * W_q)``.
 Numerics are ModelOpt's ``NVFP4QTensor.quantize`` given our tensor scale:
 ``s_fp32 = bf16_ceil(amax(W) / (6 * 448))``; per block ``s_blk = e4m3(clamp(amax_blk / (6 s_fp32),
 2^-9, 448))`` (0 -> 1); ``W_q = e2m1(W / (s_blk * s_fp32))`` (nearest, ties to even,
@@ -136,7 +136,7 @@ def quantize_rows(w32: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, to
     """E2M1 codes ``[out, in]`` and E4M3 block scales ``[out, in/16]`` of fp32 ``w32`` given
     the tensor scale ``s2`` (a scalar, or ``[out, 1]``: one per row of a row-stack).
 
-    QeRL (seed 002) / ALGORITHMS.md sec. 3, ModelOpt ``NVFP4QTensor.quantize``:
+    QeRL (seed 002) / docs/ALGORITHMS.md sec. 3, ModelOpt ``NVFP4QTensor.quantize``:
     ``s_blk = e4m3(clamp(amax_blk / (6 s2), 2^-9, 448))`` (0 -> 1),
     ``W_q = e2m1(W / (s_blk * s2))``.
     """
@@ -158,7 +158,7 @@ def block_amax(w: torch.Tensor) -> torch.Tensor:
 
 def block_scales(a_blk: torch.Tensor, s2b: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales ``s_blk = e4m3(clamp(amax_blk / (6 s2), 2^-9, 448))``, 0 -> 1
-    (QeRL seed 002 / ALGORITHMS.md sec. 3; ModelOpt ``NVFP4QTensor.get_weights_scaling_factor``)."""
+    (QeRL seed 002 / docs/ALGORITHMS.md sec. 3; ModelOpt ``NVFP4QTensor.get_weights_scaling_factor``)."""
     s_blk = a_blk / (E2M1_MAX * s2b)
     s_blk = torch.where(s_blk == 0, torch.ones_like(s_blk), s_blk)
     return s_blk.clamp(_E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
@@ -167,7 +167,7 @@ def block_scales(a_blk: torch.Tensor, s2b: torch.Tensor) -> torch.Tensor:
 def fake_quant_rows(w: torch.Tensor, s2: torch.Tensor, a_blk: torch.Tensor) -> torch.Tensor:
     """``dequantize_rows(*quantize_rows(w.float(), s2), s2)`` bit for bit, fp32, without codes.
 
-    ALGORITHMS.md sec. 3, ``W_hat = s2 * (s_e4m3 * e2m1(W / (s_e4m3 * s2)))`` in four passes
+    docs/ALGORITHMS.md sec. 3, ``W_hat = s2 * (s_e4m3 * e2m1(W / (s_e4m3 * s2)))`` in four passes
     over the weight: ``x = W / d`` with ``d = s_e4m3 * s2`` (the same fp32 product both
     :func:`quantize_rows` divides by and :func:`dequantize_rows` multiplies by), the E2M1 value
     of ``x`` by threshold search and table (:func:`e2m1_round`, two passes), ``* d``.
@@ -181,7 +181,7 @@ def fake_quant_rows(w: torch.Tensor, s2: torch.Tensor, a_blk: torch.Tensor) -> t
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """``W_hat = s2 * (s_e4m3 * e2m1)`` in fp32 (ALGORITHMS.md sec. 3); ``s2`` a scalar or
+    """``W_hat = s2 * (s_e4m3 * e2m1)`` in fp32 (docs/ALGORITHMS.md sec. 3); ``s2`` a scalar or
     ``[out, 1]`` (a row-stack)."""
     out, k = codes.shape
     vals = e2m1_decode(codes).reshape(out, k // BLOCK, BLOCK)
