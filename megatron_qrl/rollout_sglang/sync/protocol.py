@@ -23,6 +23,7 @@ import re
 
 import torch
 
+from ...quant.hf_names import FUSED
 from ...rollout.wire import json_tensor, tensor_json
 
 __all__ = ["CONTROL", "FLAT", "LOADER", "PER_EXPERT", "RECV", "InplaceSyncError", "decode_control",
@@ -35,8 +36,6 @@ LOADER = "megatron_qrl.rollout_sglang.sync.loader.load_packed"
 """The ``load_format`` / ``custom_weight_loader`` entry (SGLang's ``dynamic_import`` splits
 on the last dot)."""
 
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 _EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?:\d+|\*)\.(?:gate_proj|up_proj|down_proj)$")
 PER_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\."
                         r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
@@ -66,7 +65,7 @@ def module_key(hf_name: str) -> str:
     if m:
         return m["moe"]
     head, _, leaf = prefix.rpartition(".")
-    leaf = _FUSED.get(leaf, leaf)
+    leaf = FUSED.get(leaf, leaf)
     return f"{head}.{leaf}" if head else leaf
 
 
