@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
+from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec, wait_for_placement
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, fleet_layout
 from megatron_qrl.rollout.fleet_sync import FleetBroadcast
@@ -61,15 +61,9 @@ class FleetSession(RaySession):
             bundles.append({"CPU": 1.0})  # the trainer's share (torchrun owns its GPUs)
         strategy = "SPREAD" if len(nodes) > 1 else "PACK"
         self.pg = placement_group(bundles, strategy=strategy)
-        try:
-            ray.get(self.pg.ready(), timeout=self.pg_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.__exit__(None, None, None)
-            raise RuntimeError(
-                f"--qrl-rollout-num-engines {self.fleet.num_engines}: the Ray cluster cannot "
-                f"place bundles {bundles} ({strategy}) within {self.pg_timeout_s:.0f} s; it has "
-                f"{ray.cluster_resources()} — add GPUs or lower --qrl-rollout-num-engines"
-            ) from None
+        wait_for_placement(self, bundles, strategy,
+                           f"--qrl-rollout-num-engines {self.fleet.num_engines}",
+                           "add GPUs or lower --qrl-rollout-num-engines")
         return self
 
     def new_engine(self, spec: EngineSpec, index: int) -> RayEngine:

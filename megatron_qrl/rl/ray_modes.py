@@ -92,6 +92,20 @@ def placement_layout(mode: str, num_nodes: int, engine_gpus: float = 0.0,
     return PlacementLayout([res(engine_gpus), res(trainer_gpus)], strategy, 0, res(engine_gpus))
 
 
+def wait_for_placement(session: Any, bundles: Any, strategy: str, what: str, fix: str) -> None:
+    """Wait up to ``session.pg_timeout_s`` for ``session.pg``; on a timeout close the session
+    and raise one error naming ``what`` (the flag), the bundles, the cluster and ``fix``."""
+    import ray
+
+    try:
+        ray.get(session.pg.ready(), timeout=session.pg_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        session.__exit__(None, None, None)
+        raise RuntimeError(
+            f"{what}: the Ray cluster cannot place bundles {bundles} ({strategy}) within "
+            f"{session.pg_timeout_s:.0f} s; it has {ray.cluster_resources()} — {fix}") from None
+
+
 def _init_ray() -> bool:
     """Connect to ``RAY_ADDRESS`` (or start a local cluster); True if this call started Ray."""
     import ray
@@ -164,14 +178,8 @@ class RaySession:
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.layout = placement_layout(self.mode, nodes, engine_gpus=self.engine_gpus)
         self.pg = placement_group(self.layout.bundles, strategy=self.layout.strategy)
-        try:
-            ray.get(self.pg.ready(), timeout=self.pg_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.__exit__(None, None, None)
-            raise RuntimeError(
-                f"--qrl-mode {self.mode}: the Ray cluster cannot place bundles "
-                f"{self.layout.bundles} ({self.layout.strategy}) within {self.pg_timeout_s:.0f} s; "
-                f"it has {ray.cluster_resources()} — add nodes/CPUs/GPUs") from None
+        wait_for_placement(self, self.layout.bundles, self.layout.strategy,
+                           f"--qrl-mode {self.mode}", "add nodes/CPUs/GPUs")
         return self
 
     def __exit__(self, *exc: Any) -> None:
