@@ -42,6 +42,9 @@
 #               background (setsid; poll with te-test)
 #   te-test     wait for the build, then tests/gpu/test_te_recipes.py and the te: variants of
 #               bench/aligned_step.py
+#   te-save     after te-build: the compiled transformer_engine_torch as xz parts under $OUT
+#   te-load     a later session: te-part 1..5, then te-load (carry .stage/te0 .stage/te_built
+#               .stage/recipe .stage/stub): no compile
 #   fa3-part N  FA3 attention (sgl_kernel/flash_ops.abi3.so, 1.1 GB, left out of the site):
 #               part N (0..2) of its xz (148 MB), staged here by tools/stage_fa3.sh; carry
 #               .stage/fa3_N with .stage/recipe and .stage/stub only (57 MB: no room for
@@ -91,6 +94,14 @@ export PYTHONPATH=$PYTHONPATH:$PWD:/tmp/mcore PYTHONUNBUFFERED=1
 if [ ! -d /tmp/mcore/megatron ] && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/megatron_core-*.whl
 fi
+te_env() {  # TE on PYTHONPATH once its background build (te-build) has finished and it imports;
+  # a phase that starts while the compile runs waits for it (bounded by the phase's timeout)
+  [ -d /tmp/te_site ] || return 0
+  while [ -f /tmp/te_build.pid ] && kill -0 "$(cat /tmp/te_build.pid)" 2>/dev/null; do sleep 5; done
+  if PYTHONPATH=$PYTHONPATH:/tmp/te_site python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/te_site; echo "TE: /tmp/te_site"
+  else echo "TE does not import from /tmp/te_site: local spec"; fi
+}
 marlin_wait() {  # block until the background prewarm (setup phase) has finished, when
   # the phase's VARIANTS / PYTEST_K (unset: every format) name a Marlin format
   case "${VARIANTS:-}${PYTEST_K:-}" in ""|*w4a16*|*nvfp4*) ;; *) return 0 ;; esac
@@ -119,7 +130,7 @@ case $phase in
     python3 -m pytest -q -s -rs tests/gpu/test_kv_cache_alignment.py 2>&1 \
       | tee "$OUT/kv_alignment.log" | grep -v Warning | tail -n 20 ;;
   kvtrain)
-    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    te_env
     [ -f /tmp/qrl_random_ckpt/qwen3_4b-allL/config.json ] || python3 tools/make_random_checkpoint.py \
       --config qwen3_4b --out /tmp/qrl_random_ckpt/qwen3_4b-allL
     source examples/models/qwen3_4b.sh
@@ -137,6 +148,7 @@ case $phase in
   kvthroughput)
     marlin_wait
     python3 bench/rollout_throughput.py --preset "${PRESET:-rl-512}" --variants "${VARIANTS:-kv}" \
+      ${BATCHES:+--batches "$BATCHES"} \
       --out "$OUT/kvthroughput.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 15 ;;
   inplace)
     marlin_wait
@@ -198,8 +210,22 @@ case $phase in
       && cp -r /tmp/te_torch/. /tmp/te_site/" > /tmp/te_build.log 2>&1 < /dev/null &
     echo $! > /tmp/te_build.pid
     echo "building transformer_engine_torch in the background (log /tmp/te_build.log)" ;;
+  te-save)  # the compiled transformer_engine_torch back under $OUT (<= 4 x 16 MiB xz parts): a
+    # later session carries them as .stage/te_built and runs te-load instead of the 7-min compile
+    te_env
+    tar cf - -C /tmp te_torch | xz -T0 -6 > /tmp/te_torch.tar.xz && ls -la /tmp/te_torch.tar.xz
+    (cd /tmp && sha256sum te_torch.tar.xz > "$OUT/te_torch.sha256" \
+      && split -b 16000000 -d te_torch.tar.xz "$OUT/te_torch.tar.xz.part") ; ls -la "$OUT" ;;
+  te-load)  # carry .stage/te0 and .stage/te_built (+ the five parts as te-part calls first)
+    cat /tmp/te/part0* > /tmp/te/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site \
+      /tmp/te/transformer_engine_cu13-*.whl .stage/te0/transformer_engine-*.whl .stage/te0/deps/*.whl
+    (cd .stage/te_built && cat te_torch.tar.xz.part* > /tmp/te_torch.tar.xz) \
+      && (cd /tmp && sha256sum -c "$OLDPWD/.stage/te_built/te_torch.sha256") || exit 1
+    tar xJf /tmp/te_torch.tar.xz -C /tmp && cp -r /tmp/te_torch/. /tmp/te_site/
+    te_env ;;
   te-test)
-    export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    te_env
     while kill -0 "$(cat /tmp/te_build.pid)" 2>/dev/null; do sleep 10; done
     tail -n 5 /tmp/te_build.log
     python3 -c "import transformer_engine as t, transformer_engine.pytorch; print('TE', t.__version__)" || exit 1
@@ -218,16 +244,16 @@ case $phase in
     fi
     python3 tools/check_fa3.py ;;
   randckpt)
-    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    te_env
     python3 tools/make_random_checkpoint.py --config qwen3_4b --out /tmp/qrl_random_ckpt/qwen3_4b-allL
     python3 tools/make_random_checkpoint.py --config qwen3_30b_a3b --layers "${LAYERS_30B:-4}" \
       --out "/tmp/qrl_random_ckpt/qwen3_30b_a3b-${LAYERS_30B:-4}L"
     du -sh /tmp/qrl_random_ckpt/* ;;
   tespec)
-    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    te_env
     python3 -m pytest -q tests/gpu/test_te_spec.py -s -rs 2>&1 | tee "$OUT/te_spec.log" | tail -n 30 ;;
   rlstep|rlstep-offload|rlstep30b)  # one phase per device call (~2.5 min per variant)
-    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    te_env
     recompute="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
     case $phase in
       rlstep) model=(--model qwen3_4b); variants=${VARIANTS:-bf16,fp8}; mbs=4 ;;
@@ -239,9 +265,9 @@ case $phase in
       --variant-flags "offload=--use-distributed-optimizer --optimizer-cpu-offload" \
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
-      --out "$OUT/rl_step.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20 ;;
+      --out "$OUT/${phase//-/_}${TAG:-}.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20 ;;
   example4b)
-    [ -d /tmp/te_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/te_site
+    te_env
     [ -f /tmp/qrl_random_ckpt/qwen3_4b-allL/config.json ] || python3 tools/make_random_checkpoint.py \
       --config qwen3_4b --out /tmp/qrl_random_ckpt/qwen3_4b-allL
     CKPT=/tmp/qrl_random_ckpt/qwen3_4b-allL STEPS=${STEPS:-3} SAVE_INTERVAL=-1 \
