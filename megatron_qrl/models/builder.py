@@ -198,13 +198,20 @@ def config_and_spec(arch: ModelArch, layout: ParallelLayout | None = None,
 
 def build_gpt_model(arch: ModelArch, config: Any, spec: Any, pg_collection: Any = None,
                     pre_process: bool = True, post_process: bool = True) -> Any:
-    """A megatron-core ``GPTModel`` of ``arch`` (RoPE, untied or tied output layer)."""
+    """A megatron-core ``GPTModel`` of ``arch`` (RoPE, untied or tied output layer), on the GPU
+    when there is one and the config does not ask for CPU initialization — as Megatron-LM's
+    ``get_model`` does with ``model.cuda()``: megatron-core 0.16.1's MoE ``TopKRouter`` creates its
+    weight on the CPU and moves it only at its first forward, after the optimizer has wrapped it
+    (the H200 run of bench/rl_step.py on the Qwen3-30B-A3B shape failed on it)."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
         pg_collection=pg_collection,
     )
+    if torch.cuda.is_available() and not config.use_cpu_initialization:
+        model.cuda(torch.cuda.current_device())
+    return model
