@@ -45,6 +45,13 @@
 #   te-save     after te-build: the compiled transformer_engine_torch as xz parts under $OUT
 #   te-load     a later session: te-part 1..5, then te-load (carry .stage/te0 .stage/te_built
 #               .stage/recipe .stage/stub): no compile
+#   ray-part N  Ray 2.60.0 (no Ray in the image): part N (1..2) of its 79 MB cp312 wheel, staged
+#               here as .stage/rayN (split -b 40000000 -d; .stage/ray1/ray.sha256); carry .stage/rayN
+#               with .stage/recipe .stage/stub -> /tmp/ray
+#   ray-install reassemble, check, install into /tmp/ray_site (every later phase puts it on
+#               PYTHONPATH: the fleet test, MODE=colocated)
+#   gpu-tests   every tests/gpu file, one log each with the commit hash under $OUT
+#               (FILES=... to choose; ~25 min in all: split over calls with FILES)
 #   fa3-part N  FA3 attention (sgl_kernel/flash_ops.abi3.so, 1.1 GB, left out of the site):
 #               part N (0..2) of its xz (148 MB), staged here by tools/stage_fa3.sh; carry
 #               .stage/fa3_N with .stage/recipe and .stage/stub only (57 MB: no room for
@@ -91,6 +98,7 @@ ipy=.stage/stub/IPython/__init__.py
 if [ -f $ipy ] && ! grep -q version_info $ipy; then
   printf 'version_info = (8, 24, 0)\ndef get_ipython(): return None\n' >> $ipy; fi
 export PYTHONPATH=$PYTHONPATH:$PWD:/tmp/mcore PYTHONUNBUFFERED=1
+[ -d /tmp/ray_site ] && export PYTHONPATH=$PYTHONPATH:/tmp/ray_site
 if [ ! -d /tmp/mcore/megatron ] && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/megatron_core-*.whl
 fi
@@ -233,6 +241,21 @@ case $phase in
     # 4 of the 6 layers: the plain bf16, the fake-quant and the TE model together (114 GiB peak)
     python3 bench/aligned_step.py --layers 4 --warmup 2 --rounds 6 --out "$OUT/aligned_step_te.jsonl" \
       2>&1 | grep -E "^\||note" ;;
+  ray-part)
+    mkdir -p /tmp/ray && cp .stage/ray${2:?part number}/* /tmp/ray/ && ls -la /tmp/ray ;;
+  ray-install)
+    (cd /tmp/ray && cat rpart0* > ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl && sha256sum -c ray.sha256) || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ray_site /tmp/ray/ray-*.whl
+    PYTHONPATH=$PYTHONPATH:/tmp/ray_site python3 -c "import ray; ray.init(num_cpus=2); print('ray', ray.__version__, ray.cluster_resources()); ray.shutdown()" ;;
+  gpu-tests)  # FILES: tests/gpu files (default: all); one log each, headed by the commit
+    te_env; marlin_wait
+    commit=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)
+    for f in ${FILES:-tests/gpu/test_*.py}; do
+      log="$OUT/$(basename "$f" .py).log"
+      echo "# nvidia-h200 $(date -u +%F), commit $commit: python3 -m pytest -q -rs $f" > "$log"
+      python3 -m pytest -q -rs -s "$f" ${PYTEST_K:+-k "$PYTEST_K"} >> "$log" 2>&1
+      echo "$f: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 1)"
+    done ;;
   fa3-part)
     mkdir -p /tmp/fa3 && cp .stage/fa3_${2:?part number}/* /tmp/fa3/ && ls -la /tmp/fa3 ;;
   fa3-install)  # the raw sha256 is tools/stage_fa3.sh's SO_SHA256 (sglang-kernel 0.4.5 wheel)
