@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .expert_stacks import stack_experts as stack_expert_stream
 from .hf_names import layer_prefix
 from .hf_names import stacked_name as tensor_kind
 from .stacked import MAX_STACK_ELEMENTS, Amax, can_stack, fused_amax, quantize_many
@@ -99,8 +100,8 @@ def _check_complete(spec: QuantSpec, pending: Pending) -> None:
 
 
 def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                window_bytes: int = DEFAULT_WINDOW_BYTES, stack_cpu: bool = False
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+                window_bytes: int = DEFAULT_WINDOW_BYTES, stack_cpu: bool = False,
+                stack_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`pack_one_at_a_time`'s stream, bit for bit, with weights quantized in batches.
 
     A window is packed when the decoder layer (``model.layers.N.``) changes, when it holds at
@@ -108,16 +109,25 @@ def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor
     first tensor is on the CPU goes one at a time unless ``stack_cpu`` (tests): the CPU has no
     kernel launches to save, and buffering and stacking measured slower there (page faults on
     fresh buffers instead of reused ones).
+
+    ``stack_experts``: each decoder layer's packed experts of one kind come out as one stack
+    (:func:`.expert_stacks.stack_experts`: ``...experts.*.gate_proj.weight`` ``[E, ...]``,
+    after the layer's other tensors), made of the rows of the stacked quantization without
+    per-expert copies (a view where one quantizer call covered the whole kind, else one
+    ``torch.stack``); CPU streams are batched too. Same bits, expert ``e`` at row ``e``.
     """
     if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes <= 0:
         raise ValueError(f"pack_stream: window_bytes must be a positive int, got {window_bytes!r}")
     if not spec.quantizes_weights:
-        return pack_one_at_a_time(spec, named_tensors)
-    return _by_device(spec, iter(named_tensors), window_bytes, stack_cpu)
+        packed = pack_one_at_a_time(spec, named_tensors)
+    else:
+        packed = _by_device(spec, iter(named_tensors), window_bytes, stack_cpu or stack_experts,
+                            own=not stack_experts)
+    return stack_expert_stream(packed) if stack_experts else packed
 
 
 def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], window_bytes: int,
-               stack_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
+               stack_cpu: bool, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
     first = next(pairs, None)
     if first is None:
         return
@@ -126,11 +136,11 @@ def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], windo
     if on_cpu and not stack_cpu:
         yield from pack_one_at_a_time(spec, pairs)
     else:
-        yield from _windows(spec, pairs, window_bytes)
+        yield from _windows(spec, pairs, window_bytes, own)
 
 
 def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             window_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+             window_bytes: int, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Cut the stream (in the reference's order) into windows, never inside a fused group."""
     pending: Pending = {}
     window: Pairs = []
@@ -139,7 +149,7 @@ def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
     for name, w, size in _fused_order(spec, named_tensors, pending):
         key = layer_prefix(name)
         if window and key != layer and not inside:
-            yield from _pack_window(spec, window, sizes)
+            yield from _pack_window(spec, window, sizes, own)
             window, sizes, nbytes = [], [], 0
         layer = key
         window.append((name, w))
@@ -147,17 +157,18 @@ def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
         inside = (inside + 1) % size if size else 0  # members of this group still to come
         nbytes += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
         if nbytes >= window_bytes and not inside:
-            yield from _pack_window(spec, window, sizes)
+            yield from _pack_window(spec, window, sizes, own)
             window, sizes, nbytes = [], [], 0
     if window:
-        yield from _pack_window(spec, window, sizes)
+        yield from _pack_window(spec, window, sizes, own)
     _check_complete(spec, pending)
 
 
-def _pack_window(spec: QuantSpec, window: Pairs, sizes: list[int]
+def _pack_window(spec: QuantSpec, window: Pairs, sizes: list[int], own: bool
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Quantize the window's groups, then emit in stream order (dropping what was sent)."""
-    packed = _quantize_window(spec, window, _window_amax(spec, window, sizes))
+    """Quantize the window's groups, then emit in stream order (dropping what was sent).
+    ``own``: each packed tensor owns its storage (else splits of a stack stay views)."""
+    packed = _quantize_window(spec, window, _window_amax(spec, window, sizes), own)
     for i in range(len(window)):
         name, w = window[i]
         window[i] = ("", None)
@@ -182,7 +193,7 @@ def _window_amax(spec: QuantSpec, window: Pairs, sizes: list[int]) -> dict[int, 
     return dict(zip(idx, shared.unbind(0)))
 
 
-def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tensor]
+def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tensor], own: bool
                      ) -> dict[int, Pairs]:
     """Packed tensors of every quantized weight of ``window``, by its index there."""
     groups: dict[tuple, list[int]] = {}
@@ -200,7 +211,7 @@ def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tenso
         qs = _quantize_group(spec, kind, names, weights, amaxes, stacked)
         for i, name, q in zip(idx, names, qs):
             out[i] = spec.pack_quantized(name, q)
-        if stacked:
+        if stacked and own:
             _own_storage([out[i] for i in idx])
     return out
 

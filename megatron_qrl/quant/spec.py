@@ -23,6 +23,7 @@ import torch
 
 from ..utils.finite import require_finite
 from . import targets
+from .expert_stacks import stack_experts as stack_expert_stream
 from .pack_stream import pack_one_at_a_time, pack_stream
 from .weight import QuantizedWeight
 
@@ -188,6 +189,7 @@ class QuantSpec:
         *,
         window_bytes: int = 1 << 30,
         stacked: bool = True,
+        stack_experts: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export): :meth:`pack` per
         tensor, in stream order.
@@ -199,10 +201,17 @@ class QuantSpec:
         for bit the same (:mod:`megatron_qrl.quant.pack_stream`; GPU streams only, a CPU
         stream has no launches to save); ``stacked=False`` is the one-at-a-time reference.
         Both give the same names, order, dtypes and bits.
+
+        ``stack_experts``: each decoder layer's packed experts of one kind as one tensor
+        ``[E, ...]`` named ``...experts.*.<proj>.<leaf>`` (the in-place SGLang sync's wire
+        form, :mod:`megatron_qrl.quant.expert_stacks`), from the stacked quantization's rows
+        without per-expert copies; with ``stacked=False`` the reference's tensors are stacked.
         """
         if not stacked:
-            return pack_one_at_a_time(self, named_tensors)
-        return pack_stream(self, named_tensors, window_bytes=window_bytes)
+            packed = pack_one_at_a_time(self, named_tensors)
+            return stack_expert_stream(packed) if stack_experts else packed
+        return pack_stream(self, named_tensors, window_bytes=window_bytes,
+                           stack_experts=stack_experts)
 
     def shared_amax(self, hf_name: str, tensors: Mapping[str, torch.Tensor]) -> float | None:
         """The amax ``hf_name`` must be quantized with: the max over its fused group's members
