@@ -6,14 +6,16 @@ tensor costs a dozen small kernels and one device sync (the finiteness check), s
 tensor count, not the bytes, sets the time. :func:`pack_stream` reads the stream in windows (one
 decoder layer, at most ``window_bytes`` of input), quantizes each window's weights of one kind
 (``model.layers.3.mlp.experts.*.gate_proj.weight``, same width/dtype/device) with ONE call of
-:func:`~megatron_qrl.quant.stacked.quantize_many` where that is bit-identical
+:func:`~megatron_qrl.quant.stacked.quantize_stacks` where that is bit-identical
 (:func:`~megatron_qrl.quant.stacked.can_stack`), and emits the packed tensors in exactly the
 order, names, dtypes and bits of :func:`pack_one_at_a_time` (the reference, and the path of
 ``bf16``). Formats with a per-tensor scale (``nvfp4``) stack too: members of a fused group
 (q/k/v, gate/up) are released together once complete, in the reference's order, a window
 never splits a group, and each weight is quantized with its group's shared amax
-(:func:`~megatron_qrl.quant.stacked.fused_amax`, no host sync). Each emitted tensor owns its
-storage (pickling a view would send the whole stack).
+(:func:`~megatron_qrl.quant.stacked.fused_amax`, no host sync). A stack is packed in one go
+where the format's packing is row-local (:meth:`~megatron_qrl.quant.spec.QuantSpec.pack_stacked`).
+Each emitted tensor owns its storage (pickling a view would send the whole stack), except with
+``stack_experts``, whose expert stacks are made of the views.
 """
 
 from __future__ import annotations
@@ -27,8 +29,14 @@ import torch
 from .expert_stacks import stack_experts as stack_expert_stream
 from .hf_names import layer_prefix
 from .hf_names import stacked_name as tensor_kind
-from .stacked import MAX_STACK_ELEMENTS, Amax, can_stack, fused_amax, quantize_many
-from .weight import QuantizedWeight
+from .stacked import (
+    MAX_STACK_ELEMENTS,
+    Amax,
+    can_stack,
+    fused_amax,
+    quantize_stacks,
+    split_stack,
+)
 
 if TYPE_CHECKING:
     from .spec import QuantSpec
@@ -208,28 +216,35 @@ def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tenso
         weights = [window[i][1] for i in idx]
         amaxes = [amax.get(i) for i in idx]
         stacked = can_stack(spec, weights)
-        qs = _quantize_group(spec, kind, names, weights, amaxes, stacked)
-        for i, name, q in zip(idx, names, qs):
-            out[i] = spec.pack_quantized(name, q)
+        for i, pairs in zip(idx, _pack_group(spec, kind, names, weights, amaxes, stacked)):
+            out[i] = pairs
         if stacked and own:
             _own_storage([out[i] for i in idx])
     return out
 
 
-def _quantize_group(spec: QuantSpec, kind: str, names: Sequence[str],
-                    weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool
-                    ) -> list[QuantizedWeight]:
+def _pack_group(spec: QuantSpec, kind: str, names: Sequence[str],
+                weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool
+                ) -> list[Pairs]:
+    """The packed tensors of each weight of one kind; a stack's as views of its packing
+    (:meth:`QuantSpec.pack_stacked`) or of its quantization's split."""
     if not stacked:
-        return [spec.quantize_weight(w, global_amax=a, name=n)
+        return [spec.pack_quantized(n, spec.quantize_weight(w, global_amax=a, name=n))
                 for n, w, a in zip(names, weights, amaxes)]
     limit = CPU_STACK_ELEMENTS if weights[0].device.type == "cpu" else MAX_STACK_ELEMENTS
+    out: list[Pairs] = []
     try:
-        return quantize_many(spec, weights, global_amax=amaxes, name=kind, max_elements=limit)
+        for q, rows in quantize_stacks(spec, weights, global_amax=amaxes, name=kind,
+                                       max_elements=limit):
+            part = names[len(out):len(out) + len(rows)]
+            out += spec.pack_stacked(part, q, rows) or [
+                spec.pack_quantized(n, w) for n, w in zip(part, split_stack(spec, q, rows))]
     except (ValueError, TypeError):
         # the stack is bad (non-finite values, say): name the exact tensor, as unstacked
         for n, w in zip(names, weights):
             spec.quantize_weight(w, name=n)
         raise
+    return out
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ for bit, for every format.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,15 @@ class QuantSpec:
         :meth:`quantize_weight` (or its split of a stacked one, :mod:`.stacked`)."""
         return self._pack(targets.module_name(hf_name), q)
 
+    def pack_stacked(self, hf_names: Sequence[str], q: QuantizedWeight, rows: Sequence[int]
+                     ) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """:meth:`pack_quantized` of each weight of a stacked quantization, in one go: ``q``
+        quantizes the row-concatenation of weights ``hf_names`` of ``rows[i]`` rows each
+        (:func:`.stacked.quantize_stacks`); each weight's tensors are views of the stack's
+        packed tensors (a few kernels for the stack, not a few per weight). None where the
+        format packs one weight at a time (then split ``q``: :func:`.stacked.split_stack`)."""
+        return self._pack_rows([targets.module_name(n) for n in hf_names], q, list(rows))
+
     def unpack(
         self,
         hf_name: str,
@@ -259,6 +268,12 @@ class QuantSpec:
     def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
+    def _pack_rows(self, modules: list[str], q: QuantizedWeight, rows: list[int]
+                   ) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """:meth:`_pack` of each weight of a stack in one go (formats whose packing is
+        row-local and costs kernels), or None (:meth:`pack_stacked`)."""
+        return None
+
     def _unpack(
         self, module: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
     ) -> QuantizedWeight:
@@ -308,6 +323,11 @@ class QuantSpec:
             raise ValueError(f"{self.name}: per-row global_amax for {name} must have shape "
                              f"[{w.shape[0]}, 1], got {tuple(ga.shape)}")
         return ga if ga.dim() == 2 else ga.reshape(())
+
+
+def row_starts(rows: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``int64`` index of each weight's first row in a row-concatenation of ``rows``."""
+    return torch.tensor([0, *rows[:-1]], dtype=torch.int64).cumsum(0).to(device)
 
 
 def _amax_all(w: torch.Tensor) -> torch.Tensor:
