@@ -56,6 +56,19 @@ def test_stacked_pack_is_the_reference_stacked(fmt, order):
     assert_same_stream(ref, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the sync's device)")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_stacked_pack_is_the_reference_stacked(fmt):
+    """On the GPU (windows of the default size, one quantizer call per kind and layer): the
+    stacked pack stream equals the reference's stacked, each stack on its tensors' device."""
+    spec = get_spec(fmt)
+    stream = [(n, w.cuda()) for n, w in moe_stream(experts=16, inter=256)]
+    got = list(spec.pack_state_dict(iter(stream), stack_experts=True))
+    want = list(stack_experts(spec.pack_state_dict(iter(stream), stacked=False)))
+    assert_same_stream(got, want)
+    assert all(t.device == ref.device for (_, t), (_, ref) in zip(got, want))
+
+
 class FreshTensors(TorchDispatchMode):
     """Counts the tensors of more than one element that aten ops create with storage of their
     own (not a view of, nor written into, an input): allocations, copies, results. Scalars

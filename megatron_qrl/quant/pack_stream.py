@@ -254,13 +254,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _own_storage(packed: list[Pairs]) -> None:
     """Replace every tensor that is a view into a larger storage (a split of the stack) by a
-    compact copy, all in one fused copy."""
-    where = [(j, k) for j, pairs in enumerate(packed) for k, (_, t) in enumerate(pairs)
-             if t.untyped_storage().nbytes() != t.numel() * t.element_size()]
-    if not where:
-        return
-    views = [packed[j][k][1] for j, k in where]
-    copies = [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
-    torch._foreach_copy_([_as_bytes(c) for c in copies], [_as_bytes(v) for v in views])
-    for (j, k), c in zip(where, copies):
-        packed[j][k] = (packed[j][k][0], c)
+    compact copy, in one fused copy per device (a format's small host tensors, such as
+    w4a16's ``weight_shape``, sit beside the device's)."""
+    where: dict[torch.device, list[tuple[int, int]]] = {}
+    for j, pairs in enumerate(packed):
+        for k, (_, t) in enumerate(pairs):
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                where.setdefault(t.device, []).append((j, k))
+    for at in where.values():
+        views = [packed[j][k][1] for j, k in at]
+        copies = [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
+        torch._foreach_copy_([_as_bytes(c) for c in copies], [_as_bytes(v) for v in views])
+        for (j, k), c in zip(at, copies):
+            packed[j][k] = (packed[j][k][0], c)
