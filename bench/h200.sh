@@ -25,7 +25,8 @@
 #               expert-stacked wire) for fp8, w4a16, nvfp4 (~90 s per variant: each starts a 30B engine)
 #   produce     bench/weight_sync.py --produce-only: the trainer side of the 30B in-place sync
 #               without an engine (pack, fingerprints, expert stacking, flat buckets), stacked
-#               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min)
+#               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min);
+#               +packeach: experts packed per expert and stacked in the sender (before 2026-12-01)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -182,7 +183,7 @@ case $phase in
     [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.sync.debug "$OUT/inplace_phases.jsonl" ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
-      --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \
+      --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+packeach,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \
       | grep -E "^\||DIFFER|Error" ;;
   train)
     python3 -m megatron_qrl.rl.cli --qrl-preset tiny-cpu --qrl-rollout-engine sglang \

@@ -32,7 +32,11 @@ exactly the options it names.
 ``megatron_qrl.rollout_sglang.sync.sender.requests``),
 and checks that every variant leaves the same fingerprints; option ``fpeach`` fingerprints
 each expert before stacking (the order before 2026-11-29) to time the rows of
-``checksum_rows`` side by side. ``--device cpu --layers 1 --experts 8`` is a CPU smoke run.
+``checksum_rows`` side by side. With ``+stacked`` the experts leave the pack stream stacked
+(``pack_state_dict(stack_experts=True)``, no per-expert copies, since 2026-12-01);
+``+packeach`` packs them per expert and stacks them in the sender (the path before; ``fpeach``
+implies it), for the engine variants too. ``--device cpu --layers 1 --experts 8`` is a CPU
+smoke run.
 
 Print a saved run with ``--table FILE.jsonl``; ``--plot FILE.png`` draws where each variant's
 second sync went (after a run, or with ``--table``):
@@ -146,8 +150,10 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
         _synchronize(device)
         t = time.perf_counter()
         wire = buckets = 0
-        for items, _, _ in requests(spec.pack_state_dict(trainer_stream(cfg, device)), sent,
-                                    tracker, torch.device(device), bucket_bytes=bucket_mb * 2**20,
+        packed = spec.pack_state_dict(trainer_stream(cfg, device), stack_experts=o.stack_experts
+                                      and not {"fpeach", "packeach"} & set(opts))
+        for items, _, _ in requests(packed, sent, tracker, torch.device(device),
+                                    bucket_bytes=bucket_mb * 2**20,
                                     flat=o.flat_buckets, stack=o.stack_experts,
                                     rows="fpeach" not in opts, lap=lap):
             buckets += 1
@@ -167,7 +173,7 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
     return res
 
 
-OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "noreceipt")
+OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt")
 
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
@@ -232,7 +238,9 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     for version in (1, 2):  # the first sync also pays one-time costs (IPC setup, allocations)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        eng.update_weights(spec.pack_state_dict(trainer_stream(cfg)), version=version)
+        stacked = eng.stacked_experts and "packeach" not in opts  # as rl.sync.sync_weights
+        eng.update_weights(spec.pack_state_dict(trainer_stream(cfg), stack_experts=stacked),
+                           version=version)
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
         res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
         for part in ("produce_s", "stream_s", "fingerprint_s", "flatten_s", "wait_s",

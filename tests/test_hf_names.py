@@ -82,3 +82,39 @@ def test_quantized_weights_are_projection_weights():
     assert targets.layer_kind(L3 + "mlp.shared_expert.down_proj.weight") == "shared_expert"
     assert targets.layer_kind(L3 + "mlp.gate.weight") is None
     assert HFName(L3, "mlp", None, "up_proj", "weight")._replace(leaf="bias").leaf == "bias"
+
+
+def test_expert_names_are_the_rows_of_a_stack():
+    stack = L3 + "mlp.experts.*.down_proj.weight_scale_inv"
+    names = hf_names.expert_names(stack, 3)
+    assert names == [L3 + f"mlp.experts.{e}.down_proj.weight_scale_inv" for e in range(3)]
+    assert [parse(n).expert for n in names] == [0, 1, 2]
+    assert all(hf_names.stacked_name(n) == stack for n in names)
+    assert hf_names.expert_names(L3 + "mlp.experts.9.up_proj.weight", 1) == [
+        L3 + "mlp.experts.0.up_proj.weight"]
+    assert hf_names.expert_names(stack, 0) == []
+    with pytest.raises(ValueError, match="not an expert tensor"):
+        hf_names.expert_names(L3 + "mlp.shared_expert.up_proj.weight", 2)
+
+
+@pytest.mark.parametrize("name, module", [
+    (L3 + "self_attn.v_proj.weight_scale", L3 + "self_attn.qkv_proj"),
+    (L3 + "mlp.experts.7.gate_proj.weight", L3 + "mlp.experts"),
+    (L3 + "mlp.experts.*.down_proj.input_scale", L3 + "mlp.experts"),
+    (L3 + "mlp.shared_expert.up_proj.weight", L3 + "mlp.shared_expert.gate_up_proj"),
+    (L3 + "input_layernorm.weight", L3 + "input_layernorm"),
+    (L3 + "mlp.gate.weight", L3 + "mlp.gate"),
+    ("lm_head.weight", "lm_head"),
+])
+def test_the_sync_reads_names_with_this_parser(name, module):
+    """The in-place sync's module keys, stacked names and direct-load targets come from
+    :func:`parse` (no expert-name grammar of its own)."""
+    from megatron_qrl.rollout_sglang.sync import protocol
+
+    assert protocol.module_key(name) == module
+    p = parse(name)
+    stacked = protocol.parse_stacked(name)
+    assert (stacked is not None) == (p is not None and p.is_stacked)
+    if stacked:
+        assert stacked == (p.experts_module, p.proj, p.leaf)
+        assert protocol.expert_names(name, 2) == hf_names.expert_names(name, 2)

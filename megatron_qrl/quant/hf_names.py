@@ -30,6 +30,7 @@ __all__ = [
     "HFName",
     "STACKED",
     "expert_name",
+    "expert_names",
     "fusion_group",
     "is_projection_weight",
     "layer_prefix",
@@ -166,10 +167,17 @@ def stacked_name(name: str) -> str:
 
 def expert_name(name: str, expert: int) -> str:
     """The name of expert ``expert``'s tensor of an expert (or stacked) name."""
+    return expert_names(name, expert + 1)[expert]
+
+
+def expert_names(name: str, experts: int) -> list[str]:
+    """The names of experts ``0 .. experts-1``'s tensors of an expert (or stacked) name
+    (parsed once: the rows of a stack)."""
     p = parse(name)
     if p is None or p.expert is None:
         raise ValueError(f"{name!r} is not an expert tensor (...mlp.experts.<i|*>.<proj>.<leaf>)")
-    return str(p._replace(expert=expert))
+    head, tail = f"{p.prefix}{p.module}.", f".{p.proj}.{p.leaf}"
+    return [f"{head}{e}{tail}" for e in range(experts)]
 
 
 def fusion_group(name: str, weights_only: bool = False

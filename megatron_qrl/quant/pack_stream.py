@@ -6,14 +6,16 @@ tensor costs a dozen small kernels and one device sync (the finiteness check), s
 tensor count, not the bytes, sets the time. :func:`pack_stream` reads the stream in windows (one
 decoder layer, at most ``window_bytes`` of input), quantizes each window's weights of one kind
 (``model.layers.3.mlp.experts.*.gate_proj.weight``, same width/dtype/device) with ONE call of
-:func:`~megatron_qrl.quant.stacked.quantize_many` where that is bit-identical
+:func:`~megatron_qrl.quant.stacked.quantize_stacks` where that is bit-identical
 (:func:`~megatron_qrl.quant.stacked.can_stack`), and emits the packed tensors in exactly the
 order, names, dtypes and bits of :func:`pack_one_at_a_time` (the reference, and the path of
 ``bf16``). Formats with a per-tensor scale (``nvfp4``) stack too: members of a fused group
 (q/k/v, gate/up) are released together once complete, in the reference's order, a window
 never splits a group, and each weight is quantized with its group's shared amax
-(:func:`~megatron_qrl.quant.stacked.fused_amax`, no host sync). Each emitted tensor owns its
-storage (pickling a view would send the whole stack).
+(:func:`~megatron_qrl.quant.stacked.fused_amax`, no host sync). A stack is packed in one go
+where the format's packing is row-local (:meth:`~megatron_qrl.quant.spec.QuantSpec.pack_stacked`).
+Each emitted tensor owns its storage (pickling a view would send the whole stack), except with
+``stack_experts``, whose expert stacks are made of the views.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .expert_stacks import stack_experts as stack_expert_stream
 from .hf_names import layer_prefix
 from .hf_names import stacked_name as tensor_kind
-from .stacked import MAX_STACK_ELEMENTS, Amax, can_stack, fused_amax, quantize_many
-from .weight import QuantizedWeight
+from .stacked import (
+    MAX_STACK_ELEMENTS,
+    Amax,
+    can_stack,
+    fused_amax,
+    quantize_stacks,
+    split_stack,
+)
 
 if TYPE_CHECKING:
     from .spec import QuantSpec
@@ -99,8 +108,8 @@ def _check_complete(spec: QuantSpec, pending: Pending) -> None:
 
 
 def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                window_bytes: int = DEFAULT_WINDOW_BYTES, stack_cpu: bool = False
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+                window_bytes: int = DEFAULT_WINDOW_BYTES, stack_cpu: bool = False,
+                stack_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`pack_one_at_a_time`'s stream, bit for bit, with weights quantized in batches.
 
     A window is packed when the decoder layer (``model.layers.N.``) changes, when it holds at
@@ -108,16 +117,25 @@ def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor
     first tensor is on the CPU goes one at a time unless ``stack_cpu`` (tests): the CPU has no
     kernel launches to save, and buffering and stacking measured slower there (page faults on
     fresh buffers instead of reused ones).
+
+    ``stack_experts``: each decoder layer's packed experts of one kind come out as one stack
+    (:func:`.expert_stacks.stack_experts`: ``...experts.*.gate_proj.weight`` ``[E, ...]``,
+    after the layer's other tensors), made of the rows of the stacked quantization without
+    per-expert copies (a view where one quantizer call covered the whole kind, else one
+    ``torch.stack``); CPU streams are batched too. Same bits, expert ``e`` at row ``e``.
     """
     if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes <= 0:
         raise ValueError(f"pack_stream: window_bytes must be a positive int, got {window_bytes!r}")
     if not spec.quantizes_weights:
-        return pack_one_at_a_time(spec, named_tensors)
-    return _by_device(spec, iter(named_tensors), window_bytes, stack_cpu)
+        packed = pack_one_at_a_time(spec, named_tensors)
+    else:
+        packed = _by_device(spec, iter(named_tensors), window_bytes, stack_cpu or stack_experts,
+                            own=not stack_experts)
+    return stack_expert_stream(packed) if stack_experts else packed
 
 
 def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], window_bytes: int,
-               stack_cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
+               stack_cpu: bool, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
     first = next(pairs, None)
     if first is None:
         return
@@ -126,11 +144,11 @@ def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], windo
     if on_cpu and not stack_cpu:
         yield from pack_one_at_a_time(spec, pairs)
     else:
-        yield from _windows(spec, pairs, window_bytes)
+        yield from _windows(spec, pairs, window_bytes, own)
 
 
 def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             window_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+             window_bytes: int, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Cut the stream (in the reference's order) into windows, never inside a fused group."""
     pending: Pending = {}
     window: Pairs = []
@@ -139,7 +157,7 @@ def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
     for name, w, size in _fused_order(spec, named_tensors, pending):
         key = layer_prefix(name)
         if window and key != layer and not inside:
-            yield from _pack_window(spec, window, sizes)
+            yield from _pack_window(spec, window, sizes, own)
             window, sizes, nbytes = [], [], 0
         layer = key
         window.append((name, w))
@@ -147,17 +165,18 @@ def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
         inside = (inside + 1) % size if size else 0  # members of this group still to come
         nbytes += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
         if nbytes >= window_bytes and not inside:
-            yield from _pack_window(spec, window, sizes)
+            yield from _pack_window(spec, window, sizes, own)
             window, sizes, nbytes = [], [], 0
     if window:
-        yield from _pack_window(spec, window, sizes)
+        yield from _pack_window(spec, window, sizes, own)
     _check_complete(spec, pending)
 
 
-def _pack_window(spec: QuantSpec, window: Pairs, sizes: list[int]
+def _pack_window(spec: QuantSpec, window: Pairs, sizes: list[int], own: bool
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Quantize the window's groups, then emit in stream order (dropping what was sent)."""
-    packed = _quantize_window(spec, window, _window_amax(spec, window, sizes))
+    """Quantize the window's groups, then emit in stream order (dropping what was sent).
+    ``own``: each packed tensor owns its storage (else splits of a stack stay views)."""
+    packed = _quantize_window(spec, window, _window_amax(spec, window, sizes), own)
     for i in range(len(window)):
         name, w = window[i]
         window[i] = ("", None)
@@ -182,7 +201,7 @@ def _window_amax(spec: QuantSpec, window: Pairs, sizes: list[int]) -> dict[int, 
     return dict(zip(idx, shared.unbind(0)))
 
 
-def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tensor]
+def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tensor], own: bool
                      ) -> dict[int, Pairs]:
     """Packed tensors of every quantized weight of ``window``, by its index there."""
     groups: dict[tuple, list[int]] = {}
@@ -197,28 +216,35 @@ def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tenso
         weights = [window[i][1] for i in idx]
         amaxes = [amax.get(i) for i in idx]
         stacked = can_stack(spec, weights)
-        qs = _quantize_group(spec, kind, names, weights, amaxes, stacked)
-        for i, name, q in zip(idx, names, qs):
-            out[i] = spec.pack_quantized(name, q)
-        if stacked:
+        for i, pairs in zip(idx, _pack_group(spec, kind, names, weights, amaxes, stacked)):
+            out[i] = pairs
+        if stacked and own:
             _own_storage([out[i] for i in idx])
     return out
 
 
-def _quantize_group(spec: QuantSpec, kind: str, names: Sequence[str],
-                    weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool
-                    ) -> list[QuantizedWeight]:
+def _pack_group(spec: QuantSpec, kind: str, names: Sequence[str],
+                weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool
+                ) -> list[Pairs]:
+    """The packed tensors of each weight of one kind; a stack's as views of its packing
+    (:meth:`QuantSpec.pack_stacked`) or of its quantization's split."""
     if not stacked:
-        return [spec.quantize_weight(w, global_amax=a, name=n)
+        return [spec.pack_quantized(n, spec.quantize_weight(w, global_amax=a, name=n))
                 for n, w, a in zip(names, weights, amaxes)]
     limit = CPU_STACK_ELEMENTS if weights[0].device.type == "cpu" else MAX_STACK_ELEMENTS
+    out: list[Pairs] = []
     try:
-        return quantize_many(spec, weights, global_amax=amaxes, name=kind, max_elements=limit)
+        for q, rows in quantize_stacks(spec, weights, global_amax=amaxes, name=kind,
+                                       max_elements=limit):
+            part = names[len(out):len(out) + len(rows)]
+            out += spec.pack_stacked(part, q, rows) or [
+                spec.pack_quantized(n, w) for n, w in zip(part, split_stack(spec, q, rows))]
     except (ValueError, TypeError):
         # the stack is bad (non-finite values, say): name the exact tensor, as unstacked
         for n, w in zip(names, weights):
             spec.quantize_weight(w, name=n)
         raise
+    return out
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -228,13 +254,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _own_storage(packed: list[Pairs]) -> None:
     """Replace every tensor that is a view into a larger storage (a split of the stack) by a
-    compact copy, all in one fused copy."""
-    where = [(j, k) for j, pairs in enumerate(packed) for k, (_, t) in enumerate(pairs)
-             if t.untyped_storage().nbytes() != t.numel() * t.element_size()]
-    if not where:
-        return
-    views = [packed[j][k][1] for j, k in where]
-    copies = [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
-    torch._foreach_copy_([_as_bytes(c) for c in copies], [_as_bytes(v) for v in views])
-    for (j, k), c in zip(where, copies):
-        packed[j][k] = (packed[j][k][0], c)
+    compact copy, in one fused copy per device (a format's small host tensors, such as
+    w4a16's ``weight_shape``, sit beside the device's)."""
+    where: dict[torch.device, list[tuple[int, int]]] = {}
+    for j, pairs in enumerate(packed):
+        for k, (_, t) in enumerate(pairs):
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                where.setdefault(t.device, []).append((j, k))
+    for at in where.values():
+        views = [packed[j][k][1] for j, k in at]
+        copies = [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
+        torch._foreach_copy_([_as_bytes(c) for c in copies], [_as_bytes(v) for v in views])
+        for (j, k), c in zip(at, copies):
+            packed[j][k] = (packed[j][k][0], c)

@@ -15,7 +15,7 @@ for bit, for every format.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 
 from ..utils.finite import require_finite
 from . import targets
+from .expert_stacks import stack_experts as stack_expert_stream
 from .pack_stream import pack_one_at_a_time, pack_stream
 from .weight import QuantizedWeight
 
@@ -161,6 +162,15 @@ class QuantSpec:
         :meth:`quantize_weight` (or its split of a stacked one, :mod:`.stacked`)."""
         return self._pack(targets.module_name(hf_name), q)
 
+    def pack_stacked(self, hf_names: Sequence[str], q: QuantizedWeight, rows: Sequence[int]
+                     ) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """:meth:`pack_quantized` of each weight of a stacked quantization, in one go: ``q``
+        quantizes the row-concatenation of weights ``hf_names`` of ``rows[i]`` rows each
+        (:func:`.stacked.quantize_stacks`); each weight's tensors are views of the stack's
+        packed tensors (a few kernels for the stack, not a few per weight). None where the
+        format packs one weight at a time (then split ``q``: :func:`.stacked.split_stack`)."""
+        return self._pack_rows([targets.module_name(n) for n in hf_names], q, list(rows))
+
     def unpack(
         self,
         hf_name: str,
@@ -188,6 +198,7 @@ class QuantSpec:
         *,
         window_bytes: int = 1 << 30,
         stacked: bool = True,
+        stack_experts: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export): :meth:`pack` per
         tensor, in stream order.
@@ -199,10 +210,17 @@ class QuantSpec:
         for bit the same (:mod:`megatron_qrl.quant.pack_stream`; GPU streams only, a CPU
         stream has no launches to save); ``stacked=False`` is the one-at-a-time reference.
         Both give the same names, order, dtypes and bits.
+
+        ``stack_experts``: each decoder layer's packed experts of one kind as one tensor
+        ``[E, ...]`` named ``...experts.*.<proj>.<leaf>`` (the in-place SGLang sync's wire
+        form, :mod:`megatron_qrl.quant.expert_stacks`), from the stacked quantization's rows
+        without per-expert copies; with ``stacked=False`` the reference's tensors are stacked.
         """
         if not stacked:
-            return pack_one_at_a_time(self, named_tensors)
-        return pack_stream(self, named_tensors, window_bytes=window_bytes)
+            packed = pack_one_at_a_time(self, named_tensors)
+            return stack_expert_stream(packed) if stack_experts else packed
+        return pack_stream(self, named_tensors, window_bytes=window_bytes,
+                           stack_experts=stack_experts)
 
     def shared_amax(self, hf_name: str, tensors: Mapping[str, torch.Tensor]) -> float | None:
         """The amax ``hf_name`` must be quantized with: the max over its fused group's members
@@ -249,6 +267,12 @@ class QuantSpec:
 
     def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def _pack_rows(self, modules: list[str], q: QuantizedWeight, rows: list[int]
+                   ) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """:meth:`_pack` of each weight of a stack in one go (formats whose packing is
+        row-local and costs kernels), or None (:meth:`pack_stacked`)."""
+        return None
 
     def _unpack(
         self, module: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
@@ -299,6 +323,11 @@ class QuantSpec:
             raise ValueError(f"{self.name}: per-row global_amax for {name} must have shape "
                              f"[{w.shape[0]}, 1], got {tuple(ga.shape)}")
         return ga if ga.dim() == 2 else ga.reshape(())
+
+
+def row_starts(rows: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``int64`` index of each weight's first row in a row-concatenation of ``rows``."""
+    return torch.tensor([0, *rows[:-1]], dtype=torch.int64).cumsum(0).to(device)
 
 
 def _amax_all(w: torch.Tensor) -> torch.Tensor:

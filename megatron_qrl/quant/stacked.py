@@ -117,7 +117,7 @@ def _row_amax(stacked: torch.Tensor, rows: list[int], amaxes: list[Amax]) -> tor
     return torch.cat([a.expand(r) for a, r in zip(per.unbind(0), rows)]).unsqueeze(1)
 
 
-def _split(spec: QuantSpec, q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
+def split_stack(spec: QuantSpec, q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
     """Split a stacked :class:`QuantizedWeight` back into one per weight (views, no copies);
     a per-row tensor scale becomes each weight's scalar."""
     per_scale_row = spec.block[0] if spec.block is not None else 1
@@ -169,14 +169,28 @@ def quantize_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
     a sequence; ignored by formats without a per-tensor scale. ``name`` names the group in
     errors (a non-finite value, a shape the format cannot take).
     """
-    amaxes = _amax_list(global_amax, len(weights))
     if not can_stack(spec, weights):
+        amaxes = _amax_list(global_amax, len(weights))
         return [spec.quantize_weight(w, global_amax=a, name=f"{name}[{i}]")
                 for i, (w, a) in enumerate(zip(weights, amaxes))]
-    out: list[QuantizedWeight] = []
+    return [w for q, rows in quantize_stacks(spec, weights, global_amax=global_amax, name=name,
+                                             max_elements=max_elements)
+            for w in split_stack(spec, q, rows)]
+
+
+def quantize_stacks(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
+                    global_amax: Sequence[Amax] | torch.Tensor | None = None,
+                    name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
+                    ) -> Iterator[tuple[QuantizedWeight, list[int]]]:
+    """:func:`quantize_many` before the split, for weights that :func:`can_stack`: per run of at
+    most ``max_elements``, the :class:`QuantizedWeight` of its row-concatenation and its
+    weights' row counts (:func:`split_stack` gives the weights; :meth:`QuantSpec.pack_stacked`
+    packs them in one go)."""
+    if not can_stack(spec, weights):
+        raise ValueError(f"{name}: these weights cannot be quantized as one stack (can_stack)")
+    amaxes = _amax_list(global_amax, len(weights))
     for stacked, rows, amx, label in _stacks(weights, amaxes, name, max_elements):
-        out.extend(_split(spec, _quantize_stack(spec, stacked, rows, amx, label), rows))
-    return out
+        yield _quantize_stack(spec, stacked, rows, amx, label), rows
 
 
 def fake_quant_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,

@@ -10,7 +10,9 @@ An engine that checks its own updates (``RolloutEngine.verifies_own_update``: th
 SGLang engine compares its scheduler's receipt with the fingerprints of the stream it was
 handed) gets the stream without the manifest, a second per-tensor pass over the same stream
 (1.3-1.6 s of a 30B-A3B fp8 sync on an H200, run 10). Names sent twice are refused either
-way.
+way. Such an engine may also take expert stacks (``RolloutEngine.stacked_experts``): the
+packed experts then leave ``pack_state_dict`` stacked per layer and kind, without
+per-expert copies.
 
 The trainer's weights are never modified: AQN noise draws a new tensor for each norm gain
 it perturbs (QeRL, docs/ALGORITHMS.md), seeded by ``(seed, version)`` so a resumed run sends the
@@ -19,11 +21,12 @@ same noise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from megatron_qrl.quant import hf_names
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, once_each
@@ -56,9 +59,10 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
     if sigma > 0.0:
         stream = apply_aqn(stream, sigma, AQNConfig.generator(seed, version))
     if engine.verifies_own_update:
-        seen: set[str] = set()
-        engine.update_weights(once_each(spec.pack_state_dict(stream), seen), version=version)
-        sent = len(seen)
+        rows: dict[str, int] = {}
+        packed = spec.pack_state_dict(stream, stack_experts=engine.stacked_experts)
+        engine.update_weights(_counted(once_each(packed), rows), version=version)
+        sent = sum(rows.values())
     else:
         manifest = WeightManifest()
         engine.update_weights(manifest.record(spec.pack_state_dict(stream)), version=version)
@@ -68,3 +72,13 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
         raise RuntimeError(f"engine reports weight version {engine.weight_version()} after an "
                            f"update to version {version}")
     return SyncResult(version, sent, sigma)
+
+
+def _counted(stream: Iterable[tuple[str, torch.Tensor]], rows: dict[str, int]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream`` unchanged; ``rows[name]``: the tensors ``name`` stands for (an expert
+    stack's experts, else 1)."""
+    for name, t in stream:
+        p = hf_names.parse(name)
+        rows[name] = t.shape[0] if p is not None and p.is_stacked else 1
+        yield name, t

@@ -292,6 +292,13 @@ class RolloutEngine(ABC):
     False where the driver compares :meth:`held_checksums` with its manifest (the reference
     engine's parameters, a Ray actor's received tensors)."""
 
+    stacked_experts: bool = False
+    """True for an engine that takes each decoder layer's packed experts of one kind as one
+    tensor ``[E, ...]`` named ``...experts.*.<proj>.<leaf>`` (the in-place SGLang sync with
+    ``stack_experts``): the driver's sync then packs them stacked
+    (``QuantSpec.pack_state_dict(stack_experts=True)``, no per-expert copies). Only read
+    where :attr:`verifies_own_update` (a manifest holds per-expert names)."""
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the packed ``(hf_name, tensor)`` stream; afterwards ``weight_version() == version``."""

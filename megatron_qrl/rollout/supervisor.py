@@ -114,6 +114,10 @@ class EngineSupervisor(RolloutEngine):
     def verifies_own_update(self) -> bool:  # the inner engine's (see RolloutEngine)
         return self.engine.verifies_own_update
 
+    @property
+    def stacked_experts(self) -> bool:  # the inner engine's (see RolloutEngine)
+        return self.engine.stacked_experts
+
     def held_checksums(self) -> dict[str, str]:
         return self._supervised("held_checksums", lambda: self.engine.held_checksums())
 

@@ -92,6 +92,11 @@ class SGLangEngine(RolloutEngine):
 
     verifies_own_update = True
 
+    @property
+    def stacked_experts(self) -> bool:
+        """The in-place sync with ``stack_experts`` takes expert stacks (RolloutEngine)."""
+        return self.options.sync == "inplace" and bool(self.options.stack_experts)
+
     def __init__(self, model_path: str | Path, spec_name: str,
                  options: SGLangOptions | None = None, *, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",

@@ -30,7 +30,10 @@ so its Marlin MoE kernel is not run-to-run deterministic. B is also checked agai
 the aligned reference as above, and the sync times are printed. Between the two, the same
 engine syncs A and B again with ``stack_experts=True`` (each layer's experts of one kind sent as
 one stacked tensor, :mod:`megatron_qrl.rollout_sglang.sync.sender`): one engine start per
-format for all three load paths. Just this variant:
+format for all three load paths. Wherever the engine takes expert stacks (its in-place
+defaults, ``*_stacked``) the packed experts leave ``pack_state_dict(stack_experts=True)``
+stacked, as in the driver's sync (no per-expert copies on the trainer side), and the receipt
+is checked against the fingerprints of the per-expert stream. Just this variant:
 
     PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_inplace.py -x -s -k direct
 """
@@ -132,9 +135,18 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
                 engine.options = engine.options.replace(direct_expert_loads=expert_opts[0],
                                                         stack_experts=expert_opts[1])
             manifest = WeightManifest()
-            engine.update_weights(manifest.record(spec.pack_state_dict(hf_tensors(model))),
-                                  version)
+            # as rl.sync.sync_weights: an engine taking expert stacks gets them straight from
+            # the pack stream; the manifest is then of the per-expert stream (a second pack)
+            stacked = engine.stacked_experts
+            packed = spec.pack_state_dict(hf_tensors(model), stack_experts=stacked)
+            if stacked:
+                for _ in manifest.record(spec.pack_state_dict(hf_tensors(model))):
+                    pass
+                engine.update_weights(packed, version)
+            else:
+                engine.update_weights(manifest.record(packed), version)
             engine.verify(manifest)  # the scheduler's receipt of what it received, where it runs
+            res[f"stacked_pack_{tag}"] = stacked
             want = "receipt" if engine.uses_loader else "version"  # bf16 distributed: SGLang's
             assert engine.last_sync["verified"] == want, (tag, engine.last_sync)
             res[f"sync_{tag}"] = dict(engine.last_sync, version=engine.weight_version())
@@ -240,7 +252,11 @@ def _wait_for_marlin(fmt: str, procs) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
     _wait_for_marlin(fmt, marlin_prewarm)
-    check_synced_engine(fmt, run_worker(fmt, tmp_path), "inplace")
+    res = run_worker(fmt, tmp_path)
+    assert res.get("stacked_pack_b") is True, (
+        f"{fmt}: the engine's in-place defaults take expert stacks (SGLangEngine."
+        "stacked_experts), so the packed experts must have left the pack stream stacked")
+    check_synced_engine(fmt, res, "inplace")
 
 
 @pytest.mark.gpu

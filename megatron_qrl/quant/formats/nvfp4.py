@@ -40,7 +40,7 @@ from ..numerics import (
     pack_nibbles,
     unpack_nibbles,
 )
-from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec, row_starts
 
 BLOCK = 16
 _E4M3_MIN_SUBNORMAL = 2.0**-9
@@ -88,12 +88,19 @@ class NVFP4Spec(QuantSpec):
         return ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
     def _pack(self, module, q):
-        return [
-            (f"{module}.weight", pack_nibbles(q.codes)),
-            (f"{module}.weight_scale", q.scale),
-            (f"{module}.weight_scale_2", q.global_scale.reshape(())),
-            (f"{module}.input_scale", torch.ones((), dtype=torch.float32)),
-        ]
+        return self._pack_rows([module], q, [q.shape[0]])[0]
+
+    def _pack_rows(self, modules, q, rows):
+        """Row-local: nibbles along the input, one block-scale row per weight row; each
+        weight's tensor scale (a scalar alone, the value of its rows in a stack) and a unit
+        input scale."""
+        g = q.global_scale
+        tensor_scales = g[row_starts(rows, g.device), 0] if g.dim() == 2 else g.reshape(1)
+        return [[(f"{m}.weight", c), (f"{m}.weight_scale", s), (f"{m}.weight_scale_2", s2),
+                 (f"{m}.input_scale", one)]
+                for m, c, s, s2, one in zip(modules, pack_nibbles(q.codes).split(rows),
+                                            q.scale.split(rows), tensor_scales.unbind(0),
+                                            torch.ones(len(rows), dtype=torch.float32).unbind(0))]
 
     def _unpack(self, module, tensors, dtype):
         codes = unpack_nibbles(_lookup(tensors, f"{module}.weight"))

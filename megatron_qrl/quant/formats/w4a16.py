@@ -98,11 +98,15 @@ class W4A16Spec(QuantSpec):
         return ("weight_packed", "weight_scale", "weight_shape")
 
     def _pack(self, module, q):
-        return [
-            (f"{module}.weight_packed", pack_int4_to_int32(q.codes)),
-            (f"{module}.weight_scale", q.scale),
-            (f"{module}.weight_shape", torch.tensor(q.shape, dtype=torch.int64)),
-        ]
+        return self._pack_rows([module], q, [q.shape[0]])[0]
+
+    def _pack_rows(self, modules, q, rows):
+        """Row-local: eight codes per int32 along the input, one group-scale row per weight
+        row; each weight's own ``[out, in]``."""
+        shapes = torch.tensor([[r, q.shape[1]] for r in rows], dtype=torch.int64)
+        return [[(f"{m}.weight_packed", p), (f"{m}.weight_scale", s), (f"{m}.weight_shape", sh)]
+                for m, p, s, sh in zip(modules, pack_int4_to_int32(q.codes).split(rows),
+                                       q.scale.split(rows), shapes.unbind(0))]
 
     def _unpack(self, module, tensors, dtype):
         shape = tuple(int(v) for v in _lookup(tensors, f"{module}.weight_shape"))

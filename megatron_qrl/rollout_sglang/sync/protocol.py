@@ -19,15 +19,15 @@ expert index starred, ``<moe>.experts.*.<proj>.<leaf>`` (e.g.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from ...quant import hf_names
 from ...quant.hf_names import FUSED
 from ...rollout.wire import json_tensor, tensor_json
 
-__all__ = ["CONTROL", "FLAT", "LOADER", "PER_EXPERT", "RECV", "InplaceSyncError", "decode_control",
-           "encode_control", "expert_name", "expert_names", "expert_views", "module_key", "parse_stacked"]
+__all__ = ["CONTROL", "FLAT", "LOADER", "RECV", "InplaceSyncError", "decode_control",
+           "encode_control", "expert_name", "expert_names", "expert_views", "module_key",
+           "parse_stacked"]
 
 CONTROL = "__qrl_inplace__"
 RECV = "__qrl_recv__"
@@ -35,14 +35,6 @@ FLAT = "__qrl_flat__"
 LOADER = "megatron_qrl.rollout_sglang.sync.loader.load_packed"
 """The ``load_format`` / ``custom_weight_loader`` entry (SGLang's ``dynamic_import`` splits
 on the last dot)."""
-
-_EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?:\d+|\*)\.(?:gate_proj|up_proj|down_proj)$")
-PER_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\."
-                        r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
-"""A per-expert tensor name; groups ``moe`` (the FusedMoE module), ``expert``, ``proj``,
-``leaf``."""
-_STACKED = re.compile(r"^(?P<moe>.+\.experts)\.\*\."
-                      r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>[^.]+)$")
 
 
 class InplaceSyncError(RuntimeError):
@@ -59,12 +51,12 @@ def decode_control(t: torch.Tensor) -> dict:
 
 def module_key(hf_name: str) -> str:
     """The SGLang module an HF checkpoint tensor loads into: ``...q_proj.weight_scale`` ->
-    ``...qkv_proj``, ``...experts.3.up_proj.weight`` -> ``...experts`` (Qwen3 naming)."""
-    prefix = hf_name.rpartition(".")[0]
-    m = _EXPERT.match(prefix)
-    if m:
-        return m["moe"]
-    head, _, leaf = prefix.rpartition(".")
+    ``...qkv_proj``, ``...experts.3.up_proj.weight`` -> ``...experts`` (Qwen3 naming;
+    :attr:`.hf_names.HFName.engine_module`); any other tensor's owner (``...input_layernorm``)."""
+    p = hf_names.parse(hf_name)
+    if p is not None:
+        return p.engine_module
+    head, _, leaf = hf_name.rpartition(".")[0].rpartition(".")
     leaf = FUSED.get(leaf, leaf)
     return f"{head}.{leaf}" if head else leaf
 
@@ -73,8 +65,8 @@ def parse_stacked(name: str) -> tuple[str, str, str] | None:
     """``(moe module, proj, leaf)`` of a stacked name
     (``model.layers.3.mlp.experts.*.up_proj.weight`` -> ``("model.layers.3.mlp.experts",
     "up_proj", "weight")``); None for any other name."""
-    m = _STACKED.match(name)
-    return (m["moe"], m["proj"], m["leaf"]) if m else None
+    p = hf_names.parse(name)
+    return (p.experts_module, p.proj, p.leaf) if p is not None and p.is_stacked else None
 
 
 def expert_name(stacked: str, expert: int) -> str:
@@ -84,12 +76,10 @@ def expert_name(stacked: str, expert: int) -> str:
 
 def expert_names(stacked: str, experts: int) -> list[str]:
     """The per-expert names of indices ``0 .. experts-1`` of a stacked name (parsed once)."""
-    parsed = parse_stacked(stacked)
-    if parsed is None:
+    if parse_stacked(stacked) is None:
         raise ValueError(f"{stacked!r} is not a stacked expert name "
                          "('<prefix>.experts.*.<gate_proj|up_proj|down_proj>.<leaf>')")
-    moe, proj, leaf = parsed
-    return [f"{moe}.{e}.{proj}.{leaf}" for e in range(experts)]
+    return hf_names.expert_names(stacked, experts)
 
 
 def expert_views(name: str, t: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -5,7 +5,9 @@ prefetched). The packed ``(hf_name, tensor)`` stream becomes requests of about
 ``bucket_bytes`` (:func:`megatron_qrl.rollout.wire.buckets`, the one bucketing rule):
 
 1. optionally each decoder layer's experts of one kind are stacked into one wire tensor
-   (:func:`stack_experts`; names in :mod:`.protocol`);
+   (:func:`~megatron_qrl.quant.expert_stacks.stack_experts`; names in :mod:`.protocol`) — a
+   stream that arrives stacked (``QuantSpec.pack_state_dict(stack_experts=True)``, the
+   packed experts' rows without per-expert copies) passes through;
 2. every tensor goes to the trainer's device and is fingerprinted (:class:`Checksums`;
    a stack's experts as rows of the stack, equal bit for bit to one by one:
    :func:`~megatron_qrl.rollout.base.checksum_rows`);
@@ -27,14 +29,13 @@ from typing import Any
 
 import torch
 
-from ...quant.pack_stream import layer_prefix, tensor_kind
+from ...quant.expert_stacks import stack_experts
 from ...rollout.base import Checksums, WeightManifest, WeightSyncError
 from ...rollout.wire import as_bytes, buckets, flatten
 from .protocol import (
     CONTROL,
     FLAT,
     LOADER,
-    PER_EXPERT,
     RECV,
     InplaceSyncError,
     encode_control,
@@ -115,58 +116,6 @@ class StreamTracker:
                "direct_experts": self.direct_experts, "receipt": self.receipt}
         self.begun, self.done, self.views = True, {}, {}
         return encode_control(msg)
-
-
-# ---- expert stacks -------------------------------------------------------------------
-def stack_experts(stream: Iterable[tuple[str, torch.Tensor]]
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``stream`` with each decoder layer's per-expert tensors stacked per kind.
-
-    A kind stacks only when its tensors in the layer are exactly experts ``0..E-1``, once
-    each, in ascending stream order, with one shape, dtype and device (``torch.stack``,
-    expert ``e`` at index ``e``); otherwise its tensors stay per expert, in stream order.
-    Tensors that are not per-expert pass through at once; a layer's expert tensors are held
-    until the layer ends, then emitted kind by kind in the order the kinds first appeared
-    (if no kind stacks, exactly as they came). At most one layer's expert tensors are held."""
-    held: list[tuple[str, torch.Tensor]] = []
-    layer = None
-    for name, t in stream:
-        key = layer_prefix(name)
-        if held and key != layer:
-            yield from _flush(held)
-            held = []
-        layer = key
-        if PER_EXPERT.match(name) and isinstance(t, torch.Tensor):
-            held.append((name, t))
-        else:
-            yield name, t
-    if held:
-        yield from _flush(held)
-
-
-def _flush(held: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    kinds: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
-    for name, t in held:
-        kinds.setdefault(tensor_kind(name), []).append(
-            (int(PER_EXPERT.match(name)["expert"]), name, t))
-    stackable = {k: _stackable(members) for k, members in kinds.items()}
-    if not any(stackable.values()):
-        yield from held
-        return
-    held.clear()  # the caller's list: drop its references as the kinds go out
-    for kind, members in kinds.items():
-        if stackable[kind]:
-            yield kind, torch.stack([t for _, _, t in members])
-        else:
-            yield from ((name, t) for _, name, t in members)
-        members.clear()
-
-
-def _stackable(members: list[tuple[int, str, torch.Tensor]]) -> bool:
-    """Experts 0..E-1 once each in ascending order, one shape / dtype / device."""
-    _, _, first = members[0]
-    return all(e == i and t.shape == first.shape and t.dtype == first.dtype
-               and t.device == first.device for i, (e, _, t) in enumerate(members))
 
 
 # ---- fingerprints and requests -------------------------------------------------------

@@ -26,9 +26,9 @@ A parameter whose tensors do not ALL fit these (another method class or FusedMoE
 flag, padding, a shape that would broadcast or pad, a dtype change across devices, GGUF, g_idx,
 zero points, bias, ROCm) is left to the per-tensor ``weight_loader``, exactly as before.
 Several writes to one slot region keep the last in stream order, as sequential loads do.
-Views of one expert-stacked wire tensor (``sync.sender.stack_experts``) that fill a region with one
-distinct slot per expert are planned once for the whole stack (:func:`_plan_stacked`); anything
-else is planned view by view.
+Views of one expert-stacked wire tensor (``quant.expert_stacks.stack_experts``) that fill a
+region with one distinct slot per expert are planned once for the whole stack
+(:func:`_plan_stacked`); anything else is planned view by view.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ..protocol import PER_EXPERT, expert_names, expert_views, parse_stacked
+from ....quant.hf_names import parse
+from ..protocol import expert_names, expert_views, parse_stacked
 from .expert_batch import ExpertLoad, load_batched
 
 __all__ = ["MODELS", "load_experts_directly", "unstack", "unstack_all"]
@@ -93,14 +94,11 @@ def _target(modules: dict[str, torch.nn.Module], name: str):
     """``(moe, param, weight_loader, weight name, shard id, expert)`` an expert tensor loads
     through (``expert`` None for a stacked tensor: all of them), or None (not an expert
     tensor, or no such loader)."""
-    stacked = parse_stacked(name)
-    if stacked is not None:
-        (moe_name, proj, leaf), expert = stacked, None
-    else:
-        m = PER_EXPERT.match(name)
-        if m is None:
-            return None
-        moe_name, proj, leaf, expert = m["moe"], m["proj"], m["leaf"], int(m["expert"])
+    p = parse(name)
+    if p is None or p.expert is None:
+        return None
+    moe_name, proj, leaf = p.experts_module, p.proj, p.leaf
+    expert = None if p.is_stacked else p.expert
     moe = modules.get(moe_name)
     if moe is None or not hasattr(moe, "num_local_experts"):
         return None
