@@ -1,0 +1,251 @@
+"""The aligned forward on Megatron's Transformer Engine spec keeps TE's names (CPU, gloo).
+
+The TE spec tree is megatron-core's own (``tests/te_spec_cpu.py``: megatron's spec functions
+with a provider returning megatron's TE wrappers in TESpecProvider's places). Expected names
+are written out here from the upstream sources, not from te_quant:
+- ``TELayerNormColumnParallelLinear`` = TE ``LayerNormLinear``: ``layer_norm_weight``
+  (+ ``layer_norm_bias`` for LayerNorm), ``weight``; ``TEColumnParallelLinear`` /
+  ``TERowParallelLinear`` = TE ``Linear``: ``weight``; ``TE*GroupedLinear`` = TE
+  ``GroupedLinear``: ``weight0 .. weight{n-1}``; every TE module: ``_extra_state`` (an empty
+  uint8 tensor without FP8), TE ``module/base.py``.
+- parameter attributes: TE ``reset_parameters`` / ``set_tensor_parallel_attributes`` (weights
+  ``tensor_model_parallel``, ``partition_dim`` 1 only in TE's "row" mode, which Megatron's
+  expert wrappers with explicit communication leave unset), norm gains ``sequence_parallel``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.mp_utils import run_distributed
+from tests.te_spec_cpu import build_te_shaped
+from tests.test_te_quant_fixtures import (
+    FLIP_BATCH,
+    assert_close_up_to_flips,
+    grads_as_hf,
+    hf_state,
+    ids,
+    quiet_torch_trace,
+    tiny_hf,
+)
+
+GQA_TP2 = {"num_attention_heads": 4, "num_key_value_heads": 2}
+CASES = [("dense", False), ("moe", False), ("moe", True)]
+CASE_IDS = ["dense", "moe-sequential", "moe-grouped"]
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from megatron_qrl.models.runtime import single_process_megatron
+
+    with quiet_torch_trace(), single_process_megatron():
+        yield
+
+
+def te_layer_names(kind: str, grouped: bool, experts: int) -> tuple[set[str], set[str]]:
+    """(parameters, ``_extra_state`` keys) of decoder layer 0 on Megatron's TE spec."""
+    params = {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+              "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
+              "self_attention.k_layernorm.weight"}
+    extra = {"self_attention.linear_qkv._extra_state", "self_attention.linear_proj._extra_state"}
+    if kind == "dense":
+        params |= {"mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+                   "mlp.linear_fc2.weight"}
+        extra |= {"mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state"}
+    else:
+        params |= {"pre_mlp_layernorm.weight", "mlp.router.weight"}
+        fcs = ("linear_fc1", "linear_fc2")
+        if grouped:
+            params |= {f"mlp.experts.{fc}.weight{e}" for fc in fcs for e in range(experts)}
+            extra |= {f"mlp.experts.{fc}._extra_state" for fc in fcs}
+        else:
+            params |= {f"mlp.experts.local_experts.{e}.{fc}.weight" for fc in fcs
+                       for e in range(experts)}
+            extra |= {f"mlp.experts.local_experts.{e}.{fc}._extra_state" for fc in fcs
+                      for e in range(experts)}
+    return params, extra
+
+
+def _layer0(names) -> set[str]:
+    p = "decoder.layers.0."
+    return {n[len(p):] for n in names if n.startswith(p) and "core_attention" not in n}
+
+
+def aligned_te(arch, tensors, fmt="int8", layout=None, grouped=False):
+    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
+
+    state = AlignedForwardState(fmt)
+    kw = {"layout": layout} if layout is not None else {}
+    model = build_te_shaped(arch, aligned_spec_hook(state), moe_grouped_gemm=grouped, **kw)
+    load_hf_weights(model, arch, tensors.__getitem__, groups_from_parallel_state())
+    return state, model.eval()
+
+
+@pytest.mark.parametrize("kind,grouped", CASES, ids=CASE_IDS)
+def test_aligned_te_spec_keeps_te_parameter_and_state_dict_names(megatron, kind, grouped):
+    hf, arch = tiny_hf(kind)
+    _, model = aligned_te(arch, hf_state(hf), grouped=grouped)
+    params, extra = te_layer_names(kind, grouped, arch.num_experts if kind == "moe" else 0)
+    assert _layer0(n for n, _ in model.named_parameters()) == params
+    sd = model.state_dict()
+    assert _layer0(sd) == params | extra
+    for key in extra:
+        value = sd[f"decoder.layers.0.{key}"]
+        assert value.dtype == torch.uint8 and value.numel() == 0, key
+    layer = model.decoder.layers[0]
+    qkv = layer.self_attention.linear_qkv
+    assert [n for n, _ in qkv.named_parameters()] == ["layer_norm_weight", "weight"]
+    assert qkv.layer_norm_weight.sequence_parallel is False  # TP = 1
+    want = {qkv.weight: 0, layer.self_attention.linear_proj.weight: 1}
+    if grouped:
+        want |= {layer.mlp.experts.linear_fc1.weight0: 0, layer.mlp.experts.linear_fc2.weight0: 1}
+    for param, dim in want.items():
+        assert (param.tensor_model_parallel, param.partition_dim, param.partition_stride) == (
+            True, dim, 1)
+
+
+@pytest.mark.parametrize("kind,grouped", CASES, ids=CASE_IDS)
+def test_aligned_te_spec_equals_aligned_local_spec(megatron, kind, grouped):
+    """Same weights: the TE-named aligned model computes what the local-spec aligned model does,
+    every format (logits), and the same gradients (W8A8 and a weight-only format)."""
+    from megatron_qrl.quant import get_spec, list_specs
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
+    from megatron_qrl.te_quant.attribution import megatron_logits
+    from tests.test_te_quant_fixtures import build
+
+    hf, arch = tiny_hf(kind)
+    tensors = hf_state(hf)
+    te_state, te_model = aligned_te(arch, tensors, "bf16", grouped=grouped)
+    loc_state = AlignedForwardState("bf16")
+    loc_model = build(arch, tensors, aligned_spec_hook(loc_state)).eval()
+    x = ids(**FLIP_BATCH)
+    diffs = {}
+    for fmt in list_specs():
+        for state in (te_state, loc_state):
+            state.spec = get_spec(fmt)
+            state.mark_weights_updated()
+        got, want = megatron_logits(te_model, x), megatron_logits(loc_model, x)
+        diffs[fmt] = (got - want).abs().max().item()
+    print(f"\n{kind} grouped={grouped}: max |TE-named - local| logits per format:", diffs)
+    assert max(diffs.values()) <= 1e-5, diffs
+    pos = torch.arange(x.shape[1])[None].expand_as(x)
+    for fmt in ("int8", "nvfp4"):
+        grads = []
+        for state, model in ((te_state, te_model), (loc_state, loc_model)):
+            state.spec = get_spec(fmt)
+            state.mark_weights_updated()
+            model.zero_grad()
+            model(x, pos, attention_mask=None).float().square().mean().backward()
+            grads.append(grads_as_hf(model, arch))
+        assert sorted(grads[0]) == sorted(grads[1])
+        worst = max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[1])
+        assert worst <= 1e-5, (fmt, worst)
+
+
+def test_grouped_sharded_state_dict_is_sequential_mlps(megatron):
+    """torch_dist keys: the aligned TE-grouped model's sharded state dict has the keys, global
+    shapes and offsets of the local spec's (SequentialMLP; megatron: interchangeable), and a
+    checkpoint saved from the plain local model loads into it."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_qrl.te_quant.attribution import megatron_logits
+    from tests.test_te_quant_fixtures import build
+
+    hf, arch = tiny_hf("moe")
+    tensors = hf_state(hf)
+    state, te_model = aligned_te(arch, tensors, grouped=True)
+    local = build(arch, tensors).eval()
+
+    def layout(model):
+        out = {}
+        for sh in model.sharded_state_dict().values():
+            shard = (tuple(sh.global_shape), tuple(sh.global_offset)) if hasattr(
+                sh, "global_shape") else ()
+            out[(sh.key, *shard)] = type(sh).__name__
+        return out
+
+    def flat(model):  # ShardedTensorFactory (gate/up) built lazily: compare its key only
+        return {k[0] if v == "ShardedTensorFactory" else k for k, v in layout(model).items()}
+
+    # megatron's local spec maps ``pre_mlp_layernorm.`` to the dense TE name
+    # ``mlp.linear_fc1.layer_norm_`` in MoE layers too (get_gpt_layer_local_spec's
+    # sharded_state_dict_keys_map); the TE spec keeps ``pre_mlp_layernorm`` there
+    quirk = ("decoder.layers.pre_mlp_layernorm.weight",
+             "decoder.layers.mlp.linear_fc1.layer_norm_weight")
+    te_keys = {(quirk[1], *k[1:]) if isinstance(k, tuple) and k[0] == quirk[0] else k
+               for k in flat(te_model)}
+    assert te_keys == flat(local)
+    assert any("experts.experts.linear_fc1.weight" in str(k) for k in te_keys)
+    with torch.no_grad():
+        for p in te_model.parameters():
+            p.zero_()
+    import tempfile
+
+    target = te_model.sharded_state_dict()
+    for sh in target.values():
+        if sh.key == quirk[0]:
+            sh.key = quirk[1]
+    from megatron_qrl.compat.dist_ckpt_cpu import cuda_synchronize_noop
+
+    with tempfile.TemporaryDirectory() as tmp, cuda_synchronize_noop():
+        dist_checkpointing.save(local.sharded_state_dict(), tmp)
+        loaded = dist_checkpointing.load(target, tmp)
+    te_model.load_state_dict(loaded, strict=True)
+    x = ids(**FLIP_BATCH)
+    with state.only(()):
+        got = megatron_logits(te_model, x)
+    assert torch.equal(got, megatron_logits(local, x))
+
+
+def _tp_worker(rank, world_size, port, kind, grouped, tensors, x, formats):
+    from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.te_quant.attribution import megatron_logits
+    from tests.test_te_quant_fixtures import tiny_cfg
+
+    etp = world_size if kind == "moe" else None
+    init_cpu_distributed(rank, world_size, port, tp=world_size, etp=etp)
+    try:
+        with quiet_torch_trace(), cpu_device_mode():
+            arch = arch_from_dict(tiny_cfg(kind, **GQA_TP2))
+            layout = ParallelLayout(tp=world_size, etp=etp or 1)
+            state, model = aligned_te(arch, tensors, layout=layout, grouped=grouped)
+            out = {}
+            for fmt in formats:
+                state.spec = get_spec(fmt)
+                state.mark_weights_updated()
+                out[fmt] = megatron_logits(model, x)
+            layer = model.decoder.layers[0]
+            attrs = {"qkv_norm_sp": layer.self_attention.linear_qkv.layer_norm_weight
+                     .sequence_parallel}
+            if grouped:
+                fc2 = layer.mlp.experts.linear_fc2
+                attrs["fc2_dim"] = fc2.weight0.partition_dim
+                attrs["fc2_shape"] = tuple(fc2.weight0.shape)
+            out["attrs"] = attrs
+            return out
+    finally:
+        destroy_cpu_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,grouped", [("dense", False), ("moe", True)],
+                         ids=["dense", "moe-grouped"])
+def test_tp2_equals_tp1(kind, grouped):
+    """TP = 2 (sequence parallel; experts split over expert-TP = 2) == TP = 1, TE names."""
+    hf, arch = tiny_hf(kind, **GQA_TP2)
+    tensors, x = hf_state(hf), ids(**FLIP_BATCH)
+    formats = ["int8", "fp8", "nvfp4"]
+    (ref,) = run_distributed(_tp_worker, 1, kind, grouped, tensors, x, formats)
+    got = run_distributed(_tp_worker, 2, kind, grouped, tensors, x, formats)
+    for fmt in formats:
+        for out in got:
+            assert_close_up_to_flips(out[fmt], ref[fmt], f"{kind} {fmt} TP2 vs TP1")
+    assert ref["attrs"]["qkv_norm_sp"] is False and got[0]["attrs"]["qkv_norm_sp"] is True
+    if grouped:  # TE's mode None under explicit expert communication: partition_dim 0
+        assert ref["attrs"]["fc2_dim"] == 1 and got[0]["attrs"]["fc2_dim"] == 0
+        assert got[0]["attrs"]["fc2_shape"] == (arch.hidden_size, arch.moe_ffn_hidden_size // 2)
