@@ -106,6 +106,20 @@ def test_aligned_te_spec_keeps_te_parameter_and_state_dict_names(megatron, kind,
             True, dim, 1)
 
 
+def test_qrl_train_forward_on_te_spec_keeps_te_names(megatron):
+    """qrl-train's trainer forward (aligned + routing replay hooks) on the TE spec: TE names."""
+    from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
+    from megatron_qrl.te_quant import AlignedTEGroupedMLP, trainer_forward
+
+    _, arch = tiny_hf("moe")
+    fwd = trainer_forward(TrainForwardConfig("aligned"), "int8", RoutingReplayConfig("all"), arch)
+    model = build_te_shaped(arch, fwd.spec_hook, moe_grouped_gemm=True)
+    assert isinstance(model.decoder.layers[0].mlp.experts, AlignedTEGroupedMLP)
+    params, extra = te_layer_names("moe", True, arch.num_experts)
+    assert _layer0(n for n, _ in model.named_parameters()) == params
+    assert _layer0(model.state_dict()) == params | extra
+
+
 @pytest.mark.parametrize("kind,grouped", CASES, ids=CASE_IDS)
 def test_aligned_te_spec_equals_aligned_local_spec(megatron, kind, grouped):
     """Same weights: the TE-named aligned model computes what the local-spec aligned model does,

@@ -82,10 +82,14 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
         self._register_load_state_dict_pre_hook(self._drop_split_extra_states)
 
     def _new_weight(self, config: Any, init_method: Any) -> torch.Tensor:
+        """Allocated where TE's wrapper allocates (``_get_extra_te_kwargs``), initialised by
+        ``init_method`` under the expert-parallel RNG tracker as TE does."""
         cuda = torch.cuda.is_available() and not config.use_cpu_initialization
+        meta = config.init_model_with_meta_device and not config.use_cpu_initialization
+        device = "meta" if meta else (torch.cuda.current_device() if cuda else "cpu")
         w = torch.empty(self.out_features, self.in_features, dtype=config.params_dtype,
-                        device=torch.cuda.current_device() if cuda else "cpu")
-        if config.perform_initialization:
+                        device=device)
+        if config.perform_initialization and not meta:
             if cuda:
                 from megatron.core.tensor_parallel.random import (
                     get_cuda_rng_tracker,
@@ -102,6 +106,9 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
         """TE's dist-ckpt writes ``_extra_state1 ..`` per expert; the module loads one."""
         for i in range(1, self.num_gemms):
             state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+    def backward_dw(self) -> None:
+        """Weight gradients come from autograd at backward time (nothing deferred)."""
 
     def weights(self) -> list[torch.Tensor]:
         """``[weight0, .., weight{n-1}]``."""
