@@ -213,6 +213,29 @@ def test_grouped_sharded_state_dict_is_sequential_mlps(megatron):
     assert torch.equal(got, megatron_logits(local, x))
 
 
+def _hf_grads(model, arch, x) -> dict[str, torch.Tensor]:
+    """HF-named weight gradients of ``sum(logits^2)`` (vocab shards: each rank's share), with
+    megatron's finalize rule for replicated sequence-parallel parameters (norm gains, router):
+    their gradient is all-reduced over TP. A gain missing ``.sequence_parallel`` stays partial."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_qrl.models.streaming import groups_from_parallel_state, iter_hf_tensors
+
+    pos = torch.arange(x.shape[1])[None].expand_as(x)
+    model.zero_grad()
+    model(x, pos, attention_mask=None).float().square().sum().backward()
+    tp = ps.get_tensor_model_parallel_group()
+    named = []
+    for name, p in model.named_parameters():
+        grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        if ps.get_tensor_model_parallel_world_size() > 1 and getattr(p, "sequence_parallel",
+                                                                      False):
+            dist.all_reduce(grad, group=tp)
+        named.append((name, grad))
+    return dict(iter_hf_tensors(model, arch, groups_from_parallel_state(), named=named))
+
+
 def _tp_worker(rank, world_size, port, kind, grouped, tensors, x, formats):
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
     from megatron_qrl.models.builder import ParallelLayout
@@ -233,6 +256,7 @@ def _tp_worker(rank, world_size, port, kind, grouped, tensors, x, formats):
                 state.spec = get_spec(fmt)
                 state.mark_weights_updated()
                 out[fmt] = megatron_logits(model, x)
+            out["grads"] = _hf_grads(model, arch, x)
             layer = model.decoder.layers[0]
             attrs = {"qkv_norm_sp": layer.self_attention.linear_qkv.layer_norm_weight
                      .sequence_parallel}
@@ -253,12 +277,17 @@ def test_tp2_equals_tp1(kind, grouped):
     """TP = 2 (sequence parallel; experts split over expert-TP = 2) == TP = 1, TE names."""
     hf, arch = tiny_hf(kind, **GQA_TP2)
     tensors, x = hf_state(hf), ids(**FLIP_BATCH)
-    formats = ["int8", "fp8", "nvfp4"]
+    formats = ["int8", "fp8", "nvfp4"]  # the gradients are taken with the last
     (ref,) = run_distributed(_tp_worker, 1, kind, grouped, tensors, x, formats)
     got = run_distributed(_tp_worker, 2, kind, grouped, tensors, x, formats)
     for fmt in formats:
         for out in got:
             assert_close_up_to_flips(out[fmt], ref[fmt], f"{kind} {fmt} TP2 vs TP1")
+    for out in got:  # gradients of the last format (weight-only: no activation rounding flips)
+        assert sorted(out["grads"]) == sorted(ref["grads"])
+        for name, g in ref["grads"].items():
+            err = (out["grads"][name] - g).abs().max().item()
+            assert err <= 1e-4 * g.abs().max().item() + 1e-6, (name, err)
     assert ref["attrs"]["qkv_norm_sp"] is False and got[0]["attrs"]["qkv_norm_sp"] is True
     if grouped:  # TE's mode None under explicit expert communication: partition_dim 0
         assert ref["attrs"]["fc2_dim"] == 1 and got[0]["attrs"]["fc2_dim"] == 0
