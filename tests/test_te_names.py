@@ -106,6 +106,27 @@ def test_aligned_te_spec_keeps_te_parameter_and_state_dict_names(megatron, kind,
             True, dim, 1)
 
 
+def test_extra_state_round_trip(megatron):
+    """A TE checkpoint's ``_extra_state`` (pickled FP8 metadata, uint8) loads strictly and is
+    written back for the linears; a local-spec one (None) loads too; the grouped linears save
+    an empty one (TE's per-expert merge is not reproduced)."""
+    hf, arch = tiny_hf("moe")
+    _, model = aligned_te(arch, hf_state(hf), grouped=True)
+    sd = model.state_dict()
+    qkv, fc1 = ("decoder.layers.0.self_attention.linear_qkv._extra_state",
+                "decoder.layers.0.mlp.experts.linear_fc1._extra_state")
+    blob = torch.frombuffer(bytearray(b"te fp8 metadata"), dtype=torch.uint8)
+    sd[qkv], sd[fc1] = blob, blob
+    model.load_state_dict(sd, strict=True)
+    again = model.state_dict()
+    assert torch.equal(again[qkv], blob) and again[fc1].numel() == 0
+    sd[qkv] = None
+    model.load_state_dict(sd, strict=True)
+    assert model.state_dict()[qkv].numel() == 0
+    with pytest.raises(TypeError, match="uint8 tensor"):
+        model.decoder.layers[0].self_attention.linear_qkv.set_extra_state({"fp8": 1})
+
+
 def test_qrl_train_forward_on_te_spec_keeps_te_names(megatron):
     """qrl-train's trainer forward (aligned + routing replay hooks) on the TE spec: TE names."""
     from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig

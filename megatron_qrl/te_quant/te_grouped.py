@@ -107,6 +107,11 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
         for i in range(1, self.num_gemms):
             state_dict.pop(f"{prefix}_extra_state{i}", None)
 
+    def set_extra_state(self, state: Any) -> None:
+        """TE's per-expert FP8 metadata is not kept (it would need TE's merge / split of the
+        grouped state); the aligned forward runs no TE FP8 recipe. Saved again as empty."""
+        self._qrl_te_extra = None
+
     def backward_dw(self) -> None:
         """Weight gradients come from autograd at backward time (nothing deferred)."""
 
