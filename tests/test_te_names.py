@@ -127,6 +127,42 @@ def test_extra_state_round_trip(megatron):
         model.decoder.layers[0].self_attention.linear_qkv.set_extra_state({"fp8": 1})
 
 
+@pytest.mark.parametrize("normalization,zero_centered", [("LayerNorm", True), ("RMSNorm", False)])
+def test_fused_norm_linear_layernorm_and_zero_centered_gamma(megatron, normalization,
+                                                             zero_centered):
+    """TE LayerNormLinear's parameters for LayerNorm (``layer_norm_bias`` too) and its maths:
+    ``norm(x) @ W^T`` with gain ``1 + g`` under ``layernorm_zero_centered_gamma``."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_qrl.te_quant import AlignedForwardState, AlignedTELayerNormColumnParallelLinear
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=2,
+                            normalization=normalization, layernorm_epsilon=1e-5,
+                            layernorm_zero_centered_gamma=zero_centered,
+                            use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    state = AlignedForwardState("int8")
+    lin = AlignedTELayerNormColumnParallelLinear(
+        64, 32, config=cfg, init_method=torch.nn.init.normal_, gather_output=False, bias=False,
+        skip_bias_add=True, is_expert=False, tp_comm_buffer_name="qkv", qrl_state=state,
+        qrl_kind="attention")
+    names = ["layer_norm_weight"] + (["layer_norm_bias"] if normalization == "LayerNorm" else [])
+    assert [n for n, _ in lin.named_parameters()] == names + ["weight"]
+    assert torch.equal(lin.layer_norm_weight, torch.full((64,), 0.0 if zero_centered else 1.0))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        lin.layer_norm_weight.normal_(0.0, 0.3, generator=g)
+        if normalization == "LayerNorm":
+            lin.layer_norm_bias.normal_(0.0, 0.3, generator=g)
+    x = torch.randn(5, 2, 64, generator=g)
+    gain = lin.layer_norm_weight + (1.0 if zero_centered else 0.0)
+    ref = (F.layer_norm(x, (64,), gain, lin.layer_norm_bias, 1e-5) if normalization == "LayerNorm"
+           else x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * gain)
+    with state.only(()):
+        out, bias = lin(x)
+    assert bias is None and torch.allclose(out, ref @ lin.weight.t(), atol=1e-5)
+
+
 def test_qrl_train_forward_on_te_spec_keeps_te_names(megatron):
     """qrl-train's trainer forward (aligned + routing replay hooks) on the TE spec: TE names."""
     from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
