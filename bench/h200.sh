@@ -65,7 +65,9 @@
 #   randckpt    tools/make_random_checkpoint.py on the GPU: Qwen3-4B (all 36 layers) and a
 #               Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers under /tmp/qrl_random_ckpt (~1-2 min)
 #   tespec      tests/gpu/test_te_spec.py: TE spec vs local spec (BF16 noise), the aligned forward
-#               on the TE spec vs the rollout reference (every format), SDPA on CUDA (TE tests
+#               on the TE spec vs the rollout reference (every format, grouped experts too), the
+#               aligned TE-named model vs the TE model (names, TP attributes, state-dict and
+#               torch_dist keys, plain logits, torch_dist load), SDPA on CUDA (TE tests
 #               skip with the reason when /tmp/te_site is absent: run te-part/te-build first)
 #   rlstep      bench/rl_step.py: one RL step (rollout / recompute / train / sync, trainer MFU,
 #               peak trainer memory) of Qwen3-4B, BF16 vs FP8 rollouts (~5 min)

@@ -25,7 +25,8 @@
 # post-process and the launcher's hook filling. Not run: slime's parse_args with these flags
 # (needs sglang + Megatron-LM: tests skip it on CPU), Ray / SGLang / NCCL, whether SGLang
 # 0.5.15's update_weights_from_tensor re-processes fp8_block packs as expected, and R3 with the
-# custom loss. --qrl-train-forward aligned is refused in slime for now (docs/SLIME.md).
+# custom loss. --qrl-train-forward aligned (add it with --spec, or use the launcher) is tested on
+# CPU only: the aligned model keeps TE's parameter names and slime's converter accepts them.
 set -euo pipefail
 
 export PYTHONUNBUFFERED=1

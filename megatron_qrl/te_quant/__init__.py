@@ -11,7 +11,9 @@ or by hand:
 >>> model = build_model(arch, spec_hook=aligned_spec_hook(state))   # models.runtime
 >>> state.attach_to_optimizer(optimizer)   # cached Q(W) refreshed after each step
 
-``te_recipes`` maps formats to Transformer Engine recipes where TE's numerics equal the spec's.
+On Megatron's Transformer Engine spec the swapped modules keep TE's parameter / state-dict names
+(:mod:`.te_names`, :mod:`.te_grouped`). ``te_recipes`` maps formats to Transformer Engine
+recipes where TE's numerics equal the spec's.
 """
 
 from megatron_qrl.te_quant.forward import TrainerForward, trainer_forward
@@ -19,12 +21,28 @@ from megatron_qrl.te_quant.linears import AlignedColumnParallelLinear, AlignedRo
 from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard
 from megatron_qrl.te_quant.spec_hook import aligned_spec_hook, compose_hooks
 from megatron_qrl.te_quant.state import AlignedForwardState
+from megatron_qrl.te_quant.te_grouped import (
+    AlignedTEColumnParallelGroupedLinear,
+    AlignedTEGroupedMLP,
+    AlignedTERowParallelGroupedLinear,
+)
+from megatron_qrl.te_quant.te_names import (
+    AlignedTEColumnParallelLinear,
+    AlignedTELayerNormColumnParallelLinear,
+    AlignedTERowParallelLinear,
+)
 from megatron_qrl.te_quant.te_recipes import RECIPES, te_config_overrides, te_recipe_for
 
 __all__ = [
     "AlignedColumnParallelLinear",
     "AlignedForwardState",
     "AlignedRowParallelLinear",
+    "AlignedTEColumnParallelGroupedLinear",
+    "AlignedTEColumnParallelLinear",
+    "AlignedTEGroupedMLP",
+    "AlignedTELayerNormColumnParallelLinear",
+    "AlignedTERowParallelGroupedLinear",
+    "AlignedTERowParallelLinear",
     "FusionLayout",
     "RECIPES",
     "TrainerForward",

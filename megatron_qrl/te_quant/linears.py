@@ -53,6 +53,26 @@ class _ShardedActQuant(torch.autograd.Function):
         return grad, None, None
 
 
+def quantize_input(state: AlignedForwardState, x: torch.Tensor, parallel_dim: int,
+                   group: Any) -> torch.Tensor:
+    """``Q_a(x)`` of a linear's input where the rollout quantizes activations (STE), else ``x``.
+
+    ``parallel_dim`` 1 (row-parallel) with a tensor-parallel ``group`` of size > 1: the input is
+    split along its features, so per-token scales are taken over the gathered row.
+    """
+    spec = state.spec
+    if not spec.quantizes_activations or state.inputs_quantized:
+        return x
+    tp = group.size() if group is not None else 1
+    if parallel_dim == 1 and tp > 1:
+        if spec.activation == "per_token":
+            return _ShardedActQuant.apply(x, spec, group)
+        if x.shape[-1] % (spec.act_group or 1):
+            raise ValueError(f"{spec.name}: row-parallel input has {x.shape[-1]} features per "
+                             f"rank, not a multiple of the activation group {spec.act_group}")
+    return spec.fake_quant_activation(x)
+
+
 class AlignedLinearMixin:
     """The aligned GEMM shared by the column- and row-parallel linears."""
 
@@ -91,17 +111,7 @@ class AlignedLinearMixin:
         return self._qrl_cache[1]
 
     def _qrl_input(self, x: torch.Tensor) -> torch.Tensor:
-        spec = self.qrl_state.spec
-        if not spec.quantizes_activations or self.qrl_state.inputs_quantized:
-            return x
-        tp = self.tp_group.size() if self.tp_group is not None else 1
-        if self._qrl_parallel_dim == 1 and tp > 1:
-            if spec.activation == "per_token":
-                return _ShardedActQuant.apply(x, spec, self.tp_group)
-            if x.shape[-1] % (spec.act_group or 1):
-                raise ValueError(f"{spec.name}: row-parallel input has {x.shape[-1]} features per "
-                                 f"rank, not a multiple of the activation group {spec.act_group}")
-        return spec.fake_quant_activation(x)
+        return quantize_input(self.qrl_state, x, self._qrl_parallel_dim, self.tp_group)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not self.qrl_state.is_enabled(self.qrl_kind):

@@ -8,9 +8,11 @@ Transformer Engine backend) to one whose attention ``linear_qkv`` / ``linear_pro
 :class:`~megatron_qrl.te_quant.linears.AlignedRowParallelLinear`. The router, embeddings, norms
 and the output layer are untouched (BF16, as in the rollout). No Megatron class is patched.
 
-On the Transformer Engine spec the fused ``TELayerNormColumnParallelLinear`` is split back into
-``TENorm`` + the aligned linear, and ``TEGroupedMLP`` experts become ``SequentialMLP`` (the same
-parameter names modulo ``models.mapping.canonical_name``); TE FP8 recipes are a separate,
+On the Transformer Engine spec every TE linear is replaced by its name-keeping aligned
+stand-in (:mod:`megatron_qrl.te_quant.te_names`: the fused ``TELayerNormColumnParallelLinear``
+keeps ``layer_norm_weight`` and computes the norm itself; :mod:`megatron_qrl.te_quant.te_grouped`:
+``TEGroupedMLP`` keeps ``linear_fc1.weight{i}``), so parameter names, state-dict keys and
+torch_dist checkpoints are the TE spec's in both forward modes. TE FP8 recipes are a separate,
 opt-in path (:mod:`megatron_qrl.te_quant.te_recipes`).
 """
 
@@ -38,35 +40,51 @@ def _linear(cls: type, state: AlignedForwardState, kind: str, layout: FusionLayo
                                           "qrl_layout": layout})
 
 
-def _is_fused_norm_linear(module: Any) -> bool:
-    return isinstance(module, type) and module.__name__ == "TELayerNormColumnParallelLinear"
+def _aligned(module: Any, default: type) -> type:
+    """The aligned class replacing ``module``: TE's name-keeping stand-in for a TE linear.
 
+    Matched by identity with megatron's wrapper (without TE those are placeholders, not
+    classes) or by class name."""
+    from megatron.core.extensions import transformer_engine as te_ext
 
-def _unfuse_norm(layer_sub: Any, norm_attr: str, linear: Any) -> None:
-    """TE fuses the pre-norm into the linear; give the norm back to the layer."""
-    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron_qrl.te_quant.te_names import TE_LINEAR_SWAPS
 
-    if _is_fused_norm_linear(linear) and getattr(layer_sub, norm_attr) is IdentityOp:
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        setattr(layer_sub, norm_attr, TENorm)
+    for name, aligned in TE_LINEAR_SWAPS.items():
+        if module is getattr(te_ext, name, None) or getattr(module, "__name__", None) == name:
+            return aligned
+    return default
 
 
 def _swap_mlp(mlp_sub: Any, state: AlignedForwardState, kind: str) -> None:
-    mlp_sub.linear_fc1 = _linear(AlignedColumnParallelLinear, state, kind, FusionLayout("gate_up"))
-    mlp_sub.linear_fc2 = _linear(AlignedRowParallelLinear, state, kind, FusionLayout())
+    fc1 = _aligned(mlp_sub.linear_fc1, AlignedColumnParallelLinear)
+    fc2 = _aligned(mlp_sub.linear_fc2, AlignedRowParallelLinear)
+    mlp_sub.linear_fc1 = _linear(fc1, state, kind, FusionLayout("gate_up"))
+    mlp_sub.linear_fc2 = _linear(fc2, state, kind, FusionLayout())
 
 
 def _swap_experts(moe_sub: Any, state: AlignedForwardState) -> None:
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_qrl.te_quant import te_grouped
+
     experts = moe_sub.experts
-    if experts.module is SequentialMLP and isinstance(experts.submodules, MLPSubmodules):
-        sub = experts.submodules
-    else:  # TE grouped experts: the same maths one expert at a time
-        sub = MLPSubmodules(activation_func=getattr(experts.submodules, "activation_func", None))
+    if experts.module is TEGroupedMLP:  # TE's grouped GEMM experts: keep weight{i} names
+        sub = MLPSubmodules(
+            activation_func=getattr(experts.submodules, "activation_func", None),
+            linear_fc1=_linear(te_grouped.AlignedTEColumnParallelGroupedLinear, state, "experts",
+                               FusionLayout("gate_up")),
+            linear_fc2=_linear(te_grouped.AlignedTERowParallelGroupedLinear, state, "experts",
+                               FusionLayout()))
+        moe_sub.experts = ModuleSpec(module=te_grouped.AlignedTEGroupedMLP,
+                                     params={"qrl_state": state}, submodules=sub)
+        return
+    if experts.module is not SequentialMLP or not isinstance(experts.submodules, MLPSubmodules):
+        raise ValueError(f"--qrl-train-forward aligned: experts {experts.module.__name__} are not "
+                         "supported; use TEGroupedMLP (--moe-grouped-gemm on the Transformer "
+                         "Engine spec) or SequentialMLP (no --moe-use-legacy-grouped-gemm)")
+    sub = experts.submodules
     _swap_mlp(sub, state, "experts")
     moe_sub.experts = ModuleSpec(module=AlignedSequentialMLP, params={"qrl_state": state},
                                  submodules=sub)
@@ -87,15 +105,15 @@ def aligned_spec_hook(state: AlignedForwardState) -> SpecHook:
         spec = copy_spec(layer_spec)
         sub = spec.submodules
         attn = sub.self_attention.submodules
-        _unfuse_norm(sub, "input_layernorm", attn.linear_qkv)
         qkv = FusionLayout("qkv", config.num_attention_heads // config.num_query_groups,
                            config.kv_channels)
-        attn.linear_qkv = _linear(AlignedColumnParallelLinear, state, "attention", qkv)
-        attn.linear_proj = _linear(AlignedRowParallelLinear, state, "attention", FusionLayout())
+        attn.linear_qkv = _linear(_aligned(attn.linear_qkv, AlignedColumnParallelLinear), state,
+                                  "attention", qkv)
+        attn.linear_proj = _linear(_aligned(attn.linear_proj, AlignedRowParallelLinear), state,
+                                   "attention", FusionLayout())
         if sub.mlp.module is MoELayer:
             _swap_experts(sub.mlp.submodules, state)
         else:
-            _unfuse_norm(sub, "pre_mlp_layernorm", sub.mlp.submodules.linear_fc1)
             _swap_mlp(sub.mlp.submodules, state, "mlp")
         return spec
 

@@ -6,7 +6,9 @@
    (the TE model may be at most 3x as far, + a floor: 5e-3 logits, 2e-2 per gradient tensor).
 2. The rollout-aligned forward swapped into the TE spec (te_quant.aligned_spec_hook) vs the
    rollout reference (``quant.hf_reference.quantized_copy``) for every format, fp32 (the
-   CPU test's bound, test_te_quant.py, with the GPU's kernels).
+   CPU test's bound, test_te_quant.py, with the GPU's kernels); grouped experts too. The
+   aligned TE-spec model keeps the TE model's parameter / state-dict / torch_dist names and TP
+   attributes, equals its logits in plain mode, and loads its torch_dist checkpoint.
 3. SDPA core attention on CUDA: flash / memory-efficient kernels only (no math fallback), equal
    to DotProductAttention within BF16 noise, and a 8k-token sequence whose materialised softmax
    alone would take 4 GiB runs forward + backward in well under that.
@@ -91,8 +93,10 @@ def test_te_spec_matches_local_spec_within_bf16_noise(megatron, kind, overrides)
 
 
 @needs_te
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_aligned_te_spec_forward_matches_rollout_reference(megatron, kind):
+@pytest.mark.parametrize("kind,overrides", [
+    ("dense", {}), ("moe", {}), ("moe", {"moe_grouped_gemm": True}),
+], ids=["dense", "moe-sequential", "moe-grouped"])
+def test_aligned_te_spec_forward_matches_rollout_reference(megatron, kind, overrides):
     from megatron_qrl.quant import get_spec, list_specs
     from megatron_qrl.quant.hf_reference import quantized_copy
     from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
@@ -100,7 +104,7 @@ def test_aligned_te_spec_forward_matches_rollout_reference(megatron, kind):
     hf, arch = tiny_hf(kind)
     state = AlignedForwardState("bf16")
     model = _model(arch, hf_state(hf), "transformer_engine", torch.float32,
-                   aligned_spec_hook(state))
+                   aligned_spec_hook(state), **overrides)
     x = ids()
     pos = torch.arange(x.shape[1])[None].expand_as(x)
     diffs = {}
@@ -116,7 +120,7 @@ def test_aligned_te_spec_forward_matches_rollout_reference(megatron, kind):
         diffs[fmt] = (d.max().item(), d.median().item(), off)
         if fmt != "bf16":
             assert off > 1e-2, fmt
-    print(f"\n{kind} TE-spec aligned vs rollout reference, (max, median |logit diff|, max "
+    print(f"\n{kind}{overrides} TE-spec aligned vs rollout reference, (max, median |logit diff|, max "
           "without the aligned forward):", diffs)
     # A systematic error (wrong block, wrong fusion layout, missing activation quant) moves
     # most logits; an activation code that rounds the other way (TE's fused RMSNorm vs the
@@ -126,6 +130,77 @@ def test_aligned_te_spec_forward_matches_rollout_reference(megatron, kind):
     # at 1e-3 or well under the unaligned error.
     assert all(med <= 1e-5 for _, med, _ in diffs.values()), diffs
     assert all(mx <= max(1e-3, 0.2 * off) for mx, _, off in diffs.values()), diffs
+
+
+TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+            "allreduce")
+
+
+def _sharded_layout(model) -> dict:
+    out = {}
+    for sh in model.sharded_state_dict().values():
+        shard = ((tuple(sh.global_shape), tuple(sh.global_offset))
+                 if type(sh).__name__ == "ShardedTensor" else ())
+        out[(sh.key, *shard)] = type(sh).__name__
+    return out
+
+
+@needs_te
+@pytest.mark.parametrize("kind,overrides", [
+    ("dense", {}), ("moe", {}), ("moe", {"moe_grouped_gemm": True}),
+], ids=["dense", "moe-sequential", "moe-grouped"])
+def test_aligned_te_names_equal_te_spec_model(megatron, kind, overrides, tmp_path):
+    """The aligned swap on the TE spec (te_quant.te_names / te_grouped) vs Megatron's TE-spec
+    model: the same parameter names, shapes and TP attributes TE sets, the same state-dict
+    and sharded (torch_dist) keys; its plain mode gives the TE model's logits, its int8 mode
+    differs by the fake quantization; a torch_dist checkpoint of the TE model loads into it."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
+
+    hf, arch = tiny_hf(kind)
+    tensors = hf_state(hf)
+    te_model = _model(arch, tensors, "transformer_engine", torch.float32, **overrides)
+    state = AlignedForwardState("int8")
+    al_model = _model(arch, tensors, "transformer_engine", torch.float32,
+                      aligned_spec_hook(state), **overrides)
+    te_p, al_p = dict(te_model.named_parameters()), dict(al_model.named_parameters())
+    assert sorted(te_p) == sorted(al_p)
+    print(f"\n{kind}{overrides}: parameter order equal: {list(te_p) == list(al_p)}")
+    for name, p in te_p.items():
+        assert al_p[name].shape == p.shape, name
+        for attr in TP_ATTRS:
+            if hasattr(p, attr):
+                assert getattr(al_p[name], attr, None) == getattr(p, attr), (name, attr)
+    te_sd, al_sd = te_model.state_dict(), al_model.state_dict()
+    assert sorted(te_sd) == sorted(al_sd)
+    for key in te_sd:
+        if key.endswith("_extra_state") and isinstance(te_sd[key], torch.Tensor):
+            assert isinstance(al_sd[key], torch.Tensor) and al_sd[key].dtype == te_sd[key].dtype
+    assert _sharded_layout(al_model) == _sharded_layout(te_model)
+    x = ids().cuda()
+    pos = torch.arange(x.shape[1], device="cuda")[None].expand_as(x)
+
+    def logits(model):
+        with torch.no_grad():
+            return model(x, pos, attention_mask=None).float()
+
+    want = logits(te_model)
+    with state.only(()):
+        plain = logits(al_model)
+    quant = logits(al_model)
+    print(f"aligned plain vs TE: rel {_rel(plain, want):.2e}; int8 vs TE: rel {_rel(quant, want):.2e}")
+    assert _rel(plain, want) <= 1e-3
+    assert _rel(quant, want) > 10 * _rel(plain, want)
+    with torch.no_grad():
+        for p in al_model.parameters():
+            p.zero_()
+    dist_checkpointing.save(te_model.sharded_state_dict(), str(tmp_path))
+    al_model.load_state_dict(dist_checkpointing.load(al_model.sharded_state_dict(),
+                                                     str(tmp_path)), strict=True)
+    state.mark_weights_updated()
+    with state.only(()):
+        assert _rel(logits(al_model), want) <= 1e-3
 
 
 def test_sdpa_on_cuda_uses_fused_kernels_and_saves_memory(megatron):

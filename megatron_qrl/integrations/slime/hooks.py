@@ -8,6 +8,10 @@ before-train-step (drive the rollout-aligned forward and the AQN step).
   (:mod:`megatron_qrl.integrations.slime.quantizer`) for quantized formats or AQN.
 - ``--custom-megatron-before-log-prob-hook-path ...hooks.qrl_before_log_prob``:
   ``(args, model, store_prefix)`` before each log-prob forward (actor, ref, teacher).
+  With ``--qrl-train-forward aligned`` (the layer spec of
+  :mod:`megatron_qrl.integrations.slime.model`) it makes every aligned linear re-quantize
+  its weights at the next forward; the aligned model keeps the TE spec's parameter names, so
+  slime's weight converter and torch_dist checkpoints see the model they know.
 - ``--custom-megatron-before-train-step-hook-path ...hooks.qrl_before_train_step``:
   ``(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)`` before each step.
 
@@ -48,24 +52,11 @@ def check_uaq_once(opts: SlimeQrlOptions, hf_checkpoint: str | None) -> None:
                                f"{UAQ_CONFIG_KEY}={recorded!r}; UAQ is applied once, offline: {how}")
 
 
-ALIGNED_IN_SLIME = (
-    "--qrl-train-forward aligned cannot run inside slime 0.3.1 yet: the aligned layer spec "
-    "unfuses Transformer Engine's norm+QKV linear and runs grouped experts one by one, which "
-    "renames parameters (input_layernorm.weight, mlp.experts.local_experts.N.linear_fc1.weight); "
-    "slime's weight sync converts only TE-fused names (self_attention.linear_qkv."
-    "layer_norm_weight, mlp.experts.linear_fc1.weightN in megatron_to_hf/qwen3moe.py) and would "
-    "fail at the first sync, and its torch_dist checkpoints hold the TE names. Use "
-    "--qrl-train-forward bf16 (the off-policy losses correct the mismatch) until the aligned "
-    "linears exist as Transformer Engine modules that keep TE's parameter names")
-
-
 def qrl_megatron_init(args: Any) -> None:
     """slime ``--custom-megatron-init-path`` hook (see the module docstring)."""
     from megatron_qrl.integrations.slime.quantizer import install_quantizer
 
     opts = slime_options(args)
-    if opts.train.forward == "aligned":
-        raise QrlArgumentError(ALIGNED_IN_SLIME)
     check_uaq_once(opts, getattr(args, "hf_checkpoint", None))
     total = getattr(args, "num_rollout", None)
     if opts.aqn.enabled and not total:

@@ -6,13 +6,16 @@ of ``--spec``). It returns the spec slime builds without ``--spec`` — Megatron
 spec for MoE models, the TE / local layer spec for dense ones, same arguments — passed through
 the project's layer-spec swap (:func:`megatron_qrl.te_quant.aligned_spec_hook`) when
 ``--qrl-train-forward aligned``, and untouched otherwise. No Megatron or slime class is
-patched: the aligned linears are ``ColumnParallelLinear`` / ``RowParallelLinear`` subclasses
-built by the spec, one :class:`~megatron_qrl.te_quant.AlignedForwardState` per model chunk,
-found again by :func:`aligned_states` (the hooks drive it).
-
-Status with slime 0.3.1: the swap renames TE-fused parameters (see
-``hooks.ALIGNED_IN_SLIME``), which slime's weight converter rejects, so the init hook refuses
-``--qrl-train-forward aligned`` for now; the spec and the hooks are tested on megatron-core.
+patched: on the Transformer Engine spec (slime's default) the swapped modules are the
+name-keeping aligned stand-ins of :mod:`megatron_qrl.te_quant.te_names` /
+:mod:`~megatron_qrl.te_quant.te_grouped` — same parameter names
+(``self_attention.linear_qkv.layer_norm_weight``, ``mlp.experts.linear_fc1.weight{i}``, ...),
+shapes, tensor-parallel attributes, ``_extra_state`` and sharded state dict as TE's
+modules — so slime's weight converters (``megatron_to_hf/qwen3moe.py``, ``qwen2.py``), its
+all-gather of TP shards and its torch_dist checkpoints work unchanged; on the local spec they
+are ``ColumnParallelLinear`` / ``RowParallelLinear`` subclasses (local names, as slime's
+plain local model has). One :class:`~megatron_qrl.te_quant.AlignedForwardState` per model
+chunk, found again by :func:`aligned_states` (the hooks drive it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,225 @@
+"""Rollout-aligned stand-ins for ``TEGroupedMLP``'s grouped linears that KEEP TE's names.
+
+Megatron's TE spec with ``--moe-grouped-gemm`` builds ``TEGroupedMLP`` whose ``linear_fc1`` /
+``linear_fc2`` are ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``: one
+parameter per local expert, ``weight0 .. weight{n-1}`` (slime's converters match
+``mlp.experts.linear_fc1.weight(\\d+)``), one ``_extra_state``, and a sharded state dict that
+maps each expert to its global index (interchangeable with ``SequentialMLP``'s, Megatron
+``TEGroupedMLP.sharded_state_dict``). The classes here hold exactly those names, shapes and
+attributes (TE 2.x ``GroupedLinear.set_tensor_parallel_attributes``, Megatron's
+``TEGroupedLinear``), and compute every expert's GEMM with the rollout's quantized weight
+(QaRL's aligned forward, Fan et al. 2025; straight-through gradient, Bengio et al. 2013):
+``y_e = Q_a(x_e) @ Q_w(W_e)^T``. Like TE's grouped linear they never communicate: Megatron's
+token dispatcher moves tokens across expert-TP / EP ranks.
+
+:class:`AlignedTEGroupedMLP` is ``TEGroupedMLP`` with the gate applied after ``linear_fc2``
+when activations are quantized (SGLang's fused-MoE order, see
+:class:`~megatron_qrl.te_quant.linears.AlignedSequentialMLP`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
+from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
+from megatron_qrl.te_quant.state import AlignedForwardState
+from megatron_qrl.te_quant.te_names import TEExtraState, set_te_parallel_attributes
+
+
+def _pg_size_rank(group: Any) -> tuple[int, int]:
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    return get_pg_size(group), get_pg_rank(group)
+
+
+class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
+    """Megatron's ``TEGroupedLinear`` names (``weight{i}``) with the aligned per-expert GEMMs."""
+
+    parallel_mode = "column"
+    """``column`` (output features split over expert TP) or ``row`` (input features)."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: Any,
+                 init_method: Any, bias: bool, skip_bias_add: bool, is_expert: bool = False,
+                 tp_comm_buffer_name: str | None = None, pg_collection: Any = None,
+                 qrl_state: AlignedForwardState, qrl_kind: str = "experts",
+                 qrl_layout: FusionLayout = _PLAIN) -> None:
+        super().__init__(config=config)
+        if not is_expert:
+            raise ValueError("TEGroupedLinear only supports expert parallelism (is_expert=True)")
+        if bias:
+            raise ValueError("aligned grouped experts support add_bias_linear=False (Qwen3-MoE); "
+                             "use --moe-grouped-gemm off for biased experts")
+        if not isinstance(qrl_state, AlignedForwardState):
+            raise TypeError(f"qrl_state must be an AlignedForwardState, got {type(qrl_state).__name__}")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self._pg_collection = pg_collection
+        self.tp_group = self._tp_group = pg_collection.expt_tp
+        tp, _ = _pg_size_rank(self.tp_group)
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        self.explicit_expert_comm = tp > 1 or self.expert_parallel
+        self.num_gemms = num_gemms
+        self.in_features = input_size // tp if self.parallel_mode == "row" else input_size
+        self.out_features = output_size // tp if self.parallel_mode == "column" else output_size
+        self.use_bias = False
+        self.qrl_state, self.qrl_kind, self.qrl_layout = qrl_state, qrl_kind, qrl_layout
+        self.qrl_recomputes = 0
+        self._qrl_cache: tuple[Any, list[torch.Tensor]] | None = None
+        # TE's mode is None with explicit expert communication: partition_dim 0 even for "row"
+        dim = 1 if self.parallel_mode == "row" and not self.explicit_expert_comm else 0
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(self._new_weight(config, init_method))
+            set_te_parallel_attributes(weight, dim)
+            weight.allreduce = not self.expert_parallel
+            self.register_parameter(f"weight{i}", weight)
+        self._register_load_state_dict_pre_hook(self._drop_split_extra_states)
+
+    def _new_weight(self, config: Any, init_method: Any) -> torch.Tensor:
+        """Allocated where TE's wrapper allocates (``_get_extra_te_kwargs``), initialised by
+        ``init_method`` under the expert-parallel RNG tracker as TE does."""
+        cuda = torch.cuda.is_available() and not config.use_cpu_initialization
+        meta = config.init_model_with_meta_device and not config.use_cpu_initialization
+        device = "meta" if meta else (torch.cuda.current_device() if cuda else "cpu")
+        w = torch.empty(self.out_features, self.in_features, dtype=config.params_dtype,
+                        device=device)
+        if config.perform_initialization and not meta:
+            if cuda:
+                from megatron.core.tensor_parallel.random import (
+                    get_cuda_rng_tracker,
+                    get_expert_parallel_rng_tracker_name,
+                )
+
+                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                    init_method(w)
+            else:
+                init_method(w)
+        return w
+
+    def _drop_split_extra_states(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """TE's dist-ckpt writes ``_extra_state1 ..`` per expert; the module loads one."""
+        for i in range(1, self.num_gemms):
+            state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+    def set_extra_state(self, state: Any) -> None:
+        """TE's per-expert FP8 metadata is not kept (it would need TE's merge / split of the
+        grouped state); the aligned forward runs no TE FP8 recipe. Saved again as empty."""
+        self._qrl_te_extra = None
+
+    def backward_dw(self) -> None:
+        """Weight gradients come from autograd at backward time (nothing deferred)."""
+
+    def weights(self) -> list[torch.Tensor]:
+        """``[weight0, .., weight{n-1}]``."""
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def _qrl_key(self) -> tuple:
+        return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
+
+    def quantized_weights(self) -> list[torch.Tensor]:
+        """``Q_w(W_e)`` of every local expert's shard, recomputed only after the weights changed
+        (one stacked call where the stack is bit-identical, else one call per expert)."""
+        key = self._qrl_key()
+        if self._qrl_cache is None or self._qrl_cache[0] != key:
+            spec, weights = self.qrl_state.spec, self.weights()
+            name = f"experts {type(self).__name__}"
+            tp, _ = _pg_size_rank(self.tp_group)
+            qs = (quantize_shards_stacked(spec, weights, [self.qrl_layout] * len(weights), name)
+                  if tp == 1 and len(weights) > 1 else None)
+            if qs is None:
+                dim = 1 if self.parallel_mode == "row" else 0
+                qs = [quantize_shard(spec, w, self.qrl_layout, dim, self.tp_group, name)
+                      for w in weights]
+            self._qrl_cache = (key, qs)
+            self.qrl_recomputes += 1
+        return self._qrl_cache[1]
+
+    def forward(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, None]:
+        """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` (aligned: with
+        ``Q_a`` / ``Q_w``); per-token ``Q_a`` of all rows at once equals per expert."""
+        weights = self.weights()
+        if self.qrl_state.is_enabled(self.qrl_kind):
+            weights = [_UseQuantized.apply(w, q) for w, q in zip(weights, self.quantized_weights())]
+            x = quantize_input(self.qrl_state, x, 1 if self.parallel_mode == "row" else 0,
+                               self.tp_group)
+        splits = [int(m) for m in m_splits]
+        outs = [torch.matmul(xe, w.t()) for xe, w in zip(torch.split(x, splits), weights)]
+        return torch.cat(outs, dim=0), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Each local expert's weight as its global expert's shard (TE's
+        ``TEGroupedLinear._sharded_state_dict_grouped``, Megatron 0.16)."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton = metadata.get("singleton_local_shards", False)
+        ep_size, ep_rank = _pg_size_rank(self._pg_collection.ep)
+        n_global, first = ep_size * self.num_gemms, ep_rank * self.num_gemms
+        axis = 1 if self.parallel_mode == "row" else 0
+        out: dict[str, Any] = {}
+        for i in range(self.num_gemms):
+            g = first + i
+            local = {f"{i}.weight": getattr(self, f"weight{i}"),
+                     f"{i}._extra_state": self.get_extra_state()}
+            offsets = (sharded_offsets if singleton
+                       else (*sharded_offsets, (len(sharded_offsets), g, n_global)))
+            sub = make_sharded_tensors_for_checkpoint(
+                local, "", {f"{i}.weight": axis}, offsets, tp_group=self._tp_group,
+                dp_cp_group=metadata["dp_cp_group"])
+            replace_prefix_for_sharding(sub, f"{i}.", f"{g}.{prefix}" if singleton else prefix)
+            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+        _, edp_rank = _pg_size_rank(self._pg_collection.expt_dp)
+        for sh in out.values():  # replicated along DP modulo EP
+            full = getattr(sh, "is_data_parallel_fully_shard", False)
+            sh.replica_id = (*sh.replica_id[:2], 0 if full else edp_rank)
+        return out
+
+
+class AlignedTEColumnParallelGroupedLinear(AlignedTEGroupedLinear):
+    """``TEColumnParallelGroupedLinear`` (experts' ``linear_fc1``), aligned."""
+
+    parallel_mode = "column"
+
+
+class AlignedTERowParallelGroupedLinear(AlignedTEGroupedLinear):
+    """``TERowParallelGroupedLinear`` (experts' ``linear_fc2``), aligned."""
+
+    parallel_mode = "row"
+
+
+class AlignedTEGroupedMLP(TEGroupedMLP):
+    """``TEGroupedMLP`` whose gate weights each expert's OUTPUT when activations are quantized.
+
+    megatron-core multiplies the gate into the GLU output before ``linear_fc2``
+    (``fc2(Q_a(p * h))``); SGLang's fused MoE after the down GEMM (``p * fc2(Q_a(h))``): the
+    forward agrees up to rounding (per-token scales), the gate's straight-through gradient
+    does not; this order is the rollout's. Otherwise upstream's forward runs unchanged.
+    """
+
+    def __init__(self, *args: Any, qrl_state: AlignedForwardState, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.qrl_state = qrl_state
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        state = self.qrl_state
+        if not (state.is_enabled("experts") and state.spec.quantizes_activations):
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        if self.config.add_bias_linear or self.config.moe_apply_probs_on_input:
+            raise ValueError("aligned W8A8 experts support add_bias_linear=False and "
+                             "moe_apply_probs_on_input=False (Qwen3-MoE)")
+        out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert,
+                                    torch.ones_like(permuted_probs))
+        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), bias
