@@ -76,6 +76,7 @@ class LoraServing:
     attention: str
     dense_mlp: str
     experts: str
+    """``adapter`` | ``merge``; ``none`` without routed-expert adapters."""
     engine_targets: tuple[str, ...]
     """HF projections the engine is started with as LoRA targets (SGLang
     ``lora_target_modules``); empty: the engine needs no LoRA support."""
@@ -107,7 +108,8 @@ def resolve_lora_serving(engine: str, spec_name: str, targets: Iterable[str], *,
     ``capability``: the engine GPU's compute capability (None: the H200, sm90)."""
     targets = tuple(targets)
     if engine == "reference":
-        return LoraServing(engine, spec_name, "adapter", "adapter", "merge", targets)
+        return LoraServing(engine, spec_name, "adapter", "adapter",
+                           "merge" if is_moe and experts else "none", targets)
     if engine != "sglang":
         raise ValueError(f"LoRA serving: unknown engine {engine!r} (reference | sglang)")
     if spec_name not in EXPERT_SERVING:
@@ -118,4 +120,5 @@ def resolve_lora_serving(engine: str, spec_name: str, targets: Iterable[str], *,
         expert = "merge"  # ModelOpt NVFP4 MoE on Blackwell: FlashInfer TRT-LLM runner
     dense = "adapter" if not is_moe or (experts and expert == "adapter") else "merge"
     served = [t for t in targets if t in ATTENTION or (t in _MLP and dense == "adapter")]
-    return LoraServing(engine, spec_name, "adapter", dense, expert, tuple(served))
+    return LoraServing(engine, spec_name, "adapter", dense,
+                       expert if is_moe and experts else "none", tuple(served))
