@@ -206,3 +206,56 @@ def test_inplace_sync_loads_the_base_layers_under_lora_wrappers(per_bucket):
     for k, t in live_tensors(model).items():
         assert t.data_ptr() == before[k], f"{k} lost its storage"
         torch.testing.assert_close(t, live_tensors(want)[k], rtol=0, atol=0, msg=k)
+
+
+# ---- wiring: flags -> engine kwargs, and the LoRA combination checks ---------------------
+def test_the_job_engine_of_a_lora_run_is_the_adapter_serving_engine(monkeypatch, tmp_path):
+    import tempfile
+
+    from megatron_qrl.rollout_sglang import factory, lora
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the engine's config directory
+    from megatron_qrl.rollout_sglang.lora import lora_engine_kwargs
+
+    made = []
+
+    class Recorder:
+        def __init__(self, path, fmt, options, **kw):
+            made.append((fmt, kw))
+
+    monkeypatch.setattr(lora, "SGLangLoraEngine", Recorder)
+    cfg = types.SimpleNamespace(engine="sglang", format="w4a16", sglang=SGLangOptions())
+    hf = {"num_hidden_layers": 1}
+    spec = factory.engine_spec(cfg, hf, 3, lora={"lora_rank": 8, "lora_targets": ("q_proj",)})
+    factory.build_engine(spec)
+    assert made == [("w4a16", {"load_format": "dummy", "random_seed": 3, "lora_rank": 8,
+                                "lora_targets": ("q_proj",)})]
+    assert lora_engine_kwargs(8, ["q_proj"]) == {
+        "enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"],
+        "max_loras_per_batch": 1, "lora_backend": "triton"}
+    assert lora_engine_kwargs(8, []) == {}
+
+
+def _c(engine, fmt, forward="bf16", sync="auto", experts=False):
+    from megatron_qrl.models.lora_config import LoraConfig
+
+    return {"lora": LoraConfig(rank=4, experts=experts, base_format=fmt),
+            "rollout": types.SimpleNamespace(engine=engine, format=fmt,
+                                             sglang=SGLangOptions(sync=sync)),
+            "train": types.SimpleNamespace(forward=forward),
+            "uaq": types.SimpleNamespace(enabled=False)}
+
+
+@pytest.mark.parametrize("c, cap, match", [
+    (_c("sglang", "w4a16", sync="tensor"), (9, 0), "in-place loader"),
+    (_c("sglang", "nvfp4", "aligned", experts=True), (10, 0), "merged into its base"),
+    (_c("reference", "nvfp4", "aligned", experts=True), None, "fused experts"),
+    (_c("sglang", "nvfp4", "aligned", experts=True), (9, 0), None),
+    (_c("sglang", "w4a16", sync="inplace"), (9, 0), None),
+    (_c("reference", "nvfp4", "bf16", experts=True), None, None),
+])
+def test_lora_engine_combinations(c, cap, match):
+    from megatron_qrl.config.lora_checks import lora_problem
+
+    got = lora_problem(c, types.SimpleNamespace(gpu_capability=cap))
+    assert (got is None) if match is None else (match in got), got
