@@ -123,3 +123,23 @@ def test_merged_experts_equal_a_full_sync_of_the_merged_policy(megatron, fmt):
     base_only.update_weights(spec.pack_state_dict(base_hf_tensors(model, arch)), version=2)
     name = next(n for n in got if ".experts." in n and n.endswith("down_proj.weight"))
     assert not torch.equal(got[name], dict(hf_tensors(base_only.model))[name])
+
+
+def test_reference_adapter_reads_the_unquantized_input_under_w8a8():
+    """SGLang adds the adapter on the raw input of a W8A8 linear (the base quantizes its
+    activations itself): the reference engine's adapter must too."""
+    from megatron_qrl.rollout.reference import ReferenceEngine
+    from tests.test_te_quant_fixtures import tiny_cfg
+
+    eng = ReferenceEngine(tiny_cfg("dense"), "int8", seed=0)
+    lin = eng.model.model.layers[0].self_attn.q_proj
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, lin.in_features, generator=g)
+    a = torch.randn(4, lin.in_features, generator=g)
+    b = torch.randn(lin.out_features, 4, generator=g)
+    before = lin(x)
+    eng._version = 0
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    eng.load_lora_adapter("v1", {name + "A.weight": a, name + "B.weight": b},
+                          {"r": 4, "lora_alpha": 8}, 1)
+    torch.testing.assert_close(lin(x) - before, 2.0 * (x @ a.T) @ b.T, rtol=1e-5, atol=1e-5)
