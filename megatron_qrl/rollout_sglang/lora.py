@@ -89,7 +89,8 @@ class SGLangLoraEngine(SGLangEngine):
 
     # ---- adapters ----------------------------------------------------------------------
     def _adapter_request(self, name: str, tensors: list[tuple[str, torch.Tensor]],
-                         config: dict) -> Any:
+                         config: dict) -> tuple[Any, Any]:
+        """The load request and the flat buffer it shares (kept alive until it is done)."""
         from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -102,7 +103,7 @@ class SGLangLoraEngine(SGLangEngine):
             lora_name=name, config_dict=dict(config), load_format="flattened_bucket",
             serialized_named_tensors=[MultiprocessingSerializer.serialize(data)
                                       for _ in range(self.processes)],
-            expected_checksums=expected)
+            expected_checksums=expected), data
 
     def _call(self, coro: Any) -> Any:
         with crash.engine_call():
@@ -120,9 +121,10 @@ class SGLangLoraEngine(SGLangEngine):
                                   "targets (every adapter of this run is merged)")
         t0 = time.perf_counter()
         named = [(k, v.detach().to(self.trainer_device)) for k, v in tensors.items()]
-        req = self._adapter_request(name, named, config)
+        req, flat = self._adapter_request(name, named, config)
         t1 = time.perf_counter()
         out = self._call(self.engine.tokenizer_manager.load_lora_adapter_from_tensors(req, None))
+        del flat  # the engine has read the shared buffer
         if not getattr(out, "success", False):
             raise WeightSyncError(f"SGLang refused adapter {name!r}: "
                                   f"{getattr(out, 'error_message', out)}")
