@@ -37,7 +37,8 @@
 #   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
 #   lora        LoRA adapters served by SGLang on its quantized base (issue 19): bench/lora_sync.py
 #               (adapter sync time, Qwen3-30B-A3B shape, r = 32, FORMATS default fp8: no Marlin
-#               wait, ~2.5 min) -> $OUT/lora_sync.jsonl, then tests/gpu/test_sglang_lora.py (engine
+#               wait; SCOPES default attn,all: attention-only / + every expert, with the sha256
+#               receipt; add attn+noreceipt,all+noreceipt for the transport alone; ~2.5 min) -> $OUT/lora_sync.jsonl, then tests/gpu/test_sglang_lora.py (engine
 #               log-probs after adapter updates vs the reference: fp8, w4a16, w4a16 + experts,
 #               nvfp4; waits for the setup phase's Marlin prewarm; ~3 min)
 #   loratrain   qrl-train tiny-cpu,qerl with --qrl-rollout-engine sglang (NVFP4 base + adapters
@@ -181,7 +182,8 @@ case $phase in
     python3 bench/lora_memory.py --layers 36 --seq-len 2048 --out "$OUT/lora_memory.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 12 ;;
   lora)
-    python3 bench/lora_sync.py --formats "${FORMATS:-fp8}" --out "$OUT/lora_sync.jsonl" 2>&1 \
+    python3 bench/lora_sync.py --formats "${FORMATS:-fp8}" --scopes "${SCOPES:-attn,all}" \
+      --out "$OUT/lora_sync.jsonl" 2>&1 \
       | grep -E "^\||lora_sync\]|Error"
     marlin_wait
     python3 -m pytest -q -s tests/gpu/test_sglang_lora.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \

@@ -39,6 +39,7 @@ from bench._runner import child_main, run_variant  # noqa: E402
 from bench.weight_sync import model_config, trainer_stream  # noqa: E402
 
 RANK = 32
+SCOPES = ("attn", "attn+noreceipt", "all", "all+noreceipt")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -76,7 +77,7 @@ def make_adapter(cfg: dict, experts: bool, seed: int, device: str = "cuda") -> d
     return out
 
 
-def child(fmt: str, layers: int | None) -> dict:
+def child(fmt: str, layers: int | None, scopes: list[str]) -> dict:
     import torch
 
     from megatron_qrl.quant import get_spec
@@ -105,8 +106,10 @@ def child(fmt: str, layers: int | None) -> dict:
 
     one = SamplingParams(max_new_tokens=1, temperature=0.0)
     version, rows = 0, []
-    scopes = ["attn", "attn+noreceipt"] + (["all", "all+noreceipt"] if experts else [])
-    for scope in scopes:
+    bad = sorted(set(scopes) - set(SCOPES))
+    if bad:
+        raise ValueError(f"--scopes: unknown {bad}; choose from {', '.join(SCOPES)}")
+    for scope in [s for s in scopes if experts or not s.startswith("all")]:
         eng.options = eng.options.replace(receipt="noreceipt" not in scope)
         full = scope.startswith("all")
         for rep in (1, 2):
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", default="fp8")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: all 48)")
+    p.add_argument("--scopes", default=",".join(SCOPES),
+                   help=f"adapter syncs to time, each twice ({', '.join(SCOPES)})")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--sizes-only", action="store_true",
                    help="print the adapter sizes of the 30B-A3B shape at r = 32 (no GPU)")
@@ -174,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{nbytes / 2**20:.1f} MiB (BF16), {cfg['num_hidden_layers']} layers")
         return 0
     if a.child:
-        return child_main(lambda: child(a.child, a.layers))
-    extra = ["--layers", str(a.layers)] if a.layers else []
+        return child_main(lambda: child(a.child, a.layers, a.scopes.split(",")))
+    extra = (["--layers", str(a.layers)] if a.layers else []) + ["--scopes", a.scopes]
     rows = [run_variant([__file__, "--child", f, *extra], f, a.out, tag="lora_sync")
             for f in a.formats.split(",")]
     print(table(rows))

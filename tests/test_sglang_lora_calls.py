@@ -232,7 +232,7 @@ def test_the_job_engine_of_a_lora_run_is_the_adapter_serving_engine(monkeypatch,
                                 "lora_targets": ("q_proj",)})]
     assert lora_engine_kwargs(8, ["q_proj"]) == {
         "enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"],
-        "max_loras_per_batch": 1, "lora_backend": "triton"}
+        "max_loras_per_batch": 1}
     assert lora_engine_kwargs(8, []) == {}
 
 

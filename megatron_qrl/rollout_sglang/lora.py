@@ -63,7 +63,7 @@ def lora_engine_kwargs(rank: int, targets: Iterable[str]) -> dict:
     if not targets:
         return {}
     return {"enable_lora": True, "max_lora_rank": int(rank), "lora_target_modules": targets,
-            "max_loras_per_batch": 1, "lora_backend": "triton"}
+            "max_loras_per_batch": 1}  # SGLang's default LoRA backend (csgmv; MoE LoRA too)
 
 
 class SGLangLoraEngine(SGLangEngine):
