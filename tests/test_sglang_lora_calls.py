@@ -259,3 +259,68 @@ def test_lora_engine_combinations(c, cap, match):
 
     got = lora_problem(c, types.SimpleNamespace(gpu_capability=cap))
     assert (got is None) if match is None else (match in got), got
+
+
+# ---- the driver's calls (CALL SEQUENCE: a recording engine around the reference engine) --
+@pytest.fixture(scope="module")
+def megatron():
+    from megatron_qrl.models.runtime import single_process_megatron
+    from tests.test_te_quant_fixtures import quiet_torch_trace
+
+    with quiet_torch_trace(), single_process_megatron():
+        yield
+
+
+class _Recording:
+    """Stands in for the SGLang job engine: records the driver's calls, generates with the
+    reference engine it wraps."""
+
+    def __init__(self, inner, calls):
+        self.inner, self.calls = inner, calls
+
+    def update_weights(self, stream, version):
+        self.calls.append(("weights", version))
+        return self.inner.update_weights(stream, version)
+
+    def load_lora_adapter(self, name, tensors, config, version):
+        self.calls.append((name, version, tuple(config["target_modules"])))
+        return self.inner.load_lora_adapter(name, tensors, config, version)
+
+    def release_memory(self):
+        self.calls.append(("release",))
+
+    def resume_memory(self):
+        self.calls.append(("resume",))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_driver_starts_the_sglang_engine_with_its_lora_targets_and_sends_adapters_only(
+        megatron, tmp_path):
+    import dataclasses
+
+    from megatron_qrl.rl.cli import parse_configs
+    from megatron_qrl.rl.driver import run_job
+    from megatron_qrl.rollout_sglang.factory import make_engine
+    from tests.test_lora_driver import SMALL
+
+    configs, flags, _ = parse_configs(["--qrl-preset", "tiny-cpu,qerl", *SMALL, "--qrl-steps",
+                                       "2", "--qrl-output-dir", str(tmp_path)])
+    configs["rollout"] = dataclasses.replace(configs["rollout"], engine="sglang")
+    calls: list = []
+
+    def factory(rollout_cfg, hf_config, seed, lora=None):
+        calls.append(("start", lora))
+        ref = dataclasses.replace(rollout_cfg, engine="reference")
+        return _Recording(make_engine(ref, hf_config, seed), calls)
+
+    run_job(configs, flags, engine_factory=factory, progress=False, log=lambda m: None)
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")  # MoE without expert adapters
+    assert calls[0] == ("start", {"lora_rank": 32, "lora_targets": attn})
+    synced = [c for c in calls if c[0] not in ("release", "resume", "start")]
+    # the base once (the first RL sync, version 4 after 4 warm-up steps), then one versioned
+    # adapter per sync (after each of the 2 RL steps too)
+    assert synced == [("weights", 4), ("policy_v4", 4, attn), ("policy_v5", 5, attn),
+                      ("policy_v6", 6, attn)]
+    assert ("release",) in calls and ("resume",) in calls
