@@ -36,6 +36,14 @@
 #               site), then bench/rollout_throughput.py --engines 2 vs 1 (VARIANTS, default fp8)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
 #   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
+#   lora        LoRA adapters served by SGLang on its quantized base (issue 19): bench/lora_sync.py
+#               (adapter sync time, Qwen3-30B-A3B shape, r = 32, FORMATS default fp8: no Marlin
+#               wait; SCOPES default attn,all: attention-only / + every expert, with the sha256
+#               receipt; add attn+noreceipt,all+noreceipt for the transport alone; ~2.5 min) -> $OUT/lora_sync.jsonl, then tests/gpu/test_sglang_lora.py (engine
+#               log-probs after adapter updates vs the reference: fp8, w4a16, w4a16 + experts,
+#               nvfp4; waits for the setup phase's Marlin prewarm; ~3 min)
+#   loratrain   qrl-train tiny-cpu,qerl with --qrl-rollout-engine sglang (NVFP4 base + adapters
+#               served by SGLang, 5 RL steps) -> $OUT/qrl_sglang_lora_metrics.jsonl
 #   te-part N   Transformer Engine, part N of 5 of the 276 MB transformer_engine_cu13 wheel
 #               (carry .stage/teN; the parts are split here with `split -b 57000000 -d`)
 #   te-build    (carry .stage/te0: TE meta wheel, transformer_engine_torch sdist, deps) reassemble,
@@ -80,7 +88,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|te-part N|te-build|te-test|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|example4b|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|example4b|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -196,6 +204,19 @@ case $phase in
     python3 -m pytest -q tests/test_lora.py tests/test_nf4.py 2>&1 | tail -n 2
     python3 bench/lora_memory.py --layers 36 --seq-len 2048 --out "$OUT/lora_memory.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 12 ;;
+  lora)
+    python3 bench/lora_sync.py --formats "${FORMATS:-fp8}" --scopes "${SCOPES:-attn,all}" \
+      --out "$OUT/lora_sync.jsonl" 2>&1 \
+      | grep -E "^\||lora_sync\]|Error"
+    marlin_wait
+    python3 -m pytest -q -s tests/gpu/test_sglang_lora.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+      | grep -E "\[lora[^]]*\]|passed|failed|skipped|Error|assert " ;;
+  loratrain)  # qrl-train QeRL mode end to end with the SGLang engine: NVFP4 base, adapters only
+    marlin_wait
+    python3 -m megatron_qrl.rl.cli --qrl-preset tiny-cpu,qerl --qrl-rollout-engine sglang \
+      --qrl-sft-steps 100 --qrl-steps 5 --qrl-output-dir /tmp/qrl_sglang_lora --qrl-no-progress \
+      2>&1 | grep -v Warning | tail -n 20
+    cp /tmp/qrl_sglang_lora/metrics.jsonl "$OUT/qrl_sglang_lora_metrics.jsonl" ;;
   aligned)  # one micro-batch (re-quantization dominates), then eight (activations dominate)
     # the fake-quant fast path must be bit-identical to the codes path on CUDA too: checked first
     python3 -m pytest -q tests/test_quant_fake_fast.py -k cuda 2>&1 | tail -n 3

@@ -105,3 +105,19 @@ def test_qlora_mode_runs_and_merge_tool_writes_hf(tmp_path):
 def test_bad_lora_flags_are_one_clear_error(argv, match):
     with pytest.raises((QrlArgumentError, SystemExit, ValueError), match=match):
         parse_configs(argv)
+
+
+@pytest.mark.slow
+def test_expert_adapters_take_the_merge_path_on_the_reference_engine(tmp_path):
+    """--qrl-lora-experts on the reference engine (fused experts): the expert adapters are
+    merged into its NVFP4 base and re-quantized each sync, attention adapters served on top
+    (rollout/lora_serving.py); with B = 0 at the RL start the engine computes the trainer's
+    policy, and RL moves the expert adapters."""
+    out = tmp_path / "experts"
+    recs = _run(out, "tiny-cpu,qerl", "--qrl-lora-experts", "--qrl-train-forward", "bf16",
+                "--no-qrl-aqn-enabled", "--qrl-steps", "2")
+    rl = [r for r in recs if r["phase"] == "rl"]
+    assert len(rl) == 2 and rl[0]["mismatch_kl"] < 1e-6
+    a, start = _state(out, 6)["trainer"]["model"], _state(out, 4)["trainer"]["model"]
+    moved = {k for k in a if ".lora_B." in k and k in start and not torch.equal(a[k], start[k])}
+    assert any(".experts." in k for k in moved) and any("linear_qkv" in k for k in moved)

@@ -28,6 +28,21 @@ def test_every_variant_is_a_valid_run(tmp_path):
         assert configs["aqn"].enabled == label.endswith("aqn")
         assert configs["uaq"].enabled == label.endswith("uaq")
         assert (configs["run"].lr == LOW_LR) == ("low-lr" in label)
+        assert configs["lora"].enabled == ("lora" in label)
+
+
+@pytest.mark.parametrize("label, rank, alpha, base, dropout, lr", [
+    ("bf16 lora ppo_clip", 32, 32.0, "bf16", 0.0, None),
+    ("bf16 qlora-nf4 ppo_clip", 8, 16.0, "nf4", 0.05, 1e-4),
+    ("nvfp4 lora aligned+tis+aqn", 32, 32.0, "nvfp4", 0.0, None),
+])
+def test_lora_variants_carry_the_papers_settings(tmp_path, label, rank, alpha, base, dropout, lr):
+    extra = dict(VARIANTS)[label]
+    configs, _, _ = parse_configs(variant_argv(BASE, extra, tmp_path / "v"))
+    lora = configs["lora"]
+    assert (lora.rank, lora.alpha, lora.base_format, lora.dropout) == (rank, alpha, base, dropout)
+    base_lr = parse_configs(BASE)[0]["run"].lr
+    assert configs["run"].lr == (lr if lr is not None else base_lr)
 
 
 def test_seeds_flag():

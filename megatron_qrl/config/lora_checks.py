@@ -26,16 +26,30 @@ def _aligned(lora: Any, c: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _engine(lora: Any, c: Mapping[str, Any]) -> str | None:
-    if c["rollout"].engine != "reference":
-        return (f"--qrl-lora-rank {lora.rank} with --qrl-rollout-engine {c['rollout'].engine}: "
-                "the adapter sync into SGLang is not wired into the driver yet "
-                "(megatron_qrl/rollout_sglang/lora.py is GPU-untested); use "
-                "--qrl-rollout-engine reference")
-    if lora.experts:
-        return ("--qrl-lora-experts with --qrl-rollout-engine reference: the reference engine "
-                "serves adapters on nn.Linear layers only (not on fused experts); drop "
-                "--qrl-lora-experts")
+def _expert_path(lora: Any, c: Mapping[str, Any], env: Any) -> str:
+    """``adapter`` or ``merge``: how the run's engine gets routed-expert adapters."""
+    from ..rollout.lora_serving import resolve_lora_serving
+
+    cap = getattr(env, "gpu_capability", None)
+    return resolve_lora_serving(c["rollout"].engine, c["rollout"].format, lora.targets,
+                                is_moe=True, experts=True, capability=cap).experts
+
+
+def _engine(lora: Any, c: Mapping[str, Any], env: Any) -> str | None:
+    engine = c["rollout"].engine
+    if engine == "sglang" and c["rollout"].sglang.sync not in ("auto", "inplace"):
+        return (f"--qrl-lora-rank {lora.rank} with --qrl-rollout-sglang-sync "
+                f"{c['rollout'].sglang.sync}: a LoRA-serving SGLang engine wraps its layers, "
+                "so its base is loaded through the in-place loader; use "
+                "--qrl-rollout-sglang-sync inplace (or auto)")
+    if lora.experts and c["train"].forward == "aligned" and _expert_path(lora, c, env) == "merge":
+        where = ("the reference engine holds fused experts" if engine == "reference" else
+                 f"SGLang 0.5.17 serves no expert LoRA with {c['rollout'].format} on this GPU")
+        return (f"--qrl-lora-experts with --qrl-rollout-engine {engine}: {where}, so the expert "
+                "adapters are merged into its base and re-quantized "
+                "(megatron_qrl/rollout/lora_serving.py), which the trainer's aligned forward "
+                "(quantized base + adapter on top) does not reproduce; use "
+                "--qrl-train-forward bf16 or drop --qrl-lora-experts")
     return None
 
 
@@ -48,4 +62,4 @@ def lora_problem(c: Mapping[str, Any], env: Any = None) -> str | None:
         return (f"--qrl-uaq-scale {c['uaq'].scale} with --qrl-lora-rank {lora.rank}: UAQ "
                 "rescales the base, which LoRA freezes; apply it to the checkpoint first "
                 "(megatron_qrl.quant.uaq.apply_uaq on its HF tensors) and drop --qrl-uaq-scale")
-    return _aligned(lora, c) or _engine(lora, c)
+    return _aligned(lora, c) or _engine(lora, c, env)

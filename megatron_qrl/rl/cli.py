@@ -167,7 +167,8 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     if args.qrl_mode != "single" and configs["lora"].enabled:
         raise QrlArgumentError(
             f"--qrl-lora-rank {configs['lora'].rank} with --qrl-mode {args.qrl_mode}: the Ray "
-            "engine actor does not serve LoRA adapters yet; use --qrl-mode single")
+            "engine actor does not serve LoRA adapters yet (its engine interface has no "
+            "adapter load / unload and its re-sync sends full weights); use --qrl-mode single")
     if args.qrl_compare and configs["run"].resume:
         raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
                                "variant starts from the shared warm-up); drop one of them")

@@ -21,6 +21,11 @@ Variants (issue 22; the papers' claims they test are in docs/COMPARE.md):
   ``w4a16 tis`` (AQN off).
 * ``int8 low-lr`` / ``int8 low-lr+uaq``: INT8 W8A8 rollouts, ACR, lr :data:`LOW_LR`, UAQ
   s = 1.5 off / on (QuRL eq. 10-12: QuRL uses UAQ at lr < 1e-5 only).
+* LoRA (issue 19; the full-parameter reference is ``bf16``): ``bf16 lora ppo_clip`` (LoRA
+  r = 32, alpha = 32 on all seven projections, BF16 base / rollouts / trainer);
+  ``bf16 qlora-nf4 ppo_clip`` (rlquant's QLoRA: NF4 double-quantized frozen base, r = 8,
+  alpha = 16, dropout 0.05, lr 1e-4, BF16 rollouts); ``nvfp4 lora aligned+tis+aqn`` (QeRL:
+  NVFP4 rollouts and frozen base = the aligned forward, LoRA r = 32 alpha = 32, TIS, AQN).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ LOW_LR = 3e-6
 _W4 = ["--qrl-rollout-format", "w4a16", "--qrl-train-forward", "bf16"]
 _INT8_LOW = ["--qrl-rollout-format", "int8", "--qrl-train-forward", "bf16", "--qrl-loss-kind",
              "acr", "--qrl-lr", str(LOW_LR)]
+_LORA32 = ["--qrl-lora-rank", "32", "--qrl-lora-alpha", "32"]
 VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("bf16", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
               "--qrl-loss-kind", "ppo_clip"]),
@@ -58,6 +64,15 @@ VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("w4a16 tis+aqn", [*_W4, "--qrl-loss-kind", "tis", "--qrl-aqn-enabled"]),
     ("int8 low-lr", [*_INT8_LOW, "--qrl-uaq-scale", "1.0"]),
     ("int8 low-lr+uaq", [*_INT8_LOW, "--qrl-uaq-scale", "1.5"]),
+    ("bf16 lora ppo_clip", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
+                            "--qrl-loss-kind", "ppo_clip", *_LORA32]),
+    ("bf16 qlora-nf4 ppo_clip", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
+                                 "--qrl-loss-kind", "ppo_clip", "--qrl-lora-rank", "8",
+                                 "--qrl-lora-alpha", "16", "--qrl-lora-dropout", "0.05",
+                                 "--qrl-lora-base-format", "nf4", "--qrl-lr", "1e-4"]),
+    ("nvfp4 lora aligned+tis+aqn", ["--qrl-rollout-format", "nvfp4", "--qrl-train-forward",
+                                    "aligned", "--qrl-loss-kind", "tis", "--qrl-aqn-enabled",
+                                    *_LORA32, "--qrl-lora-base-format", "nvfp4"]),
 )
 """(label, flags appended to the user's command line: later flags win)."""
 

@@ -187,13 +187,17 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     if start_weights is not None:
         trainer.module.load_state_dict(start_weights, strict=False)
         plan.weights_changed()
-    engine = engine_factory(configs["rollout"], data.hf_config, run.seed) if world.is_main \
-        else None
+    serving = _lora_serving(configs, data.arch) if plan.lora is not None else None
+    lora_kw = ({"lora": {"lora_rank": configs["lora"].rank,
+                         "lora_targets": serving.engine_targets}}
+               if serving is not None and serving.engine == "sglang" else {})
+    engine = engine_factory(configs["rollout"], data.hf_config, run.seed, **lora_kw) \
+        if world.is_main else None
     spec, aqn = configs["rollout"].spec, configs["aqn"]
     # a Ray engine under torchrun: its restarts re-sync through every rank (rank_resync)
     ray_ranks = world.world_size > 1 and world.broadcast(hasattr(engine, "bind_resync"))
 
-    lora = LoraSync(configs["lora"]) if plan.lora is not None else None
+    lora = LoraSync(configs["lora"], serving) if plan.lora is not None else None
 
     def aqn_at(version: int) -> dict[str, int]:
         return {"aqn_step": min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
@@ -236,6 +240,16 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
                        make_loss_fn(configs), sync, world, mega.seq_length,
                        mega.tp if world.world_size > 1 and mega.sequence_parallel else 1,
                        release_engine_memory=release)
+
+
+def _lora_serving(configs: dict[str, Any], arch: ModelArch) -> Any:
+    """Which of the run's adapters the engine serves and which are merged into its base."""
+    from megatron_qrl.rollout.lora_serving import resolve_lora_serving
+
+    lora, rollout = configs["lora"], configs["rollout"]
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return resolve_lora_serving(rollout.engine, rollout.format, lora.targets,
+                                is_moe=arch.is_moe, experts=lora.experts, capability=cap)
 
 
 def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any], data: JobData) -> None:

@@ -7,8 +7,11 @@ on top, ``rollout/lora_adapters.py``)::
                                       -> engine.update_weights -> verify      (sync.sync_weights)
     AQN on (or just switched off):    the norm gains only, noisy  -> engine.update_base_tensors
     every sync:                       adapter_tensors (PEFT names) -> WeightManifest
-                                      -> engine.load_lora_adapter(name_v<version>, ...)
-                                      -> compare with engine.held_lora_checksums()
+                                      -> serving.split: adapter | merge (rollout/lora_serving.py)
+      merge:   base of the touched engine modules + (alpha/r) B A -> spec.pack_state_dict
+               -> engine.update_packed_tensors -> verify (receipt, or held_checksums)
+      adapter: engine.load_lora_adapter(policy_v<version>, ...)
+               -> compare with engine.held_lora_checksums()
 
 The base never changes after :func:`megatron_qrl.models.lora.freeze_base`, so it is sent once;
 a resumed run sends it again (``base_sent`` starts False). Every stream here is collective
@@ -24,11 +27,13 @@ from typing import Any
 import torch
 
 from megatron_qrl.models.lora_config import LoraConfig
-from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors
+from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn, is_aqn_target
+from megatron_qrl.quant.hf_names import parse
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rl.sync import SyncResult, sync_weights
-from megatron_qrl.rollout.base import WeightManifest, WeightSyncError
+from megatron_qrl.rollout.base import WeightManifest, WeightSyncError, once_each
+from megatron_qrl.rollout.lora_serving import LoraServing, hf_weight_of
 
 __all__ = ["LoraSync"]
 
@@ -38,6 +43,8 @@ class LoraSync:
     """What the engine already holds of the LoRA policy (per process, every rank alike)."""
 
     config: LoraConfig
+    serving: LoraServing | None = None
+    """Which adapters the engine serves and which it gets merged (None: all served)."""
     base_sent: bool = False
     norms_noisy: bool = False
     adapter_syncs: int = 0
@@ -57,9 +64,6 @@ class LoraSync:
     def send(self, trainer: Any, engine: Any, spec: QuantSpec, version: int,
              aqn: AQNConfig | None, seed: int, aqn_step: int, total_steps: int) -> SyncResult:
         """Rank 0: bring ``engine`` to the trainer's policy as ``version`` (see module doc)."""
-        if not hasattr(engine, "load_lora_adapter"):
-            raise WeightSyncError(f"{type(engine).__name__} cannot serve LoRA adapters "
-                                  "(no load_lora_adapter); run --qrl-lora-rank 0 on it")
         sigma = aqn.sigma(aqn_step, total_steps) if aqn is not None else 0.0
         full, norms = self._plan(sigma)
         if full:
@@ -75,11 +79,53 @@ class LoraSync:
         self.norms_noisy = sigma > 0.0
         manifest = WeightManifest()
         tensors = dict(manifest.record(self._adapters(trainer)))
-        engine.load_lora_adapter(f"policy_v{version}", tensors, self.config.peft_config(),
-                                 version=version)
-        manifest.compare(engine.held_lora_checksums())
+        served, merged = self.serving.split(tensors) if self.serving else (tensors, {})
+        if merged:
+            self._send_merged(trainer, engine, spec, merged, version)
+        if served:
+            self._send_adapter(engine, served, manifest, version)
         self.adapter_syncs += 1
         return SyncResult(version, len(manifest.checksums), sigma)
+
+    def _send_adapter(self, engine: Any, served: dict, manifest: WeightManifest,
+                      version: int) -> None:
+        if not hasattr(engine, "load_lora_adapter"):
+            raise WeightSyncError(f"{type(engine).__name__} cannot serve LoRA adapters "
+                                  "(no load_lora_adapter); run --qrl-lora-rank 0 on it")
+        config = self.config.peft_config()
+        if self.serving is not None:  # the engine's LoRA targets (merged ones left out)
+            config["target_modules"] = [t for t in config["target_modules"]
+                                        if t in self.serving.engine_targets]
+        engine.load_lora_adapter(f"policy_v{version}", served, config, version=version)
+        WeightManifest({k: manifest.checksums[k] for k in served}).compare(
+            engine.held_lora_checksums())
+
+    def _merged_stream(self, trainer: Any, merged: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        """``W0 + (alpha/r) B A`` of every tensor of the engine modules ``merged`` touches
+        (collective: every rank iterates the base)."""
+        touched = {parse(hf_weight_of(n)).engine_module for n in merged}
+        base = base_hf_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups)
+        picked = ((n, t) for n, t in base
+                  if (p := parse(n)) is not None and p.engine_module in touched)
+        return merge_into(picked, merged, self.config.scaling)
+
+    def _send_merged(self, trainer: Any, engine: Any, spec: QuantSpec, merged: dict,
+                     version: int) -> None:
+        """The ``merge`` path: merged, re-quantized tensors of the touched modules, in place."""
+        if not hasattr(engine, "update_packed_tensors"):
+            raise WeightSyncError(f"{type(engine).__name__} cannot take merged LoRA tensors "
+                                  "(no update_packed_tensors)")
+        packed = spec.pack_state_dict(self._merged_stream(trainer, merged))
+        if engine.verifies_own_update:
+            engine.update_packed_tensors(once_each(packed, set()), version=version)
+            return
+        sent = WeightManifest()
+        engine.update_packed_tensors(sent.record(packed), version=version)
+        sent.compare(engine.held_checksums())
+
+    def _merges(self, names: list[str]) -> bool:
+        return self.serving is not None and any(self.serving.path_of(n) == "merge"
+                                                for n in names)
 
     def consume(self, trainer: Any, aqn: AQNConfig | None, aqn_step: int,
                 total_steps: int) -> None:
@@ -88,8 +134,12 @@ class LoraSync:
         full, norms = self._plan(sigma)
         streams = [base_hf_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups)
                    ] if full else [self._norms(trainer)] if norms else []
-        for stream in [*streams, self._adapters(trainer)]:
+        for stream in streams:
             for _ in stream:
+                pass
+        names = [n for n, _ in self._adapters(trainer)]
+        if self._merges(names):  # the same base gathers as _merged_stream on rank 0
+            for _ in base_hf_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups):
                 pass
         self.base_sent = True
         self.norms_noisy = sigma > 0.0

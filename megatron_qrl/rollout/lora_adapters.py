@@ -78,16 +78,26 @@ class AdapterSet:
         self.remove()
         self.scaling = alpha / rank
         for module, ab in pairs.items():
-            self.hooks.append(modules[module].register_forward_hook(
-                _adapter_hook(ab["A"], ab["B"], self.scaling)))
+            self.hooks += _adapter_hooks(modules[module], ab["A"], ab["B"], self.scaling)
         self.name = name
         self.tensors = {k: v.detach().to(device, copy=True) for k, v in tensors.items()}
 
 
-def _adapter_hook(a: torch.Tensor, b: torch.Tensor, scaling: float):
-    def hook(_module, args, out):
-        x = args[0]
+def _adapter_hooks(lin: torch.nn.Module, a: torch.Tensor, b: torch.Tensor,
+                   scaling: float) -> list:
+    """``out + scaling * (x A^T) B^T`` on the layer's UNQUANTIZED input ``x``: a pre-hook
+    registered first (``prepend``) keeps ``x`` before the W8A8 activation fake quant's pre-hook
+    (``quant.hf_reference.attach_activation_quant``) replaces it, as SGLang's LoRA layers add
+    the adapter to the base layer's quant method on the raw input."""
+    seen: list[torch.Tensor] = []
+
+    def keep(_module, args):
+        seen[:] = [args[0]]
+
+    def add(_module, _args, out):
+        x = seen.pop()
         delta = torch.nn.functional.linear(torch.nn.functional.linear(x, a.to(x.dtype)),
                                            b.to(x.dtype)) * scaling
         return out + delta.to(out.dtype)
-    return hook
+
+    return [lin.register_forward_pre_hook(keep, prepend=True), lin.register_forward_hook(add)]

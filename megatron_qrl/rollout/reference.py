@@ -94,6 +94,23 @@ class ReferenceEngine(RolloutEngine):
         self._packed.update(part)
         self._version = version
 
+    def update_packed_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                              version: int) -> None:
+        """Replace the packed tensors of some weights (every packed tensor of each; LoRA's
+        merge path: ``rollout/lora_serving.py``); the rest of the model keeps its weights."""
+        part = {n: t.detach().to(self.device, copy=True) for n, t in named_tensors}
+        names = [n for n in self._names if any(p in part for p in self.spec.packed_names(n))]
+        covered = {p for n in names for p in self.spec.packed_names(n)}
+        if covered != set(part) or not names:
+            raise WeightSyncError(
+                f"update_packed_tensors: {sorted(covered ^ set(part))[:3]} missing or unknown "
+                "(send every packed tensor of each weight, names the engine holds)")
+        differ = load_packed_weights(self.model, self.spec, part, names)
+        if differ:
+            raise WeightSyncError(f"engine failed to load {differ[0]!r}")
+        self._packed.update(part)
+        self._version = version
+
     def weight_version(self) -> int:
         return self._version
 

@@ -268,12 +268,18 @@ class SGLangEngine(RolloutEngine):
             with crash.engine_call():
                 outs = self.engine.generate(input_ids=[list(p) for p in prompts],
                                             sampling_params=params, return_logprob=True,
-                                            return_routed_experts=self.returns_experts)
+                                            return_routed_experts=self.returns_experts,
+                                            **self._request_kwargs(len(prompts)))
         except Exception as exc:
             if not self._alive():
                 raise EngineDiedError(f"an SGLang engine process exited: {exc}") from exc
             raise
         return self._to_output(prompts, outs)
+
+    def _request_kwargs(self, n: int) -> dict:
+        """Extra ``sglang.Engine.generate`` arguments for ``n`` prompts (the LoRA engine names
+        its adapter here)."""
+        return {}
 
     def _alive(self) -> bool:
         """True while every scheduler / detokenizer child process still runs."""

@@ -23,17 +23,20 @@ __all__ = ["build_engine", "engine_spec", "make_engine"]
 
 
 def engine_spec(rollout_cfg: Any, hf_config: dict, seed: int,
-                num_threads: int | None = None) -> EngineSpec:
+                num_threads: int | None = None, lora: dict | None = None) -> EngineSpec:
     """The engine of ``--qrl-rollout-engine`` (``rollout_cfg``: a
     :class:`~megatron_qrl.config.run.RolloutConfig`). ``num_threads``: torch intra-op threads
     of the reference engine's process (a Ray actor gets the driver's so CPU results match
-    single mode bit for bit); an SGLang engine keeps its process's own."""
+    single mode bit for bit); an SGLang engine keeps its process's own. ``lora``:
+    ``{"lora_rank", "lora_targets"}`` of a LoRA run (SGLang: the adapter-serving engine,
+    :class:`~megatron_qrl.rollout_sglang.lora.SGLangLoraEngine`; the reference engine serves
+    adapters without it)."""
     if rollout_cfg.engine == "reference":
         return EngineSpec("reference", dict(hf_config), rollout_cfg.format, seed,
                           num_threads=num_threads)
     if rollout_cfg.engine == "sglang":
         return EngineSpec("sglang", dict(hf_config), rollout_cfg.format, seed,
-                          sglang=rollout_cfg.sglang)
+                          sglang=rollout_cfg.sglang, sglang_kwargs=dict(lora or {}))
     raise NotImplementedError(f"--qrl-rollout-engine {rollout_cfg.engine}: no such engine")
 
 
@@ -53,10 +56,15 @@ def build_engine(spec: EngineSpec) -> RolloutEngine:
     kwargs = dict(spec.sglang_kwargs)
     options = spec.sglang if spec.sglang is not None else SGLangOptions()
     if "model_path" in kwargs:
-        return SGLangEngine(kwargs.pop("model_path"), spec.format, options, **kwargs)
+        cls = SGLangEngine
+        if "lora_rank" in kwargs:
+            from .lora import SGLangLoraEngine as cls
+        return cls(kwargs.pop("model_path"), spec.format, options, **kwargs)
     return start_job_engine(options, spec.format, spec.hf_config, spec.seed, **kwargs)
 
 
-def make_engine(rollout_cfg: Any, hf_config: dict, seed: int) -> RolloutEngine:
-    """The rollout engine named by ``--qrl-rollout-engine``, in this process."""
-    return build_engine(engine_spec(rollout_cfg, hf_config, seed))
+def make_engine(rollout_cfg: Any, hf_config: dict, seed: int,
+                lora: dict | None = None) -> RolloutEngine:
+    """The rollout engine named by ``--qrl-rollout-engine``, in this process (``lora``: see
+    :func:`engine_spec`)."""
+    return build_engine(engine_spec(rollout_cfg, hf_config, seed, lora=lora))

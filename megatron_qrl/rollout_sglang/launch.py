@@ -51,6 +51,9 @@ def start_job_engine(options: SGLangOptions, spec_name: str, hf_config: dict, se
     job's ``seed``; ``options`` go to the engine whole."""
     from .engine import SGLangEngine
 
+    cls = SGLangEngine
+    if "lora_rank" in engine_kwargs:  # a LoRA run: the adapter-serving engine
+        from .lora import SGLangLoraEngine as cls
     d = write_engine_dir(hf_config, spec_name)
     kwargs: dict[str, Any] = {"load_format": "dummy", "random_seed": seed} | engine_kwargs
-    return SGLangEngine(d, spec_name, options, **kwargs)
+    return cls(d, spec_name, options, **kwargs)

@@ -1,88 +1,175 @@
-"""SGLang serving LoRA adapters on top of its quantized base — GPU-UNTESTED, not wired yet.
+"""SGLang serving LoRA adapters on top of its quantized base (``--qrl-lora-rank`` with
+``--qrl-rollout-engine sglang``, single mode).
 
-Written against the SGLang 0.5.17 wheel (read, not run): ``sglang.Engine(enable_lora=True,
-max_lora_rank=r, lora_target_modules=[...], max_loras_per_batch=n)``;
-``Engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict, load_format=None)``
-(PEFT names; ``LoRAAdapter._process_weight`` parses ``layers.<i>`` and stacks q/k/v and
-gate/up itself); ``Engine.unload_lora_adapter(lora_name)``; ``generate(..., lora_path=[name,
-...])`` names the adapter per request. There is no upsert, so version ``v`` is loaded under a
-new name and the previous one unloaded afterwards. Dense LoRA wraps the base layer's own quant
-method (fp8, w8a8, Marlin, modelopt_fp4 pass through), so the base stays packed in the engine.
+Read in the SGLang 0.5.17 wheel (``srt/entrypoints/engine.py``, ``srt/lora/*``,
+``srt/managers/io_struct.py``, ``srt/managers/tp_worker.py``):
 
-The driver refuses ``--qrl-lora-rank`` with ``--qrl-rollout-engine sglang``
-(``config/lora_checks.py``) until this class has run on the H200 (tests/gpu, to be written).
+- the engine starts with ``enable_lora=True, max_lora_rank=r, lora_target_modules=[...]``
+  (HF projection names; SGLang maps q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) and
+  wraps those layers in ``*WithLoRA`` modules that call the base layer's own quant method, so
+  the base stays packed in the rollout format;
+- ``LoadLoRAAdapterFromTensorsReqInput(lora_name, config_dict, serialized_named_tensors,
+  load_format="flattened_bucket", expected_checksums={name: sha256})``: one flat CUDA buffer
+  per TP rank; each scheduler process re-hashes what it deserialized and raises on any
+  tensor missing, extra or different (``[LORA-CHECK]``; the scheduler dies, the engine call
+  fails with :class:`~megatron_qrl.rollout.supervisor.EngineDiedError`). That is the
+  engine-side receipt of an adapter sync (``SGLangOptions.receipt``);
+- ``unload_lora_adapter(name)``: no upsert, so version ``v`` is loaded as ``policy_v<v>``
+  and the previous adapter unloaded after the new one loaded; every generate request names
+  the current adapter (``lora_path``).
+
+The base (first sync, AQN's norm gains, merged tensors of ``rollout/lora_serving.py``'s
+``merge`` path) goes through :meth:`SGLangEngine.update_weights` (the in-place loader
+unwraps the LoRA layers while it loads: ``sync/loader/lora_wrappers.py``). Releasing GPU
+memory between rollouts keeps the weights (kv cache and CUDA graphs only): the adapter
+syncs never resend the base.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from megatron_qrl.rollout.base import WeightSyncError, tensor_checksum
-from megatron_qrl.rollout_sglang.engine import SGLangEngine
+from ..rollout.base import WeightSyncError, tensor_checksum
+from . import crash
+from .engine import SGLangEngine
+from .options import SGLangOptions
 
-__all__ = ["SGLangLoraEngine"]
+__all__ = ["RELEASE_TAGS", "SGLangLoraEngine", "adapter_name", "sha256_of"]
+
+RELEASE_TAGS = ["kv_cache", "cuda_graph"]
+"""What a LoRA engine frees between rollouts (SGLang's GPU_MEMORY_TYPE_* tags; not weights)."""
 
 
-class _NamedAdapter:
-    """Proxy of ``sglang.Engine`` whose ``generate`` names the served adapter per request."""
+def adapter_name(version: int) -> str:
+    """The served adapter's name for weight version ``version``."""
+    return f"policy_v{version}"
 
-    def __init__(self, engine: Any, owner: SGLangLoraEngine) -> None:
-        self._engine, self._owner = engine, owner
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        name = self._owner.lora_name
-        if name is not None:
-            kwargs.setdefault("lora_path", [name] * len(kwargs.get("input_ids") or []))
-        return self._engine.generate(*args, **kwargs)
+def sha256_of(t: torch.Tensor) -> str:
+    """The fingerprint SGLang's tp_worker takes of a received adapter tensor (sha256 of its
+    bytes, ``detach().cpu().contiguous().flatten().view(torch.uint8)``)."""
+    raw = t.detach().cpu().contiguous().flatten().view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self._engine, item)
+
+def lora_engine_kwargs(rank: int, targets: Iterable[str]) -> dict:
+    """``sglang.Engine`` arguments of LoRA serving (none when no target is served)."""
+    targets = list(targets)
+    if not targets:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": int(rank), "lora_target_modules": targets,
+            "max_loras_per_batch": 1}  # SGLang's default LoRA backend (csgmv; MoE LoRA too)
 
 
 class SGLangLoraEngine(SGLangEngine):
-    """:class:`SGLangEngine` + adapter-only updates (``rl/lora_sync.py``'s engine interface)."""
+    """:class:`SGLangEngine` + adapter-only updates (``rl/lora_sync.py``'s engine interface).
 
-    def __init__(self, model_path: Any, spec_name: str, *, lora_rank: int,
-                 lora_targets: Iterable[str], max_loras_per_batch: int = 2,
-                 **kwargs: Any) -> None:
-        kwargs.update(enable_lora=True, max_lora_rank=int(lora_rank),
-                      lora_target_modules=list(lora_targets),
-                      max_loras_per_batch=max_loras_per_batch)
-        super().__init__(model_path, spec_name, **kwargs)
-        self.engine = _NamedAdapter(self.engine, self)
+    ``lora_rank`` / ``lora_targets``: the engine's LoRA settings (``lora_targets`` from
+    :func:`~megatron_qrl.rollout.lora_serving.resolve_lora_serving`; empty: every adapter is
+    merged, the engine serves none)."""
+
+    def __init__(self, model_path: Any, spec_name: str, options: SGLangOptions | None = None,
+                 *, lora_rank: int, lora_targets: Iterable[str], **kwargs: Any) -> None:
+        options = options if options is not None else SGLangOptions()
+        if options.sync == "auto":  # the LoRA wrappers rename SGLang's parameters: our loader
+            options = options.replace(sync="inplace")
+        self.lora_targets = tuple(lora_targets)
+        super().__init__(model_path, spec_name, options,
+                         **(lora_engine_kwargs(lora_rank, self.lora_targets) | kwargs))
         self.lora_name: str | None = None
         self._lora_sent: dict[str, str] = {}
 
+    def _request_kwargs(self, n: int) -> dict:
+        return {} if self.lora_name is None else {"lora_path": [self.lora_name] * n}
+
+    # ---- adapters ----------------------------------------------------------------------
+    def _adapter_request(self, name: str, tensors: list[tuple[str, torch.Tensor]],
+                         config: dict) -> tuple[Any, Any]:
+        """The load request and the flat buffer it shares (kept alive until it is done)."""
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        bucket = FlattenedTensorBucket(named_tensors=tensors)
+        data = {"flattened_tensor": bucket.get_flattened_tensor(),
+                "metadata": bucket.get_metadata()}
+        expected = ({n: sha256_of(t) for n, t in tensors} if self.options.receipt else None)
+        return LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, config_dict=dict(config), load_format="flattened_bucket",
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(data)
+                                      for _ in range(self.processes)],
+            expected_checksums=expected), data
+
+    def _call(self, coro: Any) -> Any:
+        with crash.engine_call():
+            return self.engine.loop.run_until_complete(coro)
+
     def load_lora_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict,
                           version: int) -> None:
-        """Load ``tensors`` (PEFT names) as adapter ``name``, then unload the previous one."""
+        """Load ``tensors`` (PEFT names) as adapter ``name``, name it in every request, then
+        unload the previous adapter (SGLang has no upsert)."""
         if self._version < 0:
-            raise WeightSyncError("load_lora_adapter() before the first update_weights()")
-        sent = {k: tensor_checksum(v) for k, v in tensors.items()}
-        device = self.trainer_device
-        out = self.engine.load_lora_adapter_from_tensors(
-            name, {k: v.to(device) for k, v in tensors.items()}, dict(config))
-        if not getattr(out, "success", True):
+            raise WeightSyncError("load_lora_adapter() before the first update_weights(): the "
+                                  "engine holds no base weights yet")
+        if not self.lora_targets:
+            raise WeightSyncError("load_lora_adapter() on an engine started without LoRA "
+                                  "targets (every adapter of this run is merged)")
+        t0 = time.perf_counter()
+        named = [(k, v.detach().to(self.trainer_device)) for k, v in tensors.items()]
+        req, flat = self._adapter_request(name, named, config)
+        t1 = time.perf_counter()
+        out = self._call(self.engine.tokenizer_manager.load_lora_adapter_from_tensors(req, None))
+        del flat  # the engine has read the shared buffer
+        if not getattr(out, "success", False):
             raise WeightSyncError(f"SGLang refused adapter {name!r}: "
                                   f"{getattr(out, 'error_message', out)}")
+        t2 = time.perf_counter()
         old, self.lora_name = self.lora_name, name
         if old is not None and old != name:
-            self.engine.unload_lora_adapter(old)
-        self._lora_sent, self._version = sent, version
+            gone = self._call(self.engine.tokenizer_manager.unload_lora_adapter(
+                _unload_request(old), None))
+            if not getattr(gone, "success", False):
+                raise WeightSyncError(f"SGLang did not unload adapter {old!r}: "
+                                      f"{getattr(gone, 'error_message', gone)}")
+        self._lora_sent = {k: tensor_checksum(v) for k, v in named}
+        self._version = version
+        self.last_sync = {"adapter": name, "tensors": len(named), "prepare_s": t1 - t0,
+                          "load_s": t2 - t1, "unload_s": time.perf_counter() - t2,
+                          "seconds": time.perf_counter() - t0,
+                          "verified": "sha256" if req.expected_checksums else "none"}
 
     def held_lora_checksums(self) -> dict[str, str]:
-        """Fingerprints of the adapter SGLang acknowledged (of the tensors it was handed)."""
+        """Fingerprints (:func:`tensor_checksum`) of the adapter SGLang acknowledged; with
+        ``receipt`` every scheduler process checked its sha256 of each tensor first."""
         return dict(self._lora_sent)
 
     def update_base_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                             version: int) -> None:
-        """Unquantized base tensors (AQN's noisy norm gains) through SGLang's tensor update."""
-        named = [(n, t.to(self.trainer_device)) for n, t in named_tensors]
-        out = self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=True)
-        ok = out[0] if isinstance(out, tuple) else getattr(out, "success", True)
-        if not ok:
-            raise WeightSyncError(f"SGLang refused the norm update: {out}")
-        self._version = version
+        """Unquantized base tensors (AQN's noisy norm gains) through the in-place sync."""
+        self.update_weights(named_tensors, version)
+
+    def update_packed_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                              version: int) -> None:
+        """Packed tensors of some engine modules (the ``merge`` path: whole modules, q/k/v
+        and gate/up together, every expert of a layer) through the in-place sync."""
+        self.update_weights(named_tensors, version)
+
+    # ---- memory --------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        with crash.engine_call():
+            self.engine.release_memory_occupation(tags=RELEASE_TAGS)
+
+    def resume_memory(self) -> None:
+        with crash.engine_call():
+            self.engine.resume_memory_occupation(tags=RELEASE_TAGS)
+
+
+def _unload_request(name: str) -> Any:
+    from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+    return UnloadLoRAAdapterReqInput(lora_name=name)

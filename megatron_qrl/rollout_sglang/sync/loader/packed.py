@@ -54,6 +54,7 @@ from ....rollout.wire import from_bytes, unflatten
 from ..debug import PhaseLog, write_digest
 from ..protocol import CONTROL, FLAT, RECV, InplaceSyncError, decode_control, module_key
 from .experts import load_experts_directly, unstack_all
+from .lora_wrappers import base_layers_in_place
 from .module_state import (
     OwnerState,
     attach,
@@ -192,7 +193,13 @@ def _copy_into_live(key: str, live: OwnerState, new: OwnerState) -> None:
 
 # ---- the registered loader -----------------------------------------------------------
 def load_packed(model: torch.nn.Module, named_tensors) -> None:
-    """SGLang custom weight loader: one bucket of an in-place sync (see the module doc)."""
+    """SGLang custom weight loader: one bucket of an in-place sync (see the module doc); on a
+    LoRA-serving engine with the LoRA wrappers' base layers in place (:mod:`.lora_wrappers`)."""
+    with base_layers_in_place(model):
+        _load_packed(model, named_tensors)
+
+
+def _load_packed(model: torch.nn.Module, named_tensors) -> None:
     named = list(named_tensors)
     ctl = [t for n, t in named if n == CONTROL]
     if len(ctl) != 1:
