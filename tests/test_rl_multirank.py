@@ -12,13 +12,13 @@ so each rank trains on half of every step's micro batches. A part + resume EP=2 
 equal the full EP=2 run.
 """
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from run_records import assert_records_close, read_records
 from tiny_hf import make_tiny_hf
 
 from megatron_qrl.compat.distributed import free_port
@@ -43,15 +43,11 @@ def hf_dir(tmp_path_factory) -> Path:
     return hf
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _one_process(out: Path, *megatron: str) -> list[dict]:
     proc = subprocess.run([sys.executable, str(HELPER), *JOB, "--qrl-output-dir", str(out),
                            "--", *megatron], capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return _metrics(out)
+    return read_records(out)
 
 
 def _torchrun(out: Path, qrl: tuple[str, ...], *megatron: str) -> list[dict]:
@@ -60,20 +56,7 @@ def _torchrun(out: Path, qrl: tuple[str, ...], *megatron: str) -> list[dict]:
            "-m", "megatron_qrl.rl.cli", *JOB, *qrl, "--qrl-output-dir", str(out), "--", *megatron]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return _metrics(out)
-
-
-def _assert_close(ref: list[dict], got: list[dict], tol: float = 1e-5) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in ref]
-    for a, b in zip(ref, got):
-        for key in COMPARED:
-            if key not in a:
-                continue
-            x, y = a[key], b.get(key)
-            if isinstance(x, float) and isinstance(y, float):
-                assert abs(x - y) <= tol * max(1.0, abs(x)), (a["step"], key, x, y)
-            else:
-                assert x == y, (a["step"], key, x, y)
+    return read_records(out)
 
 
 @pytest.mark.slow
@@ -85,9 +68,9 @@ def test_tp2_and_ep2_match_one_process_and_ep2_resumes(hf_dir, tmp_path):
     layout = ("--load", str(hf_dir), "--lr", "1e-5", "--train-iters", "2")
     tp = _torchrun(tmp_path / "tp", (), *layout, "--tensor-model-parallel-size", "2",
                    "--sequence-parallel")
-    _assert_close(ref, tp)
+    assert_records_close(ref, tp, COMPARED, skip_missing=True)
     ep = _torchrun(tmp_path / "ep", (), *layout, "--expert-model-parallel-size", "2")
-    _assert_close(ref, ep)
+    assert_records_close(ref, ep, COMPARED, skip_missing=True)
     # checkpoints: one file per step with every rank's state; resume continues exactly
     import torch
 
@@ -101,7 +84,7 @@ def test_tp2_and_ep2_match_one_process_and_ep2_resumes(hf_dir, tmp_path):
               "--expert-model-parallel-size", "2")
     resumed = _torchrun(part, ("--qrl-resume",), *layout, "--expert-model-parallel-size", "2")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
-    _assert_close(ep[3:], resumed[3:], tol=0.0)
+    assert_records_close(ep[3:], resumed[3:], COMPARED, tol=0.0, skip_missing=True)
 
 
 def test_data_parallel_share_of_micro_batches():

@@ -9,7 +9,6 @@ the uninterrupted run. Flags that cannot work are one error naming the flag.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_records import assert_records_close, read_records
 from tiny_hf import make_tiny_hf
 
 from megatron_qrl.compat.distributed import free_port
@@ -78,10 +78,6 @@ def hf_dir(tmp_path_factory) -> Path:
     return hf
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _run(out: Path, hf: Path, megatron: tuple[str, ...], ranks: int = 1,
          qrl: tuple[str, ...] = ()) -> list[dict]:
     args = [*JOB, "--qrl-model", "checkpoint", "--qrl-checkpoint", str(hf), *qrl,
@@ -92,18 +88,7 @@ def _run(out: Path, hf: Path, megatron: tuple[str, ...], ranks: int = 1,
         "-m", "megatron_qrl.rl.cli", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return _metrics(out)
-
-
-def _assert_close(ref: list[dict], got: list[dict], tol: float = 1e-5) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in ref]
-    for a, b in zip(ref, got):
-        for key in COMPARED:
-            x, y = a.get(key), b.get(key)
-            if isinstance(x, float) and isinstance(y, float):
-                assert abs(x - y) <= tol * max(1.0, abs(x)), (a["step"], key, x, y)
-            else:
-                assert x == y, (a["step"], key, x, y)
+    return read_records(out)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +105,7 @@ def plain(hf_dir, tmp_path_factory) -> list[dict]:
     ("--use-distributed-optimizer",),
 ], ids=["full-uniform", "full-block", "selective", "distopt"])
 def test_one_process_flag_equals_plain(plain, hf_dir, tmp_path, flags):
-    _assert_close(plain, _run(tmp_path, hf_dir, flags))
+    assert_records_close(plain, _run(tmp_path, hf_dir, flags), COMPARED)
 
 
 @pytest.mark.slow
@@ -129,10 +114,10 @@ def test_distributed_optimizer_resumes(plain, hf_dir, tmp_path):
     out = tmp_path / "run"
     part = _run(out, hf_dir, ("--use-distributed-optimizer",),
                 qrl=("--qrl-steps", "1"))
-    _assert_close(plain[:3], part)
+    assert_records_close(plain[:3], part, COMPARED)
     (out / "metrics.jsonl").unlink()
     rest = _run(out, hf_dir, ("--use-distributed-optimizer",), qrl=("--qrl-resume",))
-    _assert_close(plain[3:], rest)
+    assert_records_close(plain[3:], rest, COMPARED)
 
 
 @pytest.mark.slow
@@ -141,4 +126,4 @@ def test_distributed_optimizer_resumes(plain, hf_dir, tmp_path):
     ("--use-distributed-optimizer", *RECOMPUTE_FULL),
 ], ids=["tp2-sp-recompute", "dp2-distopt-recompute"])
 def test_two_ranks_with_flags_equal_plain(plain, hf_dir, tmp_path, flags):
-    _assert_close(plain, _run(tmp_path, hf_dir, flags, ranks=2))
+    assert_records_close(plain, _run(tmp_path, hf_dir, flags, ranks=2), COMPARED)

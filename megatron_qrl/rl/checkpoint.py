@@ -20,8 +20,10 @@ fields by the Megatron flag that sets them, e.g. ``--moe-router-topk``).
 
 Output directory (:func:`prepare_output_dir`, at start): stale temporary files of
 interrupted writes are removed; a directory holding a run (metrics or checkpoints) is refused
-unless ``--qrl-resume``; ``--qrl-resume`` on a run that stopped before its first checkpoint
-starts it again from step 0.
+unless ``--qrl-resume``, and so is a non-empty directory holding nothing of a run (no metrics,
+checkpoints or qrl-train marker: a directory a user cares about); a run marks its directory
+(``utils.outdir.MARKER_NAME``, tool ``qrl-train``); ``--qrl-resume`` on a run that stopped
+before its first checkpoint starts it again from step 0.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ from typing import Any
 
 import torch
 
+from megatron_qrl import __version__
 from megatron_qrl.config import QrlArgumentError
-from megatron_qrl.utils.io import atomic_write_text
+from megatron_qrl.utils.io import atomic_write_json, atomic_write_text
+from megatron_qrl.utils.outdir import MARKER_NAME, read_marker
 
 __all__ = ["CKPT_DIR", "DriverCheckpointError", "checkpoint_problem", "latest_checkpoint",
            "load_driver_checkpoint", "prepare_output_dir", "save_driver_checkpoint"]
 
 CKPT_DIR = "checkpoints"
+TOOL = "qrl-train"
+"""The ``tool`` of the output-directory marker a run writes."""
 SUM_SUFFIX = ".sha256"
 _NAME = re.compile(r"^step_(\d{6,})\.pt$")
 _STALE = re.compile(r"^\..+\.(tmp|old)-")
@@ -218,13 +224,25 @@ def _remove_stale(d: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def _foreign(out: Path) -> bool:
+    """``out`` is a non-empty directory with nothing of a qrl-train run in it (no marker,
+    no ``metrics.jsonl``, no ``checkpoints/``)."""
+    return out.is_dir() and read_marker(out) is None and not any(
+        (out / f).exists() for f in (*_RUN_FILES, CKPT_DIR)) and any(out.iterdir())
+
+
 def prepare_output_dir(output_dir: str | Path, resume: bool) -> bool:
     """Clean stale temporary files and decide how the run starts: True = resume from a
-    checkpoint, False = start at step 0 (see the module docstring)."""
+    checkpoint, False = start at step 0 (see the module docstring). Marks the directory as a
+    qrl-train output (:data:`~megatron_qrl.utils.outdir.MARKER_NAME`)."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--qrl-output-dir {out} is a file, not a directory; choose "
                               "another --qrl-output-dir")
+    if not resume and _foreign(out):  # before any clean-up: nothing of it is ours
+        raise FileExistsError(f"--qrl-output-dir {out} is not empty and holds no qrl-train "
+                              f"run (no metrics.jsonl, {CKPT_DIR}/ or {MARKER_NAME}); choose a "
+                              "new or empty --qrl-output-dir")
     _remove_stale(out)
     _remove_stale(out / CKPT_DIR)
     has_ckpt = bool(_checkpoints(out / CKPT_DIR))
@@ -236,4 +254,7 @@ def prepare_output_dir(output_dir: str | Path, resume: bool) -> bool:
         raise FileExistsError(f"--qrl-output-dir {out} holds a run (metrics.jsonl or "
                               f"{CKPT_DIR}/): continue it with --qrl-resume, or choose "
                               "another --qrl-output-dir")
+    if read_marker(out) is None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / MARKER_NAME, {"tool": TOOL, "version": __version__})
     return resume and has_ckpt

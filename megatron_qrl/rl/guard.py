@@ -92,21 +92,52 @@ def _agree(bad: bool) -> bool:
     return bool(flag.item())
 
 
+def _members(optimizer: Any) -> list[Any]:
+    """The optimizers of a megatron ``ChainedOptimizer``, or ``[optimizer]``."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _clip_and_step(optimizer: Any, grad_norm: float) -> bool:
+    """The second half of megatron-core 0.16.1's ``optimizer.step()`` (``MixedPrecision`` /
+    ``FP32`` / ``ChainedOptimizer.step``: clip by the total norm, count zeros if configured,
+    ``step_with_ready_grads``) with the norm the guard computed already, so the gradients are
+    read once. Same clipping as megatron's (``clip_grad_by_total_norm_fp32`` per member with
+    ``clip_grad > 0``), so the update is bit-identical."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in _members(optimizer):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params, opt.config.clip_grad, grad_norm,
+                opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    if optimizer.config.log_num_zeros_in_grad:
+        optimizer.count_zeros()
+    return bool(optimizer.step_with_ready_grads())
+
+
 def guarded_step(optimizer: Any, store: Sequence[dict], guard: BadStepGuard | None) -> float:
     """Megatron's ``optimizer.step()`` and its gradient norm, unless ``guard`` is given and
     the loss or the gradient norm is non-finite: then the update is skipped, ``guard`` counts
-    it and the norm is NaN. Costs one extra gradient-norm pass per guarded update."""
-    if guard is not None:
+    it and the norm is NaN. One gradient-norm pass either way: with a guard, the norm it
+    checks is the one the clipping uses (:func:`_clip_and_step`)."""
+    if guard is None:
+        ok, grad_norm, _ = optimizer.step()
+    else:
         bad = non_finite_loss(store)
-        if optimizer.prepare_grads():  # a grad scaler found inf (megatron's own check)
+        found_inf = optimizer.prepare_grads()  # a grad scaler found inf (megatron's own check)
+        if found_inf:
             bad = bad or ("gradient (grad scaler)", math.inf)
-        norm = float(optimizer.get_grad_norm() or 0.0)
+        grad_norm = 0.0 if found_inf else optimizer.get_grad_norm()
+        norm = float(grad_norm or 0.0)
         if bad is None and not math.isfinite(norm):
             bad = ("grad_norm", norm)
         if _agree(bad is not None):
             guard.skip(*(bad or ("grad_norm (on another rank)", math.nan)))
             return math.nan
-    ok, grad_norm, _ = optimizer.step()
+        ok = _clip_and_step(optimizer, grad_norm)
     if not ok:
         raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
                            "--qrl-lr / --qrl-sft-lr")
