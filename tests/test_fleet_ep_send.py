@@ -52,6 +52,7 @@ def _trainer(rank: int, hf_dir: str, mport: int, groups: dict, gather_experts: b
     )
     from megatron_qrl.rl.ep_send import ep_sender, sharded_hf_stream
     from megatron_qrl.rollout.broadcast import send_stream
+    from megatron_qrl.rollout.weight_groups import send_segments
 
     init_cpu_distributed(rank, 2, mport, tp=1, ep=2, etp=1)
     gathered = []
@@ -76,11 +77,13 @@ def _trainer(rank: int, hf_dir: str, mport: int, groups: dict, gather_experts: b
                 sent = []
                 packed = ((n, t) for n, t in get_spec(SPEC).pack_state_dict(stream)
                           if not sent.append((n, t.numel() * t.element_size())))
-                if gather_experts and rank != 0:  # the old path: rank 0 sends it all
+                if not gather_experts:
+                    send_segments(packed, groups[sender.index], "cpu", BUCKET)
+                elif rank == 0:  # the old path: rank 0 sends everything in one stream
+                    send_stream(packed, groups[0], "cpu", BUCKET)
+                else:
                     for _ in packed:
                         pass
-                    packed = iter(())
-                send_stream(packed, groups[sender.index], "cpu", BUCKET)
             finally:
                 dist.all_gather = real_gather
         return {"sender": (sender.index, sender.senders, sender.main), "sent": sent,
@@ -90,14 +93,16 @@ def _trainer(rank: int, hf_dir: str, mport: int, groups: dict, gather_experts: b
 
 
 def _body(rank, world_size, port, hf_dir, ports, gather_experts):
+    from megatron_qrl.rollout.broadcast import receive_stream
     from megatron_qrl.rollout.weight_groups import receive_sharded
 
     plan, groups = _groups(rank, ports)
     assert plan.total_ranks == world_size == 5
     if rank < 2:
         return _trainer(rank, hf_dir, port, groups, gather_experts)
-    got = [(n, t.clone()) for n, t in receive_sharded([groups[0], groups[1]], "cpu")]
-    return {"received": got}
+    stream = (receive_stream(groups[0], "cpu") if gather_experts
+              else receive_sharded([groups[0], groups[1]], "cpu"))
+    return {"received": [(n, t.clone()) for n, t in stream]}
 
 
 def _run(tmp_path, gather_experts=False):
@@ -121,6 +126,23 @@ def _expert_index(name: str) -> int | None:
     return None if p is None else p.expert
 
 
+def _assert_layers_whole(names: list[str]) -> None:
+    """Each decoder layer's expert tensors arrive together, each kind's experts in
+    ascending order (what an in-place reload and the expert stacking need)."""
+    from megatron_qrl.quant.hf_names import layer_prefix, parse
+    from megatron_qrl.rollout.weight_groups import segment_key
+
+    keys = [segment_key(n) for n in names]
+    runs = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+    assert len(runs) == len(set(runs)) and runs[0] == "", runs
+    kinds: dict[tuple, list[int]] = {}
+    for n in names:
+        p = parse(n)
+        if p is not None and p.expert is not None:
+            kinds.setdefault((layer_prefix(n), p.proj, p.leaf), []).append(p.expert)
+    assert kinds and all(v == sorted(v) for v in kinds.values()), kinds
+
+
 def test_ep_ranks_send_their_own_experts_to_every_engine_rank(tmp_path):
     hf_dir, results = _run(tmp_path)
     expect = _expected(hf_dir)
@@ -130,6 +152,7 @@ def test_ep_ranks_send_their_own_experts_to_every_engine_rank(tmp_path):
         assert len(names) == len(set(names)) and set(names) == set(expect), r
         for n, t in got:
             assert t.dtype == expect[n].dtype and torch.equal(t, expect[n]), (r, n)
+        _assert_layers_whole(names)
     t0, t1 = results[0], results[1]
     n_local = t0["n_local"]
     assert t0["sender"] == (0, 2, True) and t1["sender"] == (1, 2, False)
