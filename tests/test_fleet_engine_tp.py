@@ -24,6 +24,8 @@ DENSE = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 6,
 @pytest.mark.parametrize("cfg, kw, match", [
     (DENSE, dict(tp=4), "6 attention heads do not split over 4 ranks"),
     (DENSE, dict(tp=2), "3 KV heads neither split over nor replicate evenly on 2"),
+    (DENSE | {"num_attention_heads": 24, "num_key_value_heads": 4}, dict(tp=6),
+     "4 KV heads neither split over nor replicate evenly on 6"),
     (QWEN3_30B_A3B, dict(tp=8, ep=3), "must divide --qrl-rollout-engine-tp 8"),
     (QWEN3_30B_A3B | {"num_experts": 60}, dict(tp=8, ep=8), "60 experts do not split.*8"),
     (QWEN3_30B_A3B | {"moe_intermediate_size": 102}, dict(tp=8, ep=2),
