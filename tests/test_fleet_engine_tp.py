@@ -82,9 +82,15 @@ def test_fleet_engine_spec_gives_every_actor_its_split():
 def test_one_gpu_machine_says_engine_tp_2_needs_more_gpus(mode):
     """The H200 of this project has one GPU: engine TP 2 is refused before Ray places
     anything, saying why (multi-GPU runs: issue 21)."""
+    from megatron_qrl.config.run import RolloutConfig
+    from megatron_qrl.rl.ray_fleet import session_layout
+
     with pytest.raises(ValueError, match="engine TP > 1 needs a multi-GPU node"):
         fleet_layout(1, 2, 1, "sglang", mode, cluster_gpus=1, trainer_gpus=1,
                      gpus_per_node=1)
+    cfg = RolloutConfig(engine="sglang", engine_tp=2, n_samples_per_prompt=2)
+    with pytest.raises(ValueError, match="--qrl-rollout-engine-tp 2: .* multi-GPU node"):
+        session_layout(mode, cfg, cluster_gpus=1, gpus_per_node=1)  # what FleetSession asks
 
 
 def test_single_mode_refuses_engine_tp(monkeypatch):
