@@ -136,3 +136,22 @@ def test_sharded_streams_send_non_experts_first_and_each_layer_whole(monkeypatch
                 [(e.format(0, 2), one), (e.format(1, 2), one), (e.format(0, 3), one)]):
         with pytest.raises(ValueError, match="comes back after the stream moved on"):
             wg.send_segments(bad, None, "cpu", 64)
+
+
+def test_flags_are_checked_against_a_known_model():
+    """With the model's config known (--qrl-checkpoint), an impossible engine split is one of
+    the flag errors at parse time, before any trainer or Ray work."""
+    import argparse
+
+    from megatron_qrl.config import add_qrl_args, validate_qrl_args
+
+    parser = argparse.ArgumentParser()
+    add_qrl_args(parser)
+    args = parser.parse_args(["--qrl-rollout-engine", "sglang", "--qrl-rollout-engine-tp", "8",
+                              "--qrl-rollout-engine-ep", "8"])
+    hopper = (9, 0)
+    with pytest.raises(QrlArgumentError, match="60 experts do not split"):
+        validate_qrl_args(args, gpu_capability=hopper,
+                          model_config=QWEN3_30B_A3B | {"num_experts": 60})
+    configs = validate_qrl_args(args, gpu_capability=hopper, model_config=QWEN3_30B_A3B)
+    assert (configs["rollout"].engine_tp, configs["rollout"].engine_ep) == (8, 8)
