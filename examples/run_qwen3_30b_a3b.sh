@@ -39,7 +39,7 @@
 # (--qrl-mode disaggregated and colocated, and a ray.kill of the actor mid-run) give metrics
 # bit-identical to the same 2-rank --qrl-mode single run; TP=2 / EP=2 multi-rank training
 # matches one process (tests/test_rl_multirank.py). The SGLang-in-a-Ray-actor construction
-# (EngineSpec, 1-GPU actor options, start_job_engine arguments) is unit-tested with a fake
+# (EngineSpec, actor options of engine-TP GPUs, start_job_engine arguments) is unit-tested with a fake
 # engine class. On one H200: qrl-train with an in-process SGLang engine (single mode, int8
 # in place) and every format's in-place weight sync ran (docs/BENCHMARKS.md). Weights reach
 # the engine actor over a process-group broadcast (--qrl-ray-weight-transport broadcast,
