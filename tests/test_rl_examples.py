@@ -53,3 +53,31 @@ def test_multinode_script_layout(tmp_path):
     for flag, value in (("--tensor-model-parallel-size", "2"),
                         ("--expert-model-parallel-size", "8"), ("--num-experts", "128")):
         assert megatron[megatron.index(flag) + 1] == value
+
+
+def test_multinode_script_sizes_the_fleet(tmp_path):
+    """ENGINES x ENGINE_TP / ENGINE_EP / DP_ATTENTION become the fleet flags (and a layout
+    the checks accept for Qwen3-30B-A3B's 32 heads, 4 KV heads, 128 experts)."""
+    from megatron_qrl.config.run import RolloutConfig
+    from megatron_qrl.rollout.fleet_layout import engine_parallel, fleet_layout
+
+    argv = _captured_args(tmp_path, EXAMPLES / "run_qwen3_30b_a3b.sh",
+                          {"CKPT": str(tmp_path), "ENGINES": "1", "ENGINE_TP": "8",
+                           "ENGINE_EP": "8", "DP_ATTENTION": "1", "MODE": "colocated"})
+    qrl = argv[: argv.index("--")]
+
+    def value(flag):
+        return qrl[qrl.index(flag) + 1]
+
+    assert (value("--qrl-mode"), value("--qrl-rollout-num-engines"),
+            value("--qrl-rollout-engine-tp"), value("--qrl-rollout-engine-ep"),
+            value("--qrl-rollout-sglang-mem-fraction")) == ("colocated", "1", "8", "8", "0.4")
+    assert "--qrl-rollout-engine-dp-attention" in qrl
+    RolloutConfig(engine="sglang", num_engines=1, engine_tp=8, engine_ep=8,
+                  engine_dp_attention=True)
+    fleet_layout(1, 8, 8, "sglang", "colocated", trainer_gpus=8, mem_fraction=0.4)
+    engine_parallel({"num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                     "moe_intermediate_size": 768}, 8, 8, dp_attention=True)
+    plain = _captured_args(tmp_path, EXAMPLES / "run_qwen3_30b_a3b.sh", {"CKPT": str(tmp_path)})
+    assert "--qrl-rollout-engine-dp-attention" not in plain
+    assert plain[plain.index("--qrl-rollout-num-engines") + 1] == "8"

@@ -113,8 +113,13 @@ def test_sglang_actor_spec_and_options():
     assert placement_layout("disaggregated", 2, engine_gpus=1).bundles[1] == {"CPU": 1.0}
     with pytest.raises(RuntimeError, match="engine_gpus=1"):
         actor_options(placement_layout("disaggregated", 1), spec)  # a CPU-only bundle
+    # an engine of TP 2 (the fleet's --qrl-rollout-engine-tp) asks for 2 GPUs: not in 1
+    tp2 = EngineSpec("sglang", hf, "fp8", sglang_kwargs={"tp_size": 2})
+    assert tp2.num_gpus == 2
+    with pytest.raises(RuntimeError, match="needs 2 GPU"):
+        actor_options(placement_layout("disaggregated", 1, engine_gpus=1), tp2)
     with pytest.raises(ValueError, match="tp_size"):
-        EngineSpec("sglang", hf, "fp8", sglang_kwargs={"tp_size": 2})
+        EngineSpec("sglang", hf, "fp8", sglang_kwargs={"tp_size": 0})
     ref = engine_spec(_rollout_cfg("reference"), hf, 0)
     assert ref.kind == "reference" and ref.num_gpus == 0 and engine_gpus(_rollout_cfg("reference")) == 0
     assert ref.num_threads == torch.get_num_threads()  # CPU results as in single mode

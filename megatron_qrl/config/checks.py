@@ -142,9 +142,25 @@ def _token_budget(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     return None
 
 
+def _fleet_split(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    """Engine TP / EP / DP attention against the model, where its config is known (the
+    fleet checks it again when it starts, for the tiny models too)."""
+    r = c["rollout"]
+    if r.engine != "sglang" or env.model_config is None or (
+            r.engine_tp == 1 and r.engine_ep == 1 and not r.engine_dp_attention):
+        return None
+    from ..rollout.fleet_layout import engine_parallel  # (as config.run: kept out of the block)
+
+    try:
+        engine_parallel(dict(env.model_config), r.engine_tp, r.engine_ep, r.engine_dp_attention)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 CHECKS: tuple[Callable[[Mapping[str, Any], CheckEnv], str | None], ...] = (
     _w4a4, _sglang_gpu, _sglang_options, _tbpo, _aligned, _routing, _uaq, _batches,
-    lora_problem, _token_budget,
+    lora_problem, _token_budget, _fleet_split,
 )
 
 

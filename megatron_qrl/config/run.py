@@ -74,6 +74,11 @@ class RolloutConfig:
     """Expert-parallel size of each SGLang engine (divides --qrl-rollout-engine-tp: SGLang's EP
     group is made of the engine's TP ranks)."""
 
+    engine_dp_attention: bool = False
+    """SGLang DP attention in each engine of engine TP > 1 (MoE models): attention runs
+    data-parallel over the engine's TP ranks (SGLang dp_size = engine TP), experts stay
+    TP / EP; for MoE models whose KV heads are fewer than the engine TP."""
+
     n_samples_per_prompt: int = 8
     """Group size G: responses sampled per prompt (GRPO groups)."""
 
@@ -119,6 +124,9 @@ class RolloutConfig:
         from ..rollout.fleet_layout import fleet_layout  # (kept out of the import block)
 
         fleet_layout(self.num_engines, self.engine_tp, self.engine_ep, self.engine)
+        if self.engine_dp_attention and self.engine_tp == 1:
+            raise ValueError("--qrl-rollout-engine-dp-attention spreads attention over the "
+                             "engine's TP ranks: it needs --qrl-rollout-engine-tp > 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"--qrl-rollout-stop strings must be non-empty, got {self.stop!r}")
 

@@ -100,13 +100,15 @@ def _num_local_experts(arch: ModelArch, groups: ShardGroups) -> int:
 def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
                     groups: ShardGroups | None = None,
                     named: Iterable[tuple[str, torch.Tensor]] | None = None,
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    gather_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every HF tensor of ``model``, one parameter at a time.
 
     Collective: all ranks of ``groups`` must consume the generator in lockstep. Tensors are
     detached copies in the parameter dtype; experts come in (local index, EP rank) order.
     ``named``: the ``(megatron name, local tensor)`` pairs to stream instead of
     ``model.named_parameters()`` (a LoRA model's frozen bases, ``models.lora_io``).
+    ``gather_experts`` False: no gather over the expert-parallel group; this rank yields
+    only the experts it holds, under their global HF names (``megatron_qrl.rl.ep_send``).
     """
     groups = groups or ShardGroups()
     ep_rank, ep_size = _rank_size(groups.ep)
@@ -119,7 +121,7 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
         shards = [param.detach()] if rule.kind == "replicated" else _all_gather(
             param.detach(), shard_group)
         full = _unshard(rule, shards, arch)
-        if not rule.expert or ep_size == 1:
+        if not rule.expert or ep_size == 1 or not gather_experts:
             yield from zip(rule.hf_names, (t.clone() for t in full))
             continue
         per_rank = [_all_gather(t, groups.ep) for t in full]

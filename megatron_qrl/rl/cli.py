@@ -159,10 +159,12 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
         raise QrlArgumentError(
             f"--qrl-steps 0{'' if args.qrl_compare else ' with --qrl-sft-steps 0'}: nothing "
             "to run; give --qrl-steps N (or --train-iters N after '--')")
-    if args.qrl_mode == "single" and configs["rollout"].num_engines > 1:
+    ro = configs["rollout"]
+    if args.qrl_mode == "single" and (ro.num_engines > 1 or ro.engine_tp > 1 or ro.engine_ep > 1):
         raise QrlArgumentError(
-            f"--qrl-rollout-num-engines {configs['rollout'].num_engines} runs the engines as Ray "
-            "actors: add --qrl-mode colocated (engines on the trainer's GPUs) or "
+            f"--qrl-rollout-num-engines {ro.num_engines} / --qrl-rollout-engine-tp "
+            f"{ro.engine_tp} / --qrl-rollout-engine-ep {ro.engine_ep}: the fleet runs its "
+            "engines as Ray actors: add --qrl-mode colocated (engines on the trainer's GPUs) or "
             "disaggregated (GPUs of their own)")
     if args.qrl_mode != "single" and configs["lora"].enabled:
         raise QrlArgumentError(
@@ -299,7 +301,8 @@ def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
     from megatron_qrl.rl.ray_modes import RaySession, engine_gpus
 
     run = configs["run"]
-    if configs["rollout"].num_engines > 1:  # a rollout fleet (megatron_qrl.rl.ray_fleet)
+    ro = configs["rollout"]
+    if ro.num_engines > 1 or ro.engine_tp > 1 or ro.engine_ep > 1:  # a fleet (rl.ray_fleet)
         from megatron_qrl.rl.ray_fleet import FleetSession
 
         with FleetSession(mode, configs["rollout"], max_restarts=run.engine_max_restarts,

@@ -3,7 +3,9 @@
 A :class:`FleetSession` is a :class:`~megatron_qrl.rl.ray_modes.RaySession` whose placement
 group holds one bundle per engine (:func:`~megatron_qrl.rollout.fleet_layout.fleet_layout`:
 colocated bundles are fractions / tiles of the trainer's GPUs, disaggregated ones GPUs of
-their own, plus the trainer's CPU bundle), and whose engine factory is an
+their own, plus the trainer's CPU bundle; an engine of engine TP ``t`` gets a bundle of ``t``
+GPUs and its actor starts SGLang with ``tp_size`` / ``ep_size`` / DP attention:
+:func:`fleet_engine_spec`), and whose engine factory is an
 :class:`~megatron_qrl.rollout.fleet.EngineFleet`: engine ``i`` always starts in bundle ``i``
 (a restart too), weights go to all engines over ONE broadcast group
 (:class:`~megatron_qrl.rollout.fleet_sync.FleetBroadcast`; the objectstore transport sends
@@ -14,18 +16,19 @@ next sync or rollout, as the single actor does.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec, wait_for_placement
 from megatron_qrl.rollout.fleet import EngineFleet
-from megatron_qrl.rollout.fleet_layout import FleetLayout, fleet_layout
+from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
 from megatron_qrl.rollout.fleet_sync import FleetBroadcast
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, weight_backend
 from megatron_qrl.rollout_sglang.factory import build_engine
 
-__all__ = ["FleetSession", "session_layout"]
+__all__ = ["FleetSession", "fleet_engine_spec", "session_layout"]
 
 
 def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
@@ -37,6 +40,21 @@ def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
                         rollout_cfg.engine, mode, cluster_gpus=cluster_gpus,
                         trainer_gpus=trainer, gpus_per_node=gpus_per_node,
                         mem_fraction=rollout_cfg.sglang.mem_fraction)
+
+
+def fleet_engine_spec(fleet: FleetLayout, rollout_cfg: Any, hf_config: dict,
+                      seed: int) -> EngineSpec:
+    """The engine actors' spec: SGLang engines get the fleet's engine TP / EP (and DP
+    attention) as ``sglang.Engine`` arguments, checked against the model
+    (:func:`~megatron_qrl.rollout.fleet_layout.engine_parallel`: one clear error)."""
+    spec = engine_spec(rollout_cfg, hf_config, seed)
+    if spec.kind != "sglang":
+        return spec
+    par = engine_parallel(hf_config, fleet.engine_tp, fleet.engine_ep,
+                          getattr(rollout_cfg, "engine_dp_attention", False))
+    if par.tp == 1 and par.ep == 1:
+        return spec
+    return replace(spec, sglang_kwargs=dict(spec.sglang_kwargs) | par.sglang_args())
 
 
 class FleetSession(RaySession):
@@ -89,12 +107,7 @@ class FleetSession(RaySession):
         """The driver's engine factory: the fleet of this session."""
         if self.fleet is None:
             raise RuntimeError("FleetSession.engine_factory outside `with FleetSession(...)`")
-        if self.fleet.engine_tp > 1:
-            raise NotImplementedError(
-                f"--qrl-rollout-engine-tp {self.fleet.engine_tp}: the layout is valid, but an "
-                "engine actor runs SGLang with TP 1 in this build (engine TP > 1 in Ray actors "
-                "comes with multi-GPU support); use --qrl-rollout-engine-tp 1 and more engines")
-        spec = engine_spec(rollout_cfg, hf_config, seed)
+        spec = fleet_engine_spec(self.fleet, rollout_cfg, hf_config, seed)
         broadcast = None
         if self.weight_transport == "broadcast":
             broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FleetLayout", "fleet_layout"]
+__all__ = ["EngineParallel", "FleetLayout", "engine_parallel", "fleet_layout"]
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,13 @@ def fleet_layout(num_engines: int, engine_tp: int = 1, engine_ep: int = 1,
                          "(EP adds no GPUs); e.g. --qrl-rollout-engine-ep "
                          f"{tp if tp > 1 else 1}")
     if gpus_per_node is not None and tp > gpus_per_node:
+        one = (" (a one-GPU machine runs engine TP 1: several engines share the GPU, each "
+               "with a fraction of --qrl-rollout-sglang-mem-fraction; engine TP > 1 needs a "
+               "multi-GPU node)" if gpus_per_node == 1 else "")
         raise ValueError(f"--qrl-rollout-engine-tp {tp}: an engine's TP ranks share one node "
                          f"(one placement-group bundle of {tp} GPUs), and the largest node has "
                          f"{gpus_per_node}; lower --qrl-rollout-engine-tp to <= {gpus_per_node} "
-                         "and raise --qrl-rollout-num-engines instead")
+                         f"and raise --qrl-rollout-num-engines instead{one}")
     if mode == "colocated":
         return _colocated(n, tp, ep, trainer_gpus, mem_fraction)
     if mode != "disaggregated":
@@ -113,3 +116,87 @@ def _colocated(n: int, tp: int, ep: int, trainer_gpus: int, mem_fraction: float)
     gpus = float(tp) if tp > 1 else 1.0 / per_gpu
     return FleetLayout(n, tp, ep, gpus, per_gpu,
                        tuple({"CPU": 1.0, "GPU": gpus} for _ in range(n)))
+
+
+@dataclass(frozen=True)
+class EngineParallel:
+    """How one SGLang engine of the fleet splits the model over its ``tp`` GPUs."""
+
+    tp: int
+    ep: int = 1
+    dp_attention: bool = False
+    """SGLang DP attention: attention data-parallel over the engine's ranks (``dp_size`` =
+    ``tp``, attention TP 1), experts and dense MLPs still TP / EP over them."""
+
+    @property
+    def attn_tp(self) -> int:
+        """Ranks one attention layer is split over (SGLang ``tp_size // dp_size``)."""
+        return 1 if self.dp_attention else self.tp
+
+    @property
+    def moe_tp(self) -> int:
+        """Ranks one expert is split over (SGLang ``moe_tp_size = tp_size // ep_size``)."""
+        return self.tp // self.ep
+
+    def sglang_args(self) -> dict:
+        """The ``sglang.Engine`` (ServerArgs, SGLang 0.5.17) arguments of this split."""
+        args: dict = {"tp_size": self.tp, "ep_size": self.ep}
+        if self.dp_attention:
+            args |= {"enable_dp_attention": True, "dp_size": self.tp}
+        return args
+
+
+def _cfg_int(hf_config: dict, *keys: str) -> int | None:
+    for k in keys:
+        if hf_config.get(k) is not None:
+            return int(hf_config[k])
+    return None
+
+
+def engine_parallel(hf_config: dict, tp: int = 1, ep: int = 1,
+                    dp_attention: bool = False) -> EngineParallel:
+    """Check that an SGLang 0.5.17 engine of engine TP ``tp`` / EP ``ep`` can hold the model
+    of ``hf_config`` (the rules SGLang asserts at start-up, raised here up front as ONE error
+    naming the flag): attention heads divisible by the attention TP (``tp``, or 1 with DP
+    attention), KV heads divisible by it or dividing it (SGLang replicates KV heads when the
+    TP is larger), routed experts divisible by EP, the expert FFN width by ``tp / ep`` and
+    the dense FFN width by ``tp``; DP attention only on a MoE model (SGLang: Qwen2/3-MoE and
+    DeepSeek) with engine TP > 1."""
+    par = EngineParallel(_positive("--qrl-rollout-engine-tp", tp),
+                         _positive("--qrl-rollout-engine-ep", ep), bool(dp_attention))
+    if tp % ep:
+        raise ValueError(f"--qrl-rollout-engine-ep {ep} must divide --qrl-rollout-engine-tp {tp}")
+    experts = _cfg_int(hf_config, "num_experts", "num_local_experts")
+    where = f"--qrl-rollout-engine-tp {tp}" + (" with --qrl-rollout-engine-dp-attention"
+                                                if dp_attention else "")
+    if dp_attention and (not experts or tp == 1):
+        raise ValueError("--qrl-rollout-engine-dp-attention: SGLang's DP attention is for MoE "
+                         "models (Qwen2/3-MoE, DeepSeek) with --qrl-rollout-engine-tp > 1; "
+                         f"this model has {experts or 'no'} experts and engine TP {tp}")
+    heads = _cfg_int(hf_config, "num_attention_heads")
+    kv = _cfg_int(hf_config, "num_key_value_heads") or heads
+    a = par.attn_tp
+    if heads is not None and heads % a:
+        raise ValueError(f"{where}: the model's {heads} attention heads do not split over "
+                         f"{a} ranks; use an engine TP dividing {heads}"
+                         + ("" if dp_attention or not experts else
+                            " (or --qrl-rollout-engine-dp-attention)"))
+    if kv is not None and (kv % a if a <= kv else a % kv):
+        raise ValueError(f"{where}: the model's {kv} KV heads neither split over nor replicate "
+                         f"evenly on {a} ranks (SGLang needs {kv} % TP == 0 or TP % {kv} == 0)")
+    if ep > 1 and not experts:
+        raise ValueError(f"--qrl-rollout-engine-ep {ep}: the model has no experts; use 1")
+    if experts and experts % ep:
+        raise ValueError(f"--qrl-rollout-engine-ep {ep}: the model's {experts} experts do not "
+                         f"split evenly over {ep} expert-parallel ranks; use a divisor of "
+                         f"{experts}")
+    width = _cfg_int(hf_config, "moe_intermediate_size")
+    if experts and width is not None and width % par.moe_tp:
+        raise ValueError(f"--qrl-rollout-engine-tp {tp} / --qrl-rollout-engine-ep {ep}: each "
+                         f"expert's FFN width {width} does not split over tp/ep = {par.moe_tp} "
+                         "ranks; raise --qrl-rollout-engine-ep")
+    dense = _cfg_int(hf_config, "intermediate_size")
+    if not experts and dense is not None and dense % tp:
+        raise ValueError(f"--qrl-rollout-engine-tp {tp}: the FFN width {dense} does not split "
+                         f"over {tp} ranks")
+    return par

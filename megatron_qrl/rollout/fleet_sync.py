@@ -27,6 +27,7 @@ import torch
 
 from .broadcast import free_port, init_group, send_stream
 from .supervisor import EngineDiedError
+from .weight_groups import weight_group_plan
 
 __all__ = ["FleetBroadcast", "FleetSyncError"]
 
@@ -116,7 +117,10 @@ class FleetBroadcast:
 
         host = ray.util.get_node_ip_address()
         port, name = free_port(), f"qrl-fleet-{uuid.uuid4().hex[:12]}"
-        world = len(engines) + 1
+        # each engine actor is one rank here: it receives the stream and hands it to its
+        # engine (an SGLang engine of TP > 1 passes it on to its TP ranks in-process)
+        plan = weight_group_plan([1] * len(engines))
+        world = plan.group_world_size
         dead = []
         for i, e in enumerate(engines):  # started (an SGLang engine takes minutes), or dead
             try:
@@ -128,8 +132,8 @@ class FleetBroadcast:
         if dead:
             raise FleetSyncError(f"engines {dead} died before joining the fleet weight group",
                                  dead)
-        joins = [e.actor.join_weight_group.remote(host, port, world, i + 1, name, self.backend,
-                                                  self.timeout_s)
+        joins = [e.actor.join_weight_group.remote(host, port, world, plan.offset(i), name,
+                                                  self.backend, self.timeout_s)
                  for i, e in enumerate(engines)]
         result: dict[str, Any] = {}
 

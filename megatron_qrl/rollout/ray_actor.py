@@ -3,7 +3,7 @@
 :class:`EngineActor` (run as ``ray.remote``) builds the engine an :class:`EngineSpec` names
 inside the actor process, with the engine factory it is handed
 (:func:`megatron_qrl.rollout_sglang.factory.build_engine`: the reference engine, or SGLang's
-with one GPU per actor; this layer never imports SGLang), and :class:`RayEngine` is the
+with its engine TP's GPUs per actor; this layer never imports SGLang), and :class:`RayEngine` is the
 driver-side proxy whose methods call the actor. ``verify`` compares the actor's
 ``held_checksums`` with the sender's :class:`WeightManifest` exactly as in single mode. The
 packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
@@ -102,17 +102,15 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if self.kind not in ("reference", "sglang"):
             raise ValueError(f"EngineSpec.kind must be 'reference' or 'sglang', got {self.kind!r}")
-        tp = int(self.sglang_kwargs.get("tp_size", 1))
-        if self.kind == "sglang" and tp != 1:
-            raise ValueError(
-                f"EngineSpec(kind='sglang', tp_size={tp}): a Ray engine actor holds one GPU "
-                "(one SGLang engine per actor, TP 1) in this build; drop tp_size or run "
-                "--qrl-mode single, whose in-process engine may use TP > 1")
+        tp = self.sglang_kwargs.get("tp_size", 1)
+        if not isinstance(tp, int) or tp < 1 or (self.kind == "reference" and tp != 1):
+            raise ValueError(f"EngineSpec(kind={self.kind!r}, tp_size={tp!r}): an integer >= 1, "
+                             "and 1 for the reference engine (one process)")
 
     @property
     def num_gpus(self) -> int:
-        """GPUs the actor asks Ray for: 1 for an SGLang engine (TP 1), 0 for the reference."""
-        return 1 if self.kind == "sglang" else 0
+        """GPUs the actor asks Ray for: the SGLang engine's TP size, 0 for the reference."""
+        return int(self.sglang_kwargs.get("tp_size", 1)) if self.kind == "sglang" else 0
 
 
 EngineBuilder = Callable[[EngineSpec], RolloutEngine]

@@ -8,7 +8,8 @@ over ONE gloo broadcast group (the driver's broadcasts are as many as for one en
 bucket once), and the manifest's fingerprints are checked on both; a rollout of 4 prompt
 groups is split across both and equals that of a one-engine fleet; then one actor is
 SIGKILLed (its SGLang schedulers die with it: PDEATHSIG), the next rollout restarts it in
-its bundle, re-syncs it alone and gives the same batch.
+its bundle, re-syncs it alone and gives the same batch. Engine TP 2 on this one GPU is
+refused by the fleet session with the reason (needs a multi-GPU node).
 """
 
 from __future__ import annotations
@@ -113,5 +114,27 @@ def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
         print(f"[fleet] after SIGKILL of engine 1 (pid {pid}): 1 restart, {same:.3f} equal")
         assert same >= 0.95
         two.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.gpu
+def test_engine_tp_2_on_one_gpu_says_why():
+    """Engine TP 2 on a one-GPU machine: the fleet session refuses before placing anything,
+    saying that engine TP > 1 needs a multi-GPU node (multi-GPU runs: issue 21)."""
+    import torch
+
+    from megatron_qrl.config.run import RolloutConfig
+    from megatron_qrl.rl.ray_fleet import FleetSession
+
+    if torch.cuda.device_count() != 1:
+        pytest.skip("more than one GPU here: engine TP 2 runs (the multi-GPU issue's test)")
+    cfg = RolloutConfig(engine="sglang", engine_tp=2, n_samples_per_prompt=G)
+    try:
+        for mode in ("colocated", "disaggregated"):
+            with pytest.raises(ValueError, match="engine TP > 1 needs a multi-GPU node") as err:
+                with FleetSession(mode, cfg):
+                    pass
+            print(f"\n[fleet] engine TP 2, {mode}: {err.value}")
     finally:
         ray.shutdown()
