@@ -357,7 +357,13 @@ def test_compare_colocated_writes_the_single_mode_table(cluster, tmp_path):
          metrics=False)
     _job(cluster, tmp_path / "c", "--qrl-mode", "colocated", *budget, metrics=False)
     single, co = (tmp_path / "s" / "compare.md").read_text(), (tmp_path / "c" / "compare.md").read_text()
-    assert co == single and all(f"| {label} |" in single for label, _ in VARIANTS)
+    assert all(f"| {label} |" in single for label, _ in VARIANTS)
+    # the Ray modes leave the LoRA variants out (no adapter serving in the engine actor yet);
+    # every other row is the single mode's, byte for byte
+    lora = {label for label, extra in VARIANTS if "--qrl-lora-rank" in extra}
+    assert lora and not any(f"| {label} |" in co for label in lora)
+    assert [ln for ln in single.splitlines() if not any(f"| {x} |" in ln for x in lora)] \
+        == co.splitlines()
     assert (tmp_path / "c" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for label in ("bf16", "int8 aligned+acr", "w4a16 aligned+tbpo"):
         runs = [_records(tmp_path / m / _slug(label)) for m in ("s", "c")]

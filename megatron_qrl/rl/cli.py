@@ -338,7 +338,7 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
 
     with single_process_megatron():
         if args.qrl_compare:
-            from megatron_qrl.rl.compare import parse_seeds, run_compare
+            from megatron_qrl.rl.compare import parse_seeds, run_compare, variants_for_mode
 
             base = _compare_base(argv)
 
@@ -346,7 +346,8 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
                 return parse_configs(v)[:2]
 
             out = configs["run"].output_dir or configs["run"].resolved_output_dir() + "-compare"
-            run_compare(base, parse, run, out, seeds=parse_seeds(args.qrl_seeds))
+            run_compare(base, parse, run, out, seeds=parse_seeds(args.qrl_seeds),
+                        variants=variants_for_mode(args.qrl_mode))
         else:
             records = run(configs, flags)
             _summary(records)

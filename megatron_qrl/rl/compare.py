@@ -40,7 +40,7 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
-__all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "report_from_dirs", "run_compare",
+__all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "report_from_dirs", "run_compare", "variants_for_mode",
            "variant_argv"]
 
 LOW_LR = 3e-6
@@ -125,6 +125,20 @@ def _with_visible_updates(records: list[dict], vdir: Path, spec: Any) -> list[di
     states = [torch.load(p, map_location="cpu", weights_only=False)["trainer"]["model"]
               for p in ckpts[-2:]]
     return [*records[:-1], {**records[-1], VISIBLE_KEY: visible_update_fraction(*states, spec)}]
+
+
+def variants_for_mode(mode: str, log: Callable[[str], None] = print
+                      ) -> tuple[tuple[str, list[str]], ...]:
+    """The variants ``--qrl-mode mode`` can run: the Ray modes' engine actor serves no LoRA
+    adapters yet (``rl.cli`` refuses LoRA there), so they leave the LoRA variants out, saying so."""
+    if mode == "single":
+        return VARIANTS
+    kept = tuple(v for v in VARIANTS if "--qrl-lora-rank" not in v[1])
+    left = [label for label, _ in VARIANTS if (label, _) not in kept]
+    if left:
+        log(f"[compare] --qrl-mode {mode}: the LoRA variants run in --qrl-mode single only; "
+            f"left out: {', '.join(left)}")
+    return kept
 
 
 def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, dict]],
