@@ -38,7 +38,7 @@ from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rl.ep_send import ep_sender, sharded_hf_stream
 from megatron_qrl.rl.sync import SyncResult
-from megatron_qrl.rollout.base import WeightManifest
+from megatron_qrl.rollout.base import WeightManifest, WeightSyncError
 from megatron_qrl.rollout.broadcast import free_port, init_group
 from megatron_qrl.rollout.weight_groups import send_segments, weight_group_plan
 
@@ -118,7 +118,10 @@ class ShardedSync:
         if twice:
             raise RuntimeError(f"sharded weight sync: {sorted(twice)[:3]} sent by two ranks")
         manifest.checksums.update(peers.others)
-        engine.verify(manifest)
+        try:
+            engine.verify(manifest)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{exc}; the other senders reported: {peers.errors}") from exc
         if engine.weight_version() != version:
             raise RuntimeError(f"engine reports weight version {engine.weight_version()} after "
                                f"an update to version {version}")
@@ -130,18 +133,21 @@ class ShardedSync:
         (version, aqn_step, total_steps), base, world_size, how = header
         sender = ep_sender(self.trainer.policy.groups)
         index = sender.index or 0  # 0: sends nothing (rank 0 is never here)
+        error = None
         if base is not None:
             self.close()
             host, port = _own_host(), free_port()
             _gather((index, host, port) if index else None)
             if index:
                 plan = weight_group_plan([1] * (world_size - 1), senders=sender.senders)
-                self.group = init_group(host, port, world_size, 0,
-                                        plan.group_name(base, index), how["backend"],
-                                        how["timeout_s"])
+                try:  # an engine that died joining: rank 0 restarts it, this rank reports
+                    self.group = init_group(host, port, world_size, 0,
+                                            plan.group_name(base, index), how["backend"],
+                                            how["timeout_s"])
+                except Exception as exc:  # noqa: BLE001 - reported to rank 0 below
+                    error = f"rank {dist.get_rank()}: joining: {exc}"
         manifest = WeightManifest()
         stream, _ = self._packed(version, aqn_step, total_steps, manifest)
-        error = None
         if index and self.group is not None:
             device = "cuda" if how["backend"] == "nccl" else "cpu"
             try:

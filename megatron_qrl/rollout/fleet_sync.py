@@ -114,12 +114,21 @@ class FleetBroadcast:
         rejoin = self.group is None or members != self._members or senders != self._senders
         if rejoin:
             self.close()
+            if peers is not None:  # a dead engine raises before the other senders wait
+                self._check_alive(engines)
         hosts: list[tuple[str, int]] = []
         if peers is not None:
             name = f"qrl-fleet-{uuid.uuid4().hex[:12]}" if rejoin else None
             hosts = peers.start(name, weight_group_plan([1] * len(engines)).group_world_size)
         if rejoin:
-            self._join(engines, hosts, name if peers is not None else None)
+            try:
+                self._join(engines, hosts, name if peers is not None else None)
+            except BaseException:
+                if peers is not None:  # every rank streams (its gathers), then reports
+                    for _ in stream:
+                        pass
+                    peers.finish(True)
+                raise
             self._members, self._senders = members, senders
         start = time.perf_counter()
         method = "update_weights_sharded" if peers is not None else "update_weights_broadcast"
@@ -160,6 +169,23 @@ class FleetBroadcast:
         if errors:  # an engine's own error (a bad stream): the group is still in step
             raise errors[0][1]
 
+    @staticmethod
+    def _check_alive(engines: Sequence[Any]) -> None:
+        """Every engine started (an SGLang engine takes minutes), else FleetSyncError."""
+        import ray
+
+        dead = []
+        for i, e in enumerate(engines):
+            try:
+                ray.get(e.actor.weight_version.remote())
+            except Exception as exc:  # noqa: BLE001 - a dead engine is restarted by the fleet
+                if not _died(exc):
+                    raise
+                dead.append(i)
+        if dead:
+            raise FleetSyncError(f"engines {dead} died before joining the fleet weight group",
+                                 dead)
+
     def _join(self, engines: Sequence[Any], peer_hosts: Sequence[tuple[str, int]] = (),
               base: str | None = None) -> None:
         """Form the group: the driver rank 0 (rendezvous host), engine ``i`` rank ``i + 1``;
@@ -176,17 +202,8 @@ class FleetBroadcast:
             extra = [(h, p, plan.group_name(name, s))
                      for s, (h, p) in enumerate(peer_hosts, start=1)]
             name = plan.group_name(name, 0)
-        dead = []
-        for i, e in enumerate(engines):  # started (an SGLang engine takes minutes), or dead
-            try:
-                ray.get(e.actor.weight_version.remote())
-            except Exception as exc:  # noqa: BLE001 - a dead engine is restarted by the fleet
-                if not _died(exc):
-                    raise
-                dead.append(i)
-        if dead:
-            raise FleetSyncError(f"engines {dead} died before joining the fleet weight group",
-                                 dead)
+        self._check_alive(engines)
+        dead: list[int] = []
         joins = [e.actor.join_weight_group.remote(host, port, world, plan.offset(i), name,
                                                   self.backend, self.timeout_s,
                                                   extra if peer_hosts else ())
