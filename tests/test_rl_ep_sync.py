@@ -72,7 +72,32 @@ def test_ep2_ranks_send_their_own_experts_and_match_the_gathering_sync(tmp_path)
     # rank 1 sent its own experts: the initial sync, the re-sync of the restarted engine,
     # and the syncs after the 2 steps (rank 0's sends go through the fleet's groups)
     assert slog[1]["sharded_sends"] == 4
-    restarts = sum(v for k, v in raw[-1].items() if k.endswith("_restarts"))
-    assert restarts + sum(v for k, v in raw[0].items() if k.endswith("_restarts")) >= 1
+    assert sum(v for k, v in raw[-1].items() if k.endswith("_restarts")) == 1
     print(f"\nEP=2 qrl-train: rank 0 all-gathered {glog[0]['ep_gather_bytes']} B of experts "
           f"over EP (gathering sync) vs {slog[0]['ep_gather_bytes']} B (sharded)")
+
+
+@pytest.mark.parametrize("ep, lora, shardable, expect", [
+    (2, False, True, True),
+    (1, False, True, False),    # no expert parallelism: nothing to shard
+    (2, True, True, False),     # LoRA sends the base once, then adapters (its own path)
+    (2, False, False, False),   # SGLang engines in the actors: the gathering sync
+    (None, False, True, False),  # one process
+])
+def test_the_one_rule(monkeypatch, ep, lora, shardable, expect):
+    import torch.distributed as dist
+
+    from megatron_qrl.models.streaming import ShardGroups
+    from megatron_qrl.rl.ep_sync import sharded_sync_applies
+    from megatron_qrl.rollout.fleet_sync import FleetBroadcast
+
+    group = object()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: ep)
+
+    class Fleet:
+        broadcast = FleetBroadcast(shardable=shardable)
+
+    groups = ShardGroups(ep=group) if ep is not None else None
+    assert sharded_sync_applies(Fleet(), groups, lora) is expect
+    assert sharded_sync_applies(object(), groups, lora) is False  # one engine actor / objectstore
