@@ -12,6 +12,12 @@ the hooks; only rank 0 has an engine actor):
 * ``--exit-in-update N``: each actor process ``os._exit``s in its own N-th
   ``update_weights``, after reading the first bucket (objectstore) or the first tensor of the
   broadcast (a death half-way through a sync).
+* ``--gather-experts``: the gathering weight sync even where the sharded one applies
+  (``megatron_qrl.rl.ep_sync.sharded_sync_applies`` answers False).
+* ``--ep-log DIR``: each rank writes ``DIR/rank<R>.json`` at exit: the bytes the weight
+  streams all-gathered from other ranks over the expert-parallel group
+  (``models.streaming._all_gather``), and the sharded sends of this rank
+  (``ep_sync.send_segments`` calls, bytes).
 * ``--calls FILE`` writes the call log of the last actor (update_weights / generate /
   release_memory / resume_memory, in order) as JSON lines when it is shut down, plus the
   number of restarts.
@@ -99,6 +105,39 @@ def _kills(spec: str | None, kill_at: str | None) -> dict[str, set[int]]:
     return out
 
 
+def _ep_hooks(gather_experts: bool, log_dir: str | None) -> None:
+    import atexit
+
+    import megatron_qrl.models.streaming as streaming
+    import megatron_qrl.rl.driver as driver
+    import megatron_qrl.rl.ep_sync as ep_sync
+
+    if gather_experts:
+        driver.sharded_sync_applies = lambda *a, **k: False
+    if log_dir is None:
+        return
+    log = {"ep_gather_bytes": 0, "sharded_sends": 0}
+    gather, send = streaming._all_gather, ep_sync.send_segments
+
+    def counting_gather(tensor, group):
+        from megatron.core import parallel_state
+
+        parts = gather(tensor, group)
+        if group is not None and group is parallel_state.get_expert_model_parallel_group():
+            log["ep_gather_bytes"] += (len(parts) - 1) * tensor.numel() * tensor.element_size()
+        return parts
+
+    def counting_send(stream, *args, **kwargs):
+        log["sharded_sends"] += 1
+        return send(stream, *args, **kwargs)
+
+    def write() -> None:
+        Path(log_dir, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(log))
+
+    streaming._all_gather, ep_sync.send_segments = counting_gather, counting_send
+    atexit.register(write)
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     kill, kill_at = _pop(argv, "--kill"), _pop(argv, "--kill-at")
@@ -107,4 +146,8 @@ if __name__ == "__main__":
         ExitingActor.exit_at = int(exit_in_update)
         ray_modes.EngineActor = ExitingActor
     _install_hooks(_kills(kill, kill_at), calls)
+    gather_experts = "--gather-experts" in argv
+    if gather_experts:
+        argv.remove("--gather-experts")
+    _ep_hooks(gather_experts, _pop(argv, "--ep-log"))
     sys.exit(main(argv))

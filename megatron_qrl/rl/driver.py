@@ -11,7 +11,9 @@ Multi-rank (``torchrun``, :func:`megatron_qrl.models.runtime.torchrun_megatron`,
 TP / EP shard of the policy and trains; rank 0 alone owns the rollout engine, the progress
 bar, metrics.jsonl, plots and checkpoints. Rollouts are broadcast from rank 0 so every rank
 holds the same batch (data-parallel ranks split each optimizer step's micro batches); a weight
-sync gathers the full HF tensors to rank 0 (``iter_hf_tensors``). With a Ray engine actor
+sync gathers the full HF tensors to rank 0 (``iter_hf_tensors``), except where trainer EP > 1
+feeds a fleet of reference engines: there every EP rank sends its own experts
+(:mod:`megatron_qrl.rl.ep_sync`, whose ``sharded_sync_applies`` is the one rule). With a Ray engine actor
 (``--qrl-mode colocated|disaggregated``) rank 0 alone talks to Ray, and an actor restart's
 re-sync runs on every rank (:mod:`megatron_qrl.rl.rank_resync`).
 A checkpoint holds every rank's model / optimizer state in one atomically written file.
@@ -38,6 +40,7 @@ from megatron_qrl.rl.checkpoint import (
     prepare_output_dir,
     save_driver_checkpoint,
 )
+from megatron_qrl.rl.ep_sync import ShardedSync, sharded_sync_applies
 from megatron_qrl.rl.forward import forward_plan
 from megatron_qrl.rl.guard import BadStepGuard
 from megatron_qrl.rl.lora_sync import LoraSync, enter_lora
@@ -198,6 +201,10 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     ray_ranks = world.world_size > 1 and world.broadcast(hasattr(engine, "bind_resync"))
 
     lora = LoraSync(configs["lora"], serving) if plan.lora is not None else None
+    # trainer EP > 1 with a fleet of reference engines: every EP rank sends its own experts
+    sharded = world.world_size > 1 and world.broadcast(
+        sharded_sync_applies(engine, trainer.policy.groups, plan.lora is not None))
+    ep_sync = ShardedSync(trainer, spec, aqn, run.seed) if sharded else None
 
     def aqn_at(version: int) -> dict[str, int]:
         return {"aqn_step": min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
@@ -206,6 +213,8 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     def gather(version: int = 0) -> None:  # the gathers of iter_hf_tensors need every rank
         if lora is not None and plan.lora.active:
             return lora.consume(trainer, aqn, **aqn_at(version))
+        if ep_sync is not None:  # rank 0's header says which sync
+            return ep_sync.serve()
         for _ in trainer.hf_tensors():
             pass
 
@@ -215,6 +224,8 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     def send(version: int) -> Any:
         if lora is not None and plan.lora.active:  # the base once, then adapters only
             return lora.send(trainer, engine, spec, version, aqn, run.seed, **aqn_at(version))
+        if ep_sync is not None:
+            return ep_sync.send(engine, version, **aqn_at(version))
         return sync_weights(trainer.hf_tensors(), engine, spec, version, aqn, run.seed,
                             **aqn_at(version))
 

@@ -110,7 +110,8 @@ class FleetSession(RaySession):
         spec = fleet_engine_spec(self.fleet, rollout_cfg, hf_config, seed)
         broadcast = None
         if self.weight_transport == "broadcast":
-            broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s)
+            broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s,
+                                       shardable=spec.kind == "reference")
         return EngineFleet([lambda i=i: self.new_engine(spec, i)
                             for i in range(self.fleet.num_engines)],
                            group_size=rollout_cfg.n_samples_per_prompt,

@@ -13,6 +13,14 @@ the driver (so the live receivers' pending broadcasts fail instead of waiting fo
 timeout), drains the stream (under torchrun every trainer rank gathers it), waits for every
 actor's call and raises :class:`FleetSyncError` naming the dead engines: the fleet restarts
 those and re-syncs (a new group for the new membership).
+
+Trainer EP > 1 (:mod:`megatron_qrl.rl.ep_sync`): while :meth:`FleetBroadcast.sharded` is
+active the sync has ``peers.senders`` senders, ONE group per sender
+(:mod:`~megatron_qrl.rollout.weight_groups`): the driver is rank 0 of group 0, sender ``s``
+(another trainer rank, reached through ``peers``: :class:`ShardedPeers`) hosts group ``s``, and
+every engine actor joins all of them at the same rank and receives with
+:func:`~megatron_qrl.rollout.weight_groups.receive_sharded`. The driver sends its segments
+(:func:`~megatron_qrl.rollout.weight_groups.send_segments`), the other senders theirs.
 """
 
 from __future__ import annotations
@@ -20,16 +28,31 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 
 from .broadcast import free_port, init_group, send_stream
 from .supervisor import EngineDiedError
-from .weight_groups import weight_group_plan
+from .weight_groups import send_segments, weight_group_plan
 
-__all__ = ["FleetBroadcast", "FleetSyncError"]
+__all__ = ["FleetBroadcast", "FleetSyncError", "ShardedPeers"]
+
+
+class ShardedPeers(Protocol):
+    """The driver's view of the other senders of a sharded sync (``rl.ep_sync``)."""
+
+    senders: int
+
+    def start(self, rejoin: str | None, world_size: int) -> list[tuple[str, int]]:
+        """Tell every trainer rank a sync starts; ``rejoin``: the groups' base name when
+        they are formed anew (the other senders then host theirs: their ``(host, port)``,
+        returned in sender order 1, 2, ..., and block joining them)."""
+
+    def finish(self, failed: bool) -> None:
+        """After the driver's send: every trainer rank reports its sent manifest."""
 
 
 class FleetSyncError(EngineDiedError):
@@ -51,42 +74,77 @@ class FleetBroadcast:
 
     ``engines``: the :class:`~megatron_qrl.rollout.ray_actor.RayEngine` proxies (their
     ``actor`` handles); the group is formed on the first sync and again whenever the set of
-    actors changed (a restart). ``broadcasts``: buckets sent, over all syncs.
+    actors changed (a restart). ``broadcasts``: buckets sent, over all syncs. ``shardable``:
+    the engine actors may receive a sharded sync (reference engines; an SGLang engine's TP
+    ranks do not join the senders' groups yet, so its actor gets the gathered stream).
     """
 
     def __init__(self, backend: str = "gloo", timeout_s: float = 300.0,
-                 bucket_bytes: int = 256 * 2**20):
+                 bucket_bytes: int = 256 * 2**20, shardable: bool = False):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"FleetBroadcast backend {backend!r}: gloo or nccl")
         self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
+        self.shardable = shardable
         self.group: Any = None
         self.group_name: str | None = None
         self._members: tuple[int, ...] = ()
         self.broadcasts = 0
         self.sync_s: list[float] = []
         """Per engine: seconds from the start of the last sync to that engine's load done."""
+        self.peers: ShardedPeers | None = None
+        self._senders = 1
+
+    @contextmanager
+    def sharded(self, peers: ShardedPeers) -> Iterator[None]:
+        """Syncs inside send from ``peers.senders`` senders (module docstring)."""
+        previous, self.peers = self.peers, peers
+        try:
+            yield
+        finally:
+            self.peers = previous
 
     def send(self, engines: Sequence[Any], stream: Iterable[tuple[str, torch.Tensor]],
              version: int) -> None:
         """Broadcast ``stream`` once to every engine as ``version`` (module docstring)."""
         import ray
 
+        peers = self.peers
+        senders = peers.senders if peers is not None else 1
         members = tuple(id(e.actor) for e in engines)
-        if self.group is None or members != self._members:
+        rejoin = self.group is None or members != self._members or senders != self._senders
+        if rejoin:
             self.close()
-            self._join(engines)
-            self._members = members
+            if peers is not None:  # a dead engine raises before the other senders wait
+                self._check_alive(engines)
+        hosts: list[tuple[str, int]] = []
+        if peers is not None:
+            name = f"qrl-fleet-{uuid.uuid4().hex[:12]}" if rejoin else None
+            hosts = peers.start(name, weight_group_plan([1] * len(engines)).group_world_size)
+        if rejoin:
+            try:
+                self._join(engines, hosts, name if peers is not None else None)
+            except BaseException:
+                if peers is not None:  # every rank streams (its gathers), then reports
+                    for _ in stream:
+                        pass
+                    peers.finish(True)
+                raise
+            self._members, self._senders = members, senders
         start = time.perf_counter()
-        refs = [e.actor.update_weights_broadcast.remote(version) for e in engines]
+        method = "update_weights_sharded" if peers is not None else "update_weights_broadcast"
+        refs = [getattr(e.actor, method).remote(version) for e in engines]
         device = "cuda" if self.backend == "nccl" else "cpu"
         sent_error: BaseException | None = None
         try:
-            self.broadcasts += send_stream(stream, self.group, device, self.bucket_bytes)
+            send = send_segments if peers is not None else send_stream
+            self.broadcasts += send(stream, self.group, device, self.bucket_bytes)
         except Exception as exc:  # noqa: BLE001 - a peer is gone: reported with the deaths
             sent_error = exc
             self.close()  # the live receivers' broadcasts fail now, not at the timeout
             for _ in stream:  # under torchrun every trainer rank gathers this stream
                 pass
+        if peers is not None:
+            peers.finish(sent_error is not None)
         dead, errors, self.sync_s = [], [], [0.0] * len(engines)
         pending = dict(enumerate(refs))
         while pending:
@@ -111,18 +169,13 @@ class FleetBroadcast:
         if errors:  # an engine's own error (a bad stream): the group is still in step
             raise errors[0][1]
 
-    def _join(self, engines: Sequence[Any]) -> None:
-        """Form the group: the driver rank 0 (rendezvous host), engine ``i`` rank ``i + 1``."""
+    @staticmethod
+    def _check_alive(engines: Sequence[Any]) -> None:
+        """Every engine started (an SGLang engine takes minutes), else FleetSyncError."""
         import ray
 
-        host = ray.util.get_node_ip_address()
-        port, name = free_port(), f"qrl-fleet-{uuid.uuid4().hex[:12]}"
-        # each engine actor is one rank here: it receives the stream and hands it to its
-        # engine (an SGLang engine of TP > 1 passes it on to its TP ranks in-process)
-        plan = weight_group_plan([1] * len(engines))
-        world = plan.group_world_size
         dead = []
-        for i, e in enumerate(engines):  # started (an SGLang engine takes minutes), or dead
+        for i, e in enumerate(engines):
             try:
                 ray.get(e.actor.weight_version.remote())
             except Exception as exc:  # noqa: BLE001 - a dead engine is restarted by the fleet
@@ -132,8 +185,28 @@ class FleetBroadcast:
         if dead:
             raise FleetSyncError(f"engines {dead} died before joining the fleet weight group",
                                  dead)
+
+    def _join(self, engines: Sequence[Any], peer_hosts: Sequence[tuple[str, int]] = (),
+              base: str | None = None) -> None:
+        """Form the group: the driver rank 0 (rendezvous host), engine ``i`` rank ``i + 1``;
+        with ``peer_hosts`` also the other senders' groups (sender ``s`` hosts group ``s``)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        port, name = free_port(), base or f"qrl-fleet-{uuid.uuid4().hex[:12]}"
+        # each engine actor is one rank here: it receives the stream and hands it to its
+        # engine (an SGLang engine of TP > 1 passes it on to its TP ranks in-process)
+        plan = weight_group_plan([1] * len(engines), senders=1 + len(peer_hosts))
+        world = plan.group_world_size
+        if peer_hosts:  # every actor joins group 0, then group 1, ... (module docstring)
+            extra = [(h, p, plan.group_name(name, s))
+                     for s, (h, p) in enumerate(peer_hosts, start=1)]
+            name = plan.group_name(name, 0)
+        self._check_alive(engines)
+        dead: list[int] = []
         joins = [e.actor.join_weight_group.remote(host, port, world, plan.offset(i), name,
-                                                  self.backend, self.timeout_s)
+                                                  self.backend, self.timeout_s,
+                                                  extra if peer_hosts else ())
                  for i, e in enumerate(engines)]
         result: dict[str, Any] = {}
 

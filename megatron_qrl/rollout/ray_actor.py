@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ import torch
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .broadcast import free_port, init_group, receive_stream, send_stream
 from .supervisor import EngineDiedError
+from .weight_groups import receive_sharded
 from .wire import as_bytes, from_bytes, iter_buckets
 
 __all__ = ["WEIGHT_TRANSPORTS", "EngineActor", "EngineBuilder", "EngineSpec", "RayEngine",
@@ -125,18 +126,23 @@ class EngineActor:
         self.engine = build(spec)
         self.calls: list[str] = []
         self.weight_group: Any = None
+        self.weight_groups: list[Any] = []
         self.weight_device = "cpu"
 
     def join_weight_group(self, host: str, port: int, world_size: int, rank: int,
-                          group_name: str, backend: str, timeout_s: float = 600.0) -> None:
+                          group_name: str, backend: str, timeout_s: float = 600.0,
+                          more: Sequence[tuple[str, int, str]] = ()) -> None:
         """Join the driver's weight group (:func:`~megatron_qrl.rollout.broadcast.init_group`;
-        the driver is rank 0 and hosts the rendezvous at ``host:port``)."""
+        the driver is rank 0 and hosts the rendezvous at ``host:port``); ``more``: the other
+        senders' groups ``(host, port, name)`` of a sharded sync (trainer EP > 1,
+        :mod:`~megatron_qrl.rollout.weight_groups`), joined in order at the same rank."""
         if backend == "nccl" and not torch.cuda.is_available():
             raise RuntimeError(f"join_weight_group({group_name!r}): backend nccl but this actor "
                                "sees no CUDA device; use backend gloo")
         self.weight_device = "cuda" if backend == "nccl" else "cpu"
-        self.weight_group = init_group(host, port, world_size, rank, group_name, backend,
-                                       timeout_s)
+        self.weight_groups = [init_group(h, p, world_size, rank, n, backend, timeout_s)
+                              for h, p, n in [(host, port, group_name), *more]]
+        self.weight_group = self.weight_groups[0]
 
     def update_weights_broadcast(self, version: int) -> None:
         """Load the stream the driver broadcasts on the weight group as ``version``."""
@@ -150,6 +156,25 @@ class EngineActor:
             _drain(stream)  # the driver's sends complete; the engine's error reaches it
             raise
         _drain(stream)  # an engine that stopped before the end-of-stream header
+
+    def update_weights_sharded(self, version: int) -> None:
+        """Load a sharded sync (every sender's segments, ``receive_sharded``) as ``version``;
+        on an error the groups are destroyed (the senders' pending broadcasts fail now)."""
+        if self.weight_group is None:
+            raise RuntimeError("update_weights_sharded before join_weight_group")
+        self.calls.append("update_weights")
+        stream = receive_sharded(self.weight_groups, self.weight_device)
+        try:
+            self.engine.update_weights(stream, version)
+            _drain(stream)
+        except Exception:
+            for group in self.weight_groups:
+                try:
+                    torch.distributed.destroy_process_group(group)
+                except Exception:  # noqa: BLE001 - best effort: the sync failed anyway
+                    pass
+            self.weight_group, self.weight_groups = None, []
+            raise
 
     def update_weights(self, bucket_refs: list[Any], version: int) -> None:
         import ray
