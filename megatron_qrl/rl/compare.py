@@ -134,7 +134,7 @@ def variants_for_mode(mode: str, log: Callable[[str], None] = print
     if mode == "single":
         return VARIANTS
     kept = tuple(v for v in VARIANTS if "--qrl-lora-rank" not in v[1])
-    left = [label for label, _ in VARIANTS if (label, _) not in kept]
+    left = [label for label, extra in VARIANTS if "--qrl-lora-rank" in extra]
     if left:
         log(f"[compare] --qrl-mode {mode}: the LoRA variants run in --qrl-mode single only; "
             f"left out: {', '.join(left)}")
