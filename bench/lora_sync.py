@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._runner import child_main, run_variant  # noqa: E402
 from bench.weight_sync import model_config, trainer_stream  # noqa: E402
+from megatron_qrl.rollout.lora_adapters import peft_adapter_shapes  # noqa: E402
 
 RANK = 32
 SCOPES = ("attn", "attn+noreceipt", "all", "all+noreceipt")
@@ -44,23 +45,9 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def adapter_shapes(cfg: dict, experts: bool) -> dict[str, tuple[int, int]]:
-    """PEFT module name -> (out, in) of every adapted projection."""
-    h, d, f = cfg["hidden_size"], cfg["head_dim"], cfg["moe_intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    one = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
-           "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q)}
-    if experts:
-        for e in range(cfg["num_experts"]):
-            one |= {f"mlp.experts.{e}.gate_proj": (f, h), f"mlp.experts.{e}.up_proj": (f, h),
-                    f"mlp.experts.{e}.down_proj": (h, f)}
-    return {f"base_model.model.model.layers.{i}.{k}": s
-            for i in range(cfg["num_hidden_layers"]) for k, s in one.items()}
-
-
 def adapter_bytes(cfg: dict, experts: bool, rank: int = RANK) -> tuple[int, int]:
     """(tensors, bytes in BF16) of a rank-``rank`` adapter."""
-    shapes = adapter_shapes(cfg, experts)
+    shapes = peft_adapter_shapes(cfg, experts)
     return 2 * len(shapes), sum(2 * rank * (o + i) for o, i in shapes.values())
 
 
@@ -69,7 +56,7 @@ def make_adapter(cfg: dict, experts: bool, seed: int, device: str = "cuda") -> d
 
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for m, (o, i) in adapter_shapes(cfg, experts).items():
+    for m, (o, i) in peft_adapter_shapes(cfg, experts).items():
         out[f"{m}.lora_A.weight"] = (torch.randn(RANK, i, generator=g, device=device)
                                      / i ** 0.5).bfloat16()
         out[f"{m}.lora_B.weight"] = (torch.randn(o, RANK, generator=g, device=device)

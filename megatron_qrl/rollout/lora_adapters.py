@@ -22,9 +22,26 @@ import torch
 
 from .base import WeightSyncError, tensor_checksum
 
-__all__ = ["AdapterSet", "PEFT_PREFIX"]
+__all__ = ["AdapterSet", "PEFT_PREFIX", "peft_adapter_shapes"]
 
 PEFT_PREFIX = "base_model.model."
+
+
+def peft_adapter_shapes(hf_config: dict, experts: bool) -> dict[str, tuple[int, int]]:
+    """PEFT module name -> ``(out, in)`` of every adapted projection of a Qwen3(-MoE) HF config:
+    attention q/k/v/o, and with ``experts`` every routed expert's gate/up/down."""
+    c = hf_config
+    h, d = c["hidden_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    one = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+           "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q)}
+    if experts:
+        f = c["moe_intermediate_size"]
+        for e in range(c["num_experts"]):
+            one |= {f"mlp.experts.{e}.gate_proj": (f, h), f"mlp.experts.{e}.up_proj": (f, h),
+                    f"mlp.experts.{e}.down_proj": (h, f)}
+    return {f"{PEFT_PREFIX}model.layers.{i}.{k}": s
+            for i in range(c["num_hidden_layers"]) for k, s in one.items()}
 
 
 def _module_of(peft: str) -> tuple[str, str]:

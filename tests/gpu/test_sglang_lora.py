@@ -72,22 +72,13 @@ def peft_config(experts: bool) -> dict:
 def adapter(seed: int, experts: bool) -> dict[str, torch.Tensor]:
     """Random PEFT adapter tensors (bf16): ``A`` ~ N(0, 1/in), ``B`` ~ N(0, 0.05^2); with
     alpha/r = 2 the update is about the size of the weights (std 0.02), so tokens change."""
-    c = cfg()
-    h, d, f = c["hidden_size"], c["head_dim"], c["moe_intermediate_size"]
-    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
-              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q)}
-    if experts:
-        for e in range(c["num_experts"]):
-            shapes |= {f"mlp.experts.{e}.gate_proj": (f, h), f"mlp.experts.{e}.up_proj": (f, h),
-                       f"mlp.experts.{e}.down_proj": (h, f)}
+    from megatron_qrl.rollout.lora_adapters import peft_adapter_shapes
+
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for i in range(c["num_hidden_layers"]):
-        for m, (o, n) in shapes.items():
-            pre = f"base_model.model.model.layers.{i}.{m}"
-            out[f"{pre}.lora_A.weight"] = (torch.randn(RANK, n, generator=g) / n ** 0.5).bfloat16()
-            out[f"{pre}.lora_B.weight"] = (torch.randn(o, RANK, generator=g) * 0.05).bfloat16()
+    for pre, (o, n) in peft_adapter_shapes(cfg(), experts).items():
+        out[f"{pre}.lora_A.weight"] = (torch.randn(RANK, n, generator=g) / n ** 0.5).bfloat16()
+        out[f"{pre}.lora_B.weight"] = (torch.randn(o, RANK, generator=g) * 0.05).bfloat16()
     return out
 
 
