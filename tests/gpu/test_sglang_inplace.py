@@ -205,15 +205,8 @@ def compare(fmt: str, res: dict, device: str = "cuda") -> dict:
 
 def run_worker(fmt: str, tmp: Path, sync: str = "inplace") -> dict:
     out = tmp / f"{fmt}-{sync}.json"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__)), fmt, str(out), sync], env=env,
-                          cwd=ROOT, timeout=900)
-    res = json.loads(out.read_text()) if out.is_file() else {}
-    assert proc.returncode == 0 and "out_b" in res, (
-        f"{fmt}: the in-place sync worker failed (exit {proc.returncode}; its SGLang log and "
-        f"traceback are in the output above); partial result: {res}")
-    return res
+    return run_json_worker(__file__, [fmt, str(out), sync], out, "out_b",
+                           f"{fmt}: the in-place sync worker")
 
 
 if __name__ == "__main__":
@@ -222,7 +215,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from tests.gpu import skip_unless_sglang_gpu  # noqa: E402
+from tests.gpu import run_json_worker, skip_unless_sglang_gpu  # noqa: E402
 
 skip_unless_sglang_gpu("SGLang in-place sync tests")
 

@@ -22,8 +22,6 @@ not be adapter 1's (the update reached the engine).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 if __name__ != "__main__":  # pytest: skip before importing the GPU helpers
-    from tests.gpu import skip_unless_sglang_gpu
+    from tests.gpu import run_json_worker, skip_unless_sglang_gpu
 
     skip_unless_sglang_gpu("SGLang LoRA serving tests")
 
@@ -184,15 +182,8 @@ def overlap(res: dict) -> float:
 
 def run_worker(fmt: str, experts: bool, tmp: Path) -> dict:
     out = tmp / f"{fmt}-{int(experts)}.json"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__)), fmt, str(int(experts)),
-                           str(out)], env=env, cwd=ROOT, timeout=900)
-    res = json.loads(out.read_text()) if out.is_file() else {}
-    assert proc.returncode == 0 and "out_v2" in res, (
-        f"{fmt} experts={experts}: the LoRA worker failed (exit {proc.returncode}; SGLang's "
-        f"log and the traceback are above); partial result: {res}")
-    return res
+    return run_json_worker(__file__, [fmt, str(int(experts)), str(out)], out, "out_v2",
+                           f"{fmt} experts={experts}: the LoRA worker")
 
 
 if __name__ == "__main__":
