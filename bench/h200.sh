@@ -60,7 +60,9 @@
 #   ray-install reassemble, check, install into /tmp/ray_site (every later phase puts it on
 #               PYTHONPATH: the fleet test, MODE=colocated)
 #   gpu-tests   every tests/gpu file, one log each with the commit hash under $OUT
-#               (FILES=... to choose; ~25 min in all: split over calls with FILES)
+#               (FILES=... to choose; ~25 min one after another). STREAMS="a b;c;d" runs
+#               each ;-group (files or node ids) as a parallel stream, one log per stream:
+#               every file in two calls of ~5.5 min (tenth session)
 #   fa3-part N  FA3 attention (sgl_kernel/flash_ops.abi3.so, 1.1 GB, left out of the site):
 #               part N (0..2) of its xz (148 MB), staged here by tools/stage_fa3.sh; carry
 #               .stage/fa3_N with .stage/recipe and .stage/stub only (57 MB: no room for
@@ -271,15 +273,31 @@ case $phase in
     (cd /tmp/ray && cat rpart0* > ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl && sha256sum -c ray.sha256) || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ray_site /tmp/ray/ray-*.whl
     PYTHONPATH=$PYTHONPATH:/tmp/ray_site python3 -c "import ray; ray.init(num_cpus=2); print('ray', ray.__version__, ray.cluster_resources()); ray.shutdown()" ;;
-  gpu-tests)  # FILES: tests/gpu files (default: all); one log each, headed by the commit
-    te_env; marlin_wait
+  gpu-tests)  # FILES: tests/gpu files (default: all), one log each headed by the commit;
+    # STREAMS="targets;targets;...": each ;-group (files or pytest node ids) runs as its own
+    # parallel stream (SGLang sizes its pool from the memory free at its start, so 4 streams
+    # of 0.3-fraction engines fit one H200), one log per stream (the device returns <= 8 files)
+    te_env
     commit=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)
-    for f in ${FILES:-tests/gpu/test_*.py}; do
-      log="$OUT/$(basename "$f" .py).log"
-      echo "# nvidia-h200 $(date -u +%F), commit $commit: python3 -m pytest -q -rs $f" > "$log"
-      python3 -m pytest -q -rs -s "$f" ${PYTEST_K:+-k "$PYTEST_K"} >> "$log" 2>&1
-      echo "$f: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 1)"
-    done ;;
+    run_tests() {  # $1: the log; the rest: pytest targets, run one after another
+      local log=$1; shift
+      case "$*" in *w4a16*|*nvfp4*|*test_sglang_inplace.py|*test_sglang_load.py|*test_sglang_lora.py) marlin_wait ;; esac
+      for f in "$@"; do
+        echo "# nvidia-h200 $(date -u +%F), commit $commit: python3 -m pytest -q -rs $f" >> "$log"
+        python3 -m pytest -q -rs -s "$f" ${PYTEST_K:+-k "$PYTEST_K"} >> "$log" 2>&1
+        echo "$f: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 1)"
+      done
+    }
+    if [ -n "${STREAMS:-}" ]; then
+      IFS=';' read -ra groups <<< "$STREAMS"; i=0
+      for g in "${groups[@]}"; do
+        i=$((i + 1)); read -ra targets <<< "$g"
+        run_tests "$OUT/gpu_tests_stream$i.log" "${targets[@]}" &
+      done
+      wait
+    else
+      for f in ${FILES:-tests/gpu/test_*.py}; do run_tests "$OUT/$(basename "$f" .py).log" "$f"; done
+    fi ;;
   fa3-part)
     mkdir -p /tmp/fa3 && cp .stage/fa3_${2:?part number}/* /tmp/fa3/ && ls -la /tmp/fa3 ;;
   fa3-install)  # the raw sha256 is tools/stage_fa3.sh's SO_SHA256 (sglang-kernel 0.4.5 wheel)
