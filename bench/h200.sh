@@ -59,6 +59,7 @@
 #               with .stage/recipe .stage/stub -> /tmp/ray
 #   ray-install reassemble, check, install into /tmp/ray_site (every later phase puts it on
 #               PYTHONPATH: the fleet test, MODE=colocated)
+#   cuda-cases  the CUDA-only cases of the CPU suite (test files found by grep, ~1 min)
 #   gpu-tests   every tests/gpu file, one log each with the commit hash under $OUT
 #               (FILES=... to choose; ~25 min one after another). STREAMS="a b;c;d" runs
 #               each ;-group (files or node ids) as a parallel stream, one log per stream:
@@ -90,7 +91,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|example4b|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|example4b|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -298,6 +299,12 @@ case $phase in
     else
       for f in ${FILES:-tests/gpu/test_*.py}; do run_tests "$OUT/$(basename "$f" .py).log" "$f"; done
     fi ;;
+  cuda-cases)  # the CUDA-only cases of the CPU suite (skipped on CI): every tests/ file (not
+    # tests/gpu) with a `skipif(not torch.cuda.is_available()` case, found by grep so a moved file
+    # stays covered; only its cases named *cuda* run
+    files=$(grep -rlE "skipif\(not torch\.cuda\.is_available" tests --include='test_*.py' | grep -v '^tests/gpu/')
+    echo "cuda cases in: $files"
+    python3 -m pytest -q -rs -k cuda $files 2>&1 | tail -n 5 ;;
   fa3-part)
     mkdir -p /tmp/fa3 && cp .stage/fa3_${2:?part number}/* /tmp/fa3/ && ls -la /tmp/fa3 ;;
   fa3-install)  # the raw sha256 is tools/stage_fa3.sh's SO_SHA256 (sglang-kernel 0.4.5 wheel)
