@@ -41,7 +41,8 @@
 #               wait; SCOPES default attn,all: attention-only / + every expert, with the sha256
 #               receipt; add attn+noreceipt,all+noreceipt for the transport alone; ~2.5 min) -> $OUT/lora_sync.jsonl, then tests/gpu/test_sglang_lora.py (engine
 #               log-probs after adapter updates vs the reference: fp8, w4a16, w4a16 + experts,
-#               nvfp4; waits for the setup phase's Marlin prewarm; ~3 min)
+#               nvfp4, nvfp4 + experts; waits for the setup phase's Marlin prewarm; ~3 min; a
+#               failed case prints its worker's last 40 output lines as "worker| ...")
 #   loratrain   qrl-train tiny-cpu,qerl with --qrl-rollout-engine sglang (NVFP4 base + adapters
 #               served by SGLang, 5 RL steps) -> $OUT/qrl_sglang_lora_metrics.jsonl
 #   te-part N   Transformer Engine, part N of 5 of the 276 MB transformer_engine_cu13 wheel
@@ -175,7 +176,7 @@ case $phase in
   inplace)
     marlin_wait
     python3 -m pytest -q tests/gpu/test_sglang_inplace.py -s ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-      | grep -E "\[inplace[^ ]*\]|passed|failed|Error|assert " ;;
+      | grep -E "\[inplace[^ ]*\]|passed|failed|Error|assert |worker\|" ;;
   restart)  # a SIGKILLed scheduler: restart + re-sync + retry, the trainer process survives
     python3 -m pytest -q tests/gpu/test_sglang_restart.py -s 2>&1 \
       | grep --line-buffered -E "restart|passed|failed|Error|assert |Thread|File " | tail -n 80 ;;
@@ -213,7 +214,7 @@ case $phase in
       | grep -E "^\||lora_sync\]|Error"
     marlin_wait
     python3 -m pytest -q -s tests/gpu/test_sglang_lora.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-      | grep -E "\[lora[^]]*\]|passed|failed|skipped|Error|assert " ;;
+      | grep -E "\[lora[^]]*\]|passed|failed|skipped|Error|assert |worker\|" ;;
   loratrain)  # qrl-train QeRL mode end to end with the SGLang engine: NVFP4 base, adapters only
     marlin_wait
     python3 -m megatron_qrl.rl.cli --qrl-preset tiny-cpu,qerl --qrl-rollout-engine sglang \

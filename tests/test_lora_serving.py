@@ -35,7 +35,9 @@ def test_dense_model_serves_every_target_as_adapter_in_every_format(fmt):
     ("w4a16", None, "adapter"), ("nvfp4", (9, 0), "adapter"), ("nvfp4", (10, 0), "merge"),
     ("fp8_block", None, "merge")])
 def test_expert_adapters_follow_sglangs_moe_runner(fmt, cap, want):
-    s = resolve_lora_serving("sglang", fmt, ALL, is_moe=True, experts=True, capability=cap)
+    # a MoE model with dense-MLP projections too (GATE: a dense layer's / shared expert's)
+    s = resolve_lora_serving("sglang", fmt, ALL, is_moe=True, experts=True, capability=cap,
+                             dense_mlp=True)
     assert s.path_of(EXPERT) == want and s.path_of(GATE) == want and s.path_of(Q) == "adapter"
     # SGLang wraps FusedMoE once gate_up and down are targets: only with served experts
     mlp = {"gate_proj", "up_proj", "down_proj"}
@@ -44,13 +46,14 @@ def test_expert_adapters_follow_sglangs_moe_runner(fmt, cap, want):
 
 
 def test_moe_without_expert_adapters_starts_the_engine_with_attention_targets_only():
-    s = resolve_lora_serving("sglang", "w4a16", ALL, is_moe=True, experts=False)
+    s = resolve_lora_serving("sglang", "w4a16", ALL, is_moe=True, experts=False, dense_mlp=True)
     assert s.engine_targets == ("q_proj", "k_proj", "v_proj", "o_proj")
     assert s.path_of(GATE) == "merge"
 
 
 def test_reference_engine_merges_routed_experts_only():
-    s = resolve_lora_serving("reference", "nvfp4", ALL, is_moe=True, experts=True)
+    s = resolve_lora_serving("reference", "nvfp4", ALL, is_moe=True, experts=True,
+                             dense_mlp=True)
     served, merged = s.split({Q: 0, GATE: 1, EXPERT: 2})
     assert served == {Q: 0, GATE: 1} and merged == {EXPERT: 2}
 

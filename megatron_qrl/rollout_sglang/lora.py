@@ -7,7 +7,9 @@ Read in the SGLang 0.5.17 wheel (``srt/entrypoints/engine.py``, ``srt/lora/*``,
 - the engine starts with ``enable_lora=True, max_lora_rank=r, lora_target_modules=[...]``
   (HF projection names; SGLang maps q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) and
   wraps those layers in ``*WithLoRA`` modules that call the base layer's own quant method, so
-  the base stays packed in the rollout format;
+  the base stays packed in the rollout format; with expert targets (``gate_up_proj`` +
+  ``down_proj``) every ``FusedMoE`` is wrapped too, which for W4A16 needs
+  ``moe_runner_backend="marlin"`` (:data:`EXPERT_LORA_MOE_RUNNER`);
 - ``LoadLoRAAdapterFromTensorsReqInput(lora_name, config_dict, serialized_named_tensors,
   load_format="flattened_bucket", expected_checksums={name: sha256})``: one flat CUDA buffer
   per TP rank; each scheduler process re-hashes what it deserialized and raises on any
@@ -39,7 +41,8 @@ from . import crash
 from .engine import SGLangEngine
 from .options import SGLangOptions
 
-__all__ = ["RELEASE_TAGS", "SGLangLoraEngine", "adapter_name", "sha256_of"]
+__all__ = ["EXPERT_LORA_MOE_RUNNER", "RELEASE_TAGS", "SGLangLoraEngine", "adapter_name",
+           "lora_engine_kwargs", "sha256_of"]
 
 RELEASE_TAGS = ["kv_cache", "cuda_graph"]
 """What a LoRA engine frees between rollouts (SGLang's GPU_MEMORY_TYPE_* tags; not weights)."""
@@ -57,13 +60,30 @@ def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
-def lora_engine_kwargs(rank: int, targets: Iterable[str]) -> dict:
+EXPERT_LORA_MOE_RUNNER = {"w4a16": "marlin"}
+"""``moe_runner_backend`` of an engine serving routed-expert adapters, per rollout format
+where SGLang 0.5.17's default (``auto``) cannot: ``FusedMoEWithLoRA.__init__``
+(``srt/lora/layers.py``) takes the LoRA runner from ``base_layer.quant_method.runner``, which
+``CompressedTensorsFusedMoEMethod`` lacks (its scheme holds it), so ``auto`` means Triton,
+and ``get_triton_quant_info`` of the Marlin ``CompressedTensorsWNA16MoE`` scheme does not
+exist (``compressed_tensors_wNa16_moe.py``: only ``get_marlin_quant_info``). With
+``marlin`` SGLang still picks that scheme for the base (``compressed_tensors.py``: only
+``triton`` picks ``CompressedTensorsWNA16TritonMoE``) and the LoRA layer takes its
+``get_marlin_quant_info`` (``MarlinLoraRunnerCore``). ModelOpt NVFP4 needs nothing: its
+method keeps ``runner`` (Marlin on sm80-sm9x)."""
+
+
+def lora_engine_kwargs(rank: int, targets: Iterable[str], spec_name: str | None = None) -> dict:
     """``sglang.Engine`` arguments of LoRA serving (none when no target is served)."""
     targets = list(targets)
     if not targets:
         return {}
-    return {"enable_lora": True, "max_lora_rank": int(rank), "lora_target_modules": targets,
-            "max_loras_per_batch": 1}  # SGLang's default LoRA backend (csgmv; MoE LoRA too)
+    kw = {"enable_lora": True, "max_lora_rank": int(rank), "lora_target_modules": targets,
+          "max_loras_per_batch": 1}  # SGLang's default LoRA backend (csgmv; MoE LoRA too)
+    wraps_experts = "down_proj" in targets and bool({"gate_proj", "up_proj"} & set(targets))
+    if wraps_experts and spec_name in EXPERT_LORA_MOE_RUNNER:  # SGLang wraps FusedMoE then
+        kw["moe_runner_backend"] = EXPERT_LORA_MOE_RUNNER[spec_name]
+    return kw
 
 
 class SGLangLoraEngine(SGLangEngine):
@@ -80,7 +100,7 @@ class SGLangLoraEngine(SGLangEngine):
             options = options.replace(sync="inplace")
         self.lora_targets = tuple(lora_targets)
         super().__init__(model_path, spec_name, options,
-                         **(lora_engine_kwargs(lora_rank, self.lora_targets) | kwargs))
+                         **(lora_engine_kwargs(lora_rank, self.lora_targets, spec_name) | kwargs))
         self.lora_name: str | None = None
         self._lora_sent: dict[str, str] = {}
 

@@ -8,7 +8,8 @@ Per case, in its own process (``python tests/gpu/test_sglang_lora.py FMT EXPERTS
 one engine each): the tiny Qwen3-MoE of tests/gpu/test_sglang_inplace.py exported in the
 format; :class:`~megatron_qrl.rollout_sglang.lora.SGLangLoraEngine` started on it with the
 LoRA targets :func:`~megatron_qrl.rollout.lora_serving.resolve_lora_serving` gives (CUDA
-graphs on); base weights A synced in place (version 0: the in-place loader through SGLang's
+graphs on; a failed worker's last output lines are in the pytest failure message:
+``tests.gpu.run_json_worker``); base weights A synced in place (version 0: the in-place loader through SGLang's
 LoRA wrappers); adapter 1 loaded from tensors (``policy_v1``, flattened bucket, SGLang's
 sha256 check of every tensor) and greedy-generated; adapter 2 loaded (``policy_v2``; v1
 unloaded) and generated again; a request naming ``policy_v1`` must then fail. The parent
@@ -48,8 +49,11 @@ from test_sglang_inplace import (  # noqa: E402
 )
 
 RANK, ALPHA = 8, 16.0
-CASES = [("fp8", False), ("w4a16", False), ("w4a16", True), ("nvfp4", False)]
-"""(format, adapters on the routed experts too): W8A8 (Triton) and the Marlin formats."""
+CASES = [("fp8", False), ("w4a16", False), ("w4a16", True), ("nvfp4", False), ("nvfp4", True)]
+"""(format, adapters on the routed experts too): W8A8 (Triton) and the Marlin formats; the
+expert cases run SGLang's Marlin LoRA MoE runner (w4a16: ``moe_runner_backend="marlin"``,
+rollout_sglang/lora.py ``EXPERT_LORA_MOE_RUNNER``; nvfp4: ModelOpt's own Marlin runner on
+sm90). Every case is an adapter case (``resolve_lora_serving``: nothing merged)."""
 NEW_TOKENS = 16
 
 
