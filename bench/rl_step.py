@@ -124,7 +124,9 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
         train_recompute_share=round((rec["time_train_s"] + rec["time_recompute_s"]) / step, 3),
         trainer_mfu=round(6 * n * tokens / rec["time_train_s"] / PEAK_FLOPS, 4),
         recompute_mfu=round(2 * n * tokens / rec["time_recompute_s"] / PEAK_FLOPS, 4),
-        trainer_peak_gib=rec.get("trainer_peak_gib"), response_len=rec.get("response_len"),
+        trainer_peak_gib=rec.get("trainer_peak_gib"),
+        trainer_reserved_gib=rec.get("trainer_reserved_gib"),
+        alloc_retries=rec.get("alloc_retries"), response_len=rec.get("response_len"),
         reward_mean=rec.get("reward_mean"), mismatch_kl=rec.get("mismatch_kl"))
     return res
 

@@ -78,8 +78,13 @@ class StepContext:
     (``--qrl-rollout-sglang-release-memory``; the Ray colocated engine does it itself)."""
 
     def engine_memory(self, release: bool) -> None:
-        """Release (or resume) the engine's GPU memory when ``release_engine_memory``."""
+        """Release (or resume) the engine's GPU memory when ``release_engine_memory``. Before
+        a resume the trainer's cached free blocks go back to the driver
+        (``torch.cuda.empty_cache``): the activations of recompute + train, freed but still
+        reserved by the caching allocator, would otherwise leave the engine too little."""
         if self.release_engine_memory and self.world.is_main and self.engine is not None:
+            if not release and torch.cuda.is_available():
+                torch.cuda.empty_cache()
             (self.engine.release_memory if release else self.engine.resume_memory)()
 
     def check_length(self, batch: dict) -> dict:
@@ -163,6 +168,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     t0 = time.perf_counter()
     batch, rewards, texts, over_budget = ctx.world.broadcast(
         _rollout(ctx, step) if ctx.world.is_main else None)
@@ -185,6 +191,10 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
     rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    rec["trainer_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
+    # cudaFree + retry of the caching allocator this step: the GPU was full (a slow step)
+    rec["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries \
+        if cuda else None
     fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
     return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget,
             **(fleet() if callable(fleet) else {})}
