@@ -32,8 +32,8 @@ from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
 
-__all__ = ["StepContext", "micro_batches", "rl_step", "sample_indices", "sft_step",
-           "step_seed"]
+__all__ = ["StepContext", "micro_batches", "recompute_log_probs", "rl_step", "sample_indices",
+           "sft_step", "step_seed"]
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -177,7 +177,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t1 = time.perf_counter()
     groups = micro_batches(ctx, batch)
     mbs = [mb for group in groups for mb in group]
-    old = ctx.trainer.log_probs(mbs, ctx.loss_fn)
+    old = recompute_log_probs(ctx, mbs)
     agreement = ctx.trainer.last_routing_agreement
     for mb, lp in zip(mbs, old):
         mb["old_log_probs"] = lp
@@ -198,6 +198,19 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
     return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget,
             **(fleet() if callable(fleet) else {})}
+
+
+def recompute_log_probs(ctx: StepContext, mbs: list[dict]) -> list[torch.Tensor]:
+    """pi_prox of every micro batch (forward only), on micro batches joined up to
+    ``--qrl-log-prob-max-tokens`` (``rl.microbatch.merge_micro_batches``) when it is set."""
+    budget = ctx.configs["run"].log_prob_max_tokens
+    if not budget:
+        return ctx.trainer.log_probs(mbs, ctx.loss_fn)
+    from megatron_qrl.rl.microbatch import merge_micro_batches
+
+    merged, spans = merge_micro_batches(mbs, budget, ctx.tokenizer.pad_id)
+    out = ctx.trainer.log_probs(merged, ctx.loss_fn)
+    return [out[g][first:end, :length].contiguous() for g, first, end, length in spans]
 
 
 def micro_batches(ctx: StepContext, batch: dict) -> list[list[dict]]:
