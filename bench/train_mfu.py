@@ -18,6 +18,8 @@ micro batch, then ``--updates`` ``PolicyTrainer.train_step`` with the TIS loss o
     full | none      --recompute-granularity full --recompute-method uniform
                      --recompute-num-layers 1, or no activation recompute
     mbN | tokN       --qrl-micro-batch-size N, or --qrl-max-tokens-per-micro-batch N
+    lpN              --qrl-log-prob-max-tokens N (the recompute on micro batches joined up
+                     to N tokens; default: on the training micro batches)
     oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
                      a separate entropy pass; ``PolicyLossFunc(chunked=False)``)
     norope           --no-rope-fusion
@@ -40,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -49,7 +52,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from rl_step import PEAK_FLOPS, active_params  # noqa: E402
 
-DEFAULT_ROWS = "full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb8,full-mb16,none-tok8192"
+DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16384,none-mb8-lp16384,"
+                "full-mb16-lp16384")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
@@ -63,6 +67,7 @@ class Row:
     max_tokens: int = 0
     chunked: bool = True
     rope_fusion: bool = True
+    log_prob_tokens: int = 0
 
     @classmethod
     def parse(cls, name: str) -> Row:
@@ -75,21 +80,25 @@ class Row:
                 kw["micro_batch"] = int(w[2:])
             elif w.startswith("tok") and w[3:].isdigit():
                 kw["max_tokens"] = int(w[3:])
+            elif w.startswith("lp") and w[2:].isdigit():
+                kw["log_prob_tokens"] = int(w[2:])
             elif w in ("oldlp", "norope"):
                 kw["chunked" if w == "oldlp" else "rope_fusion"] = False
             else:
-                raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, oldlp, norope)")
+                raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, oldlp, "
+                                 "norope)")
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
             raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
         return cls(name, **kw)
 
-    def rl_step_args(self) -> tuple[str, str]:
-        """``(bench/rl_step.py micro-batch flags, its --megatron flags)`` of this row."""
+    def rl_step_args(self) -> tuple[str, str, str]:
+        """``(bench/rl_step.py micro-batch flags, its --megatron flags, its --qrl flags)``."""
         mb = f"--max-tokens-per-micro-batch {self.max_tokens}" if self.max_tokens \
             else f"--micro-batch-size {self.micro_batch}"
         meg = " ".join(([RECOMPUTE] if self.recompute else [])
                        + ([] if self.rope_fusion else ["--no-rope-fusion"]))
-        return mb, meg
+        qrl = f"--qrl-log-prob-max-tokens {self.log_prob_tokens}" if self.log_prob_tokens else ""
+        return mb, meg, qrl
 
 
 def rollout_batch(args: argparse.Namespace, vocab: int) -> dict:
@@ -146,6 +155,7 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
             fused_rope: bool) -> dict:
     """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
+    from megatron_qrl.rl.steps import recompute_log_probs
 
     _apply(trainer.policy, row, fused_rope)
     loss_fn = PolicyLossFunc(configs["loss"], configs["error_tokens"],
@@ -162,7 +172,9 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     t0 = time.perf_counter()
-    for mb, lp in zip(mbs, trainer.log_probs(mbs, loss_fn)):
+    ctx = SimpleNamespace(configs={"run": SimpleNamespace(log_prob_max_tokens=row.log_prob_tokens)},
+                          tokenizer=SimpleNamespace(pad_id=0), trainer=trainer, loss_fn=loss_fn)
+    for mb, lp in zip(mbs, recompute_log_probs(ctx, mbs)):
         mb["old_log_probs"] = lp
     _sync()
     t1 = time.perf_counter()
@@ -191,7 +203,8 @@ def _configs() -> dict:
 
 
 def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
-    """Build the policy once and run every row (module docstring)."""
+    """Build the policy once and run every row (module docstring); each record is appended
+    to ``--out`` as soon as its row is done (a call that times out keeps the rows so far)."""
     from megatron_qrl.models.hf_config import arch_from_dict
     from megatron_qrl.models.runtime import single_process_megatron
     from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
@@ -224,13 +237,16 @@ def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
                        updates=args.updates)
             print("[train_mfu] " + json.dumps(rec), flush=True)
             out.append(rec)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return out
 
 
-def pick(path: Path, max_peak_gib: float) -> tuple[str, str]:
+def pick(path: Path, max_peak_gib: float) -> tuple[str, str, str]:
     """bench/rl_step.py flags of the fastest row (recompute + train time) of ``path`` that ran
     without error, within ``max_peak_gib`` reserved and on the current code (no ``oldlp``)."""
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -270,8 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "--qrl-updates-per-step)")
     p.add_argument("--out", default=None, help="append the records here (JSONL)")
     p.add_argument("--pick", default=None, metavar="JSONL",
-                   help="print the rl_step.py micro-batch flags and --megatron flags (two "
-                   "lines) of the fastest row in JSONL, then exit")
+                   help="print the rl_step.py micro-batch flags, --megatron flags and --qrl "
+                   "flags (three lines) of the fastest row in JSONL, then exit")
     p.add_argument("--max-peak-gib", type=float, default=110.0,
                    help="--pick: rows above this reserved peak leave too little for the "
                    "engine's resume")
@@ -296,11 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/train_mfu.py: --prompts x --n must be a multiple of --updates",
               file=sys.stderr)
         return 2
-    records = measure(args, rows)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+    records = measure(args, rows)
     print(_table(records))
     return 1 if all("error" in r for r in records) else 0
 

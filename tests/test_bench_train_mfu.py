@@ -22,8 +22,9 @@ def test_row_grammar_and_rl_step_flags():
     r = Row.parse("full-mb4-oldlp-norope")
     assert (r.recompute, r.micro_batch, r.max_tokens, r.chunked, r.rope_fusion) == (
         True, 4, 0, False, False)
-    assert r.rl_step_args() == ("--micro-batch-size 4", RECOMPUTE + " --no-rope-fusion")
-    assert Row.parse("none-tok8192").rl_step_args() == ("--max-tokens-per-micro-batch 8192", "")
+    assert r.rl_step_args() == ("--micro-batch-size 4", RECOMPUTE + " --no-rope-fusion", "")
+    assert Row.parse("none-tok8192-lp16384").rl_step_args() == (
+        "--max-tokens-per-micro-batch 8192", "", "--qrl-log-prob-max-tokens 16384")
     for bad, match in (("half-mb4", "full or none"), ("full-mb4-tok8", "exactly one"),
                        ("none", "exactly one"), ("none-mb4-fast", "unknown word")):
         with pytest.raises(ValueError, match=match):
@@ -40,8 +41,8 @@ def test_pick_takes_the_fastest_row_that_fits(tmp_path):
             {"row": "full-mb16", "error": "OOM: ..."}]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert pick(path, 110.0) == ("--micro-batch-size 4", "")
-    assert pick(path, 130.0) == ("--micro-batch-size 8", "")
+    assert pick(path, 110.0) == ("--micro-batch-size 4", "", "")
+    assert pick(path, 130.0) == ("--micro-batch-size 8", "", "")
     with pytest.raises(SystemExit, match="no row"):
         pick(path, 50.0)
 
@@ -101,16 +102,17 @@ def test_cpu_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench/train_mfu.py"), "--device", "cpu", "--model", "tiny",
          "--prompts", "2", "--n", "4", "--new-tokens", "12",
-         "--rows", "full-mb4-oldlp-norope,none-mb2,none-mb8,none-tok40", "--out", str(out)],
+         "--rows", "full-mb4-oldlp-norope,none-mb2-lp1000,none-mb8,none-tok40", "--out",
+         str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["row"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert "do not split" in rows["none-mb8"]["error"]  # 8 samples, 2 updates
-    for name in ("full-mb4-oldlp-norope", "none-mb2", "none-tok40"):
+    for name in ("full-mb4-oldlp-norope", "none-mb2-lp1000", "none-tok40"):
         r = rows[name]
         assert r["time_train_s"] > 0 and r["time_recompute_s"] > 0 and r["real_tokens"] > 0
-    assert rows["none-mb2"]["micro_batches"] == 4
-    assert rows["none-tok40"]["trained_tokens"] <= rows["none-mb2"]["trained_tokens"]
+    assert rows["none-mb2-lp1000"]["micro_batches"] == 4
+    assert rows["none-tok40"]["trained_tokens"] <= rows["none-mb2-lp1000"]["trained_tokens"]
     assert "| none-tok40 |" in proc.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "bench/train_mfu.py"), "--rows", "x-mb1"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
