@@ -29,7 +29,9 @@ row sets them on the built model's config (what the flags would have built). Rep
 row: times, ``trainer_mfu = 6 N tokens / t_train / 989 TFLOP/s`` and ``recompute_mfu = 2 N
 tokens / t_recompute / peak`` (bench/rl_step.py's definitions: N the active parameters but the
 input embedding, tokens the positions run, padding included), peak allocated / reserved
-memory, allocator retries (``num_alloc_retries``: cudaFree + retry, a full-GPU symptom).
+memory, allocator retries (``num_alloc_retries``: cudaFree + retry, a full-GPU symptom) and,
+on CUDA, a kernel profile of two more micro batches (``prof_*``: the GPU's busy share of the
+wall time — below ~0.9 the host, not the kernels, sets the pace — and the top kernels).
 A row that runs out of memory is reported as such and the next one runs.
 """
 
@@ -151,8 +153,44 @@ def _apply(policy, row: Row, fused_rope: bool) -> None:
     cfg.apply_rope_fusion = fused_rope and row.rope_fusion
 
 
+def _kernel_profile(fn, device: str = "cuda") -> dict:
+    """GPU busy share of ``fn``'s wall time (CUPTI kernel times, one stream) and its top
+    kernels: near 1 means the GPU kernels are the time, well below 1 that the host (Python /
+    launches / syncs) leaves the GPU idle. (``device="cpu"``: CPU ops, nested ones counted
+    twice — only to test this function where there is no GPU.)"""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    _sync()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync()
+    wall_us = (time.perf_counter() - t) * 1e6
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU):
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    busy = sum(by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
+    return {"busy_frac": round(busy / wall_us, 3), "wall_ms": round(wall_us / 1e3, 1),
+            "top_ms": {k[:70]: round(v / 1e3, 1) for k, v in top}}
+
+
+def _profiles(trainer, group: list[dict], loss_fn, per_token: bool) -> dict:
+    """Kernel profiles of the recompute and the update of two micro batches (CUDA only)."""
+    two = [dict(mb) for mb in group[:2]]
+    try:
+        return {"prof_recompute": _kernel_profile(lambda: trainer.log_probs(two, loss_fn)),
+                "prof_train": _kernel_profile(
+                    lambda: trainer.train_step(two, loss_fn, per_token_loss=per_token))}
+    except Exception as exc:  # noqa: BLE001 (a profiler that cannot run is reported, not fatal)
+        return {"prof_error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
 def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, updates: int,
-            fused_rope: bool) -> dict:
+            fused_rope: bool, profile: bool = False) -> dict:
     """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
     from megatron_qrl.rl.steps import recompute_log_probs
@@ -192,6 +230,8 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
         rec.update(peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                    peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries)
+        if profile:
+            rec.update(_profiles(trainer, groups[0], loss_fn, per_token))
     return rec
 
 
@@ -227,7 +267,8 @@ def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
         batch = rollout_batch(args, arch.vocab_size)
         for row in rows:
             try:
-                rec = run_row(trainer, row, batch, configs, n_active, args.updates, fused_rope)
+                rec = run_row(trainer, row, batch, configs, n_active, args.updates, fused_rope,
+                              profile=args.profile)
             except torch.cuda.OutOfMemoryError as exc:
                 rec = {"row": row.name, "error": f"OOM: {str(exc).splitlines()[0][:160]}"}
             except ValueError as exc:
@@ -261,10 +302,13 @@ def pick(path: Path, max_peak_gib: float) -> tuple[str, str, str]:
 
 def _table(rows: list[dict]) -> str:
     cols = ("row", "micro_batches", "time_recompute_s", "time_train_s", "recompute_mfu",
-            "trainer_mfu", "peak_alloc_gib", "peak_reserved_gib", "alloc_retries")
+            "trainer_mfu", "peak_alloc_gib", "peak_reserved_gib", "alloc_retries",
+            "prof_recompute", "prof_train")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r["row"], r["error"]] if "error" in r else [str(r.get(c, "")) for c in cols]
+        cells = [r["row"], r["error"]] if "error" in r else [
+            str(r.get(c, {}).get("busy_frac", "") if c.startswith("prof_") else r.get(c, ""))
+            for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -285,6 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=2, help="optimizer steps (qrl-train's default "
                    "--qrl-updates-per-step)")
     p.add_argument("--out", default=None, help="append the records here (JSONL)")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the per-row kernel profile (CUDA: GPU busy share of the recompute "
+                   "and the update of two micro batches, top kernels)")
     p.add_argument("--pick", default=None, metavar="JSONL",
                    help="print the rl_step.py micro-batch flags, --megatron flags and --qrl "
                    "flags (three lines) of the fastest row in JSONL, then exit")

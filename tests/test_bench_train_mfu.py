@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from bench.train_mfu import RECOMPUTE, Row, pick  # noqa: E402
+from bench.train_mfu import RECOMPUTE, Row, _kernel_profile, pick  # noqa: E402
 from tests.mp_utils import run_distributed  # noqa: E402
 
 
@@ -117,3 +117,10 @@ def test_cpu_smoke(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "bench/train_mfu.py"), "--rows", "x-mb1"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "full or none" in bad.stderr
+
+
+def test_kernel_profile_reads_the_profiler_events():
+    a, b = torch.randn(300, 300), torch.randn(300, 300)
+    out = _kernel_profile(lambda: [a @ b for _ in range(5)], device="cpu")
+    assert out["busy_frac"] > 0 and out["wall_ms"] > 0
+    assert any("mm" in name for name in out["top_ms"]) and len(out["top_ms"]) <= 6
