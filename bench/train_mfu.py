@@ -54,8 +54,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from rl_step import PEAK_FLOPS, active_params  # noqa: E402
 
-DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16384,none-mb8-lp16384,"
-                "full-mb16-lp16384")
+DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16512,none-mb8-lp16512,"
+                "full-mb16-lp16512")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
