@@ -87,8 +87,8 @@
 #               for ROWS side by side on ONE built policy (default: the 8th session's setting
 #               full-mb4-oldlp-norope, then full-mb4, none-mb4, none-mb4-lp16512,
 #               none-mb8-lp16512, full-mb16-lp16512; MFU + peak memory per row, under
-#               ${MFU_S:-250} s) -> $OUT/train_mfu.jsonl; then ONE real RL step row (fp8
-#               rollouts, 1,024 new tokens, ${STEPS:-2} steps, under ${STEP_S:-240} s) with the
+#               ${MFU_S:-270} s) -> $OUT/train_mfu.jsonl; then ONE real RL step row (fp8
+#               rollouts, 1,024 new tokens, ${STEPS:-2} steps, under ${STEP_S:-230} s) with the
 #               fastest row's flags whose reserved peak is <= ${MAX_PEAK:-110} GiB ->
 #               $OUT/rlstep_mfu.jsonl (its train + recompute share). Needs setup, TE and the
 #               random 4B checkpoint (randckpt) on the warm machine; ~8.5 min in all
@@ -326,14 +326,14 @@ case $phase in
   rlstep-mfu)
     te_env
     rm -f "$OUT/train_mfu${TAG:-}.jsonl"
-    timeout --kill-after=10 "${MFU_S:-250}" python3 bench/train_mfu.py --model qwen3_4b \
+    timeout --kill-after=10 "${MFU_S:-270}" python3 bench/train_mfu.py --model qwen3_4b \
       ${ROWS:+--rows "$ROWS"} --new-tokens "${NEW_TOKENS:-1024}" \
       --out "$OUT/train_mfu${TAG:-}.jsonl" 2>&1 | grep -E "^\||train_mfu\]|Error|error" | tail -n 24
     picked=$(python3 bench/train_mfu.py --pick "$OUT/train_mfu${TAG:-}.jsonl" \
       --max-peak-gib "${MAX_PEAK:-110}") || { echo "no train_mfu row for the RL step"; exit 1; }
     { read -r mb; read -r meg; read -r qrl; } <<< "$picked"
     echo "RL step row: $mb --megatron '$meg' --qrl '$qrl'"
-    timeout --kill-after=10 "${STEP_S:-240}" python3 bench/rl_step.py --model qwen3_4b \
+    timeout --kill-after=10 "${STEP_S:-230}" python3 bench/rl_step.py --model qwen3_4b \
       --formats fp8 $mb --megatron "$meg" --qrl "$qrl" --prompts 32 --n 8 \
       --max-new-tokens "${NEW_TOKENS:-1024}" --steps "${STEPS:-2}" \
       --out "$OUT/rlstep_mfu${TAG:-}.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 8 ;;
