@@ -32,7 +32,9 @@ input embedding, tokens the positions run, padding included), peak allocated / r
 memory, allocator retries (``num_alloc_retries``: cudaFree + retry, a full-GPU symptom) and,
 on CUDA, a kernel profile of two more micro batches (``prof_*``: the GPU's busy share of the
 wall time — below ~0.9 the host, not the kernels, sets the pace — and the top kernels).
-A row that runs out of memory is reported as such and the next one runs.
+A row that runs out of memory is reported as such and the next one runs. First, one record
+``log_prob_check``: the chunked log-probs, entropy and logit gradients against the earlier
+megatron-core path on one micro batch of the model's own logits (max abs differences).
 """
 
 from __future__ import annotations
@@ -189,6 +191,39 @@ def _profiles(trainer, group: list[dict], loss_fn, per_token: bool) -> dict:
         return {"prof_error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
+def check_log_probs(trainer, mb: dict) -> dict:
+    """The chunked log-probs / entropy / logit gradients against the earlier megatron-core
+    path on one micro batch of this model's real logits (max abs differences)."""
+    from megatron_qrl.losses.logprobs import chunked_log_probs
+    from megatron_qrl.losses.megatron_adapter import (
+        _tp_group,
+        megatron_log_probs,
+        vocab_parallel_entropy,
+    )
+
+    device = next(trainer.module.parameters()).device
+    tokens, labels = mb["tokens"].to(device), mb["labels"].to(device)
+    with torch.no_grad():
+        logits = trainer.module(tokens, mb["position_ids"].to(device), None)
+    weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    out = {}
+    for name, fn in (("chunked", lambda x: chunked_log_probs(x, labels, 1.0, _tp_group())[0]),
+                     ("megatron", lambda x: megatron_log_probs(x, labels))):
+        x = logits.detach().requires_grad_()
+        lp = fn(x)
+        (grad,) = torch.autograd.grad((lp * weights).sum(), x)
+        out[name] = (lp.detach(), grad.float())
+        del x, lp, grad
+    ent = chunked_log_probs(logits, labels, 1.0, _tp_group(), entropy=True)[1]
+    ent_old = vocab_parallel_entropy(logits, _tp_group())
+    (lp_a, g_a), (lp_b, g_b) = out["chunked"], out["megatron"]
+    return {"row": "log_prob_check", "tokens": int(labels.numel()),
+            "max_abs_dlogp": float((lp_a - lp_b).abs().max()),
+            "max_abs_dentropy": float((ent - ent_old).abs().max()),
+            "max_abs_dgrad": float((g_a - g_b).abs().max()),
+            "max_abs_grad": float(g_b.abs().max())}
+
+
 def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, updates: int,
             fused_rope: bool, profile: bool = False) -> dict:
     """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
@@ -265,6 +300,11 @@ def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
               f"{n_active / 1e9:.2f} B active, TE spec: {fused_rope or 'no/unknown'}) in "
               f"{time.perf_counter() - t:.1f} s", flush=True)
         batch = rollout_batch(args, arch.vocab_size)
+        checked = check_log_probs(trainer, {k: v[:4] for k, v in batch.items()})
+        print("[train_mfu] " + json.dumps(checked), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(checked) + "\n")
         for row in rows:
             try:
                 rec = run_row(trainer, row, batch, configs, n_active, args.updates, fused_rope,
@@ -291,7 +331,7 @@ def pick(path: Path, max_peak_gib: float) -> tuple[str, str, str]:
     """bench/rl_step.py flags of the fastest row (recompute + train time) of ``path`` that ran
     without error, within ``max_peak_gib`` reserved and on the current code (no ``oldlp``)."""
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    ok = [r for r in rows if "error" not in r and "oldlp" not in r["row"].split("-")
+    ok = [r for r in rows if "time_train_s" in r and "oldlp" not in r["row"].split("-")
           and r.get("peak_reserved_gib", 0.0) <= max_peak_gib]
     if not ok:
         raise SystemExit(f"bench/train_mfu.py --pick: no row of {path} ran within "

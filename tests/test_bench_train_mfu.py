@@ -108,6 +108,9 @@ def test_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["row"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert "do not split" in rows["none-mb8"]["error"]  # 8 samples, 2 updates
+    check = rows["log_prob_check"]
+    assert check["max_abs_dlogp"] < 1e-5 and check["max_abs_dentropy"] < 1e-5
+    assert check["max_abs_dgrad"] < 1e-5 < check["max_abs_grad"]
     for name in ("full-mb4-oldlp-norope", "none-mb2-lp1000", "none-tok40"):
         r = rows[name]
         assert r["time_train_s"] > 0 and r["time_recompute_s"] > 0 and r["real_tokens"] > 0
