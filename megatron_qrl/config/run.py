@@ -267,6 +267,13 @@ class RunConfig:
     the right padding changes no earlier logit), fewer and larger forwards; 0 = on the
     training micro batches."""
 
+    prox_from_first_update: bool = False
+    """RL steps: the first optimizer step's pi_prox is its own forward's log-probs (detached)
+    instead of a separate recompute pass — its weights are pi_prox's, so only float noise
+    differs; the recompute then runs on the other --qrl-updates-per-step - 1 mini batches
+    only (none with one update). Not with --qrl-routing-replay recompute (the update forward
+    does not replay the rollout's routing)."""
+
     updates_per_step: int = 1
     """Optimizer steps per rollout batch (mini batches); > 1 makes pi_theta move away from
     pi_prox within a step, which is what the clipping acts on."""

@@ -31,7 +31,8 @@ microbatches). With ``non_loss_data=True`` (forward-only with ``collect_non_loss
 the call returns ``{"log_probs": [batch, seq]}`` — the trainer's recompute of pi_prox.
 
 Batch keys: ``labels`` [B, S] (sampled token ids aligned with the logits), ``loss_mask``
-[B, S], ``old_log_probs`` (pi_prox), ``rollout_log_probs`` (pi_behav), ``advantages`` [B] or
+[B, S], ``old_log_probs`` (pi_prox; None: this forward's own log-probs, detached),
+``rollout_log_probs`` (pi_behav), ``advantages`` [B] or
 [B, S], optionally ``ref_log_probs``.
 """
 
@@ -153,15 +154,18 @@ class PolicyLossFunc:
         if non_loss_data:
             return {"log_probs": log_probs.detach()}
         loss_mask = batch["loss_mask"].bool()
+        # None: pi_prox is this very forward (the first update of an RL step, whose weights
+        # are pi_prox's: rl.steps, --qrl-prox-from-first-update)
+        old = batch["old_log_probs"]
+        old = log_probs.detach() if old is None else old
         metrics: dict[str, Tensor] = {}
         if self.error_tokens is not None:
             loss_mask, metrics = filter_error_tokens(
-                batch["labels"], batch["old_log_probs"], batch["rollout_log_probs"],
-                loss_mask, self.error_tokens,
+                batch["labels"], old, batch["rollout_log_probs"], loss_mask, self.error_tokens,
             )  # fmt: skip
         loss, loss_metrics = compute_policy_loss(
             log_probs,
-            batch["old_log_probs"],
+            old,
             batch["rollout_log_probs"],
             batch["advantages"],
             loss_mask,

@@ -177,9 +177,13 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t1 = time.perf_counter()
     groups = micro_batches(ctx, batch)
     mbs = [mb for group in groups for mb in group]
-    old = recompute_log_probs(ctx, mbs)
-    agreement = ctx.trainer.last_routing_agreement
-    for mb, lp in zip(mbs, old):
+    first = ctx.configs["run"].prox_from_first_update
+    recompute = [mb for group in groups[1:] for mb in group] if first else mbs
+    for mb in groups[0] if first else ():
+        mb["old_log_probs"] = None  # pi_prox: the first update's own forward (the loss)
+    old = recompute_log_probs(ctx, recompute) if recompute else []
+    agreement = ctx.trainer.last_routing_agreement if recompute else None
+    for mb, lp in zip(recompute, old):
         mb["old_log_probs"] = lp
     t2 = time.perf_counter()
     updates = [ctx.trainer.train_step(group, ctx.loss_fn) for group in groups]
