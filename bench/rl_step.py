@@ -107,7 +107,10 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                               p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)))
-    res: dict = {"variant": variant, "format": fmt, "flags": flags, "wall_s": round(time.time() - t, 1)}
+    res: dict = {"variant": variant, "format": fmt, "flags": flags, "qrl_flags": args.qrl,
+                 "micro_batch_size": args.micro_batch_size,
+                 "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
+                 "wall_s": round(time.time() - t, 1)}
     metrics = out_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
         res["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -20,6 +20,7 @@ micro batch, then ``--updates`` ``PolicyTrainer.train_step`` with the TIS loss o
     mbN | tokN       --qrl-micro-batch-size N, or --qrl-max-tokens-per-micro-batch N
     lpN              --qrl-log-prob-max-tokens N (the recompute on micro batches joined up
                      to N tokens; default: on the training micro batches)
+    prox1            --qrl-prox-from-first-update (no recompute of the first update's samples)
     oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
                      a separate entropy pass; ``PolicyLossFunc(chunked=False)``)
     norope           --no-rope-fusion
@@ -56,8 +57,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from rl_step import PEAK_FLOPS, active_params  # noqa: E402
 
-DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16512,none-mb8-lp16512,"
-                "full-mb16-lp16512")
+DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16512-prox1,"
+                "none-mb8-lp16512-prox1,full-mb16-lp16512-prox1")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
@@ -72,6 +73,7 @@ class Row:
     chunked: bool = True
     rope_fusion: bool = True
     log_prob_tokens: int = 0
+    prox_first: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Row:
@@ -88,9 +90,11 @@ class Row:
                 kw["log_prob_tokens"] = int(w[2:])
             elif w in ("oldlp", "norope"):
                 kw["chunked" if w == "oldlp" else "rope_fusion"] = False
+            elif w == "prox1":
+                kw["prox_first"] = True
             else:
-                raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, oldlp, "
-                                 "norope)")
+                raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
+                                 "oldlp, norope)")
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
             raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
         return cls(name, **kw)
@@ -101,7 +105,9 @@ class Row:
             else f"--micro-batch-size {self.micro_batch}"
         meg = " ".join(([RECOMPUTE] if self.recompute else [])
                        + ([] if self.rope_fusion else ["--no-rope-fusion"]))
-        qrl = f"--qrl-log-prob-max-tokens {self.log_prob_tokens}" if self.log_prob_tokens else ""
+        qrl = " ".join(([f"--qrl-log-prob-max-tokens {self.log_prob_tokens}"]
+                        if self.log_prob_tokens else [])
+                       + (["--qrl-prox-from-first-update"] if self.prox_first else []))
         return mb, meg, qrl
 
 
@@ -247,7 +253,10 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
     t0 = time.perf_counter()
     ctx = SimpleNamespace(configs={"run": SimpleNamespace(log_prob_max_tokens=row.log_prob_tokens)},
                           tokenizer=SimpleNamespace(pad_id=0), trainer=trainer, loss_fn=loss_fn)
-    for mb, lp in zip(mbs, recompute_log_probs(ctx, mbs)):
+    recompute = [mb for g in groups[1:] for mb in g] if row.prox_first else mbs
+    for mb in groups[0] if row.prox_first else ():
+        mb["old_log_probs"] = None  # as rl.steps.rl_step
+    for mb, lp in zip(recompute, recompute_log_probs(ctx, recompute) if recompute else []):
         mb["old_log_probs"] = lp
     _sync()
     t1 = time.perf_counter()
@@ -256,11 +265,12 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
     _sync()
     t2 = time.perf_counter()
     tokens = sum(int(mb["tokens"].numel()) for mb in mbs)
+    again = sum(int(mb["tokens"].numel()) for mb in recompute)
     rec = {"row": row.name, "micro_batches": len(mbs), "trained_tokens": tokens,
-           "real_tokens": int(batch["loss_mask"].sum()),
+           "recomputed_tokens": again, "real_tokens": int(batch["loss_mask"].sum()),
            "time_recompute_s": round(t1 - t0, 3), "time_train_s": round(t2 - t1, 3),
            "trainer_mfu": round(6 * n_active * tokens / (t2 - t1) / PEAK_FLOPS, 4),
-           "recompute_mfu": round(2 * n_active * tokens / (t1 - t0) / PEAK_FLOPS, 4)}
+           "recompute_mfu": round(2 * n_active * again / max(t1 - t0, 1e-9) / PEAK_FLOPS, 4)}
     if cuda:
         rec.update(peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                    peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),

@@ -23,8 +23,9 @@ def test_row_grammar_and_rl_step_flags():
     assert (r.recompute, r.micro_batch, r.max_tokens, r.chunked, r.rope_fusion) == (
         True, 4, 0, False, False)
     assert r.rl_step_args() == ("--micro-batch-size 4", RECOMPUTE + " --no-rope-fusion", "")
-    assert Row.parse("none-tok8192-lp16384").rl_step_args() == (
-        "--max-tokens-per-micro-batch 8192", "", "--qrl-log-prob-max-tokens 16384")
+    assert Row.parse("none-tok8192-lp16384-prox1").rl_step_args() == (
+        "--max-tokens-per-micro-batch 8192", "",
+        "--qrl-log-prob-max-tokens 16384 --qrl-prox-from-first-update")
     for bad, match in (("half-mb4", "full or none"), ("full-mb4-tok8", "exactly one"),
                        ("none", "exactly one"), ("none-mb4-fast", "unknown word")):
         with pytest.raises(ValueError, match=match):
@@ -102,8 +103,8 @@ def test_cpu_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench/train_mfu.py"), "--device", "cpu", "--model", "tiny",
          "--prompts", "2", "--n", "4", "--new-tokens", "12",
-         "--rows", "full-mb4-oldlp-norope,none-mb2-lp1000,none-mb8,none-tok40", "--out",
-         str(out)],
+         "--rows", "full-mb4-oldlp-norope,none-mb2-lp1000,none-mb8,none-tok40,none-mb2-prox1",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["row"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -115,6 +116,9 @@ def test_cpu_smoke(tmp_path):
         r = rows[name]
         assert r["time_train_s"] > 0 and r["time_recompute_s"] > 0 and r["real_tokens"] > 0
     assert rows["none-mb2-lp1000"]["micro_batches"] == 4
+    prox = rows["none-mb2-prox1"]  # 2 updates: the second half only is recomputed
+    assert 2 * prox["recomputed_tokens"] == prox["trained_tokens"]
+    assert rows["none-mb2-lp1000"]["recomputed_tokens"] == rows["none-mb2-lp1000"]["trained_tokens"]
     assert rows["none-tok40"]["trained_tokens"] <= rows["none-mb2-lp1000"]["trained_tokens"]
     assert "| none-tok40 |" in proc.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "bench/train_mfu.py"), "--rows", "x-mb1"],
