@@ -194,6 +194,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
+    rec["recomputed_tokens"] = sum(int(mb["tokens"].numel()) for mb in recompute)
     rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rec["trainer_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
     # cudaFree + retry of the caching allocator this step: the GPU was full (a slow step)
