@@ -86,13 +86,23 @@
 #   rlstep-offload  the same, FP8, with --use-distributed-optimizer --optimizer-cpu-offload
 #               (its peak trainer memory next to rlstep's fp8 row)
 #   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first)
+#   rlstep-mfu  trainer MFU (issue 16): bench/train_mfu.py runs the recompute + train phases of
+#               one 4B RL step (32 x 8 samples, 1,024 new tokens, synthetic batch, no engine)
+#               for ROWS side by side on ONE built policy (default: the 8th session's setting
+#               full-mb4-oldlp-norope, then full-mb4, none-mb4, none-mb4-lp16512-prox1,
+#               none-mb8-lp16512-prox1, full-mb16-lp16512-prox1; MFU + peak memory per row, under
+#               ${MFU_S:-270} s) -> $OUT/train_mfu.jsonl; then ONE real RL step row (fp8
+#               rollouts, 1,024 new tokens, ${STEPS:-2} steps, under ${STEP_S:-230} s) with the
+#               fastest row's flags whose reserved peak is <= ${MAX_PEAK:-110} GiB ->
+#               $OUT/rlstep_mfu.jsonl (its train + recompute share). Needs setup, TE and the
+#               random 4B checkpoint (randckpt) on the warm machine; ~8.5 min in all
 #   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single), 3 RL steps on the random
 #               Qwen3-4B, no checkpoint written; the metrics go to $OUT/example4b_metrics.jsonl
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|example4b|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -339,6 +349,20 @@ case $phase in
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
       --out "$OUT/${phase//-/_}${TAG:-}.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20 ;;
+  rlstep-mfu)
+    te_env
+    rm -f "$OUT/train_mfu${TAG:-}.jsonl"
+    timeout --kill-after=10 "${MFU_S:-270}" python3 bench/train_mfu.py --model qwen3_4b \
+      ${ROWS:+--rows "$ROWS"} --new-tokens "${NEW_TOKENS:-1024}" \
+      --out "$OUT/train_mfu${TAG:-}.jsonl" 2>&1 | grep -E "^\||train_mfu\]|Error|error" | tail -n 24
+    picked=$(python3 bench/train_mfu.py --pick "$OUT/train_mfu${TAG:-}.jsonl" \
+      --max-peak-gib "${MAX_PEAK:-110}") || { echo "no train_mfu row for the RL step"; exit 1; }
+    { read -r mb; read -r meg; read -r qrl; } <<< "$picked"
+    echo "RL step row: $mb --megatron '$meg' --qrl '$qrl'"
+    timeout --kill-after=10 "${STEP_S:-230}" python3 bench/rl_step.py --model qwen3_4b \
+      --formats fp8 $mb --megatron "$meg" --qrl "$qrl" --prompts 32 --n 8 \
+      --max-new-tokens "${NEW_TOKENS:-1024}" --steps "${STEPS:-2}" \
+      --out "$OUT/rlstep_mfu${TAG:-}.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 8 ;;
   example4b)
     te_env
     [ -f /tmp/qrl_random_ckpt/qwen3_4b-allL/config.json ] || python3 tools/make_random_checkpoint.py \

@@ -14,13 +14,14 @@ the trainer's peak memory (``torch.cuda.max_memory_allocated`` of the trainer pr
 memory lives in its own processes) and
 
     trainer MFU   = 6 * N_active * trained_tokens / time_train / peak
-    recompute MFU = 2 * N_active * trained_tokens / time_recompute / peak
+    recompute MFU = 2 * N_active * recomputed_tokens / time_recompute / peak
 
 (Kaplan et al. 2020, C = 6 N D for a forward + backward; 2 N D forward only), ``peak`` =
 989e12 FLOP/s (H200 dense BF16), ``N_active`` the parameters a token passes through (every
 weight but the input embedding; of the experts only ``top_k`` of ``num_experts``),
 ``trained_tokens`` the positions the trainer ran (padding included: what the GPU computed; the
-real tokens are ``real_tokens``). Attention FLOPs are not counted (a lower bound).
+real tokens are ``real_tokens``; ``recomputed_tokens``: those of the pi_prox recompute, fewer
+with ``--qrl-prox-from-first-update``). Attention FLOPs are not counted (a lower bound).
 """
 
 from __future__ import annotations
@@ -107,7 +108,10 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                               p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)))
-    res: dict = {"variant": variant, "format": fmt, "flags": flags, "wall_s": round(time.time() - t, 1)}
+    res: dict = {"variant": variant, "format": fmt, "flags": flags, "qrl_flags": args.qrl,
+                 "micro_batch_size": args.micro_batch_size,
+                 "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
+                 "wall_s": round(time.time() - t, 1)}
     metrics = out_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
         res["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -123,8 +127,11 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
         real_tokens=int(args.prompts * args.n * (rec.get("response_len") or 0)),
         train_recompute_share=round((rec["time_train_s"] + rec["time_recompute_s"]) / step, 3),
         trainer_mfu=round(6 * n * tokens / rec["time_train_s"] / PEAK_FLOPS, 4),
-        recompute_mfu=round(2 * n * tokens / rec["time_recompute_s"] / PEAK_FLOPS, 4),
-        trainer_peak_gib=rec.get("trainer_peak_gib"), response_len=rec.get("response_len"),
+        recompute_mfu=round(2 * n * rec.get("recomputed_tokens", tokens)
+                            / max(rec["time_recompute_s"], 1e-9) / PEAK_FLOPS, 4),
+        trainer_peak_gib=rec.get("trainer_peak_gib"),
+        trainer_reserved_gib=rec.get("trainer_reserved_gib"),
+        alloc_retries=rec.get("alloc_retries"), response_len=rec.get("response_len"),
         reward_mean=rec.get("reward_mean"), mismatch_kl=rec.get("mismatch_kl"))
     return res
 

@@ -112,6 +112,14 @@ def _routing(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     return None
 
 
+def _prox_first(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    if c["run"].prox_from_first_update and c["routing"].replay == "recompute":
+        return ("--qrl-prox-from-first-update takes pi_prox from the first update's forward, "
+                "which does not replay the rollout's routing under --qrl-routing-replay "
+                "recompute; use --qrl-routing-replay all or drop --qrl-prox-from-first-update")
+    return None
+
+
 def _uaq(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     if not c["uaq"].enabled or env.checkpoint_metadata is None:
         return None
@@ -159,7 +167,7 @@ def _fleet_split(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 
 
 CHECKS: tuple[Callable[[Mapping[str, Any], CheckEnv], str | None], ...] = (
-    _w4a4, _sglang_gpu, _sglang_options, _tbpo, _aligned, _routing, _uaq, _batches,
+    _w4a4, _sglang_gpu, _sglang_options, _tbpo, _aligned, _routing, _prox_first, _uaq, _batches,
     lora_problem, _token_budget, _fleet_split,
 )
 

@@ -18,7 +18,8 @@ mapping applies. Every accepted flag has an effect or raises; none is silently i
   checkpoints hold each rank's shard), ``--optimizer-cpu-offload`` /
   ``--optimizer-offload-fraction`` (megatron-core's HybridDeviceOptimizer: that share of the
   fp32 master weights + Adam moments lives and steps on the CPU; needs the distributed
-  optimizer);
+  optimizer), ``--no-rope-fusion`` (the TE spec on a GPU uses TE's fused RoPE kernel unless
+  given, as Megatron-LM);
 * run flags, rewritten to ``--qrl-*`` flags (:func:`qrl_equivalents`; a ``--qrl-*`` flag
   that says something else is one error naming both): ``--lr`` -> ``--qrl-lr``, ``--seed``
   -> ``--qrl-seed``, ``--micro-batch-size`` -> ``--qrl-micro-batch-size``, ``--load DIR`` ->
@@ -71,6 +72,7 @@ FLAGS: tuple[tuple[str, str, Any, Any, tuple | None], ...] = (
     ("--optimizer-offload-fraction", "optimizer_offload_fraction", float, 1.0, None),
     ("--transformer-impl", "transformer_impl", str, "transformer_engine",
      ("local", "transformer_engine")),
+    ("--no-rope-fusion", "apply_rope_fusion", _F, True, None),
     ("--recompute-granularity", "recompute_granularity", str, None, ("full", "selective")),
     ("--recompute-method", "recompute_method", str, None, ("uniform", "block")),
     ("--recompute-num-layers", "recompute_num_layers", int, None, None),
@@ -457,6 +459,8 @@ def parse_megatron_flags(argv: Sequence[str]
     for dest in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         if getattr(ns, dest) is not None:
             overrides.append((dest, getattr(ns, dest)))
+    if "apply_rope_fusion" in explicit:  # --no-rope-fusion; absent: the builder decides
+        overrides.append(("apply_rope_fusion", False))
     if ns.moe_grouped_gemm:
         overrides.append(("moe_grouped_gemm", True))
         shape += (("moe_grouped_gemm", True),)

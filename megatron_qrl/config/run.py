@@ -261,6 +261,19 @@ class RunConfig:
     --qrl-micro-batch-size padded rows; the policy loss is then the global token mean of each
     optimizer step (needs --qrl-loss-aggregation token_mean). 0 = off."""
 
+    log_prob_max_tokens: int = 0
+    """RL steps: the pi_prox recompute (forward only, no activations kept) runs on
+    consecutive trainer micro batches joined up to this many tokens (rows x longest row;
+    the right padding changes no earlier logit), fewer and larger forwards; 0 = on the
+    training micro batches."""
+
+    prox_from_first_update: bool = False
+    """RL steps: the first optimizer step's pi_prox is its own forward's log-probs (detached)
+    instead of a separate recompute pass — its weights are pi_prox's, so only float noise
+    differs; the recompute then runs on the other --qrl-updates-per-step - 1 mini batches
+    only (none with one update). Not with --qrl-routing-replay recompute (the update forward
+    does not replay the rollout's routing)."""
+
     updates_per_step: int = 1
     """Optimizer steps per rollout batch (mini batches); > 1 makes pi_theta move away from
     pi_prox within a step, which is what the clipping acts on."""
@@ -326,6 +339,7 @@ class RunConfig:
                                  ("--qrl-updates-per-step", self.updates_per_step, 1),
                                  ("--qrl-max-tokens-per-micro-batch",
                                   self.max_tokens_per_micro_batch, 0),
+                                 ("--qrl-log-prob-max-tokens", self.log_prob_max_tokens, 0),
                                  ("--qrl-seed", self.seed, 0),
                                  ("--qrl-save-interval", self.save_interval, -1),
                                  ("--qrl-engine-max-restarts", self.engine_max_restarts, 0),

@@ -9,9 +9,13 @@ Use from a ``forward_step_func``::
         return logits, functools.partial(loss_fn, batch)
 
 (:func:`policy_forward_step` is exactly that.) The logits are the model's output
-``[batch, seq, vocab / TP]``; per-token log-probs of ``batch["labels"]`` come from
-megatron-core's ``vocab_parallel_cross_entropy`` (the full vocabulary is never gathered),
-then :func:`compute_policy_loss` runs on them.
+``[batch, seq, vocab / TP]``; per-token log-probs of ``batch["labels"]`` and the entropy
+metric come from one chunked pass over the vocab-parallel logits
+(:func:`megatron_qrl.losses.logprobs.chunked_log_probs`: the full vocabulary is never
+gathered, no fp32 copy of the whole logits is kept), then :func:`compute_policy_loss` runs
+on them. ``PolicyLossFunc(chunked=False)`` is the earlier path (megatron-core's
+``vocab_parallel_cross_entropy`` on a fp32 copy + a separate entropy pass), kept for
+comparison (tests, bench/train_mfu.py).
 
 Return format. megatron-core 0.16.1 ``schedules.forward_step_calc_loss`` accepts both:
 - 3-tuple ``(loss, num_tokens, {name: value})``: the schedule divides ``loss`` by
@@ -27,7 +31,8 @@ microbatches). With ``non_loss_data=True`` (forward-only with ``collect_non_loss
 the call returns ``{"log_probs": [batch, seq]}`` — the trainer's recompute of pi_prox.
 
 Batch keys: ``labels`` [B, S] (sampled token ids aligned with the logits), ``loss_mask``
-[B, S], ``old_log_probs`` (pi_prox), ``rollout_log_probs`` (pi_behav), ``advantages`` [B] or
+[B, S], ``old_log_probs`` (pi_prox; None: this forward's own log-probs, detached),
+``rollout_log_probs`` (pi_behav), ``advantages`` [B] or
 [B, S], optionally ``ref_log_probs``.
 """
 
@@ -43,6 +48,7 @@ from torch import Tensor
 
 from megatron_qrl.losses.config import PolicyLossConfig
 from megatron_qrl.losses.error_tokens import ErrorTokenConfig, filter_error_tokens
+from megatron_qrl.losses.logprobs import chunked_log_probs
 from megatron_qrl.losses.policy import compute_policy_loss
 
 REQUIRED_KEYS = ("labels", "loss_mask", "old_log_probs", "rollout_log_probs", "advantages")
@@ -56,12 +62,24 @@ def schedule_accepts_num_tokens() -> bool:
     return "len(outputs) == 3" in inspect.getsource(fn)
 
 
-def vocab_parallel_log_probs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """``log softmax(logits / T)[labels]`` for vocab-parallel logits ``[..., vocab / TP]``.
+def _tp_group():
+    from megatron.core import parallel_state
 
-    Uses megatron-core's ``vocab_parallel_cross_entropy`` (all-reduces of max, target logit
-    and sum-exp only). The logits tensor is not modified (the division makes a copy).
-    """
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def vocab_parallel_log_probs(logits: Tensor, labels: Tensor, temperature: float = 1.0,
+                             group=None) -> Tensor:
+    """``log softmax(logits / T)[labels]`` for vocab-parallel logits ``[..., vocab / TP]``
+    (``group``: their tensor-parallel group, default megatron-core's), chunked over tokens
+    (:func:`~megatron_qrl.losses.logprobs.chunked_log_probs`). The logits are not modified."""
+    return chunked_log_probs(logits, labels, temperature, group or _tp_group())[0]
+
+
+def megatron_log_probs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """The same through megatron-core's ``vocab_parallel_cross_entropy`` on a fp32 copy (the
+    earlier path: the fp32 softmax of every position is kept for the backward). The logits
+    tensor is not modified (the division makes a copy)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     scaled = logits.float() / temperature
@@ -93,8 +111,11 @@ class PolicyLossFunc:
         return_num_tokens: bool | None = None,
         log_entropy: bool = True,
         tp_group=None,
+        chunked: bool = True,
     ) -> None:
-        """``tp_group``: the tensor-parallel group of the logits (default: megatron-core's)."""
+        """``tp_group``: the tensor-parallel group of the logits (default: megatron-core's).
+        ``chunked``: log-probs and entropy in one chunked pass (False: the earlier
+        megatron-core cross entropy + separate entropy; module docstring)."""
         if temperature <= 0:
             raise ValueError(f"PolicyLossFunc: temperature={temperature} must be > 0")
         self.cfg = cfg
@@ -105,13 +126,22 @@ class PolicyLossFunc:
         )
         self.log_entropy = log_entropy
         self._tp_group = tp_group
+        self.chunked = chunked
 
     def _group(self):
         if self._tp_group is None:
-            from megatron.core import parallel_state
-
-            self._tp_group = parallel_state.get_tensor_model_parallel_group()
+            self._tp_group = _tp_group()
         return self._tp_group
+
+    def _log_probs(self, logits: Tensor, labels: Tensor, entropy: bool
+                   ) -> tuple[Tensor, Tensor | None]:
+        """``(log-probs of labels, entropy or None)`` of the vocab-parallel logits."""
+        if self.chunked:
+            return chunked_log_probs(logits, labels, self.temperature, self._group(), entropy)
+        lp = megatron_log_probs(logits, labels, self.temperature)
+        ent = vocab_parallel_entropy(logits, self._group(), self.temperature) if entropy \
+            else None
+        return lp, ent
 
     def __call__(
         self, batch: Mapping[str, Tensor], output_tensor: Tensor, non_loss_data: bool = False
@@ -119,24 +149,23 @@ class PolicyLossFunc:
         missing = [k for k in REQUIRED_KEYS if k not in batch]
         if missing and not non_loss_data:
             raise KeyError(f"PolicyLossFunc: batch lacks {missing}; it needs {REQUIRED_KEYS}")
-        log_probs = vocab_parallel_log_probs(output_tensor, batch["labels"], self.temperature)
+        want_entropy = self.log_entropy and not non_loss_data
+        log_probs, entropy = self._log_probs(output_tensor, batch["labels"], want_entropy)
         if non_loss_data:
             return {"log_probs": log_probs.detach()}
         loss_mask = batch["loss_mask"].bool()
+        # None: pi_prox is this very forward (the first update of an RL step, whose weights
+        # are pi_prox's: rl.steps, --qrl-prox-from-first-update)
+        old = batch["old_log_probs"]
+        old = log_probs.detach() if old is None else old
         metrics: dict[str, Tensor] = {}
         if self.error_tokens is not None:
             loss_mask, metrics = filter_error_tokens(
-                batch["labels"], batch["old_log_probs"], batch["rollout_log_probs"],
-                loss_mask, self.error_tokens,
+                batch["labels"], old, batch["rollout_log_probs"], loss_mask, self.error_tokens,
             )  # fmt: skip
-        entropy = (
-            vocab_parallel_entropy(output_tensor, self._group(), self.temperature)
-            if self.log_entropy
-            else None
-        )
         loss, loss_metrics = compute_policy_loss(
             log_probs,
-            batch["old_log_probs"],
+            old,
             batch["rollout_log_probs"],
             batch["advantages"],
             loss_mask,

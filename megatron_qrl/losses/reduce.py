@@ -29,10 +29,14 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def masked_max(values: Tensor, mask: Tensor) -> Tensor:
-    """Max of ``values`` over ``mask``; 0 where the mask is empty."""
-    if not bool(mask.any()):
-        return torch.zeros((), dtype=values.dtype, device=values.device)
-    return values[mask].max()
+    """Max of ``values`` over ``mask``; 0 where the mask is empty. No host sync (no boolean
+    indexing, no ``bool()``): the loss runs once per micro batch on the GPU."""
+    lowest = torch.finfo(values.dtype).min if values.is_floating_point() \
+        else torch.iinfo(values.dtype).min
+    top = torch.where(mask, values, torch.full((), lowest, dtype=values.dtype,
+                                                device=values.device)).max()
+    return torch.where(mask.any(), top, torch.zeros((), dtype=values.dtype,
+                                                    device=values.device))
 
 
 def aggregate_token_loss(per_token: Tensor, mask: Tensor, aggregation: str) -> Tensor:

@@ -102,7 +102,8 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
     """The megatron-core ``TransformerConfig`` of ``arch`` at ``layout``; ``overrides`` win.
 
     ``use_te`` (default: TE importable): the TE spec will be built, so the alltoall dispatcher
-    may be used; without TE the MoE dispatcher is allgather (below)."""
+    may be used and, on a GPU, RoPE is TE's fused kernel; without TE the MoE dispatcher is
+    allgather (below)."""
     from megatron.core.transformer import TransformerConfig
 
     layout = layout or ParallelLayout()
@@ -119,7 +120,7 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, pipeline_dtype=params_dtype,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
     if arch.is_moe:
@@ -133,7 +134,11 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
         )
     if arch.is_moe:
         kwargs.update(moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall")
-    if not (use_transformer_engine() if use_te is None else use_te):
+    te = use_transformer_engine() if use_te is None else use_te
+    # TE's fused RoPE kernel (Megatron-LM's default, ``--no-rope-fusion`` turns it off): the
+    # unfused rotation is ~5 elementwise passes over q and k per layer, forward and backward
+    kwargs["apply_rope_fusion"] = bool(te and torch.cuda.is_available())
+    if not te:
         # megatron-core 0.16.1 without TE: the alltoall dispatcher builds a torch.cuda.Stream
         # in __init__, so the CPU build uses the allgather dispatcher (same maths, dropless).
         # Parameters are created on the GPU when there is one (megatron's default).

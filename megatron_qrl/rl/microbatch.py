@@ -14,6 +14,11 @@ the step's total loss tokens (``TrainerOptions.per_token_loss``, Megatron's
 ``calculate_per_token_loss``), the global token mean ``sum_{i,t} m l / sum_{i,t} m`` (DAPO's
 token-level loss, Yu et al. 2025; docs/ALGORITHMS.md section 1, "token-mean over the batch"), so
 only ``--qrl-loss-aggregation token_mean`` is accepted with a budget.
+
+The pi_prox recompute is forward only (no activations kept), so it can run on larger batches
+than training: :func:`merge_micro_batches` joins consecutive micro batches up to
+``--qrl-log-prob-max-tokens`` (each right-padded to the group's longest: no earlier logit
+changes under the causal mask) and says where each one's rows and positions are.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["budget_micro_batches", "row_lengths"]
+__all__ = ["budget_micro_batches", "merge_micro_batches", "row_lengths"]
 
 
 def row_lengths(batch: dict[str, Tensor]) -> Tensor:
@@ -98,3 +103,40 @@ def budget_micro_batches(batch: dict[str, Tensor], max_tokens: int, updates: int
             mbs.append(_take(batch, torch.tensor(group), length, pad_id))
         out.append(mbs)
     return out
+
+
+def merge_micro_batches(mbs: list[dict[str, Tensor]], max_tokens: int, pad_id: int = 0
+                        ) -> tuple[list[dict[str, Tensor]], list[tuple[int, int, int, int]]]:
+    """``(merged batches, spans)``: consecutive ``mbs`` joined while ``rows x longest row <=
+    max_tokens`` (a micro batch over the budget stays alone), and for each micro batch
+    ``(merged index, first row, end row, its length)`` — its log-probs are
+    ``out[index][first:end, :length]``."""
+    if max_tokens < 1:
+        raise ValueError(f"--qrl-log-prob-max-tokens must be >= 1 to merge, got {max_tokens}")
+    groups: list[list[int]] = []
+    for i, mb in enumerate(mbs):
+        rows, length = mb["tokens"].shape[:2]
+        if groups:
+            last = groups[-1]
+            n = sum(mbs[j]["tokens"].shape[0] for j in last) + rows
+            longest = max(length, *(mbs[j]["tokens"].shape[1] for j in last))
+            if n * longest <= max_tokens:
+                last.append(i)
+                continue
+        groups.append([i])
+    merged, spans = [], []
+    for g, group in enumerate(groups):
+        if len(group) == 1:
+            merged.append(mbs[group[0]])
+            spans.append((g, 0, mbs[group[0]]["tokens"].shape[0], mbs[group[0]]["tokens"].shape[1]))
+            continue
+        longest = max(mbs[j]["tokens"].shape[1] for j in group)
+        parts = [_take(mbs[j], torch.arange(mbs[j]["tokens"].shape[0]), longest, pad_id)
+                 for j in group]
+        merged.append({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+        first = 0
+        for j in group:
+            rows, length = mbs[j]["tokens"].shape[:2]
+            spans.append((g, first, first + rows, length))
+            first += rows
+    return merged, spans

@@ -32,8 +32,8 @@ from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
 
-__all__ = ["StepContext", "micro_batches", "rl_step", "sample_indices", "sft_step",
-           "step_seed"]
+__all__ = ["StepContext", "micro_batches", "recompute_log_probs", "rl_step", "sample_indices",
+           "sft_step", "step_seed"]
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -78,8 +78,13 @@ class StepContext:
     (``--qrl-rollout-sglang-release-memory``; the Ray colocated engine does it itself)."""
 
     def engine_memory(self, release: bool) -> None:
-        """Release (or resume) the engine's GPU memory when ``release_engine_memory``."""
+        """Release (or resume) the engine's GPU memory when ``release_engine_memory``. Before
+        a resume the trainer's cached free blocks go back to the driver
+        (``torch.cuda.empty_cache``): the activations of recompute + train, freed but still
+        reserved by the caching allocator, would otherwise leave the engine too little."""
         if self.release_engine_memory and self.world.is_main and self.engine is not None:
+            if not release and torch.cuda.is_available():
+                torch.cuda.empty_cache()
             (self.engine.release_memory if release else self.engine.resume_memory)()
 
     def check_length(self, batch: dict) -> dict:
@@ -163,6 +168,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     t0 = time.perf_counter()
     batch, rewards, texts, over_budget = ctx.world.broadcast(
         _rollout(ctx, step) if ctx.world.is_main else None)
@@ -171,9 +177,13 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t1 = time.perf_counter()
     groups = micro_batches(ctx, batch)
     mbs = [mb for group in groups for mb in group]
-    old = ctx.trainer.log_probs(mbs, ctx.loss_fn)
-    agreement = ctx.trainer.last_routing_agreement
-    for mb, lp in zip(mbs, old):
+    first = ctx.configs["run"].prox_from_first_update
+    recompute = [mb for group in groups[1:] for mb in group] if first else mbs
+    for mb in groups[0] if first else ():
+        mb["old_log_probs"] = None  # pi_prox: the first update's own forward (the loss)
+    old = recompute_log_probs(ctx, recompute) if recompute else []
+    agreement = ctx.trainer.last_routing_agreement if recompute else None
+    for mb, lp in zip(recompute, old):
         mb["old_log_probs"] = lp
     t2 = time.perf_counter()
     updates = [ctx.trainer.train_step(group, ctx.loss_fn) for group in groups]
@@ -184,10 +194,28 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
+    rec["recomputed_tokens"] = sum(int(mb["tokens"].numel()) for mb in recompute)
     rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    rec["trainer_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
+    # cudaFree + retry of the caching allocator this step: the GPU was full (a slow step)
+    rec["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries \
+        if cuda else None
     fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
     return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget,
             **(fleet() if callable(fleet) else {})}
+
+
+def recompute_log_probs(ctx: StepContext, mbs: list[dict]) -> list[torch.Tensor]:
+    """pi_prox of every micro batch (forward only), on micro batches joined up to
+    ``--qrl-log-prob-max-tokens`` (``rl.microbatch.merge_micro_batches``) when it is set."""
+    budget = ctx.configs["run"].log_prob_max_tokens
+    if not budget:
+        return ctx.trainer.log_probs(mbs, ctx.loss_fn)
+    from megatron_qrl.rl.microbatch import merge_micro_batches
+
+    merged, spans = merge_micro_batches(mbs, budget, ctx.tokenizer.pad_id)
+    out = ctx.trainer.log_probs(merged, ctx.loss_fn)
+    return [out[g][first:end, :length].contiguous() for g, first, end, length in spans]
 
 
 def micro_batches(ctx: StepContext, batch: dict) -> list[list[dict]]:

@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""The trainer phases of an RL step (pi_prox recompute + updates), trainer settings side by side.
+
+    python bench/train_mfu.py --model qwen3_4b --rows full-mb4-oldlp-norope,full-mb4,none-mb4 \
+        --out $OUT/train_mfu.jsonl
+    python bench/train_mfu.py --device cpu --model tiny --prompts 2 --n 4 --new-tokens 16
+    python bench/train_mfu.py --pick $OUT/train_mfu.jsonl     # rl_step.py flags of the best row
+
+One process builds the policy once through ``rl.trainer.build_policy`` (BF16 + fp32 Adam,
+the TE spec where TE imports on a GPU, random init: speed does not depend on the weights) and
+one rollout-shaped batch (``--prompts`` x ``--n`` samples of ``--prompt-len`` +
+``--new-tokens`` tokens, a ``--full-frac`` share of them at full length as a random-weight
+model's rollouts are, the rest uniform; random token ids). Each row then runs what
+``rl.steps.rl_step`` runs between rollout and sync — ``PolicyTrainer.log_probs`` over every
+micro batch, then ``--updates`` ``PolicyTrainer.train_step`` with the TIS loss of
+``rl.steps.make_loss_fn`` — after one untimed warm-up micro batch. Rows (``-``-joined words):
+
+    full | none      --recompute-granularity full --recompute-method uniform
+                     --recompute-num-layers 1, or no activation recompute
+    mbN | tokN       --qrl-micro-batch-size N, or --qrl-max-tokens-per-micro-batch N
+    lpN              --qrl-log-prob-max-tokens N (the recompute on micro batches joined up
+                     to N tokens; default: on the training micro batches)
+    prox1            --qrl-prox-from-first-update (no recompute of the first update's samples)
+    oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
+                     a separate entropy pass; ``PolicyLossFunc(chunked=False)``)
+    norope           --no-rope-fusion
+
+Recompute and RoPE fusion are TransformerConfig fields Megatron reads at every forward, so a
+row sets them on the built model's config (what the flags would have built). Reported per
+row: times, ``trainer_mfu = 6 N tokens / t_train / 989 TFLOP/s`` and ``recompute_mfu = 2 N
+tokens / t_recompute / peak`` (bench/rl_step.py's definitions: N the active parameters but the
+input embedding, tokens the positions run, padding included), peak allocated / reserved
+memory, allocator retries (``num_alloc_retries``: cudaFree + retry, a full-GPU symptom) and,
+on CUDA, a kernel profile of two more micro batches (``prof_*``: the GPU's busy share of the
+wall time — below ~0.9 the host, not the kernels, sets the pace — and the top kernels).
+A row that runs out of memory is reported as such and the next one runs. First, one record
+``log_prob_check``: the chunked log-probs, entropy and logit gradients against the earlier
+megatron-core path on one micro batch of the model's own logits (max abs differences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from rl_step import PEAK_FLOPS, active_params  # noqa: E402
+
+DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16512-prox1,"
+                "none-mb8-lp16512-prox1,full-mb16-lp16512-prox1")
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One trainer setting (module docstring)."""
+
+    name: str
+    recompute: bool
+    micro_batch: int = 0
+    max_tokens: int = 0
+    chunked: bool = True
+    rope_fusion: bool = True
+    log_prob_tokens: int = 0
+    prox_first: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> Row:
+        words = name.split("-")
+        if words[0] not in ("full", "none"):
+            raise ValueError(f"row {name!r}: starts with full or none (activation recompute)")
+        kw: dict = {"recompute": words[0] == "full"}
+        for w in words[1:]:
+            if w.startswith("mb") and w[2:].isdigit():
+                kw["micro_batch"] = int(w[2:])
+            elif w.startswith("tok") and w[3:].isdigit():
+                kw["max_tokens"] = int(w[3:])
+            elif w.startswith("lp") and w[2:].isdigit():
+                kw["log_prob_tokens"] = int(w[2:])
+            elif w in ("oldlp", "norope"):
+                kw["chunked" if w == "oldlp" else "rope_fusion"] = False
+            elif w == "prox1":
+                kw["prox_first"] = True
+            else:
+                raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
+                                 "oldlp, norope)")
+        if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
+            raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
+        return cls(name, **kw)
+
+    def rl_step_args(self) -> tuple[str, str, str]:
+        """``(bench/rl_step.py micro-batch flags, its --megatron flags, its --qrl flags)``."""
+        mb = f"--max-tokens-per-micro-batch {self.max_tokens}" if self.max_tokens \
+            else f"--micro-batch-size {self.micro_batch}"
+        meg = " ".join(([RECOMPUTE] if self.recompute else [])
+                       + ([] if self.rope_fusion else ["--no-rope-fusion"]))
+        qrl = " ".join(([f"--qrl-log-prob-max-tokens {self.log_prob_tokens}"]
+                        if self.log_prob_tokens else [])
+                       + (["--qrl-prox-from-first-update"] if self.prox_first else []))
+        return mb, meg, qrl
+
+
+def rollout_batch(args: argparse.Namespace, vocab: int) -> dict:
+    """A packed rollout batch (``rl.batch.pack_samples``) with GRPO advantages."""
+    from megatron_qrl.losses import grpo_advantages
+    from megatron_qrl.rl.batch import pack_samples
+
+    g = torch.Generator().manual_seed(0)
+    b = args.prompts * args.n
+    full = torch.rand(b, generator=g) < args.full_frac
+    lengths = torch.where(full, args.new_tokens, torch.randint(1, args.new_tokens + 1, (b,),
+                                                                generator=g))
+    prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist()
+               for _ in range(b)]
+    responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    lps = [-torch.rand(int(n), generator=g) * 3 for n in lengths]
+    batch = pack_samples(prompts, responses, lps, pad_id=0)
+    rewards = (torch.rand(b, generator=g) < 0.3).float()
+    batch["advantages"] = grpo_advantages(rewards, torch.arange(args.prompts).repeat_interleave(
+        args.n))
+    return batch
+
+
+def micro_batches(row: Row, batch: dict, updates: int) -> list[list[dict]]:
+    """Each optimizer step's micro batches, as ``rl.steps.micro_batches`` forms them."""
+    from megatron_qrl.rl.batch import split_batch
+    from megatron_qrl.rl.microbatch import budget_micro_batches
+
+    if row.max_tokens:
+        return budget_micro_batches(batch, row.max_tokens, updates)
+    b = batch["tokens"].shape[0]
+    if b % (row.micro_batch * updates):
+        raise ValueError(f"{b} samples do not split into {updates} updates of micro batches of "
+                         f"{row.micro_batch}")
+    mbs = split_batch(batch, row.micro_batch)
+    per = len(mbs) // updates
+    return [mbs[u * per:(u + 1) * per] for u in range(updates)]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _apply(policy, row: Row, fused_rope: bool) -> None:
+    cfg = policy.config
+    cfg.recompute_granularity = "full" if row.recompute else None
+    cfg.recompute_method = "uniform" if row.recompute else None
+    cfg.recompute_num_layers = 1 if row.recompute else None
+    cfg.apply_rope_fusion = fused_rope and row.rope_fusion
+
+
+def _kernel_profile(fn, device: str = "cuda") -> dict:
+    """GPU busy share of ``fn``'s wall time (CUPTI kernel times, one stream) and its top
+    kernels: near 1 means the GPU kernels are the time, well below 1 that the host (Python /
+    launches / syncs) leaves the GPU idle. (``device="cpu"``: CPU ops, nested ones counted
+    twice — only to test this function where there is no GPU.)"""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    _sync()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync()
+    wall_us = (time.perf_counter() - t) * 1e6
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU):
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    busy = sum(by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
+    return {"busy_frac": round(busy / wall_us, 3), "wall_ms": round(wall_us / 1e3, 1),
+            "top_ms": {k[:70]: round(v / 1e3, 1) for k, v in top}}
+
+
+def _profiles(trainer, group: list[dict], loss_fn, per_token: bool) -> dict:
+    """Kernel profiles of the recompute and the update of two micro batches (CUDA only)."""
+    two = [dict(mb) for mb in group[:2]]
+    try:
+        return {"prof_recompute": _kernel_profile(lambda: trainer.log_probs(two, loss_fn)),
+                "prof_train": _kernel_profile(
+                    lambda: trainer.train_step(two, loss_fn, per_token_loss=per_token))}
+    except Exception as exc:  # noqa: BLE001 (a profiler that cannot run is reported, not fatal)
+        return {"prof_error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def check_log_probs(trainer, mb: dict) -> dict:
+    """The chunked log-probs / entropy / logit gradients against the earlier megatron-core
+    path on one micro batch of this model's real logits (max abs differences)."""
+    from megatron_qrl.losses.logprobs import chunked_log_probs
+    from megatron_qrl.losses.megatron_adapter import (
+        _tp_group,
+        megatron_log_probs,
+        vocab_parallel_entropy,
+    )
+
+    device = next(trainer.module.parameters()).device
+    tokens, labels = mb["tokens"].to(device), mb["labels"].to(device)
+    with torch.no_grad():
+        logits = trainer.module(tokens, mb["position_ids"].to(device), None)
+    weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    out = {}
+    for name, fn in (("chunked", lambda x: chunked_log_probs(x, labels, 1.0, _tp_group())[0]),
+                     ("megatron", lambda x: megatron_log_probs(x, labels))):
+        x = logits.detach().requires_grad_()
+        lp = fn(x)
+        (grad,) = torch.autograd.grad((lp * weights).sum(), x)
+        out[name] = (lp.detach(), grad.float())
+        del x, lp, grad
+    ent = chunked_log_probs(logits, labels, 1.0, _tp_group(), entropy=True)[1]
+    ent_old = vocab_parallel_entropy(logits, _tp_group())
+    (lp_a, g_a), (lp_b, g_b) = out["chunked"], out["megatron"]
+    return {"row": "log_prob_check", "tokens": int(labels.numel()),
+            "max_abs_dlogp": float((lp_a - lp_b).abs().max()),
+            "max_abs_dentropy": float((ent - ent_old).abs().max()),
+            "max_abs_dgrad": float((g_a - g_b).abs().max()),
+            "max_abs_grad": float(g_b.abs().max())}
+
+
+def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, updates: int,
+            fused_rope: bool, profile: bool = False) -> dict:
+    """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
+    from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
+    from megatron_qrl.rl.steps import recompute_log_probs
+
+    _apply(trainer.policy, row, fused_rope)
+    loss_fn = PolicyLossFunc(configs["loss"], configs["error_tokens"],
+                             temperature=configs["rollout"].temperature, chunked=row.chunked)
+    groups = micro_batches(row, batch, updates)
+    mbs = [mb for g in groups for mb in g]
+    per_token = bool(row.max_tokens)
+    warm = [dict(mbs[0])]  # untimed: kernels / cuDNN graphs / allocator of this shape
+    warm[0]["old_log_probs"] = trainer.log_probs(warm, loss_fn)[0]
+    trainer.train_step(warm, loss_fn, per_token_loss=per_token)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        _sync()
+        torch.cuda.reset_peak_memory_stats()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    t0 = time.perf_counter()
+    ctx = SimpleNamespace(configs={"run": SimpleNamespace(log_prob_max_tokens=row.log_prob_tokens)},
+                          tokenizer=SimpleNamespace(pad_id=0), trainer=trainer, loss_fn=loss_fn)
+    recompute = [mb for g in groups[1:] for mb in g] if row.prox_first else mbs
+    for mb in groups[0] if row.prox_first else ():
+        mb["old_log_probs"] = None  # as rl.steps.rl_step
+    for mb, lp in zip(recompute, recompute_log_probs(ctx, recompute) if recompute else []):
+        mb["old_log_probs"] = lp
+    _sync()
+    t1 = time.perf_counter()
+    for g in groups:
+        trainer.train_step(g, loss_fn, per_token_loss=per_token)
+    _sync()
+    t2 = time.perf_counter()
+    tokens = sum(int(mb["tokens"].numel()) for mb in mbs)
+    again = sum(int(mb["tokens"].numel()) for mb in recompute)
+    rec = {"row": row.name, "micro_batches": len(mbs), "trained_tokens": tokens,
+           "recomputed_tokens": again, "real_tokens": int(batch["loss_mask"].sum()),
+           "time_recompute_s": round(t1 - t0, 3), "time_train_s": round(t2 - t1, 3),
+           "trainer_mfu": round(6 * n_active * tokens / (t2 - t1) / PEAK_FLOPS, 4),
+           "recompute_mfu": round(2 * n_active * again / max(t1 - t0, 1e-9) / PEAK_FLOPS, 4)}
+    if cuda:
+        rec.update(peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                   peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                   alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries)
+        if profile:
+            rec.update(_profiles(trainer, groups[0], loss_fn, per_token))
+    return rec
+
+
+def _configs() -> dict:
+    from megatron_qrl.rl.cli import parse_configs
+
+    return parse_configs(["--qrl-loss-kind", "tis", "--qrl-rollout-engine", "reference",
+                          "--qrl-no-progress"])[0]
+
+
+def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
+    """Build the policy once and run every row (module docstring); each record is appended
+    to ``--out`` as soon as its row is done (a call that times out keeps the rows so far)."""
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.models.runtime import single_process_megatron
+    from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
+
+    name = "tiny_qwen3" if args.model == "tiny" else args.model
+    path = Path(name) if Path(name).is_file() else ROOT / "megatron_qrl/data/configs" / f"{name}.json"
+    cfg = json.loads(path.read_text())
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    arch = arch_from_dict(cfg, source=str(path))
+    n_active, configs, out = active_params(cfg), _configs(), []
+    with single_process_megatron():
+        t = time.perf_counter()
+        bf16 = args.device == "cuda"
+        trainer = PolicyTrainer(build_policy(arch, 1e-6, bf16=bf16, options=TrainerOptions()))
+        fused_rope = bool(trainer.policy.config.apply_rope_fusion)
+        print(f"[train_mfu] built {args.model} ({cfg['num_hidden_layers']} layers, "
+              f"{n_active / 1e9:.2f} B active, TE spec: {fused_rope or 'no/unknown'}) in "
+              f"{time.perf_counter() - t:.1f} s", flush=True)
+        batch = rollout_batch(args, arch.vocab_size)
+        checked = check_log_probs(trainer, {k: v[:4] for k, v in batch.items()})
+        print("[train_mfu] " + json.dumps(checked), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(checked) + "\n")
+        for row in rows:
+            try:
+                rec = run_row(trainer, row, batch, configs, n_active, args.updates, fused_rope,
+                              profile=args.profile)
+            except torch.cuda.OutOfMemoryError as exc:
+                rec = {"row": row.name, "error": f"OOM: {str(exc).splitlines()[0][:160]}"}
+            except ValueError as exc:
+                rec = {"row": row.name, "error": str(exc)}
+            rec.update(model=args.model, layers=cfg["num_hidden_layers"], device=args.device,
+                       prompts=args.prompts, n=args.n, new_tokens=args.new_tokens,
+                       updates=args.updates)
+            print("[train_mfu] " + json.dumps(rec), flush=True)
+            out.append(rec)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return out
+
+
+def pick(path: Path, max_peak_gib: float) -> tuple[str, str, str]:
+    """bench/rl_step.py flags of the fastest row (recompute + train time) of ``path`` that ran
+    without error, within ``max_peak_gib`` reserved and on the current code (no ``oldlp``)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    ok = [r for r in rows if "time_train_s" in r and "oldlp" not in r["row"].split("-")
+          and r.get("peak_reserved_gib", 0.0) <= max_peak_gib]
+    if not ok:
+        raise SystemExit(f"bench/train_mfu.py --pick: no row of {path} ran within "
+                         f"{max_peak_gib} GiB")
+    best = min(ok, key=lambda r: r["time_recompute_s"] + r["time_train_s"])
+    return Row.parse(best["row"]).rl_step_args()
+
+
+def _table(rows: list[dict]) -> str:
+    cols = ("row", "micro_batches", "time_recompute_s", "time_train_s", "recompute_mfu",
+            "trainer_mfu", "peak_alloc_gib", "peak_reserved_gib", "alloc_retries",
+            "prof_recompute", "prof_train")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["row"], r["error"]] if "error" in r else [
+            str(r.get(c, {}).get("busy_frac", "") if c.startswith("prof_") else r.get(c, ""))
+            for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3_4b", help="qwen3_4b | qwen3_30b_a3b | tiny | FILE")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
+    p.add_argument("--rows", default=DEFAULT_ROWS, help="comma-separated rows (module docstring)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=1024)
+    p.add_argument("--full-frac", type=float, default=0.9,
+                   help="share of responses at --new-tokens (the rest uniform in 1..max)")
+    p.add_argument("--updates", type=int, default=2, help="optimizer steps (qrl-train's default "
+                   "--qrl-updates-per-step)")
+    p.add_argument("--out", default=None, help="append the records here (JSONL)")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the per-row kernel profile (CUDA: GPU busy share of the recompute "
+                   "and the update of two micro batches, top kernels)")
+    p.add_argument("--pick", default=None, metavar="JSONL",
+                   help="print the rl_step.py micro-batch flags, --megatron flags and --qrl "
+                   "flags (three lines) of the fastest row in JSONL, then exit")
+    p.add_argument("--max-peak-gib", type=float, default=110.0,
+                   help="--pick: rows above this reserved peak leave too little for the "
+                   "engine's resume")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.pick:
+        print("\n".join(pick(Path(args.pick), args.max_peak_gib)))
+        return 0
+    try:
+        rows = [Row.parse(r.strip()) for r in args.rows.split(",") if r.strip()]
+    except ValueError as exc:
+        print(f"bench/train_mfu.py: --rows: {exc}", file=sys.stderr)
+        return 2
+    if (args.device == "cuda") != torch.cuda.is_available():
+        print(f"bench/train_mfu.py: --device {args.device} but CUDA is "
+              f"{'' if torch.cuda.is_available() else 'not '}available", file=sys.stderr)
+        return 2
+    if args.prompts * args.n % args.updates:
+        print("bench/train_mfu.py: --prompts x --n must be a multiple of --updates",
+              file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    records = measure(args, rows)
+    print(_table(records))
+    return 1 if all("error" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
