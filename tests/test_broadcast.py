@@ -13,11 +13,11 @@ rank (``TORCHELASTIC_USE_AGENT_STORE``), where rank 0 must host the group's stor
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import run_distributed
 
 from megatron_qrl.rollout.broadcast import find_group, init_group, receive_stream, send_stream
 from megatron_qrl.rollout.ray_actor import EngineActor
 from megatron_qrl.rollout.wire import flatten, iter_buckets, unflatten
+from tests.helpers.mp_utils import run_distributed
 
 GROUP = "qrl-test-weights"
 BUCKET = 1024

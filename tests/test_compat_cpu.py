@@ -13,8 +13,14 @@ from megatron_qrl.compat import (
     enable_cpu_megatron,
     init_cpu_distributed,
 )
-from tests.megatron_cpu_utils import SEQ, build_tiny_gpt, gathered_state, tiny_batches, train_step
-from tests.mp_utils import run_distributed
+from tests.helpers.megatron_cpu_utils import (
+    SEQ,
+    build_tiny_gpt,
+    gathered_state,
+    tiny_batches,
+    train_step,
+)
+from tests.helpers.mp_utils import run_distributed
 
 
 def test_enable_is_idempotent_and_reversible():

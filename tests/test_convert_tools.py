@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from megatron_qrl.models import CONFIG_DIR
 from megatron_qrl.models.checkpoint import read_metadata
 from megatron_qrl.models.convert import UAQ_CONFIG_KEY
-from tests.tiny_hf import hf_logits, make_tiny_hf, tokens
+from tests.helpers.tiny_hf import hf_logits, make_tiny_hf, tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 

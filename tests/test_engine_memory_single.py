@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_engine_double import TinyEngine  # noqa: E402
-
 from megatron_qrl.rl.cli import parse_configs  # noqa: E402
+from tests.helpers.rl_engine_double import TinyEngine  # noqa: E402
 
 
 class RecordingEngine(TinyEngine):

@@ -10,7 +10,7 @@ from megatron_qrl.models.export import export_quantized
 from megatron_qrl.models.hf_io import QuantizedCheckpointError
 from megatron_qrl.quant import get_spec
 from megatron_qrl.utils.outdir import OutputDirError
-from tests.tiny_hf import make_tiny_hf
+from tests.helpers.tiny_hf import make_tiny_hf
 from tools.export_quantized import main as export_main
 
 # every quantized linear's in_features a multiple of 128 (fp8_block, w4a16)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_qrl.quant import get_spec
-from tests.mp_utils import free_port, run_distributed
-from tests.tiny_hf import make_tiny_hf
+from tests.helpers.mp_utils import free_port, run_distributed
+from tests.helpers.tiny_hf import make_tiny_hf
 
 SPEC = "int8"
 ENGINE_TP = (1, 2)

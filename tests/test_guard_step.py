@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_te_quant_fixtures import hf_state, ids, quiet_torch_trace, tiny_hf
+from tests.helpers.te_quant_fixtures import hf_state, ids, quiet_torch_trace, tiny_hf
 
 
 @pytest.fixture(scope="module")

@@ -410,7 +410,7 @@ def test_custom_loss_with_context_parallel_2_equals_cp1():
     ranks' gradients (averaged as Megatron does over the DP x CP group) equal the CP = 1
     reference on the whole sequences, for every kind (tbpo gathers whole sequences); the
     error-token post-process gives the CP = 1 masks."""
-    from tests.mp_utils import run_distributed
+    from tests.helpers.mp_utils import run_distributed
 
     results = run_distributed(_cp2_body, 2, KINDS, timeout_s=600)
     _, want_masks = error_token_data()  # the error-token post-process gathers over CP too

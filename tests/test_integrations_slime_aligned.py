@@ -1,6 +1,6 @@
 """megatron_qrl inside slime: ``--qrl-train-forward aligned`` on slime's default (Transformer
 Engine) layer spec — built through ``--spec ... qrl_layer_spec`` from megatron's TE spec tree
-(``tests/te_spec_cpu.py``), driven by the hooks, and synced through slime 0.3.1's own
+(``tests/helpers/te_spec_cpu.py``), driven by the hooks, and synced through slime 0.3.1's own
 ``convert_to_hf`` (qwen3moe / qwen2 converters), which must take every parameter name of the
 aligned model and return the HF checkpoint's tensors. slime is found as in
 test_integrations_slime.py; without it these tests skip with the reason."""
@@ -22,7 +22,7 @@ SLIME_MODEL = {"moe": "qwen3moe", "dense": "qwen3"}  # slime's --model-name disp
 @pytest.fixture(scope="module")
 def megatron_cpu():
     from megatron_qrl.models.runtime import single_process_megatron
-    from tests.test_te_quant_fixtures import quiet_torch_trace
+    from tests.helpers.te_quant_fixtures import quiet_torch_trace
 
     with quiet_torch_trace(), single_process_megatron():
         yield
@@ -55,7 +55,7 @@ def build_via_spec(arch, args, tensors, layout=None):
     from megatron_qrl.integrations.slime.model import qrl_layer_spec
     from megatron_qrl.models.builder import build_gpt_model, transformer_config
     from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
-    from tests.te_spec_cpu import te_spec_on_cpu
+    from tests.helpers.te_spec_cpu import te_spec_on_cpu
 
     extra = {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True} if arch.is_moe else {}
     config = transformer_config(arch, layout, use_te=True, use_cpu_initialization=True, **extra)
@@ -92,7 +92,7 @@ def test_slime_converter_takes_the_aligned_model(megatron_cpu, no_shim, kind):
     from megatron_qrl.integrations.slime.model import aligned_states
     from megatron_qrl.integrations.slime.options import SPEC
     from megatron_qrl.te_quant.te_names import AlignedTELayerNormColumnParallelLinear
-    from tests.test_te_quant_fixtures import hf_state, ids, tiny_hf
+    from tests.helpers.te_quant_fixtures import hf_state, ids, tiny_hf
 
     hf, arch = tiny_hf(kind)
     tensors = hf_state(hf)
@@ -143,7 +143,7 @@ def _slime_sync_worker(rank, world_size, port, tensors):
     from megatron_qrl.integrations.slime.options import SPEC
     from megatron_qrl.models.builder import ParallelLayout
     from megatron_qrl.models.hf_config import arch_from_dict
-    from tests.test_te_quant_fixtures import quiet_torch_trace, tiny_cfg
+    from tests.helpers.te_quant_fixtures import quiet_torch_trace, tiny_cfg
 
     init_cpu_distributed(rank, world_size, port, tp=world_size, etp=world_size)
     try:
@@ -169,8 +169,8 @@ def test_slime_tp2_sync_of_the_aligned_model(no_shim):
     """slime's own TP all-gather (``update_weight.common.all_gather_param``: it reads the
     parameters' ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``) and
     converter on the aligned model at TP = expert TP = 2 give the HF checkpoint back."""
-    from tests.mp_utils import run_distributed
-    from tests.test_te_quant_fixtures import hf_state, tiny_hf
+    from tests.helpers.mp_utils import run_distributed
+    from tests.helpers.te_quant_fixtures import hf_state, tiny_hf
 
     hf, _ = tiny_hf("moe", **GQA_TP2)
     tensors = hf_state(hf)

@@ -202,7 +202,7 @@ def build(args, upstream: bool = False):
     from megatron_qrl.integrations.slime.model import qrl_layer_spec
     from megatron_qrl.models.builder import transformer_config
     from megatron_qrl.models.hf_config import arch_from_dict
-    from tests.tiny_hf import tiny_config
+    from tests.helpers.tiny_hf import tiny_config
 
     arch = arch_from_dict(tiny_config("moe", num_experts=EXPERTS))
     config = transformer_config(arch)

@@ -1,6 +1,6 @@
 """The rollout-aligned KV attention (megatron_qrl/te_quant/kv_attention.py) against a
 materialised-softmax reference built row by row from the engine's rule (prefill rows read
-the fresh K/V, decode rows read the rounded cache), with the rounding from tests/kv_grid.py."""
+the fresh K/V, decode rows read the rounded cache), with the rounding from tests/helpers/kv_grid.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from kv_grid import positive_grid, round_half_even
 
 from megatron_qrl.te_quant.kv_attention import cache_from_loss_mask, rollout_kv_attention
+from tests.helpers.kv_grid import positive_grid, round_half_even
 
 B, HQ, HKV, S, D = 3, 4, 2, 7, 8
 SCALE = 1 / math.sqrt(D)

@@ -1,5 +1,5 @@
 """KV-cache formats (megatron_qrl/quant/kv_cache.py) against closed-form FP8 grids
-(tests/kv_grid.py enumerates every code from the format definition)."""
+(tests/helpers/kv_grid.py enumerates every code from the format definition)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from kv_grid import positive_grid, round_half_even
 
 from megatron_qrl.quant.kv_cache import (
     KVCacheFormat,
@@ -18,6 +17,7 @@ from megatron_qrl.quant.kv_cache import (
     overflow_report,
     register_kv_format,
 )
+from tests.helpers.kv_grid import positive_grid, round_half_even
 
 FP8 = ("fp8_e4m3", "fp8_e5m2")
 

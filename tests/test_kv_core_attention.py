@@ -1,15 +1,15 @@
 """The KV-aligned core attention in a megatron Qwen3 model (te_quant/kv_core_attention.py)
 against a hand-built reference: the plain model (Megatron's own DotProductAttention, which
 materialises the softmax) whose core attention is run a second time on K/V rounded by the
-test's grid (tests/kv_grid.py), rows mixed by the engine's rule."""
+test's grid (tests/helpers/kv_grid.py), rows mixed by the engine's rule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kv_grid import positive_grid, round_half_even
 
-from tests.test_te_quant_fixtures import build, hf_state, ids, quiet_torch_trace, tiny_hf
+from tests.helpers.kv_grid import positive_grid, round_half_even
+from tests.helpers.te_quant_fixtures import build, hf_state, ids, quiet_torch_trace, tiny_hf
 
 TOL = 1e-4
 

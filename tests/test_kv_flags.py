@@ -49,7 +49,7 @@ def test_checks_reference_engine_and_aligned_bf16_weights():
 def test_forward_plan_carries_the_kv_state_and_the_trainer_sets_prompt_lengths():
     from megatron_qrl.rl.forward import forward_plan
     from megatron_qrl.rl.trainer import _forward_step
-    from tests.test_te_quant_fixtures import tiny_hf
+    from tests.helpers.te_quant_fixtures import tiny_hf
 
     _, arch = tiny_hf("dense")
     cfg = qrl_configs_from_args(_parse("--qrl-train-forward", "aligned", "--qrl-rollout-engine",

@@ -1,6 +1,6 @@
 """LoRA / QLoRA on megatron-core (one process): adapters, frozen base, merge, adapter-only sync.
 
-Models: the format-friendly tiny Qwen3 of tests/test_te_quant_fixtures.py (hidden 256, head_dim
+Models: the format-friendly tiny Qwen3 of tests/helpers/te_quant_fixtures.py (hidden 256, head_dim
 128), fp32 on CPU.
 """
 
@@ -11,7 +11,14 @@ import torch
 
 from megatron_qrl.models.lora_config import LoraConfig
 from megatron_qrl.rollout.base import tensor_checksum
-from tests.test_te_quant_fixtures import build, hf_state, ids, quiet_torch_trace, tiny_cfg, tiny_hf
+from tests.helpers.te_quant_fixtures import (
+    build,
+    hf_state,
+    ids,
+    quiet_torch_trace,
+    tiny_cfg,
+    tiny_hf,
+)
 
 WEIGHT_FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
 

@@ -1,5 +1,5 @@
 """qrl-train with LoRA end to end (reference engine): QeRL and QLoRA modes, resume, bad flags,
-tools/merge_lora.py. Jobs run in subprocesses (tests/rl_run_helper.py), as test_rl_driver.py."""
+tools/merge_lora.py. Jobs run in subprocesses (tests/helpers/rl_run_helper.py), as test_rl_driver.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import torch
 
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.cli import parse_configs
+from tests.helpers import RL_RUN_HELPER
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPER = ROOT / "tests" / "rl_run_helper.py"
+HELPER = RL_RUN_HELPER
 SMALL = ["--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
          "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
          "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.mp_utils import run_distributed
+from tests.helpers.mp_utils import run_distributed
 
 OVERRIDES = {"num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -56,7 +56,7 @@ def _body(rank, world, port, fmt, sp):
     from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
     from megatron_qrl.models.runtime import build_model
     from megatron_qrl.models.streaming import load_hf_weights
-    from tests.test_te_quant_fixtures import hf_state, ids, tiny_hf
+    from tests.helpers.te_quant_fixtures import hf_state, ids, tiny_hf
 
     init_cpu_distributed(rank, world, port, tp=world)
     try:

@@ -67,7 +67,7 @@ def test_bad_inputs_are_one_clear_error():
 @pytest.fixture(scope="module")
 def megatron():
     from megatron_qrl.models.runtime import single_process_megatron
-    from tests.test_te_quant_fixtures import quiet_torch_trace
+    from tests.helpers.te_quant_fixtures import quiet_torch_trace
 
     with quiet_torch_trace(), single_process_megatron():
         yield
@@ -84,8 +84,8 @@ def test_merged_experts_equal_a_full_sync_of_the_merged_policy(megatron, fmt):
     from megatron_qrl.quant.hf_reference import hf_tensors
     from megatron_qrl.rl.lora_sync import LoraSync
     from megatron_qrl.rollout.reference import ReferenceEngine
+    from tests.helpers.te_quant_fixtures import ids, tiny_cfg
     from tests.test_lora import _freeze, _lora_model, _random_b, _Trainer
-    from tests.test_te_quant_fixtures import ids, tiny_cfg
 
     cfg = LoraConfig(rank=4, alpha=8.0, experts=True, base_format=fmt)
     _, arch, _, model = _lora_model(cfg, kind="moe", seed=3)
@@ -129,7 +129,7 @@ def test_reference_adapter_reads_the_unquantized_input_under_w8a8():
     """SGLang adds the adapter on the raw input of a W8A8 linear (the base quantizes its
     activations itself): the reference engine's adapter must too."""
     from megatron_qrl.rollout.reference import ReferenceEngine
-    from tests.test_te_quant_fixtures import tiny_cfg
+    from tests.helpers.te_quant_fixtures import tiny_cfg
 
     eng = ReferenceEngine(tiny_cfg("dense"), "int8", seed=0)
     lin = eng.model.model.layers[0].self_attn.q_proj

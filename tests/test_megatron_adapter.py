@@ -14,8 +14,8 @@ from megatron_qrl.losses.megatron_adapter import (
     policy_forward_step,
     schedule_accepts_num_tokens,
 )
-from tests.megatron_cpu_utils import SEQ, VOCAB, build_tiny_gpt, gathered_state
-from tests.mp_utils import run_distributed
+from tests.helpers.megatron_cpu_utils import SEQ, VOCAB, build_tiny_gpt, gathered_state
+from tests.helpers.mp_utils import run_distributed
 
 B = 4
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_hf import make_tiny_hf
 
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.config.megatron_flags import FLAGS, MegatronSettings, parse_megatron_flags
@@ -19,6 +18,8 @@ from megatron_qrl.models.hf_config import arch_from_dict
 from megatron_qrl.rl.batch import pack_samples, pad_to_multiple
 from megatron_qrl.rl.cli import parse_configs
 from megatron_qrl.rl.driver import prepare_job
+from tests.helpers import RL_RUN_HELPER
+from tests.helpers.tiny_hf import make_tiny_hf
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["--qrl-preset", "tiny-cpu"]
@@ -228,7 +229,7 @@ def _one_process_job(out: Path, *megatron: str, resume: bool = False
     import os
     import sys
 
-    helper = Path(__file__).resolve().parent / "rl_run_helper.py"
+    helper = RL_RUN_HELPER
     job = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "1", "--qrl-prompts-per-step", "2",
            "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
            "--qrl-micro-batch-size", "4", "--qrl-no-progress", "--qrl-output-dir", str(out)]

@@ -1,7 +1,7 @@
 """TensorBoard scalars of MetricsLogger: equal to metrics.jsonl per step, resume, no package.
 
 Event files are read back with tensorboard's own ``EventAccumulator``; one short
-``qrl-train`` run (tests/rl_run_helper.py, test engine double) checks the driver's logger.
+``qrl-train`` run (tests/helpers/rl_run_helper.py, test engine double) checks the driver's logger.
 """
 
 import json
@@ -16,6 +16,7 @@ import pytest
 from megatron_qrl.utils import metrics
 from megatron_qrl.utils.metrics import MetricsLogger, read_metrics
 from megatron_qrl.utils.optional import available
+from tests.helpers import RL_RUN_HELPER
 from tests.test_metrics_io import rec
 
 _TB, _TB_WHY = available("tensorboard.backend.event_processing.event_accumulator")
@@ -23,7 +24,7 @@ needs_tensorboard = pytest.mark.skipif(
     not _TB, reason=f"reads event files with tensorboard's EventAccumulator ({_TB_WHY})")
 """Only the cases that read event files need tensorboard; the missing-package path does not."""
 
-HELPER = Path(__file__).resolve().parent / "rl_run_helper.py"
+HELPER = RL_RUN_HELPER
 
 
 def scalars(log_dir: Path) -> dict[str, dict[int, float]]:

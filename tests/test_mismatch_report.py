@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_te_quant_fixtures import quiet_torch_trace, tiny_hf
+from tests.helpers.te_quant_fixtures import quiet_torch_trace, tiny_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 

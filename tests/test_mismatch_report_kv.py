@@ -1,6 +1,6 @@
 """tools/mismatch_report.py --kv-cache: the "kv cache" row, checked against a transformers
 reference whose attention function rounds the (post-RoPE, post k-norm) K/V with the test's
-own FP8 grid (tests/kv_grid.py)."""
+own FP8 grid (tests/helpers/kv_grid.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_grid import positive_grid, round_half_even
 
-from tests.test_te_quant_fixtures import quiet_torch_trace, tiny_hf
+from tests.helpers.kv_grid import positive_grid, round_half_even
+from tests.helpers.te_quant_fixtures import quiet_torch_trace, tiny_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 

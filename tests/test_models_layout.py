@@ -15,7 +15,7 @@ from megatron_qrl.models.mapping import (
     expected_hf_shapes,
     rule_for,
 )
-from tests.tiny_hf import tiny_config
+from tests.helpers.tiny_hf import tiny_config
 
 
 def _rows(n: int, width: int = 3) -> torch.Tensor:

@@ -18,8 +18,8 @@ from megatron_qrl.models.checkpoint import load_checkpoint
 from megatron_qrl.models.convert import convert_hf_to_megatron, convert_megatron_to_hf
 from megatron_qrl.models.hf_config import load_hf_config
 from megatron_qrl.models.hf_io import HFCheckpointReader
-from tests.mp_utils import run_distributed
-from tests.tiny_hf import hf_logits, make_tiny_hf, tokens
+from tests.helpers.mp_utils import run_distributed
+from tests.helpers.tiny_hf import hf_logits, make_tiny_hf, tokens
 
 TOL = 1e-4
 

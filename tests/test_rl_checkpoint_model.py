@@ -1,7 +1,7 @@
 """qrl-train --qrl-model checkpoint: HF and megatron_qrl starting checkpoints, their tokenizers,
 the UAQ-once rule; the routing-agreement metric; the SFT panel of the metrics PNG.
 
-RL jobs run in a subprocess (``tests/rl_run_helper.py``, the reference engine) like
+RL jobs run in a subprocess (``tests/helpers/rl_run_helper.py``, the reference engine) like
 tests/test_rl_driver.py: megatron's process group stays out of the pytest process.
 """
 
@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_hf import make_tiny_hf
 
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.rl.cli import parse_configs
+from tests.helpers import RL_RUN_HELPER
+from tests.helpers.tiny_hf import make_tiny_hf
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPER = Path(__file__).resolve().parent / "rl_run_helper.py"
+HELPER = RL_RUN_HELPER
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-prompts-per-step", "2",
        "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
        "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",

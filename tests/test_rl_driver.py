@@ -1,7 +1,7 @@
 """qrl-train end to end on the tiny model (test engine double), resume, bad flags.
 
 The job is the tiny-cpu preset (INT8 rollouts, aligned forward, routing replay in the
-recompute, ACR) made small. Each job runs in a subprocess (``tests/rl_run_helper.py``): megatron's process group and the
+recompute, ACR) made small. Each job runs in a subprocess (``tests/helpers/rl_run_helper.py``): megatron's process group and the
 CPU shim stay out of the pytest process.
 """
 
@@ -17,8 +17,9 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.cli import parse_configs
 from megatron_qrl.utils.metrics import REQUIRED_KEYS
+from tests.helpers import RL_RUN_HELPER
 
-HELPER = Path(__file__).resolve().parent / "rl_run_helper.py"
+HELPER = RL_RUN_HELPER
 TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",

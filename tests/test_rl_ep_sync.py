@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_hf import make_tiny_hf
 
 from megatron_qrl.compat.distributed import free_port
 from megatron_qrl.data import CharTokenizer
+from tests.helpers import HELPERS
+from tests.helpers.tiny_hf import make_tiny_hf
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPER = Path(__file__).resolve().parent / "rl_ray_helper.py"
+HELPER = HELPERS / "rl_ray_helper.py"
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "0", "--qrl-steps", "2",
        "--qrl-prompts-per-step", "2", "--qrl-rollout-n-samples-per-prompt", "2",
        "--qrl-rollout-max-new-tokens", "3", "--qrl-micro-batch-size", "2",

@@ -18,14 +18,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_records import assert_records_close, read_records
-from tiny_hf import make_tiny_hf
 
 from megatron_qrl.compat.distributed import free_port
 from megatron_qrl.data import CharTokenizer
+from tests.helpers import RL_RUN_HELPER
+from tests.helpers.tiny_hf import make_tiny_hf
+from tests.run_records import assert_records_close, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPER = Path(__file__).resolve().parent / "rl_run_helper.py"
+HELPER = RL_RUN_HELPER
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
        "--qrl-sft-steps", "2", "--qrl-prompts-per-step", "2",
        "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",

@@ -5,7 +5,7 @@ One local Ray cluster (2 CPUs) per module. In-process, over both weight transpor
 manifest verification through the actor, a tampered manifest names the tensor, a killed
 actor is an EngineDiedError (a killed one mid-broadcast too, with the stream drained and
 the group destroyed; the restarted actor gets a new group), an engine error inside a
-broadcast sync arrives at once and leaves the group usable, placement of the engine actor. Subprocess jobs (``tests/rl_ray_helper.py``
+broadcast sync arrives at once and leaves the group usable, placement of the engine actor. Subprocess jobs (``tests/helpers/rl_ray_helper.py``
 connects to the module's cluster through RAY_ADDRESS): disaggregated == single metrics with
 the same seed, colocated release/resume order (actor call log), a ``ray.kill``ed actor
 mid-run (before a generate, in a weight update, in its re-sync, in the verification
@@ -29,8 +29,8 @@ from megatron_qrl.rl.ray_modes import RayRolloutEngine, RaySession, placement_la
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
 from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine, bucketize
 from megatron_qrl.rollout.supervisor import EngineDiedError
+from tests.helpers import HELPERS
 
-TESTS = Path(__file__).resolve().parent
 TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
@@ -59,7 +59,7 @@ def _records(out: Path) -> list[dict]:
 def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py",
          metrics: bool = True) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=cluster)
-    proc = subprocess.run([sys.executable, str(TESTS / helper), *TINY, "--qrl-output-dir",
+    proc = subprocess.run([sys.executable, str(HELPERS / helper), *TINY, "--qrl-output-dir",
                            str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _records(out) if metrics else []

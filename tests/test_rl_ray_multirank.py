@@ -29,9 +29,9 @@ from megatron_qrl.rl.ray_modes import actor_options, engine_gpus, engine_spec, p
 from megatron_qrl.rollout.ray_actor import EngineSpec
 from megatron_qrl.rollout_sglang import SGLangOptions
 from megatron_qrl.rollout_sglang.factory import build_engine
+from tests.helpers import HELPERS
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "2", "--qrl-prompts-per-step", "2",
        "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
        "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "1", "--qrl-save-interval", "0",
@@ -53,7 +53,7 @@ def _torchrun(out: Path, *qrl: str, ray_address: str | None = None) -> list[dict
         env["RAY_ADDRESS"] = ray_address
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(TESTS / "rl_ray_helper.py"), *JOB, *qrl, "--qrl-output-dir", str(out), *TP2]
+           str(HELPERS / "rl_ray_helper.py"), *JOB, *qrl, "--qrl-output-dir", str(out), *TP2]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return _records(out)

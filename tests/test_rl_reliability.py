@@ -26,8 +26,8 @@ from megatron_qrl.rl.checkpoint import (
     prepare_output_dir,
     save_driver_checkpoint,
 )
+from tests.helpers import HELPERS, REPO
 
-TESTS = Path(__file__).resolve().parent
 FLAGS = {"qrl_lr": 1e-3, "qrl_seed": 7, "qrl_steps": 5}
 MODEL = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts_per_tok": 2, "hidden_size": 32}
 
@@ -288,7 +288,7 @@ def _qrl(out: Path, *extra: str, helper: str = "rl_run_helper.py",
          pre: tuple[str, ...] = ("--double",)) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("QRL_DEBUG", None)
-    return subprocess.run([sys.executable, str(TESTS / helper), *pre, *TINY,
+    return subprocess.run([sys.executable, str(HELPERS / helper), *pre, *TINY,
                            "--qrl-output-dir", str(out), *extra],
                           capture_output=True, text=True, timeout=600, env=env)
 
@@ -359,9 +359,8 @@ def test_malformed_prompts_one_line_and_debug_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_truncated_start_checkpoint_shard_is_one_line(tmp_path):
-    from tiny_hf import make_tiny_hf
-
     from megatron_qrl.data import CharTokenizer
+    from tests.helpers.tiny_hf import make_tiny_hf
 
     hf = make_tiny_hf(tmp_path / "hf", "moe")
     CharTokenizer().save(hf, hf=False)
@@ -374,16 +373,15 @@ def test_truncated_start_checkpoint_shard_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_truncated_distcp_shard_of_a_megatron_start_checkpoint_is_one_line(tmp_path):
-    from tiny_hf import make_tiny_hf
-
     from megatron_qrl.data import CharTokenizer
+    from tests.helpers.tiny_hf import make_tiny_hf
 
     hf = make_tiny_hf(tmp_path / "hf", "moe")
     CharTokenizer().save(hf, hf=True)  # travels into ckpt/hf/
     ckpt = tmp_path / "ckpt"
-    conv = subprocess.run([sys.executable, str(TESTS.parent / "tools" / "convert_hf_to_megatron.py"),
+    conv = subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py"),
                            "--hf-dir", str(hf), "--out", str(ckpt)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=TESTS.parent)
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
     assert conv.returncode == 0, conv.stderr[-3000:]
     shards = sorted(ckpt.rglob("*.distcp"))
     assert shards

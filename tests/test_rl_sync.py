@@ -9,7 +9,7 @@ from megatron_qrl.quant.aqn import AQNConfig
 from megatron_qrl.quant.hf_reference import hf_tensors
 from megatron_qrl.rl.sync import sync_weights
 from megatron_qrl.rollout.base import WeightSyncError, tensor_checksum
-from tests.rl_engine_double import TinyEngine
+from tests.helpers.rl_engine_double import TinyEngine
 
 
 def _source():

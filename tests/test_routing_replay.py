@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from tests.mp_utils import run_distributed
-from tests.test_te_quant_fixtures import build, hf_state, ids, quiet_torch_trace, tiny_hf
+from tests.helpers.mp_utils import run_distributed
+from tests.helpers.te_quant_fixtures import build, hf_state, ids, quiet_torch_trace, tiny_hf
 
 
 def test_routing_agreement_closed_form():
@@ -100,7 +100,7 @@ def _ep_worker(rank, world_size, port, tensors, forced, x):
     from megatron_qrl.moe import RoutingReplay, recorded_ids, replay_spec_hook
     from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook, compose_hooks
     from megatron_qrl.te_quant.attribution import megatron_logits
-    from tests.test_te_quant_fixtures import tiny_cfg
+    from tests.helpers.te_quant_fixtures import tiny_cfg
 
     init_cpu_distributed(rank, world_size, port, ep=world_size, etp=1)
     try:

@@ -265,7 +265,7 @@ def test_lora_engine_combinations(c, cap, match):
 @pytest.fixture(scope="module")
 def megatron():
     from megatron_qrl.models.runtime import single_process_megatron
-    from tests.test_te_quant_fixtures import quiet_torch_trace
+    from tests.helpers.te_quant_fixtures import quiet_torch_trace
 
     with quiet_torch_trace(), single_process_megatron():
         yield

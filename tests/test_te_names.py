@@ -1,6 +1,6 @@
 """The aligned forward on Megatron's Transformer Engine spec keeps TE's names (CPU, gloo).
 
-The TE spec tree is megatron-core's own (``tests/te_spec_cpu.py``: megatron's spec functions
+The TE spec tree is megatron-core's own (``tests/helpers/te_spec_cpu.py``: megatron's spec functions
 with a provider returning megatron's TE wrappers in TESpecProvider's places). Expected names
 are written out here from the upstream sources, not from te_quant:
 - ``TELayerNormColumnParallelLinear`` = TE ``LayerNormLinear``: ``layer_norm_weight``
@@ -18,9 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.mp_utils import run_distributed
-from tests.te_spec_cpu import build_te_shaped
-from tests.test_te_quant_fixtures import (
+from tests.helpers.mp_utils import run_distributed
+from tests.helpers.te_quant_fixtures import (
     FLIP_BATCH,
     assert_close_up_to_flips,
     grads_as_hf,
@@ -29,6 +28,7 @@ from tests.test_te_quant_fixtures import (
     quiet_torch_trace,
     tiny_hf,
 )
+from tests.helpers.te_spec_cpu import build_te_shaped
 
 GQA_TP2 = {"num_attention_heads": 4, "num_key_value_heads": 2}
 CASES = [("dense", False), ("moe", False), ("moe", True)]
@@ -184,7 +184,7 @@ def test_aligned_te_spec_equals_aligned_local_spec(megatron, kind, grouped):
     from megatron_qrl.quant import get_spec, list_specs
     from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
     from megatron_qrl.te_quant.attribution import megatron_logits
-    from tests.test_te_quant_fixtures import build
+    from tests.helpers.te_quant_fixtures import build
 
     hf, arch = tiny_hf(kind)
     tensors = hf_state(hf)
@@ -222,7 +222,7 @@ def test_grouped_sharded_state_dict_is_sequential_mlps(megatron):
     from megatron.core import dist_checkpointing
 
     from megatron_qrl.te_quant.attribution import megatron_logits
-    from tests.test_te_quant_fixtures import build
+    from tests.helpers.te_quant_fixtures import build
 
     hf, arch = tiny_hf("moe")
     tensors = hf_state(hf)
@@ -299,7 +299,7 @@ def _tp_worker(rank, world_size, port, kind, grouped, tensors, x, formats):
     from megatron_qrl.models.hf_config import arch_from_dict
     from megatron_qrl.quant import get_spec
     from megatron_qrl.te_quant.attribution import megatron_logits
-    from tests.test_te_quant_fixtures import tiny_cfg
+    from tests.helpers.te_quant_fixtures import tiny_cfg
 
     etp = world_size if kind == "moe" else None
     init_cpu_distributed(rank, world_size, port, tp=world_size, etp=etp)

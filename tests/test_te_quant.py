@@ -5,7 +5,7 @@ Reference: ``quant.hf_reference.quantized_copy`` = a transformers model holding
 activation fake-quant hooks for W8A8 — built independently of te_quant.
 
 Trainer and reference agree within 1e-4 except where a rounding-boundary flip moves one
-sequence (``tests.test_te_quant_fixtures.flips``): the checks count the flipped sequences and
+sequence (``tests.helpers.te_quant_fixtures.flips``): the checks count the flipped sequences and
 allow at most half of a batch, on any token batch (the one used holds flips); a wrong scale,
 layout or missing hook moves every sequence by >= 1e-2.
 """
@@ -17,7 +17,7 @@ import torch
 
 from megatron_qrl.quant import get_spec, list_specs
 from megatron_qrl.quant.hf_reference import quantized_copy
-from tests.test_te_quant_fixtures import (
+from tests.helpers.te_quant_fixtures import (
     FLIP_BATCH,
     assert_close_up_to_flips,
     build,

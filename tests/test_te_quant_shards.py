@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.mp_utils import run_distributed
+from tests.helpers.mp_utils import run_distributed
 
 HEADS, KV, HD, HIDDEN, FFN = 4, 2, 128, 256, 512
 FORMATS = ["int8", "fp8", "fp8_block", "w4a16", "nvfp4"]
@@ -104,7 +104,7 @@ def test_te_recipe_table_errors():
 def test_trainer_forward_from_flags():
     from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
     from megatron_qrl.te_quant import trainer_forward
-    from tests.test_te_quant_fixtures import tiny_hf
+    from tests.helpers.te_quant_fixtures import tiny_hf
 
     _, moe = tiny_hf("moe")
     _, dense = tiny_hf("dense")
@@ -125,7 +125,7 @@ def _tp_model_worker(rank, world_size, port, kind, tensors, x, formats):
     from megatron_qrl.quant import get_spec
     from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
     from megatron_qrl.te_quant.attribution import megatron_logits
-    from tests.test_te_quant_fixtures import build, quiet_torch_trace, tiny_cfg
+    from tests.helpers.te_quant_fixtures import build, quiet_torch_trace, tiny_cfg
 
     init_cpu_distributed(rank, world_size, port, tp=world_size)
     try:
@@ -150,7 +150,7 @@ def test_tp2_sequence_parallel_aligned_forward_matches_reference():
     row-parallel inputs (split over TP) and shard-quantized weights == the HF reference."""
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.hf_reference import quantized_copy
-    from tests.test_te_quant_fixtures import (
+    from tests.helpers.te_quant_fixtures import (
         FLIP_BATCH,
         assert_close_up_to_flips,
         hf_state,

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_qrl.models.export import export_quantized
-from tests.tiny_hf import make_tiny_hf
+from tests.helpers.tiny_hf import make_tiny_hf
 from tools import convert_hf_to_megatron as to_megatron
 from tools import convert_megatron_to_hf as to_hf
 from tools import export_quantized as export_tool

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_records import assert_records_close, read_records
-from tiny_hf import make_tiny_hf
 
 from megatron_qrl.compat.distributed import free_port
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.config.megatron_flags import parse_megatron_flags
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.rl.trainer import TrainerOptions
+from tests.helpers.tiny_hf import make_tiny_hf
+from tests.run_records import assert_records_close, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",

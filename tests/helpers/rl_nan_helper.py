@@ -1,4 +1,4 @@
-"""``python tests/rl_nan_helper.py MARKER ARGS``: qrl-train (engine double) with a NaN injected
+"""``python tests/helpers/rl_nan_helper.py MARKER ARGS``: qrl-train (engine double) with a NaN injected
 into a gradient once RL starts (tests only).
 
 Every gradient of the policy's first parameter becomes NaN from the first RL step on (a
@@ -10,15 +10,14 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from rl_engine_double import TinyEngine  # noqa: E402
 
 import megatron_qrl.rl.driver as driver  # noqa: E402
 from megatron_qrl.rl.cli import main  # noqa: E402
+from tests.helpers.rl_engine_double import TinyEngine  # noqa: E402
 
 STATE = {"rl": False}
 

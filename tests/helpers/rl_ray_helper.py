@@ -1,4 +1,4 @@
-"""``python tests/rl_ray_helper.py [--kill CALL:N,...] [--exit-in-update N] [--calls FILE] ARGS``.
+"""``python tests/helpers/rl_ray_helper.py [--kill CALL:N,...] [--exit-in-update N] [--calls FILE] ARGS``.
 
 Runs ``qrl-train ARGS`` (a Ray mode; ``RAY_ADDRESS`` names the test's cluster) with test
 hooks on the engine actor (tests only). Also runs as a torchrun script (every rank installs
@@ -29,7 +29,7 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 warnings.filterwarnings("ignore")
 
 import megatron_qrl.rl.ray_modes as ray_modes  # noqa: E402

@@ -1,7 +1,7 @@
 """Tiny megatron-core GPT on CPU for tests: build, train a step, gather TP-sharded weights.
 
 Call these inside a process that ran ``megatron_qrl.compat.init_cpu_distributed`` (see
-``tests/mp_utils.run_distributed``) and inside ``cpu_device_mode()``.
+``tests/helpers/mp_utils.run_distributed``) and inside ``cpu_device_mode()``.
 """
 
 from __future__ import annotations
