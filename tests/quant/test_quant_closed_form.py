@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from megatron_qrl.quant import get_spec, list_specs
-from tests.quant_cases import QUANT_NAME, gaussian, heavy_tailed
+from tests.quant.quant_cases import QUANT_NAME, gaussian, heavy_tailed
 
 F32 = np.float32
 ZERO_AMAX = 2.0**-24  # ModelOpt: an amax at or below 2^-24 quantizes to zero / scale 1

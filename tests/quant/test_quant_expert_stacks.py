@@ -19,7 +19,7 @@ from megatron_qrl.rollout_sglang.sync.sender import (
     requests,
     stack_experts,
 )
-from tests.test_quant_pack_stream import FORMATS, assert_same_stream, moe_stream, reference
+from tests.quant.test_quant_pack_stream import FORMATS, assert_same_stream, moe_stream, reference
 
 
 def test_stack_rows_is_a_view_of_neighbouring_rows_else_a_stack():

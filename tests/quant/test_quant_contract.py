@@ -6,7 +6,7 @@ import torch
 
 from megatron_qrl.quant import get_spec, list_specs
 from megatron_qrl.quant.numerics import sqnr_db
-from tests.quant_cases import QUANT_NAME, gaussian, heavy_tailed
+from tests.quant.quant_cases import QUANT_NAME, gaussian, heavy_tailed
 
 SIX = ["bf16", "int8", "fp8", "fp8_block", "w4a16", "nvfp4"]
 QUANTIZED = [n for n in SIX if n != "bf16"]

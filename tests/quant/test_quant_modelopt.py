@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_qrl.quant import get_spec
-from tests.quant_cases import QUANT_NAME, gaussian, heavy_tailed
+from tests.quant.quant_cases import QUANT_NAME, gaussian, heavy_tailed
 
 warnings.filterwarnings("ignore")
 

@@ -12,7 +12,7 @@ from megatron_qrl.quant.numerics import (
     unpack_int32_to_int4,
     unpack_nibbles,
 )
-from tests.quant_cases import QUANT_NAME, gaussian
+from tests.quant.quant_cases import QUANT_NAME, gaussian
 
 QUANTIZED = ["int8", "fp8", "fp8_block", "w4a16", "nvfp4"]
 
