@@ -201,7 +201,7 @@ case $phase in
       | grep -v Warning | tail -n 20
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
   lora-mem)  # trainer memory: full RL vs LoRA vs QLoRA-NF4 vs rollout-format bases (Qwen3-4B)
-    python3 -m pytest -q tests/test_lora.py tests/quant/test_nf4.py 2>&1 | tail -n 2
+    python3 -m pytest -q tests/models/test_lora.py tests/quant/test_nf4.py 2>&1 | tail -n 2
     python3 bench/lora_memory.py --layers 36 --seq-len 2048 --out "$OUT/lora_memory.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 12 ;;
   lora)

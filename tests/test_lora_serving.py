@@ -85,7 +85,7 @@ def test_merged_experts_equal_a_full_sync_of_the_merged_policy(megatron, fmt):
     from megatron_qrl.rl.lora_sync import LoraSync
     from megatron_qrl.rollout.reference import ReferenceEngine
     from tests.helpers.te_quant_fixtures import ids, tiny_cfg
-    from tests.test_lora import _freeze, _lora_model, _random_b, _Trainer
+    from tests.models.test_lora import _freeze, _lora_model, _random_b, _Trainer
 
     cfg = LoraConfig(rank=4, alpha=8.0, experts=True, base_format=fmt)
     _, arch, _, model = _lora_model(cfg, kind="moe", seed=3)
