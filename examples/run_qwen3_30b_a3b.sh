@@ -48,7 +48,7 @@
 # colocated (same GPU); --qrl-ray-weight-transport objectstore uses Ray's object store.
 # NEVER RUN: this script itself — NCCL, SGLang inside a Ray actor, multi-node torchrun or a
 # multi-node Ray cluster, SGLang engines of TP > 1 (the layout checks and the tp_size /
-# ep_size / DP-attention engine arguments are unit-tested on CPU; tests/test_fleet_engine_tp.py).
+# ep_size / DP-attention engine arguments are unit-tested on CPU; tests/rollout/test_fleet_engine_tp.py).
 # Weight sync: trainer rank 0 gathers the full model and broadcasts it once to every engine
 # (the EP ranks' own-expert send, megatron_qrl/rl/ep_send.py, is tested on CPU but not yet
 # wired into qrl-train). Refused in this build (clear error each):

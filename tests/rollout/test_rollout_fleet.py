@@ -33,7 +33,7 @@ CFG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "voc
 G = 2  # samples per prompt group
 PROMPTS = [p for p in ([5, 6, 7], [9, 10, 11, 12], [3], [20, 21]) for _ in range(G)]
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0, seed=11)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ class ExitingActor(EngineActor):
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     yield ray

@@ -8,7 +8,7 @@ from megatron_qrl.quant.hf_reference import hf_tensors
 from megatron_qrl.rollout import SamplingParams, WeightManifest
 from megatron_qrl.rollout.reference import ReferenceEngine
 from megatron_qrl.rollout.supervisor import EngineDiedError, EngineSupervisor
-from tests.test_rollout_reference import CFG, PROMPTS, random_source
+from tests.rollout.test_rollout_reference import CFG, PROMPTS, random_source
 
 
 class DiesOnce(ReferenceEngine):
