@@ -4,7 +4,7 @@ whose layers SGLang wrapped for LoRA (structure, CPU stand-in for the SGLang mod
 
 The SGLang engine's numerics (quantized base + adapter from tensors) are GPU tests:
 tests/gpu/test_sglang_lora.py. The call-sequence tests of ``SGLangLoraEngine`` are in
-tests/test_sglang_lora_calls.py."""
+tests/rollout_sglang/test_sglang_lora_calls.py."""
 
 from __future__ import annotations
 

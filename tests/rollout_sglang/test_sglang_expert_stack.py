@@ -3,11 +3,11 @@
 The stream transform (order, what stacks and what passes through, one layer held), and the
 in-place sync with stacked tensors against the per-tensor sync: SGLangEngine's real bucketing
 (flat and not, buckets splitting layers) into ``load_packed`` on the SGLang-like FusedMoE fake
-of tests/sglang_fused_moe_fake.py, bit-identical for every format at TP 1 and 2; the batched
+of tests/rollout_sglang/sglang_fused_moe_fake.py, bit-identical for every format at TP 1 and 2; the batched
 direct-load tests of test_sglang_expert_batch re-run with every bucket stacked (fallback groups
 included); the engine end to end with per-expert fingerprints and ``verify``.
 
-``python -m tests.test_sglang_expert_stack`` prints the CPU per-tensor cost of a 128-expert
+``python -m tests.rollout_sglang.test_sglang_expert_stack`` prints the CPU per-tensor cost of a 128-expert
 layer through ``load_packed``, direct loads vs direct + stacked.
 """
 
@@ -27,10 +27,10 @@ from megatron_qrl.rollout_sglang.sync.loader import load_packed
 from megatron_qrl.rollout_sglang.sync.loader.experts import unstack, unstack_all
 from megatron_qrl.rollout_sglang.sync.protocol import expert_name, module_key, parse_stacked
 from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, requests, stack_experts
-from tests import sglang_fused_moe_fake as fake
-from tests import test_sglang_expert_batch as batch
-from tests.test_sglang_engine_sync import fake_io_struct  # noqa: F401  (sglang io_struct stub)
-from tests.test_sglang_expert_batch import FORMATS, _rand, init_params, make_moe
+from tests.rollout_sglang import sglang_fused_moe_fake as fake
+from tests.rollout_sglang import test_sglang_expert_batch as batch
+from tests.rollout_sglang.test_sglang_engine_sync import fake_io_struct  # noqa: F401  (sglang io_struct stub)
+from tests.rollout_sglang.test_sglang_expert_batch import FORMATS, _rand, init_params, make_moe
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -348,8 +348,8 @@ def test_stacked_tensors_without_a_loader_are_returned_unstacked():
 # ---- the engine end to end -------------------------------------------------------------
 @pytest.mark.parametrize("flatten,prefetch", [(False, 0), (True, 1)])
 def test_engine_stacked_sync_verifies_per_expert_manifest(flatten, prefetch, monkeypatch):
-    from tests.test_sglang_engine_sync import _engine
-    from tests.test_sglang_inplace import FakeModel, live_tensors, weights
+    from tests.rollout_sglang.test_sglang_engine_sync import _engine
+    from tests.rollout_sglang.test_sglang_inplace import FakeModel, live_tensors, weights
 
     monkeypatch.setattr(expert_loads, "MODELS", expert_loads.MODELS | {"FakeModel"})
     for in_models in (True, False):
@@ -381,7 +381,7 @@ def test_engine_option_errors():
             sync="disk", sync_dir="/tmp", direct_expert_loads=False, stack_experts=True))
 
 
-# ---- CPU timing: python -m tests.test_sglang_expert_stack ------------------------------
+# ---- CPU timing: python -m tests.rollout_sglang.test_sglang_expert_stack ---------------
 def _time_layer(fmt="fp8_block", experts=128, runs=7):
     """Median seconds per expert tensor of one ``experts``-expert layer through
     ``load_packed`` (one flat bucket, direct loads; the sender's bucket prepared before)."""

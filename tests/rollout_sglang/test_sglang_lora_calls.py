@@ -19,7 +19,7 @@ import torch
 from megatron_qrl.rollout.base import WeightSyncError, tensor_checksum
 from megatron_qrl.rollout_sglang import SGLangOptions
 from megatron_qrl.rollout_sglang.lora import RELEASE_TAGS, SGLangLoraEngine, sha256_of
-from tests.test_sglang_inplace import FakeModel, live_tensors, sync, weights
+from tests.rollout_sglang.test_sglang_inplace import FakeModel, live_tensors, sync, weights
 
 
 @dataclass

@@ -22,7 +22,7 @@ from megatron_qrl.rollout.wire import unflatten
 from megatron_qrl.rollout_sglang import SGLangEngine, SGLangOptions
 from megatron_qrl.rollout_sglang.sync.loader import load_packed
 from megatron_qrl.rollout_sglang.sync.protocol import FLAT, RECV, decode_control, encode_control
-from tests.test_sglang_inplace import FakeModel, live_tensors, weights
+from tests.rollout_sglang.test_sglang_inplace import FakeModel, live_tensors, weights
 
 
 @dataclass

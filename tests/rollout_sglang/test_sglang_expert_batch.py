@@ -1,5 +1,5 @@
 """Batched direct expert loads (megatron_qrl.rollout_sglang.sync.loader.expert_batch) against per-tensor
-``FusedMoE.weight_loader`` calls, on the SGLang-like fake of tests/sglang_fused_moe_fake.py:
+``FusedMoE.weight_loader`` calls, on the SGLang-like fake of tests/rollout_sglang/sglang_fused_moe_fake.py:
 bit-identical parameters for every parameter kind batched (TP=1, both ranks of TP=2, EP, an
 expert-location map), per-tensor fallback for what is not reproduced, buckets that split a
 module's experts, and the in-place loader's shard-load check."""
@@ -13,7 +13,7 @@ from torch import nn
 from megatron_qrl.rollout_sglang.sync.loader import experts as expert_loads
 from megatron_qrl.rollout_sglang.sync.loader import load_packed
 from megatron_qrl.rollout_sglang.sync.sender import StreamTracker
-from tests import sglang_fused_moe_fake as fake
+from tests.rollout_sglang import sglang_fused_moe_fake as fake
 
 E, H, N = 4, 32, 32  # experts, hidden, moe_intermediate_size (full, before TP)
 PRE = "model.layers.0.mlp.experts"
