@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from test_rl_examples import EXAMPLES, _captured_args
 
 from megatron_qrl.config import add_qrl_args, effective_values
 from megatron_qrl.config.megatron_flags import parse_megatron_flags
+from tests.test_rl_examples import EXAMPLES, _captured_args
 
 SCRIPT = EXAMPLES / "run_qwen3_4b_1gpu.sh"
 

@@ -303,7 +303,7 @@ def test_driver_starts_the_sglang_engine_with_its_lora_targets_and_sends_adapter
     from megatron_qrl.rl.cli import parse_configs
     from megatron_qrl.rl.driver import run_job
     from megatron_qrl.rollout_sglang.factory import make_engine
-    from tests.test_lora_driver import SMALL
+    from tests.rl.test_lora_driver import SMALL
 
     configs, flags, _ = parse_configs(["--qrl-preset", "tiny-cpu,qerl", *SMALL, "--qrl-steps",
                                        "2", "--qrl-output-dir", str(tmp_path)])

@@ -23,9 +23,9 @@ from megatron_qrl.compat.distributed import free_port
 from megatron_qrl.data import CharTokenizer
 from tests.helpers import RL_RUN_HELPER
 from tests.helpers.tiny_hf import make_tiny_hf
-from tests.run_records import assert_records_close, read_records
+from tests.rl.run_records import assert_records_close, read_records
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HELPER = RL_RUN_HELPER
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
        "--qrl-sft-steps", "2", "--qrl-prompts-per-step", "2",

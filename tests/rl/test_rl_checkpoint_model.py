@@ -2,7 +2,7 @@
 the UAQ-once rule; the routing-agreement metric; the SFT panel of the metrics PNG.
 
 RL jobs run in a subprocess (``tests/helpers/rl_run_helper.py``, the reference engine) like
-tests/test_rl_driver.py: megatron's process group stays out of the pytest process.
+tests/rl/test_rl_driver.py: megatron's process group stays out of the pytest process.
 """
 
 import json
@@ -20,7 +20,7 @@ from megatron_qrl.rl.cli import parse_configs
 from tests.helpers import RL_RUN_HELPER
 from tests.helpers.tiny_hf import make_tiny_hf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HELPER = RL_RUN_HELPER
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-prompts-per-step", "2",
        "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",

@@ -4,14 +4,10 @@ does; with --no-qrl-rollout-sglang-release-memory (or the reference engine) neve
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_qrl.rl.cli import parse_configs  # noqa: E402
-from tests.helpers.rl_engine_double import TinyEngine  # noqa: E402
+from megatron_qrl.rl.cli import parse_configs
+from tests.helpers.rl_engine_double import TinyEngine
 
 
 class RecordingEngine(TinyEngine):

@@ -22,7 +22,7 @@ from megatron_qrl.data import CharTokenizer
 from tests.helpers import HELPERS
 from tests.helpers.tiny_hf import make_tiny_hf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HELPER = HELPERS / "rl_ray_helper.py"
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "0", "--qrl-steps", "2",
        "--qrl-prompts-per-step", "2", "--qrl-rollout-n-samples-per-prompt", "2",

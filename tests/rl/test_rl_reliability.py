@@ -3,7 +3,7 @@ directories, NaN guard, one-line errors.
 
 Unit tests drive :mod:`megatron_qrl.rl.checkpoint` / :mod:`megatron_qrl.rl.guard` /
 ``cli.error_line`` directly; the end-to-end cases run qrl-train on the tiny CPU model (engine
-double) in subprocesses, as tests/test_rl_driver.py does.
+double) in subprocesses, as tests/rl/test_rl_driver.py does.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from megatron_qrl.config.megatron_flags import parse_megatron_flags
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.rl.trainer import TrainerOptions
 from tests.helpers.tiny_hf import make_tiny_hf
-from tests.run_records import assert_records_close, read_records
+from tests.rl.run_records import assert_records_close, read_records
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16",
        "--qrl-routing-replay", "off", "--qrl-sft-steps", "2", "--qrl-steps", "2",
        "--qrl-prompts-per-step", "2", "--qrl-rollout-n-samples-per-prompt", "4",

@@ -31,7 +31,7 @@ from megatron_qrl.rollout_sglang import SGLangOptions
 from megatron_qrl.rollout_sglang.factory import build_engine
 from tests.helpers import HELPERS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "2", "--qrl-prompts-per-step", "2",
        "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
        "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "1", "--qrl-save-interval", "0",

@@ -16,7 +16,7 @@ from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.cli import parse_configs
 from tests.helpers import RL_RUN_HELPER
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HELPER = RL_RUN_HELPER
 SMALL = ["--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
          "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
