@@ -23,7 +23,7 @@ SLIME_DIRNAME = ("shared", "third_party", "slime-0.3.1")
 
 def find_slime_src() -> Path | None:
     """The slime 0.3.1 source folder ($SLIME_SRC, else the first ancestor holding it)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     candidates = ([Path(os.environ["SLIME_SRC"])] if os.environ.get("SLIME_SRC") else
                   [parent.joinpath(*SLIME_DIRNAME) for parent in (repo, *repo.parents)])
     return next((c for c in candidates if (c / "slime" / "__init__.py").is_file()), None)
@@ -35,7 +35,7 @@ def slime_skip_reason() -> str | None:
     if importlib.util.find_spec("slime") is None:
         if src is None:
             where = os.environ.get("SLIME_SRC") or (f"{'/'.join(SLIME_DIRNAME)} above "
-                                                     f"{Path(__file__).resolve().parent.parent}")
+                                                     f"{Path(__file__).resolve().parents[2]}")
             return f"slime 0.3.1 source not found (looked at $SLIME_SRC or {where})"
         sys.path.insert(0, str(src))
     try:
@@ -332,7 +332,7 @@ def test_example_script_qrl_block_is_valid():
     from megatron_qrl.config import add_qrl_args
     from megatron_qrl.integrations.slime.options import slime_options
 
-    text = (Path(__file__).resolve().parent.parent / "examples" / "slime"
+    text = (Path(__file__).resolve().parents[2] / "examples" / "slime"
             / "run_qwen3_30b_a3b_qrl.sh").read_text()
     block = text.split("QRL_ARGS=(", 1)[1].split("\n)", 1)[0]
     tokens = shlex.split("\n".join(line.split("#")[0] for line in block.splitlines()))

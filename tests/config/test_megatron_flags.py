@@ -21,7 +21,7 @@ from megatron_qrl.rl.driver import prepare_job
 from tests.helpers import RL_RUN_HELPER
 from tests.helpers.tiny_hf import make_tiny_hf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--qrl-preset", "tiny-cpu"]
 
 

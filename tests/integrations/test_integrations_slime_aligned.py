@@ -12,7 +12,7 @@ import argparse
 import pytest
 import torch
 
-from tests.test_integrations_slime import SKIP, slime_args
+from tests.integrations.test_integrations_slime import SKIP, slime_args
 
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
