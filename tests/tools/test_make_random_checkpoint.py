@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "make_random_checkpoint.py"
 TINY_MOE = ROOT / "megatron_qrl" / "data" / "configs" / "tiny_qwen3_moe.json"
 

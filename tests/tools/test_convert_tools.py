@@ -16,7 +16,7 @@ from megatron_qrl.models.checkpoint import read_metadata
 from megatron_qrl.models.convert import UAQ_CONFIG_KEY
 from tests.helpers.tiny_hf import hf_logits, make_tiny_hf, tokens
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tool(name: str):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron_qrl"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -133,7 +133,7 @@ def test_every_package_has_a_layer():
     packages = {p.parent.name for p in (ROOT / PACKAGE).glob("*/__init__.py")}
     packages |= {p.stem for p in (ROOT / PACKAGE).glob("*.py") if p.stem != "__init__"}
     missing = sorted(p for p in packages if not any(p in t for t in LAYERS))
-    assert not missing, f"add {missing} to LAYERS in tests/test_layering.py"
+    assert not missing, f"add {missing} to LAYERS in tests/package/test_layering.py"
 
 
 def _module_strings(path: Path) -> Iterator[tuple[int, str]]:
@@ -188,7 +188,7 @@ def test_known_exceptions_are_still_needed():
     """An exception whose import is gone must leave KNOWN_UPWARD (the layer order tightens)."""
     seen = {(_rel(p), _package_of(t)) for p, _, _, t in _edges()}
     stale = sorted(k for k in KNOWN_UPWARD if k not in seen)
-    assert not stale, f"remove {stale} from KNOWN_UPWARD in tests/test_layering.py"
+    assert not stale, f"remove {stale} from KNOWN_UPWARD in tests/package/test_layering.py"
 
 
 def test_no_upward_import():
@@ -202,7 +202,7 @@ def test_no_upward_import():
         if _tier(dst) > _tier(own) and (_rel(path), dst) not in KNOWN_UPWARD:
             bad.append(f"megatron_qrl/{_rel(path)}:{line}: {own} (layer {_tier(own)}) imports "
                        f"{target} ({dst}, layer {_tier(dst)})")
-    assert not bad, "upward imports (see LAYERS in tests/test_layering.py):\n" + "\n".join(bad)
+    assert not bad, "upward imports (see LAYERS in tests/package/test_layering.py):\n" + "\n".join(bad)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

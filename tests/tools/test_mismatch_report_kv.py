@@ -13,7 +13,7 @@ import torch
 from tests.helpers.kv_grid import positive_grid, round_half_even
 from tests.helpers.te_quant_fixtures import quiet_torch_trace, tiny_hf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 
 def _round(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_qrl.config import add_qrl_args, effective_values
 from megatron_qrl.config.megatron_flags import parse_megatron_flags
-from tests.test_rl_examples import EXAMPLES, _captured_args
+from tests.examples.test_rl_examples import EXAMPLES, _captured_args
 
 SCRIPT = EXAMPLES / "run_qwen3_4b_1gpu.sh"
 

@@ -17,7 +17,7 @@ from megatron_qrl.utils import metrics
 from megatron_qrl.utils.metrics import MetricsLogger, read_metrics
 from megatron_qrl.utils.optional import available
 from tests.helpers import RL_RUN_HELPER
-from tests.test_metrics_io import rec
+from tests.utils.test_metrics_io import rec
 
 _TB, _TB_WHY = available("tensorboard.backend.event_processing.event_accumulator")
 needs_tensorboard = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_qrl.rl.cli import parse_configs
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("*.sh"))
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tiny_hf import make_tiny_hf
-from tests.test_tools_safety import run
+from tests.tools.test_tools_safety import run
 from tools import convert_hf_to_megatron as to_megatron
 from tools import convert_megatron_to_hf as to_hf
 from tools import export_quantized as export_tool

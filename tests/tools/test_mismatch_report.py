@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.te_quant_fixtures import quiet_torch_trace, tiny_hf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 
 def test_token_kl_closed_form():
