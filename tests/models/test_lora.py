@@ -15,20 +15,11 @@ from tests.helpers.te_quant_fixtures import (
     build,
     hf_state,
     ids,
-    quiet_torch_trace,
     tiny_cfg,
     tiny_hf,
 )
 
 WEIGHT_FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-
-    with quiet_torch_trace(), single_process_megatron():
-        yield
 
 
 def _lora_model(cfg: LoraConfig, kind: str = "dense", seed: int = 0):

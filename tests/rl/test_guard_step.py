@@ -9,15 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.te_quant_fixtures import hf_state, ids, quiet_torch_trace, tiny_hf
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-
-    with quiet_torch_trace(), single_process_megatron():
-        yield
+from tests.helpers.te_quant_fixtures import hf_state, ids, tiny_hf
 
 
 def _policy(bf16: bool, clip_grad: float):

@@ -64,15 +64,6 @@ def test_bad_inputs_are_one_clear_error():
 
 
 # ---- the merge path, reference engine (numerics) ---------------------------------------
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-    from tests.helpers.te_quant_fixtures import quiet_torch_trace
-
-    with quiet_torch_trace(), single_process_megatron():
-        yield
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "w4a16"])
 def test_merged_experts_equal_a_full_sync_of_the_merged_policy(megatron, fmt):
     """Expert adapters go merged + re-quantized (only the touched expert modules), attention

@@ -262,15 +262,6 @@ def test_lora_engine_combinations(c, cap, match):
 
 
 # ---- the driver's calls (CALL SEQUENCE: a recording engine around the reference engine) --
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-    from tests.helpers.te_quant_fixtures import quiet_torch_trace
-
-    with quiet_torch_trace(), single_process_megatron():
-        yield
-
-
 class _Recording:
     """Stands in for the SGLang job engine: records the driver's calls, generates with the
     reference engine it wraps."""

@@ -9,17 +9,9 @@ import pytest
 import torch
 
 from tests.helpers.kv_grid import positive_grid, round_half_even
-from tests.helpers.te_quant_fixtures import build, hf_state, ids, quiet_torch_trace, tiny_hf
+from tests.helpers.te_quant_fixtures import build, hf_state, ids, tiny_hf
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-
-    with quiet_torch_trace(), single_process_megatron():
-        yield
 
 
 def _round(t: torch.Tensor) -> torch.Tensor:

@@ -35,14 +35,6 @@ CASES = [("dense", False), ("moe", False), ("moe", True)]
 CASE_IDS = ["dense", "moe-sequential", "moe-grouped"]
 
 
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-
-    with quiet_torch_trace(), single_process_megatron():
-        yield
-
-
 def te_layer_names(kind: str, grouped: bool, experts: int) -> tuple[set[str], set[str]]:
     """(parameters, ``_extra_state`` keys) of decoder layer 0 on Megatron's TE spec."""
     params = {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",

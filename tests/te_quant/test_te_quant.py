@@ -25,19 +25,10 @@ from tests.helpers.te_quant_fixtures import (
     grads_as_hf,
     hf_state,
     ids,
-    quiet_torch_trace,
     tiny_hf,
 )
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-
-    with quiet_torch_trace(), single_process_megatron():
-        yield
 
 
 def _aligned(kind: str, fmt: str, **overrides):

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_hf import make_tiny_hf
 from tests.tools.test_tools_safety import run
 from tools import convert_hf_to_megatron as to_megatron
 from tools import convert_megatron_to_hf as to_hf
@@ -28,11 +27,6 @@ def one_line(code: int, err: str, *needles: str) -> None:
     assert "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert "error:" in last and all(n in last for n in needles), err
-
-
-@pytest.fixture(scope="module")
-def dense_hf(tmp_path_factory) -> Path:
-    return make_tiny_hf(tmp_path_factory.mktemp("dense") / "hf", "dense")
 
 
 @pytest.fixture(scope="module")

@@ -46,11 +46,6 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def dense_hf(tmp_path_factory) -> Path:
-    return make_tiny_hf(tmp_path_factory.mktemp("dense") / "hf", "dense")
-
-
-@pytest.fixture(scope="module")
 def quant_hf(tmp_path_factory) -> Path:
     return make_tiny_hf(tmp_path_factory.mktemp("quant") / "moe", "moe", dtype=torch.bfloat16,
                         **QUANT_DIMS)
