@@ -35,7 +35,7 @@ setup(
         "test": ["pytest>=8", "ruff>=0.6", "ray>=2.40", "tensorboard==2.21.0",
                  # SGLang's event loop: the crash tests run their fake engine on it too
                  "uvloop==0.21.0",
-                 # slime 0.3.1's loss module imports it: tests/test_integrations_slime*.py
+                 # slime 0.3.1's loss module imports it: tests/integrations/test_integrations_slime*.py
                  "httpx"],
         "ray": ["ray>=2.40"],
         # GPU-only: neither installs nor imports on a CPU machine; imported lazily.

@@ -1,5 +1,5 @@
 """Rollout-bench variants ``FMT[:OPT[+OPT...]]``: the engine arguments and child environment
-each option sets (pure; no sglang needed, CPU-tested in tests/test_bench_engine_variants.py).
+each option sets (pure; no sglang needed, CPU-tested in tests/bench/test_bench_engine_variants.py).
 
 The SGLang 0.5.17 facts behind each option (paths under ``sglang/srt/``):
 

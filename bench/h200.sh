@@ -215,7 +215,7 @@ case $phase in
       | grep -v Warning | tail -n 20
     cp /tmp/qrl_sglang/metrics.jsonl "$OUT/qrl_sglang_metrics.jsonl" ;;
   lora-mem)  # trainer memory: full RL vs LoRA vs QLoRA-NF4 vs rollout-format bases (Qwen3-4B)
-    python3 -m pytest -q tests/test_lora.py tests/test_nf4.py 2>&1 | tail -n 2
+    python3 -m pytest -q tests/models/test_lora.py tests/quant/test_nf4.py 2>&1 | tail -n 2
     python3 bench/lora_memory.py --layers 36 --seq-len 2048 --out "$OUT/lora_memory.jsonl" 2>&1 \
       | grep -v -i warn | tail -n 12 ;;
   lora)
@@ -233,7 +233,7 @@ case $phase in
     cp /tmp/qrl_sglang_lora/metrics.jsonl "$OUT/qrl_sglang_lora_metrics.jsonl" ;;
   aligned)  # one micro-batch (re-quantization dominates), then eight (activations dominate)
     # the fake-quant fast path must be bit-identical to the codes path on CUDA too: checked first
-    python3 -m pytest -q tests/test_quant_fake_fast.py -k cuda 2>&1 | tail -n 3
+    python3 -m pytest -q tests/quant/test_quant_fake_fast.py -k cuda 2>&1 | tail -n 3
     python3 bench/fake_quant_ops.py --device cuda --experts 64 --repeats 5 2>&1 | tail -n 12
     python3 bench/aligned_step.py --warmup 2 --rounds 6 --profile 12 --per-expert int8 \
       --out "$OUT/aligned_step.jsonl" 2>&1 | grep -v "^\s*$" | tail -n 60

@@ -34,11 +34,11 @@
 # memory released during recompute + training). ENGINES=1 is the single engine actor of before.
 #   variants:        VARIANT=fp8 (default) | nvfp4 | nvfp4-w4a4 (Blackwell) | qarl
 #
-# STATUS: tested on CPU only, with tiny equivalents (tests/test_rl_ray_multirank.py): 2
+# STATUS: tested on CPU only, with tiny equivalents (tests/rl/test_rl_ray_multirank.py): 2
 # torchrun ranks (gloo), TP 2 + sequence parallel, the reference engine in a Ray actor
 # (--qrl-mode disaggregated and colocated, and a ray.kill of the actor mid-run) give metrics
 # bit-identical to the same 2-rank --qrl-mode single run; TP=2 / EP=2 multi-rank training
-# matches one process (tests/test_rl_multirank.py). The SGLang-in-a-Ray-actor construction
+# matches one process (tests/rl/test_rl_multirank.py). The SGLang-in-a-Ray-actor construction
 # (EngineSpec, actor options of engine-TP GPUs, start_job_engine arguments) is unit-tested with a fake
 # engine class. On one H200: qrl-train with an in-process SGLang engine (single mode, int8
 # in place) and every format's in-place weight sync ran (docs/BENCHMARKS.md). Weights reach
@@ -48,7 +48,7 @@
 # colocated (same GPU); --qrl-ray-weight-transport objectstore uses Ray's object store.
 # NEVER RUN: this script itself — NCCL, SGLang inside a Ray actor, multi-node torchrun or a
 # multi-node Ray cluster, SGLang engines of TP > 1 (the layout checks and the tp_size /
-# ep_size / DP-attention engine arguments are unit-tested on CPU; tests/test_fleet_engine_tp.py).
+# ep_size / DP-attention engine arguments are unit-tested on CPU; tests/rollout/test_fleet_engine_tp.py).
 # Weight sync: trainer rank 0 gathers the full model and broadcasts it once to every engine
 # (the EP ranks' own-expert send, megatron_qrl/rl/ep_send.py, is tested on CPU but not yet
 # wired into qrl-train). Refused in this build (clear error each):

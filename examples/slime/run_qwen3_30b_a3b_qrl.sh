@@ -17,7 +17,7 @@
 # megatron_qrl installed: SLIME_DIR=/root/slime bash examples/slime/run_qwen3_30b_a3b_qrl.sh
 #
 # STATUS: NEVER RUN end to end (no multi-GPU slime image here). What ran, on CPU against slime
-# 0.3.1's unmodified code (tests/test_integrations_slime*.py): slime's loss_function with the
+# 0.3.1's unmodified code (tests/integrations/test_integrations_slime*.py): slime's loss_function with the
 # custom loss equals megatron_qrl's compute_policy_loss (loss and gradients) for every loss
 # kind; slime's policy_loss_function with the custom TIS applies our tis / acr / decoupled
 # weight; slime's convert_to_hf (Qwen3-MoE converter) with the installed quantizer returns

@@ -20,7 +20,7 @@ their mean are quantized again in blocks of 256 with the signed 8-bit dynamic ma
 2015; bitsandbytes ``create_dynamic_map``): ``absmax_hat = mean + s2 * D[a8]``, ``a8`` uint8,
 one fp32 ``s2 = max|absmax - mean|`` per 256 absmaxes (0.127 bit/parameter instead of 0.5).
 This is bitsandbytes' ``quantize_4bit(..., quant_type="nf4", compress_statistics=True)``
-(0.50.2, its default CPU backend) step for step; ``tests/test_nf4.py`` compares bit for bit
+(0.50.2, its default CPU backend) step for step; ``tests/quant/test_nf4.py`` compares bit for bit
 where bitsandbytes imports.
 """
 

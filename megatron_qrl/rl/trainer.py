@@ -359,7 +359,7 @@ def _unshare_adam_steps(optimizer: Any) -> None:
     (no TE / Apex: a CPU host) stores ONE step tensor in every parameter's state; torch's Adam
     increments each parameter's step in place, so the shared counter would advance once per
     parameter per update and the bias correction after a resume would be wrong (found by
-    tests/test_trainer_memory_flags.py::test_distributed_optimizer_resumes)."""
+    tests/rl/test_trainer_memory_flags.py::test_distributed_optimizer_resumes)."""
     inner = getattr(optimizer, "optimizer", None)
     for state in getattr(inner, "state", {}).values():
         step = state.get("step") if isinstance(state, dict) else None

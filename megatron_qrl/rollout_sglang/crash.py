@@ -17,7 +17,7 @@ handler (logged ``SIGQUIT received. signum=None, frame=None``). The loop is uvlo
 sets its policy at import), and uvloop's ``remove_signal_handler`` does nothing and returns
 False when the loop is not running, which is where the handler used to be removed; while the
 loop then ran, the signal byte on its wakeup fd dispatched the handler still registered there.
-Reproduced on CPU with uvloop 0.21.0 (tests/test_sglang_crash.py: any engine, first or second,
+Reproduced on CPU with uvloop 0.21.0 (tests/rollout_sglang/test_sglang_crash.py: any engine, first or second,
 crashed during a call); asyncio's own loop removes it either way. Two guards now, each enough:
 
 * :func:`install` sets the tokenizer manager's ``signal_handler_class`` (its own attribute,

@@ -1,0 +1,52 @@
+"""bench/rl_step.py: active-parameter count (closed form) and the CPU smoke run of one RL step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.rl_step import active_params  # noqa: E402
+
+
+def _cfg(name: str) -> dict:
+    return json.loads((ROOT / "megatron_qrl/data/configs" / name).read_text())
+
+
+def test_active_params_closed_form():
+    c = _cfg("qwen3_30b_a3b.json")
+    h, d, layers, v = c["hidden_size"], c["head_dim"], c["num_hidden_layers"], c["vocab_size"]
+    attn = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * d
+    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    per_layer = attn + 2 * h + c["num_experts"] * h + experts
+    assert active_params(c) == layers * per_layer + h + v * h  # + final norm + lm_head
+    four = _cfg("qwen3_4b.json")  # tied: the embedding counts once, as the output layer
+    h, f = four["hidden_size"], four["intermediate_size"]
+    per = h * 128 * (2 * 32 + 2 * 8) + 2 * 128 + 2 * h + 3 * h * f
+    assert active_params(four) == 36 * per + h + four["vocab_size"] * h
+    assert 3.9e9 < active_params(four) < 4.1e9 and 2.9e9 < active_params(c) < 3.2e9  # "A3B" counts the embedding too
+
+
+def test_cpu_smoke_one_rl_step(tmp_path):
+    out = tmp_path / "rl_step.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/rl_step.py"), "--device", "cpu", "--model", "tiny",
+         "--prompts", "2", "--n", "2", "--max-new-tokens", "6", "--micro-batch-size", "2",
+         "--steps", "1", "--formats", "bf16,bf16@budget",
+         "--variant-flags", "budget=--recompute-granularity selective",
+         "--qrl", "--qrl-max-tokens-per-micro-batch 64", "--ckpt-root", str(tmp_path / "ck"),
+         "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["bf16", "bf16@budget"]
+    for r in rows:
+        assert all(r[k] > 0 for k in ("time_rollout_s", "time_recompute_s", "time_train_s",
+                                      "time_sync_s", "trained_tokens"))
+        assert 0 < r["train_recompute_share"] < 1
+        assert r["trainer_mfu"] == round(6 * r["active_params"] * r["trained_tokens"]
+                                         / r["time_train_s"] / 989e12, 4)
+    assert "| bf16@budget |" in proc.stdout

@@ -1,0 +1,51 @@
+"""examples/run_qwen3_4b_1gpu.sh: the flags it passes fit one H200 beside SGLang (CPU check)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_qrl.config import add_qrl_args, effective_values
+from megatron_qrl.config.megatron_flags import parse_megatron_flags
+from tests.examples.test_rl_examples import EXAMPLES, _captured_args
+
+SCRIPT = EXAMPLES / "run_qwen3_4b_1gpu.sh"
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    return argv[: argv.index("--")], argv[argv.index("--") + 1:]
+
+
+def test_defaults_single_mode_release_recompute(tmp_path):
+    import argparse
+
+    argv = _captured_args(tmp_path, SCRIPT, {"CKPT": str(tmp_path)})
+    qrl, megatron = _split(argv)
+    assert qrl[:2] == ["--qrl-mode", "single"]
+    # every --qrl-* flag exists (the full checks need a GPU: SGLang); values after the preset
+    parser = add_qrl_args(argparse.ArgumentParser(allow_abbrev=False))
+    v = effective_values(parser.parse_args(qrl[2:]))
+    got = tuple(v["qrl_" + k] for k in ("rollout_engine", "rollout_format",
+                                         "rollout_sglang_mem_fraction", "rollout_max_new_tokens",
+                                         "micro_batch_size", "rollout_sglang_release_memory"))
+    assert got == ("sglang", "fp8", 0.3, 1024, 4, True)
+    settings, _, _ = parse_megatron_flags(megatron)
+    assert dict(settings.config_overrides)["recompute_granularity"] == "full"
+    assert settings.bf16 and settings.transformer_impl == "auto"
+
+
+def test_knobs(tmp_path):
+    argv = _captured_args(tmp_path, SCRIPT, {
+        "CKPT": str(tmp_path), "STEPS": "3", "SAVE_INTERVAL": "-1", "RECOMPUTE": "0",
+        "OFFLOAD": "1", "TIMPL": "local", "MEM_FRACTION": "0.25", "MODE": "colocated",
+        "RELEASE": "0"})
+    qrl, megatron = _split(argv)
+    assert qrl[:2] == ["--qrl-mode", "colocated"]
+    for flag, value in (("--qrl-steps", "3"), ("--qrl-save-interval", "-1"),
+                        ("--qrl-rollout-sglang-mem-fraction", "0.25")):
+        assert qrl[qrl.index(flag) + 1] == value
+    assert "--recompute-granularity" not in megatron
+    assert "--no-qrl-rollout-sglang-release-memory" in qrl
+    assert {"--use-distributed-optimizer", "--optimizer-cpu-offload"} <= set(megatron)
+    assert megatron[megatron.index("--transformer-impl") + 1] == "local"
+    with pytest.raises(Exception, match="CUDA|GPU"):  # offload needs a GPU (CPU host here)
+        parse_megatron_flags(megatron)

@@ -1,0 +1,133 @@
+"""Routing replay: the trainer routes to the rollout's experts, gates stay its own; EP=2 == EP=1."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.helpers.mp_utils import run_distributed
+from tests.helpers.te_quant_fixtures import build, hf_state, ids, quiet_torch_trace, tiny_hf
+
+
+def test_routing_agreement_closed_form():
+    from megatron_qrl.moe import routing_agreement, tokens_from_batch
+
+    trainer = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])  # [tokens=2, layers=2, k=2]
+    rollout = torch.tensor([[[1, 0], [2, 5]], [[6, 7], [7, 6]]])
+    # layer 0: token0 2/2, token1 0/2 -> 0.5; layer 1: token0 1/2, token1 2/2 -> 0.75
+    assert torch.allclose(routing_agreement(trainer, rollout), torch.tensor([0.5, 0.75]))
+    b = torch.arange(2 * 3 * 1 * 1).reshape(2, 3, 1, 1)  # [batch, seq, L, k]
+    assert tokens_from_batch(b)[:, 0, 0].tolist() == [0, 3, 1, 4, 2, 5]  # token = s * batch + b
+
+
+def _forced(own: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """For every token/layer the top_k experts with the LOWEST ids not chosen by the router."""
+    k = own.shape[-1]
+    taken = torch.zeros(*own.shape[:-1], num_experts, dtype=torch.bool).scatter(-1, own, True)
+    order = torch.where(taken, num_experts, torch.arange(num_experts))
+    return order.sort(-1).values[..., :k]
+
+
+def _router_io(model):
+    seen = {}
+    for i, layer in enumerate(model.decoder.layers):
+        layer.mlp.router.register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out)))
+    return seen
+
+
+def _replay_model(mode: str, **overrides):
+    from megatron_qrl.moe import RoutingReplay, replay_spec_hook
+
+    hf, arch = tiny_hf("moe")
+    replay = RoutingReplay(mode, arch.num_experts, arch.moe_top_k)
+    return arch, replay, build(arch, hf_state(hf), replay_spec_hook(replay), **overrides)
+
+
+def test_replay_forces_recorded_experts_and_gates_flow():
+    from megatron_qrl.models.runtime import single_process_megatron
+    from megatron_qrl.moe import recorded_ids, routing_agreement
+
+    with quiet_torch_trace(), single_process_megatron():
+        arch, replay, model = _replay_model("recompute", moe_aux_loss_coeff=0.0)
+        seen = _router_io(model)
+        x = ids()
+        pos = torch.arange(x.shape[1])[None].expand_as(x)
+        model.train()
+        own_logits = model(x, pos, attention_mask=None).detach()
+        own = recorded_ids(replay, arch.num_layers)
+        forced = _forced(own, arch.num_experts)
+        with replay.use(forced, phase="recompute"):
+            out = model(x, pos, attention_mask=None)
+            out.float().pow(2).mean().backward()
+        for i, (hidden, (probs, routing_map)) in seen.items():
+            chosen = routing_map.nonzero()[:, 1].reshape(-1, arch.moe_top_k)
+            assert torch.equal(chosen, forced[:, i].sort(-1).values)
+            logits = hidden.reshape(-1, arch.hidden_size).float() @ \
+                model.decoder.layers[i].mlp.router.weight.float().t()
+            gates = torch.softmax(logits.gather(1, forced[:, i]), -1)  # norm_topk_prob
+            assert torch.allclose(probs.gather(1, forced[:, i]), gates, atol=1e-6)
+        # the router's own choice is still recorded (layer 0 sees the same input as before, so
+        # it chooses as before and never agrees with the forced experts; layer 1 input changed)
+        assert torch.equal(recorded_ids(replay, arch.num_layers)[:, 0], own[:, 0])
+        assert routing_agreement(recorded_ids(replay, arch.num_layers), forced)[0] == 0
+        assert all(layer.mlp.router.weight.grad.abs().max() > 0 for layer in model.decoder.layers)
+        assert (out.detach() - own_logits).abs().max() > 1e-2
+        with replay.use(forced, phase="update"):  # mode=recompute: the update routes freely
+            model(x, pos, attention_mask=None)
+        assert torch.equal(seen[0][1][1].nonzero()[:, 1].reshape(-1, 2), own[:, 0].sort(-1).values)
+        replay.mode = "all"
+        with replay.use(None, phase="update"):
+            replay.set_micro_batch(forced)  # as forward_step_func does per micro-batch
+            model(x, pos, attention_mask=None)
+        assert torch.equal(seen[0][1][1].nonzero()[:, 1].reshape(-1, 2), forced[:, 0].sort(-1).values)
+        assert replay.expert_ids is None  # restored on exit
+        with pytest.raises(ValueError, match="top_k=2"), replay.use(forced[..., :1], "recompute"):
+            pass
+        bad = copy.copy(model.decoder.layers[0].mlp.router.config)
+        bad.moe_expert_capacity_factor = 1.0
+        from megatron_qrl.moe import check_replay_config
+        with pytest.raises(ValueError, match="token dropping off"):
+            check_replay_config(bad)
+
+
+def _ep_worker(rank, world_size, port, tensors, forced, x):
+    from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.moe import RoutingReplay, recorded_ids, replay_spec_hook
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook, compose_hooks
+    from megatron_qrl.te_quant.attribution import megatron_logits
+    from tests.helpers.te_quant_fixtures import tiny_cfg
+
+    init_cpu_distributed(rank, world_size, port, ep=world_size, etp=1)
+    try:
+        with quiet_torch_trace(), cpu_device_mode():
+            arch = arch_from_dict(tiny_cfg("moe"))
+            replay = RoutingReplay("all", arch.num_experts, arch.moe_top_k)
+            hook = compose_hooks(aligned_spec_hook(AlignedForwardState("int8")),
+                                 replay_spec_hook(replay))
+            model = build(arch, tensors, hook, layout=ParallelLayout(ep=world_size))
+            with replay.use(forced, phase="update"):
+                logits = megatron_logits(model.eval(), x)
+            return logits, recorded_ids(replay, arch.num_layers)
+    finally:
+        destroy_cpu_distributed()
+
+
+@pytest.mark.slow
+def test_ep2_replay_equals_ep1():
+    hf, arch = tiny_hf("moe")
+    tensors = hf_state(hf)
+    x = ids()
+    tokens = x.numel()
+    gen = torch.Generator().manual_seed(5)
+    forced = torch.stack([torch.randperm(arch.num_experts, generator=gen)[:arch.moe_top_k]
+                          for _ in range(tokens * arch.num_layers)]).reshape(tokens, arch.num_layers, -1)
+    ep1 = run_distributed(_ep_worker, 1, tensors, forced, x)[0]
+    ep2 = run_distributed(_ep_worker, 2, tensors, forced, x)
+    for logits, own in ep2:
+        assert (logits - ep1[0]).abs().max().item() <= 1e-5
+        assert torch.equal(own, ep1[1])
