@@ -6,7 +6,7 @@ with ``kv_cache_dtype`` bf16 and fp8_e4m3 (the latter with the arguments
 is sampled N times, as GRPO does. The trainer side is the same checkpoint in BF16 teacher-forced
 on the engine's tokens, its attention either plain or
 :func:`~megatron_qrl.te_quant.kv_attention.rollout_kv_attention` with ``cache_from`` = the
-prompt length (the op the Megatron core attention runs: tests/test_kv_core_attention.py holds
+prompt length (the op the Megatron core attention runs: tests/te_quant/test_kv_core_attention.py holds
 the Megatron wiring to it on CPU). Printed: the token-mean mismatch KL estimate
 ``E_engine[exp(d) - 1 - d]``, ``d = logp_trainer - logp_engine`` (Schulman's k3) and mean
 |d| for each pair; asserted: the issue-23 target (aligned FP8-KV mismatch within 2x of the

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from tests.test_te_quant_fixtures import grads_as_hf, hf_state, ids, tiny_hf  # noqa: E402
+from tests.helpers.te_quant_fixtures import grads_as_hf, hf_state, ids, tiny_hf  # noqa: E402
 
 HAVE_TE = False
 try:

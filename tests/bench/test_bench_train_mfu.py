@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from bench.train_mfu import RECOMPUTE, Row, _kernel_profile, pick  # noqa: E402
-from tests.mp_utils import run_distributed  # noqa: E402
+from tests.helpers.mp_utils import run_distributed  # noqa: E402
 
 
 def test_row_grammar_and_rl_step_flags():

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_records import assert_records_close, read_records
 
 from megatron_qrl.config import QrlArgumentError
-from tests.mp_utils import run_distributed
+from tests.helpers.mp_utils import run_distributed
+from tests.rl.run_records import assert_records_close, read_records
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ["--qrl-preset", "tiny-cpu", "--qrl-model", "tiny-dense", "--qrl-rollout-format", "bf16",
        "--qrl-train-forward", "bf16", "--qrl-routing-replay", "off", "--qrl-sft-steps", "2",
        "--qrl-steps", "2", "--qrl-prompts-per-step", "2", "--qrl-rollout-n-samples-per-prompt",

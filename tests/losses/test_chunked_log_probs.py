@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron_qrl.losses import PolicyLossConfig
 from megatron_qrl.losses.logprobs import chunked_log_probs
 from megatron_qrl.losses.reduce import masked_max
-from tests.mp_utils import run_distributed
+from tests.helpers.mp_utils import run_distributed
 
 V = 37
 
@@ -108,7 +108,7 @@ def test_tensor_parallel_slices_equal_the_full_vocabulary(temperature):
 
 
 def _batches(n_micro: int, batch: int = 4, seed: int = 0) -> list[dict]:
-    from tests.megatron_cpu_utils import SEQ, VOCAB
+    from tests.helpers.megatron_cpu_utils import SEQ, VOCAB
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -129,7 +129,7 @@ def _run_schedule(ddp, loss_fn, batches, forward_only=False, collect=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_qrl.losses.megatron_adapter import policy_forward_step
-    from tests.megatron_cpu_utils import SEQ
+    from tests.helpers.megatron_cpu_utils import SEQ
 
     ddp.zero_grad_buffer()
     return get_forward_backward_func()(
@@ -143,13 +143,13 @@ def _gpt_body(rank, world_size, port, tp, temperature):
     import megatron_qrl.losses.logprobs as logprobs
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
-    from tests.megatron_cpu_utils import VOCAB, gathered_state
+    from tests.helpers.megatron_cpu_utils import VOCAB, gathered_state
 
     logprobs.CHUNK_ELEMENTS = 5 * VOCAB // tp  # several chunks per micro batch
     init_cpu_distributed(rank, world_size, port, tp=tp, seed=1234)
     try:
         with cpu_device_mode():
-            from tests.megatron_cpu_utils import build_tiny_gpt
+            from tests.helpers.megatron_cpu_utils import build_tiny_gpt
 
             ddp, _, _ = build_tiny_gpt(tp=tp)
             cfg = PolicyLossConfig(kind="tis", kl_coef=0.0)

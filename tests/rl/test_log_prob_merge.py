@@ -12,9 +12,9 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.batch import pack_samples
 from megatron_qrl.rl.microbatch import budget_micro_batches, merge_micro_batches
-from tests.mp_utils import run_distributed
+from tests.helpers.mp_utils import run_distributed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAD = 0
 
 
