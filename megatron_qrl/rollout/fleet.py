@@ -27,7 +27,6 @@ engine's restarts within one call.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -39,6 +38,7 @@ import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightManifest, WeightSyncError
 from .fleet_sync import FleetBroadcast, FleetSyncError
+from .sampling import derive_seed
 from .supervisor import RESTARTABLE, EngineDiedError
 
 __all__ = ["EngineFleet", "group_seed", "merge_outputs"]
@@ -49,8 +49,7 @@ log = logging.getLogger(__name__)
 def group_seed(base: int, k: int) -> int:
     """The sampling seed of the ``k``-th prompt group of a call seeded ``base`` (a hash, so
     neighbouring groups and calls get unrelated streams; < 2**63)."""
-    digest = hashlib.blake2b(f"qrl-group:{base}:{k}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return derive_seed("group", base, k)
 
 
 def _pad_cat(parts: Sequence[torch.Tensor], width: int, fill: float) -> torch.Tensor:
