@@ -134,7 +134,7 @@ class SGLangOptions:
     deterministic: bool = False
     """Start SGLang with enable_deterministic_inference: each request's sampling seed selects
     its samples (SGLang ignores the seeds otherwise: samples then depend on the engine, its
-    history and the batch) and torch's ops run batch-invariant; the same prompts + seeds then
+    history and the batch) and torch's ops run batch-invariant, so that the same prompts + seeds
     give the same tokens on any engine of the fleet and after a restart. SGLang 0.5.17 then forces the pytorch sampling backend, needs attention
     triton / fa3 / fa4 / flashinfer (ours: triton, radix cache kept), swaps torch's matmul,
     log_softmax, mean and rms_norm for batch-invariant Triton kernels, fixes the triton
