@@ -3,7 +3,9 @@
 Generation: the prompts are cut into prompt groups of ``group_size`` (a GRPO group's
 samples stay on one engine); every group is sampled with its own seed,
 :func:`group_seed` ``(sampling.seed, k)`` for the ``k``-th group, so a group's samples are
-the same whichever engine serves it and however many engines there are. Dispatch is done
+the same whichever engine serves it and however many engines there are — on engines that
+honour the seed: the reference engine, and SGLang engines with ``SGLangOptions.deterministic``
+(without it SGLang ignores seeds and the engine warns once). Dispatch is done
 here in the driver: one thread per engine takes the next unserved group from a shared
 queue (a fast engine serves more groups), and the groups' outputs are merged in prompt
 order. SGLang's router (``sglang-router``) is not used: it balances HTTP requests over
