@@ -12,10 +12,10 @@ experts once more (the re-sync).
 """
 
 import pytest
-from tiny_hf import make_tiny_hf
+from tests.helpers.tiny_hf import make_tiny_hf
 
 from megatron_qrl.data import CharTokenizer
-from tests.test_rl_ep_sync import _run
+from tests.rl.test_rl_ep_sync import _run
 
 
 @pytest.mark.slow
