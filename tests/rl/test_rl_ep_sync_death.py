@@ -12,9 +12,9 @@ experts once more (the re-sync).
 """
 
 import pytest
-from tests.helpers.tiny_hf import make_tiny_hf
 
 from megatron_qrl.data import CharTokenizer
+from tests.helpers.tiny_hf import make_tiny_hf
 from tests.rl.test_rl_ep_sync import _run
 
 

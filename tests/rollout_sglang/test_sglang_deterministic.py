@@ -30,7 +30,7 @@ from megatron_qrl.rollout.sampling import row_seeds
 from megatron_qrl.rollout_sglang import crash, engine
 from megatron_qrl.rollout_sglang.factory import build_engine, engine_spec
 from megatron_qrl.rollout_sglang.options import SGLangOptions
-from tests.tiny_hf import tiny_config
+from tests.helpers.tiny_hf import tiny_config
 
 FLAG = "--qrl-rollout-sglang-deterministic"
 SEEDED = SamplingParams(max_new_tokens=2, temperature=1.0, seed=7)
