@@ -10,13 +10,13 @@ Tested with megatron-core 0.16.1.
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_qrl.compat.cpu import enable_cpu_megatron
+from megatron_qrl.utils.net import free_port  # noqa: F401  (re-exported: the tests' rendezvous port)
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,6 @@ class CpuParallelLayout:
     """Pipeline-model-parallel size."""
     ep: int
     """Expert-model-parallel size."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a local gloo rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def init_cpu_distributed(

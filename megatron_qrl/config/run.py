@@ -64,8 +64,8 @@ class RolloutConfig:
     num_engines: int = 1
     """Rollout engines (Ray modes): N engine actors, one placement-group bundle each, prompt
     groups spread over them, weights broadcast to all at once (megatron_qrl.rollout.fleet);
-    sampling is seeded per prompt group, so the batch does not depend on N. 1: the single
-    engine actor."""
+    sampling is seeded per prompt group, so the batch does not depend on N (SGLang engines:
+    with --qrl-rollout-sglang-deterministic only). 1: the single engine actor."""
 
     engine_tp: int = 1
     """Tensor-parallel size of each SGLang engine of the fleet (its GPUs, one node)."""

@@ -40,6 +40,7 @@ from megatron_qrl.rl.ep_send import ep_sender, sharded_hf_stream
 from megatron_qrl.rl.sync import SyncResult
 from megatron_qrl.rollout.base import WeightManifest, WeightSyncError
 from megatron_qrl.rollout.broadcast import free_port, init_group
+from megatron_qrl.rollout.fleet_sync import release_group
 from megatron_qrl.rollout.weight_groups import send_segments, weight_group_plan
 
 __all__ = ["ShardedSync", "sharded_sync_applies"]
@@ -154,6 +155,7 @@ class ShardedSync:
                 send_segments(stream, self.group, device, how["bucket_bytes"])
             except Exception as exc:  # noqa: BLE001 - reported to rank 0, which restarts
                 error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+            if error is not None:  # after the except block (fleet_sync.release_group)
                 self.close()
         for _ in stream:  # a non-sender, or a broken send: this rank's gathers still run
             pass
@@ -163,10 +165,7 @@ class ShardedSync:
         """Destroy this sender's group (never raises)."""
         group, self.group = self.group, None
         if group is not None:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - best effort: it is replaced either way
-                pass
+            release_group(group)
 
 
 @dataclass

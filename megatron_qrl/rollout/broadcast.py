@@ -20,24 +20,17 @@ bytes), the JSON metadata, then the payload; a ``(0, 0)`` header ends the stream
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..utils.net import free_port
 from .wire import flatten, iter_buckets, json_tensor, tensor_json, unflatten
 
 __all__ = ["broadcast_from_trainer", "find_group", "free_port", "init_group", "receive_stream",
            "send_stream"]
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port free on this host now (for the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def init_group(host: str, port: int, world_size: int, rank: int, group_name: str,

@@ -3,7 +3,9 @@
 Generation: the prompts are cut into prompt groups of ``group_size`` (a GRPO group's
 samples stay on one engine); every group is sampled with its own seed,
 :func:`group_seed` ``(sampling.seed, k)`` for the ``k``-th group, so a group's samples are
-the same whichever engine serves it and however many engines there are. Dispatch is done
+the same whichever engine serves it and however many engines there are — on engines that
+honour the seed: the reference engine, and SGLang engines with ``SGLangOptions.deterministic``
+(without it SGLang ignores seeds and the engine warns once). Dispatch is done
 here in the driver: one thread per engine takes the next unserved group from a shared
 queue (a fast engine serves more groups), and the groups' outputs are merged in prompt
 order. SGLang's router (``sglang-router``) is not used: it balances HTTP requests over
@@ -27,7 +29,6 @@ engine's restarts within one call.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -39,6 +40,7 @@ import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightManifest, WeightSyncError
 from .fleet_sync import FleetBroadcast, FleetSyncError
+from .sampling import derive_seed
 from .supervisor import RESTARTABLE, EngineDiedError
 
 __all__ = ["EngineFleet", "group_seed", "merge_outputs"]
@@ -49,8 +51,7 @@ log = logging.getLogger(__name__)
 def group_seed(base: int, k: int) -> int:
     """The sampling seed of the ``k``-th prompt group of a call seeded ``base`` (a hash, so
     neighbouring groups and calls get unrelated streams; < 2**63)."""
-    digest = hashlib.blake2b(f"qrl-group:{base}:{k}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return derive_seed("group", base, k)
 
 
 def _pad_cat(parts: Sequence[torch.Tensor], width: int, fill: float) -> torch.Tensor:

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .base import SamplingParams
+
+
+def derive_seed(kind: str, base: int, k: int) -> int:
+    """The ``k``-th seed of kind ``kind`` derived from seed ``base``: a hash, so neighbouring
+    ``k`` and bases get unrelated streams; < 2**63 (an int64 for SGLang)."""
+    digest = hashlib.blake2b(f"qrl-{kind}:{base}:{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def row_seeds(seed: int, n: int) -> list[int]:
+    """One seed per row of a batch of ``n`` sampled with ``seed``, for an engine that seeds
+    each request on its own (SGLang's per-request ``sampling_seed``: two requests with the
+    same prompt and seed give the same sample, so a prompt group's rows need their own)."""
+    return [derive_seed("row", seed, i) for i in range(n)]
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingParams,

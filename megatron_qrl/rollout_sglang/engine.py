@@ -36,6 +36,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -54,6 +55,7 @@ from ..rollout.base import (
     SamplingParams,
     WeightSyncError,
 )
+from ..rollout.sampling import row_seeds
 from ..rollout.supervisor import EngineDiedError
 from ..utils.optional import require
 from . import crash
@@ -63,6 +65,14 @@ from .sync.protocol import LOADER
 from .sync.sender import check_receipts, send_disk_sync, send_tensor_sync
 
 FEATURE = "--qrl-rollout-engine sglang"
+UNSEEDED_WARNING = (
+    "SGLang engine: sampling seeds are ignored without --qrl-rollout-sglang-deterministic "
+    "(SGLang's enable_deterministic_inference): samples depend on the engine, its history and "
+    "the batch, so rollouts change with the number of engines and after a restart (the sampled "
+    "distribution is unaffected)")
+"""Logged once per engine on its first seeded sampling without ``deterministic``."""
+
+log = logging.getLogger(__name__)
 
 
 def engine_args_for(spec_name: str, is_moe: bool) -> dict:
@@ -91,6 +101,8 @@ class SGLangEngine(RolloutEngine):
     arguments (they win over :func:`engine_args_for` and the options)."""
 
     verifies_own_update = True
+    _warned_unseeded = False
+    """Whether :data:`UNSEEDED_WARNING` was logged by this engine (once per engine)."""
 
     @property
     def stacked_experts(self) -> bool:
@@ -123,9 +135,8 @@ class SGLangEngine(RolloutEngine):
         self.is_moe = "num_experts" in cfg or "num_local_experts" in cfg
         self.num_layers = int(cfg["num_hidden_layers"])
         self.top_k = int(cfg.get("num_experts_per_tok", 0))
-        args = engine_args_for(spec_name, self.is_moe) | {
-            "mem_fraction_static": self.options.mem_fraction} | self._placement() \
-            | self.options.kv_engine_kwargs
+        args = engine_args_for(spec_name, self.is_moe) | self._placement() \
+            | self.options.engine_kwargs
         if self.options.release_memory:  # release_memory_occupation frees memory only so
             args["enable_memory_saver"] = True
         if engine_kwargs.get("disable_cuda_graph"):
@@ -259,11 +270,7 @@ class SGLangEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         if self._version < 0:
             raise WeightSyncError("generate() before the first update_weights()")
-        params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                  "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-                  "stop_token_ids": list(sampling.stop_token_ids), "stop": list(sampling.stop)}
-        if sampling.seed is not None:
-            params["sampling_seed"] = sampling.seed
+        params = self._sampling_params(len(prompts), sampling)
         try:
             with crash.engine_call():
                 outs = self.engine.generate(input_ids=[list(p) for p in prompts],
@@ -275,6 +282,25 @@ class SGLangEngine(RolloutEngine):
                 raise EngineDiedError(f"an SGLang engine process exited: {exc}") from exc
             raise
         return self._to_output(prompts, outs)
+
+    def _sampling_params(self, n: int, sampling: SamplingParams) -> dict | list[dict]:
+        """SGLang's sampling parameters for ``n`` prompts. A seeded sampling (temperature > 0,
+        ``sampling.seed`` set) on a deterministic engine gives every row its own
+        ``sampling_seed`` (:func:`~megatron_qrl.rollout.sampling.row_seeds`: SGLang hashes
+        (seed, position) into the noise, so the rows of a prompt group would be equal under
+        one seed); on an engine without ``deterministic`` SGLang ignores ``sampling_seed``:
+        none is sent and a warning says so once per engine."""
+        params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                  "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                  "stop_token_ids": list(sampling.stop_token_ids), "stop": list(sampling.stop)}
+        if sampling.seed is None or sampling.temperature == 0:
+            return params
+        if self.options.deterministic:
+            return [params | {"sampling_seed": s} for s in row_seeds(sampling.seed, n)]
+        if not self._warned_unseeded:
+            self._warned_unseeded = True
+            log.warning(UNSEEDED_WARNING)
+        return params
 
     def _request_kwargs(self, n: int) -> dict:
         """Extra ``sglang.Engine.generate`` arguments for ``n`` prompts (the LoRA engine names

@@ -131,6 +131,18 @@ class SGLangOptions:
     K/V is fixed (prompt: fresh, response: the cache); with --qrl-train-forward aligned the
     trainer's attention reads K/V rounded the same way."""
 
+    deterministic: bool = False
+    """Start SGLang with enable_deterministic_inference: each request's sampling seed selects
+    its samples (SGLang ignores the seeds otherwise: samples then depend on the engine, its
+    history and the batch) and torch's ops run batch-invariant, so that the same prompts + seeds
+    give the same tokens on any engine of the fleet and after a restart. SGLang 0.5.17 then forces the pytorch sampling backend, needs attention
+    triton / fa3 / fa4 / flashinfer (ours: triton, radix cache kept), swaps torch's matmul,
+    log_softmax, mean and rms_norm for batch-invariant Triton kernels, fixes the triton
+    attention's KV split size, uses the default (untuned) fused-MoE kernel configs, disables
+    piecewise prefill CUDA graphs and, with TP > 1, custom all-reduce (NCCL tree). Quantized
+    GEMM kernels (int8 / fp8 / Marlin) are SGLang's own and not among the batch-invariant ops.
+    Costs decode speed; off by default (the sampled distribution is the same either way)."""
+
     def __post_init__(self) -> None:
         get_kv_format(self.kv_cache)  # an unknown format: one error naming the flag
         if self.sync not in ("auto", *SYNC_MODES):
@@ -151,6 +163,14 @@ class SGLangOptions:
         """The ``sglang.Engine`` arguments of :attr:`kv_cache`
         (``KVCacheFormat.sglang_engine_kwargs``)."""
         return get_kv_format(self.kv_cache).sglang_engine_kwargs
+
+    @property
+    def engine_kwargs(self) -> dict:
+        """The ``sglang.Engine`` arguments these options set: ``mem_fraction_static``, the KV
+        cache's (:attr:`kv_engine_kwargs`) and ``enable_deterministic_inference`` where
+        :attr:`deterministic`."""
+        det = {"enable_deterministic_inference": True} if self.deterministic else {}
+        return {"mem_fraction_static": self.mem_fraction} | self.kv_engine_kwargs | det
 
     def replace(self, **changes) -> SGLangOptions:
         """A copy with ``changes`` (checked again)."""

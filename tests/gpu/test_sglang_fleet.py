@@ -10,6 +10,18 @@ groups is split across both and equals that of a one-engine fleet; then one acto
 SIGKILLed (its SGLang schedulers die with it: PDEATHSIG), the next rollout restarts it in
 its bundle, re-syncs it alone and gives the same batch. Engine TP 2 on this one GPU is
 refused by the fleet session with the reason (needs a multi-GPU node).
+
+The engines run with ``SGLangOptions(deterministic=True)`` (SGLang
+``enable_deterministic_inference``): only then does SGLang 0.5.17 use a request's
+``sampling_seed`` (``sampling_batch_info.py`` builds it only in deterministic mode), so only
+then are a group's samples the same whichever engine serves it; each row of a group gets its
+own seed (``rollout.sampling.row_seeds``), checked here by the rows of every group differing.
+
+Ran on the H200 on 2026-12-01 at f1fc0a5 (engines without deterministic inference; the
+engine sent one ``sampling_seed`` per group, which SGLang ignored): one broadcast for both
+engines, digests equal, groups split over both engines -- passed; ``2 engines vs 1: 0.258 of
+the tokens equal`` -- the >= 0.95 check failed (the SIGKILL part did not run). This version,
+with deterministic engines, has not run on the H200 yet.
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ G = 2
 
 @pytest.mark.gpu
 def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
+    import torch
+
     import megatron_qrl.rollout.broadcast as bc
     from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
@@ -58,7 +72,7 @@ def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
     import json
 
     spec = EngineSpec("sglang", json.loads(CFG_PATH.read_text()), FMT, seed=0,
-                      sglang=SGLangOptions(mem_fraction=0.3),
+                      sglang=SGLangOptions(mem_fraction=0.3, deterministic=True),
                       sglang_kwargs={"model_path": str(tmp_path / FMT), "random_seed": 0})
 
     def new_engine():
@@ -106,6 +120,9 @@ def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
         same = (out.output_ids == expect.output_ids).float().mean().item()
         print(f"[fleet] 2 engines vs 1: {same:.3f} of the tokens equal")
         assert same >= 0.95  # per-group seeds: the same samples whichever engine serves
+        for k in range(0, len(batch), G):  # one seed per row: a group's samples differ
+            assert not all(torch.equal(out.output_ids[k], out.output_ids[k + j])
+                           for j in range(1, G)), f"the samples of group {k // G} are equal"
         pid = ray.get(two.members[1].engine.actor.__ray_call__.remote(lambda self: os.getpid()))
         os.kill(pid, signal.SIGKILL)
         again = two.generate(batch, sampling)

@@ -12,6 +12,9 @@ the hooks; only rank 0 has an engine actor):
 * ``--exit-in-update N``: each actor process ``os._exit``s in its own N-th
   ``update_weights``, after reading the first bucket (objectstore) or the first tensor of the
   broadcast (a death half-way through a sync).
+* ``--exit-in-sharded-update N``: the first engine actor (of all, once per run) to reach its
+  own N-th sharded update (``update_weights_sharded``, trainer EP > 1) ``os._exit``s after
+  the first tensor of it: one fleet engine dies in the middle of a sharded sync.
 * ``--gather-experts``: the gathering weight sync even where the sharded one applies
   (``megatron_qrl.rl.ep_sync.sharded_sync_applies`` answers False).
 * ``--ep-log DIR``: each rank writes ``DIR/rank<R>.json`` at exit: the bytes the weight
@@ -60,6 +63,28 @@ class ExitingActor(EngineActor):
             next(receive_stream(self.weight_group, self.weight_device))
             os._exit(1)
         super().update_weights_broadcast(version)
+
+    exit_sharded_at = 0
+    claim = ""
+    """A file the first actor to exit in a sharded update creates (the others, and restarted
+    actors, then do not exit)."""
+
+    def update_weights_sharded(self, version):
+        from megatron_qrl.rollout.weight_groups import receive_sharded
+
+        self.n_sharded = getattr(self, "n_sharded", 0) + 1
+        if self.n_sharded == self.exit_sharded_at and _claim(self.claim):
+            next(receive_sharded(self.weight_groups, self.weight_device))
+            os._exit(1)
+        super().update_weights_sharded(version)
+
+
+def _claim(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def _pop(argv: list[str], flag: str) -> str | None:
@@ -145,6 +170,18 @@ if __name__ == "__main__":
     if exit_in_update:
         ExitingActor.exit_at = int(exit_in_update)
         ray_modes.EngineActor = ExitingActor
+    exit_sharded = _pop(argv, "--exit-in-sharded-update")
+    if exit_sharded:
+        import atexit
+        import tempfile
+        import uuid
+
+        import megatron_qrl.rl.ray_fleet as ray_fleet
+
+        ExitingActor.exit_sharded_at = int(exit_sharded)
+        ExitingActor.claim = os.path.join(tempfile.gettempdir(), f"qrl-exit-{uuid.uuid4().hex}")
+        atexit.register(lambda: Path(ExitingActor.claim).unlink(missing_ok=True))
+        ray_fleet.EngineActor = ExitingActor
     _install_hooks(_kills(kill, kill_at), calls)
     gather_experts = "--gather-experts" in argv
     if gather_experts:
