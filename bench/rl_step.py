@@ -136,16 +136,19 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
     return res
 
 
+def markdown_table(cols: tuple[str, ...], cells: list[list[str]]) -> str:
+    """A markdown table: the header ``cols``, then one line per row of ``cells``."""
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                     + ["| " + " | ".join(c) + " |" for c in cells])
+
+
 def _table(rows: list[dict]) -> str:
     cols = ("variant", "time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s",
             "train_recompute_share", "trainer_mfu", "recompute_mfu", "trainer_peak_gib",
             "trained_tokens")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = [r["variant"], f"error: {r['error']}"] if "error" in r else [
-            str(r.get(c, "")) for c in cols]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(cols, [
+        [r["variant"], f"error: {r['error']}"] if "error" in r else [str(r.get(c, "")) for c in cols]
+        for r in rows])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

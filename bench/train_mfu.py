@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from rl_step import PEAK_FLOPS, active_params  # noqa: E402
+from rl_step import PEAK_FLOPS, active_params, markdown_table  # noqa: E402
 
 DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16512-prox1,"
                 "none-mb8-lp16512-prox1,full-mb16-lp16512-prox1")
@@ -354,13 +354,11 @@ def _table(rows: list[dict]) -> str:
     cols = ("row", "micro_batches", "time_recompute_s", "time_train_s", "recompute_mfu",
             "trainer_mfu", "peak_alloc_gib", "peak_reserved_gib", "alloc_retries",
             "prof_recompute", "prof_train")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = [r["row"], r["error"]] if "error" in r else [
+    return markdown_table(cols, [
+        [r["row"], r["error"]] if "error" in r else [
             str(r.get(c, {}).get("busy_frac", "") if c.startswith("prof_") else r.get(c, ""))
             for c in cols]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for r in rows])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

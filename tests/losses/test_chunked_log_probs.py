@@ -3,8 +3,6 @@ and against the earlier megatron-core cross-entropy path on a tiny megatron-core
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,43 +105,12 @@ def test_tensor_parallel_slices_equal_the_full_vocabulary(temperature):
     torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-6, atol=3e-6)
 
 
-def _batches(n_micro: int, batch: int = 4, seed: int = 0) -> list[dict]:
-    from tests.helpers.megatron_cpu_utils import SEQ, VOCAB
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_micro):
-        tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
-        mask = torch.ones(batch, SEQ, dtype=torch.bool)
-        mask[:, :4] = False  # prompt
-        mask[:, -1] = False
-        mask[1, 9:] = False  # a shorter response
-        out.append({"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1),
-                    "position_ids": torch.arange(SEQ).unsqueeze(0).expand(batch, -1),
-                    "loss_mask": mask, "advantages": torch.randn(batch, generator=g),
-                    "noise": torch.randn(batch, SEQ, generator=g) * 0.3})
-    return out
-
-
-def _run_schedule(ddp, loss_fn, batches, forward_only=False, collect=False):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_qrl.losses.megatron_adapter import policy_forward_step
-    from tests.helpers.megatron_cpu_utils import SEQ
-
-    ddp.zero_grad_buffer()
-    return get_forward_backward_func()(
-        forward_step_func=partial(policy_forward_step, loss_fn=loss_fn),
-        data_iterator=iter(batches), model=[ddp], num_microbatches=len(batches),
-        seq_length=SEQ, micro_batch_size=batches[0]["tokens"].shape[0],
-        forward_only=forward_only, collect_non_loss_data=collect)
-
-
 def _gpt_body(rank, world_size, port, tp, temperature):
     import megatron_qrl.losses.logprobs as logprobs
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
     from tests.helpers.megatron_cpu_utils import VOCAB, gathered_state
+    from tests.losses.test_megatron_adapter import _batches, _run_schedule
 
     logprobs.CHUNK_ELEMENTS = 5 * VOCAB // tp  # several chunks per micro batch
     init_cpu_distributed(rank, world_size, port, tp=tp, seed=1234)

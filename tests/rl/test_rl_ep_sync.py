@@ -53,18 +53,24 @@ def _run(tmp: Path, hf: Path, address: str, *extra: str) -> tuple[list[dict], di
     return _records(out), logs, raw
 
 
-@pytest.mark.slow
-def test_ep2_ranks_send_their_own_experts_and_match_the_gathering_sync(tmp_path):
+def ray_runs(tmp: Path, **runs: tuple[str, ...]) -> dict[str, tuple[list[dict], dict, list[dict]]]:
+    """Each ``name=(extra args)`` job of :func:`_run`, in order, on the tiny MoE checkpoint
+    against one local Ray cluster."""
     ray = pytest.importorskip("ray")
-    hf = make_tiny_hf(tmp_path / "hf", "moe")
+    hf = make_tiny_hf(tmp / "hf", "moe")
     CharTokenizer().save(hf, hf=False)
     ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         address = ctx.address_info["gcs_address"]
-        gathered, glog, _ = _run(tmp_path / "gather", hf, address, "--gather-experts")
-        sharded, slog, raw = _run(tmp_path / "sharded", hf, address, "--kill", "generate:3")
+        return {name: _run(tmp / name, hf, address, *extra) for name, extra in runs.items()}
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ep2_ranks_send_their_own_experts_and_match_the_gathering_sync(tmp_path):
+    res = ray_runs(tmp_path, gather=("--gather-experts",), sharded=("--kill", "generate:3"))
+    (gathered, glog, _), (sharded, slog, raw) = res["gather"], res["sharded"]
     assert [r["phase"] for r in gathered] == ["rl", "rl"]
     assert sharded == gathered  # same batches, rewards, losses, grad norms, bit for bit
     # the gathering sync pulls rank 1's experts onto rank 0; the sharded one pulls nothing

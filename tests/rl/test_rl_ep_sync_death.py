@@ -13,23 +13,13 @@ experts once more (the re-sync).
 
 import pytest
 
-from megatron_qrl.data import CharTokenizer
-from tests.helpers.tiny_hf import make_tiny_hf
-from tests.rl.test_rl_ep_sync import _run
+from tests.rl.test_rl_ep_sync import ray_runs
 
 
 @pytest.mark.slow
 def test_an_engine_dying_mid_sharded_sync_is_restarted_and_the_run_unchanged(tmp_path):
-    ray = pytest.importorskip("ray")
-    hf = make_tiny_hf(tmp_path / "hf", "moe")
-    CharTokenizer().save(hf, hf=False)
-    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        address = ctx.address_info["gcs_address"]
-        clean, clog, clean_raw = _run(tmp_path / "clean", hf, address)
-        died, dlog, raw = _run(tmp_path / "died", hf, address, "--exit-in-sharded-update", "2")
-    finally:
-        ray.shutdown()
+    res = ray_runs(tmp_path, clean=(), died=("--exit-in-sharded-update", "2"))
+    (clean, clog, clean_raw), (died, dlog, raw) = res["clean"], res["died"]
     assert [r["phase"] for r in clean] == ["rl", "rl"]
     assert sum(v for k, v in clean_raw[-1].items() if k.endswith("_restarts")) == 0
     assert sum(v for k, v in raw[-1].items() if k.endswith("_restarts")) == 1
