@@ -114,29 +114,27 @@ def merge_micro_batches(mbs: list[dict[str, Tensor]], max_tokens: int, pad_id: i
     if max_tokens < 1:
         raise ValueError(f"--qrl-log-prob-max-tokens must be >= 1 to merge, got {max_tokens}")
     groups: list[list[int]] = []
+    rows = longest = 0  # of the last group
     for i, mb in enumerate(mbs):
-        rows, length = mb["tokens"].shape[:2]
-        if groups:
-            last = groups[-1]
-            n = sum(mbs[j]["tokens"].shape[0] for j in last) + rows
-            longest = max(length, *(mbs[j]["tokens"].shape[1] for j in last))
-            if n * longest <= max_tokens:
-                last.append(i)
-                continue
-        groups.append([i])
+        n, length = mb["tokens"].shape[:2]
+        if groups and (rows + n) * max(longest, length) <= max_tokens:
+            groups[-1].append(i)
+            rows, longest = rows + n, max(longest, length)
+        else:
+            groups.append([i])
+            rows, longest = n, length
     merged, spans = [], []
     for g, group in enumerate(groups):
         if len(group) == 1:
             merged.append(mbs[group[0]])
-            spans.append((g, 0, mbs[group[0]]["tokens"].shape[0], mbs[group[0]]["tokens"].shape[1]))
-            continue
-        longest = max(mbs[j]["tokens"].shape[1] for j in group)
-        parts = [_take(mbs[j], torch.arange(mbs[j]["tokens"].shape[0]), longest, pad_id)
-                 for j in group]
-        merged.append({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+        else:
+            width = max(mbs[j]["tokens"].shape[1] for j in group)
+            parts = [_take(mbs[j], torch.arange(mbs[j]["tokens"].shape[0]), width, pad_id)
+                     for j in group]
+            merged.append({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
         first = 0
         for j in group:
-            rows, length = mbs[j]["tokens"].shape[:2]
-            spans.append((g, first, first + rows, length))
-            first += rows
+            n, length = mbs[j]["tokens"].shape[:2]
+            spans.append((g, first, first + n, length))
+            first += n
     return merged, spans
