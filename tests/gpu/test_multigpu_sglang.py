@@ -32,6 +32,7 @@ import torch
 
 from megatron_qrl.compat.distributed import free_port
 from tests.gpu import run_json_worker, skip_unless_sglang_gpu
+from tests.helpers.multigpu_runs import LAYOUTS, STEPS, launcher, qrl_args
 
 skip_unless_sglang_gpu("multi-GPU SGLang tests")
 if torch.cuda.device_count() < 2:
@@ -40,12 +41,6 @@ if torch.cuda.device_count() < 2:
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-STEPS = 2
-LAYOUTS = {  # (torchrun ranks, qrl flags, Megatron flags)
-    "engine-tp2": (1, ["--qrl-rollout-engine-tp", "2", "--qrl-rollout-format", "bf16",
-                       "--qrl-train-forward", "bf16"], []),
-    "ep2-fleet2": (2, ["--qrl-rollout-num-engines", "2"], ["--expert-model-parallel-size", "2"]),
-}
 
 
 @pytest.mark.gpu
@@ -70,23 +65,15 @@ def _env() -> dict:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_qrl_train_colocated_fleet(tmp_path, layout):
     pytest.importorskip("ray", reason="Ray is not in the H200 site: ray-part 1..2, ray-install")
-    ranks, qrl, megatron = LAYOUTS[layout]
-    head = ([sys.executable, "-m", "megatron_qrl.rl.cli"] if ranks == 1 else
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-             "-m", "megatron_qrl.rl.cli"])
     out = tmp_path / layout
-    cmd = [*head, "--qrl-preset", "tiny-cpu", "--qrl-mode", "colocated",
-           "--qrl-rollout-engine", "sglang", "--qrl-rollout-sglang-mem-fraction", "0.3",
-           "--qrl-sft-steps", "20", "--qrl-steps", str(STEPS), "--qrl-save-interval", "-1",
-           "--qrl-no-progress", "--qrl-output-dir", str(out), *qrl, "--", *megatron]
+    cmd = [*launcher(layout, free_port()), *qrl_args(layout, str(out))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(),
                           cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
     rl = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
           if r.get("phase") == "rl"]
     assert len(rl) == STEPS, [r.get("phase") for r in rl]
-    engines = 2 if "fleet2" in layout else 1
+    engines = LAYOUTS[layout][1]
     for r in rl:
         print(f"[mg-engine] {layout} step {r['step']}: " + ", ".join(
             f"{k} {r.get(k)}" for k in ("time_rollout_s", "time_recompute_s", "time_train_s",
