@@ -104,7 +104,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -146,6 +146,7 @@ marlin_wait() {  # block until the background prewarm (setup phase) has finished
 case $phase in
   setup)
     nvidia-smi --query-gpu=name,memory.used --format=csv
+    [ -d .stage/marlin ] && bash "$0" marlin-load  # the prewarm below then loads in seconds
     setsid nohup python3 tools/prewarm_sglang_kernels.py > /tmp/prewarm.log 2>&1 < /dev/null &
     echo $! > /tmp/prewarm.pid ;;
   tune)
@@ -290,7 +291,11 @@ case $phase in
   gpu-tests)  # FILES: tests/gpu files (default: all), one log each headed by the commit;
     # STREAMS="targets;targets;...": each ;-group (files or pytest node ids) runs as its own
     # parallel stream (SGLang sizes its pool from the memory free at its start, so 4 streams
-    # of 0.3-fraction engines fit one H200), one log per stream (the device returns <= 8 files)
+    # of 0.3-fraction engines fit one H200), one log per stream (the device returns <= 8 files).
+    # Keep the mem_fraction_static of the engines alive at once <= ~0.9 across the streams:
+    # test_sglang_load 0.45, test_sglang_fleet 2 x 0.3, the others 0.3 (one more 0.3 engine next
+    # to load + two others starved on 2026-12-01: "Loaded weights leave no GPU memory for the
+    # KV cache"); a file that waits for the Marlin prewarm (~6.5 min uncached) holds its stream
     te_env
     commit=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)
     run_tests() {  # $1: the log; the rest: pytest targets, run one after another
@@ -318,6 +323,19 @@ case $phase in
     files=$(grep -rlE "skipif\(not torch\.cuda\.is_available" tests --include='test_*.py' | grep -v '^tests/gpu/')
     echo "cuda cases in: $files"
     python3 -m pytest -q -rs -k cuda $files 2>&1 | tail -n 5 ;;
+  marlin-save)  # the Marlin JIT kernels (the setup prewarm, ~6.5 min of nvcc) back under $OUT
+    # as <= 16 MB xz parts: a later session carries them as .stage/marlin and setup loads them.
+    # SGLang's load_jit reuses a built .so found under its content- and arch-keyed directory
+    # (sglang/kernels/jit/utils/compile.py), so only the .so files travel
+    marlin_wait; cache=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}
+    (cd "$cache" && find . -name '*.so' | tar cf - -T - | xz -T0 -6 > /tmp/marlin.tar.xz) || exit 1
+    (cd /tmp && sha256sum marlin.tar.xz > "$OUT/marlin.sha256" \
+      && split -b 16000000 -d marlin.tar.xz "$OUT/marlin.tar.xz.part") ; ls -la "$OUT" ;;
+  marlin-load)  # carry .stage/marlin (the parts marlin-save wrote)
+    cache=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}; mkdir -p "$cache"
+    (cd .stage/marlin && cat marlin.tar.xz.part* > /tmp/marlin.tar.xz) \
+      && (cd /tmp && sha256sum -c "$OLDPWD/.stage/marlin/marlin.sha256") || exit 1
+    tar xJf /tmp/marlin.tar.xz -C "$cache" && find "$cache" -name '*.so' | sed 's/^/marlin: /' ;;
   fa3-part)
     mkdir -p /tmp/fa3 && cp .stage/fa3_${2:?part number}/* /tmp/fa3/ && ls -la /tmp/fa3 ;;
   fa3-install)  # the raw sha256 is tools/stage_fa3.sh's SO_SHA256 (sglang-kernel 0.4.5 wheel)

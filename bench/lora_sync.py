@@ -82,7 +82,7 @@ def child(fmt: str, layers: int | None, scopes: list[str]) -> dict:
     d = write_engine_dir(cfg, fmt, root="/tmp")
     t = time.perf_counter()
     eng = SGLangLoraEngine(d, fmt, SGLangOptions(), lora_rank=RANK,
-                           lora_targets=serving.engine_targets, load_format="dummy",
+                           lora_serving=serving, load_format="dummy",
                            mem_fraction_static=0.55, random_seed=0, log_level="warning",
                            enable_return_routed_experts=False)
     res["startup_s"] = round(time.perf_counter() - t, 1)

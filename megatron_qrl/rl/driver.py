@@ -191,8 +191,7 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
         trainer.module.load_state_dict(start_weights, strict=False)
         plan.weights_changed()
     serving = _lora_serving(configs, data.arch) if plan.lora is not None else None
-    lora_kw = ({"lora": {"lora_rank": configs["lora"].rank,
-                         "lora_targets": serving.engine_targets}}
+    lora_kw = ({"lora": {"lora_rank": configs["lora"].rank, "lora_serving": serving}}
                if serving is not None and serving.engine == "sglang" else {})
     engine = engine_factory(configs["rollout"], data.hf_config, run.seed, **lora_kw) \
         if world.is_main else None

@@ -28,8 +28,11 @@ test_sglang_lora.py):
   ``FusedMoEWithLoRA`` reads the runner off ``base_layer.quant_method.runner``, which
   compressed-tensors keeps on its scheme, so a W4A16 model on the default
   ``moe_runner_backend="auto"`` falls back to Triton and fails on the Marlin WNA16 scheme's
-  missing ``get_triton_quant_info``: :class:`~megatron_qrl.rollout_sglang.lora.
-  SGLangLoraEngine` starts such an engine with ``moe_runner_backend="marlin"``.
+  missing ``get_triton_quant_info``: such an engine starts with
+  ``moe_runner_backend="marlin"`` (:data:`EXPERT_LORA_MOE_RUNNER`).
+- routed-expert adapters on the Marlin LoRA runner (``w4a16``; ``nvfp4`` on sm90) start the
+  engine without CUDA graphs (:attr:`LoraServing.eager_reason`): SGLang allocates the MoE-LoRA
+  CUDA-graph buffers from ``_quant_info.w13_weight``, which the Marlin quant info lacks.
 - SGLang wraps a layer's ``FusedMoE`` as soon as ``gate_up_proj`` and ``down_proj`` are
   LoRA targets, so on a MoE model the dense-MLP projections (dense layers, shared experts)
   go by the experts' verdict (a MoE model without expert adapters: ``merge`` for any
@@ -52,8 +55,8 @@ from dataclasses import dataclass
 from ..quant.hf_names import parse
 from .lora_adapters import PEFT_PREFIX
 
-__all__ = ["ATTENTION", "EXPERT_SERVING", "LoraServing", "expert_path", "hf_weight_of",
-           "resolve_lora_serving"]
+__all__ = ["ATTENTION", "EXPERT_LORA_MOE_RUNNER", "EXPERT_SERVING", "LoraServing", "expert_path",
+           "hf_weight_of", "resolve_lora_serving"]
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -72,6 +75,28 @@ EXPERT_SERVING: dict[str, str] = {
 """SGLang 0.5.17, routed-expert adapters per rollout format on the H200 (module doc; the
 Marlin formats merge below sm90, NVFP4 also on sm100+: :func:`expert_path`)."""
 _MARLIN = ("w4a16", "nvfp4")
+"""Formats whose served expert adapters run SGLang's Marlin LoRA MoE runner
+(``MarlinLoraRunnerCore``; :func:`expert_path` leaves them ``adapter`` only where it runs)."""
+
+EXPERT_LORA_MOE_RUNNER = {"w4a16": "marlin"}
+"""``moe_runner_backend`` of an engine serving routed-expert adapters, per rollout format
+where SGLang 0.5.17's default (``auto``) cannot: ``FusedMoEWithLoRA.__init__``
+(``srt/lora/layers.py``) takes the LoRA runner from ``base_layer.quant_method.runner``, which
+``CompressedTensorsFusedMoEMethod`` lacks (its scheme holds it), so ``auto`` means Triton,
+and ``get_triton_quant_info`` of the Marlin ``CompressedTensorsWNA16MoE`` scheme does not
+exist (``compressed_tensors_wNa16_moe.py``: only ``get_marlin_quant_info``). With
+``marlin`` SGLang still picks that scheme for the base (``compressed_tensors.py``: only
+``triton`` picks ``CompressedTensorsWNA16TritonMoE``) and the LoRA layer takes its
+``get_marlin_quant_info`` (``MarlinLoraRunnerCore``). ModelOpt NVFP4 needs nothing: its
+method keeps ``runner`` (Marlin on sm80-sm9x)."""
+
+MARLIN_EXPERT_LORA_EAGER = (
+    "SGLang 0.5.17 cannot start routed-expert LoRA on the Marlin MoE runner with CUDA graphs: "
+    "model_runner.py init_lora_manager (line 1168, run unless CUDA graphs are fully disabled) "
+    "pre-allocates the MoE-LoRA CUDA-graph buffers from _quant_info.w13_weight "
+    "(lora/backend/base_backend.py line 222), and the Marlin quant info has w13_qweight only "
+    "(AttributeError at engine start)")
+"""Why :attr:`LoraServing.eager_reason` disables CUDA graphs (the engine logs it)."""
 
 
 def hf_weight_of(peft: str) -> str:
@@ -122,6 +147,41 @@ class LoraServing:
     def merges(self) -> bool:
         """Some adapter tensor of the run is merged into the engine's base."""
         return "merge" in (self.attention, self.dense_mlp, self.experts)
+
+    # ---- what the SGLang engine needs (rollout_sglang/lora.py::lora_engine_kwargs) --------
+    @property
+    def wraps_experts(self) -> bool:
+        """SGLang wraps every ``FusedMoE`` in ``FusedMoEWithLoRA``: routed-expert adapters are
+        served, so :attr:`engine_targets` hold gate/up/down on a MoE model (module doc)."""
+        return self.engine == "sglang" and self.experts == "adapter"
+
+    @property
+    def moe_runner_backend(self) -> str | None:
+        """The engine's ``moe_runner_backend`` (:data:`EXPERT_LORA_MOE_RUNNER`; None: SGLang's
+        own choice)."""
+        return EXPERT_LORA_MOE_RUNNER.get(self.spec_name) if self.wraps_experts else None
+
+    @property
+    def eager_reason(self) -> str | None:
+        """Why the engine must start with ``disable_cuda_graph=True`` (None: CUDA graphs on).
+
+        SGLang 0.5.17, ``srt/model_executor/model_runner.py`` ``init_lora_manager`` (~1150-1175)
+        calls ``init_lora_cuda_graph_moe_buffers`` unless ``cuda_graph_fully_disabled()``
+        (``cuda_graph_config.py``: decode AND prefill graphs off; LoRA keeps the breakable
+        prefill graph on by default, so only ``disable_cuda_graph`` turns both off); that
+        reads ``FusedMoEWithLoRA._quant_info.w13_weight`` (``srt/lora/backend/base_backend.py``
+        ``init_cuda_graph_moe_buffers`` line 222), and on the Marlin LoRA path
+        (``srt/lora/layers.py`` ``FusedMoEWithLoRA.__init__``: ``get_marlin_quant_info``; also
+        ``lora/marlin_lora_temp``) it is a ``MarlinMoeQuantInfo`` (``w13_qweight``). Eagerly,
+        nothing else on that path reads ``w13_weight`` or the CUDA-graph buffers:
+        ``_get_lora_info`` takes ``moe_cg_buffers`` with ``getattr(..., None)``,
+        ``lora_moe_runners.py`` uses them only under ``get_is_capture_mode()`` and
+        ``base_backend._add_moe_lora_info`` only for ``batch_info.use_cuda_graph`` batches
+        (``lora_manager.prepare_lora_batch``: only after a decode graph runner set
+        ``max_bs_in_cuda_graph``); ``MarlinLoraRunnerCore`` reads ``w13_qweight``."""
+        if self.wraps_experts and self.spec_name in _MARLIN:
+            return MARLIN_EXPERT_LORA_EAGER
+        return None
 
 
 def expert_path(spec_name: str, capability: tuple[int, int] | None = None) -> str:

@@ -28,7 +28,7 @@ def engine_spec(rollout_cfg: Any, hf_config: dict, seed: int,
     :class:`~megatron_qrl.config.run.RolloutConfig`). ``num_threads``: torch intra-op threads
     of the reference engine's process (a Ray actor gets the driver's so CPU results match
     single mode bit for bit); an SGLang engine keeps its process's own. ``lora``:
-    ``{"lora_rank", "lora_targets"}`` of a LoRA run (SGLang: the adapter-serving engine,
+    ``{"lora_rank", "lora_serving"}`` of a LoRA run (SGLang: the adapter-serving engine,
     :class:`~megatron_qrl.rollout_sglang.lora.SGLangLoraEngine`; the reference engine serves
     adapters without it)."""
     if rollout_cfg.engine == "reference":

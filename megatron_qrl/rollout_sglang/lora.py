@@ -9,7 +9,11 @@ Read in the SGLang 0.5.17 wheel (``srt/entrypoints/engine.py``, ``srt/lora/*``,
   wraps those layers in ``*WithLoRA`` modules that call the base layer's own quant method, so
   the base stays packed in the rollout format; with expert targets (``gate_up_proj`` +
   ``down_proj``) every ``FusedMoE`` is wrapped too, which for W4A16 needs
-  ``moe_runner_backend="marlin"`` (:data:`EXPERT_LORA_MOE_RUNNER`);
+  ``moe_runner_backend="marlin"`` (:data:`EXPERT_LORA_MOE_RUNNER`) and, on the Marlin LoRA
+  MoE runner (W4A16, NVFP4 on sm90), ``disable_cuda_graph=True``
+  (:attr:`~megatron_qrl.rollout.lora_serving.LoraServing.eager_reason`; logged once at
+  engine start). What the engine needs comes from the run's
+  :class:`~megatron_qrl.rollout.lora_serving.LoraServing`, which decides it;
 - ``LoadLoRAAdapterFromTensorsReqInput(lora_name, config_dict, serialized_named_tensors,
   load_format="flattened_bucket", expected_checksums={name: sha256})``: one flat CUDA buffer
   per TP rank; each scheduler process re-hashes what it deserialized and raises on any
@@ -30,6 +34,7 @@ syncs never resend the base.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -37,6 +42,7 @@ from typing import Any
 import torch
 
 from ..rollout.base import WeightSyncError, tensor_checksum
+from ..rollout.lora_serving import EXPERT_LORA_MOE_RUNNER, LoraServing
 from . import crash
 from .engine import SGLangEngine
 from .options import SGLangOptions
@@ -60,47 +66,51 @@ def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
-EXPERT_LORA_MOE_RUNNER = {"w4a16": "marlin"}
-"""``moe_runner_backend`` of an engine serving routed-expert adapters, per rollout format
-where SGLang 0.5.17's default (``auto``) cannot: ``FusedMoEWithLoRA.__init__``
-(``srt/lora/layers.py``) takes the LoRA runner from ``base_layer.quant_method.runner``, which
-``CompressedTensorsFusedMoEMethod`` lacks (its scheme holds it), so ``auto`` means Triton,
-and ``get_triton_quant_info`` of the Marlin ``CompressedTensorsWNA16MoE`` scheme does not
-exist (``compressed_tensors_wNa16_moe.py``: only ``get_marlin_quant_info``). With
-``marlin`` SGLang still picks that scheme for the base (``compressed_tensors.py``: only
-``triton`` picks ``CompressedTensorsWNA16TritonMoE``) and the LoRA layer takes its
-``get_marlin_quant_info`` (``MarlinLoraRunnerCore``). ModelOpt NVFP4 needs nothing: its
-method keeps ``runner`` (Marlin on sm80-sm9x)."""
+log = logging.getLogger(__name__)
 
 
-def lora_engine_kwargs(rank: int, targets: Iterable[str], spec_name: str | None = None) -> dict:
-    """``sglang.Engine`` arguments of LoRA serving (none when no target is served)."""
-    targets = list(targets)
+def lora_engine_kwargs(rank: int, serving: LoraServing) -> dict:
+    """``sglang.Engine`` arguments of LoRA serving (none when no target is served): the
+    targets, the MoE runner and whether CUDA graphs stay on are ``serving``'s decisions
+    (:attr:`~LoraServing.engine_targets`, :attr:`~LoraServing.moe_runner_backend`,
+    :attr:`~LoraServing.eager_reason`)."""
+    targets = list(serving.engine_targets)
     if not targets:
         return {}
     kw = {"enable_lora": True, "max_lora_rank": int(rank), "lora_target_modules": targets,
           "max_loras_per_batch": 1}  # SGLang's default LoRA backend (csgmv; MoE LoRA too)
-    wraps_experts = "down_proj" in targets and bool({"gate_proj", "up_proj"} & set(targets))
-    if wraps_experts and spec_name in EXPERT_LORA_MOE_RUNNER:  # SGLang wraps FusedMoE then
-        kw["moe_runner_backend"] = EXPERT_LORA_MOE_RUNNER[spec_name]
+    if serving.moe_runner_backend is not None:
+        kw["moe_runner_backend"] = serving.moe_runner_backend
+    if serving.eager_reason is not None:
+        kw["disable_cuda_graph"] = True
     return kw
 
 
 class SGLangLoraEngine(SGLangEngine):
     """:class:`SGLangEngine` + adapter-only updates (``rl/lora_sync.py``'s engine interface).
 
-    ``lora_rank`` / ``lora_targets``: the engine's LoRA settings (``lora_targets`` from
-    :func:`~megatron_qrl.rollout.lora_serving.resolve_lora_serving`; empty: every adapter is
-    merged, the engine serves none)."""
+    ``lora_rank``: the adapters' rank; ``lora_serving``: the run's
+    :func:`~megatron_qrl.rollout.lora_serving.resolve_lora_serving` for engine ``sglang`` and
+    this ``spec_name`` (its ``engine_targets`` empty: every adapter is merged, the engine
+    serves none)."""
 
     def __init__(self, model_path: Any, spec_name: str, options: SGLangOptions | None = None,
-                 *, lora_rank: int, lora_targets: Iterable[str], **kwargs: Any) -> None:
+                 *, lora_rank: int, lora_serving: LoraServing, **kwargs: Any) -> None:
+        if (lora_serving.engine, lora_serving.spec_name) != ("sglang", spec_name):
+            raise ValueError(f"SGLangLoraEngine({spec_name!r}): lora_serving was resolved for "
+                             f"engine {lora_serving.engine!r}, format {lora_serving.spec_name!r}"
+                             f"; resolve it with resolve_lora_serving('sglang', {spec_name!r}, "
+                             "...)")
         options = options if options is not None else SGLangOptions()
         if options.sync == "auto":  # the LoRA wrappers rename SGLang's parameters: our loader
             options = options.replace(sync="inplace")
-        self.lora_targets = tuple(lora_targets)
+        self.lora_targets = tuple(lora_serving.engine_targets)
+        if lora_serving.eager_reason is not None:
+            log.warning("SGLang LoRA engine (%s, routed-expert adapters): decode and prefill run "
+                        "eager (disable_cuda_graph=True), slower than with CUDA graphs. %s",
+                        spec_name, lora_serving.eager_reason)
         super().__init__(model_path, spec_name, options,
-                         **(lora_engine_kwargs(lora_rank, self.lora_targets, spec_name) | kwargs))
+                         **(lora_engine_kwargs(lora_rank, lora_serving) | kwargs))
         self.lora_name: str | None = None
         self._lora_sent: dict[str, str] = {}
 

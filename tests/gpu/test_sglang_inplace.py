@@ -17,25 +17,22 @@ A's tokens and fails). The engine runs with its in-place defaults (flat buckets,
 prefetched, direct loads of the expert-stacked wire). Marlin kernels JIT-compile on first use (~5 min); the compile starts
 in the background when the session begins and overlaps the first three formats.
 
-Variant ``direct`` (``test_direct_expert_loads_match_per_tensor_loads``): the same worker with
-direct expert loads per expert (``stack_experts`` off) — expert tensors go straight to SGLang's FusedMoE
-parameters, batched where :mod:`megatron_qrl.rollout_sglang.sync.loader.expert_batch` reproduces
-``FusedMoE.weight_loader`` — syncs A then B; then, per tensor through ``model.load_weights``
-(``direct_expert_loads`` off), A then B again. With ``QRL_INPLACE_DIGEST`` set, the loader
-records the engine's bits after each sync (:mod:`megatron_qrl.rollout_sglang.sync.debug`):
-after the same weights, batched and per-tensor syncs must leave every parameter, buffer and
-quant-method tensor bit-identical. Equal generations are printed, not required: on the H200
-(2026-11-29) nvfp4's digests were equal while its greedy tokens differed (max |dlogp| 0.84),
-so its Marlin MoE kernel is not run-to-run deterministic. B is also checked against
-the aligned reference as above, and the sync times are printed. Between the two, the same
-engine syncs A and B again with ``stack_experts=True`` (each layer's experts of one kind sent as
-one stacked tensor, :mod:`megatron_qrl.rollout_sglang.sync.sender`): one engine start per
-format for all three load paths. Wherever the engine takes expert stacks (its in-place
-defaults, ``*_stacked``) the packed experts leave ``pack_state_dict(stack_experts=True)``
-stacked, as in the driver's sync (no per-expert copies on the trainer side), and the receipt
-is checked against the fingerprints of the per-expert stream. Just this variant:
-
-    PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_inplace.py -x -s -k direct
+The same engine then checks its load paths against each other (one engine start per format
+for all three): after A and B with the defaults, it syncs A and B with direct expert loads per
+expert (``stack_experts`` off: expert tensors go straight to SGLang's FusedMoE parameters,
+batched where :mod:`megatron_qrl.rollout_sglang.sync.loader.expert_batch` reproduces
+``FusedMoE.weight_loader``), then per tensor through ``model.load_weights``
+(``direct_expert_loads`` off). With ``QRL_INPLACE_DIGEST`` set, the loader records the
+engine's bits after each sync (:mod:`megatron_qrl.rollout_sglang.sync.debug`): after the same
+weights, the stacked-wire, per-expert and per-tensor syncs must leave every parameter, buffer
+and quant-method tensor bit-identical. Equal generations are printed, not required: on the
+H200 (2026-11-29) nvfp4's digests were equal while its greedy tokens differed (max |dlogp|
+0.84), so its Marlin MoE kernel is not run-to-run deterministic. Wherever the engine takes
+expert stacks (its in-place defaults) the packed experts leave
+``pack_state_dict(stack_experts=True)`` stacked, as in the driver's sync (no per-expert copies
+on the trainer side), and the receipt is checked against the fingerprints of the per-expert
+stream. (Until 2026-12-01 the defaults and the direct-load comparison were two tests, each
+starting its own engine per format.)
 """
 
 from __future__ import annotations
@@ -127,10 +124,9 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
     # (tag, weights, version, (direct expert loads, expert-stacked wire) or None: the
     # engine's defaults for the sync — in place: both on)
     steps = [("a", a, 0, None), ("b", b, 1, None)]
-    if direct:  # per expert, over the stacked wire, then per tensor (the reference)
-        steps = [("a", a, 0, (True, False)), ("b", b, 1, (True, False)),
-                 ("a_stacked", a, 2, (True, True)), ("b_stacked", b, 3, (True, True)),
-                 ("a_plain", a, 4, (False, False)), ("b_plain", b, 5, (False, False))]
+    if direct:  # the defaults (the stacked wire), per expert, then per tensor (the reference)
+        steps += [("a_perexpert", a, 2, (True, False)), ("b_perexpert", b, 3, (True, False)),
+                  ("a_plain", a, 4, (False, False)), ("b_plain", b, 5, (False, False))]
     res["startup_s"] = round(time.time() - t0, 1)
     try:
         for tag, model, version, expert_opts in steps:
@@ -247,28 +243,22 @@ def _wait_for_marlin(fmt: str, procs) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_inplace_sync_matches_reference(tmp_path, fmt, marlin_prewarm):
+    """The engine's in-place defaults vs the aligned reference, then the same engine's
+    per-expert direct loads and per-tensor loads vs the defaults, bit for bit (module doc)."""
     _wait_for_marlin(fmt, marlin_prewarm)
-    res = run_worker(fmt, tmp_path)
+    res = run_worker(fmt, tmp_path, "inplace+direct")
     assert res.get("stacked_pack_b") is True, (
         f"{fmt}: the engine's in-place defaults take expert stacks (SGLangEngine."
         "stacked_experts), so the packed experts must have left the pack stream stacked")
     check_synced_engine(fmt, res, "inplace")
+    check_load_paths_agree(fmt, res)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewarm):
-    """Batched direct expert loads, per expert and over the expert-stacked wire, vs SGLang's
-    per-tensor loaders on the same engine: after syncing the same weights each way, every
-    parameter, buffer and quant-method tensor of the engine's model must be bit-identical
-    (:mod:`megatron_qrl.rollout_sglang.sync.debug`). Equal generations are reported, not
-    required: the nvfp4 engine's greedy tokens varied between runs with the same weights on
-    the H200, so tokens cannot tell a wrong load from a non-deterministic kernel; bits can."""
-    _wait_for_marlin(fmt, marlin_prewarm)
-    res = run_worker(fmt, tmp_path, "inplace+direct")
-    check_synced_engine(fmt, res, "inplace+direct")
+def check_load_paths_agree(fmt: str, res: dict) -> None:
+    """After the same weights, the defaults (``b``) and per-expert direct loads
+    (``b_perexpert``) left the engine bit-identical to per-tensor loads (``b_plain``)."""
     p = res["out_b_plain"]
-    for tag in ("b", "b_stacked"):
+    for tag in ("b", "b_perexpert"):
         d = res[f"out_{tag}"]
         lp = [abs(x - y) for rd, rp in zip(d["lp"], p["lp"]) for x, y in zip(rd, rp)]
         same = d["ids"] == p["ids"] and d["mask"] == p["mask"] and max(lp) == 0.0
@@ -283,9 +273,10 @@ def test_direct_expert_loads_match_per_tensor_loads(tmp_path, fmt, marlin_prewar
     bad = {tag: names for tag, names in res["digest_diff"].items() if names}
     assert res["digest_tensors"] > 0 and not bad, (
         f"{fmt}: after the same weights, the engine's tensors differ from a per-tensor sync "
-        f"({bad}; a/b: batched direct loads, *_stacked: over the expert-stacked wire) — a "
-        "batched expert load wrote something FusedMoE.weight_loader does not "
-        "(megatron_qrl/rollout_sglang/sync/loader/expert_batch.py, sync/sender.py)")
+        f"({bad}; a/b: the defaults, direct loads of the expert-stacked wire; *_perexpert: "
+        "direct loads per expert) — a batched expert load wrote something "
+        "FusedMoE.weight_loader does not (megatron_qrl/rollout_sglang/sync/loader/"
+        "expert_batch.py, sync/sender.py)")
 
 
 @pytest.mark.gpu

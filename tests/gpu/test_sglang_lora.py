@@ -7,10 +7,11 @@ reference fed the same base and adapter.
 Per case, in its own process (``python tests/gpu/test_sglang_lora.py FMT EXPERTS OUT.json``,
 one engine each): the tiny Qwen3-MoE of tests/gpu/test_sglang_inplace.py exported in the
 format; :class:`~megatron_qrl.rollout_sglang.lora.SGLangLoraEngine` started on it with the
-LoRA targets :func:`~megatron_qrl.rollout.lora_serving.resolve_lora_serving` gives (CUDA
-graphs on; a failed worker's last output lines are in the pytest failure message:
-``tests.gpu.run_json_worker``); base weights A synced in place (version 0: the in-place loader through SGLang's
-LoRA wrappers); adapter 1 loaded from tensors (``policy_v1``, flattened bucket, SGLang's
+serving :func:`~megatron_qrl.rollout.lora_serving.resolve_lora_serving` gives (its targets;
+CUDA graphs on except the expert cases, which run SGLang's Marlin LoRA MoE runner eagerly:
+``LoraServing.eager_reason``; a failed worker's last output lines are in the pytest failure
+message: ``tests.gpu.run_json_worker``); base weights A synced in place (version 0: the
+in-place loader through SGLang's LoRA wrappers); adapter 1 loaded from tensors (``policy_v1``, flattened bucket, SGLang's
 sha256 check of every tensor) and greedy-generated; adapter 2 loaded (``policy_v2``; v1
 unloaded) and generated again; a request naming ``policy_v1`` must then fail. The parent
 teacher-forces the reference (:class:`ReferenceEngine`: A's dequantized packed weights,
@@ -53,7 +54,8 @@ CASES = [("fp8", False), ("w4a16", False), ("w4a16", True), ("nvfp4", False), ("
 """(format, adapters on the routed experts too): W8A8 (Triton) and the Marlin formats; the
 expert cases run SGLang's Marlin LoRA MoE runner (w4a16: ``moe_runner_backend="marlin"``,
 rollout_sglang/lora.py ``EXPERT_LORA_MOE_RUNNER``; nvfp4: ModelOpt's own Marlin runner on
-sm90). Every case is an adapter case (``resolve_lora_serving``: nothing merged)."""
+sm90) with CUDA graphs off (``LoraServing.eager_reason``: SGLang 0.5.17 crashes at start
+otherwise). Every case is an adapter case (``resolve_lora_serving``: nothing merged)."""
 NEW_TOKENS = 16
 
 
@@ -104,7 +106,7 @@ def worker(fmt: str, experts: bool, out: Path) -> None:
     assert not serving.merges, f"{fmt} experts={experts}: not an adapter case ({serving})"
     t0 = time.time()
     engine = SGLangLoraEngine(work / fmt, fmt, SGLangOptions(), lora_rank=RANK,
-                              lora_targets=serving.engine_targets, mem_fraction_static=0.3,
+                              lora_serving=serving, mem_fraction_static=0.3,
                               random_seed=0)
     res["startup_s"] = round(time.time() - t0, 1)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)

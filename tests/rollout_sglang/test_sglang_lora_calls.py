@@ -215,6 +215,7 @@ def test_the_job_engine_of_a_lora_run_is_the_adapter_serving_engine(monkeypatch,
     from megatron_qrl.rollout_sglang import factory, lora
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the engine's config directory
+    from megatron_qrl.rollout.lora_serving import resolve_lora_serving
     from megatron_qrl.rollout_sglang.lora import lora_engine_kwargs
 
     made = []
@@ -226,14 +227,16 @@ def test_the_job_engine_of_a_lora_run_is_the_adapter_serving_engine(monkeypatch,
     monkeypatch.setattr(lora, "SGLangLoraEngine", Recorder)
     cfg = types.SimpleNamespace(engine="sglang", format="w4a16", sglang=SGLangOptions())
     hf = {"num_hidden_layers": 1}
-    spec = factory.engine_spec(cfg, hf, 3, lora={"lora_rank": 8, "lora_targets": ("q_proj",)})
+    serving = resolve_lora_serving("sglang", "w4a16", ("q_proj",), is_moe=True, experts=False)
+    spec = factory.engine_spec(cfg, hf, 3, lora={"lora_rank": 8, "lora_serving": serving})
     factory.build_engine(spec)
     assert made == [("w4a16", {"load_format": "dummy", "random_seed": 3, "lora_rank": 8,
-                                "lora_targets": ("q_proj",)})]
-    assert lora_engine_kwargs(8, ["q_proj"]) == {
+                                "lora_serving": serving})]
+    assert lora_engine_kwargs(8, serving) == {
         "enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"],
         "max_loras_per_batch": 1}
-    assert lora_engine_kwargs(8, []) == {}
+    assert lora_engine_kwargs(8, resolve_lora_serving("sglang", "w4a16", ("gate_proj",),
+                                                      is_moe=True, experts=False)) == {}
 
 
 def _c(engine, fmt, forward="bf16", sync="auto", experts=False):
@@ -308,7 +311,11 @@ def test_driver_starts_the_sglang_engine_with_its_lora_targets_and_sends_adapter
 
     run_job(configs, flags, engine_factory=factory, progress=False, log=lambda m: None)
     attn = ("q_proj", "k_proj", "v_proj", "o_proj")  # MoE without expert adapters
-    assert calls[0] == ("start", {"lora_rank": 32, "lora_targets": attn})
+    start = calls[0][1]
+    assert calls[0][0] == "start" and start["lora_rank"] == 32
+    assert start["lora_serving"].engine_targets == attn and start.keys() == {"lora_rank",
+                                                                              "lora_serving"}
+    assert start["lora_serving"].eager_reason is None  # no expert adapters: CUDA graphs on
     synced = [c for c in calls if c[0] not in ("release", "resume", "start")]
     # the base once (the first RL sync, version 4 after 4 warm-up steps), then one versioned
     # adapter per sync (after each of the 2 RL steps too)
