@@ -98,11 +98,13 @@
 #               random 4B checkpoint (randckpt) on the warm machine; ~8.5 min in all
 #   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single), 3 RL steps on the random
 #               Qwen3-4B, no checkpoint written; the metrics go to $OUT/example4b_metrics.jsonl
+#   mg-parity, mg-engine, mg-fleet, mg-dist-test, mg-sync, mg-30b   the multi-GPU runs of issue 21
+#               (nvidia-h200-x2 / -x8): bench/multigpu.sh, sourced here, lists what each does
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -398,5 +400,6 @@ case $phase in
       python3 bench/rollout_throughput.py --variants "${VARIANTS:-fp8}" --batches 128 --new 256 \
         --engines $n --out "$OUT/throughput_fleet.jsonl" 2>&1 | grep -E "^\||Error" | tail -n 4
     done ;;
+  mg-*) source bench/multigpu.sh ;;  # issue 21's multi-GPU phases (their list is there)
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -68,7 +68,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._fleet import barrier, engines_here, run_fleet  # noqa: E402
+from bench._fleet import barrier, engines_per_gpu, fleet_scaling, run_fleet  # noqa: E402
 from bench._runner import child_main, run_variant  # noqa: E402
 from bench.engine_variants import child_env, parse_variant  # noqa: E402
 
@@ -115,7 +115,7 @@ def engine_kwargs(variant: str, batches: list[int], extra: dict, model_path: str
     plan = parse_variant(variant)
     kw = engine_args_for(plan.fmt, is_moe=True)
     kw |= {"model_path": model_path, "load_format": "dummy",
-           "mem_fraction_static": 0.85 / engines_here(),
+           "mem_fraction_static": 0.85 / engines_per_gpu(),
            "enable_return_routed_experts": False, "cuda_graph_max_bs_decode": max(batches),
            "cuda_graph_bs_decode": sorted({1, *batches}), "cuda_graph_backend_prefill": "disabled",
            "random_seed": 0, "log_level": "warning"}
@@ -225,9 +225,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=1,
                    help="N engines at once (bench/_fleet.py): 1/N of the memory and of each "
                         "batch each; reports the fleet's tok/s (one GPU: a sanity check)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="spread the --engines over this many GPUs (engine i on GPU i %% N; "
+                        "N divides --engines): the fleet's scaling on a multi-GPU machine")
+    p.add_argument("--scaling", type=Path, nargs="+", default=None,
+                   help="print each --engines N record of these --out files over the one-engine "
+                        "record of its variant (same total batch / same batch per engine), exit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = resolve(p.parse_args(argv))
     batches = [int(b) for b in a.batches.split(",")]
+    if a.scaling:
+        rows = [json.loads(ln) for f in a.scaling for ln in f.read_text().splitlines() if ln.strip()]
+        for r in fleet_scaling(rows):
+            print("[fleet scaling] " + json.dumps(r))
+        return 0
     if a.table:
         rows = [json.loads(ln) for f in a.table for ln in f.read_text().splitlines() if ln.strip()]
         print(table(rows, batches, rows[0]["copy_bw_gbs"]))
@@ -238,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = a.variants.split(",")
     if a.engines > 1 and any(b % a.engines for b in batches):
         p.error(f"--engines {a.engines} must divide every --batches size ({a.batches})")
+    if a.gpus < 1 or a.engines % a.gpus:
+        p.error(f"--gpus {a.gpus} must be >= 1 and divide --engines {a.engines}")
     bw = copy_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bw:.0f} GB/s", flush=True)
     results = []
@@ -247,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run_fleet(lambda env, tag, v=v: run_variant(
                 [__file__, "--child", v, "--batches", per, "--new", str(a.new), "--prompt-len",
                  str(a.prompt_len), "--extra", a.extra], f"{v} {tag}", None, env),
-                _env_for(v), a.engines, batches) | {"copy_bw_gbs": round(bw, 1)}
+                _env_for(v), a.engines, batches, a.gpus) | {"copy_bw_gbs": round(bw, 1)}
             results.append(res)
             if a.out is not None:
                 with a.out.open("a") as f:

@@ -51,8 +51,14 @@
 # ep_size / DP-attention engine arguments are unit-tested on CPU; tests/rollout/test_fleet_engine_tp.py).
 # Weight sync: trainer rank 0 gathers the full model and broadcasts it once to every engine
 # (the EP ranks' own-expert send, megatron_qrl/rl/ep_send.py, is tested on CPU but not yet
-# wired into qrl-train). Refused in this build (clear error each):
-# --use-distributed-optimizer, --fp16, --pipeline-model-parallel-size > 1.
+# wired into qrl-train). Refused in this build (clear error each): --fp16,
+# --pipeline-model-parallel-size > 1. --use-distributed-optimizer is accepted (pass it after
+# the script's name: extra arguments are Megatron flags).
+# Knobs as in run_qwen3_4b_1gpu.sh: STEPS, SAVE_INTERVAL (-1: no checkpoint), MAX_NEW_TOKENS.
+# One node, colocated, on a random checkpoint (issue 21's 8-GPU run; bench/run_30b_example.sh
+# sets these): MODE=colocated NNODES=1 GPUS_PER_NODE=8 ENGINES=8 HEAD_ADDR=127.0.0.1 CKPT=DIR
+#   STEPS=3 SAVE_INTERVAL=-1 MAX_NEW_TOKENS=256 bash examples/run_qwen3_30b_a3b.sh \
+#   --use-distributed-optimizer --num-layers 8     # DIR from tools/make_random_checkpoint.py
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_30b_a3b.sh"
@@ -114,6 +120,9 @@ FLEET_ARGS=(
     --qrl-rollout-engine-ep "${ENGINE_EP}" --qrl-rollout-sglang-mem-fraction "${MEM_FRACTION}"
 )
 if [[ "${DP_ATTENTION:-0}" == 1 ]]; then FLEET_ARGS+=(--qrl-rollout-engine-dp-attention); fi
+if [ -n "${STEPS:-}" ]; then QRL_ARGS+=(--qrl-steps "${STEPS}"); fi
+if [ -n "${SAVE_INTERVAL:-}" ]; then QRL_ARGS+=(--qrl-save-interval "${SAVE_INTERVAL}"); fi
+if [ -n "${MAX_NEW_TOKENS:-}" ]; then QRL_ARGS+=(--qrl-rollout-max-new-tokens "${MAX_NEW_TOKENS}"); fi
 # rank 0 joins the Ray cluster of this node (ray.init() finds it); other ranks never use Ray
 torchrun --nnodes "${NNODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}" \
     --master-addr "${HEAD_ADDR}" --master-port "${MASTER_PORT}" \

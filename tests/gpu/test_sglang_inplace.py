@@ -87,7 +87,8 @@ def prompts() -> list[list[int]]:
 
 # ---- worker (one engine, own process) --------------------------------------------------
 def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
-    """``sync``: ``inplace``, ``distributed`` or ``inplace+direct`` (see the module doc)."""
+    """``sync``: ``inplace``, ``distributed``, ``inplace+direct`` (see the module doc) or
+    ``inplace+tp2`` (the engine over GPUs 0-1 at TP 2, the trainer's tensors on GPU 0)."""
     from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.hf_reference import hf_tensors
@@ -113,6 +114,8 @@ def worker(fmt: str, out: Path, sync: str = "inplace") -> None:
                      else {"trainer_device": "cuda:0", "group_backend": "gloo"})
     sync, _, option = sync.partition("+")
     direct = option == "direct"
+    if option == "tp2":  # 2 GPUs (tests/gpu/test_multigpu_sglang.py): an engine of TP 2
+        placement = {"tp_size": 2}
     digests = out.parent / f"digest-{fmt}.jsonl"
     if direct:  # the engine's bits after each sync (state_digest), inherited
         os.environ[DIGEST_ENV] = str(digests)
