@@ -122,7 +122,23 @@ def engine_kwargs(variant: str, batches: list[int], extra: dict, model_path: str
     return kw | plan.engine_kwargs | extra
 
 
-def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: dict) -> dict:
+def model_config(layers: int | None = None) -> dict:
+    """The Qwen3-30B-A3B config the engines run; ``layers``: keep only the first ``layers``
+    decoder layers (``--layers``; None: all 48). Weights and K/V per token shrink together,
+    so a trimmed stack keeps each layer's read mix; the embedding and lm_head (unquantized in
+    every variant) then weigh more, which lowers the quantized variants' ratios, not raises."""
+    cfg = json.loads(MODEL_CONFIG.read_text())
+    if layers is not None:
+        if not 1 <= layers <= cfg["num_hidden_layers"]:
+            raise SystemExit(f"--layers {layers}: choose 1..{cfg['num_hidden_layers']} (the "
+                             f"layers of {MODEL_CONFIG.name})")
+        cfg["num_hidden_layers"] = layers
+        cfg["max_window_layers"] = min(cfg.get("max_window_layers", layers), layers)
+    return cfg
+
+
+def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: dict,
+          layers: int | None = None) -> dict:
     """Run one variant in this process; returns its result record."""
     import sglang
 
@@ -130,7 +146,7 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
 
     plan = parse_variant(variant)
     fmt = plan.fmt
-    cfg = json.loads(MODEL_CONFIG.read_text())
+    cfg = model_config(layers)
     d = write_engine_dir(cfg, fmt, root="/tmp")
     kw = engine_kwargs(variant, batches, extra, str(d))
     t0 = time.time()
@@ -138,7 +154,7 @@ def child(variant: str, batches: list[int], new: int, prompt_len: int, extra: di
     res = {"variant": variant, "format": fmt, "moe_config_dir": os.environ.get("SGLANG_MOE_CONFIG_DIR"),
            "startup_s": round(time.time() - t0, 1), "engine_kwargs": kw,
            "variant_engine_kwargs": plan.engine_kwargs, "extra": extra,
-           "prompt_len": prompt_len, "new": new,
+           "prompt_len": prompt_len, "new": new, "layers": cfg["num_hidden_layers"],
            "env": {k: os.environ.get(k) for k in {**plan.env_defaults, **plan.env}}}
     info = eng.get_server_info()
     res["max_total_num_tokens"] = info.get("max_total_num_tokens")  # KV-cache capacity
@@ -176,7 +192,9 @@ def _env_for(variant: str) -> dict:
 
 def table(results: list[dict], batches: list[int], bw_gbs: float) -> str:
     base = next((r for r in results if r["variant"] == "bf16" and "error" not in r), None)
-    shapes = sorted({f"{r['prompt_len']} prompt + {r['new']} new" for r in results if "new" in r})
+    shapes = sorted({f"{r['prompt_len']} prompt + {r['new']} new"
+                     + (f", {r['layers']} layers" if r.get("layers", 48) != 48 else "")
+                     for r in results if "new" in r})
     lines = [f"device-to-device copy bandwidth: {bw_gbs:.0f} GB/s; shape: {', '.join(shapes)}", "",
              "| variant | weights GB | " + " | ".join(
                  f"bs {b} decode tok/s (x bf16) | bs {b} weight-read BW share" for b in batches)
@@ -219,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=None)
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--extra", default="{}", help="JSON of extra sglang.Engine arguments")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the first N of the 30B-A3B shape's 48 layers (default: all): RL-length "
+                        "ratios in a fraction of the device time (model_config)")
     p.add_argument("--out", type=Path, default=None, help="append result records (JSONL)")
     p.add_argument("--table", type=Path, nargs="+", default=None,
                    help="print the table of saved --out JSONL files (no GPU needed) and exit")
@@ -245,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.child:
         return child_main(lambda: child(a.child, batches, a.new, a.prompt_len,
-                                        json.loads(a.extra)))
+                                        json.loads(a.extra), a.layers))
     variants = a.variants.split(",")
+    model_config(a.layers)  # a bad --layers stops here, before any engine
+    lay = [] if a.layers is None else ["--layers", str(a.layers)]
     if a.engines > 1 and any(b % a.engines for b in batches):
         p.error(f"--engines {a.engines} must divide every --batches size ({a.batches})")
     if a.gpus < 1 or a.engines % a.gpus:
@@ -259,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.engines > 1:
             res = run_fleet(lambda env, tag, v=v: run_variant(
                 [__file__, "--child", v, "--batches", per, "--new", str(a.new), "--prompt-len",
-                 str(a.prompt_len), "--extra", a.extra], f"{v} {tag}", None, env),
+                 str(a.prompt_len), "--extra", a.extra, *lay], f"{v} {tag}", None, env),
                 _env_for(v), a.engines, batches, a.gpus) | {"copy_bw_gbs": round(bw, 1)}
             results.append(res)
             if a.out is not None:
@@ -268,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results.append(run_variant(
             [__file__, "--child", v, "--batches", a.batches, "--new", str(a.new),
-             "--prompt-len", str(a.prompt_len), "--extra", a.extra], v, a.out, _env_for(v),
+             "--prompt-len", str(a.prompt_len), "--extra", a.extra, *lay], v, a.out, _env_for(v),
             extra={"copy_bw_gbs": round(bw, 1)}))
     print(table(results, batches, bw), flush=True)
     return 0

@@ -5,7 +5,15 @@ import json
 import pytest
 
 from bench.engine_variants import OPTIONS, parse_variant
-from bench.rollout_throughput import PRESETS, VARIANT_SETS, engine_kwargs, main, resolve, table
+from bench.rollout_throughput import (
+    PRESETS,
+    VARIANT_SETS,
+    engine_kwargs,
+    main,
+    model_config,
+    resolve,
+    table,
+)
 
 
 def test_kv_option_sets_the_cache_dtype_and_the_exactness_arguments():
@@ -57,3 +65,17 @@ def test_table_merges_files_and_names_the_shape(tmp_path, capsys):
     assert "512 prompt + 1536 new" in out
     assert "| fp8:kv_fp8_e4m3 | 10.0 | 1,500 (1.50)" in out
     assert table([rec("bf16", 1000.0)], [256], 4000.0).count("(1.00)") == 1
+
+
+def test_layers_trims_the_30b_shape_names_it_and_refuses_a_bad_count(tmp_path, capsys):
+    full, trimmed = model_config(), model_config(12)
+    assert full["num_hidden_layers"] == 48
+    assert trimmed["num_hidden_layers"] == 12 and trimmed["max_window_layers"] == 12
+    assert {k: v for k, v in trimmed.items() if k not in ("num_hidden_layers", "max_window_layers")} \
+        == {k: v for k, v in full.items() if k not in ("num_hidden_layers", "max_window_layers")}
+    with pytest.raises(SystemExit, match="--layers 49: choose 1..48"):
+        model_config(49)
+    r = {"variant": "bf16", "weight_gb": 3.0, "copy_bw_gbs": 4000.0, "prompt_len": 1024,
+         "new": 4096, "layers": 12, "bs128": {"decode_tok_s": 100.0}}
+    assert "1024 prompt + 4096 new, 12 layers" in table([r], [128], 4000.0)
+    assert "layers" not in table([r | {"layers": 48}], [128], 4000.0).splitlines()[0]
