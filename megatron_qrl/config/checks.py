@@ -150,6 +150,20 @@ def _token_budget(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     return None
 
 
+def _packing(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    """The KV-cache-aligned core attention (te_quant.kv_core_attention) is padded-only."""
+    from ..quant.kv_cache import get_kv_format
+
+    kv = c["rollout"].sglang.kv_cache
+    if not getattr(c["run"], "pack_sequences", False) or c["train"].forward != "aligned" or \
+            not get_kv_format(kv).quantizes:
+        return None
+    return (f"--qrl-pack-sequences cannot run with --qrl-train-forward aligned and "
+            f"--qrl-rollout-kv-cache {kv}: the KV-cache-aligned attention takes padded micro "
+            "batches only; drop --qrl-pack-sequences (or use --qrl-max-tokens-per-micro-batch "
+            "for less padding)")
+
+
 def _fleet_split(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     """Engine TP / EP / DP attention against the model, where its config is known (the
     fleet checks it again when it starts, for the tiny models too)."""
@@ -168,7 +182,7 @@ def _fleet_split(c: Mapping[str, Any], env: CheckEnv) -> str | None:
 
 CHECKS: tuple[Callable[[Mapping[str, Any], CheckEnv], str | None], ...] = (
     _w4a4, _sglang_gpu, _sglang_options, _tbpo, _aligned, _routing, _prox_first, _uaq, _batches,
-    lora_problem, _token_budget, _fleet_split,
+    lora_problem, _token_budget, _packing, _fleet_split,
 )
 
 

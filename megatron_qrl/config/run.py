@@ -261,6 +261,15 @@ class RunConfig:
     --qrl-micro-batch-size padded rows; the policy loss is then the global token mean of each
     optimizer step (needs --qrl-loss-aggregation token_mean). 0 = off."""
 
+    pack_sequences: bool = False
+    """Run each trainer micro batch packed (THD): its samples' tokens back to back in one row
+    with megatron-core PackedSeqParams (cu_seqlens), position ids and RoPE restarting per
+    sample, attention causal within each sample (Transformer Engine's flash attention, or the
+    local spec's SDPA attention segment by segment); no padding runs through the layers. Works
+    with --qrl-micro-batch-size and with --qrl-max-tokens-per-micro-batch; losses and
+    log-probs equal the padded path's. Not with --qrl-train-forward aligned +
+    --qrl-rollout-kv-cache (the KV-cache-aligned attention is padded-only)."""
+
     log_prob_max_tokens: int = 0
     """RL steps: the pi_prox recompute (forward only, no activations kept) runs on
     consecutive trainer micro batches joined up to this many tokens (rows x longest row;

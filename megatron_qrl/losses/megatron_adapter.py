@@ -33,13 +33,16 @@ the call returns ``{"log_probs": [batch, seq]}`` — the trainer's recompute of 
 Batch keys: ``labels`` [B, S] (sampled token ids aligned with the logits), ``loss_mask``
 [B, S], ``old_log_probs`` (pi_prox; None: this forward's own log-probs, detached),
 ``rollout_log_probs`` (pi_behav), ``advantages`` [B] or
-[B, S], optionally ``ref_log_probs``.
+[B, S], optionally ``ref_log_probs``; ``packing`` (a ``models.packing.Packing``) when the trainer
+ran the micro batch packed (``--qrl-pack-sequences``): the logits are then the packed row
+``[1, T, vocab / TP]``; log-probs and entropy are computed on it against the packed labels and
+scattered back to ``[B, S]`` (:func:`batch_log_probs`), so everything after is unchanged.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
@@ -100,6 +103,21 @@ def vocab_parallel_entropy(logits: Tensor, group, temperature: float = 1.0) -> T
     return torch.log(sums[0]) + zmax - sums[1] / sums[0]
 
 
+def batch_log_probs(fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]],
+                    logits: Tensor, batch: Mapping) -> tuple[Tensor, Tensor | None]:
+    """``fn(logits, labels) -> (log-probs, entropy or None)`` in the batch's ``[B, S]`` layout.
+
+    A packed forward (``batch["packing"]``, :class:`megatron_qrl.models.packing.Packing`) gave
+    the logits of the packed row ``[1, T, vocab / TP]``: ``fn`` runs there on the packed labels
+    and its per-token results are scattered back to ``[B, S]`` (zero where nothing ran; those
+    positions are outside every loss mask)."""
+    packing = batch.get("packing")
+    if packing is None:
+        return fn(logits, batch["labels"])
+    lp, ent = fn(logits, packing.pack(batch["labels"]))
+    return packing.unpack(lp), None if ent is None else packing.unpack(ent)
+
+
 class PolicyLossFunc:
     """Megatron ``loss_func``: bind the batch with ``functools.partial(self, batch)``."""
 
@@ -150,7 +168,8 @@ class PolicyLossFunc:
         if missing and not non_loss_data:
             raise KeyError(f"PolicyLossFunc: batch lacks {missing}; it needs {REQUIRED_KEYS}")
         want_entropy = self.log_entropy and not non_loss_data
-        log_probs, entropy = self._log_probs(output_tensor, batch["labels"], want_entropy)
+        log_probs, entropy = batch_log_probs(
+            lambda x, labels: self._log_probs(x, labels, want_entropy), output_tensor, batch)
         if non_loss_data:
             return {"log_probs": log_probs.detach()}
         loss_mask = batch["loss_mask"].bool()

@@ -12,8 +12,14 @@ Semantics follow ``DotProductAttention`` + ``FusedScaleMaskSoftmax``: causal whe
 mask type is causal and no mask is given; a given boolean ``attention_mask`` (True = masked
 out, broadcastable to ``[b, np, sq, sk]``) is applied as is; grouped-query attention shares each
 key/value head among ``num_heads / num_query_groups`` query heads (Ainslie et al. 2023, GQA);
-``softmax_scale`` defaults to ``1/sqrt(head_dim)``. Packed (THD) sequences are the Transformer
-Engine path's (``TEDotProductAttention``); here they raise, as upstream's local attention does.
+``softmax_scale`` defaults to ``1/sqrt(head_dim)``.
+
+Packed (THD) micro batches (``--qrl-pack-sequences``, :mod:`megatron_qrl.models.packing`): with
+``packed_seq_params`` (``qkv_format="thd"``) the query / key / value are ``[t, heads, hn]``, the
+samples back to back; each segment ``cu_seqlens[i]:cu_seqlens[i+1]`` gets its own causal
+attention (one ``scaled_dot_product_attention`` per segment: nothing attends across a sample
+boundary), the output is ``[t, heads * hn]`` as ``TEDotProductAttention``'s. Upstream's local
+``DotProductAttention`` refuses packed sequences.
 """
 
 from __future__ import annotations
@@ -65,13 +71,11 @@ class SDPACoreAttention(MegatronModule):
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None
                 ) -> torch.Tensor:
         """``[sq, b, np, hn]`` query, ``[sk, b, ng, hn]`` key / value -> ``[sq, b, np * hn]``."""
-        if packed_seq_params is not None:
-            raise ValueError("SDPACoreAttention: packed (THD) sequences need Transformer "
-                             "Engine (--transformer-impl transformer_engine); without it form "
-                             "micro batches by --qrl-max-tokens-per-micro-batch instead")
         if attention_bias is not None:
             raise ValueError("SDPACoreAttention: attention_bias is not supported")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None:
+            return self._forward_thd(query, key, value, packed_seq_params, mask_type)
         sq, b, heads, _ = query.shape
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)
@@ -89,17 +93,54 @@ class SDPACoreAttention(MegatronModule):
                 raise ValueError("SDPACoreAttention: the causal mask is for self attention "
                                  f"(sq={sq}, sk={k.shape[2]})")
             causal = True
+        out = self._sdpa(q, k, v, mask, causal)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * self.head_dim)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """``scaled_dot_product_attention`` of ``[b, np, s, hn]`` tensors (dropout in training
+        under megatron's model-parallel RNG, as ``DotProductAttention``)."""
         p = self.dropout if self.training else 0.0
         if p > 0.0 and not self.config.sequence_parallel:
             from megatron.core import tensor_parallel
 
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                     is_causal=causal, scale=self.softmax_scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 is_causal=causal, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * self.head_dim)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                      is_causal=causal, scale=self.softmax_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                              is_causal=causal, scale=self.softmax_scale)
+
+    def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     params: Any, mask_type: AttnMaskType) -> torch.Tensor:
+        """Packed ``[t, np, hn]`` query, ``[t, ng, hn]`` key / value -> ``[t, np * hn]``:
+        causal attention within each ``cu_seqlens`` segment (module docstring)."""
+        from megatron_qrl.models.packing import segment_bounds
+
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPACoreAttention: packed_seq_params.qkv_format must be 'thd', "
+                             f"got {params.qkv_format!r}")
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError("SDPACoreAttention: packed sequences need causal self attention")
+        cu = params.cu_seqlens_q
+        padded = (params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded)
+        if any(p is not None and not torch.equal(p, cu) for p in padded) or not torch.equal(
+                params.cu_seqlens_kv, cu):
+            raise ValueError("SDPACoreAttention: packed self attention needs cu_seqlens_kv == "
+                             "cu_seqlens_q and no padded cu_seqlens (use the TE spec for others)")
+        t, heads, hn = query.shape
+        if int(cu[-1]) != t or key.shape[0] != t:
+            raise ValueError(f"SDPACoreAttention: cu_seqlens ends at {int(cu[-1])}, the packed "
+                             f"query has {t} tokens and the key {key.shape[0]}")
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, np, t, hn]
+        k = key.transpose(0, 1).unsqueeze(0)
+        v = value.transpose(0, 1).unsqueeze(0)
+        rep = heads // k.shape[1]
+        if rep > 1:  # GQA
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = torch.cat([self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None, e - a > 1)
+                         for a, e in segment_bounds(cu)], dim=2)
+        return out[0].transpose(0, 1).reshape(t, heads * hn)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

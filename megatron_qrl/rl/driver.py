@@ -183,7 +183,8 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     trainer = PolicyTrainer(build_policy(
         data.arch, run.sft_lr, plan, layout=layout, groups=world.shard_groups(), bf16=mega.bf16,
         options=TrainerOptions.from_flags(
-            mega, per_token_loss=run.max_tokens_per_micro_batch > 0)))
+            mega, per_token_loss=run.max_tokens_per_micro_batch > 0,
+            pack_sequences=run.pack_sequences)))
     if data.start is not None:
         load_start_weights(trainer.module, data.start)
         plan.weights_changed()

@@ -29,6 +29,7 @@ from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rewards import score_math
 from megatron_qrl.rl.batch import pack_samples, pad_to_multiple, sft_batch, split_batch
 from megatron_qrl.rl.forward import ForwardPlan
+from megatron_qrl.rl.micro_forward import positions_run
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
 
@@ -102,9 +103,10 @@ class StepContext:
 
 
 def _sft_loss(batch: dict, output_tensor: torch.Tensor, non_loss_data: bool = False):
-    from megatron_qrl.losses.megatron_adapter import vocab_parallel_log_probs
+    from megatron_qrl.losses.megatron_adapter import batch_log_probs, vocab_parallel_log_probs
 
-    lp = vocab_parallel_log_probs(output_tensor, batch["labels"])
+    lp, _ = batch_log_probs(lambda x, labels: (vocab_parallel_log_probs(x, labels), None),
+                            output_tensor, batch)  # a packed forward: back to [B, S]
     mask = batch["loss_mask"].float()
     loss = -(lp * mask).sum() / mask.sum().clamp_min(1.0)
     correct = (lp > -0.6931).float()  # the answer token has probability > 1/2
@@ -193,8 +195,9 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
-    rec["trained_tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
-    rec["recomputed_tokens"] = sum(int(mb["tokens"].numel()) for mb in recompute)
+    pack = getattr(ctx.trainer, "pack_multiple", lambda: None)()  # --qrl-pack-sequences
+    rec["trained_tokens"] = sum(positions_run(mb, pack) for mb in mbs)
+    rec["recomputed_tokens"] = sum(positions_run(mb, pack) for mb in recompute)
     rec["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rec["trainer_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
     # cudaFree + retry of the caching allocator this step: the GPU was full (a slow step)

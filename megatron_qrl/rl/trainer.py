@@ -26,6 +26,9 @@ import torch
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.guard import BadStepGuard, guarded_step
+from megatron_qrl.rl.micro_forward import forward_step as _forward_step
+from megatron_qrl.rl.micro_forward import pack_multiple
+from megatron_qrl.rl.micro_forward import routing_counts as _routing_counts  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,19 @@ class TrainerOptions:
     """Policy-loss steps normalise by the step's total loss tokens (Megatron's
     ``calculate_per_token_loss``): the objective is the global token mean of the optimizer
     step, independent of how samples are grouped into micro batches (token-budget batches)."""
+    pack_sequences: bool = False
+    """Run each micro batch packed (THD, ``--qrl-pack-sequences``; ``rl.micro_forward``): its
+    samples back to back in one row with ``PackedSeqParams``, no padding in the layers."""
 
     @classmethod
-    def from_flags(cls, mega: Any, per_token_loss: bool = False) -> TrainerOptions:
+    def from_flags(cls, mega: Any, per_token_loss: bool = False,
+                   pack_sequences: bool = False) -> TrainerOptions:
         """The options of parsed Megatron flags (``config.megatron_flags.MegatronSettings``)."""
         return cls(transformer_impl=mega.transformer_impl,
                    distributed_optimizer=mega.distributed_optimizer,
                    optimizer_cpu_offload=mega.optimizer_cpu_offload,
                    optimizer_offload_fraction=mega.optimizer_offload_fraction,
-                   per_token_loss=per_token_loss)
+                   per_token_loss=per_token_loss, pack_sequences=pack_sequences)
 
     def __post_init__(self) -> None:
         if self.optimizer_cpu_offload and not self.distributed_optimizer:
@@ -154,62 +161,6 @@ def set_lr(optimizer: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-def _replay_ids(batch: dict) -> torch.Tensor | None:
-    """The rollout's experts in megatron token order; positions the engine never routed
-    (padding, the last sampled token: -1) get expert 0 — their logits are never in the loss."""
-    from megatron_qrl.moe import tokens_from_batch
-
-    ids = batch.get("routed_experts")
-    return None if ids is None else tokens_from_batch(ids.clamp_min(0))
-
-
-def _routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
-    """``(sum of per-token agreement, tokens)`` of the last forward against the engine's
-    routing (moe.routing_agreement averaged over MoE layers; tokens the engine never routed,
-    marked -1, are left out). None when the rollout carries no routing. Under sequence
-    parallelism this rank's routers saw its TP rank's slice of the (sequence-major) tokens:
-    the counts are of that slice (:meth:`PolicyTrainer.log_probs` sums them over TP)."""
-    from megatron_qrl.moe import recorded_ids, routing_agreement, tokens_from_batch
-
-    ids = batch.get("routed_experts")
-    if ids is None:
-        return None
-    rollout = tokens_from_batch(ids)
-    own = recorded_ids(replay, rollout.shape[1]).to(rollout.device)
-    if own.shape[1:] == rollout.shape[1:] and own.shape[0] < rollout.shape[0]:
-        from megatron.core import parallel_state as ps
-
-        n, rank = own.shape[0], ps.get_tensor_model_parallel_rank()
-        if n * ps.get_tensor_model_parallel_world_size() == rollout.shape[0]:
-            rollout = rollout[rank * n:(rank + 1) * n]
-    if own.shape != rollout.shape:
-        return None
-    keep = (rollout >= 0).flatten(1).all(1)
-    n = int(keep.sum())
-    if n == 0:
-        return 0.0, 0
-    return float(routing_agreement(own[keep], rollout[keep]).mean()) * n, n
-
-
-def _forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,
-                  routing_sink: list | None = None, kv: Any = None):
-    batch = next(data_iterator)
-    device = next(model.parameters()).device
-    if device.type != "cpu":  # batches are built on the host; the GPU trainer reads them there
-        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
-                 for k, v in batch.items()}
-    if replay is not None:
-        replay.set_micro_batch(_replay_ids(batch))
-    if kv is not None:  # KV-cache alignment: each sample's prompt positions read fresh K/V
-        kv.set_micro_batch(batch["loss_mask"])
-    logits = model(batch["tokens"], batch["position_ids"], None)
-    if routing_sink is not None and replay is not None:
-        counts = _routing_counts(replay, batch)
-        if counts is not None:
-            routing_sink.append(counts)
-    return logits, partial(loss_fn, batch)
-
-
 class PolicyTrainer:
     """Forward-only log-probs and optimizer steps of one :class:`PolicyModel`."""
 
@@ -227,6 +178,11 @@ class PolicyTrainer:
         """The bare GPTModel (no DDP wrapper)."""
         return self.policy.ddp.module
 
+    def pack_multiple(self) -> int | None:
+        """None: padded micro batches; else they run packed (``--qrl-pack-sequences``) with
+        the packed length a multiple of this (``rl.micro_forward.pack_multiple``)."""
+        return pack_multiple(self.policy.config) if self.policy.options.pack_sequences else None
+
     def _run(self, microbatches: Sequence[dict], loss_fn: Callable, forward_only: bool,
              routing_sink: list | None = None) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -234,13 +190,14 @@ class PolicyTrainer:
         if not microbatches:
             raise ValueError("PolicyTrainer: no micro batches given")
         b, s = microbatches[0]["tokens"].shape
-        replay = self.policy.plan.replay
+        replay, pack = self.policy.plan.replay, self.pack_multiple()
         ctx = replay.use(None, "recompute" if forward_only else "update") \
             if replay is not None else contextlib.nullcontext()
         with ctx:
             return get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay,
-                                          routing_sink=routing_sink, kv=self.policy.plan.kv),
+                                          routing_sink=routing_sink, kv=self.policy.plan.kv,
+                                          pack=pack),
                 data_iterator=iter(microbatches), model=[self.policy.ddp],
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                 forward_only=forward_only, collect_non_loss_data=forward_only)
