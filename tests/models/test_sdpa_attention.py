@@ -86,7 +86,7 @@ def test_sdpa_equals_dot_product_attention_with_padding_mask(megatron):
         torch.testing.assert_close(x, w, rtol=1e-10, atol=1e-10, msg=name)
 
 
-def test_local_spec_uses_sdpa_and_packed_sequences_raise(megatron):
+def test_local_spec_uses_sdpa_and_bad_packed_params_raise(megatron):
     from megatron_qrl.data import CharTokenizer, tiny_dense_config
     from megatron_qrl.models.builder import config_and_spec
     from megatron_qrl.models.hf_config import arch_from_dict
@@ -98,10 +98,17 @@ def test_local_spec_uses_sdpa_and_packed_sequences_raise(megatron):
     assert core is SDPACoreAttention
     from megatron.core.transformer.enums import AttnMaskType
 
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     module = SDPACoreAttention(_config(2, 1, 4), 1, AttnMaskType.causal, "self")
-    x = torch.zeros(3, 1, 2, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="max-tokens-per-micro-batch"):
-        module(x, x[:, :, :1], x[:, :, :1], None, packed_seq_params=object())
+    x = torch.zeros(3, 2, 4, dtype=torch.float64)  # packed THD (tests/rl/test_packed_sequences.py)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="'thd'"):
+        module(x, x[:, :1], x[:, :1], None, packed_seq_params=PackedSeqParams(
+            qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    with pytest.raises(ValueError, match="cu_seqlens ends at 2"):
+        module(x, x[:, :1], x[:, :1], None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu - cu.sign(), cu_seqlens_kv=cu - cu.sign()))
     with pytest.raises(ValueError, match="transformer-impl"):
         config_and_spec(arch, use_te="transformer_engine")
 
