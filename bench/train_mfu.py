@@ -21,6 +21,8 @@ micro batch, then ``--updates`` ``PolicyTrainer.train_step`` with the TIS loss o
     lpN              --qrl-log-prob-max-tokens N (the recompute on micro batches joined up
                      to N tokens; default: on the training micro batches)
     prox1            --qrl-prox-from-first-update (no recompute of the first update's samples)
+    thd              --qrl-pack-sequences: each micro batch packed into one row (THD,
+                     PackedSeqParams; no padding in the layers)
     oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
                      a separate entropy pass; ``PolicyLossFunc(chunked=False)``)
     norope           --no-rope-fusion
@@ -29,7 +31,7 @@ Recompute and RoPE fusion are TransformerConfig fields Megatron reads at every f
 row sets them on the built model's config (what the flags would have built). Reported per
 row: times, ``trainer_mfu = 6 N tokens / t_train / 989 TFLOP/s`` and ``recompute_mfu = 2 N
 tokens / t_recompute / peak`` (bench/rl_step.py's definitions: N the active parameters but the
-input embedding, tokens the positions run, padding included), peak allocated / reserved
+input embedding, tokens the positions run, padding included; a ``thd`` row runs no padding), peak allocated / reserved
 memory, allocator retries (``num_alloc_retries``: cudaFree + retry, a full-GPU symptom) and,
 on CUDA, a kernel profile of two more micro batches (``prof_*``: the GPU's busy share of the
 wall time — below ~0.9 the host, not the kernels, sets the pace — and the top kernels).
@@ -74,6 +76,7 @@ class Row:
     rope_fusion: bool = True
     log_prob_tokens: int = 0
     prox_first: bool = False
+    thd: bool = False
 
     @classmethod
     def parse(cls, name: str) -> Row:
@@ -90,11 +93,11 @@ class Row:
                 kw["log_prob_tokens"] = int(w[2:])
             elif w in ("oldlp", "norope"):
                 kw["chunked" if w == "oldlp" else "rope_fusion"] = False
-            elif w == "prox1":
-                kw["prox_first"] = True
+            elif w in ("prox1", "thd"):
+                kw["prox_first" if w == "prox1" else "thd"] = True
             else:
                 raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
-                                 "oldlp, norope)")
+                                 "thd, oldlp, norope)")
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
             raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
         return cls(name, **kw)
@@ -107,7 +110,8 @@ class Row:
                        + ([] if self.rope_fusion else ["--no-rope-fusion"]))
         qrl = " ".join(([f"--qrl-log-prob-max-tokens {self.log_prob_tokens}"]
                         if self.log_prob_tokens else [])
-                       + (["--qrl-prox-from-first-update"] if self.prox_first else []))
+                       + (["--qrl-prox-from-first-update"] if self.prox_first else [])
+                       + (["--qrl-pack-sequences"] if self.thd else []))
         return mb, meg, qrl
 
 
@@ -154,6 +158,9 @@ def _sync() -> None:
 
 
 def _apply(policy, row: Row, fused_rope: bool) -> None:
+    import dataclasses
+
+    policy.options = dataclasses.replace(policy.options, pack_sequences=row.thd)
     cfg = policy.config
     cfg.recompute_granularity = "full" if row.recompute else None
     cfg.recompute_method = "uniform" if row.recompute else None
@@ -234,6 +241,7 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
             fused_rope: bool, profile: bool = False) -> dict:
     """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
+    from megatron_qrl.rl.micro_forward import positions_run
     from megatron_qrl.rl.steps import recompute_log_probs
 
     _apply(trainer.policy, row, fused_rope)
@@ -264,8 +272,9 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
         trainer.train_step(g, loss_fn, per_token_loss=per_token)
     _sync()
     t2 = time.perf_counter()
-    tokens = sum(int(mb["tokens"].numel()) for mb in mbs)
-    again = sum(int(mb["tokens"].numel()) for mb in recompute)
+    pack = trainer.pack_multiple()
+    tokens = sum(positions_run(mb, pack) for mb in mbs)
+    again = sum(positions_run(mb, pack) for mb in recompute)
     rec = {"row": row.name, "micro_batches": len(mbs), "trained_tokens": tokens,
            "recomputed_tokens": again, "real_tokens": int(batch["loss_mask"].sum()),
            "time_recompute_s": round(t1 - t0, 3), "time_train_s": round(t2 - t1, 3),

@@ -26,6 +26,9 @@ def test_row_grammar_and_rl_step_flags():
     assert Row.parse("none-tok8192-lp16384-prox1").rl_step_args() == (
         "--max-tokens-per-micro-batch 8192", "",
         "--qrl-log-prob-max-tokens 16384 --qrl-prox-from-first-update")
+    assert Row.parse("none-mb4-thd").rl_step_args() == ("--micro-batch-size 4", "",
+                                                         "--qrl-pack-sequences")
+    assert Row.parse("none-tok64-thd").thd and not Row.parse("none-tok64").thd
     for bad, match in (("half-mb4", "full or none"), ("full-mb4-tok8", "exactly one"),
                        ("none", "exactly one"), ("none-mb4-fast", "unknown word")):
         with pytest.raises(ValueError, match=match):
@@ -103,7 +106,8 @@ def test_cpu_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench/train_mfu.py"), "--device", "cpu", "--model", "tiny",
          "--prompts", "2", "--n", "4", "--new-tokens", "12",
-         "--rows", "full-mb4-oldlp-norope,none-mb2-lp1000,none-mb8,none-tok40,none-mb2-prox1",
+         "--rows", "full-mb4-oldlp-norope,none-mb2-lp1000,none-mb8,none-tok40,none-mb2-prox1,"
+         "none-mb2-lp1000-thd",
          "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -120,6 +124,9 @@ def test_cpu_smoke(tmp_path):
     assert 2 * prox["recomputed_tokens"] == prox["trained_tokens"]
     assert rows["none-mb2-lp1000"]["recomputed_tokens"] == rows["none-mb2-lp1000"]["trained_tokens"]
     assert rows["none-tok40"]["trained_tokens"] <= rows["none-mb2-lp1000"]["trained_tokens"]
+    thd = rows["none-mb2-lp1000-thd"]  # packed: the positions run are the samples' own
+    assert thd["trained_tokens"] == thd["recomputed_tokens"] < rows["none-mb2-lp1000"][
+        "trained_tokens"]
     assert "| none-tok40 |" in proc.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "bench/train_mfu.py"), "--rows", "x-mb1"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
