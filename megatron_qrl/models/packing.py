@@ -104,7 +104,8 @@ class Packing:
         """``[1, T]``: 0, 1, ... restarting at every segment."""
         starts = self.cu_seqlens[:-1].long()
         seg = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device),
-                                      (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
+                                      (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long(),
+                                      output_size=self.total)  # (no device sync)
         return (torch.arange(self.total, device=starts.device) - starts[seg]).unsqueeze(0)
 
     def seq_params(self) -> Any:

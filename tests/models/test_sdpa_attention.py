@@ -96,9 +96,8 @@ def test_local_spec_uses_sdpa_and_bad_packed_params_raise(megatron):
     _, block = config_and_spec(arch, use_te="local")
     core = block.layer_specs[0].submodules.self_attention.submodules.core_attention
     assert core is SDPACoreAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
     from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
 
     module = SDPACoreAttention(_config(2, 1, 4), 1, AttnMaskType.causal, "self")
     x = torch.zeros(3, 2, 4, dtype=torch.float64)  # packed THD (tests/rl/test_packed_sequences.py)

@@ -214,6 +214,10 @@ def test_packed_logits_and_entropy_per_position(megatron):
     torch.testing.assert_close(lp_a[run], lp_b[run], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent_a[run], ent_b[run], rtol=1e-5, atol=1e-5)
     assert lp_a[~run].abs().max() == 0
+    from megatron_qrl.rl.steps import _sft_loss  # the warm-up's loss reads the packed logits too
+
+    sft_a, _ = _sft_loss({**batch, "packing": p}, packed)
+    assert float(sft_a) == pytest.approx(float(_sft_loss(batch, padded)[0]), rel=1e-5)
 
 
 def _tp_body(rank, world_size, port):
@@ -269,3 +273,40 @@ def test_refusals():
     with pytest.raises(ValueError, match="KV-cache-aligned core attention"):
         forward_step(iter([_batch()]), torch.nn.Linear(1, 1), loss_fn=None, replay=None,
                      kv=object(), pack=1)
+
+
+@pytest.mark.slow
+def test_qrl_train_packed_equals_padded(tmp_path):
+    """qrl-train end to end (tiny MoE, routing replay, BF16 rollouts on the reference engine,
+    one warm-up and three RL steps): --qrl-pack-sequences gives the same records (losses,
+    KLs, grad norms, rewards, samples) with fewer positions run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import RL_RUN_HELPER
+
+    flags = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "bf16", "--qrl-train-forward",
+             "bf16", "--qrl-sft-steps", "1", "--qrl-prompts-per-step", "2",
+             "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "6",
+             "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-steps", "3",
+             "--qrl-save-interval", "-1", "--qrl-lr", "1e-3", "--qrl-no-progress",
+             "--no-qrl-tensorboard"]
+    runs = []
+    for extra in ([], ["--qrl-pack-sequences"]):
+        out = tmp_path / f"run{len(runs)}"
+        proc = subprocess.run([sys.executable, str(RL_RUN_HELPER), *flags, *extra,
+                               "--qrl-output-dir", str(out)], capture_output=True, text=True,
+                              timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append([json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()])
+    padded, packed = runs
+    assert [r["phase"] for r in packed] == ["sft"] + ["rl"] * 3
+    for a, b in zip(padded, packed):
+        assert a.get("sample") == b.get("sample")
+        for key, value in a.items():
+            if isinstance(value, float) and not key.startswith("time_") and "gib" not in key:
+                assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (a["step"], key)
+        if a["phase"] == "rl":
+            assert b["trained_tokens"] < a["trained_tokens"]
