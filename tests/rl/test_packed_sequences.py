@@ -110,7 +110,8 @@ def test_sdpa_thd_is_causal_within_each_segment(megatron):
         attn(q, k, v, None, packed_seq_params=bad)
 
 
-def _build(moe: bool, pack: bool, seed: int = 0, layout=None, groups=None):
+def _build(moe: bool, pack: bool, seed: int = 0, layout=None, groups=None, bf16: bool = False,
+           impl: str = "auto", lr: float = 1e-3):
     from megatron.core import tensor_parallel
 
     from megatron_qrl.models.hf_config import arch_from_dict
@@ -127,8 +128,9 @@ def _build(moe: bool, pack: bool, seed: int = 0, layout=None, groups=None):
     # the load-balancing loss is a function of the set of routed tokens, the padding among
     # them on the padded path: off, so that the gradients compare the policy loss alone
     plan.config_overrides["moe_aux_loss_coeff"] = 0.0
-    return PolicyTrainer(build_policy(arch, 1e-3, plan, layout=layout, groups=groups,
-                                      options=TrainerOptions(per_token_loss=True,
+    return PolicyTrainer(build_policy(arch, lr, plan, layout=layout, groups=groups, bf16=bf16,
+                                      options=TrainerOptions(transformer_impl=impl,
+                                                             per_token_loss=True,
                                                              pack_sequences=pack)))
 
 
