@@ -92,7 +92,7 @@
 #               for ROWS side by side on ONE built policy (default: the 8th session's setting
 #               full-mb4-oldlp-norope, then full-mb4, none-mb4, none-mb4-lp16512-prox1,
 #               none-mb8-lp16512-prox1, full-mb16-lp16512-prox1; a row word thd packs each micro
-#               batch, --qrl-pack-sequences, e.g. ROWS=none-mb4,none-mb4-thd); MFU + peak memory per row, under
+#               batch, --qrl-pack-sequences, e.g. ROWS=none-mb4,none-mb4-thd; MFU + peak memory per row, under
 #               ${MFU_S:-270} s) -> $OUT/train_mfu.jsonl; then ONE real RL step row (fp8
 #               rollouts, 1,024 new tokens, ${STEPS:-2} steps, under ${STEP_S:-230} s) with the
 #               fastest row's flags whose reserved peak is <= ${MAX_PEAK:-110} GiB ->
