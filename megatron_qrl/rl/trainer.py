@@ -9,6 +9,8 @@ Every forward / backward goes through megatron-core's ``get_forward_backward_fun
   function returns the per-token log-probs (pi_prox recompute);
 - :meth:`PolicyTrainer.train_step`: forward + backward over micro batches and one optimizer
   step (the policy loss through the losses' Megatron adapter, or the SFT loss).
+Each micro batch's forward is ``rl.micro_forward.forward_step``: padded ``[B, S]``, or packed
+into one THD row (``TrainerOptions.pack_sequences``, ``--qrl-pack-sequences``).
 
 Run inside an initialised megatron job (:func:`megatron_qrl.models.runtime.single_process_megatron`).
 """
