@@ -111,7 +111,9 @@ def test_sdpa_thd_is_causal_within_each_segment(megatron):
 
 
 def _build(moe: bool, pack: bool, seed: int = 0, layout=None, groups=None, bf16: bool = False,
-           impl: str = "auto", lr: float = 1e-3):
+           impl: str = "auto", lr: float = 1e-3, flags: tuple[str, ...] = (), prepare=None):
+    """The policy trainer of the tiny model; ``flags``: more ``--qrl-*`` flags (LoRA),
+    ``prepare(trainer, configs)``: run on the built trainer (enter LoRA)."""
     from megatron.core import tensor_parallel
 
     from megatron_qrl.models.hf_config import arch_from_dict
@@ -123,15 +125,18 @@ def _build(moe: bool, pack: bool, seed: int = 0, layout=None, groups=None, bf16:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     arch = arch_from_dict(tiny_config("moe" if moe else "dense"), source="tiny")
     configs = parse_configs(["--qrl-model", "tiny-moe" if moe else "tiny-dense",
-                             "--qrl-routing-replay", "all" if moe else "off"])[0]
+                             "--qrl-routing-replay", "all" if moe else "off", *flags])[0]
     plan = forward_plan(configs, arch)
     # the load-balancing loss is a function of the set of routed tokens, the padding among
     # them on the padded path: off, so that the gradients compare the policy loss alone
     plan.config_overrides["moe_aux_loss_coeff"] = 0.0
-    return PolicyTrainer(build_policy(arch, lr, plan, layout=layout, groups=groups, bf16=bf16,
-                                      options=TrainerOptions(transformer_impl=impl,
-                                                             per_token_loss=True,
-                                                             pack_sequences=pack)))
+    trainer = PolicyTrainer(build_policy(arch, lr, plan, layout=layout, groups=groups, bf16=bf16,
+                                         options=TrainerOptions(transformer_impl=impl,
+                                                                per_token_loss=True,
+                                                                pack_sequences=pack)))
+    if prepare is not None:
+        prepare(trainer, configs)
+    return trainer
 
 
 def _train(mbs: list[dict], moe: bool, pack: bool, **kw):
@@ -150,7 +155,8 @@ def _train(mbs: list[dict], moe: bool, pack: bool, **kw):
         mb["old_log_probs"] = lp
     agreement = trainer.last_routing_agreement
     metrics, grad_norm = trainer.train_step(mbs, loss_fn)
-    grads = {k: v.main_grad.detach().clone() for k, v in trainer.module.named_parameters()}
+    grads = {k: v.main_grad.detach().clone() for k, v in trainer.module.named_parameters()
+             if v.requires_grad}  # (LoRA: the adapters only)
     return mbs, {**metrics, "agreement": agreement}, grad_norm, grads
 
 
