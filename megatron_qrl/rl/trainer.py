@@ -113,6 +113,7 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
     """
     plan = plan or ForwardPlan()
     options = options or TrainerOptions()
+    _check_expert_layout(arch, layout)
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -136,6 +137,25 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
     policy = PolicyModel(ddp, None, config, arch, plan, groups, bf16, options)
     policy.set_optimizer(make_optimizer(ddp, lr, clip_grad, weight_decay, bf16, options))
     return policy
+
+
+def _check_expert_layout(arch: ModelArch, layout: Any) -> None:
+    """Refuse a MoE layout whose expert gradients megatron-core would never sum.
+
+    megatron-core 0.16.1 marks expert weights ``allreduce=True`` when EP = 1, so their
+    gradients join the dense data-parallel reduction, which leaves the TP ranks out. Under
+    sequence parallelism with ETP < TP each TP rank's experts see only their slice of the
+    tokens (the dispatcher gathers over ETP x EP ranks): the gradients stay partial sums and
+    the expert copies drift apart from the first step."""
+    if layout is None or not arch.is_moe or layout.ep > 1 or layout.etp >= layout.tp:
+        return
+    if layout.tp > 1 if layout.sequence_parallel is None else layout.sequence_parallel:
+        raise ValueError(
+            f"--tensor-model-parallel-size {layout.tp} --expert-tensor-parallel-size "
+            f"{layout.etp} --expert-model-parallel-size 1 with --sequence-parallel: megatron-core "
+            "would not sum the experts' gradients over the TP ranks (each sees its slice of the "
+            f"tokens); use --expert-tensor-parallel-size {layout.tp} (the default) or "
+            "--expert-model-parallel-size > 1")
 
 
 def make_optimizer(ddp: Any, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0,

@@ -108,3 +108,23 @@ def test_moe_packed_equals_padded_ep2():
     outs = run_distributed(_parallel_body, 2, 1, 2, False)
     _check_ranks(outs, lora=False)
     assert len(outs[0][False][3]) == len(outs[1][False][3])  # every rank: its own experts
+
+
+def test_moe_layout_with_unsummed_expert_gradients_is_refused():
+    """TP 2 + SP with ETP 1 and EP 1 (how the TP test above first ran): megatron-core leaves
+    the experts' gradients out of every reduction over the TP ranks, each holding the partial
+    sum of its token slice, and the expert copies drift apart (about 2 lr after one step)."""
+    import pytest
+
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.rl.trainer import _check_expert_layout, build_policy
+    from tests.helpers.tiny_hf import tiny_config
+
+    moe, dense = (arch_from_dict(tiny_config(k), source="tiny") for k in ("moe", "dense"))
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 2 \\(the default\\)"):
+        build_policy(moe, LR, layout=ParallelLayout(tp=2, etp=1))
+    for arch, layout in ((moe, ParallelLayout(tp=2, etp=2)), (moe, ParallelLayout(tp=2, ep=2)),
+                         (moe, ParallelLayout(tp=2, etp=1, sequence_parallel=False)),
+                         (dense, ParallelLayout(tp=2, etp=1)), (moe, None)):
+        _check_expert_layout(arch, layout)
