@@ -51,17 +51,20 @@ class Packing:
 
     @classmethod
     def of_lengths(cls, lengths: Sequence[int], width: int, multiple: int = 1,
-                   device: Any = None) -> Packing:
+                   device: Any = None, at_least: int = 0) -> Packing:
         """The packing of rows ``lengths`` (each ``1 <= n <= width``) of a ``[B, width]``
         batch; ``T`` is padded up to a ``multiple`` (sequence parallelism: the tensor-parallel
-        size) by a tail segment of its own, which attends only to itself and is in no loss."""
+        size) and to ``at_least`` (a multiple of ``multiple``: the length of the other ranks'
+        packed rows, where a collective needs equal lengths) by a tail segment of its own,
+        which attends only to itself and is in no loss."""
         lengths = tuple(int(n) for n in lengths)
         if not lengths or min(lengths) < 1 or max(lengths) > width:
             raise ValueError(f"Packing: row lengths {lengths} must lie in [1, {width}]")
-        if multiple < 1:
-            raise ValueError(f"Packing: multiple must be >= 1, got {multiple}")
+        if multiple < 1 or at_least % multiple:
+            raise ValueError(f"Packing: multiple must be >= 1 and divide at_least, got "
+                             f"{multiple} and {at_least}")
         real = sum(lengths)
-        tail = -real % multiple
+        tail = max(real + (-real % multiple), at_least) - real
         cu = [0]
         for n in (*lengths, *((tail,) if tail else ())):
             cu.append(cu[-1] + n)

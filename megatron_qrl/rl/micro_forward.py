@@ -15,6 +15,12 @@ the ``[B, S]`` batch plus its ``packing`` and maps the packed logits' log-probs 
 (``losses.megatron_adapter.batch_log_probs``), so losses and recomputed log-probs keep the
 per-sample layout. Routing replay reads the packed row's experts; the KV-cache-aligned core
 attention cannot take packed sequences (refused by ``config.checks`` and here).
+
+megatron-core's all-gather MoE token dispatcher (the local spec's; LoRA and CPU builds) gathers
+equal-sized token blocks over the tensor x expert parallel ranks; with EP > 1 those include
+data-parallel ranks holding other samples, so the packed length is the maximum over that group
+(:func:`pack_group`; a longer tail segment on the shorter rows) — padded micro batches share
+one ``[B, S]`` already.
 """
 
 from __future__ import annotations
@@ -25,13 +31,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["forward_step", "pack_multiple", "positions_run", "replay_ids", "routing_counts"]
+__all__ = ["forward_step", "pack_group", "pack_multiple", "positions_run", "replay_ids",
+           "routing_counts"]
 
 
 def pack_multiple(config: Any) -> int:
     """What the packed length must be a multiple of: the TP size under sequence parallelism
     (megatron scatters the sequence dimension over the TP ranks), else 1."""
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def pack_group(config: Any) -> Any:
+    """The process group whose packed lengths must be equal (module docstring): the tensor x
+    expert parallel group of a MoE under the all-gather dispatcher with EP > 1, else None."""
+    if not getattr(config, "num_moe_experts", None) or config.expert_model_parallel_size < 2 \
+            or config.moe_token_dispatcher_type != "allgather":
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_and_model_parallel_group()
+
+
+def _group_length(lengths: list[int], pack: int, group: Any, device: Any) -> int:
+    """The packed length over ``group``: its ranks' longest (one small all-reduce)."""
+    real = sum(lengths)
+    t = torch.tensor([real + (-real % pack)], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(t.item())
 
 
 def positions_run(mb: dict, pack: int | None = None) -> int:
@@ -45,12 +71,13 @@ def positions_run(mb: dict, pack: int | None = None) -> int:
     return real + (-real % pack)
 
 
-def _packed(batch: dict, lengths: list[int], pack: int) -> tuple[dict, Any]:
+def _packed(batch: dict, lengths: list[int], pack: int, at_least: int = 0) -> tuple[dict, Any]:
     """``(model inputs of the packed row, Packing)`` of a ``[B, S]`` batch on its device."""
     from megatron_qrl.models.packing import Packing
 
     tokens = batch["tokens"]
-    packing = Packing.of_lengths(lengths, tokens.shape[1], pack, device=tokens.device)
+    packing = Packing.of_lengths(lengths, tokens.shape[1], pack, device=tokens.device,
+                                 at_least=at_least)
     inputs = {"tokens": packing.pack(tokens), "position_ids": packing.position_ids(),
               "packed_seq_params": packing.seq_params()}
     if batch.get("routed_experts") is not None:
@@ -96,9 +123,10 @@ def routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
 
 
 def forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,
-                 routing_sink: list | None = None, kv: Any = None, pack: int | None = None):
+                 routing_sink: list | None = None, kv: Any = None, pack: int | None = None,
+                 group: Any = None):
     """megatron-core ``forward_step_func`` (module docstring); ``pack``: None = padded, else
-    the packed length's multiple (:func:`pack_multiple`)."""
+    the packed length's multiple (:func:`pack_multiple`); ``group``: :func:`pack_group`."""
     batch = next(data_iterator)
     lengths = None
     if pack is not None:
@@ -115,7 +143,8 @@ def forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,
                  for k, v in batch.items()}
     inputs, extra = batch, {}
     if lengths is not None:
-        inputs, packing = _packed(batch, lengths, pack)
+        at_least = 0 if group is None else _group_length(lengths, pack, group, device)
+        inputs, packing = _packed(batch, lengths, pack, at_least)
         batch = {**batch, "packing": packing}
         extra = {"packed_seq_params": inputs["packed_seq_params"]}
     if replay is not None:

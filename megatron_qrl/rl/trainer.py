@@ -29,7 +29,7 @@ from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.guard import BadStepGuard, guarded_step
 from megatron_qrl.rl.micro_forward import forward_step as _forward_step
-from megatron_qrl.rl.micro_forward import pack_multiple
+from megatron_qrl.rl.micro_forward import pack_group, pack_multiple
 from megatron_qrl.rl.micro_forward import routing_counts as _routing_counts  # noqa: F401
 
 
@@ -219,7 +219,8 @@ class PolicyTrainer:
             return get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay,
                                           routing_sink=routing_sink, kv=self.policy.plan.kv,
-                                          pack=pack),
+                                          pack=pack, group=None if pack is None else
+                                          pack_group(self.policy.config)),
                 data_iterator=iter(microbatches), model=[self.policy.ddp],
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                 forward_only=forward_only, collect_non_loss_data=forward_only)

@@ -67,9 +67,10 @@ def test_lora_packed_equals_padded_moe(megatron):
 
 
 def _parallel_body(rank, world_size, port, tp: int, ep: int, lora: bool):
-    """Both paths on this rank (the same micro batches on every rank: under EP = 2 the ranks
-    are also data parallel, and CPU megatron's all-gather token dispatcher needs equal token
-    counts over the EP group)."""
+    """Both paths on this rank. TP: the same micro batches on both ranks. EP = 2: the ranks
+    are data parallel too, each with its own three one-row micro batches (packed rows of
+    other lengths than the other rank's: megatron's all-gather token dispatcher needs equal
+    ones, ``rl.micro_forward.pack_group``)."""
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
     from megatron_qrl.models.builder import ParallelLayout
     from megatron_qrl.models.streaming import groups_from_parallel_state
@@ -79,6 +80,8 @@ def _parallel_body(rank, world_size, port, tp: int, ep: int, lora: bool):
     try:
         with cpu_device_mode():
             mbs = split_batch(_batch(moe_layers=2), 3)  # 21 and 26 tokens: a tail of 1 at TP 2
+            if ep > 1:  # packed rows of 11, 8, 5 tokens on rank 0; 2, 13, 8 on rank 1
+                mbs = split_batch(_batch(moe_layers=2), 1)[rank::2]
             kw = dict(layout=ParallelLayout(tp=tp, ep=ep, etp=etp),
                       groups=groups_from_parallel_state())
             if lora:
@@ -104,7 +107,9 @@ def test_moe_packed_equals_padded_tp2_sequence_parallel():
 
 
 def test_moe_packed_equals_padded_ep2():
-    """EP = 2 (4 of the 8 experts per rank, tokens exchanged by the dispatcher)."""
+    """EP = 2 (4 of the 8 experts per rank, tokens exchanged by the dispatcher) and data
+    parallel 2 (each rank its own samples); before ``pack_group`` the ranks' packed rows of
+    different lengths broke the dispatcher's all-gather (gloo: a size mismatch)."""
     outs = run_distributed(_parallel_body, 2, 1, 2, False)
     _check_ranks(outs, lora=False)
     assert len(outs[0][False][3]) == len(outs[1][False][3])  # every rank: its own experts
