@@ -11,6 +11,10 @@ LoRA (``--qrl-lora-rank``; ``models.lora``): the policy enters LoRA as the drive
 (``rl.lora_sync.enter_lora``: the base frozen in ``--qrl-lora-base-format bf16`` storage — the
 parameter dtype, fp32 here, no fake-quant rounding — adapters on), ``B`` drawn at random so the
 adapters move the logits and both factors get gradients; only adapters may have gradients.
+
+MoE (routing replay on): TP = 2 with ETP = 2 (megatron's default; ETP 1 with EP 1 is refused,
+``rl.trainer._check_expert_layout``), with and without LoRA; EP = 2 with each data-parallel
+rank its own samples (the packed length equalised over the dispatcher's ranks).
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ from tests.rl.test_packed_sequences import _assert_same, _batch, _train
 LORA = ("--qrl-lora-rank", "4", "--qrl-lora-alpha", "8", "--qrl-lora-base-format", "bf16",
         "--qrl-train-forward", "bf16")
 LR = 1e-3
+
+
+def test_packing_at_least_grows_the_tail():
+    """``Packing.of_lengths(at_least=)``: the packed length the other ranks run."""
+    import pytest
+
+    from megatron_qrl.models.packing import Packing
+
+    p = Packing.of_lengths([3, 1], width=4, multiple=2, at_least=8)
+    assert p.total == 8 and p.cu_seqlens.tolist() == [0, 3, 4, 8] and p.max_seqlen == 4
+    assert Packing.of_lengths([3, 2], width=4, multiple=2, at_least=4).total == 6  # longer
+    with pytest.raises(ValueError, match="divide at_least"):
+        Packing.of_lengths([3, 1], width=4, multiple=2, at_least=7)
 
 
 def _lora_on(trainer, configs) -> None:
