@@ -17,30 +17,13 @@ import pytest
 import torch
 
 from megatron_qrl.models.packing import Packing
-from megatron_qrl.rl.batch import pack_samples, split_batch
+from megatron_qrl.rl.batch import split_batch
 from megatron_qrl.rl.microbatch import budget_micro_batches, row_lengths
 from tests.helpers.mp_utils import run_distributed
 from tests.helpers.tiny_hf import tiny_config
+from tests.rl.test_token_budget_batches import _batch
 
 VOCAB = 40
-
-
-def _batch(seed: int = 0, b: int = 6, moe_layers: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    plens, rlens = [3, 2, 5, 2, 4, 3][:b], [9, 1, 4, 12, 2, 6][:b]
-    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in plens]
-    responses = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in rlens]
-    lps = [-torch.rand(n, generator=g) for n in rlens]
-    routed = None
-    if moe_layers:  # the engine's experts (top-2 of 8) of every token but the last sampled one
-        s = max(p + r for p, r in zip(plens, rlens))
-        routed = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(b * s * moe_layers)])
-        routed = routed.reshape(b, s, moe_layers, 2)
-        for i, (p, r) in enumerate(zip(plens, rlens)):
-            routed[i, p + r - 1:] = -1
-    batch = pack_samples(prompts, responses, lps, pad_id=0, routed_experts=routed)
-    batch["advantages"] = torch.randn(b, generator=g)
-    return batch
 
 
 def test_packing_index_arithmetic():

@@ -16,13 +16,22 @@ from megatron_qrl.rl.batch import pack_samples, split_batch
 from megatron_qrl.rl.microbatch import budget_micro_batches, row_lengths
 
 
-def _batch(seed: int = 0, b: int = 6, vocab: int = 40) -> dict:
+def _batch(seed: int = 0, b: int = 6, moe_layers: int = 0, vocab: int = 40) -> dict:
+    """Six rows of different prompt / response lengths; ``moe_layers``: the engine's routed
+    experts too (tests/rl/test_packed_sequences.py)."""
     g = torch.Generator().manual_seed(seed)
     plens, rlens = [3, 2, 5, 2, 4, 3][:b], [9, 1, 4, 12, 2, 6][:b]
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in plens]
     responses = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in rlens]
     lps = [-torch.rand(n, generator=g) for n in rlens]
-    batch = pack_samples(prompts, responses, lps, pad_id=0)
+    routed = None
+    if moe_layers:  # the engine's experts (top-2 of 8) of every token but the last sampled one
+        s = max(p + r for p, r in zip(plens, rlens))
+        routed = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(b * s * moe_layers)])
+        routed = routed.reshape(b, s, moe_layers, 2)
+        for i, (p, r) in enumerate(zip(plens, rlens)):
+            routed[i, p + r - 1:] = -1
+    batch = pack_samples(prompts, responses, lps, pad_id=0, routed_experts=routed)
     batch["advantages"] = torch.randn(b, generator=g)
     return batch
 
