@@ -126,6 +126,10 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
     overrides = dict(plan.config_overrides)
     # a forward plan that needs one layer implementation (LoRA: the local spec) names it
     use_te = overrides.pop("use_te", options.transformer_impl)
+    if use_te is False and options.transformer_impl == "transformer_engine":
+        raise ValueError("--transformer-impl transformer_engine with --qrl-lora-rank > 0: the "
+                         "LoRA linears swap into megatron-core's local spec (SDPA attention); "
+                         "drop --transformer-impl or pass --transformer-impl local")
     model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, use_te=use_te, **overrides)
     if plan.prepare_model is not None:
         plan.prepare_model(model)

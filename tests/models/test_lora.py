@@ -28,7 +28,8 @@ def _lora_model(cfg: LoraConfig, kind: str = "dense", seed: int = 0):
     hf, arch = tiny_hf(kind, seed)
     state = LoraState(cfg)
     torch.manual_seed(seed)
-    return hf, arch, state, build(arch, hf_state(hf), lora_spec_hook(state))
+    # the LoRA linears swap into the local spec (qrl-train pins it: rl/forward.py _lora_plan)
+    return hf, arch, state, build(arch, hf_state(hf), lora_spec_hook(state), use_te=False)
 
 
 def _freeze(model, fmt: str) -> int:
@@ -262,3 +263,23 @@ def test_without_warmup_ddp_holds_adapter_gradients_only(megatron):
         with_grad = {n for n, p in policy.ddp.module.named_parameters() if hasattr(p, "main_grad")}
         assert any(".lora_B." in n for n in with_grad)
         assert any(".lora_" not in n for n in with_grad) == expect_base, warmup
+
+
+def test_explicit_transformer_engine_with_lora_is_refused_naming_both_flags(megatron):
+    """LoRA pins the local spec; an explicit ``--transformer-impl transformer_engine`` is not
+    silently overridden (auto picks local for LoRA)."""
+    from types import SimpleNamespace
+
+    from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
+    from megatron_qrl.rl.forward import _lora_plan
+    from megatron_qrl.rl.trainer import TrainerOptions, build_policy
+
+    _, arch = tiny_hf("dense", 0)
+    configs = {"lora": LoraConfig(rank=4), "train": TrainForwardConfig(),
+               "routing": RoutingReplayConfig(), "rollout": SimpleNamespace(format="bf16"),
+               "run": SimpleNamespace(sft_steps=0)}
+    plan = _lora_plan(configs, arch)
+    with pytest.raises(ValueError, match="--transformer-impl transformer_engine with --qrl-lora"):
+        build_policy(arch, 1e-3, plan, options=TrainerOptions(transformer_impl="transformer_engine"))
+    assert build_policy(arch, 1e-3, _lora_plan(configs, arch),
+                        options=TrainerOptions(transformer_impl="auto")) is not None

@@ -65,7 +65,7 @@ def _body(rank, world, port, fmt, sp):
             cfg = LoraConfig(rank=4, alpha=8.0, base_format=fmt)
             state = LoraState(cfg)
             layout = ParallelLayout(tp=world, sequence_parallel=sp and world > 1)
-            model = build_model(arch, layout, spec_hook=lora_spec_hook(state))
+            model = build_model(arch, layout, spec_hook=lora_spec_hook(state), use_te=False)
             load_hf_weights(model, arch, hf_state(hf).__getitem__, _groups())
             freeze_base(model, make_base_storage(fmt))
             _set_adapters(model, arch)
