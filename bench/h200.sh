@@ -298,6 +298,9 @@ case $phase in
     # test_sglang_load 0.45, test_sglang_fleet 2 x 0.3, the others 0.3 (one more 0.3 engine next
     # to load + two others starved on 2026-12-01: "Loaded weights leave no GPU memory for the
     # KV cache"); a file that waits for the Marlin prewarm (~6.5 min uncached) holds its stream
+    # Trainer-side tensors count too (the TE tests, each in-place worker's reference models):
+    # three 0.3 streams beside test_te_spec starved the fp8 in-place engine (12th session), so
+    # keep <= ~0.6 of engines beside a TE / trainer stream.
     te_env
     commit=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)
     run_tests() {  # $1: the log; the rest: pytest targets, run one after another
