@@ -18,8 +18,8 @@ trains it) and the adapters are inactive; :func:`freeze_base` moves it into a fr
 dequantized per forward, and turns the adapters on. No megatron class is patched.
 
 Across forward -> backward a frozen base keeps only its storage (QLoRA, Dettmers et al. 2023,
-sec. 3: the 4-bit codes stay resident, the BF16 weight is dequantized "when needed", in the
-forward and again in the backward): :func:`redequantize_in_backward` replaces the dequantized
+sec. 3, eqs. 5-6: the NF4 storage stays resident and is dequantized to BF16 whenever the
+weight is used, in the forward and again for the backward's dX): :func:`redequantize_in_backward` replaces the dequantized
 weight that megatron's frozen-weight GEMM saves for its input-gradient GEMM by a token and
 dequantizes again when the backward unpacks it.
 """
@@ -81,14 +81,15 @@ def redequantize_in_backward(weight: torch.Tensor,
     backward gets ``dequantize()`` again — bit-identical (elementwise code lookups and scale
     products, deterministic), so gradients are unchanged — and frees it after the node's
     backward. The BF16 weight lives per layer only while its GEMMs run (QLoRA, Dettmers et
-    al. 2023, sec. 3), at the cost of one more dequantize per layer in the backward.
+    al. 2023, sec. 3, eqs. 5-6), at the cost of one more dequantize per layer in the backward.
 
     Why saved-tensor hooks and not an own autograd.Function: the GEMM stays megatron's
     (``linear_with_frozen_weight`` with its TP all-reduce / sequence-parallel gather and
     reduce-scatter), unpatched. Only the weight is recognised (by identity, through a weak
     reference, so the hooks that autograd keeps with each saved tensor do not hold it);
     anything else saved in the block is kept as is (megatron-core 0.16.1 saves nothing else
-    there). Hooks innermost win: an outer ``saved_tensors_hooks`` never sees the weight.
+    there). The innermost hooks win: an outer ``saved_tensors_hooks`` sees nothing saved in
+    the block (the weight is our token; megatron saves nothing else here).
     Megatron's activation recomputation (``--recompute-granularity full``) re-runs the
     forward, and with it this block, under its reentrant checkpoint: the recomputed forward
     saves its own token.
@@ -118,7 +119,8 @@ class _LoraMixin:
     _qrl_parallel_dim = 0
     qrl_redequantize = True
     """Frozen base: dequantize again in the backward instead of keeping the weight (tests
-    turn it off for the reference)."""
+    turn it off for the reference). A bf16 base's ``dequantize`` is its buffer: the same
+    tensor comes back, nothing is saved or recomputed either way."""
 
     def _lora_setup(self, setup: LoraSetup, in_full: int, out_parts: list[int]) -> None:
         cfg = setup.state.config
