@@ -91,7 +91,7 @@ def _body(rank, world, port, fmt, sp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,sp", [("bf16", True), ("nvfp4", False), ("nf4", True)])
+@pytest.mark.parametrize("fmt,sp", [("bf16", True), ("nvfp4", False)])
 def test_tp1_equals_tp2(fmt, sp):
     one = run_distributed(_body, 1, fmt, sp)[0]
     two = run_distributed(_body, 2, fmt, sp)
