@@ -16,12 +16,20 @@ Before :func:`freeze_base` the base ``weight`` is a normal parameter (the superv
 trains it) and the adapters are inactive; :func:`freeze_base` moves it into a frozen
 :mod:`~megatron_qrl.models.lora_base` storage (bf16, NF4 or a rollout format's codes),
 dequantized per forward, and turns the adapters on. No megatron class is patched.
+
+Across forward -> backward a frozen base keeps only its storage (QLoRA, Dettmers et al. 2023,
+sec. 3, eqs. 5-6: the NF4 storage stays resident and is dequantized to BF16 whenever the
+weight is used, in the forward and again for the backward's dX): :func:`redequantize_in_backward` replaces the dequantized
+weight that megatron's frozen-weight GEMM saves for its input-gradient GEMM by a token and
+dequantizes again when the backward unpacks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +47,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron_qrl.models.lora_config import LoraConfig
 
 __all__ = ["LoraColumnParallelLinear", "LoraRowParallelLinear", "LoraSetup", "LoraState",
-           "freeze_all_but_adapters", "freeze_base", "lora_linears", "lora_spec_hook"]
+           "freeze_all_but_adapters", "freeze_base", "lora_linears", "lora_spec_hook",
+           "redequantize_in_backward"]
 
 
 @dataclass
@@ -65,6 +74,38 @@ class LoraSetup:
     head_dim: int = 0
 
 
+@contextlib.contextmanager
+def redequantize_in_backward(weight: torch.Tensor,
+                             dequantize: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """Autograd saves ``weight`` (``dequantize()``'s output) as a token inside this block; the
+    backward gets ``dequantize()`` again — bit-identical (elementwise code lookups and scale
+    products, deterministic), so gradients are unchanged — and frees it after the node's
+    backward. The BF16 weight lives per layer only while its GEMMs run (QLoRA, Dettmers et
+    al. 2023, sec. 3, eqs. 5-6), at the cost of one more dequantize per layer in the backward.
+
+    Why saved-tensor hooks and not an own autograd.Function: the GEMM stays megatron's
+    (``linear_with_frozen_weight`` with its TP all-reduce / sequence-parallel gather and
+    reduce-scatter), unpatched. Only the weight is recognised (by identity, through a weak
+    reference, so the hooks that autograd keeps with each saved tensor do not hold it);
+    anything else saved in the block is kept as is (megatron-core 0.16.1 saves nothing else
+    there). The innermost hooks win: an outer ``saved_tensors_hooks`` sees nothing saved in
+    the block (the weight is our token; megatron saves nothing else here).
+    Megatron's activation recomputation (``--recompute-granularity full``) re-runs the
+    forward, and with it this block, under its reentrant checkpoint: the recomputed forward
+    saves its own token.
+    """
+    ref, token = weakref.ref(weight), object()
+
+    def pack(t: torch.Tensor) -> Any:
+        return token if t is ref() else t
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return dequantize() if saved is token else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 def _tp(module: Any) -> tuple[int, int]:
     g = getattr(module, "tp_group", None)
     if g is None or not torch.distributed.is_initialized():
@@ -76,6 +117,10 @@ class _LoraMixin:
     """Adapters, base storage and the forward shared by both linears."""
 
     _qrl_parallel_dim = 0
+    qrl_redequantize = True
+    """Frozen base: dequantize again in the backward instead of keeping the weight (tests
+    turn it off for the reference). A bf16 base's ``dequantize`` is its buffer: the same
+    tensor comes back, nothing is saved or recomputed either way."""
 
     def _lora_setup(self, setup: LoraSetup, in_full: int, out_parts: list[int]) -> None:
         cfg = setup.state.config
@@ -156,7 +201,11 @@ class _LoraMixin:
     def _lora_forward_impl(self, input, weight, *args, **kwargs):
         if weight is None:
             weight = self.qrl_base.dequantize()
-        out = super()._forward_impl(input, weight, *args, **kwargs)
+        if self.qrl_frozen and self.qrl_redequantize:
+            with redequantize_in_backward(weight, self.qrl_base.dequantize):
+                out = super()._forward_impl(input, weight, *args, **kwargs)
+        else:
+            out = super()._forward_impl(input, weight, *args, **kwargs)
         delta = self.lora_delta(input)
         return out if delta is None else out + delta.to(out.dtype)
 
