@@ -28,7 +28,7 @@ def _model(fmt: str, kind: str = "dense", **overrides):
     hf, arch = tiny_hf(kind, 0)
     state = LoraState(LoraConfig(rank=4, alpha=8.0, experts=kind == "moe"))
     torch.manual_seed(0)
-    model = build(arch, hf_state(hf), lora_spec_hook(state), **overrides)
+    model = build(arch, hf_state(hf), lora_spec_hook(state), use_te=False, **overrides)
     freeze_base(model, make_base_storage(fmt))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -176,7 +176,7 @@ def _tp2_body(rank, world, port, fmt):
             hf, arch = tiny_hf("dense", 0, num_attention_heads=4, num_key_value_heads=2)
             state = LoraState(LoraConfig(rank=4, alpha=8.0, base_format=fmt))
             model = build_model(arch, ParallelLayout(tp=world, sequence_parallel=True),
-                                spec_hook=lora_spec_hook(state))
+                                spec_hook=lora_spec_hook(state), use_te=False)
             load_hf_weights(model, arch, hf_state(hf).__getitem__, groups_from_parallel_state())
             freeze_base(model, make_base_storage(fmt))
             torch.manual_seed(5)  # B != 0, the same on both ranks
