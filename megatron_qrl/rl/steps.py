@@ -3,8 +3,9 @@
 RL step (issue 6, item 2): sample prompts -> group sampling (``n`` per prompt) on the engine
 -> rewards -> GRPO advantages -> pi_prox recompute on the trainer (forward only, routing
 replay if on; the first update's own forward gives its pi_prox instead where
-``config.prox_from_first_update`` says so) -> ``updates_per_step`` optimizer steps with the chosen policy loss through
-the losses' Megatron adapter -> weight sync (AQN on the engine copy) -> metrics.
+``config.prox_from_first_update`` says so, :func:`set_old_log_probs`) -> ``updates_per_step``
+optimizer steps with the chosen policy loss through the losses' Megatron adapter -> weight
+sync (AQN on the engine copy) -> metrics.
 
 Multi-rank: only rank 0 has an engine; it samples and scores, and the packed batch, rewards
 and texts are broadcast so that every rank holds the same batch; each data-parallel rank

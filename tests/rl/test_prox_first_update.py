@@ -29,13 +29,26 @@ JOB = ["--qrl-preset", "tiny-cpu", "--qrl-model", "tiny-dense", "--qrl-rollout-f
 COMPARED = ("reward_mean", "grad_norm", "mismatch_kl", "clip_frac", "response_len", "sample",
             "error_token_rate", "rollout_nll")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-STEP = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "bf16", "--qrl-train-forward",
+STEP = ["--qrl-preset", "tiny-cpu", "--qrl-rollout-format", "int8", "--qrl-train-forward",
         "bf16", "--qrl-sft-steps", "0", "--qrl-steps", "2", "--qrl-prompts-per-step", "2",
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "6",
         "--qrl-micro-batch-size", "2", "--qrl-loss-kind", "tis", "--qrl-lr", "1e-3"]
 """In-process RL steps (no warm-up) of :func:`_rl_steps`; model, replay and updates added."""
-MODELS = {"dense": ["--qrl-model", "tiny-dense", "--qrl-routing-replay", "off"],
-          "moe-replay-all": ["--qrl-model", "tiny-moe", "--qrl-routing-replay", "all"]}
+DENSE = ["--qrl-model", "tiny-dense", "--qrl-routing-replay", "off"]
+MOE_ALL = ["--qrl-model", "tiny-moe", "--qrl-routing-replay", "all"]
+CASES = {"dense-tis": DENSE,
+         "moe-replay-all-tis": MOE_ALL,
+         "moe-aligned-replay-all-acr": [*MOE_ALL, "--qrl-train-forward", "aligned",
+                                        "--qrl-loss-kind", "acr"],
+         "dense-tbpo": [*DENSE, "--qrl-loss-kind", "tbpo", "--qrl-loss-aggregation",
+                        "seq_mean_token_mean"],
+         "dense-packed-token-budget-drop-seq": [
+             *DENSE, "--qrl-pack-sequences", "--qrl-max-tokens-per-micro-batch", "64",
+             "--qrl-loss-aggregation", "token_mean", "--qrl-error-tokens-action",
+             "drop_sequence"]}
+"""Every consumer of pi_prox on the path: decoupled TIS / ACR / TBPO, error tokens (on in
+every case), the mismatch metrics, the aligned forward, routing replay, packing and
+token-budget micro batches."""
 PARAM_TOL = 1e-6
 """Largest |difference| allowed between the updated parameters of the two paths (fp32 CPU; the
 two paths' log-probs and parameters come out bit-equal here, the bound leaves room for
@@ -135,25 +148,28 @@ def _rl_steps(argv: list[str]) -> dict:
     return {"records": records, "params": params, "recomputed": recomputed}
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_default_one_update_runs_no_recompute_and_equals_it(megatron, model):
+@pytest.mark.parametrize("case", list(CASES))
+def test_default_one_update_runs_no_recompute_and_equals_it(megatron, case):
     """One update per step: the default runs no pi_prox forward at all, and its losses,
     metrics and updated parameters equal those of --no-qrl-prox-from-first-update."""
-    argv = [*STEP, *MODELS[model], "--qrl-updates-per-step", "1"]
+    argv = [*STEP, *CASES[case], "--qrl-updates-per-step", "1"]
     got = _rl_steps(argv)
     ref = _rl_steps([*argv, "--no-qrl-prox-from-first-update"])
-    assert got["recomputed"] == [] and ref["recomputed"] == [4, 4]  # 4 micro batches a step
+    assert got["recomputed"] == [] and len(ref["recomputed"]) == 2  # one pass a step
     assert all(r["recomputed_tokens"] == 0 < r["trained_tokens"] for r in got["records"])
     keys = ("loss", "pg_loss", "grad_norm", "mismatch_kl", "kl_behav_prox_k3", "ratio_mean",
-            "clip_frac", "tis_trunc_frac", "entropy", "sample", "routing_agreement")
+            "clip_frac", "tis_trunc_frac", "tbpo_seq_mask_frac", "error_token_rate",
+            "error_dropped_token_frac", "entropy", "num_tokens", "sample", "routing_agreement")
     assert_records_close(ref["records"], got["records"], keys, tol=1e-6)
+    if "aligned" not in case:  # int8 rollouts, BF16 trainer: pi_behav differs from pi_prox
+        assert all(r["mismatch_kl"] > 0 for r in ref["records"])
     worst = max(float((got["params"][n] - p).abs().max()) for n, p in ref["params"].items())
     moved = max(float((ref["params"][n] - p).abs().max()) for n, p in
                 _start_params(argv).items())
     assert worst <= PARAM_TOL < moved  # the updates moved the weights, both paths alike
-    if model == "moe-replay-all":  # measured on the update forward that gave pi_prox
+    if "moe" in case:  # measured on the update forward that gave pi_prox
         assert all(r["routing_agreement"] is not None for r in got["records"])
-    print(f"[prox-first] {model}: max |param diff| {worst:.3g} (updates moved {moved:.3g})")
+    print(f"[prox-first] {case}: max |param diff| {worst:.3g} (updates moved {moved:.3g})")
 
 
 def _start_params(argv: list[str]) -> dict:
@@ -169,7 +185,7 @@ def _start_params(argv: list[str]) -> dict:
 
 
 def test_two_updates_recompute_the_second_mini_batch_only(megatron):
-    argv = [*STEP, *MODELS["moe-replay-all"], "--qrl-updates-per-step", "2"]
+    argv = [*STEP, *MOE_ALL, "--qrl-updates-per-step", "2"]
     got = _rl_steps(argv)
     ref = _rl_steps([*argv, "--no-qrl-prox-from-first-update"])
     assert got["recomputed"] == [2, 2] and ref["recomputed"] == [4, 4]  # 2 x 2 micro batches
@@ -182,11 +198,16 @@ def test_two_updates_recompute_the_second_mini_batch_only(megatron):
         tol=1e-6)
 
 
-def test_auto_falls_back_under_recompute_only_replay(megatron):
-    """The tiny-cpu preset's --qrl-routing-replay recompute: every micro batch recomputed."""
-    argv = [*STEP, "--qrl-model", "tiny-moe", "--qrl-routing-replay", "recompute",
-            "--qrl-updates-per-step", "1"]
-    got = _rl_steps(argv)
+FALLBACKS = {"replay-recompute": ["--qrl-model", "tiny-moe", "--qrl-routing-replay", "recompute"],
+             "lora-dropout": [*DENSE, "--qrl-rollout-format", "bf16", "--qrl-lora-rank", "4",
+                              "--qrl-lora-dropout", "0.1"]}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_auto_falls_back_where_the_update_forward_is_not_pi_prox(megatron, case):
+    """--qrl-routing-replay recompute (the tiny-cpu preset's) / --qrl-lora-dropout > 0: every
+    micro batch recomputed, as with --no-qrl-prox-from-first-update."""
+    got = _rl_steps([*STEP, *FALLBACKS[case], "--qrl-updates-per-step", "1"])
     assert got["recomputed"] == [4, 4]
     assert all(r["recomputed_tokens"] == r["trained_tokens"] for r in got["records"])
 
