@@ -90,8 +90,10 @@
 #   rlstep-mfu  trainer MFU (issue 16): bench/train_mfu.py runs the recompute + train phases of
 #               one 4B RL step (32 x 8 samples, 1,024 new tokens, synthetic batch, no engine)
 #               for ROWS side by side on ONE built policy (default: the 8th session's setting
-#               full-mb4-oldlp-norope, then full-mb4, none-mb4, none-mb4-lp16512-prox1,
-#               none-mb8-lp16512-prox1, full-mb16-lp16512-prox1; a row word thd packs each micro
+#               full-mb4-oldlp-norope-prox0, then full-mb4-prox0, none-mb4-prox0,
+#               none-mb4-lp16512-prox1, none-mb8-lp16512-prox1, full-mb16-lp16512-prox1; prox0
+#               recomputes pi_prox of every micro batch, prox1 or no word (the default) not the
+#               first update's; a row word thd packs each micro
 #               batch, --qrl-pack-sequences, e.g. ROWS=none-mb4,none-mb4-thd; MFU + peak memory per row, under
 #               ${MFU_S:-270} s) -> $OUT/train_mfu.jsonl; then ONE real RL step row (fp8
 #               rollouts, 1,024 new tokens, ${STEPS:-2} steps, under ${STEP_S:-230} s) with the

@@ -20,8 +20,10 @@ memory lives in its own processes) and
 989e12 FLOP/s (H200 dense BF16), ``N_active`` the parameters a token passes through (every
 weight but the input embedding; of the experts only ``top_k`` of ``num_experts``),
 ``trained_tokens`` the positions the trainer ran (padding included: what the GPU computed; the
-real tokens are ``real_tokens``; ``recomputed_tokens``: those of the pi_prox recompute, fewer
-with ``--qrl-prox-from-first-update``). Attention FLOPs are not counted (a lower bound).
+real tokens are ``real_tokens``; ``recomputed_tokens``: those of the pi_prox recompute — none
+at one update per step, where the first update's own forward gives pi_prox (the default
+``--qrl-prox-from-first-update``; ``--qrl "--no-qrl-prox-from-first-update"`` recomputes every
+micro batch). Attention FLOPs are not counted (a lower bound).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ the TE spec where TE imports on a GPU, random init: speed does not depend on the
 one rollout-shaped batch (``--prompts`` x ``--n`` samples of ``--prompt-len`` +
 ``--new-tokens`` tokens, a ``--full-frac`` share of them at full length as a random-weight
 model's rollouts are, the rest uniform; random token ids). Each row then runs what
-``rl.steps.rl_step`` runs between rollout and sync — ``PolicyTrainer.log_probs`` over every
-micro batch, then ``--updates`` ``PolicyTrainer.train_step`` with the TIS loss of
+``rl.steps.rl_step`` runs between rollout and sync — ``PolicyTrainer.log_probs`` over the
+micro batches whose pi_prox is recomputed (``rl.steps.set_old_log_probs``), then ``--updates`` ``PolicyTrainer.train_step`` with the TIS loss of
 ``rl.steps.make_loss_fn`` — after one untimed warm-up micro batch. Rows (``-``-joined words):
 
     full | none      --recompute-granularity full --recompute-method uniform
@@ -20,7 +20,10 @@ micro batch, then ``--updates`` ``PolicyTrainer.train_step`` with the TIS loss o
     mbN | tokN       --qrl-micro-batch-size N, or --qrl-max-tokens-per-micro-batch N
     lpN              --qrl-log-prob-max-tokens N (the recompute on micro batches joined up
                      to N tokens; default: on the training micro batches)
-    prox1            --qrl-prox-from-first-update (no recompute of the first update's samples)
+    prox1 | prox0    --qrl-prox-from-first-update (no recompute of the first update's
+                     samples: its own forward gives pi_prox) or --no-qrl-prox-from-first-update
+                     (every micro batch recomputed); neither: qrl-train's default, which is
+                     prox1 for this bench's model (no routing replay, no LoRA dropout)
     thd              --qrl-pack-sequences: each micro batch packed into one row (THD,
                      PackedSeqParams; no padding in the layers)
     oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
@@ -59,7 +62,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from rl_step import PEAK_FLOPS, active_params, markdown_table  # noqa: E402
 
-DEFAULT_ROWS = ("full-mb4-oldlp-norope,full-mb4,none-mb4,none-mb4-lp16512-prox1,"
+DEFAULT_ROWS = ("full-mb4-oldlp-norope-prox0,full-mb4-prox0,none-mb4-prox0,none-mb4-lp16512-prox1,"
                 "none-mb8-lp16512-prox1,full-mb16-lp16512-prox1")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
@@ -75,7 +78,8 @@ class Row:
     chunked: bool = True
     rope_fusion: bool = True
     log_prob_tokens: int = 0
-    prox_first: bool = False
+    prox_first: bool | None = None
+    """prox1: True, prox0: False, neither: None (qrl-train's default: on here)."""
     thd: bool = False
 
     @classmethod
@@ -93,11 +97,13 @@ class Row:
                 kw["log_prob_tokens"] = int(w[2:])
             elif w in ("oldlp", "norope"):
                 kw["chunked" if w == "oldlp" else "rope_fusion"] = False
-            elif w in ("prox1", "thd"):
-                kw["prox_first" if w == "prox1" else "thd"] = True
+            elif w in ("prox1", "prox0"):
+                kw["prox_first"] = w == "prox1"
+            elif w == "thd":
+                kw["thd"] = True
             else:
                 raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
-                                 "thd, oldlp, norope)")
+                                 "prox0, thd, oldlp, norope)")
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
             raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
         return cls(name, **kw)
@@ -110,7 +116,8 @@ class Row:
                        + ([] if self.rope_fusion else ["--no-rope-fusion"]))
         qrl = " ".join(([f"--qrl-log-prob-max-tokens {self.log_prob_tokens}"]
                         if self.log_prob_tokens else [])
-                       + (["--qrl-prox-from-first-update"] if self.prox_first else [])
+                       + {True: ["--qrl-prox-from-first-update"], None: [],
+                          False: ["--no-qrl-prox-from-first-update"]}[self.prox_first]
                        + (["--qrl-pack-sequences"] if self.thd else []))
         return mb, meg, qrl
 
@@ -242,7 +249,7 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
     """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
     from megatron_qrl.rl.micro_forward import positions_run
-    from megatron_qrl.rl.steps import recompute_log_probs
+    from megatron_qrl.rl.steps import set_old_log_probs
 
     _apply(trainer.policy, row, fused_rope)
     loss_fn = PolicyLossFunc(configs["loss"], configs["error_tokens"],
@@ -261,11 +268,7 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
     t0 = time.perf_counter()
     ctx = SimpleNamespace(configs={"run": SimpleNamespace(log_prob_max_tokens=row.log_prob_tokens)},
                           tokenizer=SimpleNamespace(pad_id=0), trainer=trainer, loss_fn=loss_fn)
-    recompute = [mb for g in groups[1:] for mb in g] if row.prox_first else mbs
-    for mb in groups[0] if row.prox_first else ():
-        mb["old_log_probs"] = None  # as rl.steps.rl_step
-    for mb, lp in zip(recompute, recompute_log_probs(ctx, recompute) if recompute else []):
-        mb["old_log_probs"] = lp
+    recompute = set_old_log_probs(ctx, groups, row.prox_first is not False)  # as rl_step
     _sync()
     t1 = time.perf_counter()
     for g in groups:

@@ -23,6 +23,8 @@
 # default flags, random Qwen3-4B from tools/make_random_checkpoint.py, local spec + SDPA since TE
 # was not installed yet): 3 RL steps completed; steps 2-3: rollout 15-17 s, recompute 6 s, train
 # 22 s, sync 0.8 s (step 1: 26 / 7 / 24 s), trainer peak 82.6 GiB (bench/results/example4b_run1_metrics.jsonl).
+# Since then the one update per step takes pi_prox from its own forward (the default
+# --qrl-prox-from-first-update): no pi_prox recompute phase at all; not re-run on a GPU yet.
 # Not run on a GPU: MODE=colocated (Ray is not on the H200 machine), OFFLOAD=1, RECOMPUTE=0.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -15,7 +15,7 @@ from .args import (
     qrl_configs_from_args,
     validate_qrl_args,
 )
-from .checks import TBPO_AGGREGATIONS
+from .checks import TBPO_AGGREGATIONS, prox_first_blocker, prox_from_first_update
 from .generator import ConfigGroup, field_docstrings, flag_specs
 from .presets import PRESETS
 from .run import (
@@ -44,6 +44,8 @@ __all__ = [
     "effective_values",
     "field_docstrings",
     "flag_specs",
+    "prox_first_blocker",
+    "prox_from_first_update",
     "qrl_configs_from_args",
     "validate_qrl_args",
 ]

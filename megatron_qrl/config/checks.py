@@ -17,7 +17,8 @@ from ..quant.uaq import UAQ_MAX_LR, AlreadyScaledError, check_not_already_scaled
 from .checkpoint_info import is_moe_config
 from .lora_checks import lora_problem
 
-__all__ = ["TBPO_AGGREGATIONS", "CheckEnv", "combination_problems", "combination_warnings"]
+__all__ = ["TBPO_AGGREGATIONS", "CheckEnv", "combination_problems", "combination_warnings",
+           "prox_first_blocker", "prox_from_first_update"]
 
 TBPO_AGGREGATIONS = ("seq_mean_token_mean",)
 """Aggregations allowed with ``--qrl-loss-kind tbpo``. TBPO (QaRL, docs/ALGORITHMS.md section 5)
@@ -112,12 +113,47 @@ def _routing(c: Mapping[str, Any], env: CheckEnv) -> str | None:
     return None
 
 
-def _prox_first(c: Mapping[str, Any], env: CheckEnv) -> str | None:
-    if c["run"].prox_from_first_update and c["routing"].replay == "recompute":
-        return ("--qrl-prox-from-first-update takes pi_prox from the first update's forward, "
-                "which does not replay the rollout's routing under --qrl-routing-replay "
-                "recompute; use --qrl-routing-replay all or drop --qrl-prox-from-first-update")
+def prox_first_blocker(c: Mapping[str, Any]) -> str | None:
+    """Why the first update's forward is not pi_prox's forward (so it cannot stand in for the
+    pi_prox recompute, ``--qrl-prox-from-first-update``), naming the flag; None if it is.
+
+    Audited (everything else that reads pi_prox does so per micro batch inside the loss, after
+    the forward that now supplies it: decoupled PPO / TIS / ACR / TBPO ratios, error tokens,
+    the mismatch metrics, entropy; the token-budget normaliser counts the loss mask of each
+    micro batch as Megatron's schedule runs it). Two settings make the update forward differ
+    from the recompute forward by more than float noise:
+
+    - ``--qrl-routing-replay recompute``: the recompute replays the rollout's experts, the
+      update routes by itself;
+    - ``--qrl-lora-dropout`` > 0: the update runs in train mode and drops adapter inputs, the
+      recompute (eval mode) does not.
+
+    (Megatron's sinkhorn router, also train-mode dependent, cannot be built here:
+    ``--moe-router-load-balancing-type`` is fixed to aux_loss.)"""
+    if c["routing"].replay == "recompute":
+        return ("--qrl-routing-replay recompute replays the rollout's routing in the recompute "
+                "only; the update forward routes by itself")
+    lora = c.get("lora")
+    if lora is not None and lora.enabled and lora.dropout > 0:
+        return (f"--qrl-lora-dropout {lora.dropout} drops adapter inputs in the update forward "
+                "(train mode), not in the recompute")
     return None
+
+
+def prox_from_first_update(c: Mapping[str, Any]) -> bool:
+    """Whether the first update's own forward gives its pi_prox: ``--qrl-prox-from-first-update``
+    as given, or unset (auto) on wherever :func:`prox_first_blocker` finds nothing against it."""
+    asked = c["run"].prox_from_first_update
+    return prox_first_blocker(c) is None if asked is None else bool(asked)
+
+
+def _prox_first(c: Mapping[str, Any], env: CheckEnv) -> str | None:
+    why = prox_first_blocker(c)
+    if c["run"].prox_from_first_update is not True or why is None:
+        return None
+    return (f"--qrl-prox-from-first-update takes pi_prox from the first update's forward, but "
+            f"{why}; drop --qrl-prox-from-first-update (unset, it falls back to the recompute "
+            "pass by itself)")
 
 
 def _uaq(c: Mapping[str, Any], env: CheckEnv) -> str | None:

@@ -276,12 +276,17 @@ class RunConfig:
     the right padding changes no earlier logit), fewer and larger forwards; 0 = on the
     training micro batches."""
 
-    prox_from_first_update: bool = False
+    prox_from_first_update: bool | None = None
     """RL steps: the first optimizer step's pi_prox is its own forward's log-probs (detached)
     instead of a separate recompute pass — its weights are pi_prox's, so only float noise
     differs; the recompute then runs on the other --qrl-updates-per-step - 1 mini batches
-    only (none with one update). Not with --qrl-routing-replay recompute (the update forward
-    does not replay the rollout's routing)."""
+    only (none with one update, as slime skips its compute_log_prob pass when a rollout
+    batch is one optimizer step: can_reuse_log_probs_in_loss). Unset (auto): on, unless the
+    update forward is not pi_prox's forward — --qrl-routing-replay recompute (the update does
+    not replay the rollout's routing) or --qrl-lora-dropout > 0 (the update drops adapter
+    inputs) — where the run log says so in one line and every mini batch is recomputed.
+    Asked for with one of those: an error. --no-qrl-prox-from-first-update: always the
+    recompute pass."""
 
     updates_per_step: int = 1
     """Optimizer steps per rollout batch (mini batches); > 1 makes pi_theta move away from

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config import QrlArgumentError, prox_first_blocker
 from megatron_qrl.config.megatron_flags import MegatronSettings, check_shape
 from megatron_qrl.data import CharTokenizer, addition_problems, tiny_dense_config, tiny_moe_config
 from megatron_qrl.data.dataset import PromptRecord, load_prompt_jsonl
@@ -329,6 +329,10 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
     if run.resume and not has_checkpoint:
         log(f"[qrl-train] --qrl-resume: no checkpoint in {out} yet; starting the run at step 0")
     data = prepare_job(configs)
+    why = prox_first_blocker(configs)
+    if run.prox_from_first_update is None and why is not None and run.steps:
+        log(f"[qrl-train] pi_prox: a recompute pass on every mini batch "
+            f"(--qrl-prox-from-first-update unset: {why})")
     ctx = _build(configs, data, engine_factory, start_weights, world)
     guard = ctx.trainer.guard = BadStepGuard(configs["run"].max_bad_steps, log)
     sft_steps = 0 if skip_sft else run.sft_steps

@@ -2,8 +2,10 @@
 
 RL step (issue 6, item 2): sample prompts -> group sampling (``n`` per prompt) on the engine
 -> rewards -> GRPO advantages -> pi_prox recompute on the trainer (forward only, routing
-replay if on) -> ``updates_per_step`` optimizer steps with the chosen policy loss through
-the losses' Megatron adapter -> weight sync (AQN on the engine copy) -> metrics.
+replay if on; the first update's own forward gives its pi_prox instead where
+``config.prox_from_first_update`` says so, :func:`set_old_log_probs`) -> ``updates_per_step``
+optimizer steps with the chosen policy loss through the losses' Megatron adapter -> weight
+sync (AQN on the engine copy) -> metrics.
 
 Multi-rank: only rank 0 has an engine; it samples and scores, and the packed batch, rewards
 and texts are broadcast so that every rank holds the same batch; each data-parallel rank
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config import QrlArgumentError, prox_from_first_update
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.data.dataset import PromptRecord
 from megatron_qrl.data.synthetic import noisy_demos
@@ -34,7 +36,7 @@ from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
 
 __all__ = ["StepContext", "micro_batches", "recompute_log_probs", "rl_step", "sample_indices",
-           "sft_step", "step_seed"]
+           "set_old_log_probs", "sft_step", "step_seed"]
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -179,16 +181,14 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t1 = time.perf_counter()
     groups = micro_batches(ctx, batch)
     mbs = [mb for group in groups for mb in group]
-    first = ctx.configs["run"].prox_from_first_update
-    recompute = [mb for group in groups[1:] for mb in group] if first else mbs
-    for mb in groups[0] if first else ():
-        mb["old_log_probs"] = None  # pi_prox: the first update's own forward (the loss)
-    old = recompute_log_probs(ctx, recompute) if recompute else []
-    agreement = ctx.trainer.last_routing_agreement if recompute else None
-    for mb, lp in zip(recompute, old):
-        mb["old_log_probs"] = lp
+    first = prox_from_first_update(ctx.configs)
+    recompute = set_old_log_probs(ctx, groups, first)
+    counts = [ctx.trainer.last_routing_counts] if recompute else []
     t2 = time.perf_counter()
-    updates = [ctx.trainer.train_step(group, ctx.loss_fn) for group in groups]
+    updates = [ctx.trainer.train_step(group, ctx.loss_fn, routing=first and i == 0)
+               for i, group in enumerate(groups)]  # routing: of the forwards that gave pi_prox
+    if first:
+        counts.append(ctx.trainer.last_routing_counts)
     t3 = time.perf_counter()
     ctx.engine_memory(release=False)
     ctx.sync(step + 1)
@@ -204,8 +204,30 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     rec["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries \
         if cuda else None
     fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
-    return {**rec, "routing_agreement": agreement, "reward_over_budget": over_budget,
+    return {**rec, "routing_agreement": _agreement(counts), "reward_over_budget": over_budget,
             **(fleet() if callable(fleet) else {})}
+
+
+def set_old_log_probs(ctx: StepContext, groups: list[list[dict]], first: bool) -> list[dict]:
+    """Give every micro batch its pi_prox (``old_log_probs``); returns those recomputed.
+
+    ``first`` (``config.prox_from_first_update``): the first update's micro batches get None —
+    the loss takes this forward's own log-probs, detached (its weights are pi_prox's) — and the
+    recompute runs on the later updates' only; else on every micro batch."""
+    recompute = [mb for group in groups[1:] for mb in group] if first else \
+        [mb for group in groups for mb in group]
+    for mb in groups[0] if first else ():
+        mb["old_log_probs"] = None
+    for mb, lp in zip(recompute, recompute_log_probs(ctx, recompute) if recompute else []):
+        mb["old_log_probs"] = lp
+    return recompute
+
+
+def _agreement(counts: list[tuple[float, int] | None]) -> float | None:
+    """Routing agreement over the forwards that gave pi_prox (``PolicyTrainer`` counts)."""
+    have = [c for c in counts if c is not None]
+    tokens = sum(n for _, n in have)
+    return sum(a for a, _ in have) / tokens if tokens else None
 
 
 def recompute_log_probs(ctx: StepContext, mbs: list[dict]) -> list[torch.Tensor]:

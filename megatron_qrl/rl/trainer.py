@@ -196,6 +196,9 @@ class PolicyTrainer:
         """Mean over MoE layers of the fraction of (token, expert) choices of the last
         :meth:`log_probs` (pi_prox recompute) where the trainer's own top-k equals the
         engine's routed experts; None for dense models or rollouts without routing."""
+        self.last_routing_counts: tuple[float, int] | None = None
+        """``(summed agreement, tokens)`` behind it, of the last :meth:`log_probs` or
+        :meth:`train_step` with ``routing=True`` (over every rank); None: nothing measured."""
         self.guard: BadStepGuard | None = None
         """Skips updates with a non-finite loss / grad norm (``rl.guard``; None: plain steps)."""
 
@@ -239,6 +242,15 @@ class PolicyTrainer:
             store = self._run(microbatches, loss_fn, True, sink)
         finally:
             self.policy.ddp.train()
+        self._routing_totals(sink)
+        a_t = self.last_routing_counts
+        self.last_routing_agreement = a_t[0] / a_t[1] if a_t else None
+        return [d["log_probs"].float() for d in store]
+
+    def _routing_totals(self, sink: list[tuple[float, int]]) -> None:
+        """Sum the per-micro-batch routing counts of ``sink`` over ranks (multi-rank: over the
+        TP token slices under sequence parallelism and the data-parallel shares) into
+        :attr:`last_routing_counts` (None when no forward measured any token)."""
         agree, tokens = sum(a for a, _ in sink), sum(n for _, n in sink)
         if self.policy.groups is not None:  # multi-rank: sum over token slices / DP shares
             import torch.distributed as dist
@@ -250,18 +262,20 @@ class PolicyTrainer:
                 dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
             dist.all_reduce(both, group=ps.get_data_parallel_group())
             agree, tokens = float(both[0]), int(both[1])
-        self.last_routing_agreement = agree / tokens if tokens else None
-        return [d["log_probs"].float() for d in store]
+        self.last_routing_counts = (agree, tokens) if tokens else None
 
     def train_step(self, microbatches: Sequence[dict], loss_fn: Callable,
-                   per_token_loss: bool | None = None) -> tuple[dict[str, float], float]:
+                   per_token_loss: bool | None = None,
+                   routing: bool = False) -> tuple[dict[str, float], float]:
         """Forward/backward over ``microbatches`` and one optimizer step.
 
         ``per_token_loss`` (default: ``TrainerOptions.per_token_loss``): the loss function
         returns ``(loss * tokens, tokens, metrics)`` and the gradient is divided by the step's
         total tokens (over data-parallel ranks too) instead of per micro batch — the global
         token mean, whatever the micro batches. Returns the loss function's metrics averaged
-        over micro batches and the grad norm.
+        over micro batches and the grad norm. ``routing``: also measure the routing agreement
+        of these forwards (:attr:`last_routing_counts`; the first update of an RL step whose
+        forward gives pi_prox, ``rl.steps.set_old_log_probs``).
         """
         ddp, optimizer = self.policy.ddp, self.policy.optimizer
         config = self.policy.config
@@ -270,10 +284,13 @@ class PolicyTrainer:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         saved, config.calculate_per_token_loss = config.calculate_per_token_loss, per_token
+        sink: list[tuple[float, int]] | None = [] if routing else None
         try:
-            store = self._run(microbatches, loss_fn, False)
+            store = self._run(microbatches, loss_fn, False, sink)
         finally:
             config.calculate_per_token_loss = saved
+        if sink is not None:
+            self._routing_totals(sink)
         grad_norm = guarded_step(optimizer, store, self.guard)  # NaN: update skipped
         metrics = average_metrics(store)
         if self.policy.groups is not None:

@@ -28,6 +28,9 @@ def test_row_grammar_and_rl_step_flags():
         "--qrl-log-prob-max-tokens 16384 --qrl-prox-from-first-update")
     assert Row.parse("none-mb4-thd").rl_step_args() == ("--micro-batch-size 4", "",
                                                          "--qrl-pack-sequences")
+    assert Row.parse("none-mb4-prox0").rl_step_args()[2] == "--no-qrl-prox-from-first-update"
+    assert [Row.parse(f"none-mb4{w}").prox_first for w in ("", "-prox1", "-prox0")] == [
+        None, True, False]  # no word: qrl-train's default
     assert Row.parse("none-tok64-thd").thd and not Row.parse("none-tok64").thd
     for bad, match in (("half-mb4", "full or none"), ("full-mb4-tok8", "exactly one"),
                        ("none", "exactly one"), ("none-mb4-fast", "unknown word")):
@@ -106,8 +109,8 @@ def test_cpu_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench/train_mfu.py"), "--device", "cpu", "--model", "tiny",
          "--prompts", "2", "--n", "4", "--new-tokens", "12",
-         "--rows", "full-mb4-oldlp-norope,none-mb2-lp1000,none-mb8,none-tok40,none-mb2-prox1,"
-         "none-mb2-lp1000-thd",
+         "--rows", "full-mb4-oldlp-norope,none-mb2-lp1000-prox0,none-mb8,none-tok40,"
+         "none-mb2-prox1,none-mb2,none-mb2-lp1000-prox0-thd",
          "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -116,17 +119,16 @@ def test_cpu_smoke(tmp_path):
     check = rows["log_prob_check"]
     assert check["max_abs_dlogp"] < 1e-5 and check["max_abs_dentropy"] < 1e-5
     assert check["max_abs_dgrad"] < 1e-5 < check["max_abs_grad"]
-    for name in ("full-mb4-oldlp-norope", "none-mb2-lp1000", "none-tok40"):
+    for name in ("full-mb4-oldlp-norope", "none-mb2-lp1000-prox0", "none-tok40"):
         r = rows[name]
         assert r["time_train_s"] > 0 and r["time_recompute_s"] > 0 and r["real_tokens"] > 0
-    assert rows["none-mb2-lp1000"]["micro_batches"] == 4
-    prox = rows["none-mb2-prox1"]  # 2 updates: the second half only is recomputed
-    assert 2 * prox["recomputed_tokens"] == prox["trained_tokens"]
-    assert rows["none-mb2-lp1000"]["recomputed_tokens"] == rows["none-mb2-lp1000"]["trained_tokens"]
-    assert rows["none-tok40"]["trained_tokens"] <= rows["none-mb2-lp1000"]["trained_tokens"]
-    thd = rows["none-mb2-lp1000-thd"]  # packed: the positions run are the samples' own
-    assert thd["trained_tokens"] == thd["recomputed_tokens"] < rows["none-mb2-lp1000"][
-        "trained_tokens"]
+    full = rows["none-mb2-lp1000-prox0"]  # every micro batch recomputed
+    assert full["micro_batches"] == 4 and full["recomputed_tokens"] == full["trained_tokens"]
+    for name in ("none-mb2-prox1", "none-mb2"):  # 2 updates: the second half only (default)
+        assert 2 * rows[name]["recomputed_tokens"] == rows[name]["trained_tokens"]
+    assert rows["none-tok40"]["trained_tokens"] <= full["trained_tokens"]
+    thd = rows["none-mb2-lp1000-prox0-thd"]  # packed: the positions run are the samples' own
+    assert thd["trained_tokens"] == thd["recomputed_tokens"] < full["trained_tokens"]
     assert "| none-tok40 |" in proc.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "bench/train_mfu.py"), "--rows", "x-mb1"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
