@@ -3,9 +3,9 @@
 megatron-core 0.16.1's full recompute wraps layers in a reentrant checkpoint that only
 back-propagates when its input requires grad; a frozen embedding's output does not.
 ``models.lora.decoder_input_requires_grad`` (called by ``freeze_all_but_adapters``, so by both
-freezing paths) marks the embedding's output as requiring grad. Without it, ``uniform 1``
-(every layer recomputed) raises in backward and ``block 1`` (layer 0 of 2 recomputed) silently
-leaves layer 0's adapters without gradient. Tiny Qwen3 / Qwen3-MoE (expert adapters on) of
+freezing paths) marks the embedding's output as requiring grad when the model recomputes.
+Without it, ``uniform 1`` (every layer recomputed) raises in backward and ``block 1`` (layer 0
+of 2 recomputed) silently leaves layer 0's adapters without gradient. Tiny Qwen3 / Qwen3-MoE (expert adapters on) of
 tests/helpers/te_quant_fixtures.py, fp32 on CPU, bf16 base storage (the parameter dtype).
 """
 
@@ -113,21 +113,23 @@ def test_freezing_after_a_warm_up_hooks_the_embedding(megatron):
 
 def test_embedding_output_requires_grad_only_when_grad_is_on(megatron):
     """No graph where none is wanted: under ``no_grad`` (pi_prox recompute) the hook leaves
-    the output alone; the embedding weight never requires grad."""
-    model = _model("dense")
+    the output alone; without recomputation there is no hook (no extra input gradient)."""
+    from megatron_qrl.models.lora import decoder_input_requires_grad
+
     x = ids()
-    seen = []
-    handle = model.decoder.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(kwargs["hidden_states"].requires_grad),
-        with_kwargs=True)
-    try:
+    pos = torch.arange(x.shape[1])[None].expand_as(x)
+    for recompute, want in ((True, [False, True]), (False, [False, False])):
+        model = _model("dense", **(RECOMPUTE["full-uniform-1"] if recompute else {}))
+        assert decoder_input_requires_grad(model) == int(recompute)
+        seen = []
+        model.decoder.register_forward_pre_hook(
+            lambda m, args, kwargs, seen=seen: seen.append(
+                kwargs["hidden_states"].requires_grad), with_kwargs=True)
         with torch.no_grad():
-            model(x, torch.arange(x.shape[1])[None].expand_as(x), None)
-        model(x, torch.arange(x.shape[1])[None].expand_as(x), None)
-    finally:
-        handle.remove()
-    assert seen == [False, True]
-    _assert_frozen_embedding(model)
+            model(x, pos, None)
+        model(x, pos, None)
+        assert seen == want
+        _assert_frozen_embedding(model)
 
 
 def _tp2_body(rank, world, port):
