@@ -47,8 +47,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron_qrl.models.lora_config import LoraConfig
 
 __all__ = ["LoraColumnParallelLinear", "LoraRowParallelLinear", "LoraSetup", "LoraState",
-           "freeze_all_but_adapters", "freeze_base", "lora_linears", "lora_spec_hook",
-           "redequantize_in_backward"]
+           "decoder_input_requires_grad", "freeze_all_but_adapters", "freeze_base",
+           "lora_linears", "lora_spec_hook", "redequantize_in_backward"]
 
 
 @dataclass
@@ -277,9 +277,45 @@ def lora_linears(model: torch.nn.Module) -> list[tuple[str, _LoraMixin]]:
 
 def freeze_all_but_adapters(model: torch.nn.Module) -> None:
     """``requires_grad`` only on adapters. Called before megatron DDP wraps the model (a run
-    without warm-up), DDP then allocates gradient buffers for the adapters alone."""
+    without warm-up), DDP then allocates gradient buffers for the adapters alone. With
+    activation recomputation the word embedding's output is made to require grad
+    (:func:`decoder_input_requires_grad`)."""
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+    decoder_input_requires_grad(model)
+
+
+def _input_requires_grad(module: Any, args: Any, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)  # a leaf: nothing upstream requires grad
+
+
+def decoder_input_requires_grad(model: torch.nn.Module) -> int:
+    """Make the decoder input of a ``model`` with activation recomputation require grad;
+    returns the hooked embeddings (0 without recomputation, or on a pipeline stage without
+    the embedding: megatron's received activations require grad).
+
+    Megatron's activation recomputation (``--recompute-granularity full``) wraps layers in
+    a reentrant checkpoint (``tensor_parallel.random.CheckpointFunction``), which only
+    back-propagates when its input requires grad; a frozen embedding's output does not, so
+    the recomputed layers' adapters would get no gradient (megatron's schedule skips the
+    backward of a loss that does not require grad). As PEFT's ``enable_input_require_grads``:
+    a forward hook on the embedding marks its output (a leaf there, sequence-parallel
+    scatter included) as requiring grad. The embedding's weight stays frozen (no gradient,
+    no optimizer state); the cost, the first layer's input gradient, is paid only with
+    recomputation (any granularity). Idempotent."""
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+
+    n = 0
+    for module in model.modules():
+        if (isinstance(module, LanguageModelEmbedding)
+                and getattr(module.config, "recompute_granularity", None) is not None):
+            if getattr(module, "_qrl_input_grad_hook", None) is None:
+                module._qrl_input_grad_hook = module.register_forward_hook(_input_requires_grad)
+            n += 1
+    return n
 
 
 def freeze_base(model: torch.nn.Module, make_storage: Callable[[str, Any], Any]) -> int:

@@ -1,0 +1,182 @@
+"""LoRA under megatron's activation recomputation (``--recompute-granularity``).
+
+megatron-core 0.16.1's full recompute wraps layers in a reentrant checkpoint that only
+back-propagates when its input requires grad; a frozen embedding's output does not.
+``models.lora.decoder_input_requires_grad`` (called by ``freeze_all_but_adapters``, so by both
+freezing paths) marks the embedding's output as requiring grad when the model recomputes.
+Without it, ``uniform 1`` (every layer recomputed) raises in backward and ``block 1`` (layer 0
+of 2 recomputed) silently leaves layer 0's adapters without gradient. Tiny Qwen3 / Qwen3-MoE (expert adapters on) of
+tests/helpers/te_quant_fixtures.py, fp32 on CPU, bf16 base storage (the parameter dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.te_quant_fixtures import build, hf_state, ids, tiny_hf
+
+RECOMPUTE = {
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
+                           recompute_num_layers=1),
+    "full-block-1": dict(recompute_granularity="full", recompute_method="block",
+                         recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+}
+_REF: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _model(kind: str, freeze: bool = True, **overrides):
+    from megatron_qrl.models.lora import LoraState, freeze_base, lora_linears, lora_spec_hook
+    from megatron_qrl.models.lora_base import make_base_storage
+    from megatron_qrl.models.lora_config import LoraConfig
+
+    hf, arch = tiny_hf(kind, 0)
+    state = LoraState(LoraConfig(rank=4, alpha=8.0, experts=kind == "moe"))
+    torch.manual_seed(0)
+    model = build(arch, hf_state(hf), lora_spec_hook(state), use_te=False, **overrides)
+    if freeze:
+        freeze_base(model, make_base_storage("bf16"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # B != 0: both factors get gradients
+        for _, lin in lora_linears(model):
+            for b in lin.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    model.train()
+    return model
+
+
+def _loss(model) -> torch.Tensor:
+    x = ids()
+    return model(x, torch.arange(x.shape[1])[None].expand_as(x), None).float().pow(2).mean()
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    _loss(model).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(kind: str) -> dict[str, torch.Tensor]:
+    if kind not in _REF:
+        _REF[kind] = _grads(_model(kind))
+    return _REF[kind]
+
+
+def _assert_frozen_embedding(model) -> None:
+    emb = model.embedding.word_embeddings.weight
+    assert not emb.requires_grad and emb.grad is None
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_recomputed_adapter_gradients_equal_the_plain_run(megatron, kind, recompute):
+    """Every adapter of every layer (recomputed or not) gets the no-recompute run's gradient,
+    bit for bit (the recomputed forward runs the same fp32 ops on CPU); nothing else does."""
+    ref = _reference(kind)
+    model = _model(kind, **RECOMPUTE[recompute])
+    got = _grads(model)
+    names = {n for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    assert sorted(ref) == sorted(names)  # the reference: every adapter, adapters only
+    assert sorted(got) == sorted(ref), sorted(set(ref) - set(got))[:4]
+    for name, g in ref.items():
+        assert float(g.abs().max()) > 0, name
+        assert torch.equal(got[name], g), name
+    for layer in ("decoder.layers.0.", "decoder.layers.1."):
+        assert any(n.startswith(layer) for n in got)
+    if kind == "moe":
+        assert any(".experts." in n for n in got)
+    _assert_frozen_embedding(model)
+
+
+def test_freezing_after_a_warm_up_hooks_the_embedding(megatron):
+    """The warm-up path: the base (embedding included) trains under recomputation, then
+    ``freeze_base`` at the RL start; the adapters then get the reference's gradients."""
+    model = _model("dense", freeze=False, **RECOMPUTE["full-uniform-1"])
+    warm = _grads(model)
+    assert "embedding.word_embeddings.weight" in warm  # trainable: no hook needed
+    from megatron_qrl.models.lora import (
+        decoder_input_requires_grad,
+        freeze_base,
+    )
+    from megatron_qrl.models.lora_base import make_base_storage
+
+    freeze_base(model, make_base_storage("bf16"))
+    assert decoder_input_requires_grad(model) == 1  # idempotent: still one hook
+    assert len(model.embedding._forward_hooks) == 1
+    got = _grads(model)
+    assert sorted(got) == sorted(_reference("dense"))
+    for name, g in _reference("dense").items():
+        assert torch.equal(got[name], g), name
+    _assert_frozen_embedding(model)
+
+
+def test_embedding_output_requires_grad_only_when_grad_is_on(megatron):
+    """No graph where none is wanted: under ``no_grad`` (pi_prox recompute) the hook leaves
+    the output alone; without recomputation there is no hook (no extra input gradient)."""
+    from megatron_qrl.models.lora import decoder_input_requires_grad
+
+    x = ids()
+    pos = torch.arange(x.shape[1])[None].expand_as(x)
+    for recompute, want in ((True, [False, True]), (False, [False, False])):
+        model = _model("dense", **(RECOMPUTE["full-uniform-1"] if recompute else {}))
+        assert decoder_input_requires_grad(model) == int(recompute)
+        seen = []
+        model.decoder.register_forward_pre_hook(
+            lambda m, args, kwargs, seen=seen: seen.append(
+                kwargs["hidden_states"].requires_grad), with_kwargs=True)
+        with torch.no_grad():
+            model(x, pos, None)
+        model(x, pos, None)
+        assert seen == want
+        _assert_frozen_embedding(model)
+
+
+def _tp2_body(rank, world, port):
+    from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.lora import LoraState, freeze_base, lora_spec_hook
+    from megatron_qrl.models.lora_base import make_base_storage
+    from megatron_qrl.models.lora_config import LoraConfig
+    from megatron_qrl.models.runtime import build_model
+    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
+
+    init_cpu_distributed(rank, world, port, tp=world)
+    try:
+        with cpu_device_mode():
+            hf, arch = tiny_hf("dense", 0, num_attention_heads=4, num_key_value_heads=2)
+            out = {}
+            for name, overrides in (("plain", {}), ("full", RECOMPUTE["full-uniform-1"])):
+                state = LoraState(LoraConfig(rank=4, alpha=8.0))
+                torch.manual_seed(0)  # the same adapter init in both models
+                model = build_model(arch, ParallelLayout(tp=world, sequence_parallel=True),
+                                    spec_hook=lora_spec_hook(state), use_te=False, **overrides)
+                load_hf_weights(model, arch, hf_state(hf).__getitem__,
+                                groups_from_parallel_state())
+                freeze_base(model, make_base_storage("bf16"))
+                torch.manual_seed(5)  # B != 0, the same on both ranks
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        if ".lora_B." in n:
+                            p.copy_(torch.randn(p.shape) * 0.05)
+                model.train()
+                out[name] = _grads(model)
+                _assert_frozen_embedding(model)
+            return out
+    finally:
+        destroy_cpu_distributed()
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_recompute_equals_plain():
+    """TP = 2 with sequence parallelism: the hooked embedding output is the scattered
+    sequence shard; the recomputed run's adapter gradients equal the plain run's."""
+    from tests.helpers.mp_utils import run_distributed
+
+    for out in run_distributed(_tp2_body, 2):
+        ref, got = out["plain"], out["full"]
+        assert ref and sorted(got) == sorted(ref)
+        assert any(n.startswith("decoder.layers.0.") for n in ref)
+        for name, g in ref.items():
+            assert float(g.abs().max()) > 0, name
+            assert torch.equal(got[name], g), name
