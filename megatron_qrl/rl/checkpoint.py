@@ -61,9 +61,12 @@ _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_out
                         "qrl_rollout_sglang_direct_expert_loads",
                         "qrl_rollout_sglang_stack_experts", "qrl_rollout_sglang_receipt",
                         "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
-                        "qrl_engine_max_restarts", "qrl_max_bad_steps")
-"""Flags that may differ between a run and its resumption (run length, saving, resume, and
-how the same weights reach the engine)."""
+                        "qrl_engine_max_restarts", "qrl_max_bad_steps",
+                        "qrl_prox_from_first_update")
+"""Flags that may differ between a run and its resumption (run length, saving, resume, how
+the same weights reach the engine, and where pi_prox's log-probs are computed: the first
+update's forward or a recompute pass give the same values; its default changed from off to
+auto on 2026-12-01, and runs from before must still resume)."""
 _CHUNK = 1 << 24
 
 

@@ -31,6 +31,26 @@ from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine, bucketize
 from megatron_qrl.rollout.supervisor import EngineDiedError
 from tests.helpers import HELPERS
 
+
+def _kill(handle, timeout: float = 60.0) -> None:
+    """``ray.kill`` and wait until the actor is dead: the kill is asynchronous, so a call made
+    right after it can still be served (a flake under a loaded machine, 2026-12-01)."""
+    import time
+
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError(f"the Ray actor survived ray.kill for {timeout} s")
+
 TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
@@ -124,7 +144,7 @@ def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
         assert table["strategy"] == "PACK" and len(table["bundles"]) == 2
         sampling = SamplingParams(max_new_tokens=3, seed=5)
         first = engine.generate([[1, 2, 3]] * 2, sampling)
-        ray.kill(engine.actor.actor, no_restart=True)
+        _kill(engine.actor.actor)
         with pytest.raises(EngineDiedError, match="generate"):
             engine.actor.generate([[1, 2, 3]] * 2, sampling)
         # the supervisor restarts the actor and re-syncs through the driver's sync
@@ -138,7 +158,7 @@ def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
             assert engine.actor.group_name not in (None, first_group)
             assert first_group not in _group_names()
         engine._resync = None  # a driver that never bound its sync gets a clear error
-        ray.kill(engine.actor.actor, no_restart=True)
+        _kill(engine.actor.actor)
         with pytest.raises(RuntimeError, match="bind_resync"):
             engine.generate([[1, 2, 3]] * 2, sampling)
         engine.shutdown()
@@ -189,7 +209,7 @@ def test_broadcast_failures(ray, cluster):
         # an actor killed before a sync: EngineDiedError, the stream drained (under torchrun
         # every trainer rank gathers it), the actor and its group gone after shutdown
         group = engine.group_name
-        ray.kill(engine.actor, no_restart=True)
+        _kill(engine.actor)
         with pytest.raises(EngineDiedError, match="update_weights|broadcast"):
             engine.update_weights(counted(iter(packed)), 3)
         assert consumed == [name for name, _ in packed]
@@ -228,7 +248,7 @@ def test_actor_death_mid_send_aborts_the_group(ray, cluster, monkeypatch):
         engine.group, engine.group_name = BlockingGroup(), "blocking"
         monkeypatch.setattr(ray_actor, "send_stream", blocking_send)
         monkeypatch.setattr(engine, "destroy_group", lambda: None)
-        ray.kill(engine.actor, no_restart=True)
+        _kill(engine.actor)
         start = time.monotonic()
         with pytest.raises(EngineDiedError, match="aborted"):
             engine.update_weights(iter(packed), 1)

@@ -389,3 +389,16 @@ def test_truncated_distcp_shard_of_a_megatron_start_checkpoint_is_one_line(tmp_p
     line = _one_line_error(_qrl(tmp_path / "run", "--qrl-model", "checkpoint",
                                 "--qrl-checkpoint", str(ckpt)))
     assert f"--qrl-checkpoint {ckpt}" in line and "truncated" in line and ".distcp" in line
+
+
+def test_resume_ignores_where_pi_prox_is_computed():
+    """A run saved when --qrl-prox-from-first-update defaulted to off resumes under the new
+    auto default (same pi_prox values); a real change (the loss) is still named."""
+    from megatron_qrl.rl.checkpoint import _identity_diffs
+
+    state = {"flags": {"qrl_prox_from_first_update": False, "qrl_loss_kind": "tis"}}
+    assert _identity_diffs(state, {"qrl_prox_from_first_update": None,
+                                   "qrl_loss_kind": "tis"}, None) == []
+    assert _identity_diffs(state, {"qrl_prox_from_first_update": None,
+                                   "qrl_loss_kind": "ppo_clip"}, None) == [
+        "--qrl-loss-kind 'tis' -> 'ppo_clip'"]
