@@ -25,7 +25,8 @@
 # 22 s, sync 0.8 s (step 1: 26 / 7 / 24 s), trainer peak 82.6 GiB (bench/results/example4b_run1_metrics.jsonl).
 # Since then the one update per step takes pi_prox from its own forward (the default
 # --qrl-prox-from-first-update): no pi_prox recompute phase at all; not re-run on a GPU yet.
-# Not run on a GPU: MODE=colocated (Ray is not on the H200 machine), OFFLOAD=1, RECOMPUTE=0.
+# Not run on a GPU: MODE=colocated (Ray 2.60.0 now stages on the H200 with bench/h200.sh
+# ray-part 1/2 + ray-install; not yet run with this example), OFFLOAD=1, RECOMPUTE=0.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"
