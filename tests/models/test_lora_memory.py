@@ -15,39 +15,10 @@ import weakref
 import pytest
 import torch
 
-from tests.helpers.te_quant_fixtures import build, hf_state, ids, tiny_hf
+from tests.helpers.lora_fixtures import frozen_lora_model, loss_grads, square_loss
+from tests.helpers.te_quant_fixtures import hf_state, tiny_hf
 
 FORMATS = ("nf4", "int8", "fp8", "w4a16")
-
-
-def _model(fmt: str, kind: str = "dense", **overrides):
-    from megatron_qrl.models.lora import LoraState, freeze_base, lora_linears, lora_spec_hook
-    from megatron_qrl.models.lora_base import make_base_storage
-    from megatron_qrl.models.lora_config import LoraConfig
-
-    hf, arch = tiny_hf(kind, 0)
-    state = LoraState(LoraConfig(rank=4, alpha=8.0, experts=kind == "moe"))
-    torch.manual_seed(0)
-    model = build(arch, hf_state(hf), lora_spec_hook(state), use_te=False, **overrides)
-    freeze_base(model, make_base_storage(fmt))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, lin in lora_linears(model):
-            for b in lin.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
-    model.train()
-    return model
-
-
-def _logits(model) -> torch.Tensor:
-    x = ids()
-    return model(x, torch.arange(x.shape[1])[None].expand_as(x), None).float()
-
-
-def _adapter_grads(model) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    _logits(model).pow(2).mean().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _linear_grads(model) -> dict[str, torch.Tensor]:
@@ -78,10 +49,10 @@ def _assert_identical(got: dict, ref: dict) -> None:
 def test_gradients_are_bit_identical_to_keeping_the_weight(megatron, monkeypatch, fmt, kind):
     from megatron_qrl.models.lora import _LoraMixin
 
-    model = _model(fmt, kind)
-    got = _adapter_grads(model), _linear_grads(model)
+    model = frozen_lora_model(kind, fmt)
+    got = loss_grads(model), _linear_grads(model)
     monkeypatch.setattr(_LoraMixin, "qrl_redequantize", False)
-    ref = _adapter_grads(model), _linear_grads(model)
+    ref = loss_grads(model), _linear_grads(model)
     for g, r in zip(got, ref):
         _assert_identical(g, r)
     if kind == "moe":  # the SequentialMLP expert linears are covered
@@ -120,9 +91,9 @@ def test_no_dequantized_weight_lives_from_forward_to_backward(megatron, monkeypa
                                                               kind):
     from megatron_qrl.models.lora import _LoraMixin
 
-    model = _model(fmt, kind)
+    model = frozen_lora_model(kind, fmt)
     made = _track_dequantized(model)
-    loss = _logits(model).pow(2).mean()  # the graph (and whatever it saved) is alive
+    loss = square_loss(model)  # the graph (and whatever it saved) is alive
     n_forward = len(made)
     assert n_forward > 0 and _alive_bytes(made) == 0
     loss.backward()
@@ -131,7 +102,7 @@ def test_no_dequantized_weight_lives_from_forward_to_backward(megatron, monkeypa
     # the reference keeps a weight per linear from forward to backward: the check can fail
     monkeypatch.setattr(_LoraMixin, "qrl_redequantize", False)
     made.clear()
-    loss = _logits(model).pow(2).mean()
+    loss = square_loss(model)
     assert _alive_bytes(made) > 0
     assert len([r for r in made if r() is not None]) >= len(made) - 1  # all but the first qkv
     del loss
@@ -146,15 +117,15 @@ def test_activation_recomputation_nests(megatron, monkeypatch):
     test_lora_recompute.py)."""
     from megatron_qrl.models.lora import _LoraMixin
 
-    recomputed = _model("nf4", recompute_granularity="full", recompute_method="uniform",
-                        recompute_num_layers=1)
+    recomputed = frozen_lora_model("dense", "nf4", recompute_granularity="full",
+                                   recompute_method="uniform", recompute_num_layers=1)
     made = _track_dequantized(recomputed)
-    got = _adapter_grads(recomputed)
+    got = loss_grads(recomputed)
     assert len(made) == 3 * 8  # the forward, the recomputed forward, the backward
     assert _alive_bytes(made) == 0
     assert got and all(".lora_A." in n or ".lora_B." in n for n in got)
     monkeypatch.setattr(_LoraMixin, "qrl_redequantize", False)
-    _assert_identical(got, _adapter_grads(_model("nf4")))
+    _assert_identical(got, loss_grads(frozen_lora_model("dense", "nf4")))
 
 
 def _tp2_body(rank, world, port, fmt):
@@ -182,13 +153,13 @@ def _tp2_body(rank, world, port, fmt):
                         p.copy_(torch.randn(p.shape) * 0.05)
             model.train()
             made = _track_dequantized(model)
-            loss = _logits(model).pow(2).mean()
+            loss = square_loss(model)
             alive = _alive_bytes(made)
             model.zero_grad(set_to_none=True)
             loss.backward()
             got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             _LoraMixin.qrl_redequantize = False
-            ref = _adapter_grads(model)
+            ref = loss_grads(model)
             return {"alive": alive, "made": len(made), "got": got, "ref": ref}
     finally:
         destroy_cpu_distributed()

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.te_quant_fixtures import build, hf_state, ids, tiny_hf
+from tests.helpers.lora_fixtures import frozen_lora_model, loss_grads
+from tests.helpers.te_quant_fixtures import hf_state, ids, tiny_hf
 
 RECOMPUTE = {
     "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
@@ -26,40 +27,9 @@ RECOMPUTE = {
 _REF: dict[str, dict[str, torch.Tensor]] = {}
 
 
-def _model(kind: str, freeze: bool = True, **overrides):
-    from megatron_qrl.models.lora import LoraState, freeze_base, lora_linears, lora_spec_hook
-    from megatron_qrl.models.lora_base import make_base_storage
-    from megatron_qrl.models.lora_config import LoraConfig
-
-    hf, arch = tiny_hf(kind, 0)
-    state = LoraState(LoraConfig(rank=4, alpha=8.0, experts=kind == "moe"))
-    torch.manual_seed(0)
-    model = build(arch, hf_state(hf), lora_spec_hook(state), use_te=False, **overrides)
-    if freeze:
-        freeze_base(model, make_base_storage("bf16"))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():  # B != 0: both factors get gradients
-        for _, lin in lora_linears(model):
-            for b in lin.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
-    model.train()
-    return model
-
-
-def _loss(model) -> torch.Tensor:
-    x = ids()
-    return model(x, torch.arange(x.shape[1])[None].expand_as(x), None).float().pow(2).mean()
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    _loss(model).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _reference(kind: str) -> dict[str, torch.Tensor]:
     if kind not in _REF:
-        _REF[kind] = _grads(_model(kind))
+        _REF[kind] = loss_grads(frozen_lora_model(kind))
     return _REF[kind]
 
 
@@ -74,8 +44,8 @@ def test_recomputed_adapter_gradients_equal_the_plain_run(megatron, kind, recomp
     """Every adapter of every layer (recomputed or not) gets the no-recompute run's gradient,
     bit for bit (the recomputed forward runs the same fp32 ops on CPU); nothing else does."""
     ref = _reference(kind)
-    model = _model(kind, **RECOMPUTE[recompute])
-    got = _grads(model)
+    model = frozen_lora_model(kind, **RECOMPUTE[recompute])
+    got = loss_grads(model)
     names = {n for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
     assert sorted(ref) == sorted(names)  # the reference: every adapter, adapters only
     assert sorted(got) == sorted(ref), sorted(set(ref) - set(got))[:4]
@@ -92,8 +62,8 @@ def test_recomputed_adapter_gradients_equal_the_plain_run(megatron, kind, recomp
 def test_freezing_after_a_warm_up_hooks_the_embedding(megatron):
     """The warm-up path: the base (embedding included) trains under recomputation, then
     ``freeze_base`` at the RL start; the adapters then get the reference's gradients."""
-    model = _model("dense", freeze=False, **RECOMPUTE["full-uniform-1"])
-    warm = _grads(model)
+    model = frozen_lora_model("dense", None, **RECOMPUTE["full-uniform-1"])
+    warm = loss_grads(model)
     assert "embedding.word_embeddings.weight" in warm  # trainable: no hook needed
     from megatron_qrl.models.lora import (
         decoder_input_requires_grad,
@@ -104,7 +74,7 @@ def test_freezing_after_a_warm_up_hooks_the_embedding(megatron):
     freeze_base(model, make_base_storage("bf16"))
     assert decoder_input_requires_grad(model) == 1  # idempotent: still one hook
     assert len(model.embedding._forward_hooks) == 1
-    got = _grads(model)
+    got = loss_grads(model)
     assert sorted(got) == sorted(_reference("dense"))
     for name, g in _reference("dense").items():
         assert torch.equal(got[name], g), name
@@ -119,7 +89,7 @@ def test_embedding_output_requires_grad_only_when_grad_is_on(megatron):
     x = ids()
     pos = torch.arange(x.shape[1])[None].expand_as(x)
     for recompute, want in ((True, [False, True]), (False, [False, False])):
-        model = _model("dense", **(RECOMPUTE["full-uniform-1"] if recompute else {}))
+        model = frozen_lora_model("dense", **(RECOMPUTE["full-uniform-1"] if recompute else {}))
         assert decoder_input_requires_grad(model) == int(recompute)
         seen = []
         model.decoder.register_forward_pre_hook(
@@ -160,7 +130,7 @@ def _tp2_body(rank, world, port):
                         if ".lora_B." in n:
                             p.copy_(torch.randn(p.shape) * 0.05)
                 model.train()
-                out[name] = _grads(model)
+                out[name] = loss_grads(model)
                 _assert_frozen_embedding(model)
             return out
     finally:
