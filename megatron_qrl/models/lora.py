@@ -89,7 +89,7 @@ def redequantize_in_backward(weight: torch.Tensor,
     reference, so the hooks that autograd keeps with each saved tensor do not hold it);
     anything else saved in the block is kept as is (megatron-core 0.16.1 saves nothing else
     there). The innermost hooks win: an outer ``saved_tensors_hooks`` sees nothing saved in
-    the block (the weight is our token; megatron saves nothing else here).
+    the block.
     Megatron's activation recomputation (``--recompute-granularity full``) re-runs the
     forward, and with it this block, under its reentrant checkpoint: the recomputed forward
     saves its own token.
@@ -201,10 +201,9 @@ class _LoraMixin:
     def _lora_forward_impl(self, input, weight, *args, **kwargs):
         if weight is None:
             weight = self.qrl_base.dequantize()
-        if self.qrl_frozen and self.qrl_redequantize:
-            with redequantize_in_backward(weight, self.qrl_base.dequantize):
-                out = super()._forward_impl(input, weight, *args, **kwargs)
-        else:
+        saving = (redequantize_in_backward(weight, self.qrl_base.dequantize)
+                  if self.qrl_frozen and self.qrl_redequantize else contextlib.nullcontext())
+        with saving:
             out = super()._forward_impl(input, weight, *args, **kwargs)
         delta = self.lora_delta(input)
         return out if delta is None else out + delta.to(out.dtype)
