@@ -42,3 +42,30 @@ def loss_grads(model) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     square_loss(model).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tp_sp_lora_model(world: int, fmt: str = "bf16", **overrides):
+    """Inside a ``world``-rank TP job (gloo, ``cpu_device_mode``): a tiny dense Qwen3 (4 heads,
+    2 KV groups) at TP = ``world`` with sequence parallelism, r=4 adapters (seed 0), base
+    frozen into ``fmt``, every B random and equal on all ranks (seed 5, x 0.05), train mode."""
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.lora import LoraState, freeze_base, lora_spec_hook
+    from megatron_qrl.models.lora_base import make_base_storage
+    from megatron_qrl.models.lora_config import LoraConfig
+    from megatron_qrl.models.runtime import build_model
+    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
+
+    hf, arch = tiny_hf("dense", 0, num_attention_heads=4, num_key_value_heads=2)
+    state = LoraState(LoraConfig(rank=4, alpha=8.0, base_format=fmt))
+    torch.manual_seed(0)
+    model = build_model(arch, ParallelLayout(tp=world, sequence_parallel=True),
+                        spec_hook=lora_spec_hook(state), use_te=False, **overrides)
+    load_hf_weights(model, arch, hf_state(hf).__getitem__, groups_from_parallel_state())
+    freeze_base(model, make_base_storage(fmt))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape) * 0.05)
+    model.train()
+    return model

@@ -15,8 +15,12 @@ import weakref
 import pytest
 import torch
 
-from tests.helpers.lora_fixtures import frozen_lora_model, loss_grads, square_loss
-from tests.helpers.te_quant_fixtures import hf_state, tiny_hf
+from tests.helpers.lora_fixtures import (
+    frozen_lora_model,
+    loss_grads,
+    square_loss,
+    tp_sp_lora_model,
+)
 
 FORMATS = ("nf4", "int8", "fp8", "w4a16")
 
@@ -130,28 +134,12 @@ def test_activation_recomputation_nests(megatron, monkeypatch):
 
 def _tp2_body(rank, world, port, fmt):
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
-    from megatron_qrl.models.builder import ParallelLayout
-    from megatron_qrl.models.lora import LoraState, _LoraMixin, freeze_base, lora_spec_hook
-    from megatron_qrl.models.lora_base import make_base_storage
-    from megatron_qrl.models.lora_config import LoraConfig
-    from megatron_qrl.models.runtime import build_model
-    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
+    from megatron_qrl.models.lora import _LoraMixin
 
     init_cpu_distributed(rank, world, port, tp=world)
     try:
         with cpu_device_mode():
-            hf, arch = tiny_hf("dense", 0, num_attention_heads=4, num_key_value_heads=2)
-            state = LoraState(LoraConfig(rank=4, alpha=8.0, base_format=fmt))
-            model = build_model(arch, ParallelLayout(tp=world, sequence_parallel=True),
-                                spec_hook=lora_spec_hook(state), use_te=False)
-            load_hf_weights(model, arch, hf_state(hf).__getitem__, groups_from_parallel_state())
-            freeze_base(model, make_base_storage(fmt))
-            torch.manual_seed(5)  # B != 0, the same on both ranks
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if ".lora_B." in n:
-                        p.copy_(torch.randn(p.shape) * 0.05)
-            model.train()
+            model = tp_sp_lora_model(world, fmt)
             made = _track_dequantized(model)
             loss = square_loss(model)
             alive = _alive_bytes(made)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.lora_fixtures import frozen_lora_model, loss_grads
-from tests.helpers.te_quant_fixtures import hf_state, ids, tiny_hf
+from tests.helpers.lora_fixtures import frozen_lora_model, loss_grads, tp_sp_lora_model
+from tests.helpers.te_quant_fixtures import ids
 
 RECOMPUTE = {
     "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
@@ -104,32 +104,13 @@ def test_embedding_output_requires_grad_only_when_grad_is_on(megatron):
 
 def _tp2_body(rank, world, port):
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
-    from megatron_qrl.models.builder import ParallelLayout
-    from megatron_qrl.models.lora import LoraState, freeze_base, lora_spec_hook
-    from megatron_qrl.models.lora_base import make_base_storage
-    from megatron_qrl.models.lora_config import LoraConfig
-    from megatron_qrl.models.runtime import build_model
-    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
 
     init_cpu_distributed(rank, world, port, tp=world)
     try:
         with cpu_device_mode():
-            hf, arch = tiny_hf("dense", 0, num_attention_heads=4, num_key_value_heads=2)
             out = {}
             for name, overrides in (("plain", {}), ("full", RECOMPUTE["full-uniform-1"])):
-                state = LoraState(LoraConfig(rank=4, alpha=8.0))
-                torch.manual_seed(0)  # the same adapter init in both models
-                model = build_model(arch, ParallelLayout(tp=world, sequence_parallel=True),
-                                    spec_hook=lora_spec_hook(state), use_te=False, **overrides)
-                load_hf_weights(model, arch, hf_state(hf).__getitem__,
-                                groups_from_parallel_state())
-                freeze_base(model, make_base_storage("bf16"))
-                torch.manual_seed(5)  # B != 0, the same on both ranks
-                with torch.no_grad():
-                    for n, p in model.named_parameters():
-                        if ".lora_B." in n:
-                            p.copy_(torch.randn(p.shape) * 0.05)
-                model.train()
+                model = tp_sp_lora_model(world, **overrides)  # the same adapter init in both
                 out[name] = loss_grads(model)
                 _assert_frozen_embedding(model)
             return out
