@@ -42,7 +42,8 @@
 #               wait; SCOPES default attn,all: attention-only / + every expert, with the sha256
 #               receipt; add attn+noreceipt,all+noreceipt for the transport alone; ~2.5 min) -> $OUT/lora_sync.jsonl, then tests/gpu/test_sglang_lora.py (engine
 #               log-probs after adapter updates vs the reference: fp8, w4a16, w4a16 + experts,
-#               nvfp4, nvfp4 + experts; waits for the setup phase's Marlin prewarm; ~3 min; a
+#               nvfp4, nvfp4 + experts; waits for the setup phase's Marlin prewarm; ~3 min; LORA_TESTS=0
+#               skips them; a
 #               failed case prints its worker's last 40 output lines as "worker| ...")
 #   loratrain   qrl-train tiny-cpu,qerl with --qrl-rollout-engine sglang (NVFP4 base + adapters
 #               served by SGLang, 5 RL steps) -> $OUT/qrl_sglang_lora_metrics.jsonl
@@ -100,8 +101,9 @@
 #               fastest row's flags whose reserved peak is <= ${MAX_PEAK:-110} GiB ->
 #               $OUT/rlstep_mfu.jsonl (its train + recompute share). Needs setup, TE and the
 #               random 4B checkpoint (randckpt) on the warm machine; ~8.5 min in all
-#   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single), 3 RL steps on the random
-#               Qwen3-4B, no checkpoint written; the metrics go to $OUT/example4b_metrics.jsonl
+#   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single; MODE=colocated: the engine
+#               in a Ray actor, needs ray-install), 3 RL steps on the random Qwen3-4B, no checkpoint
+#               written; the metrics go to $OUT/example4b_${MODE}_metrics.jsonl
 #   mg-parity, mg-engine, mg-fleet, mg-dist-test, mg-sync, mg-30b   the multi-GPU runs of issue 21
 #               (nvidia-h200-x2 / -x8): bench/multigpu.sh, sourced here, lists what each does
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
@@ -229,6 +231,7 @@ case $phase in
     python3 bench/lora_sync.py --formats "${FORMATS:-fp8}" --scopes "${SCOPES:-attn,all}" \
       --out "$OUT/lora_sync.jsonl" 2>&1 \
       | grep -E "^\||lora_sync\]|Error"
+    [ "${LORA_TESTS:-1}" = 0 ] && exit 0  # the bench alone
     marlin_wait
     python3 -m pytest -q -s tests/gpu/test_sglang_lora.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | grep -E "\[lora[^]]*\]|passed|failed|skipped|Error|assert |worker\|" ;;
@@ -397,8 +400,9 @@ case $phase in
     CKPT=/tmp/qrl_random_ckpt/qwen3_4b-allL STEPS=${STEPS:-3} SAVE_INTERVAL=-1 \
       OUT=/tmp/qrl_example4b bash examples/run_qwen3_4b_1gpu.sh 2>&1 \
       | grep -v Warning | tail -n 25
-    cp /tmp/qrl_example4b/metrics.jsonl "$OUT/example4b_metrics.jsonl" 2>/dev/null
-    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$OUT/example4b_metrics.jsonl'))]" ;;
+    m="$OUT/example4b_${MODE:-single}_metrics.jsonl"
+    cp /tmp/qrl_example4b/metrics.jsonl "$m" 2>/dev/null && rm -rf /tmp/qrl_example4b
+    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
   fleet)
     python3 -c "import ray; print('ray', ray.__version__)" || echo "Ray is not in the site: the fleet test skips"
     python3 -m pytest -q tests/gpu/test_sglang_fleet.py -s 2>&1 \

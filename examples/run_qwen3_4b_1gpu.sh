@@ -11,11 +11,13 @@
 #   python tools/make_random_checkpoint.py --config qwen3_4b --out /tmp/qwen3-4b-random
 #   CKPT=/tmp/qwen3-4b-random STEPS=3 SAVE_INTERVAL=-1 bash examples/run_qwen3_4b_1gpu.sh
 # Memory on a 141 GB H200 (why these defaults): trainer BF16 weights + fp32 grads + fp32 masters
-# + Adam ~72 GB; activations bounded by full recompute (every layer's input kept, the layer
-# recomputed in backward) and micro batches of 4; the engine at MEM_FRACTION 0.3 (SGLang
-# 0.5.17 sizes its KV pool as 0.3 x the memory free at its start minus its weights: ~22-26 GB
-# beside the trainer's first ~40 GB) fits beside the trainer even if its memory were not released. Knobs: MEM_FRACTION, MAX_NEW_TOKENS,
-# MICRO_BATCH, RECOMPUTE=0 (no activation recompute: faster, needs the engine's memory released),
+# + Adam ~72 GB; activations of micro batches of 4 with TE's fused attention ~20 GB (no activation
+# recompute: trainer peak 92.6 GiB measured, bench/results/rl_step_run3_4b_mfu_7ed221d.jsonl);
+# the engine at MEM_FRACTION 0.3 (SGLang 0.5.17 sizes its KV pool as 0.3 x the memory free at its
+# start minus its weights) releases its weights and KV cache after each rollout (torch_memory_saver)
+# so recompute + training get the GPU. Knobs: MEM_FRACTION, MAX_NEW_TOKENS, MICRO_BATCH,
+# RECOMPUTE=1 (full activation recompute, one layer at a time: ~10 GB less, 33% instead of 43%
+# trainer MFU; use it without Transformer Engine or with RELEASE=0),
 # OFFLOAD=1 (--use-distributed-optimizer --optimizer-cpu-offload: masters + Adam on the CPU),
 # RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
@@ -23,10 +25,10 @@
 # default flags, random Qwen3-4B from tools/make_random_checkpoint.py, local spec + SDPA since TE
 # was not installed yet): 3 RL steps completed; steps 2-3: rollout 15-17 s, recompute 6 s, train
 # 22 s, sync 0.8 s (step 1: 26 / 7 / 24 s), trainer peak 82.6 GiB (bench/results/example4b_run1_metrics.jsonl).
-# Since then the one update per step takes pi_prox from its own forward (the default
-# --qrl-prox-from-first-update): no pi_prox recompute phase at all; not re-run on a GPU yet.
+# Since then the defaults changed: no activation recompute (RECOMPUTE=0) and pi_prox from the one
+# update's own forward (--qrl-prox-from-first-update): not re-run on a GPU at these defaults yet.
 # Not run on a GPU: MODE=colocated (Ray 2.60.0 now stages on the H200 with bench/h200.sh
-# ray-part 1/2 + ray-install; not yet run with this example), OFFLOAD=1, RECOMPUTE=0.
+# ray-part 1/2 + ray-install; not yet run with this example), OFFLOAD=1.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"
@@ -34,7 +36,7 @@ source "${HERE}/models/qwen3_4b.sh"
 
 PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --bf16)
 MEMORY_ARGS=()
-if [ "${RECOMPUTE:-1}" = 1 ]; then
+if [ "${RECOMPUTE:-0}" = 1 ]; then
     MEMORY_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
 fi
 if [ "${OFFLOAD:-0}" = 1 ]; then

@@ -29,13 +29,13 @@ def test_defaults_single_mode_release_recompute(tmp_path):
                                          "micro_batch_size", "rollout_sglang_release_memory"))
     assert got == ("sglang", "fp8", 0.3, 1024, 4, True)
     settings, _, _ = parse_megatron_flags(megatron)
-    assert dict(settings.config_overrides)["recompute_granularity"] == "full"
+    assert "recompute_granularity" not in dict(settings.config_overrides)  # TE + release: none
     assert settings.bf16 and settings.transformer_impl == "auto"
 
 
 def test_knobs(tmp_path):
     argv = _captured_args(tmp_path, SCRIPT, {
-        "CKPT": str(tmp_path), "STEPS": "3", "SAVE_INTERVAL": "-1", "RECOMPUTE": "0",
+        "CKPT": str(tmp_path), "STEPS": "3", "SAVE_INTERVAL": "-1", "RECOMPUTE": "1",
         "OFFLOAD": "1", "TIMPL": "local", "MEM_FRACTION": "0.25", "MODE": "colocated",
         "RELEASE": "0"})
     qrl, megatron = _split(argv)
@@ -43,7 +43,7 @@ def test_knobs(tmp_path):
     for flag, value in (("--qrl-steps", "3"), ("--qrl-save-interval", "-1"),
                         ("--qrl-rollout-sglang-mem-fraction", "0.25")):
         assert qrl[qrl.index(flag) + 1] == value
-    assert "--recompute-granularity" not in megatron
+    assert megatron[megatron.index("--recompute-granularity") + 1] == "full"
     assert "--no-qrl-rollout-sglang-release-memory" in qrl
     assert {"--use-distributed-optimizer", "--optimizer-cpu-offload"} <= set(megatron)
     assert megatron[megatron.index("--transformer-impl") + 1] == "local"
