@@ -90,7 +90,8 @@
 #   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first)
 #   rlstep-mfu  trainer MFU (issue 16): bench/train_mfu.py runs the recompute + train phases of
 #               one 4B RL step (32 x 8 samples, 1,024 new tokens, synthetic batch, no engine)
-#               for ROWS side by side on ONE built policy (default: the 8th session's setting
+#               for ROWS side by side on ONE built policy, at ${UPDATES:-1} optimizer updates per
+#               step (the qwen3-4b-1gpu job's; the 7ed221d rows ran 2) (default: the 8th session's setting
 #               full-mb4-oldlp-norope-prox0, then full-mb4-prox0, none-mb4-prox0,
 #               none-mb4-lp16512-prox1, none-mb8-lp16512-prox1, full-mb16-lp16512-prox1; prox0
 #               recomputes pi_prox of every micro batch, prox1 or no word (the default) not the
@@ -383,7 +384,7 @@ case $phase in
     te_env
     rm -f "$OUT/train_mfu${TAG:-}.jsonl"
     timeout --kill-after=10 "${MFU_S:-270}" python3 bench/train_mfu.py --model qwen3_4b \
-      ${ROWS:+--rows "$ROWS"} --new-tokens "${NEW_TOKENS:-1024}" \
+      ${ROWS:+--rows "$ROWS"} --new-tokens "${NEW_TOKENS:-1024}" --updates "${UPDATES:-1}" \
       --out "$OUT/train_mfu${TAG:-}.jsonl" 2>&1 | grep -E "^\||train_mfu\]|Error|error" | tail -n 24
     picked=$(python3 bench/train_mfu.py --pick "$OUT/train_mfu${TAG:-}.jsonl" \
       --max-peak-gib "${MAX_PEAK:-110}") || { echo "no train_mfu row for the RL step"; exit 1; }

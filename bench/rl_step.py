@@ -9,7 +9,9 @@
 Each variant (a rollout ``--formats`` entry, optionally ``FMT@NAME`` with ``--variant-flags
 NAME="megatron flags"``) runs ``python -m megatron_qrl.rl.cli`` in a fresh process on a random
 checkpoint (``tools/make_random_checkpoint.py``, made once under ``--ckpt-root``) for ``--steps``
-RL steps (no SFT); the LAST step's record (``metrics.jsonl``) is reported: the four phase times,
+RL steps (no SFT) under the model's job preset (``--preset``, default :data:`PRESETS`: the 4B
+runs as ``examples/run_qwen3_4b_1gpu.sh`` does, one optimizer update per step; the flags below
+override the preset's); the LAST step's record (``metrics.jsonl``) is reported: the four phase times,
 the trainer's peak memory (``torch.cuda.max_memory_allocated`` of the trainer process; SGLang's
 memory lives in its own processes) and
 
@@ -42,6 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PEAK_FLOPS = 989e12
+PRESETS = {"qwen3_4b": "qwen3-4b-1gpu", "qwen3_30b_a3b": "qwen3-30b-a3b"}
+"""The ``--qrl-preset`` of each model's job (any other model: ``tiny-cpu``, qrl-train's default).
+Before 2026-12-02 no preset was passed, so the 4B step ran under ``tiny-cpu``'s two updates per
+step (half the micro batches' pi_prox recomputed), not the example's one."""
 PHASES = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
 
 
@@ -79,7 +85,8 @@ def checkpoint(model: str, layers: int | None, root: Path, device: str) -> Path:
 
 
 def _job(args: argparse.Namespace, ckpt: Path, fmt: str, flags: str, out_dir: Path) -> list[str]:
-    qrl = ["--qrl-model", "checkpoint", "--qrl-checkpoint", str(ckpt),
+    preset = args.preset or PRESETS.get(args.model, "tiny-cpu")
+    qrl = ["--qrl-preset", preset, "--qrl-model", "checkpoint", "--qrl-checkpoint", str(ckpt),
            "--qrl-rollout-format", fmt, "--qrl-sft-steps", "0", "--qrl-steps", str(args.steps),
            "--qrl-prompts-per-step", str(args.prompts), "--qrl-rollout-n-samples-per-prompt",
            str(args.n), "--qrl-rollout-max-new-tokens", str(args.max_new_tokens),
@@ -111,6 +118,7 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                               p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)))
     res: dict = {"variant": variant, "format": fmt, "flags": flags, "qrl_flags": args.qrl,
+                 "preset": cmd[cmd.index("--qrl-preset") + 1],
                  "micro_batch_size": args.micro_batch_size,
                  "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
                  "wall_s": round(time.time() - t, 1)}
@@ -172,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--qrl-train-forward of every variant (aligned: quantized formats only)")
     p.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang mem_fraction_static")
     p.add_argument("--megatron", default="", help="Megatron flags for every variant")
+    p.add_argument("--preset", default=None, help="qrl-train --qrl-preset of every variant "
+                   "(default: the model's job preset, PRESETS; tiny-cpu otherwise)")
     p.add_argument("--qrl", default="", help="extra --qrl-* flags for every variant")
     p.add_argument("--ckpt-root", default="/tmp/qrl_random_ckpt")
     p.add_argument("--out", default=None, help="append the records here (JSONL)")

@@ -386,8 +386,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--full-frac", type=float, default=0.9,
                    help="share of responses at --new-tokens (the rest uniform in 1..max)")
-    p.add_argument("--updates", type=int, default=2, help="optimizer steps (qrl-train's default "
-                   "--qrl-updates-per-step)")
+    p.add_argument("--updates", type=int, default=2, help="optimizer steps per RL step (2: the "
+                   "tiny-cpu preset's --qrl-updates-per-step and the 7ed221d rows; the "
+                   "qwen3-4b-1gpu job runs 1, bench/h200.sh rlstep-mfu passes UPDATES=1)")
     p.add_argument("--out", default=None, help="append the records here (JSONL)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the per-row kernel profile (CUDA: GPU busy share of the recompute "

@@ -21,14 +21,14 @@
 # OFFLOAD=1 (--use-distributed-optimizer --optimizer-cpu-offload: masters + Adam on the CPU),
 # RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
-# STATUS: RAN AS SHIPPED on one H200 (2026-12-01, `bash bench/h200.sh example4b`: MODE=single,
-# default flags, random Qwen3-4B from tools/make_random_checkpoint.py, local spec + SDPA since TE
-# was not installed yet): 3 RL steps completed; steps 2-3: rollout 15-17 s, recompute 6 s, train
-# 22 s, sync 0.8 s (step 1: 26 / 7 / 24 s), trainer peak 82.6 GiB (bench/results/example4b_run1_metrics.jsonl).
-# Since then the defaults changed: no activation recompute (RECOMPUTE=0) and pi_prox from the one
-# update's own forward (--qrl-prox-from-first-update): not re-run on a GPU at these defaults yet.
-# Not run on a GPU: MODE=colocated (Ray 2.60.0 now stages on the H200 with bench/h200.sh
-# ray-part 1/2 + ray-install; not yet run with this example), OFFLOAD=1.
+# STATUS: RAN AS SHIPPED on one H200 (2026-12-02, commit 3b72f6b, `bash bench/h200.sh example4b`
+# and `MODE=colocated bash bench/h200.sh example4b`: default flags, random Qwen3-4B from
+# tools/make_random_checkpoint.py, TE spec): 3 RL steps in each mode. MODE=single: rollout
+# 15.5-16.5 s, pi_prox recompute 0.002 s, train 16.0-17.2 s, sync 0.80-0.89 s, trainer peak
+# 92.7 GiB; MODE=colocated: the same but sync 9.4-10.5 s (gloo through host memory on a shared
+# GPU) (bench/results/example4b_run2_{single,colocated}_3b72f6b.jsonl).
+# Not run on a GPU: OFFLOAD=1 with this script (bench/h200.sh rlstep-offload measured the flags),
+# RECOMPUTE=1 at these defaults (it ran as the default on 2026-12-01: 3 steps, local spec).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/models/qwen3_4b.sh"

@@ -50,3 +50,23 @@ def test_cpu_smoke_one_rl_step(tmp_path):
         assert r["trainer_mfu"] == round(6 * r["active_params"] * r["trained_tokens"]
                                          / r["time_train_s"] / 989e12, 4)
     assert "| bf16@budget |" in proc.stdout
+
+
+def test_job_runs_under_the_models_preset(tmp_path):
+    """The 4B step is the example's job (one update per step: no pi_prox recompute); before
+    2026-12-02 it ran under tiny-cpu's two updates."""
+    from bench.rl_step import _job, parse_args
+    from megatron_qrl.config import effective_values
+    from megatron_qrl.rl.cli import build_parser
+
+    def updates(model, *extra):
+        args = parse_args(["--model", model, *extra])
+        cmd = _job(args, tmp_path, "fp8", "", tmp_path / "o")
+        qrl = cmd[cmd.index("megatron_qrl.rl.cli") + 1:cmd.index("--")]
+        v = effective_values(build_parser().parse_args(qrl))
+        return v["qrl_preset"], v["qrl_updates_per_step"], v["qrl_lr"]
+
+    assert updates("qwen3_4b") == ("qwen3-4b-1gpu", 1, 1e-6)
+    assert updates("qwen3_30b_a3b") == ("qwen3-30b-a3b", 4, 1e-6)
+    assert updates("tiny")[:2] == ("tiny-cpu", 2)
+    assert updates("qwen3_4b", "--preset", "tiny-cpu")[:2] == ("tiny-cpu", 2)

@@ -215,7 +215,8 @@ def test_engine_reproduces_trainer_and_syncs_adapters_only(megatron, fmt):
     from megatron_qrl.quant.hf_reference import hf_tensors
 
     held = dict(hf_tensors(engine.model))  # the engine's base == the trainer's, bit for bit
-    assert all(torch.equal(held[n], t) for n, t in base_hf_tensors(model, arch)
+    # (on a CUDA host the trainer's tensors are on the GPU, the reference engine's on the CPU)
+    assert all(torch.equal(held[n].cpu(), t.cpu()) for n, t in base_hf_tensors(model, arch)
                if n != "lm_head.weight" or n in held)
     x = ids(vocab=arch.vocab_size)
     got = engine.model(input_ids=x).logits
