@@ -4,7 +4,8 @@ One local Ray cluster (2 CPUs) for the module; the reference engine in a real ac
 buckets shared through CPU shared memory (the CUDA IPC path runs in tests/gpu/test_ipc_sglang.py).
 An ipc sync leaves the actor holding exactly what a broadcast sync leaves (fingerprints, and
 the rollouts generated from them), a byte flipped in a shared bucket is caught by the
-manifest check, an engine error mid-stream arrives at once and leaves the transport usable,
+manifest check, the driver fills bucket k while the actor loads k - 1 (and has freed k - 2), an engine
+error mid-stream arrives at once and leaves the transport usable,
 an actor killed mid-sync is an EngineDiedError after which the supervisor restarts and
 re-syncs it, an actor on another node is one error naming the flag, and ``auto`` picks ipc
 for a colocated engine (broadcast otherwise; ipc where it cannot work is refused).
@@ -85,6 +86,32 @@ def test_corrupted_bucket_is_caught(ray, monkeypatch):
         with pytest.raises(WeightSyncError, match=buckets[2].replace(".", r"\.")):
             engine.verify(manifest)
         engine.shutdown()
+
+
+def test_at_most_two_buckets_in_flight(ray, monkeypatch):
+    """The driver fills bucket k while the actor loads k - 1, and has let go of k - 2."""
+    import gc
+    import weakref
+
+    cfg, packed = _packed()
+    flatten, made, alive_at_fill = ipc.flatten, [], []
+
+    def tracked(named):
+        gc.collect()
+        alive_at_fill.append([k for k, ref in enumerate(made) if ref() is not None])
+        flat, meta = flatten(named)
+        made.append(weakref.ref(flat))
+        return flat, meta
+
+    monkeypatch.setattr(ipc, "flatten", tracked)
+    with RaySession("colocated", weight_transport="ipc") as session:
+        engine = session.new_actor(_spec(cfg))
+        engine.bucket_bytes = 4096
+        engine.update_weights(iter(packed), 1)
+        assert engine.weight_version() == 1
+        engine.shutdown()
+    assert len(made) > 4
+    assert alive_at_fill == [[]] + [[k - 1] for k in range(1, len(made))]
 
 
 def test_engine_error_mid_stream_and_a_killed_actor(ray):
