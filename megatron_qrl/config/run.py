@@ -332,8 +332,8 @@ class RunConfig:
     ipc for a colocated engine on the trainer's device, else broadcast."""
 
     ray_weight_timeout_s: float = 300.0
-    """Ray modes, broadcast transport: timeout of the weight group's rendezvous and of each
-    broadcast. A dead actor fails a broadcast at once; one that hangs is restarted after
+    """Ray modes, broadcast and ipc transports: timeout of the weight group's rendezvous and
+    of each broadcast (ipc: of each bucket handle and the actor's answer). A dead actor fails a broadcast at once; one that hangs is restarted after
     this long (keep it above the longest gap between two buckets of a sync)."""
 
     engine_max_restarts: int = 2

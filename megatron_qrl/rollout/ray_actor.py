@@ -411,7 +411,8 @@ class RayEngine(RolloutEngine):
                 raise
             for _ in source:  # under torchrun every trainer rank gathers this stream
                 pass
-            raise EngineDiedError(f"weight broadcast to the rollout engine actor failed "
+            what = "ipc handles" if self.transport == "ipc" else "broadcast"
+            raise EngineDiedError(f"weight {what} to the rollout engine actor failed "
                                   f"(group {self.group_name}): {type(exc).__name__}: "
                                   f"{str(exc)[:300]}") from exc
         finally:

@@ -134,7 +134,7 @@ def test_engine_error_mid_stream_and_a_killed_actor(ray):
         engine.update_weights(iter(packed), 2)  # the group is still in step
         assert engine.weight_version() == 2
         _kill(engine.actor)  # a dead actor: EngineDiedError, the stream drained
-        with pytest.raises(EngineDiedError):
+        with pytest.raises(EngineDiedError, match="ipc_peer|update_weights|ipc handles"):
             engine.update_weights(counted(iter(packed)), 3)
         assert consumed == [name for name, _ in packed]
         engine.shutdown()
