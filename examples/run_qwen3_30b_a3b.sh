@@ -42,10 +42,11 @@
 # (EngineSpec, actor options of engine-TP GPUs, start_job_engine arguments) is unit-tested with a fake
 # engine class. On one H200: qrl-train with an in-process SGLang engine (single mode, int8
 # in place) and every format's in-place weight sync ran (docs/BENCHMARKS.md). Weights reach
-# the engine actor over a process-group broadcast (--qrl-ray-weight-transport broadcast,
-# default): NCCL when the actor has its own GPU (disaggregated; the engine node must reach
+# the engine actor over a process-group broadcast (--qrl-ray-weight-transport broadcast, the
+# disaggregated default): NCCL when the actor has its own GPU (the engine node must reach
 # rank 0's node on a free TCP port for the group's store), gloo through host memory when
-# colocated (same GPU); --qrl-ray-weight-transport objectstore uses Ray's object store.
+# colocated (same GPU) with --qrl-ray-weight-transport broadcast; colocated defaults to ipc
+# (CUDA IPC handles to buckets that stay on the GPU); objectstore uses Ray's object store.
 # NEVER RUN: this script itself — NCCL, SGLang inside a Ray actor, multi-node torchrun or a
 # multi-node Ray cluster, SGLang engines of TP > 1 (the layout checks and the tp_size /
 # ep_size / DP-attention engine arguments are unit-tested on CPU; tests/rollout/test_fleet_engine_tp.py).

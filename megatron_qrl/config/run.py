@@ -322,15 +322,18 @@ class RunConfig:
     the run, naming the step and the metric, before broken weights reach the engine (0: stop
     at the first)."""
 
-    ray_weight_transport: Literal["broadcast", "objectstore"] = "broadcast"
-    """Ray modes: how weights reach the engine actor. broadcast: a process group of the
-    driver and the actor (NCCL for an SGLang engine on a GPU driver, else gloo), one
-    broadcast per bucket; objectstore: every bucket ray.put into the object store (a full
-    copy of the weights there per sync)."""
+    ray_weight_transport: Literal["auto", "broadcast", "objectstore", "ipc"] = "auto"
+    """Ray modes: how weights reach the engine actor. ipc: each bucket stays in memory the
+    actor opens in place (CUDA IPC on the shared GPU, shared memory on CPU), only a small
+    handle is sent; needs the engine on the trainer's node and device (--qrl-mode
+    colocated). broadcast: a process group of the driver and the actor (NCCL for an SGLang
+    engine on a GPU of its own, else gloo), one broadcast per bucket; objectstore: every
+    bucket ray.put into the object store (a full copy of the weights there per sync). auto:
+    ipc for a colocated engine on the trainer's device, else broadcast."""
 
     ray_weight_timeout_s: float = 300.0
-    """Ray modes, broadcast transport: timeout of the weight group's rendezvous and of each
-    broadcast. A dead actor fails a broadcast at once; one that hangs is restarted after
+    """Ray modes, broadcast and ipc transports: timeout of the weight group's rendezvous and
+    of each broadcast (ipc: of each bucket handle and the actor's answer). A dead actor fails a broadcast at once; one that hangs is restarted after
     this long (keep it above the longest gap between two buckets of a sync)."""
 
     engine_max_restarts: int = 2
@@ -362,7 +365,7 @@ class RunConfig:
         _real("--qrl-lr", self.lr, 0.0, low_open=True)
         _real("--qrl-sft-lr", self.sft_lr, 0.0, low_open=True)
         _choice("--qrl-ray-weight-transport", self.ray_weight_transport,
-                ("broadcast", "objectstore"))
+                ("auto", "broadcast", "objectstore", "ipc"))
         _real("--qrl-ray-weight-timeout-s", self.ray_weight_timeout_s, 0.0, low_open=True)
 
     def resolved_output_dir(self) -> str:

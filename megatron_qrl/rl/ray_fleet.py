@@ -8,8 +8,9 @@ GPUs and its actor starts SGLang with ``tp_size`` / ``ep_size`` / DP attention:
 :func:`fleet_engine_spec`), and whose engine factory is an
 :class:`~megatron_qrl.rollout.fleet.EngineFleet`: engine ``i`` always starts in bundle ``i``
 (a restart too), weights go to all engines over ONE broadcast group
-(:class:`~megatron_qrl.rollout.fleet_sync.FleetBroadcast`; the objectstore transport sends
-the stream to each engine in turn), prompt groups are spread over the engines by the driver.
+(:class:`~megatron_qrl.rollout.fleet_sync.FleetBroadcast`; the objectstore and ipc transports
+send the stream to each engine in turn; ipc, the colocated default, only where every engine
+shares the driver's device: a CPU fleet, or one GPU), prompt groups are spread over the engines by the driver.
 Colocated: the fleet releases every engine's memory after a rollout and resumes it before the
 next sync or rollout, as the single actor does.
 """
@@ -71,6 +72,7 @@ class FleetSession(RaySession):
 
         self._started = _init_ray()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
+        self.num_nodes = len(nodes)
         gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
         self.fleet = session_layout(self.mode, self.rollout_cfg, cluster_gpus=sum(gpus),
                                     gpus_per_node=max(gpus, default=0) or None)
@@ -95,8 +97,22 @@ class FleetSession(RaySession):
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=index)}
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
-                         transport=self.weight_transport, engine_kind=spec.kind,
+                         transport=self.transport(spec), engine_kind=spec.kind,
                          backend=self.backend(spec), timeout_s=self.weight_timeout_s)
+
+    def shares_device(self) -> bool:
+        """Colocated engines sit on every trainer GPU; the driver (rank 0) holds one."""
+        return torch.cuda.device_count() <= 1
+
+    def transport(self, spec: EngineSpec) -> str:
+        """As a single engine's, except that ``auto`` under torchrun is ``broadcast``: its
+        groups take the sharded sync (every EP rank sends its own experts,
+        :mod:`megatron_qrl.rl.ep_sync`)."""
+        import torch.distributed as dist
+
+        if self.weight_transport == "auto" and dist.is_initialized() and dist.get_world_size() > 1:
+            return "broadcast"
+        return super().transport(spec)
 
     def backend(self, spec: EngineSpec) -> str:
         """NCCL only where every engine has GPUs of its own (never two ranks on one GPU)."""
@@ -109,7 +125,7 @@ class FleetSession(RaySession):
             raise RuntimeError("FleetSession.engine_factory outside `with FleetSession(...)`")
         spec = fleet_engine_spec(self.fleet, rollout_cfg, hf_config, seed)
         broadcast = None
-        if self.weight_transport == "broadcast":
+        if self.transport(spec) == "broadcast":
             broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s,
                                        shardable=spec.kind == "reference")
         return EngineFleet([lambda i=i: self.new_engine(spec, i)

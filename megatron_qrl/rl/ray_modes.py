@@ -11,8 +11,9 @@ resumed before the next weight sync::
 
 Weight sync, verification and seeding are the single-process ones (:mod:`megatron_qrl.rl.sync`),
 so with the same seed a Ray mode produces the same metrics as ``--qrl-mode single``; the
-packed stream reaches the actor over a driver <-> actor process group
-(``--qrl-ray-weight-transport broadcast``, the default) or the object store
+packed stream reaches the actor as handles to buckets in shared GPU / CPU memory
+(``--qrl-ray-weight-transport ipc``, the default of ``colocated``), over a driver <-> actor
+process group (``broadcast``, the default of ``disaggregated``) or through the object store
 (``objectstore``), see :mod:`megatron_qrl.rollout.ray_actor`. The
 actor is supervised: if it dies — in a rollout, or during a weight sync (the update, the
 verification read-back) — :class:`EngineSupervisor` starts a new actor in the same bundle and
@@ -51,6 +52,7 @@ from megatron_qrl.rollout.ray_actor import (
     EngineActor,
     EngineSpec,
     RayEngine,
+    pick_transport,
     weight_backend,
 )
 from megatron_qrl.rollout.supervisor import EngineSupervisor
@@ -156,18 +158,19 @@ class RaySession:
     """
 
     def __init__(self, mode: str, pg_timeout_s: float = 120.0, max_restarts: int = 2,
-                 engine_gpus: int = 0, weight_transport: str = "broadcast",
+                 engine_gpus: int = 0, weight_transport: str = "auto",
                  weight_timeout_s: float = 300.0):
         if mode not in RAY_MODES:
             raise ValueError(f"--qrl-mode {mode!r}: the Ray modes are {RAY_MODES}")
-        if weight_transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"--qrl-ray-weight-transport {weight_transport!r}: choose one of "
-                             f"{WEIGHT_TRANSPORTS}")
+        if weight_transport not in ("auto", *WEIGHT_TRANSPORTS):
+            raise ValueError(f"--qrl-ray-weight-transport {weight_transport!r}: choose auto or "
+                             f"one of {WEIGHT_TRANSPORTS}")
         self.mode, self.pg_timeout_s, self.max_restarts = mode, pg_timeout_s, max_restarts
         self.weight_transport, self.weight_timeout_s = weight_transport, weight_timeout_s
         self.engine_gpus = engine_gpus
         self.pg: Any = None
         self.layout: PlacementLayout | None = None
+        self.num_nodes = 1
         self._started = False
 
     def __enter__(self) -> RaySession:
@@ -175,7 +178,7 @@ class RaySession:
         from ray.util.placement_group import placement_group
 
         self._started = _init_ray()
-        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        nodes = self.num_nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.layout = placement_layout(self.mode, nodes, engine_gpus=self.engine_gpus)
         self.pg = placement_group(self.layout.bundles, strategy=self.layout.strategy)
         wait_for_placement(self, self.layout.bundles, self.layout.strategy,
@@ -201,13 +204,25 @@ class RaySession:
             raise RuntimeError("RaySession.new_actor outside `with RaySession(...)`")
         opts = actor_options(self.layout, spec, self.pg)
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
-                         transport=self.weight_transport, engine_kind=spec.kind,
+                         transport=self.transport(spec), engine_kind=spec.kind,
                          backend=weight_backend(spec.kind, colocated=self.mode == "colocated"),
                          timeout_s=self.weight_timeout_s)
+
+    def shares_device(self) -> bool:
+        """Whether a colocated engine runs on the driver's device (the one engine bundle is
+        the GPU of the trainer's rank 0)."""
+        return True
+
+    def transport(self, spec: EngineSpec) -> str:
+        """The weight transport of ``spec``'s actors (``auto`` resolved, ``ipc`` checked:
+        :func:`~megatron_qrl.rollout.ray_actor.pick_transport`)."""
+        return pick_transport(self.weight_transport, self.mode == "colocated",
+                              self.shares_device(), spec.kind, self.num_nodes)
 
     def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:
         """The driver's engine factory for this session's mode."""
         spec = engine_spec(rollout_cfg, hf_config, seed)
+        self.transport(spec)  # an ipc engine that cannot open the trainer's memory: say so now
         if self.layout is not None:
             actor_options(self.layout, spec)  # a GPU engine in a CPU bundle: say so now
         return RayRolloutEngine(lambda: self.new_actor(spec), colocated=self.mode == "colocated",

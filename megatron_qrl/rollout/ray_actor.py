@@ -6,7 +6,8 @@ inside the actor process, with the engine factory it is handed
 with its engine TP's GPUs per actor; this layer never imports SGLang), and :class:`RayEngine` is the
 driver-side proxy whose methods call the actor. ``verify`` compares the actor's
 ``held_checksums`` with the sender's :class:`WeightManifest` exactly as in single mode. The
-packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
+packed ``(hf_name, tensor)`` stream reaches the actor by one of three transports
+(:func:`pick_transport` chooses one where ``--qrl-ray-weight-transport`` is ``auto``):
 
 * ``broadcast`` (the default, :mod:`megatron_qrl.rollout.broadcast`): on the first sync the
   driver (rank 0) and the actor (rank 1) form a 2-rank process group ``qrl-weights-<uuid>``
@@ -17,6 +18,19 @@ packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
   broadcasts the stream as framed ``uint8`` buckets of about ``bucket_bytes``
   (:func:`~megatron_qrl.rollout.broadcast.send_stream`) while the actor's engine loads it
   bucket by bucket, then waits for the call. Nothing goes through the object store.
+* ``ipc`` (the default of ``--qrl-mode colocated``, :mod:`megatron_qrl.rollout.ipc`): for
+  an engine on the driver's node and device. The driver fills each framed bucket in memory
+  the actor can open — on the GPU through CUDA IPC, on CPU through a shared-memory segment —
+  and sends the actor only a small pickled handle to it (torch's multiprocessing
+  reductions, as SGLang's ``update_weights_from_tensor`` does for a colocated engine) over
+  the same gloo weight group; the actor opens the bucket in place (copying a GPU one into
+  its own memory) and feeds the engine's bucket loader, and answers once the engine asks
+  for the next bucket. The driver keeps each bucket alive until that answer, at most two at
+  once: it fills bucket ``i + 1`` while the actor loads ``i``. No bucket leaves the device
+  (the gloo broadcast of a colocated engine takes every bucket GPU -> CPU -> socket -> CPU
+  -> GPU). On the first sync the driver asks the actor where it runs: an actor on another
+  node or without the driver's GPU is one error naming the flag and the fix. Dead actors
+  and failed sends are handled as for ``broadcast``.
 * ``objectstore``: every bucket is ``ray.put`` as it fills and the actor loads the stream
   from the ObjectRefs (a full copy of the weights in the object store per sync). Tensors of
   the 1-byte float dtypes (FP8 / NVFP4 codes and scales) travel as their ``uint8`` bytes
@@ -26,7 +40,7 @@ packed ``(hf_name, tensor)`` stream reaches the actor by one of two transports:
   stores.
 
 A dead actor (``RayActorError`` / ``ActorDiedError``) surfaces as :class:`EngineDiedError`,
-which :class:`EngineSupervisor` restarts; so does a broadcast that fails (gloo measured with
+which :class:`EngineSupervisor` restarts; so does a broadcast (or ipc handle) that fails (gloo measured with
 torch 2.13: a send to a dead peer fails at once with "Connection closed by peer"; to a live
 peer that does not receive it times out after the group's ``timeout_s``). After a failed
 broadcast the driver drains the rest of the stream (under torchrun it is a gather of every
@@ -46,14 +60,16 @@ import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .broadcast import free_port, init_group, receive_stream, send_stream
+from .ipc import device_uuid, receive_ipc_stream, send_ipc_stream, visible_devices
 from .supervisor import EngineDiedError
 from .weight_groups import receive_sharded
 from .wire import as_bytes, from_bytes, iter_buckets
 
 __all__ = ["WEIGHT_TRANSPORTS", "EngineActor", "EngineBuilder", "EngineSpec", "RayEngine",
-           "WireTensor", "bucketize", "from_wire", "to_wire", "weight_backend"]
+           "WireTensor", "bucketize", "from_wire", "pick_transport", "to_wire",
+           "weight_backend"]
 
-WEIGHT_TRANSPORTS = ("broadcast", "objectstore")
+WEIGHT_TRANSPORTS = ("broadcast", "objectstore", "ipc")
 """How :class:`RayEngine` sends weights to its actor (module docstring)."""
 
 @dataclass(frozen=True)
@@ -148,8 +164,24 @@ class EngineActor:
         """Load the stream the driver broadcasts on the weight group as ``version``."""
         if self.weight_group is None:
             raise RuntimeError("update_weights_broadcast before join_weight_group")
+        self._load_from_group(receive_stream(self.weight_group, self.weight_device), version)
+
+    def update_weights_ipc(self, version: int) -> None:
+        """Load the buckets whose handles the driver sends on the weight group
+        (:func:`~megatron_qrl.rollout.ipc.receive_ipc_stream`) as ``version``."""
+        if self.weight_group is None:
+            raise RuntimeError("update_weights_ipc before join_weight_group")
+        self._load_from_group(receive_ipc_stream(self.weight_group), version)
+
+    def ipc_peer(self) -> tuple[str, list[str]]:
+        """``(Ray node id, UUIDs of the CUDA devices this actor sees)``: where the ipc
+        transport's shared buckets must be."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), visible_devices()
+
+    def _load_from_group(self, stream: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         self.calls.append("update_weights")
-        stream = receive_stream(self.weight_group, self.weight_device)
         try:
             self.engine.update_weights(stream, version)
         except Exception:
@@ -238,6 +270,33 @@ def weight_backend(engine_kind: str, colocated: bool = False) -> str:
     return "gloo"
 
 
+def pick_transport(requested: str, colocated: bool, shares_device: bool, engine_kind: str,
+                   num_nodes: int = 1) -> str:
+    """The weight transport for ``--qrl-ray-weight-transport requested`` (``auto`` or one of
+    :data:`WEIGHT_TRANSPORTS`): ``auto`` is ``ipc`` for a colocated engine that shares the
+    driver's device (``shares_device``; a CPU engine always does) and ``broadcast``
+    otherwise. An explicit ``ipc`` for an engine that cannot open the driver's memory (a
+    disaggregated SGLang engine has a GPU of its own; on a cluster of more than one node a
+    disaggregated engine may be on another node; a colocated engine on another GPU) is one
+    error naming the flag and the fix."""
+    if requested not in ("auto", *WEIGHT_TRANSPORTS):
+        raise ValueError(f"--qrl-ray-weight-transport {requested!r}: choose auto or one of "
+                         f"{WEIGHT_TRANSPORTS}")
+    shares = (colocated and (shares_device or engine_kind != "sglang")) or (
+        not colocated and engine_kind != "sglang" and num_nodes == 1)
+    if requested == "auto":
+        return "ipc" if colocated and shares else "broadcast"
+    if requested == "ipc" and not shares:
+        where = ("a colocated SGLang engine on another GPU than the trainer's rank 0" if colocated
+                 else f"a disaggregated {engine_kind} engine (its own GPU, or another node of "
+                 f"the {num_nodes}-node cluster)")
+        raise ValueError(f"--qrl-ray-weight-transport ipc shares the trainer's memory with the "
+                         f"engine actor, so the engine must run on the trainer's node and "
+                         f"device; {where} cannot open it: use --qrl-ray-weight-transport "
+                         "broadcast (or auto), or --qrl-mode colocated")
+    return requested
+
+
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
     """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
@@ -251,8 +310,9 @@ class RayEngine(RolloutEngine):
     """Driver-side proxy of an :class:`EngineActor` handle (``actor``).
 
     ``transport``: one of :data:`WEIGHT_TRANSPORTS` (module docstring). ``backend``: the
-    broadcast group's (``gloo`` / ``nccl``; None: :func:`weight_backend` of ``engine_kind``).
-    ``timeout_s``: the group's rendezvous and per-broadcast timeout.
+    broadcast group's (``gloo`` / ``nccl``; None: :func:`weight_backend` of ``engine_kind``;
+    always ``gloo`` for ``ipc``, whose group carries handles only). ``timeout_s``: the
+    group's rendezvous and per-broadcast timeout.
     """
 
     def __init__(self, actor: Any, bucket_bytes: int = 256 * 2**20,
@@ -266,7 +326,10 @@ class RayEngine(RolloutEngine):
         self.actor = actor
         self.bucket_bytes = bucket_bytes
         self.transport, self.timeout_s = transport, timeout_s
-        self.backend = backend or weight_backend(engine_kind)
+        self.backend = "gloo" if transport == "ipc" else backend or weight_backend(engine_kind)
+        self.ipc_device = ("cuda" if engine_kind == "sglang" and torch.cuda.is_available()
+                           else "cpu")
+        """Where the ipc transport's buckets live (the engine's device)."""
         self.buckets_sent = 0
         self.group: Any = None
         self.group_name: str | None = None
@@ -298,9 +361,32 @@ class RayEngine(RolloutEngine):
             self._call("update_weights", refs, version)
             return
         if self.group is None:
+            if self.transport == "ipc":
+                self._check_ipc_peer()
             self._join_group()
-        self._call("update_weights_broadcast", version,
-                   during=lambda ref: self._broadcast(named_tensors, ref))
+        self._call(f"update_weights_{'ipc' if self.transport == 'ipc' else 'broadcast'}",
+                   version, during=lambda ref: self._broadcast(named_tensors, ref))
+
+    def _check_ipc_peer(self) -> None:
+        """The ipc transport shares memory: the actor must run on this node and (CUDA
+        buckets) see this process's GPU; else one error naming the flag and the fix."""
+        import ray
+
+        node, devices = self._call("ipc_peer")
+        here = ray.get_runtime_context().get_node_id()
+        where = None
+        if node != here:
+            where = f"on Ray node {node}, not the trainer's node {here}"
+        elif self.ipc_device == "cuda":
+            uuid = device_uuid(torch.cuda.current_device())
+            if uuid not in devices:
+                where = f"on GPUs {devices}, not the trainer's GPU {uuid}"
+        if where is not None:
+            raise ValueError(
+                f"--qrl-ray-weight-transport ipc: the rollout engine actor runs {where}; ipc "
+                "shares the trainer's memory with the engine, so it needs the engine on the "
+                "trainer's node and device (--qrl-mode colocated): use "
+                "--qrl-ray-weight-transport broadcast")
 
     def _broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ref: Any) -> None:
         """Send the stream on the group; a failed send drains the stream, kills the actor and
@@ -313,15 +399,20 @@ class RayEngine(RolloutEngine):
         if self.abort_on_death:
             threading.Thread(target=self._abort_if_actor_dies, args=(ref, sending),
                              name="qrl-weight-watch", daemon=True).start()
+        if self.transport == "ipc":
+            send, device = send_ipc_stream, self.ipc_device
+        else:
+            send = send_stream
         try:
-            self.buckets_sent += send_stream(source, self.group, device, self.bucket_bytes)
+            self.buckets_sent += send(source, self.group, device, self.bucket_bytes)
         except Exception as exc:
             self._kill()
             if source.failed:
                 raise
             for _ in source:  # under torchrun every trainer rank gathers this stream
                 pass
-            raise EngineDiedError(f"weight broadcast to the rollout engine actor failed "
+            what = "ipc handles" if self.transport == "ipc" else "broadcast"
+            raise EngineDiedError(f"weight {what} to the rollout engine actor failed "
                                   f"(group {self.group_name}): {type(exc).__name__}: "
                                   f"{str(exc)[:300]}") from exc
         finally:

@@ -6,12 +6,13 @@ the hooks; only rank 0 has an engine actor):
 
 * ``--kill CALL:N[,CALL:N...]`` ``ray.kill``s the actor just before the N-th call of its
   method CALL (1-based, counted over the whole run and every actor; for ``update_weights``
-  after the buckets are in the object store, or — broadcast transport, whose actor method
-  ``update_weights_broadcast`` counts as ``update_weights`` — after the weight group is
-  formed and before the broadcast); ``--kill-at N`` is ``--kill generate:N``.
+  after the buckets are in the object store, or — broadcast / ipc transports, whose actor
+  methods ``update_weights_broadcast`` / ``update_weights_ipc`` count as ``update_weights``
+  — after the weight group is formed and before the broadcast); ``--kill-at N`` is
+  ``--kill generate:N``.
 * ``--exit-in-update N``: each actor process ``os._exit``s in its own N-th
   ``update_weights``, after reading the first bucket (objectstore) or the first tensor of the
-  broadcast (a death half-way through a sync).
+  broadcast or of the first shared bucket (ipc): a death half-way through a sync.
 * ``--exit-in-sharded-update N``: the first engine actor (of all, once per run) to reach its
   own N-th sharded update (``update_weights_sharded``, trainer EP > 1) ``os._exit``s after
   the first tensor of it: one fleet engine dies in the middle of a sharded sync.
@@ -64,6 +65,15 @@ class ExitingActor(EngineActor):
             os._exit(1)
         super().update_weights_broadcast(version)
 
+    def update_weights_ipc(self, version):
+        from megatron_qrl.rollout.ipc import receive_ipc_stream
+
+        self.n_updates = getattr(self, "n_updates", 0) + 1
+        if self.n_updates == self.exit_at:
+            next(receive_ipc_stream(self.weight_group))
+            os._exit(1)
+        super().update_weights_ipc(version)
+
     exit_sharded_at = 0
     claim = ""
     """A file the first actor to exit in a sharded update creates (the others, and restarted
@@ -103,7 +113,7 @@ def _install_hooks(kills: dict[str, set[int]], calls: str | None) -> None:
     counts: dict[str, int] = {}
 
     def killing_call(self, method, *args, **kwargs):
-        key = method.removesuffix("_broadcast")
+        key = method.removesuffix("_broadcast").removesuffix("_ipc")
         counts[key] = counts.get(key, 0) + 1
         if counts[key] in kills.get(key, ()):
             ray.kill(self.actor, no_restart=True)

@@ -1,7 +1,8 @@
 """The Ray modes of qrl-train: the rollout engine in a Ray actor (megatron_qrl.rl.ray_modes).
 
-One local Ray cluster (2 CPUs) per module. In-process, over both weight transports
-(``broadcast``: a driver <-> actor gloo group; ``objectstore``): bucketed weight sync +
+One local Ray cluster (2 CPUs) per module. In-process, over the three weight transports
+(``broadcast``: a driver <-> actor gloo group; ``objectstore``; ``ipc``: handles to shared
+CPU buckets, more in tests/rollout/test_ipc.py): bucketed weight sync +
 manifest verification through the actor, a tampered manifest names the tensor, a killed
 actor is an EngineDiedError (a killed one mid-broadcast too, with the stream drained and
 the group destroyed; the restarted actor gets a new group), an engine error inside a
@@ -10,7 +11,8 @@ connects to the module's cluster through RAY_ADDRESS): disaggregated == single m
 the same seed, colocated release/resume order (actor call log), a ``ray.kill``ed actor
 mid-run (before a generate, in a weight update, in its re-sync, in the verification
 read-back) or an actor process that ``os._exit``s half-way through an update restarts,
-re-syncs and reproduces the unkilled run (the weight-sync deaths with both transports); a colocated ``--qrl-resume`` reproduces the
+re-syncs and reproduces the unkilled run (the weight-sync deaths with every transport); the
+colocated runs take the ``auto`` transport (ipc) and equal single mode; a colocated ``--qrl-resume`` reproduces the
 uninterrupted run; ``--qrl-compare`` colocated writes the single-mode table; NVFP4 (float8
 scales) weights cross the object store.
 """
@@ -122,7 +124,7 @@ def _group_names() -> set[str]:
     return set(c10d._world.pg_names.values())
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore", "ipc"])
 def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
     cfg, packed = _packed()
     with RaySession("disaggregated", weight_transport=transport) as session:
@@ -133,7 +135,7 @@ def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
         engine.update_weights(manifest.record(iter(packed)), version=3)
         assert engine.actor.buckets_sent > 1 and engine.weight_version() == 3
         first_group = engine.actor.group_name
-        assert (first_group in _group_names()) == (transport == "broadcast")
+        assert (first_group in _group_names()) == (transport != "objectstore")
         engine.verify(manifest)  # the actor holds exactly what was sent
         name = packed[1][0]
         manifest.checksums[name] = "float32[1]:0"
@@ -154,7 +156,7 @@ def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
         assert torch.equal(again.output_ids, first.output_ids)
         assert torch.equal(again.logprobs, first.logprobs)
         assert engine.restarts == 1 and resyncs == [3] and engine.weight_version() == 3
-        if transport == "broadcast":  # the new actor has a new group, the old one is gone
+        if transport != "objectstore":  # the new actor has a new group, the old one is gone
             assert engine.actor.group_name not in (None, first_group)
             assert first_group not in _group_names()
         engine._resync = None  # a driver that never bound its sync gets a clear error
@@ -164,7 +166,7 @@ def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore", "ipc"])
 def test_nvfp4_weights_reach_the_actor(cluster, transport):
     # torch cannot pickle float8 / float4 tensors (NVFP4 scales): in the object store they
     # travel as bytes; the broadcast sends every tensor as bytes
@@ -265,7 +267,7 @@ def test_ray_flags_parse_and_validate():
 
     run = parse_configs([])[0]["run"]
     assert (run.ray_weight_transport, run.ray_weight_timeout_s, run.engine_max_restarts) == (
-        "broadcast", 300.0, 2)
+        "auto", 300.0, 2)
     configs, flags, _ = parse_configs(RAY_FLAGS)
     assert flags["qrl_ray_weight_transport"] == "objectstore"
     for bad in (["--qrl-engine-max-restarts", "-1"], ["--qrl-ray-weight-timeout-s", "0"]):
@@ -329,7 +331,7 @@ def test_killed_actor_restarts_and_reproduces_the_run(cluster, single_run, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore", "ipc"])
 def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster, single_run,
                                                                         tmp_path, transport):
     # sync of v5 (update #2) is killed, so is its re-sync (update #3: a death inside a
@@ -346,7 +348,7 @@ def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["broadcast", "objectstore"])
+@pytest.mark.parametrize("transport", ["broadcast", "objectstore", "ipc"])
 def test_actor_process_exit_mid_update_colocated(cluster, single_run, tmp_path, transport):
     # every actor process exits half-way through its 2nd weight update: the first one in the
     # sync of v5, its replacement (re-sync v5 = its 1st) in the sync of v6

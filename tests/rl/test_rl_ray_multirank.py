@@ -8,7 +8,8 @@ process differs (it runs with rank 0's torch thread count). A ``ray.kill`` of th
 before the 2nd rollout, and again in its re-sync, restarts it twice, re-syncs the trainer's
 current weights (gathered from both ranks again, rank 1 called in from its wait for the
 rollout) and still reproduces the run — with the weights broadcast on a driver <-> actor
-group (the default; rank 0 under torchrun hosts its store) and through the object store.
+group (the disaggregated default; rank 0 under torchrun hosts its store), through the object
+store and as ipc handles to shared buckets (the colocated default, also run colocated).
 
 The construction path of ``--qrl-rollout-engine sglang`` in a Ray actor (no GPU / SGLang
 here): the EngineSpec, the actor's Ray options (1 GPU) and ``start_job_engine``'s arguments
@@ -67,7 +68,7 @@ def test_tp2_ray_modes_match_single_and_survive_a_killed_actor(tmp_path):
     ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         address = ctx.address_info["gcs_address"]
-        for transport in ("broadcast", "objectstore"):
+        for transport in ("broadcast", "objectstore", "ipc"):
             calls = tmp_path / f"calls-{transport}.jsonl"
             disagg = _torchrun(tmp_path / f"d-{transport}", "--qrl-mode", "disaggregated",
                                "--kill", "generate:2,update_weights:3",
@@ -80,7 +81,7 @@ def test_tp2_ray_modes_match_single_and_survive_a_killed_actor(tmp_path):
             # re-sync drained the gathered stream on rank 0, so rank 1 stays in step)
             assert log == {"calls": ["update_weights", "generate", "update_weights"],
                            "restarts": 2}, transport
-        co = _torchrun(tmp_path / "c", "--qrl-mode", "colocated", ray_address=address)
+        co = _torchrun(tmp_path / "c", "--qrl-mode", "colocated", ray_address=address)  # ipc
         assert co == single
     finally:
         ray.shutdown()
