@@ -308,7 +308,7 @@ case $phase in
     # three 0.3 streams beside test_te_spec starved the fp8 in-place engine (12th session), so
     # keep <= ~0.6 of engines beside a TE / trainer stream.
     te_env
-    commit=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)
+    commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)  # .commit first: the device copy's git HEAD can be stale
     run_tests() {  # $1: the log; the rest: pytest targets, run one after another
       local log=$1; shift
       case "$*" in *w4a16*|*nvfp4*|*test_sglang_inplace.py|*test_sglang_load.py|*test_sglang_lora.py) marlin_wait ;; esac

