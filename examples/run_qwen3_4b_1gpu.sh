@@ -26,7 +26,8 @@
 # tools/make_random_checkpoint.py, TE spec): 3 RL steps in each mode. MODE=single: rollout
 # 15.5-16.5 s, pi_prox recompute 0.002 s, train 16.0-17.2 s, sync 0.80-0.89 s, trainer peak
 # 92.7 GiB; MODE=colocated: the same but sync 9.4-10.5 s (gloo through host memory on a shared
-# GPU) (bench/results/example4b_run2_{single,colocated}_3b72f6b.jsonl).
+# GPU; since then the colocated default is the ipc transport, CUDA IPC handles: its GPU test passed,
+# this script not re-run with it) (bench/results/example4b_run2_{single,colocated}_3b72f6b.jsonl).
 # Not run on a GPU: OFFLOAD=1 with this script (bench/h200.sh rlstep-offload measured the flags),
 # RECOMPUTE=1 at these defaults (it ran as the default on 2026-12-01: 3 steps, local spec).
 set -euo pipefail
