@@ -93,6 +93,13 @@ def single_run(cluster, tmp_path_factory):
                 helper="rl_run_helper.py")
 
 
+def _recorded(stream, names: list[str]):
+    """``stream`` unchanged; each tensor's name appended to ``names`` as the sync consumes it."""
+    for item in stream:
+        names.append(item[0])
+        yield item
+
+
 def _packed(fmt: str = "int8"):
     from megatron_qrl.data import CharTokenizer, tiny_moe_config
     from megatron_qrl.quant import get_spec
@@ -189,12 +196,7 @@ def test_broadcast_failures(ray, cluster):
     import time
 
     cfg, packed = _packed()
-    consumed = []
-
-    def counted(stream):
-        for item in stream:
-            consumed.append(item[0])
-            yield item
+    consumed: list[str] = []
 
     with RaySession("disaggregated", weight_timeout_s=60) as session:
         spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
@@ -213,7 +215,7 @@ def test_broadcast_failures(ray, cluster):
         group = engine.group_name
         _kill(engine.actor)
         with pytest.raises(EngineDiedError, match="update_weights|broadcast"):
-            engine.update_weights(counted(iter(packed)), 3)
+            engine.update_weights(_recorded(iter(packed), consumed), 3)
         assert consumed == [name for name, _ in packed]
         engine.shutdown()
         assert engine.group is None and group not in _group_names()

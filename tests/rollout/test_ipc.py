@@ -21,7 +21,7 @@ from megatron_qrl.rollout import ipc
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
 from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine, pick_transport
 from megatron_qrl.rollout.supervisor import EngineDiedError
-from tests.rl.test_rl_ray import _kill, _packed
+from tests.rl.test_rl_ray import _kill, _packed, _recorded
 
 SAMPLING = SamplingParams(max_new_tokens=3, seed=5)
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -116,12 +116,7 @@ def test_at_most_two_buckets_in_flight(ray, monkeypatch):
 
 def test_engine_error_mid_stream_and_a_killed_actor(ray):
     cfg, packed = _packed()
-    consumed = []
-
-    def counted(stream):
-        for item in stream:
-            consumed.append(item[0])
-            yield item
+    consumed: list[str] = []
 
     with RaySession("colocated", weight_transport="ipc", weight_timeout_s=60) as session:
         engine = session.new_actor(_spec(cfg))
@@ -135,7 +130,7 @@ def test_engine_error_mid_stream_and_a_killed_actor(ray):
         assert engine.weight_version() == 2
         _kill(engine.actor)  # a dead actor: EngineDiedError, the stream drained
         with pytest.raises(EngineDiedError, match="ipc_peer|update_weights|ipc handles"):
-            engine.update_weights(counted(iter(packed)), 3)
+            engine.update_weights(_recorded(iter(packed), consumed), 3)
         assert consumed == [name for name, _ in packed]
         engine.shutdown()
 
