@@ -49,13 +49,21 @@ from torch.multiprocessing import reductions
 from .broadcast import broadcast_from_trainer
 from .wire import flatten, iter_buckets, unflatten
 
-__all__ = ["IPC_IN_FLIGHT", "device_uuid", "open_shared", "receive_ipc_stream",
+__all__ = ["IPC_IN_FLIGHT", "device_uuid", "misplaced", "open_shared", "receive_ipc_stream",
            "send_ipc_stream", "share", "visible_devices"]
 
 IPC_IN_FLIGHT = 2
 """Buckets the driver keeps alive at once (the one the actor loads, the one it fills)."""
 
 _DEVICE_ARG = 6  # storage_device in torch.multiprocessing.reductions.rebuild_cuda_tensor
+
+
+def misplaced(where: str) -> str:
+    """The one message for an engine that cannot open the trainer's shared buckets
+    (``where``: what the engine is or where it runs), naming the flag and the fix."""
+    return ("--qrl-ray-weight-transport ipc shares the trainer's memory with the engine actor, "
+            "so it needs the engine on the trainer's node and device (--qrl-mode colocated); "
+            f"the rollout engine is {where}: use --qrl-ray-weight-transport broadcast (or auto)")
 
 
 def device_uuid(index: int) -> str:
@@ -104,10 +112,8 @@ def open_shared(handle: bytes) -> torch.Tensor:
     uuid = args[_DEVICE_ARG]
     seen = visible_devices()
     if uuid not in seen:
-        raise RuntimeError(
-            f"--qrl-ray-weight-transport ipc: the trainer's GPU {uuid} is not visible in the "
-            f"engine actor (it sees {seen or 'no GPU'}); ipc needs the engine on the trainer's "
-            "GPU (--qrl-mode colocated): use --qrl-ray-weight-transport broadcast")
+        raise RuntimeError(misplaced(f"an actor that sees {seen or 'no GPU'}, not the "
+                                     f"trainer's GPU {uuid}"))
     args[_DEVICE_ARG] = seen.index(uuid)
     return reductions.rebuild_cuda_tensor(*args)
 

@@ -60,7 +60,7 @@ import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .broadcast import free_port, init_group, receive_stream, send_stream
-from .ipc import device_uuid, receive_ipc_stream, send_ipc_stream, visible_devices
+from .ipc import device_uuid, misplaced, receive_ipc_stream, send_ipc_stream, visible_devices
 from .supervisor import EngineDiedError
 from .weight_groups import receive_sharded
 from .wire import as_bytes, from_bytes, iter_buckets
@@ -287,13 +287,10 @@ def pick_transport(requested: str, colocated: bool, shares_device: bool, engine_
     if requested == "auto":
         return "ipc" if colocated and shares else "broadcast"
     if requested == "ipc" and not shares:
-        where = ("a colocated SGLang engine on another GPU than the trainer's rank 0" if colocated
-                 else f"a disaggregated {engine_kind} engine (its own GPU, or another node of "
-                 f"the {num_nodes}-node cluster)")
-        raise ValueError(f"--qrl-ray-weight-transport ipc shares the trainer's memory with the "
-                         f"engine actor, so the engine must run on the trainer's node and "
-                         f"device; {where} cannot open it: use --qrl-ray-weight-transport "
-                         "broadcast (or auto), or --qrl-mode colocated")
+        raise ValueError(misplaced(
+            "a colocated SGLang engine on another GPU than the trainer's rank 0" if colocated
+            else f"a disaggregated {engine_kind} engine (its own GPU, or another node of the "
+            f"{num_nodes}-node cluster)"))
     return requested
 
 
@@ -382,11 +379,7 @@ class RayEngine(RolloutEngine):
             if uuid not in devices:
                 where = f"on GPUs {devices}, not the trainer's GPU {uuid}"
         if where is not None:
-            raise ValueError(
-                f"--qrl-ray-weight-transport ipc: the rollout engine actor runs {where}; ipc "
-                "shares the trainer's memory with the engine, so it needs the engine on the "
-                "trainer's node and device (--qrl-mode colocated): use "
-                "--qrl-ray-weight-transport broadcast")
+            raise ValueError(misplaced(f"an actor {where}"))
 
     def _broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ref: Any) -> None:
         """Send the stream on the group; a failed send drains the stream, kills the actor and
