@@ -11,6 +11,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def commit() -> str:
+    """The checkout's commit: ``.commit`` at the repository root first (the device machine's
+    copy of the tree may carry a stale git HEAD), else ``git rev-parse --short HEAD``."""
+    root = Path(__file__).resolve().parents[1]
+    marker = root / ".commit"
+    if marker.is_file():
+        return marker.read_text().strip()
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def run_variant(argv: list[str], variant: str, out: Path | None = None,
                 env: dict | None = None, tag: str = "bench", extra: dict | None = None) -> dict:
     """``python argv...``; its last ``RESULT`` record (or ``{"error": ...}``) plus ``extra``

@@ -88,6 +88,11 @@
 #   rlstep-offload  the same, FP8, with --use-distributed-optimizer --optimizer-cpu-offload
 #               (its peak trainer memory next to rlstep's fp8 row)
 #   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first)
+#   moe30b      bench/train_mfu.py on the Qwen3-30B-A3B slice (${LAYERS_30B:-4} layers, no engine):
+#               ROWS of MoE build settings (gg grouped GEMM, pf permute fusion, rf router fusion,
+#               ag allgather dispatcher) with --breakdown: GPU ms per model part per micro batch
+#   teblock     bench/te_block_codes.py: TE Float8BlockQuantizer vs the fp8_block spec, codes and
+#               scales element by element, and the recipe's power-of-two setting (~1 min)
 #   rlstep-mfu  trainer MFU (issue 16): bench/train_mfu.py runs the recompute + train phases of
 #               one 4B RL step (32 x 8 samples, 1,024 new tokens, synthetic batch, no engine)
 #               for ROWS side by side on ONE built policy, at ${UPDATES:-1} optimizer updates per
@@ -153,6 +158,7 @@ marlin_wait() {  # block until the background prewarm (setup phase) has finished
 case $phase in
   setup)
     nvidia-smi --query-gpu=name,memory.used --format=csv
+    [ "${PREWARM:-1}" = 0 ] && { echo "no Marlin prewarm (PREWARM=0)"; exit 0; }
     [ -d .stage/marlin ] && bash "$0" marlin-load  # the prewarm below then loads in seconds
     setsid nohup python3 tools/prewarm_sglang_kernels.py > /tmp/prewarm.log 2>&1 < /dev/null &
     echo $! > /tmp/prewarm.pid ;;
@@ -380,6 +386,18 @@ case $phase in
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
       --out "$OUT/${phase//-/_}${TAG:-}.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20 ;;
+  moe30b)  # the 30B-A3B slice's trainer alone (no engine): MoE build settings side by side,
+    # each row's GPU time by model part (bench/layer_profile.py) -> $OUT/moe30b.jsonl
+    te_env
+    timeout --kill-after=10 "${MFU_S:-540}" python3 bench/train_mfu.py --model qwen3_30b_a3b \
+      --layers "${LAYERS_30B:-4}" --rows "${ROWS:-full-mb2,none-mb2-gg,none-mb8-gg,none-mb8-gg-pf}" \
+      --prompts "${PROMPTS:-16}" --new-tokens "${NEW_TOKENS:-1024}" --updates 1 --breakdown \
+      --no-profile --out "$OUT/moe30b${TAG:-}.jsonl" 2>&1 \
+      | grep -E "^\||train_mfu\]|Error|error" | grep -v '"breakdown"' | tail -n 60 ;;
+  teblock)  # TE's FP8 block quantizer vs the fp8_block spec, codes and scales element by element
+    te_env
+    python3 bench/te_block_codes.py --out "$OUT/te_block_codes.jsonl" 2>&1 \
+      | grep -E "te_block_codes\]|Error|error" ;;
   rlstep-mfu)
     te_env
     rm -f "$OUT/train_mfu${TAG:-}.jsonl"

@@ -26,6 +26,10 @@ micro batches whose pi_prox is recomputed (``rl.steps.set_old_log_probs``), then
                      prox1 for this bench's model (no routing replay, no LoRA dropout)
     thd              --qrl-pack-sequences: each micro batch packed into one row (THD,
                      PackedSeqParams; no padding in the layers)
+    gg | pf | rf     MoE: TE grouped-GEMM experts (--moe-grouped-gemm), fused permute
+                     (--moe-permute-fusion), fused router (--moe-router-fusion); ag: the
+                     allgather dispatcher (default: alltoall with TE). These are build-time
+                     settings: rows are built once per distinct set (in the order given)
     oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
                      a separate entropy pass; ``PolicyLossFunc(chunked=False)``)
     norope           --no-rope-fusion
@@ -60,11 +64,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _runner import commit  # noqa: E402
 from rl_step import PEAK_FLOPS, active_params, markdown_table  # noqa: E402
 
 DEFAULT_ROWS = ("full-mb4-oldlp-norope-prox0,full-mb4-prox0,none-mb4-prox0,none-mb4-lp16512-prox1,"
                 "none-mb8-lp16512-prox1,full-mb16-lp16512-prox1")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+COMMIT = commit()
+MOE_WORDS: dict[str, tuple[str, object]] = {
+    "gg": ("moe_grouped_gemm", True), "pf": ("moe_permute_fusion", True),
+    "rf": ("moe_router_fusion", True), "ag": ("moe_token_dispatcher_type", "allgather")}
+MOE_FLAGS = {"moe_grouped_gemm": "--moe-grouped-gemm", "moe_permute_fusion": "--moe-permute-fusion",
+             "moe_router_fusion": "--moe-router-fusion",
+             "moe_token_dispatcher_type": "--moe-token-dispatcher-type allgather"}
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,8 @@ class Row:
     prox_first: bool | None = None
     """prox1: True, prox0: False, neither: None (qrl-train's default: on here)."""
     thd: bool = False
+    moe: tuple[tuple[str, object], ...] = ()
+    """Build-time ``TransformerConfig`` overrides of the MoE words (gg, pf, rf, ag)."""
 
     @classmethod
     def parse(cls, name: str) -> Row:
@@ -88,7 +102,11 @@ class Row:
         if words[0] not in ("full", "none"):
             raise ValueError(f"row {name!r}: starts with full or none (activation recompute)")
         kw: dict = {"recompute": words[0] == "full"}
+        moe: list[tuple[str, object]] = []
         for w in words[1:]:
+            if w in MOE_WORDS:
+                moe.append(MOE_WORDS[w])
+                continue
             if w.startswith("mb") and w[2:].isdigit():
                 kw["micro_batch"] = int(w[2:])
             elif w.startswith("tok") and w[3:].isdigit():
@@ -103,7 +121,8 @@ class Row:
                 kw["thd"] = True
             else:
                 raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
-                                 "prox0, thd, oldlp, norope)")
+                                 "prox0, thd, oldlp, norope, gg, pf, rf, ag)")
+        kw["moe"] = tuple(sorted(moe))
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
             raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
         return cls(name, **kw)
@@ -113,7 +132,8 @@ class Row:
         mb = f"--max-tokens-per-micro-batch {self.max_tokens}" if self.max_tokens \
             else f"--micro-batch-size {self.micro_batch}"
         meg = " ".join(([RECOMPUTE] if self.recompute else [])
-                       + ([] if self.rope_fusion else ["--no-rope-fusion"]))
+                       + ([] if self.rope_fusion else ["--no-rope-fusion"])
+                       + [MOE_FLAGS[k] for k, _ in self.moe])
         qrl = " ".join(([f"--qrl-log-prob-max-tokens {self.log_prob_tokens}"]
                         if self.log_prob_tokens else [])
                        + {True: ["--qrl-prox-from-first-update"], None: [],
@@ -245,7 +265,7 @@ def check_log_probs(trainer, mb: dict) -> dict:
 
 
 def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, updates: int,
-            fused_rope: bool, profile: bool = False) -> dict:
+            fused_rope: bool, profile: bool = False, breakdown: bool = False) -> dict:
     """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
     from megatron_qrl.rl.micro_forward import positions_run
@@ -289,6 +309,13 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries)
         if profile:
             rec.update(_profiles(trainer, groups[0], loss_fn, per_token))
+    if breakdown:
+        from layer_profile import breakdown as parts
+
+        one = [dict(groups[0][0])]
+        rec["breakdown"] = parts(lambda: trainer.train_step(one, loss_fn,
+                                                            per_token_loss=per_token),
+                                 trainer.module)
     return rec
 
 
@@ -299,12 +326,35 @@ def _configs() -> dict:
                           "--qrl-no-progress"])[0]
 
 
+def _build(arch, moe: tuple, bf16: bool):
+    """One policy (``rl.trainer.build_policy``) with the MoE build-time overrides ``moe``."""
+    from megatron_qrl.rl.forward import ForwardPlan
+    from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
+
+    return PolicyTrainer(build_policy(arch, 1e-6, ForwardPlan(config_overrides=dict(moe)),
+                                      bf16=bf16, options=TrainerOptions()))
+
+
+def _emit(args: argparse.Namespace, rec: dict) -> None:
+    rec.setdefault("commit", COMMIT)
+    print("[train_mfu] " + json.dumps(rec), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
-    """Build the policy once and run every row (module docstring); each record is appended
-    to ``--out`` as soon as its row is done (a call that times out keeps the rows so far)."""
+    """Build the policy once per distinct MoE build setting and run its rows (module
+    docstring); each record is appended to ``--out`` as soon as its row is done (a call that
+    times out keeps the rows so far)."""
     from megatron_qrl.models.hf_config import arch_from_dict
     from megatron_qrl.models.runtime import single_process_megatron
-    from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 
     name = "tiny_qwen3" if args.model == "tiny" else args.model
     path = Path(name) if Path(name).is_file() else ROOT / "megatron_qrl/data/configs" / f"{name}.json"
@@ -313,39 +363,35 @@ def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
         cfg["num_hidden_layers"] = args.layers
     arch = arch_from_dict(cfg, source=str(path))
     n_active, configs, out = active_params(cfg), _configs(), []
+    builds = list(dict.fromkeys(r.moe for r in rows))  # build-time settings, in order
     with single_process_megatron():
-        t = time.perf_counter()
-        bf16 = args.device == "cuda"
-        trainer = PolicyTrainer(build_policy(arch, 1e-6, bf16=bf16, options=TrainerOptions()))
-        fused_rope = bool(trainer.policy.config.apply_rope_fusion)
-        print(f"[train_mfu] built {args.model} ({cfg['num_hidden_layers']} layers, "
-              f"{n_active / 1e9:.2f} B active, TE spec: {fused_rope or 'no/unknown'}) in "
-              f"{time.perf_counter() - t:.1f} s", flush=True)
-        batch = rollout_batch(args, arch.vocab_size)
-        checked = check_log_probs(trainer, {k: v[:4] for k, v in batch.items()})
-        print("[train_mfu] " + json.dumps(checked), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(checked) + "\n")
-        for row in rows:
-            try:
-                rec = run_row(trainer, row, batch, configs, n_active, args.updates, fused_rope,
-                              profile=args.profile)
-            except torch.cuda.OutOfMemoryError as exc:
-                rec = {"row": row.name, "error": f"OOM: {str(exc).splitlines()[0][:160]}"}
-            except ValueError as exc:
-                rec = {"row": row.name, "error": str(exc)}
-            rec.update(model=args.model, layers=cfg["num_hidden_layers"], device=args.device,
-                       prompts=args.prompts, n=args.n, new_tokens=args.new_tokens,
-                       updates=args.updates)
-            print("[train_mfu] " + json.dumps(rec), flush=True)
-            out.append(rec)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        for i, moe in enumerate(builds):
+            t = time.perf_counter()
+            trainer = _build(arch, moe, bf16=args.device == "cuda")
+            fused_rope = bool(trainer.policy.config.apply_rope_fusion)
+            print(f"[train_mfu] built {args.model} ({cfg['num_hidden_layers']} layers, "
+                  f"{n_active / 1e9:.2f} B active, TE spec: {fused_rope or 'no/unknown'}, "
+                  f"build {dict(moe) or 'default'}) in {time.perf_counter() - t:.1f} s",
+                  flush=True)
+            batch = rollout_batch(args, arch.vocab_size)
+            if i == 0:
+                _emit(args, check_log_probs(trainer, {k: v[:4] for k, v in batch.items()}))
+            for row in [r for r in rows if r.moe == moe]:
+                try:
+                    rec = run_row(trainer, row, batch, configs, n_active, args.updates,
+                                  fused_rope, profile=args.profile, breakdown=args.breakdown)
+                except torch.cuda.OutOfMemoryError as exc:
+                    rec = {"row": row.name, "error": f"OOM: {str(exc).splitlines()[0][:160]}"}
+                except ValueError as exc:
+                    rec = {"row": row.name, "error": str(exc)}
+                rec.update(model=args.model, layers=cfg["num_hidden_layers"],
+                           device=args.device, prompts=args.prompts, n=args.n,
+                           new_tokens=args.new_tokens, updates=args.updates)
+                _emit(args, rec)
+                out.append(rec)
+                _free()
+            del trainer
+            _free()
     return out
 
 
@@ -393,6 +439,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the per-row kernel profile (CUDA: GPU busy share of the recompute "
                    "and the update of two micro batches, top kernels)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per row, GPU time of one train micro batch by model part (router, "
+                   "dispatch / permute, experts, attention, norms, optimizer, recompute: "
+                   "bench/layer_profile.py), printed as one table at the end")
     p.add_argument("--pick", default=None, metavar="JSONL",
                    help="print the rl_step.py micro-batch flags, --megatron flags and --qrl "
                    "flags (three lines) of the fastest row in JSONL, then exit")
@@ -424,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     records = measure(args, rows)
     print(_table(records))
+    if args.breakdown:
+        from layer_profile import table
+
+        done = [r for r in records if "breakdown" in r]
+        if done:
+            print(table(done, done[0]["layers"]))
     return 1 if all("error" in r for r in records) else 0
 
 

@@ -1,0 +1,178 @@
+"""Where a train micro batch's GPU time goes, by model part (bench/train_mfu.py ``--breakdown``).
+
+One ``torch.profiler`` trace of a callable (a ``PolicyTrainer.train_step``): every GPU kernel is
+charged to the nearest enclosing *part* on the CPU side —
+
+* in the forward, the module whose forward launched it: ``qrl::`` ranges that forward hooks
+  open around the attention, the MoE router, the experts, the whole MoE layer (what is left of
+  it after router and experts: permute / dispatch / unpermute / combine / aux loss), the dense
+  MLP, the norms, the embedding and the output layer (:func:`add_ranges`);
+* in the backward, the autograd node that launched it (``evaluate_function: <Node>``), sorted
+  into the same parts by the node's name (:data:`BACKWARD_PARTS`);
+* ``optimizer`` (``Optimizer.step`` / ``optimizer``), and ``recompute:<part>`` for a forward
+  range that runs inside a checkpointed layer's backward (activation recompute).
+
+Kernels under none of these are ``other`` (the loss, the log-prob pass, gradient clipping...).
+The table is per micro-batch-call milliseconds of GPU kernel time (streams summed), so the
+parts add up to the GPU's busy time, not to the wall time. Without CUDA each op's own CPU time
+is charged instead (checks the attribution on a CPU; not a speed measurement).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+FORWARD_PARTS: tuple[tuple[str, str], ...] = (
+    # (regex on the module's qualified name, part); the first match wins
+    (r"\.mlp\.router$", "router"),
+    (r"\.mlp\.experts$", "experts"),
+    (r"\.self_attention$", "attention"),
+    (r"\.mlp$", "mlp_or_moe"),
+    (r"layernorm$|\.final_layernorm$|_layernorm$", "norm"),
+    (r"\.output_layer$", "lm_head"),
+    (r"embedding$", "embedding"),
+)
+"""Modules that get a ``qrl::<part>`` range; a MoE layer's own range (``mlp_or_moe``) keeps
+only what its router and experts do not: dispatch, permutation, combine, aux loss."""
+
+BACKWARD_PARTS: tuple[tuple[str, str], ...] = (
+    (r"GroupedLinear|GroupedGemm|GroupedMLP|grouped", "experts"),
+    (r"[Pp]ermute|[Uu]npermute|Sort|IndexSelect|IndexAdd|Scatter|Gather|Index|AllToAll"
+     r"|_AllToAll|MaskedScatter|Combine|Dispatch", "mlp_or_moe"),
+    (r"Topk|TopK|Softmax|Router|Sigmoid|AuxLoss|fused_topk|ScoreFunction", "router"),
+    (r"FusedAttn|FlashAttn|DotProductAttention|ScaledDotProduct|Attention|Rotary|RoPE|Rope",
+     "attention"),
+    (r"RMSNorm|LayerNorm|Norm", "norm"),
+    (r"Embedding", "embedding"),
+    (r"_Linear|Linear|Mm|Addmm|Bmm|Matmul", "linear"),
+)
+"""``evaluate_function: <Node>`` -> part, first match wins. Dense linears (qkv, proj, dense
+MLP, output layer) share ``linear`` in the backward: their forward parts say which is which."""
+
+
+def forward_part(name: str) -> str | None:
+    """The part of the module called ``name`` (:data:`FORWARD_PARTS`), or None."""
+    for pattern, part in FORWARD_PARTS:
+        if re.search(pattern, name):
+            return part
+    return None
+
+
+def backward_part(node: str) -> str:
+    """The part of the autograd node ``node`` (:data:`BACKWARD_PARTS`), ``other`` if none."""
+    for pattern, part in BACKWARD_PARTS:
+        if re.search(pattern, node):
+            return part
+    return "other"
+
+
+def add_ranges(model: torch.nn.Module) -> list[Any]:
+    """Forward pre/post hooks opening a ``qrl::<part>`` profiler range per part module; the
+    handles (``.remove()`` them when done)."""
+    handles = []
+    for name, module in model.named_modules():
+        part = forward_part(name)
+        if part is None:
+            continue
+        stack: list[Any] = []
+
+        def pre(_m, _a, part=part, stack=stack):
+            ctx = torch.profiler.record_function(f"qrl::{part}")
+            ctx.__enter__()
+            stack.append(ctx)
+
+        def post(_m, _a, _o, stack=stack):
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    return handles
+
+
+def _part_of(event: Any) -> str:
+    """The part of the nearest enclosing range / autograd node / optimizer of ``event``."""
+    node, in_backward_recompute, first = event, False, None
+    while node is not None:
+        name = node.name
+        if first is None:
+            if name.startswith("qrl::"):
+                first = name[5:]
+            elif name.startswith("autograd::engine::evaluate_function: "):
+                node_name = name.split(": ", 1)[1]
+                if "Checkpoint" not in node_name:
+                    first = backward_part(node_name)
+            elif "Optimizer" in name or "optimizer" in name:
+                first = "optimizer"
+        if "CheckpointFunctionBackward" in name:
+            in_backward_recompute = True
+        node = node.cpu_parent
+    if first is None:
+        return "other"
+    is_forward = first in {p for _, p in FORWARD_PARTS}
+    return f"recompute:{first}" if in_backward_recompute and is_forward else first
+
+
+def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Run ``fn`` once under the profiler with :func:`add_ranges` on ``model``; GPU kernel
+    milliseconds per part, the GPU busy total and the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    handles = add_ranges(model)
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=acts) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t) * 1e3
+    finally:
+        for h in handles:
+            h.remove()
+    parts: dict[str, float] = {}
+    for ev in prof.events():
+        # CUDA: the kernels each op launched; CPU (no kernels: a check of the attribution
+        # where there is no GPU): each op's own CPU time
+        us = sum(k.duration for k in (getattr(ev, "kernels", None) or [])) if cuda \
+            else ev.self_cpu_time_total
+        if us <= 0:
+            continue
+        part = _part_of(ev)
+        parts[part] = parts.get(part, 0.0) + us / 1e3
+    busy = sum(parts.values())
+    return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy, 1),
+            "parts_ms": {k: round(v, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}}
+
+
+def table(rows: list[dict[str, Any]], layers: int) -> str:
+    """Markdown: one column per row's ``breakdown`` (``row`` names it), one line per part,
+    ms per micro batch and, for the layer parts, ms per layer in brackets."""
+    parts: list[str] = []
+    for r in rows:
+        for p in r["breakdown"]["parts_ms"]:
+            if p not in parts:
+                parts.append(p)
+    per_layer = {p for _, p in FORWARD_PARTS} | {p for _, p in BACKWARD_PARTS}
+    head = "| part | " + " | ".join(r["row"] for r in rows) + " |"
+    lines = [head, "|" + "---|" * (len(rows) + 1)]
+    for p in parts:
+        cells = []
+        for r in rows:
+            ms = r["breakdown"]["parts_ms"].get(p)
+            base = p.split(":")[-1]
+            cells.append("" if ms is None else (
+                f"{ms:.1f} ({ms / layers:.2f}/layer)" if base in per_layer
+                and base not in ("lm_head", "embedding", "optimizer", "other") else f"{ms:.1f}"))
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    for key in ("gpu_busy_ms", "wall_ms"):
+        lines.append(f"| **{key}** | " + " | ".join(str(r["breakdown"][key]) for r in rows) + " |")
+    return "\n".join(lines)
