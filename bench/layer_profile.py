@@ -12,6 +12,8 @@ charged to the nearest enclosing *part* on the CPU side —
 * ``optimizer`` (``Optimizer.step`` / ``optimizer``), and ``recompute:<part>`` for a forward
   range that runs inside a checkpointed layer's backward (activation recompute).
 
+``host_top_ms``: the CPU ops with the most own (self) CPU time — where the host spends a
+micro batch whose wall time is well above the GPU's busy time.
 Kernels under none of these are ``other`` (the loss, the log-prob pass, gradient clipping...).
 The table is per micro-batch-call milliseconds of GPU kernel time (streams summed), so the
 parts add up to the GPU's busy time, not to the wall time. Without CUDA each op's own CPU time
@@ -139,7 +141,10 @@ def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
         for h in handles:
             h.remove()
     parts: dict[str, float] = {}
+    host: dict[str, float] = {}
     for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and not ev.name.startswith("qrl::"):
+            host[ev.name] = host.get(ev.name, 0.0) + ev.self_cpu_time_total / 1e3
         # CUDA: the kernels each op launched; CPU (no kernels: a check of the attribution
         # where there is no GPU): each op's own CPU time
         us = sum(k.duration for k in (getattr(ev, "kernels", None) or [])) if cuda \
@@ -149,8 +154,10 @@ def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
         part = _part_of(ev)
         parts[part] = parts.get(part, 0.0) + us / 1e3
     busy = sum(parts.values())
+    top = sorted(host.items(), key=lambda kv: -kv[1])[:12]
     return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy, 1),
-            "parts_ms": {k: round(v, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}}
+            "parts_ms": {k: round(v, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+            "host_top_ms": {k[:80]: round(v, 2) for k, v in top}}
 
 
 def table(rows: list[dict[str, Any]], layers: int) -> str:
