@@ -7,9 +7,11 @@ parameter per local expert, ``weight0 .. weight{n-1}`` (slime's converters match
 maps each expert to its global index (interchangeable with ``SequentialMLP``'s, Megatron
 ``TEGroupedMLP.sharded_state_dict``). The classes here hold exactly those names, shapes and
 attributes (TE 2.x ``GroupedLinear.set_tensor_parallel_attributes``, Megatron's
-``TEGroupedLinear``), and compute every expert's GEMM with the rollout's quantized weight
-(QaRL's aligned forward, Fan et al. 2025; straight-through gradient, Bengio et al. 2013):
-``y_e = Q_a(x_e) @ Q_w(W_e)^T``. Like TE's grouped linear they never communicate: Megatron's
+``TEGroupedLinear``), and compute all experts' GEMMs as one grouped GEMM
+(:mod:`megatron_qrl.te_quant.grouped_gemm`) with the rollout's quantized weights (QaRL's
+aligned forward, Fan et al. 2025; straight-through gradient, Bengio et al. 2013):
+``y_e = Q_a(x_e) @ Q_w(W_e)^T``. ``Q_w`` of all local experts is cached stacked
+``[experts, out, in]`` once per optimizer step; ``Q_a`` is one call over all permuted tokens. Like TE's grouped linear they never communicate: Megatron's
 token dispatcher moves tokens across expert-TP / EP ranks.
 
 :class:`AlignedTEGroupedMLP` is ``TEGroupedMLP`` with the gate applied after ``linear_fc2``
@@ -25,7 +27,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
+from megatron_qrl.te_quant.grouped_gemm import grouped_mm, stacked_ste
+from megatron_qrl.te_quant.linears import _PLAIN, quantize_input
 from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
 from megatron_qrl.te_quant.state import AlignedForwardState
 from megatron_qrl.te_quant.te_names import TEExtraState, set_te_parallel_attributes
@@ -38,7 +41,7 @@ def _pg_size_rank(group: Any) -> tuple[int, int]:
 
 
 class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
-    """Megatron's ``TEGroupedLinear`` names (``weight{i}``) with the aligned per-expert GEMMs."""
+    """Megatron's ``TEGroupedLinear`` names (``weight{i}``), one grouped GEMM (aligned or plain)."""
 
     parallel_mode = "column"
     """``column`` (output features split over expert TP) or ``row`` (input features)."""
@@ -71,7 +74,7 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
         self.use_bias = False
         self.qrl_state, self.qrl_kind, self.qrl_layout = qrl_state, qrl_kind, qrl_layout
         self.qrl_recomputes = 0
-        self._qrl_cache: tuple[Any, list[torch.Tensor]] | None = None
+        self._qrl_cache: tuple[Any, torch.Tensor] | None = None
         # TE's mode is None with explicit expert communication: partition_dim 0 even for "row"
         dim = 1 if self.parallel_mode == "row" and not self.explicit_expert_comm else 0
         for i in range(num_gemms):
@@ -122,9 +125,10 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
     def _qrl_key(self) -> tuple:
         return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
 
-    def quantized_weights(self) -> list[torch.Tensor]:
-        """``Q_w(W_e)`` of every local expert's shard, recomputed only after the weights changed
-        (one stacked call where the stack is bit-identical, else one call per expert)."""
+    def quantized_weights(self) -> torch.Tensor:
+        """``Q_w(W_e)`` of every local expert's shard stacked ``[num_gemms, out, in]``,
+        recomputed only after the weights changed (once per optimizer step): one stacked
+        quantizer call where the stack is bit-identical, else one call per expert."""
         key = self._qrl_key()
         if self._qrl_cache is None or self._qrl_cache[0] != key:
             spec, weights = self.qrl_state.spec, self.weights()
@@ -136,21 +140,22 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
                 dim = 1 if self.parallel_mode == "row" else 0
                 qs = [quantize_shard(spec, w, self.qrl_layout, dim, self.tp_group, name)
                       for w in weights]
-            self._qrl_cache = (key, qs)
+            self._qrl_cache = (key, torch.stack(qs))
             self.qrl_recomputes += 1
         return self._qrl_cache[1]
 
     def forward(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, None]:
-        """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` (aligned: with
-        ``Q_a`` / ``Q_w``); per-token ``Q_a`` of all rows at once equals per expert."""
+        """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` as ONE grouped GEMM
+        (:func:`~megatron_qrl.te_quant.grouped_gemm.grouped_mm`); aligned: the stacked cached
+        ``Q_w(W)`` and ``Q_a`` of all rows in one call (per-token scales: equal per expert)."""
         weights = self.weights()
         if self.qrl_state.is_enabled(self.qrl_kind):
-            weights = [_UseQuantized.apply(w, q) for w, q in zip(weights, self.quantized_weights())]
+            stacked = stacked_ste(self.quantized_weights(), weights)
             x = quantize_input(self.qrl_state, x, 1 if self.parallel_mode == "row" else 0,
                                self.tp_group)
-        splits = [int(m) for m in m_splits]
-        outs = [torch.matmul(xe, w.t()) for xe, w in zip(torch.split(x, splits), weights)]
-        return torch.cat(outs, dim=0), None
+        else:
+            stacked = torch.stack(weights)
+        return grouped_mm(x, stacked, m_splits), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
