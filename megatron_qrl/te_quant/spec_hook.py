@@ -62,7 +62,7 @@ def _swap_mlp(mlp_sub: Any, state: AlignedForwardState, kind: str) -> None:
     mlp_sub.linear_fc2 = _linear(fc2, state, kind, FusionLayout())
 
 
-def _swap_experts(moe_sub: Any, state: AlignedForwardState) -> None:
+def _swap_experts(moe_sub: Any, state: AlignedForwardState, config: Any) -> None:
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -84,6 +84,11 @@ def _swap_experts(moe_sub: Any, state: AlignedForwardState) -> None:
         raise ValueError(f"--qrl-train-forward aligned: experts {experts.module.__name__} are not "
                          "supported; use TEGroupedMLP (--moe-grouped-gemm on the Transformer "
                          "Engine spec) or SequentialMLP (no --moe-use-legacy-grouped-gemm)")
+    if getattr(config, "moe_grouped_gemm", False):
+        raise ValueError("--moe-grouped-gemm: the layer spec holds SequentialMLP experts (one GEMM "
+                         "per expert); the aligned grouped path needs TEGroupedMLP (the "
+                         "Transformer Engine spec, --transformer-impl transformer_engine); drop "
+                         "--moe-grouped-gemm for the sequential path")
     sub = experts.submodules
     _swap_mlp(sub, state, "experts")
     moe_sub.experts = ModuleSpec(module=AlignedSequentialMLP, params={"qrl_state": state},
@@ -112,7 +117,7 @@ def aligned_spec_hook(state: AlignedForwardState) -> SpecHook:
         attn.linear_proj = _linear(_aligned(attn.linear_proj, AlignedRowParallelLinear), state,
                                    "attention", FusionLayout())
         if sub.mlp.module is MoELayer:
-            _swap_experts(sub.mlp.submodules, state)
+            _swap_experts(sub.mlp.submodules, state, config)
         else:
             _swap_mlp(sub.mlp.submodules, state, "mlp")
         return spec
