@@ -36,7 +36,11 @@ mapping applies. Every accepted flag has an effect or raises; none is silently i
 * ``--bf16``: BF16 parameters and gradients with fp32 master weights and Adam state (megatron's
   mixed-precision optimizer), gradients reduced in fp32; ``--fp16``: refused (no loss scaler);
 * ``--tensorboard-dir``: rank 0 also writes the metrics as TensorBoard scalars there;
-* ``--moe-token-dispatcher-type`` / ``--moe-grouped-gemm``: passed to the TransformerConfig.
+* ``--moe-token-dispatcher-type`` / ``--moe-grouped-gemm`` / ``--moe-permute-fusion`` /
+  ``--recompute-modules``: passed to the TransformerConfig (grouped GEMM, alltoall and the fused
+  permute need TE on a GPU); ``--moe-router-fusion``: refused (the trainer's router replays
+  top-k, which megatron's fused top-k bypasses). ``--qrl-train-moe-fast-path`` sets the
+  fast expert path where the flags leave it open (:mod:`megatron_qrl.config.moe_path`).
 
 Vocabulary: Megatron-LM pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by``
 x TP; megatron_qrl keeps the checkpoint's ``vocab_size`` (it must be divisible by TP), so the
@@ -76,6 +80,7 @@ FLAGS: tuple[tuple[str, str, Any, Any, tuple | None], ...] = (
     ("--recompute-granularity", "recompute_granularity", str, None, ("full", "selective")),
     ("--recompute-method", "recompute_method", str, None, ("uniform", "block")),
     ("--recompute-num-layers", "recompute_num_layers", int, None, None),
+    ("--recompute-modules", "recompute_modules", "list", None, None),
     ("--micro-batch-size", "micro_batch_size", int, None, None),
     ("--global-batch-size", "global_batch_size", int, None, None),
     ("--lr", "lr", float, None, None),
@@ -114,6 +119,8 @@ FLAGS: tuple[tuple[str, str, Any, Any, tuple | None], ...] = (
     ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", str, "allgather",
      ("allgather", "alltoall", "flex")),
     ("--moe-grouped-gemm", "moe_grouped_gemm", _T, False, None),
+    ("--moe-permute-fusion", "moe_permute_fusion", _T, False, None),
+    ("--moe-router-fusion", "moe_router_fusion", _T, False, None),
     ("--load", "load", str, None, None),
     ("--save", "save", str, None, None),
     ("--save-interval", "save_interval", int, None, None),
@@ -121,6 +128,8 @@ FLAGS: tuple[tuple[str, str, Any, Any, tuple | None], ...] = (
     ("--tensorboard-dir", "tensorboard_dir", str, None, None),
 )
 SUPPORTED = tuple(f[0] for f in FLAGS)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe")
+"""``--recompute-modules`` choices of megatron-core 0.16.1 that a Qwen3(-MoE) model has."""
 _FLAG_OF = {f[1]: f[0] for f in FLAGS}
 
 # Model-shape flags with a value: (dest, ModelArch field, HF config.json key; None: no key).
@@ -142,7 +151,7 @@ SHAPE: tuple[tuple[str, str, str | None], ...] = (
 )
 _MOE_ONLY = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
              "moe_router_load_balancing_type", "moe_router_dtype", "moe_token_dispatcher_type",
-             "moe_grouped_gemm")
+             "moe_grouped_gemm", "moe_permute_fusion")
 # Enum / boolean shape flags: (dest, the only value megatron_qrl's Qwen3 builder matches).
 FIXED = (("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
          ("qk_layernorm", True), ("swiglu", True), ("add_bias_linear", False),
@@ -165,6 +174,8 @@ def megatron_parser() -> tuple[argparse.ArgumentParser, bool]:
     for flag, dest, kind, default, choices in FLAGS:
         if kind in (_T, _F):
             parser.add_argument(flag, dest=dest, action=kind, default=default)
+        elif kind == "list":
+            parser.add_argument(flag, dest=dest, nargs="*", type=str, default=default)
         else:
             parser.add_argument(flag, dest=dest, type=finite_float if kind is float else kind,
                                 default=default, choices=choices)
@@ -342,7 +353,13 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
     if ns.moe_token_dispatcher_type == "flex":
         raise QrlArgumentError("--moe-token-dispatcher-type flex needs DeepEP, which qrl-train "
                                "does not wire; use alltoall (GPU) or allgather")
+    if ns.moe_router_fusion:
+        raise QrlArgumentError(
+            "--moe-router-fusion: megatron-core's fused top-k bypasses the router's replay hook, "
+            "and qrl-train's MoE router records and replays the rollout's top-k "
+            "(--qrl-routing-replay, the routing-agreement metric); drop the flag")
     needs_te = [f for f, on in (("--moe-grouped-gemm", ns.moe_grouped_gemm),
+                                ("--moe-permute-fusion", ns.moe_permute_fusion),
                                 ("--moe-token-dispatcher-type alltoall",
                                  ns.moe_token_dispatcher_type == "alltoall")) if on]
     if needs_te:
@@ -351,7 +368,8 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
         if not use_transformer_engine():
             raise QrlArgumentError(
                 f"{needs_te[0]} needs Transformer Engine on a GPU (megatron-core 0.16.1's "
-                "alltoall dispatcher builds a CUDA stream, grouped GEMM is TE's); without it "
+                "alltoall dispatcher builds a CUDA stream, grouped GEMM and the fused permute "
+                "are TE's); without it "
                 "drop the flag (qrl-train then uses the allgather dispatcher, same maths)")
     if ns.moe_grouped_gemm and "transformer_impl" in explicit and ns.transformer_impl == "local":
         raise QrlArgumentError("--moe-grouped-gemm uses Transformer Engine's grouped GEMM; "
@@ -400,7 +418,18 @@ def _refuse_memory_flags(ns: argparse.Namespace, explicit: frozenset[str]) -> No
                                "every layer's input kept, the layer recomputed in backward)")
     if gran == "selective" and (method is not None or layers is not None):
         raise QrlArgumentError("--recompute-granularity selective takes no --recompute-method / "
-                               "--recompute-num-layers (Megatron recomputes core attention)")
+                               "--recompute-num-layers (Megatron recomputes the "
+                               "--recompute-modules, default core_attn)")
+    modules = ns.recompute_modules
+    if modules is not None and gran != "selective":
+        raise QrlArgumentError("--recompute-modules needs --recompute-granularity selective")
+    bad = sorted(set(modules or ()) - set(RECOMPUTE_MODULES))
+    if bad or modules == []:
+        raise QrlArgumentError(f"--recompute-modules {' '.join(modules)}: choose from "
+                               f"{' '.join(RECOMPUTE_MODULES)} (megatron-core 0.16.1)")
+    if "moe_act" in (modules or ()) and not ns.moe_grouped_gemm:
+        raise QrlArgumentError("--recompute-modules moe_act recomputes TEGroupedMLP's "
+                               "activation: add --moe-grouped-gemm, or recompute moe / mlp")
     if layers is not None and layers < 1:
         raise QrlArgumentError(f"--recompute-num-layers must be >= 1, got {layers}")
     if "transformer_impl" in explicit and ns.transformer_impl == "transformer_engine":
@@ -459,11 +488,16 @@ def parse_megatron_flags(argv: Sequence[str]
     for dest in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         if getattr(ns, dest) is not None:
             overrides.append((dest, getattr(ns, dest)))
+    if ns.recompute_modules is not None:
+        overrides.append(("recompute_modules", tuple(ns.recompute_modules)))
     if "apply_rope_fusion" in explicit:  # --no-rope-fusion; absent: the builder decides
         overrides.append(("apply_rope_fusion", False))
     if ns.moe_grouped_gemm:
         overrides.append(("moe_grouped_gemm", True))
         shape += (("moe_grouped_gemm", True),)
+    if ns.moe_permute_fusion:
+        overrides.append(("moe_permute_fusion", True))
+        shape += (("moe_permute_fusion", True),)
     if ns.untie_embeddings_and_output_weights:
         shape += (("untie_embeddings_and_output_weights", True),)
     if "make_vocab_size_divisible_by" in explicit:

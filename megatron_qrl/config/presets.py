@@ -13,8 +13,10 @@ Machine / job presets:
   sum, lets RL close),
   supervised warm-up then RL with INT8 rollouts, aligned forward and ACR.
 * ``qwen3-4b-1gpu``: Qwen3-4B on one GPU, SGLang rollouts (needs ``--qrl-checkpoint``).
-* ``qwen3-30b-a3b``: Qwen3-30B-A3B, multi-node, FP8-block SGLang rollouts, routing replay
-  (needs ``--qrl-checkpoint``; TP/EP layout are Megatron flags in examples/).
+* ``qwen3-30b-a3b``: Qwen3-30B-A3B, multi-node, FP8-block SGLang rollouts, routing replay,
+  the fast MoE trainer path on a GPU with TE (``--qrl-train-moe-fast-path``: grouped GEMM,
+  alltoall, fused permute, selective recompute; config/moe_path.py) (needs
+  ``--qrl-checkpoint``; TP/EP layout are Megatron flags in examples/).
 
 Paper modes (docs/ALGORITHMS.md):
 
@@ -85,6 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-rollout-n-samples-per-prompt": 8,
         "--qrl-rollout-max-new-tokens": 4096,
         "--qrl-routing-replay": "all",
+        "--qrl-train-moe-fast-path": True,
         "--qrl-loss-kind": "tis",
         "--qrl-steps": 300,
         "--qrl-lr": 1e-6,

@@ -145,6 +145,11 @@ class TrainForwardConfig:
     uses exactly the rollout's quantized weights (and activation quantization for W8A8),
     straight-through to the BF16 masters; needs a quantized --qrl-rollout-format."""
 
+    moe_fast_path: bool = False
+    """MoE models on a GPU with Transformer Engine: grouped-GEMM experts, alltoall dispatcher,
+    fused permute, selective recompute of the experts' activation (Megatron flags after '--'
+    win); elsewhere (no TE / GPU, LoRA) the experts run sequentially and the log says so."""
+
     def __post_init__(self) -> None:
         _choice("--qrl-train-forward", self.forward, ("bf16", "aligned"))
 

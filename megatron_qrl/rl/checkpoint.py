@@ -62,11 +62,12 @@ _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_out
                         "qrl_rollout_sglang_stack_experts", "qrl_rollout_sglang_receipt",
                         "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
                         "qrl_engine_max_restarts", "qrl_max_bad_steps",
-                        "qrl_prox_from_first_update")
+                        "qrl_prox_from_first_update", "qrl_train_moe_fast_path")
 """Flags that may differ between a run and its resumption (run length, saving, resume, how
 the same weights reach the engine, and where pi_prox's log-probs are computed: the first
 update's forward or a recompute pass give the same values; its default changed from off to
-auto on 2026-12-01, and runs from before must still resume)."""
+auto on 2026-12-01, and runs from before must still resume; the MoE expert path, whose
+grouped and sequential experts hold the same weights under the same checkpoint names)."""
 _CHUNK = 1 << 24
 
 

@@ -43,6 +43,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
+from megatron_qrl.config.moe_path import check_moe_flags
 from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, one_line_error
 
 __all__ = ["build_parser", "main", "parse_configs"]
@@ -142,6 +143,7 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     configs = validate_qrl_args(args)
     flags = effective_values(args)
     configs["megatron"] = settings
+    check_moe_flags(settings, configs["lora"].enabled)
     flags["megatron_layout"] = settings.describe()
     args.world_size = _world_size(args, settings)
     if args.qrl_mode != "single" and configs["rollout"].sglang.base_gpu:

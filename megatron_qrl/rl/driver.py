@@ -31,8 +31,10 @@ import torch
 
 from megatron_qrl.config import QrlArgumentError, prox_first_blocker
 from megatron_qrl.config.megatron_flags import MegatronSettings, check_shape
+from megatron_qrl.config.moe_path import moe_overrides
 from megatron_qrl.data import CharTokenizer, addition_problems, tiny_dense_config, tiny_moe_config
 from megatron_qrl.data.dataset import PromptRecord, load_prompt_jsonl
+from megatron_qrl.models.builder import resolve_transformer_impl
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
 from megatron_qrl.models.runtime import RankWorld
 from megatron_qrl.rl.checkpoint import (
@@ -177,7 +179,12 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     run = configs["run"]
     mega = configs.get("megatron") or MegatronSettings()
     plan = forward_plan(configs, data.arch)
-    plan.config_overrides.update(dict(mega.config_overrides))
+    overrides, note = moe_overrides(
+        mega, configs["train"].moe_fast_path, data.arch.is_moe, lora=plan.lora is not None,
+        te_spec=resolve_transformer_impl(mega.transformer_impl))
+    plan.config_overrides.update(overrides)
+    if note and world.is_main:
+        print(f"qrl-train: {note}", file=sys.stderr, flush=True)
     _seed_megatron(run.seed)
     layout = mega.layout() if world.world_size > 1 else None
     trainer = PolicyTrainer(build_policy(

@@ -1,0 +1,74 @@
+"""The MoE trainer's expert path: grouped GEMMs on a GPU with Transformer Engine, else sequential.
+
+``--qrl-train-moe-fast-path`` (the ``qwen3-30b-a3b`` preset sets it) gives an MoE model the
+fast path of megatron-core 0.16.1 where the Transformer Engine spec is built (TE imports, a GPU
+is present, no ``--transformer-impl local``, no LoRA):
+
+- ``moe_grouped_gemm``: ``TEGroupedMLP``, every local expert in one grouped GEMM (the aligned
+  forward: ``te_quant.te_grouped``);
+- ``moe_token_dispatcher_type alltoall`` and ``moe_permute_fusion`` (TE's fused permute /
+  unpermute);
+- ``recompute_granularity selective`` with ``recompute_modules ["moe_act"]`` (only the experts'
+  SwiGLU outputs are recomputed in the backward) unless a ``--recompute-*`` flag was given.
+
+Megatron flags given after ``--`` win. The router stays unfused: the trainer's router records
+and replays top-k (``moe.ReplayTopKRouter``), which megatron's fused top-k bypasses. Where the
+TE spec is not built the experts run sequentially and :func:`moe_overrides` says so in its
+note; an explicit ``--moe-grouped-gemm`` there is refused (``megatron_flags``, :func:`check_moe_flags`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .args import QrlArgumentError
+
+FAST_PATH: tuple[tuple[str, Any], ...] = (
+    ("moe_grouped_gemm", True),
+    ("moe_token_dispatcher_type", "alltoall"),
+    ("moe_permute_fusion", True),
+)
+"""TransformerConfig fields of the fast expert path (module docstring)."""
+FAST_RECOMPUTE: tuple[tuple[str, Any], ...] = (
+    ("recompute_granularity", "selective"),
+    ("recompute_modules", ("moe_act",)),
+)
+"""Activation recompute of the fast path where no ``--recompute-*`` flag was given."""
+_RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers",
+              "recompute_modules")
+
+
+def check_moe_flags(settings: Any, lora_enabled: bool) -> None:
+    """Raise naming the flags for an expert path the trainer would not build as asked."""
+    given = dict(settings.config_overrides)
+    if lora_enabled and given.get("moe_grouped_gemm"):
+        raise QrlArgumentError(
+            "--moe-grouped-gemm with --qrl-lora-rank > 0: LoRA adapters on routed experts run "
+            "on megatron-core's local spec, one SequentialMLP linear per expert; drop "
+            "--moe-grouped-gemm (the sequential path) or train without LoRA")
+
+
+def moe_overrides(settings: Any, fast: bool, is_moe: bool, lora: bool,
+                  te_spec: bool) -> tuple[dict[str, Any], str | None]:
+    """``(TransformerConfig overrides, note)`` of the Megatron flags plus the fast path.
+
+    ``fast``: ``--qrl-train-moe-fast-path``; ``te_spec``: the trainer builds the Transformer
+    Engine spec; ``lora``: a LoRA run (local spec). ``note``: one line saying why the fast path
+    did not apply, else None.
+    """
+    given = dict(settings.config_overrides)
+    if "recompute_modules" in given:  # TransformerConfig's field is a list
+        given["recompute_modules"] = list(given["recompute_modules"])
+    if not (fast and is_moe):
+        return given, None
+    if lora or not te_spec:
+        why = ("LoRA runs on the local spec" if lora else
+               "the Transformer Engine spec is not built here (no TE on a GPU, or "
+               "--transformer-impl local)")
+        return given, (f"--qrl-train-moe-fast-path: {why}; the MoE experts run sequentially "
+                       "(SequentialMLP)")
+    out = {k: v for k, v in FAST_PATH if k not in given}
+    if not any(k in given for k in _RECOMPUTE):
+        out.update((k, list(v) if isinstance(v, tuple | list) else v) for k, v in FAST_RECOMPUTE)
+    out.update(given)
+    return out, None

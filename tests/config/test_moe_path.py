@@ -1,0 +1,112 @@
+"""The MoE trainer's expert path: the fast path's TransformerConfig, its flags and refusals.
+
+``config.moe_path.moe_overrides`` is pure; the builds run megatron-core on the CPU (local spec:
+no Transformer Engine here), the GPU side is tests/gpu/test_te_grouped.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config.megatron_flags import parse_megatron_flags
+from megatron_qrl.config.moe_path import moe_overrides
+from megatron_qrl.rl.cli import parse_configs
+
+BASE = ["--qrl-preset", "tiny-cpu"]
+
+
+def _settings(*flags: str):
+    return parse_megatron_flags(list(flags))[0]
+
+
+@pytest.fixture
+def te_here(monkeypatch):
+    """As on a GPU host with Transformer Engine (the flags' TE checks pass)."""
+    import megatron_qrl.models.builder as builder
+
+    monkeypatch.setattr(builder, "use_transformer_engine", lambda: True)
+
+
+def test_30b_preset_turns_the_fast_path_on():
+    configs, _, _ = parse_configs(["--qrl-preset", "tiny-cpu,qwen3-30b-a3b", "--qrl-model",
+                                   "tiny-moe", "--qrl-rollout-engine", "reference"])
+    assert configs["train"].moe_fast_path
+    configs, _, _ = parse_configs(BASE)
+    assert not configs["train"].moe_fast_path
+
+
+def test_fast_path_on_the_te_spec():
+    got, note = moe_overrides(_settings(), True, is_moe=True, lora=False, te_spec=True)
+    assert note is None
+    assert got == {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall",
+                   "moe_permute_fusion": True, "recompute_granularity": "selective",
+                   "recompute_modules": ["moe_act"]}
+
+
+def test_megatron_flags_win_over_the_fast_path():
+    full = _settings("--recompute-granularity", "full", "--recompute-method", "uniform",
+                     "--recompute-num-layers", "1", "--moe-token-dispatcher-type", "allgather")
+    got, _ = moe_overrides(full, True, is_moe=True, lora=False, te_spec=True)
+    assert got["recompute_granularity"] == "full" and "recompute_modules" not in got
+    assert got["moe_token_dispatcher_type"] == "allgather" and got["moe_grouped_gemm"]
+
+
+@pytest.mark.parametrize("lora,te_spec,is_moe,fast,why", [
+    (False, False, True, True, "Transformer Engine spec is not built"),
+    (True, True, True, True, "LoRA runs on the local spec"),
+    (False, True, False, True, None),
+    (False, True, True, False, None),
+])
+def test_fast_path_off_or_unavailable(lora, te_spec, is_moe, fast, why):
+    sel = _settings("--recompute-granularity", "selective", "--recompute-modules", "core_attn")
+    got, note = moe_overrides(sel, fast, is_moe=is_moe, lora=lora, te_spec=te_spec)
+    assert got == {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    assert (note is None) == (why is None)
+    if why:
+        assert why in note and "--qrl-train-moe-fast-path" in note
+
+
+def test_fast_path_builds_on_cpu(megatron):
+    """CPU (no TE): the fast path resolves to the sequential experts and the model builds."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_qrl.models.builder import resolve_transformer_impl
+    from megatron_qrl.models.runtime import build_model
+    from tests.helpers.te_quant_fixtures import tiny_hf
+
+    _, arch = tiny_hf("moe")
+    over, note = moe_overrides(_settings(), True, is_moe=True, lora=False,
+                               te_spec=resolve_transformer_impl("auto"))
+    assert note and over == {}
+    model = build_model(arch, use_cpu_initialization=True, **over)
+    assert isinstance(model.decoder.layers[0].mlp.experts, SequentialMLP)
+
+
+def test_lora_with_grouped_gemm_is_one_error(te_here):
+    with pytest.raises(QrlArgumentError, match=r"--moe-grouped-gemm with --qrl-lora-rank > 0.*"
+                       "drop --moe-grouped-gemm"):
+        parse_configs([*BASE, "--qrl-lora-rank", "8", "--qrl-train-forward", "bf16", "--",
+                       "--moe-grouped-gemm"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--moe-router-fusion"], "--moe-router-fusion"),
+    (["--recompute-modules", "moe_act"], "needs --recompute-granularity selective"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "attn"], "choose from"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
+     "add --moe-grouped-gemm"),
+])
+def test_refused_moe_flags(argv, needle):
+    with pytest.raises(QrlArgumentError) as info:
+        parse_megatron_flags(argv)
+    assert needle in str(info.value)
+
+
+def test_permute_fusion_and_recompute_modules_reach_the_config(te_here):
+    settings = _settings("--moe-grouped-gemm", "--moe-permute-fusion", "--recompute-granularity",
+                         "selective", "--recompute-modules", "moe_act", "core_attn")
+    got, _ = moe_overrides(settings, False, is_moe=True, lora=False, te_spec=True)
+    assert got == {"moe_grouped_gemm": True, "moe_permute_fusion": True,
+                   "recompute_granularity": "selective",
+                   "recompute_modules": ["moe_act", "core_attn"]}
