@@ -2,8 +2,7 @@
 """One full RL step through ``qrl-train``'s own code, split into rollout / recompute / train / sync.
 
     python bench/rl_step.py --model qwen3_4b --formats bf16,fp8 --out $OUT/rl_step.jsonl
-    python bench/rl_step.py --model qwen3_30b_a3b --layers 8 --formats bf16,fp8 \
-        --megatron "--moe-token-dispatcher-type alltoall --moe-grouped-gemm"
+    python bench/rl_step.py --model qwen3_30b_a3b --layers 4 --formats bf16,fp8
     python bench/rl_step.py --device cpu --model tiny      # CPU smoke (reference engine)
 
 Each variant (a rollout ``--formats`` entry, optionally ``FMT@NAME`` with ``--variant-flags
@@ -11,9 +10,13 @@ NAME="megatron flags"``) runs ``python -m megatron_qrl.rl.cli`` in a fresh proce
 checkpoint (``tools/make_random_checkpoint.py``, made once under ``--ckpt-root``) for ``--steps``
 RL steps (no SFT) under the model's job preset (``--preset``, default :data:`PRESETS`: the 4B
 runs as ``examples/run_qwen3_4b_1gpu.sh`` does, one optimizer update per step; the flags below
-override the preset's); the LAST step's record (``metrics.jsonl``) is reported: the four phase times,
-the trainer's peak memory (``torch.cuda.max_memory_allocated`` of the trainer process; SGLang's
-memory lives in its own processes) and
+override the preset's; the 30B-A3B preset runs the fast MoE path on a GPU with TE —
+``--qrl-train-moe-fast-path``: grouped-GEMM experts, alltoall dispatcher, fused permute,
+selective recompute of the experts' activation unless ``--megatron`` names a recompute flag;
+``--qrl "--no-qrl-train-moe-fast-path"`` measures the sequential experts); the LAST step's
+record (``metrics.jsonl``) is reported: the four phase times, the trainer's peak memory
+(``torch.cuda.max_memory_allocated`` of the trainer process; SGLang's memory lives in its own
+processes) and
 
     trainer MFU   = 6 * N_active * trained_tokens / time_train / peak
     recompute MFU = 2 * N_active * recomputed_tokens / time_recompute / peak
