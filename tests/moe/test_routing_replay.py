@@ -131,3 +131,36 @@ def test_ep2_replay_equals_ep1():
     for logits, own in ep2:
         assert (logits - ep1[0]).abs().max().item() <= 1e-5
         assert torch.equal(own, ep1[1])
+
+
+def test_replay_router_work_does_not_grow_with_tokens():
+    """The replayed top-k is tensor work (one gather of the gates at the recorded ids): the
+    router dispatches the same torch ops for 16 tokens as for 512 — no per-token Python."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_qrl.models.runtime import single_process_megatron
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with quiet_torch_trace(), single_process_megatron():
+        arch, replay, model = _replay_model("all", moe_aux_loss_coeff=0.0)
+        router = model.decoder.layers[0].mlp.router
+        counts = []
+        for tokens in (16, 512):
+            g = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, 1, arch.hidden_size, generator=g)
+            route = torch.rand(tokens, arch.num_layers, arch.num_experts,
+                               generator=g).argsort(-1)[..., :arch.moe_top_k]
+            with replay.use(route, "update"), Ops() as ops:
+                _, routing_map = router(x)
+            assert torch.equal(routing_map.nonzero()[:, 1].reshape(tokens, -1),
+                               route[:, 0].sort(-1).values)
+            counts.append(ops.n)
+    assert counts[0] == counts[1], counts
