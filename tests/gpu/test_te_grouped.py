@@ -91,6 +91,18 @@ def _run(model, arch, x, state=None, plain=False, replay=None, route=None):
                                             grads_as_hf(model, arch).items()}
 
 
+def _fp32_routed():
+    """(arch, HF tensors, token ids, the fp32 sequential model's experts per token): BF16
+    models replay these experts, so their comparison is not moved by top-k flips."""
+    hf, arch = tiny_hf("moe")
+    tensors = hf_state(hf)
+    x = ids(batch=4, seq=64).cuda()
+    _, ref = _model(arch, tensors, torch.float32, False, aligned=False)
+    with record_routing(ref) as maps, torch.no_grad():
+        ref(x, torch.arange(x.shape[1], device="cuda")[None].expand_as(x), attention_mask=None)
+    return arch, tensors, x, routing_ids(maps, arch.moe_top_k).cuda()
+
+
 def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -127,13 +139,7 @@ def test_grouped_bf16_uses_grouped_mm_and_matches_sequential(megatron):
     from megatron_qrl.moe import RoutingReplay
     from megatron_qrl.quant import get_spec, list_specs
 
-    hf, arch = tiny_hf("moe")
-    tensors = hf_state(hf)
-    x = ids(batch=4, seq=64).cuda()
-    _, ref = _model(arch, tensors, torch.float32, False, aligned=False)
-    with record_routing(ref) as maps, torch.no_grad():
-        ref(x, torch.arange(x.shape[1], device="cuda")[None].expand_as(x), attention_mask=None)
-    route = routing_ids(maps, arch.moe_top_k).cuda()
+    arch, tensors, x, route = _fp32_routed()
     runs = {}
     for grouped in (True, False):
         replay = RoutingReplay("all", arch.num_experts, arch.moe_top_k)
@@ -154,13 +160,7 @@ def test_grouped_bf16_uses_grouped_mm_and_matches_sequential(megatron):
 def test_plain_grouped_stand_in_matches_te_grouped_linear(megatron):
     from megatron_qrl.moe import RoutingReplay
 
-    hf, arch = tiny_hf("moe")
-    tensors = hf_state(hf)
-    x = ids(batch=4, seq=64).cuda()
-    _, ref = _model(arch, tensors, torch.float32, False, aligned=False)
-    with record_routing(ref) as maps, torch.no_grad():
-        ref(x, torch.arange(x.shape[1], device="cuda")[None].expand_as(x), attention_mask=None)
-    route = routing_ids(maps, arch.moe_top_k).cuda()
+    arch, tensors, x, route = _fp32_routed()
     out = []
     for aligned in (True, False):
         replay = RoutingReplay("all", arch.num_experts, arch.moe_top_k)
