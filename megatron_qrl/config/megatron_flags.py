@@ -37,10 +37,10 @@ mapping applies. Every accepted flag has an effect or raises; none is silently i
   mixed-precision optimizer), gradients reduced in fp32; ``--fp16``: refused (no loss scaler);
 * ``--tensorboard-dir``: rank 0 also writes the metrics as TensorBoard scalars there;
 * ``--moe-token-dispatcher-type`` / ``--moe-grouped-gemm`` / ``--moe-permute-fusion`` /
-  ``--recompute-modules``: passed to the TransformerConfig (grouped GEMM, alltoall and the fused
-  permute need TE on a GPU); ``--moe-router-fusion``: refused (the trainer's router replays
-  top-k, which megatron's fused top-k bypasses). ``--qrl-train-moe-fast-path`` sets the
-  fast expert path where the flags leave it open (:mod:`megatron_qrl.config.moe_path`).
+  ``--moe-router-fusion`` / ``--recompute-modules``: passed to the TransformerConfig (grouped
+  GEMM, alltoall and the fusions need TE on a GPU; a forward that replays routing runs the
+  unfused top-k, ``moe.ReplayTopKRouter``). ``--qrl-train-moe-fast-path`` sets the fast
+  expert path where the flags leave it open (:mod:`megatron_qrl.config.moe_path`).
 
 Vocabulary: Megatron-LM pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by``
 x TP; megatron_qrl keeps the checkpoint's ``vocab_size`` (it must be divisible by TP), so the
@@ -151,7 +151,7 @@ SHAPE: tuple[tuple[str, str, str | None], ...] = (
 )
 _MOE_ONLY = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
              "moe_router_load_balancing_type", "moe_router_dtype", "moe_token_dispatcher_type",
-             "moe_grouped_gemm", "moe_permute_fusion")
+             "moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion")
 # Enum / boolean shape flags: (dest, the only value megatron_qrl's Qwen3 builder matches).
 FIXED = (("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
          ("qk_layernorm", True), ("swiglu", True), ("add_bias_linear", False),
@@ -353,13 +353,9 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
     if ns.moe_token_dispatcher_type == "flex":
         raise QrlArgumentError("--moe-token-dispatcher-type flex needs DeepEP, which qrl-train "
                                "does not wire; use alltoall (GPU) or allgather")
-    if ns.moe_router_fusion:
-        raise QrlArgumentError(
-            "--moe-router-fusion: megatron-core's fused top-k bypasses the router's replay hook, "
-            "and qrl-train's MoE router records and replays the rollout's top-k "
-            "(--qrl-routing-replay, the routing-agreement metric); drop the flag")
     needs_te = [f for f, on in (("--moe-grouped-gemm", ns.moe_grouped_gemm),
                                 ("--moe-permute-fusion", ns.moe_permute_fusion),
+                                ("--moe-router-fusion", ns.moe_router_fusion),
                                 ("--moe-token-dispatcher-type alltoall",
                                  ns.moe_token_dispatcher_type == "alltoall")) if on]
     if needs_te:
@@ -495,9 +491,10 @@ def parse_megatron_flags(argv: Sequence[str]
     if ns.moe_grouped_gemm:
         overrides.append(("moe_grouped_gemm", True))
         shape += (("moe_grouped_gemm", True),)
-    if ns.moe_permute_fusion:
-        overrides.append(("moe_permute_fusion", True))
-        shape += (("moe_permute_fusion", True),)
+    for dest in ("moe_permute_fusion", "moe_router_fusion"):
+        if getattr(ns, dest):
+            overrides.append((dest, True))
+            shape += ((dest, True),)
     if ns.untie_embeddings_and_output_weights:
         shape += (("untie_embeddings_and_output_weights", True),)
     if "make_vocab_size_divisible_by" in explicit:

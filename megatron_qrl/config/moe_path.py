@@ -6,14 +6,13 @@ is present, no ``--transformer-impl local``, no LoRA):
 
 - ``moe_grouped_gemm``: ``TEGroupedMLP``, every local expert in one grouped GEMM (the aligned
   forward: ``te_quant.te_grouped``);
-- ``moe_token_dispatcher_type alltoall`` and ``moe_permute_fusion`` (TE's fused permute /
-  unpermute);
+- ``moe_token_dispatcher_type alltoall``, ``moe_permute_fusion`` (TE's fused permute /
+  unpermute) and ``moe_router_fusion`` (TE's fused top-k and aux-loss scores; a forward that
+  replays the rollout's experts runs the unfused top-k, ``moe.ReplayTopKRouter``);
 - ``recompute_granularity selective`` with ``recompute_modules ["moe_act"]`` (only the experts'
   SwiGLU outputs are recomputed in the backward) unless a ``--recompute-*`` flag was given.
 
-Megatron flags given after ``--`` win. The router stays unfused: the trainer's router records
-and replays top-k (``moe.ReplayTopKRouter``), which megatron's fused top-k bypasses. Where the
-TE spec is not built the experts run sequentially and :func:`moe_overrides` says so in its
+Megatron flags given after ``--`` win. Where the TE spec is not built the experts run sequentially and :func:`moe_overrides` says so in its
 note; an explicit ``--moe-grouped-gemm`` there is refused (``megatron_flags``, :func:`check_moe_flags`).
 """
 
@@ -27,6 +26,7 @@ FAST_PATH: tuple[tuple[str, Any], ...] = (
     ("moe_grouped_gemm", True),
     ("moe_token_dispatcher_type", "alltoall"),
     ("moe_permute_fusion", True),
+    ("moe_router_fusion", True),
 )
 """TransformerConfig fields of the fast expert path (module docstring)."""
 FAST_RECOMPUTE: tuple[tuple[str, Any], ...] = (

@@ -17,6 +17,7 @@ the trainer's own top-k per layer for :func:`routing_agreement`.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -133,21 +134,39 @@ def check_replay_config(config: Any) -> None:
     if config.moe_expert_capacity_factor is not None:
         raise ValueError("routing replay needs token dropping off: unset "
                          "moe_expert_capacity_factor (--moe-expert-capacity-factor)")
-    if config.moe_router_fusion:
-        raise ValueError("routing replay needs the unfused router: set moe_router_fusion=False")
     if config.moe_router_score_function != "softmax" or config.moe_router_num_groups:
         raise ValueError("routing replay supports softmax top-k routing without groups "
                          "(Qwen3-MoE); this config uses another router")
 
 
 class ReplayTopKRouter(TopKRouter):
-    """megatron-core ``TopKRouter`` that can take its top-k experts from the rollout."""
+    """megatron-core ``TopKRouter`` that can take its top-k experts from the rollout.
+
+    With ``moe_router_fusion`` (TE's fused top-k + aux-loss scores) a forward that replays runs
+    the unfused top-k (the fused kernel has no replay hook); any other forward runs fused and
+    records its experts from the routing map. The router holds its own copy of the config for
+    that switch, so no other module sees it change."""
 
     def __init__(self, config: Any, pg_collection: Any = None, *, replay: RoutingReplay) -> None:
         check_replay_config(config)
         super().__init__(config=config, pg_collection=pg_collection)
         self.replay = replay
         self.router_replay = _LayerReplay(self)
+        self.fused_topk = bool(config.moe_router_fusion)
+        if self.fused_topk:
+            self.config = copy.copy(config)
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """Megatron's top-k routing; fused unless this forward replays (class docstring)."""
+        if not self.fused_topk:
+            return super().routing(logits, padding_mask)
+        replaying = self.replay.active
+        self.config.moe_router_fusion = not replaying
+        probs, routing_map = super().routing(logits, padding_mask)
+        if not replaying:  # the fused kernel skipped _LayerReplay: record from the map
+            own = routing_map.to(torch.int8).topk(self.topk, dim=1).indices
+            self.replay.recorded[self.moe_layer_index] = own.detach()
+        return probs, routing_map
 
     @property
     def moe_layer_index(self) -> int:

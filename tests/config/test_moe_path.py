@@ -6,6 +6,8 @@ no Transformer Engine here), the GPU side is tests/gpu/test_te_grouped.py.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from megatron_qrl.config import QrlArgumentError
@@ -40,7 +42,8 @@ def test_fast_path_on_the_te_spec():
     got, note = moe_overrides(_settings(), True, is_moe=True, lora=False, te_spec=True)
     assert note is None
     assert got == {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall",
-                   "moe_permute_fusion": True, "recompute_granularity": "selective",
+                   "moe_permute_fusion": True, "moe_router_fusion": True,
+                   "recompute_granularity": "selective",
                    "recompute_modules": ["moe_act"]}
 
 
@@ -83,6 +86,14 @@ def test_fast_path_builds_on_cpu(megatron):
     assert isinstance(model.decoder.layers[0].mlp.experts, SequentialMLP)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                    reason="Transformer Engine is installed: these flags are then honoured")
+@pytest.mark.parametrize("flag", ["--moe-permute-fusion", "--moe-router-fusion"])
+def test_fusion_flags_need_te(flag):
+    with pytest.raises(QrlArgumentError, match=f"{flag} needs Transformer Engine"):
+        parse_megatron_flags([flag])
+
+
 def test_lora_with_grouped_gemm_is_one_error(te_here):
     with pytest.raises(QrlArgumentError, match=r"--moe-grouped-gemm with --qrl-lora-rank > 0.*"
                        "drop --moe-grouped-gemm"):
@@ -91,7 +102,6 @@ def test_lora_with_grouped_gemm_is_one_error(te_here):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--moe-router-fusion"], "--moe-router-fusion"),
     (["--recompute-modules", "moe_act"], "needs --recompute-granularity selective"),
     (["--recompute-granularity", "selective", "--recompute-modules", "attn"], "choose from"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
@@ -103,10 +113,11 @@ def test_refused_moe_flags(argv, needle):
     assert needle in str(info.value)
 
 
-def test_permute_fusion_and_recompute_modules_reach_the_config(te_here):
-    settings = _settings("--moe-grouped-gemm", "--moe-permute-fusion", "--recompute-granularity",
-                         "selective", "--recompute-modules", "moe_act", "core_attn")
+def test_fusions_and_recompute_modules_reach_the_config(te_here):
+    settings = _settings("--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
+                         "--recompute-granularity", "selective", "--recompute-modules",
+                         "moe_act", "core_attn")
     got, _ = moe_overrides(settings, False, is_moe=True, lora=False, te_spec=True)
-    assert got == {"moe_grouped_gemm": True, "moe_permute_fusion": True,
+    assert got == {"moe_grouped_gemm": True, "moe_permute_fusion": True, "moe_router_fusion": True,
                    "recompute_granularity": "selective",
                    "recompute_modules": ["moe_act", "core_attn"]}

@@ -13,6 +13,8 @@ Both models are Megatron's Transformer Engine spec with the aligned swap
    moves a few values, not the norm).
 3. The plain grouped path (aligned swap, ``state.only(())``) vs TE's own ``GroupedLinear``
    (Megatron's TE spec, no swap), BF16: within BF16 noise.
+4. ``--moe-router-fusion``: a forward without replay (TE's fused top-k) records the unfused
+   router's experts.
 
 Run: ``pytest tests/gpu/test_te_grouped.py -s -rs``.
 """
@@ -169,3 +171,28 @@ def test_plain_grouped_stand_in_matches_te_grouped_linear(megatron):
         assert ("AlignedTEGroupedMLP" in names) == aligned, names
         out.append(_run(model, arch, x, state, plain=aligned, replay=replay, route=route))
     _compare(out[0], out[1], 2e-2, "plain grouped stand-in vs TE GroupedLinear")
+
+
+@needs_te
+def test_fused_router_records_the_unfused_routers_experts(megatron):
+    """``--moe-router-fusion`` (TE's fused top-k): a forward that does not replay records the
+    experts the unfused router chooses (as sets: the metric is set-based), fp32."""
+    from megatron_qrl.models.runtime import build_model
+    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
+    from megatron_qrl.moe import RoutingReplay, recorded_ids, replay_spec_hook
+
+    hf, arch = tiny_hf("moe")
+    tensors = hf_state(hf)
+    x = ids(batch=4, seq=64).cuda()
+    pos = torch.arange(x.shape[1], device="cuda")[None].expand_as(x)
+    got = []
+    for fused in (True, False):
+        replay = RoutingReplay("recompute", arch.num_experts, arch.moe_top_k)
+        model = build_model(arch, None, torch.float32, spec_hook=replay_spec_hook(replay),
+                            use_te="transformer_engine", moe_grouped_gemm=True,
+                            moe_router_fusion=fused)
+        load_hf_weights(model, arch, tensors.__getitem__, groups_from_parallel_state())
+        with torch.no_grad():
+            model.cuda()(x, pos, attention_mask=None)
+        got.append(recorded_ids(replay, arch.num_layers).sort(-1).values)
+    assert torch.equal(got[0], got[1])

@@ -164,3 +164,31 @@ def test_replay_router_work_does_not_grow_with_tokens():
                                route[:, 0].sort(-1).values)
             counts.append(ops.n)
     assert counts[0] == counts[1], counts
+
+
+def test_fused_router_replays_unfused_and_runs_fused_otherwise():
+    """``moe_router_fusion``: a replaying forward takes the unfused top-k (the fused kernel has
+    no replay hook) and equals the unfused router's replay; a forward that does not replay
+    runs TE's fused top-k (without TE here: megatron's error names it); the model's shared
+    config keeps its setting."""
+    import importlib.util
+
+    from megatron_qrl.models.runtime import single_process_megatron
+
+    with quiet_torch_trace(), single_process_megatron():
+        x = ids()
+        pos = torch.arange(x.shape[1])[None].expand_as(x)
+        out = []
+        for fused in (True, False):
+            arch, replay, model = _replay_model("all", moe_router_fusion=fused)
+            route = torch.rand(x.numel(), arch.num_layers, arch.num_experts,
+                               generator=torch.Generator().manual_seed(1)
+                               ).argsort(-1)[..., :arch.moe_top_k]
+            with replay.use(route, "update"), torch.no_grad():
+                out.append(model(x, pos, attention_mask=None))
+            assert model.config.moe_router_fusion == fused
+        assert torch.equal(out[0], out[1])
+        if importlib.util.find_spec("transformer_engine") is None:
+            arch, replay, model = _replay_model("all", moe_router_fusion=True)
+            with pytest.raises(ValueError, match="fused_topk_with_score_function"):
+                model(x, pos, attention_mask=None)
