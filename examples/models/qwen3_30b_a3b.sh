@@ -9,5 +9,5 @@ MODEL_ARGS=(
     --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
     --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall --moe-grouped-gemm
-    --moe-permute-fusion
+    --moe-permute-fusion --moe-router-fusion
 )

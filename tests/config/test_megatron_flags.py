@@ -175,8 +175,8 @@ def test_example_model_flags_parse_and_match_their_model():
         argv = _bash_array(str(script), "MODEL_ARGS")
         assert {a for a in argv if a.startswith("--")} <= names, script.name
         settings, _, _ = parse_megatron_flags([a for a in argv if a not in (
-            "--moe-grouped-gemm", "--moe-permute-fusion")] + ["--moe-token-dispatcher-type",
-                                                                 "allgather"])
+            "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion")] + [
+                "--moe-token-dispatcher-type", "allgather"])
         if script.name == "qwen3_30b_a3b.sh":
             cfg = json.loads((ROOT / "megatron_qrl/data/configs/qwen3_30b_a3b.json").read_text())
             settings.apply_to_hf_config(cfg, arch_from_dict(cfg), script.name, fixed_model=True)
