@@ -9,7 +9,8 @@ mapping applies. Every accepted flag has an effect or raises; none is silently i
 * parallel layout: ``--tensor-model-parallel-size``, ``--expert-model-parallel-size``,
   ``--expert-tensor-parallel-size`` (Megatron default: equal to TP), ``--sequence-parallel``
   (off unless given, as in Megatron; MoE with TP > 1 needs it),
-  ``--pipeline-model-parallel-size`` (only 1), ``--bf16`` (below);
+  ``--pipeline-model-parallel-size`` (megatron-core's 1F1B schedule, ``rl.pipeline``; its
+  virtual / interleaved stages are refused), ``--bf16`` (below);
 * trainer memory / speed (:meth:`MegatronSettings.trainer_options`): ``--transformer-impl``
   (``transformer_engine`` | ``local``; absent: TE where it imports on a GPU, as Megatron-LM
   defaults to it), ``--recompute-granularity`` / ``--recompute-method`` /
@@ -68,6 +69,10 @@ _T, _F = "store_true", "store_false"
 FLAGS: tuple[tuple[str, str, Any, Any, tuple | None], ...] = (
     ("--tensor-model-parallel-size", "tensor_model_parallel_size", int, 1, None),
     ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", int, 1, None),
+    ("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage", int,
+     None, None),
+    ("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank", int,
+     None, None),
     ("--expert-model-parallel-size", "expert_model_parallel_size", int, 1, None),
     ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", int, None, None),
     ("--sequence-parallel", "sequence_parallel", _T, False, None),
@@ -216,6 +221,8 @@ class MegatronSettings:
     """--expert-model-parallel-size."""
     etp: int = 1
     """--expert-tensor-parallel-size (Megatron: defaults to TP)."""
+    pp: int = 1
+    """--pipeline-model-parallel-size."""
     sequence_parallel: bool = False
     """--sequence-parallel."""
     bf16: bool = False
@@ -239,29 +246,32 @@ class MegatronSettings:
 
     @property
     def model_parallel_size(self) -> int:
-        """Processes one model replica spans (TP x EP x ETP bounds the world size)."""
-        return max(self.tp, self.ep * self.etp)
+        """Processes one model replica spans (max(TP, EP x ETP) x PP bounds the world size)."""
+        return max(self.tp, self.ep * self.etp) * self.pp
 
     def layout(self) -> Any:
         """The :class:`megatron_qrl.models.builder.ParallelLayout` of these flags."""
         from megatron_qrl.models.builder import ParallelLayout
 
         return ParallelLayout(tp=self.tp, ep=self.ep, etp=self.etp,
-                              sequence_parallel=self.sequence_parallel)
+                              sequence_parallel=self.sequence_parallel, pp=self.pp)
 
     def describe(self) -> str:
         """The layout as stored with checkpoints (a resume must use the same one)."""
         text = f"tp={self.tp},ep={self.ep},etp={self.etp},sp={int(self.sequence_parallel)}"
+        text += f",pp={self.pp}" if self.pp > 1 else ""
         return text + (",bf16" if self.bf16 else "") + (",distopt" if self.distributed_optimizer
                                                         else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise naming the flags when ``world_size`` processes cannot hold the layout."""
-        if world_size % self.tp or world_size % (self.ep * self.etp):
+        dense, expert = self.tp * self.pp, self.ep * self.etp * self.pp
+        if world_size % dense or world_size % expert:
+            pp = f"--pipeline-model-parallel-size {self.pp} " if self.pp > 1 else ""
             raise QrlArgumentError(
-                f"--tensor-model-parallel-size {self.tp} --expert-model-parallel-size {self.ep} "
-                f"--expert-tensor-parallel-size {self.etp} need a number of processes divisible "
-                f"by {self.tp} and by {self.ep * self.etp}; this job has {world_size}: launch "
+                f"--tensor-model-parallel-size {self.tp} {pp}--expert-model-parallel-size "
+                f"{self.ep} --expert-tensor-parallel-size {self.etp} need a number of processes "
+                f"divisible by {dense} and by {expert}; this job has {world_size}: launch "
                 f"with torchrun --nproc-per-node {self.model_parallel_size} -m "
                 "megatron_qrl.rl.cli ...")
 
@@ -337,11 +347,14 @@ def _same(a: Any, b: Any) -> bool:
 
 def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
     """Flags this build cannot honour: one error each, naming what would make it work."""
-    if ns.pipeline_model_parallel_size != 1:
+    virtual = [f"{_FLAG_OF[d]} {getattr(ns, d)}" for d in (
+        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+        if getattr(ns, d) is not None]
+    if virtual:
         raise QrlArgumentError(
-            f"--pipeline-model-parallel-size {ns.pipeline_model_parallel_size}: qrl-train's "
-            "trainer has no pipeline stages (it runs the whole model on every rank); use "
-            "--pipeline-model-parallel-size 1 and more --tensor/--expert-model-parallel-size")
+            f"{virtual[0]}: qrl-train runs megatron-core's non-interleaved 1F1B pipeline "
+            "schedule (one model chunk per stage); interleaved virtual stages are not wired: "
+            "drop the flag (--pipeline-model-parallel-size alone)")
     _refuse_memory_flags(ns, explicit)
     if ns.fp16:
         raise QrlArgumentError(
@@ -463,7 +476,8 @@ def parse_megatron_flags(argv: Sequence[str]
     """
     ns, explicit, _ = _parse(argv)
     _refuse(ns, explicit)
-    for dest in ("tensor_model_parallel_size", "expert_model_parallel_size",
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "micro_batch_size", "global_batch_size",
                  "seq_length", "save_interval", "train_iters", "num_layers", "hidden_size",
                  "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -500,7 +514,7 @@ def parse_megatron_flags(argv: Sequence[str]
     if "make_vocab_size_divisible_by" in explicit:
         shape += (("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by),)
     settings = MegatronSettings(
-        tp=tp, ep=ns.expert_model_parallel_size, etp=etp,
+        tp=tp, ep=ns.expert_model_parallel_size, etp=etp, pp=ns.pipeline_model_parallel_size,
         sequence_parallel=bool(ns.sequence_parallel), bf16=bool(ns.bf16),
         seq_length=ns.seq_length,
         shape=shape, config_overrides=tuple(overrides),

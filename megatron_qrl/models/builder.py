@@ -31,7 +31,7 @@ TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor / expert parallel sizes the model is built for."""
+    """Tensor / pipeline / expert parallel sizes the model is built for."""
 
     tp: int = 1
     """Tensor-parallel size."""
@@ -41,9 +41,12 @@ class ParallelLayout:
     """Expert tensor-parallel size; 1 keeps every expert whole on its rank."""
     sequence_parallel: bool | None = None
     """Sequence parallelism; None turns it on when tp > 1 (MoE with TP > 1 needs it to train)."""
+    pp: int = 1
+    """Pipeline-parallel size: each stage builds ``num_layers / pp`` consecutive decoder
+    layers (the first the embedding, the last the final norm and output layer)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "etp"):
+        for name in ("tp", "ep", "etp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelLayout.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -55,6 +58,8 @@ class ParallelLayout:
             raise ValueError(f"tp={self.tp} must divide vocab_size={arch.vocab_size}")
         if self.ep > 1 and (not arch.is_moe or arch.num_experts % self.ep):
             raise ValueError(f"ep={self.ep} must divide num_experts={arch.num_experts} (MoE only)")
+        if arch.num_layers % self.pp:
+            raise ValueError(f"pp={self.pp} must divide num_hidden_layers={arch.num_layers}")
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -117,6 +122,7 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp, sequence_parallel=sp,
+        pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, pipeline_dtype=params_dtype,
@@ -143,7 +149,9 @@ def transformer_config(arch: ModelArch, layout: ParallelLayout | None = None,
         # in __init__, so the CPU build uses the allgather dispatcher (same maths, dropless).
         # Parameters are created on the GPU when there is one (megatron's default).
         if not torch.cuda.is_available():
-            kwargs.update(use_cpu_initialization=True)
+            # (batch_p2p_sync: the pipeline schedule's torch.cuda.synchronize after its
+            # batched sends; on CPU/gloo the requests' wait() is the whole synchronisation)
+            kwargs.update(use_cpu_initialization=True, batch_p2p_sync=False)
         if arch.is_moe:
             kwargs.update(moe_token_dispatcher_type="allgather")
     kwargs.update(overrides)
@@ -157,7 +165,9 @@ def layer_spec(arch: ModelArch, config: Any, use_te: bool | str | None = None,
 
     ``spec_hook`` maps the decoder LAYER ``ModuleSpec`` (before it is repeated over layers).
     The local spec gets :class:`SequenceParallelRMSNorm` for every norm, the final one too.
-    Grouped-GEMM experts follow ``config.moe_grouped_gemm`` (TE spec only).
+    Grouped-GEMM experts follow ``config.moe_grouped_gemm`` (TE spec only). Under pipeline
+    parallelism the block holds this stage's layers only (megatron-core's
+    ``get_num_layers_to_build``, as its ``get_gpt_decoder_block_spec``).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -188,8 +198,12 @@ def layer_spec(arch: ModelArch, config: Any, use_te: bool | str | None = None,
         final_norm = SequenceParallelRMSNorm
     if spec_hook is not None:
         spec = spec_hook(spec, config)
-    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers,
-                                      layer_norm=final_norm)
+    num_layers = config.num_layers
+    if config.pipeline_model_parallel_size > 1:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+        num_layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=final_norm)
 
 
 def config_and_spec(arch: ModelArch, layout: ParallelLayout | None = None,

@@ -118,13 +118,14 @@ class RankWorld:
         if self.world_size > 1:
             dist.barrier()
 
-    def shard_groups(self) -> Any:
-        """The ``models.streaming.ShardGroups`` of this rank (None in one process)."""
+    def shard_groups(self, num_layers: int | None = None) -> Any:
+        """The ``models.streaming.ShardGroups`` of this rank (None in one process);
+        ``num_layers``: the model's decoder layers (pipeline stages' layer offsets)."""
         if self.world_size == 1:
             return None
         from megatron_qrl.models.streaming import groups_from_parallel_state
 
-        return groups_from_parallel_state()
+        return groups_from_parallel_state(num_layers)
 
 
 def torchrun_world_size() -> int:
@@ -136,9 +137,9 @@ def torchrun_world_size() -> int:
 
 
 @contextlib.contextmanager
-def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1,
+def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1, pp: int = 1,
                       timeout_s: float = 1800.0) -> Iterator[RankWorld]:
-    """Join the torchrun job of the environment and initialise megatron's TP / EP groups.
+    """Join the torchrun job of the environment and initialise megatron's TP / PP / EP groups.
 
     Needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (torchrun sets them;
     ``LOCAL_RANK`` picks the GPU). CPU-only host: gloo and megatron's CPU shim.
@@ -158,8 +159,8 @@ def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1,
         dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout)
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp)
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         mode: Any = contextlib.nullcontext()
     else:
         from megatron_qrl.compat import cpu_device_mode, init_cpu_distributed
@@ -168,7 +169,7 @@ def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1,
         enable_cpu_megatron()
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout)
-        init_cpu_distributed(rank, world, 0, tp=tp, ep=ep, etp=etp, timeout_s=timeout_s)
+        init_cpu_distributed(rank, world, 0, tp=tp, pp=pp, ep=ep, etp=etp, timeout_s=timeout_s)
         mode = cpu_device_mode()
     try:
         with mode:
@@ -182,8 +183,11 @@ def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1,
 def build_model(arch: ModelArch, layout: ParallelLayout | None = None,
                 params_dtype: torch.dtype = torch.float32, spec_hook: SpecHook | None = None,
                 pg_collection: Any = None, use_te: bool | str | None = None,
-                **overrides: Any) -> torch.nn.Module:
+                stage: Any = None, **overrides: Any) -> torch.nn.Module:
     """``config_and_spec`` + ``build_gpt_model`` (call inside an initialised megatron job).
+
+    ``stage``: this rank's ``models.stages.PipelineStage`` under pipeline parallelism (its
+    layers; the embedding on the first stage, the output layer on the last); None: all.
 
     ``use_te``: the layer implementation (``models.builder.TRANSFORMER_IMPLS`` or a bool;
     None = auto: the TE spec where TE imports and CUDA is present)."""
@@ -192,7 +196,9 @@ def build_model(arch: ModelArch, layout: ParallelLayout | None = None,
         enable_moe_router_without_te()
     config, spec = config_and_spec(arch, layout, params_dtype, use_te=use_te,
                                    spec_hook=spec_hook, **overrides)
-    return build_gpt_model(arch, config, spec, pg_collection=pg_collection)
+    first, last = (True, True) if stage is None else (stage.first, stage.last)
+    return build_gpt_model(arch, config, spec, pg_collection=pg_collection, pre_process=first,
+                           post_process=last)
 
 
 _EXPERT_PARAM = re.compile(r"\.mlp\.experts\.")

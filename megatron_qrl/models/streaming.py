@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_qrl.models import layout
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.mapping import ParamRule, rule_for
+from megatron_qrl.models.stages import PipelineStage, global_name, is_tied_output_copy
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,26 @@ class ShardGroups:
     """Expert-parallel group (which experts a rank holds)."""
     etp: Any = None
     """Expert tensor-parallel group (how each expert is split); None when ETP == 1."""
+    stage: PipelineStage | None = None
+    """This rank's pipeline stage (``models.stages``); None: no pipeline. Its parameters
+    carry local layer indices, mapped to the global ones here."""
 
 
-def groups_from_parallel_state() -> ShardGroups:
-    """The groups megatron-core's ``parallel_state`` set up for this rank."""
+def groups_from_parallel_state(num_layers: int | None = None) -> ShardGroups:
+    """The groups megatron-core's ``parallel_state`` set up for this rank; ``num_layers``:
+    the model's decoder layers (for the pipeline stage's layer offset)."""
     from megatron.core import parallel_state as ps
 
+    pp = ps.get_pipeline_model_parallel_world_size()
+    stage = None
+    if pp > 1:
+        if num_layers is None:
+            raise ValueError("groups_from_parallel_state: pipeline parallel needs num_layers")
+        stage = PipelineStage.of(ps.get_pipeline_model_parallel_rank(), pp, num_layers,
+                                 ps.get_pipeline_model_parallel_group())
     return ShardGroups(tp=ps.get_tensor_model_parallel_group(),
                        ep=ps.get_expert_model_parallel_group(),
-                       etp=ps.get_expert_tensor_parallel_group())
+                       etp=ps.get_expert_tensor_parallel_group(), stage=stage)
 
 
 def _rank_size(group: Any) -> tuple[int, int]:
@@ -114,8 +126,10 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
     ep_rank, ep_size = _rank_size(groups.ep)
     n_local = _num_local_experts(arch, groups)
     for name, param in (model.named_parameters() if named is None else named):
-        if _is_adapter(name):
-            continue
+        if _is_adapter(name) or is_tied_output_copy(name, arch.tie_word_embeddings,
+                                                    groups.stage):
+            continue  # (the tied copy: the first stage streams the embedding)
+        name = global_name(name, groups.stage)
         rule = rule_for(name, arch, ep_rank, n_local)
         shard_group = groups.etp if rule.expert else groups.tp
         shards = [param.detach()] if rule.kind == "replicated" else _all_gather(
@@ -148,7 +162,9 @@ def load_hf_weights(model: torch.nn.Module, arch: ModelArch, get_tensor: Callabl
         for name, param in model.named_parameters():
             if _is_adapter(name):
                 continue
-            rule = rule_for(name, arch, ep_rank, n_local)
+            if is_tied_output_copy(name, arch.tie_word_embeddings, groups.stage):
+                name = "embedding.word_embeddings.weight"  # the last stage's tied copy
+            rule = rule_for(global_name(name, groups.stage), arch, ep_rank, n_local)
             full = [get_tensor(n) for n in rule.hf_names]
             rank, size = (etp_rank, etp_size) if rule.expert else (tp_rank, tp_size)
             value = _shard(rule, full, arch, rank, size)

@@ -27,8 +27,9 @@ with ``--qrl-mode colocated|disaggregated`` — and the outputs)::
         -- --expert-model-parallel-size 2
 
 ``--bf16`` trains BF16 parameters with fp32 master weights. Flags without an effect in this
-build (pipeline parallel > 1, --fp16, --use-distributed-optimizer) are errors naming the
-flag, as are unknown ones.
+build (virtual pipeline stages, --fp16, ...) are errors naming the flag, as are unknown ones.
+Pipeline parallelism (``-- --pipeline-model-parallel-size 2``, ``rl.pipeline``) runs
+megatron-core's 1F1B schedule on padded micro batches.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     configs["megatron"] = settings
     check_moe_flags(settings, configs["lora"].enabled)
     flags["megatron_layout"] = settings.describe()
+    from megatron_qrl.rl.pipeline import pipeline_problem
+
+    problem = pipeline_problem(configs, settings.pp)
+    if problem:
+        raise QrlArgumentError(problem)
     args.world_size = _world_size(args, settings)
     if args.qrl_mode != "single" and configs["rollout"].sglang.base_gpu:
         raise QrlArgumentError(
@@ -324,7 +330,7 @@ def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any
     from megatron_qrl.models.runtime import torchrun_megatron
 
     mega = configs["megatron"]
-    with torchrun_megatron(mega.tp, mega.ep, mega.etp) as rank_world:
+    with torchrun_megatron(mega.tp, mega.ep, mega.etp, mega.pp) as rank_world:
         world[0] = rank_world
         with _ray_session(args.qrl_mode, configs, rank_world.is_main) as session:
             if session is not None and engine_factory is None:

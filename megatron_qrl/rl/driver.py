@@ -122,7 +122,8 @@ def _checked(data: JobData, mega: MegatronSettings) -> JobData:
         hint = (" (the tiny models have 1 KV head: add --group-query-attention "
                 "--num-query-groups 2 after '--' to give them 2)"
                 if "num_key_value_heads" in str(exc) else "")
-        raise QrlArgumentError(f"--tensor-model-parallel-size {mega.tp} / "
+        pp = f"--pipeline-model-parallel-size {mega.pp} / " if mega.pp > 1 else ""
+        raise QrlArgumentError(f"--tensor-model-parallel-size {mega.tp} / {pp}"
                                f"--expert-model-parallel-size {mega.ep}: {exc}{hint}") from None
     if data.arch.is_moe and mega.tp > 1 and not mega.sequence_parallel:
         raise QrlArgumentError(f"--tensor-model-parallel-size {mega.tp} on a MoE model needs "
@@ -187,8 +188,9 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
         print(f"qrl-train: {note}", file=sys.stderr, flush=True)
     _seed_megatron(run.seed)
     layout = mega.layout() if world.world_size > 1 else None
+    groups = world.shard_groups(data.arch.num_layers)
     trainer = PolicyTrainer(build_policy(
-        data.arch, run.sft_lr, plan, layout=layout, groups=world.shard_groups(), bf16=mega.bf16,
+        data.arch, run.sft_lr, plan, layout=layout, groups=groups, bf16=mega.bf16,
         options=TrainerOptions.from_flags(
             mega, per_token_loss=run.max_tokens_per_micro_batch > 0,
             pack_sequences=run.pack_sequences)))

@@ -50,6 +50,8 @@ def sharded_sync_applies(engine: Any, groups: Any, lora: bool) -> bool:
     """THE rule (rank 0, broadcast to all): the sharded sync where the trainer has EP > 1
     and the engine is a fleet whose broadcast groups take it (module docstring)."""
     ep = getattr(groups, "ep", None)
+    if getattr(groups, "stage", None) is not None:  # pipeline stages: rl.pipeline's stream
+        return False
     if lora or ep is None or not dist.is_initialized() or dist.get_world_size(ep) < 2:
         return False
     return bool(getattr(getattr(engine, "broadcast", None), "shardable", False))

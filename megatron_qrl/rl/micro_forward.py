@@ -97,7 +97,8 @@ def replay_ids(batch: dict) -> torch.Tensor | None:
 def routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
     """``(sum of per-token agreement, tokens)`` of the last forward against the engine's
     routing (moe.routing_agreement averaged over MoE layers; tokens the engine never routed,
-    marked -1, are left out). None when the rollout carries no routing. Under sequence
+    marked -1, are left out; under pipeline parallelism: over this stage's MoE layers). None
+    when the rollout carries no routing. Under sequence
     parallelism this rank's routers saw its TP rank's slice of the (sequence-major) tokens:
     the counts are of that slice (``PolicyTrainer.log_probs`` sums them over TP)."""
     from megatron_qrl.moe import recorded_ids, routing_agreement, tokens_from_batch
@@ -106,7 +107,12 @@ def routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
     if ids is None:
         return None
     rollout = tokens_from_batch(ids)
-    own = recorded_ids(replay, rollout.shape[1]).to(rollout.device)
+    layers = sorted(replay.recorded)  # this pipeline stage's MoE layers (all without PP)
+    if layers and layers != list(range(rollout.shape[1])):
+        rollout = rollout[:, layers]
+        own = torch.stack([replay.recorded[i] for i in layers], dim=1).to(rollout.device)
+    else:
+        own = recorded_ids(replay, rollout.shape[1]).to(rollout.device)
     if own.shape[1:] == rollout.shape[1:] and own.shape[0] < rollout.shape[0]:
         from megatron.core import parallel_state as ps
 

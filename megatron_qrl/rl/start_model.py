@@ -158,7 +158,7 @@ def load_start_weights(module: torch.nn.Module, start: StartCheckpoint) -> None:
         load_hf_weights,
     )
 
-    groups = groups_from_parallel_state()
+    groups = groups_from_parallel_state(start.arch.num_layers)
     if start.kind == "hf":
         from megatron_qrl.models.hf_io import HFCheckpointReader
 
@@ -171,6 +171,9 @@ def load_start_weights(module: torch.nn.Module, start: StartCheckpoint) -> None:
 
     plain = build_model(start.arch, params_dtype=DTYPES[start.metadata.get("dtype", "float32")])
     load_checkpoint(plain, start.path)
-    tensors = dict(iter_hf_tensors(plain, start.arch, groups))
+    import dataclasses
+
+    # the plain model holds every layer (no pipeline stage); ``module`` takes its stage's
+    tensors = dict(iter_hf_tensors(plain, start.arch, dataclasses.replace(groups, stage=None)))
     del plain
     load_hf_weights(module, start.arch, tensors.__getitem__, groups)

@@ -31,6 +31,13 @@ from megatron_qrl.rl.guard import BadStepGuard, guarded_step
 from megatron_qrl.rl.micro_forward import forward_step as _forward_step
 from megatron_qrl.rl.micro_forward import pack_group, pack_multiple
 from megatron_qrl.rl.micro_forward import routing_counts as _routing_counts  # noqa: F401
+from megatron_qrl.rl.pipeline import (
+    layer_weighted_sum,
+    log_probs_from_last,
+    metrics_from_last,
+    stream_to_main,
+    uniform_shape,
+)
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,8 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
         raise ValueError("--transformer-impl transformer_engine with --qrl-lora-rank > 0: the "
                          "LoRA linears swap into megatron-core's local spec (SDPA attention); "
                          "drop --transformer-impl or pass --transformer-impl local")
-    model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, use_te=use_te, **overrides)
+    model = build_model(arch, layout, dtype, spec_hook=plan.spec_hook, use_te=use_te,
+                        stage=None if groups is None else groups.stage, **overrides)
     if plan.prepare_model is not None:
         plan.prepare_model(model)
     config = model.config
@@ -207,6 +215,13 @@ class PolicyTrainer:
         """The bare GPTModel (no DDP wrapper)."""
         return self.policy.ddp.module
 
+    @property
+    def stage(self) -> Any:
+        """This rank's ``models.stages.PipelineStage`` under pipeline parallelism, else None."""
+        groups = self.policy.groups
+        stage = None if groups is None else groups.stage
+        return stage if stage is not None and stage.size > 1 else None
+
     def pack_multiple(self) -> int | None:
         """None: padded micro batches; else they run packed (``--qrl-pack-sequences``) with
         the packed length a multiple of this (``rl.micro_forward.pack_multiple``)."""
@@ -218,7 +233,8 @@ class PolicyTrainer:
 
         if not microbatches:
             raise ValueError("PolicyTrainer: no micro batches given")
-        b, s = microbatches[0]["tokens"].shape
+        b, s = microbatches[0]["tokens"].shape if self.stage is None else \
+            uniform_shape(microbatches)  # the schedule's one activation shape
         replay, pack = self.policy.plan.replay, self.pack_multiple()
         ctx = replay.use(None, "recompute" if forward_only else "update") \
             if replay is not None else contextlib.nullcontext()
@@ -245,6 +261,8 @@ class PolicyTrainer:
         self._routing_totals(sink)
         a_t = self.last_routing_counts
         self.last_routing_agreement = a_t[0] / a_t[1] if a_t else None
+        if self.stage is not None:  # computed on the last stage
+            return log_probs_from_last(self.stage, store, microbatches)
         return [d["log_probs"].float() for d in store]
 
     def _routing_totals(self, sink: list[tuple[float, int]]) -> None:
@@ -258,6 +276,9 @@ class PolicyTrainer:
 
             both = torch.tensor([float(agree), float(tokens), float(bool(sink))],
                                 dtype=torch.float64)
+            if self.stage is not None:  # each stage measured its own MoE layers
+                both = layer_weighted_sum(self.stage, both,
+                                          len(self.module.decoder.layers) if sink else 0)
             if self.policy.config.sequence_parallel:  # each TP rank saw its token slice
                 dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
             dist.all_reduce(both, group=ps.get_data_parallel_group())
@@ -293,16 +314,21 @@ class PolicyTrainer:
             self._routing_totals(sink)
         grad_norm = guarded_step(optimizer, store, self.guard)  # NaN: update skipped
         metrics = average_metrics(store)
+        if self.stage is not None:  # the loss ran on the last stage
+            metrics = metrics_from_last(self.stage, metrics)
         if self.policy.groups is not None:
             metrics = _data_parallel_mean(metrics)
         return metrics, grad_norm
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` of the current weights. One process: no collectives;
-        multi-rank: shards gathered over TP / EP, every rank must consume it in lockstep."""
+        multi-rank: shards gathered over TP / EP, every rank must consume it in lockstep;
+        pipeline parallel: the whole model on rank 0 only, each stage streaming its own
+        tensors there (``rl.pipeline.stream_to_main``)."""
         from megatron_qrl.models.streaming import iter_hf_tensors
 
-        return iter_hf_tensors(self.module, self.policy.arch, self.policy.groups)
+        local = iter_hf_tensors(self.module, self.policy.arch, self.policy.groups)
+        return local if self.stage is None else stream_to_main(self.stage, local)
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state for a checkpoint (the distributed optimizer adds this
