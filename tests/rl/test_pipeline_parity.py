@@ -6,8 +6,9 @@ puts each stage's layers under their global names), then run the pi_prox recompu
 only: the log-probs come from the last stage) and one optimizer step through megatron-core's
 1F1B schedule, for every loss kind, error tokens, the rollout-aligned forward, routing replay,
 tied embeddings and LoRA. Compared with the PP = 1 run: the recomputed log-probs, the loss
-metrics (broadcast from the last stage), routing agreement (each stage's MoE layers), the grad
-norm, every gradient after megatron's reduction (``main_grad``; for tied embeddings the first
+metrics (broadcast from the last stage), routing agreement (each stage's MoE layers), the
+fingerprints a reference engine holds after a weight sync of the loaded weights (int8 packing
+with AQN noise; each stage streams its own tensors to rank 0), the grad norm, every gradient after megatron's reduction (``main_grad``; for tied embeddings the first
 stage's embedding and the last stage's copy both hold the sum) and every updated parameter.
 
 Tolerance: PP splits the same per-layer computation over two processes and sends the fp32
@@ -89,8 +90,11 @@ def _case(moe: bool, flags: list[str], overrides: dict, groups) -> dict:
     if plan.lora is not None:
         enter_lora(trainer, configs)
         trainer.policy.set_optimizer(trainer.policy.new_optimizer(1e-3))
+        _set_adapters(trainer.module, stage)
     start = {global_name(n, stage): p.detach().clone()
              for n, p in trainer.module.named_parameters()}
+    held = _sync(trainer, configs, tiny_config("moe" if moe else "dense", **overrides)) \
+        if plan.lora is None else None
     loss_fn = make_loss_fn(configs)
     mbs = split_batch(_batch(moe_layers=arch.num_layers if moe else 0, vocab=arch.vocab_size), 2)
     for mb, lp in zip(mbs, trainer.log_probs(mbs, loss_fn)):
@@ -103,7 +107,42 @@ def _case(moe: bool, flags: list[str], overrides: dict, groups) -> dict:
             "grads": {global_name(n, stage): p.main_grad.detach().clone() for n, p in named
                       if p.requires_grad},
             "params": {global_name(n, stage): p.detach().clone() for n, p in named},
-            "start": start}
+            "start": start, "held": held}
+
+
+def _set_adapters(module, stage) -> None:
+    """Adapters drawn from their global name (a random init draws them in build order,
+    which differs per stage); B != 0 so that A gets gradients too."""
+    import zlib
+
+    from megatron_qrl.models.stages import global_name
+
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            if ".lora_" in n:
+                g = torch.Generator().manual_seed(zlib.crc32(global_name(n, stage).encode()))
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _sync(trainer, configs: dict, hf_config: dict) -> dict[str, str] | None:
+    """A weight sync (int8 packing, AQN noise) of the loaded weights into a reference engine
+    on rank 0: its fingerprints (None on the other ranks, which stream their stage there)."""
+    import torch.distributed as dist
+
+    from megatron_qrl.quant.aqn import AQNConfig
+    from megatron_qrl.rl.sync import make_engine, sync_weights
+
+    if dist.get_rank() != 0:
+        for _ in trainer.hf_tensors():
+            pass
+        return None
+    engine = make_engine(configs["rollout"], hf_config, 0)
+    try:
+        sync_weights(trainer.hf_tensors(), engine, configs["rollout"].spec, 1,
+                     AQNConfig(enabled=True), seed=0, aqn_step=5, total_steps=10)
+        return engine.held_checksums()
+    finally:
+        engine.shutdown()
 
 
 def _body(rank, world_size, port, pp: int, names: list[str]) -> dict:
@@ -142,6 +181,8 @@ def _assert_parity(ref: dict, stages: list[dict], name: str) -> None:
             assert got["agreement"] is None, name
         else:
             assert got["agreement"] == pytest.approx(ref["agreement"], rel=TOL), name
+    if ref["held"] is not None:  # the engine's fingerprints: every tensor, bit for bit
+        assert stages[0]["held"] == ref["held"] and len(ref["held"]) > 10, name
     grads, params = _merged(stages, "grads"), _merged(stages, "params")
     tied = "output_layer.weight" in params and "output_layer.weight" not in ref["params"]
     if tied:  # the last stage's copy of the tied embedding: the same weight and gradient
