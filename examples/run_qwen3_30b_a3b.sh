@@ -98,9 +98,10 @@ else
     echo "ROLE must be head, trainer or engine, got ${ROLE}" >&2; exit 2
 fi
 
+PP="${PP:-1}"                   # trainer pipeline stages (docs/LAUNCH.md "Pipeline parallelism")
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --expert-model-parallel-size 8
-    --expert-tensor-parallel-size 1 --pipeline-model-parallel-size 1
+    --expert-tensor-parallel-size 1 --pipeline-model-parallel-size "${PP}"
     --sequence-parallel --bf16
 )
 case "${VARIANT:-fp8}" in

@@ -77,3 +77,15 @@ def test_issue21_run_refuses_a_layer_count_unlike_the_checkpoint(tmp_path, monke
     argv = _captured_args(tmp_path, WRAPPER, {"CKPT": str(ckpt), "LAYERS": "6", "GPUS": "8"})
     with pytest.raises(QrlArgumentError, match="num-layers|num_hidden_layers"):
         _parse_on_h200(argv, monkeypatch, 8)
+
+
+def test_pipeline_stages_option(tmp_path, monkeypatch):
+    """``PP=2``: the script's layout with two pipeline stages, on two nodes' worth of ranks."""
+    ckpt = _random_checkpoint_config(tmp_path / "ckpt", 8)
+    argv = _captured_args(tmp_path, WRAPPER, {"CKPT": str(ckpt), "LAYERS": "8", "GPUS": "8",
+                                              "PP": "2"})
+    configs, flags, args, job = _parse_on_h200(argv, monkeypatch, 16)
+    assert flags["megatron_layout"] == "tp=2,ep=8,etp=1,sp=1,pp=2,bf16,distopt"
+    assert configs["megatron"].layout().pp == 2 and args.world_size == 16
+    with pytest.raises(QrlArgumentError, match="--pipeline-model-parallel-size 2 .*divisible"):
+        _parse_on_h200(argv, monkeypatch, 8)  # one node cannot hold EP 8 x PP 2
