@@ -7,7 +7,8 @@ KL, routing agreement, entropy, samples — which depend on the weights each syn
 both stages into the engine) equals the one-process run's up to fp32 summation order. The
 run is cut after the first RL step and resumed on PP 2 from its checkpoint (every stage's
 state in one file): the resumed step equals the uninterrupted run's. Tolerances as in
-tests/rl/test_rl_multirank.py (1e-5 relative; lr 1e-5, aux loss off).
+tests/rl/test_rl_multirank.py (1e-5 relative; lr 1e-5, aux loss off). PP 2 x TP 2 and
+PP 2 x EP 2 (4 ranks) match the same run.
 """
 
 from __future__ import annotations
@@ -112,13 +113,20 @@ def _run(out: Path, qrl: tuple[str, ...], megatron: tuple[str, ...], ranks: int)
     return read_records(out)
 
 
+@pytest.fixture(scope="module")
+def reference(hf_dir, tmp_path_factory) -> list[dict]:
+    """The one-process run: two warm-up and two RL steps."""
+    ref = _run(tmp_path_factory.mktemp("one") / "run", (),
+               ("--load", str(hf_dir), "--lr", "1e-5", "--train-iters", "2"), 1)
+    assert [r["phase"] for r in ref] == ["sft", "sft", "rl", "rl"]
+    return ref
+
+
 @pytest.mark.slow
-def test_pp2_matches_one_process_and_resumes(hf_dir, tmp_path):
+def test_pp2_matches_one_process_and_resumes(hf_dir, reference, tmp_path):
     import torch
 
-    layout = ("--load", str(hf_dir), "--lr", "1e-5")
-    ref = _run(tmp_path / "one", (), (*layout, "--train-iters", "2"), 1)
-    assert [r["phase"] for r in ref] == ["sft", "sft", "rl", "rl"]
+    layout, ref = ("--load", str(hf_dir), "--lr", "1e-5"), reference
     pp = ("--pipeline-model-parallel-size", "2")
     part = _run(tmp_path / "pp", (), (*layout, "--train-iters", "1", *pp), 2)
     assert_records_close(ref[:3], part, COMPARED, skip_missing=True)
@@ -130,3 +138,14 @@ def test_pp2_matches_one_process_and_resumes(hf_dir, tmp_path):
     resumed = _run(tmp_path / "pp", ("--qrl-resume",), (*layout, "--train-iters", "2", *pp), 2)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert_records_close(ref[3:], resumed[3:], COMPARED, skip_missing=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other", [("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+                                   ("--expert-model-parallel-size", "2")], ids=["tp2", "ep2"])
+def test_pp2_times_tp2_or_ep2_matches_one_process(hf_dir, reference, tmp_path, other):
+    """4 ranks: PP 2 x TP 2 (sequence parallel), PP 2 x EP 2 (data parallel 2 for the dense
+    layers: each rank trains half of every step's micro batches); one RL step."""
+    got = _run(tmp_path / "run", (), ("--load", str(hf_dir), "--lr", "1e-5", "--train-iters", "1",
+                                      "--pipeline-model-parallel-size", "2", *other), 4)
+    assert_records_close(reference[:3], got, COMPARED, skip_missing=True)
