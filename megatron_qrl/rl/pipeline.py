@@ -77,16 +77,14 @@ def log_probs_from_last(stage: Any, store: list, microbatches: Sequence[dict]
     ``collect_non_loss_data``) on every stage: one broadcast of ``[n, B, S]`` fp32."""
     b, s = uniform_shape(microbatches)
     if stage.last:
-        flat = torch.stack([d["log_probs"].float() for d in store])
+        flat = torch.stack([d["log_probs"].float() for d in store]).to(_device())
     else:
-        flat = torch.empty(len(microbatches), b, s, dtype=torch.float32)
-    device = flat.device if stage.last else store_device()
-    flat = flat.to(device)
+        flat = torch.empty(len(microbatches), b, s, dtype=torch.float32, device=_device())
     dist.broadcast(flat, src=_last_rank(stage), group=stage.group)
     return list(flat.unbind(0))
 
 
-def store_device() -> torch.device:
+def _device() -> torch.device:
     """Where collectives of the trainer's backend take tensors (NCCL: the current GPU)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -105,7 +103,7 @@ def layer_weighted_sum(stage: Any, values: torch.Tensor, layers: int) -> torch.T
     per-stage means over ``layers`` MoE layers combined into the mean over all layers."""
     both = torch.cat([values.double() * layers, torch.tensor([float(layers)],
                                                               dtype=torch.float64)])
-    both = both.to(store_device())
+    both = both.to(_device())
     dist.all_reduce(both, group=stage.group)
     both = both.cpu()
     return both[:-1] / both[-1].clamp_min(1.0)
@@ -115,7 +113,7 @@ def _send(item: tuple[str, torch.Tensor] | None, dst: int, group: Any) -> None:
     header = None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)
     dist.send_object_list([header], dst=dst, group=group)
     if item is not None:
-        dist.send(item[1].contiguous().to(store_device()), dst=dst, group=group)
+        dist.send(item[1].contiguous().to(_device()), dst=dst, group=group)
 
 
 def _receive(src: int, group: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,7 +123,7 @@ def _receive(src: int, group: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if box[0] is None:
             return
         name, shape, dtype = box[0]
-        tensor = torch.empty(shape, dtype=dtype, device=store_device())
+        tensor = torch.empty(shape, dtype=dtype, device=_device())
         dist.recv(tensor, src=src, group=group)
         yield name, tensor
 

@@ -75,7 +75,8 @@ def test_qrl_and_megatron_flag_disagree(qrl, megatron, names):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage 1: qrl-train runs megatron-core's non-interleaved"),
     (["--fp16"], "--fp16"),
     (["--optimizer-cpu-offload"], "--use-distributed-optimizer"),
     (["--moe-token-dispatcher-type", "flex"], "DeepEP"),
