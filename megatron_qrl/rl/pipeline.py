@@ -43,6 +43,12 @@ def pipeline_problem(configs: Mapping[str, Any], pp: int) -> str | None:
         return (f"--qrl-lora-rank {lora.rank} with --pipeline-model-parallel-size {pp}: the "
                 "LoRA weight sync (base once, then adapters) does not stream pipeline stages "
                 "to the engine yet; drop --qrl-lora-rank or use --pipeline-model-parallel-size 1")
+    uaq = configs.get("uaq")
+    if uaq is not None and uaq.enabled:
+        return (f"--qrl-uaq-scale {uaq.scale} with --pipeline-model-parallel-size {pp}: UAQ at "
+                "the start of RL reads every layer of the model on one rank; fold it into the "
+                "checkpoint instead (tools/convert_hf_to_megatron.py --uaq-scale, then --load "
+                "the result) and drop --qrl-uaq-scale")
     why = ("each micro batch a shape of its own; megatron-core's pipeline schedule sends "
            "activations of one shape")
     for flag, on in (("--qrl-pack-sequences", run.pack_sequences),

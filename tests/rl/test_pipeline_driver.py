@@ -63,7 +63,8 @@ def test_refusals_name_the_flag():
                          (["--qrl-log-prob-max-tokens", "64"], "--qrl-log-prob-max-tokens"),
                          (["--qrl-model", "tiny-dense", "--qrl-routing-replay", "off",
                            "--qrl-train-forward", "bf16", "--qrl-lora-rank", "4"],
-                          "--qrl-lora-rank 4")):
+                          "--qrl-lora-rank 4"),
+                         (["--qrl-uaq-scale", "1.5", "--qrl-lr", "1e-6"], "--qrl-uaq-scale 1.5")):
         with pytest.raises(QrlArgumentError, match=f"{named}.*--pipeline-model-parallel-size 2"):
             parse_configs([*flags, *pp])
     for virtual in ("--num-layers-per-virtual-pipeline-stage",
