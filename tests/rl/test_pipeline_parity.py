@@ -97,8 +97,10 @@ def _case(moe: bool, flags: list[str], overrides: dict, groups) -> dict:
         if plan.lora is None else None
     loss_fn = make_loss_fn(configs)
     mbs = split_batch(_batch(moe_layers=arch.num_layers if moe else 0, vocab=arch.vocab_size), 2)
+    g = torch.Generator().manual_seed(1)
     for mb, lp in zip(mbs, trainer.log_probs(mbs, loss_fn)):
-        mb["old_log_probs"] = lp
+        mb["old_log_probs"] = lp  # the rollout's pi_behav: near pi_prox, as a rollout's is
+        mb["rollout_log_probs"] = lp + 0.05 * torch.randn(lp.shape, generator=g)
     agreement = trainer.last_routing_agreement
     metrics, grad_norm = trainer.train_step(mbs, loss_fn)
     named = list(trainer.module.named_parameters())
