@@ -41,7 +41,8 @@ CASES: dict[str, tuple[bool, list[str], dict]] = {
     "dense-tbpo": (False, [*DENSE, "--qrl-loss-kind", "tbpo", "--qrl-loss-aggregation",
                            "seq_mean_token_mean"], {}),
     "dense-tied-error-tokens": (False, [*DENSE, "--qrl-loss-kind", "tis",
-                                        "--qrl-error-tokens-tau", "-0.5"],
+                                        "--qrl-error-tokens-tau", "-0.5",
+                                        "--qrl-error-tokens-behav-gap", "0.0"],
                                 {"tie_word_embeddings": True}),
     "dense-aligned": (False, [*DENSE, "--qrl-train-forward", "aligned", "--qrl-loss-kind",
                               "acr"], {}),
@@ -213,6 +214,8 @@ def test_pp2_equals_pp1(kind):
         moved = max(float((ref[name]["params"][k] - w).abs().max())
                     for k, w in ref[name]["start"].items())
         assert moved > 1e-4, name  # the update moved the weights (far above PARAM_TOL)
+    if kind == "dense":  # error tokens flagged, not all
+        assert 0 < ref["dense-tied-error-tokens"]["metrics"]["error_improbable_rate"] < 1
     if kind == "moe":
         assert all(ref[n]["agreement"] is not None for n in names)
         assert ref["moe-tis"]["agreement"] < 1.0  # recompute: replayed; update: own routing
