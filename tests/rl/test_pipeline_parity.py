@@ -203,10 +203,19 @@ def _assert_parity(ref: dict, stages: list[dict], name: str) -> None:
                                    msg=f"{name}: {key}")
 
 
+GROUPS = {"dense-losses": [n for n in CASES if n.startswith("dense-") and
+                            n.split("-", 1)[1] in ("ppo_clip", "naive_quant", "decoupled", "tis",
+                                                   "acr", "tbpo")],
+          "dense-features": ["dense-tied-error-tokens", "dense-aligned", "dense-lora"],
+          "moe": [n for n in CASES if n.startswith("moe-")]}
+"""Cases run together (one spawn of each layout)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_pp2_equals_pp1(kind):
-    names = [n for n in CASES if n.startswith(kind)]
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_pp2_equals_pp1(group):
+    names = GROUPS[group]
+    assert sorted(n for g in GROUPS.values() for n in g) == sorted(CASES)
     (ref,) = run_distributed(_body, 1, 1, names)
     stages = run_distributed(_body, 2, 2, names)
     for name in names:
@@ -214,9 +223,9 @@ def test_pp2_equals_pp1(kind):
         moved = max(float((ref[name]["params"][k] - w).abs().max())
                     for k, w in ref[name]["start"].items())
         assert moved > 1e-4, name  # the update moved the weights (far above PARAM_TOL)
-    if kind == "dense":  # error tokens flagged, not all
+    if group == "dense-features":  # error tokens flagged, not all
         assert 0 < ref["dense-tied-error-tokens"]["metrics"]["error_improbable_rate"] < 1
-    if kind == "moe":
+    if group == "moe":
         assert all(ref[n]["agreement"] is not None for n in names)
         assert ref["moe-tis"]["agreement"] < 1.0  # recompute: replayed; update: own routing
 
