@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.layout import global_expert_index
-from megatron_qrl.quant.hf_names import fusion_group
+from megatron_qrl.utils.hf_names import fusion_group
 
 KINDS = ("replicated", "column", "row", "qkv", "gate_up")
 

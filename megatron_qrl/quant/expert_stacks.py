@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .hf_names import STACKED, layer_prefix, parse
+from ..utils.hf_names import STACKED, layer_prefix, parse
 
 __all__ = ["stack_experts", "stack_rows"]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from . import hf_names
+from ..utils import hf_names
 from .spec import QuantSpec
 from .targets import is_quantized
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .expert_stacks import stack_experts as stack_expert_stream
-from .hf_names import layer_prefix
-from .hf_names import stacked_name as tensor_kind
+from ..utils.hf_names import layer_prefix
+from ..utils.hf_names import stacked_name as tensor_kind
 from .stacked import (
     MAX_STACK_ELEMENTS,
     Amax,

@@ -7,7 +7,7 @@ BF16 (as in the rollout engine). Names are HF Qwen3 / Qwen3-MoE names.
 
 from __future__ import annotations
 
-from . import hf_names
+from ..utils import hf_names
 
 # Layer kinds, used by reports and by per-layer-type switches.
 LAYER_KINDS = ("attention", "mlp", "experts", "shared_expert")
@@ -20,7 +20,7 @@ UNQUANTIZED_MODULE_GLOBS = ("lm_head", "*.mlp.gate", "*.mlp.shared_expert_gate",
 is_quantized = hf_names.is_projection_weight
 """``is_quantized(hf_name)``: True for the weight of a linear layer that the rollout runs in low
 precision: q/k/v/o, dense gate/up/down, every expert's gate/up/down, a shared expert's
-gate/up/down (:func:`megatron_qrl.quant.hf_names.is_projection_weight`)."""
+gate/up/down (:func:`megatron_qrl.utils.hf_names.is_projection_weight`)."""
 
 
 def layer_kind(hf_name: str) -> str | None:
@@ -35,7 +35,7 @@ def fusion_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
     into ``w13`` per expert). Formats with ONE per-tensor scale (NVFP4's ``weight_scale_2``)
     must share it across the members, or the engine silently rescales some of them; ModelOpt's
     export does the same (shared amax over the fused group). Returns ``(key, member_names)``
-    or None for weights that are not fused (:func:`megatron_qrl.quant.hf_names.fusion_group`).
+    or None for weights that are not fused (:func:`megatron_qrl.utils.hf_names.fusion_group`).
     """
     return hf_names.fusion_group(hf_name, weights_only=True)
 

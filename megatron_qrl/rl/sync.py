@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_qrl.quant import hf_names
+from megatron_qrl.utils import hf_names
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, once_each

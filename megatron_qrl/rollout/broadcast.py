@@ -9,7 +9,7 @@ bucket, no object store, no host copy on an NCCL group.
 ``sglang.srt.utils.init_custom_process_group``): a TCP rendezvous at ``host:port``, a
 ``PrefixStore`` named after the group, and torch's process-group constructor, so the trainer
 and the engine's schedulers join the same group. Buckets are laid out by
-:func:`megatron_qrl.rollout.wire.flatten` (SGLang's ``FlattenedTensorBucket`` layout), so
+:func:`megatron_qrl.sync.protocol.wire.flatten` (SGLang's ``FlattenedTensorBucket`` layout), so
 SGLang's ``update_weights_from_distributed(load_format="flattened_bucket")`` reconstructs
 them.
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils.net import free_port
-from .wire import flatten, iter_buckets, json_tensor, tensor_json, unflatten
+from ..sync.protocol.wire import flatten, iter_buckets, json_tensor, tensor_json, unflatten
 
 __all__ = ["broadcast_from_trainer", "find_group", "free_port", "init_group", "receive_stream",
            "send_stream"]

@@ -2,7 +2,7 @@
 
 The ``ipc`` transport of :mod:`megatron_qrl.rollout.ray_actor`, for an engine on the driver's
 node and device (``--qrl-mode colocated``): each bucket of the packed ``(hf_name, tensor)``
-stream is flattened (:func:`megatron_qrl.rollout.wire.flatten`) into one ``uint8`` buffer on
+stream is flattened (:func:`megatron_qrl.sync.protocol.wire.flatten`) into one ``uint8`` buffer on
 the bucket device, and only a small pickled handle to that buffer crosses to the actor —
 the way SGLang's ``update_weights_from_tensor`` (its ``MultiprocessingSerializer``: torch's
 ``ForkingPickler`` with ``torch.multiprocessing.reductions``), verl and slime hand weights to
@@ -47,7 +47,7 @@ import torch.multiprocessing as torch_mp
 from torch.multiprocessing import reductions
 
 from .broadcast import broadcast_from_trainer
-from .wire import flatten, iter_buckets, unflatten
+from ..sync.protocol.wire import flatten, iter_buckets, unflatten
 
 __all__ = ["IPC_IN_FLIGHT", "device_uuid", "misplaced", "open_shared", "receive_ipc_stream",
            "send_ipc_stream", "share", "visible_devices"]

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..quant.hf_names import parse
+from ..utils.hf_names import parse
 from .lora_adapters import PEFT_PREFIX
 
 __all__ = ["ATTENTION", "EXPERT_LORA_MOE_RUNNER", "EXPERT_SERVING", "LoraServing", "expert_path",

@@ -34,7 +34,7 @@ packed ``(hf_name, tensor)`` stream reaches the actor by one of three transports
 * ``objectstore``: every bucket is ``ray.put`` as it fills and the actor loads the stream
   from the ObjectRefs (a full copy of the weights in the object store per sync). Tensors of
   the 1-byte float dtypes (FP8 / NVFP4 codes and scales) travel as their ``uint8`` bytes
-  plus the dtype (:class:`WireTensor`, :func:`megatron_qrl.rollout.wire.as_bytes`): torch's
+  plus the dtype (:class:`WireTensor`, :func:`megatron_qrl.sync.protocol.wire.as_bytes`): torch's
   pickler cannot round-trip them (measured with torch 2.13: ``pickle.loads(pickle.dumps(float8
   tensor))`` fails in ``_legacy_load`` on ``UntypedStorage.dtype``), and Ray pickles what it
   stores.
@@ -63,7 +63,7 @@ from .broadcast import free_port, init_group, receive_stream, send_stream
 from .ipc import device_uuid, misplaced, receive_ipc_stream, send_ipc_stream, visible_devices
 from .supervisor import EngineDiedError
 from .weight_groups import receive_sharded
-from .wire import as_bytes, from_bytes, iter_buckets
+from ..sync.protocol.wire import as_bytes, from_bytes, iter_buckets
 
 __all__ = ["WEIGHT_TRANSPORTS", "EngineActor", "EngineBuilder", "EngineSpec", "RayEngine",
            "WireTensor", "bucketize", "from_wire", "pick_transport", "to_wire",
@@ -297,7 +297,7 @@ def pick_transport(requested: str, colocated: bool, shares_device: bool, engine_
 def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
               bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
     """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
-    bucket, :func:`~megatron_qrl.rollout.wire.iter_buckets`), each tensor in its
+    bucket, :func:`~megatron_qrl.sync.protocol.wire.iter_buckets`), each tensor in its
     :func:`to_wire` form."""
     for bucket in iter_buckets(stream, bucket_bytes):
         yield [(name, to_wire(t)) for name, t in bucket]

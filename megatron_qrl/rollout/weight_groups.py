@@ -31,9 +31,9 @@ from itertools import groupby
 import torch
 import torch.distributed as dist
 
-from ..quant.hf_names import layer_prefix, parse
+from ..utils.hf_names import layer_prefix, parse
 from .broadcast import broadcast_from_trainer, send_stream
-from .wire import tensor_json, unflatten
+from ..sync.protocol.wire import tensor_json, unflatten
 
 __all__ = ["WeightGroupPlan", "receive_sharded", "segment_key", "send_segments",
            "weight_group_plan"]

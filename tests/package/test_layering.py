@@ -20,6 +20,7 @@ PACKAGE = "megatron_qrl"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("compat", "utils"),
+    ("sync",),
     ("quant",),
     ("models",),
     ("losses", "moe", "te_quant", "data", "rewards"),
@@ -32,6 +33,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Lowest first. A package imports only packages of its own tier or a lower one, and the
 imports inside a tier form no cycle.
 
+- ``sync`` (the weight sync's protocol: wire format, fingerprints, reserved names) needs
+  only torch and the HF-name parser of ``utils``: both sides of the process boundary import
+  it, the SGLang-side loader without loading any trainer-side package.
 - ``data`` (tokenizer, prompt files, synthetic task) and ``rewards`` (answer scoring) are
   task inputs of the RL loop that need only ``utils``: they sit in the tier of ``losses``
   (pure functions the RL loop composes), below ``rollout`` so that a rollout worker may score

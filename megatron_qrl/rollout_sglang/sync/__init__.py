@@ -4,6 +4,7 @@ In the trainer's process: :mod:`.sender` (fingerprints, expert stacks, buckets, 
 in-place / disk requests, the receipt check), :mod:`.prefetch` (buckets prepared in a
 thread), :mod:`.distributed` (the weight-update group and its broadcasts). Inside SGLang's
 scheduler: :mod:`.loader` (the registered in-place loader, module state, expert loads, the
-receipt). Both: :mod:`.protocol` (reserved names, the control message, name mapping).
+receipt). Both import :mod:`megatron_qrl.sync.protocol` (reserved names, the control
+message, name mapping; :mod:`.protocol` re-exports its in-place part).
 Opt-in records of the loader: :mod:`.debug`.
 """

@@ -15,7 +15,7 @@ State digest: the bits an engine holds after each in-place sync.
 Set ``QRL_INPLACE_DIGEST=/path/file.jsonl`` in the environment the SGLang engine starts in (its
 scheduler processes inherit it). After the final bucket of every in-place sync the loader then
 appends one JSON line ``{"pid", "digest": {name: fingerprint}}``: the
-:func:`~megatron_qrl.rollout.base.tensor_checksum` (dtype, shape, two wrapping sums of the raw
+:func:`~megatron_qrl.sync.protocol.checksums.tensor_checksum` (dtype, shape, two wrapping sums of the raw
 bits) of every parameter and buffer of the model, and of the tensor attributes of each
 post-processed module's quant method and scheme (Marlin workspaces, processed scales).
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ...rollout.base import Checksums
+from megatron_qrl.sync.protocol.checksums import Checksums
 
 PROFILE_ENV = "QRL_INPLACE_PROFILE"
 

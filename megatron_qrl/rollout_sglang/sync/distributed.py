@@ -3,7 +3,7 @@
 The trainer process is rank 0 of a weight-update group whose other ranks are the engine's
 TP schedulers (SGLang's ``init_weights_update_group``; :func:`megatron_qrl.rollout.broadcast.init_group`
 on our side). Each bucket of the packed stream is flattened into one ``uint8`` buffer
-(:func:`~megatron_qrl.rollout.wire.flatten`) and broadcast from the trainer's GPU:
+(:func:`~megatron_qrl.sync.protocol.wire.flatten`) and broadcast from the trainer's GPU:
 - formats whose loaded layout is the checkpoint's (bf16): SGLang's own
   ``update_weights_from_distributed(load_format="flattened_bucket")``, which receives the
   buffer, re-views it by the names / dtypes / shapes of the request and calls
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from ...rollout.base import Checksums, WeightSyncError
+from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
 from ...rollout.broadcast import broadcast_from_trainer, free_port, init_group
-from ...rollout.wire import buckets, flatten
-from .protocol import CONTROL, LOADER, RECV, encode_control
+from megatron_qrl.sync.protocol.wire import buckets, flatten
+from megatron_qrl.sync.protocol.inplace import CONTROL, LOADER, RECV, encode_control
 from .sender import StreamTracker, packed_suffixes
 
 __all__ = ["WeightGroup", "flat_buckets", "open_group", "run_alongside", "send_bucket",

@@ -2,7 +2,7 @@
 
 Runs in the trainer's process (in :func:`~.prefetch.ahead`'s thread when buckets are
 prefetched). The packed ``(hf_name, tensor)`` stream becomes requests of about
-``bucket_bytes`` (:func:`megatron_qrl.rollout.wire.buckets`, the one bucketing rule):
+``bucket_bytes`` (:func:`megatron_qrl.sync.protocol.wire.buckets`, the one bucketing rule):
 
 1. optionally each decoder layer's experts of one kind are stacked into one wire tensor
    (:func:`~megatron_qrl.quant.expert_stacks.stack_experts`; names in :mod:`.protocol`) — a
@@ -10,10 +10,10 @@ prefetched). The packed ``(hf_name, tensor)`` stream becomes requests of about
    packed experts' rows without per-expert copies) passes through;
 2. every tensor goes to the trainer's device and is fingerprinted (:class:`Checksums`;
    a stack's experts as rows of the stack, equal bit for bit to one by one:
-   :func:`~megatron_qrl.rollout.base.checksum_rows`);
+   :func:`~megatron_qrl.sync.protocol.checksums.checksum_rows`);
 3. in-place buckets name their complete modules in a control tensor
    (:class:`StreamTracker`) and travel either as one flat ``uint8`` buffer per bucket or per
-   tensor with 1-byte floats as ``uint8`` (:func:`megatron_qrl.rollout.wire.as_bytes`).
+   tensor with 1-byte floats as ``uint8`` (:func:`megatron_qrl.sync.protocol.wire.as_bytes`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from ...quant.expert_stacks import stack_experts
-from ...rollout.base import Checksums, WeightManifest, WeightSyncError
-from ...rollout.wire import as_bytes, buckets, flatten
-from .protocol import (
+from megatron_qrl.sync.protocol.checksums import Checksums, WeightManifest, WeightSyncError
+from megatron_qrl.sync.protocol.wire import as_bytes, buckets, flatten
+from megatron_qrl.sync.protocol.inplace import (
     CONTROL,
     FLAT,
     LOADER,

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ....quant.hf_names import parse
-from ..protocol import expert_names, expert_views, parse_stacked
+from megatron_qrl.utils.hf_names import parse
+from megatron_qrl.sync.protocol.inplace import expert_names, expert_views, parse_stacked
 from .expert_batch import ExpertLoad, load_batched
 
 __all__ = ["MODELS", "load_experts_directly", "unstack", "unstack_all"]

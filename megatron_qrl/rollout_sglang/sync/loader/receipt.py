@@ -4,7 +4,7 @@ RECEIVED, and of what it HOLDS where SGLang keeps the checkpoint layout.
 Runs inside SGLang's scheduler (called by :func:`~.packed.load_packed`). The sender names a
 path prefix in the control message (``"receipt"``); from the first bucket of a sync on, every
 received wire tensor — after the flat buffer is viewed and 1-byte floats re-viewed, before
-anything is loaded — is fingerprinted on its device (:class:`~megatron_qrl.rollout.base.Checksums`;
+anything is loaded — is fingerprinted on its device (:class:`~megatron_qrl.sync.protocol.checksums.Checksums`;
 a stack's experts as rows, under their per-expert names, as the sender takes them). After
 the final bucket, parameters SGLang keeps exactly as received (same name, shape and dtype, in
 a module without post-load processing: norms, unsharded embeddings at TP 1) are
@@ -20,9 +20,9 @@ import os
 
 import torch
 
-from ....rollout.base import Checksums
-from ....rollout.wire import dtype_name
-from ..protocol import expert_names, expert_views, parse_stacked
+from megatron_qrl.sync.protocol.checksums import Checksums
+from megatron_qrl.sync.protocol.wire import dtype_name
+from megatron_qrl.sync.protocol.inplace import expert_names, expert_views, parse_stacked
 from .module_state import needs_reload
 
 __all__ = ["RECEIPT_ATTR", "note_received", "write_receipt"]
