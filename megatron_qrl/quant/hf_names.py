@@ -14,4 +14,5 @@ from ..utils.hf_names import (
     stacked_name,
 )
 
-__all__ = ["FUSED", "FUSION_MEMBERS", "STACKED", "HFName", "expert_name", "expert_names", "fusion_group", "is_projection_weight", "layer_prefix", "parse", "stacked_name"]
+__all__ = ["FUSED", "FUSION_MEMBERS", "STACKED", "HFName", "expert_name", "expert_names",
+           "fusion_group", "is_projection_weight", "layer_prefix", "parse", "stacked_name"]

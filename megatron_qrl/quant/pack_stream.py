@@ -1,7 +1,7 @@
 """Stream-pack HF tensors for the rollout engine, quantizing same-kind weights in batches.
 
 The weight sync of Qwen3-30B-A3B packs ~18k HF tensors (48 layers x 128 experts x
-gate/up/down, plus attention). One :meth:`~megatron_qrl.quant.spec.QuantSpec.pack` per
+gate/up/down, plus attention). One :meth:`~megatron_qrl.quant.spec_core.SpecCore.pack` per
 tensor costs a dozen small kernels and one device sync (the finiteness check), so on a GPU the
 tensor count, not the bytes, sets the time. :func:`pack_stream` reads the stream in windows (one
 decoder layer, at most ``window_bytes`` of input), quantizes each window's weights of one kind
@@ -13,7 +13,8 @@ order, names, dtypes and bits of :func:`pack_one_at_a_time` (the reference, and 
 (q/k/v, gate/up) are released together once complete, in the reference's order, a window
 never splits a group, and each weight is quantized with its group's shared amax
 (:func:`~megatron_qrl.quant.stacked.fused_amax`, no host sync). A stack is packed in one go
-where the format's packing is row-local (:meth:`~megatron_qrl.quant.spec.QuantSpec.pack_stacked`).
+where the format's packing is row-local
+(:meth:`~megatron_qrl.quant.spec_core.SpecCore.pack_stacked`).
 Each emitted tensor owns its storage (pickling a view would send the whole stack), except with
 ``stack_experts``, whose expert stacks are made of the views.
 """
@@ -22,13 +23,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from .expert_stacks import stack_experts as stack_expert_stream
 from ..utils.hf_names import layer_prefix
 from ..utils.hf_names import stacked_name as tensor_kind
+from .expert_stacks import stack_experts as stack_expert_stream
+from .spec_core import SpecCore
 from .stacked import (
     MAX_STACK_ELEMENTS,
     Amax,
@@ -37,9 +38,6 @@ from .stacked import (
     quantize_stacks,
     split_stack,
 )
-
-if TYPE_CHECKING:
-    from .spec import QuantSpec
 
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Input bytes buffered at most before a window is packed (besides the end of a layer)."""
@@ -52,14 +50,41 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 Pairs = list[tuple[str, torch.Tensor]]
 Pending = dict[str, dict[str, torch.Tensor]]
 
-__all__ = ["layer_prefix", "pack_one_at_a_time", "pack_stream", "tensor_kind"]
+__all__ = ["layer_prefix", "pack_one_at_a_time", "pack_state_dict", "pack_stream",
+           "tensor_kind"]
 """``layer_prefix`` and ``tensor_kind`` (:func:`.hf_names.stacked_name`) come from
 :mod:`.hf_names`; they are re-exported for the callers that import them from here."""
 
 
-def pack_one_at_a_time(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]]
+def pack_state_dict(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                    window_bytes: int = DEFAULT_WINDOW_BYTES, stacked: bool = True,
+                    stack_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export): :meth:`SpecCore.pack`
+    per tensor, in stream order (``QuantSpec.pack_state_dict``).
+
+    For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are held
+    back until the group is complete and packed with one shared amax. With ``stacked``
+    (default) the weights of one kind in a window of the stream (one decoder layer, at most
+    ``window_bytes`` of input) are quantized in one call where that is bit for bit the same
+    (:func:`pack_stream`; GPU streams only, a CPU stream has no launches to save);
+    ``stacked=False`` is the one-at-a-time reference (:func:`pack_one_at_a_time`). Both give
+    the same names, order, dtypes and bits.
+
+    ``stack_experts``: each decoder layer's packed experts of one kind as one tensor
+    ``[E, ...]`` named ``...experts.*.<proj>.<leaf>`` (the in-place SGLang sync's wire form,
+    :mod:`megatron_qrl.quant.expert_stacks`), from the stacked quantization's rows without
+    per-expert copies; with ``stacked=False`` the reference's tensors are stacked.
+    """
+    if not stacked:
+        packed = pack_one_at_a_time(spec, named_tensors)
+        return stack_expert_stream(packed) if stack_experts else packed
+    return pack_stream(spec, named_tensors, window_bytes=window_bytes,
+                       stack_experts=stack_experts)
+
+
+def pack_one_at_a_time(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The reference stream: :meth:`QuantSpec.pack` per tensor, in stream order.
+    """The reference stream: :meth:`SpecCore.pack` per tensor, in stream order.
 
     For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are held
     back until the group is complete and packed with one shared amax.
@@ -79,7 +104,7 @@ def pack_one_at_a_time(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch
     _check_complete(spec, pending)
 
 
-def _fused_order(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
+def _fused_order(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],
                  pending: Pending) -> Iterator[tuple[str, torch.Tensor, int]]:
     """``(name, tensor, group size)`` in the reference's emission order: a tensor outside any
     fused group at once (size 0); a fused group's members together, in member order, once its
@@ -98,7 +123,7 @@ def _fused_order(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tenso
                 yield m, got[m], len(members)
 
 
-def _check_complete(spec: QuantSpec, pending: Pending) -> None:
+def _check_complete(spec: SpecCore, pending: Pending) -> None:
     if pending:
         missing = {k: sorted(v) for k, v in pending.items()}
         raise ValueError(
@@ -107,7 +132,7 @@ def _check_complete(spec: QuantSpec, pending: Pending) -> None:
         )
 
 
-def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+def pack_stream(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                 window_bytes: int = DEFAULT_WINDOW_BYTES, stack_cpu: bool = False,
                 stack_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`pack_one_at_a_time`'s stream, bit for bit, with weights quantized in batches.
@@ -134,7 +159,7 @@ def pack_stream(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor
     return stack_expert_stream(packed) if stack_experts else packed
 
 
-def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], window_bytes: int,
+def _by_device(spec: SpecCore, pairs: Iterator[tuple[str, torch.Tensor]], window_bytes: int,
                stack_cpu: bool, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
     first = next(pairs, None)
     if first is None:
@@ -147,7 +172,7 @@ def _by_device(spec: QuantSpec, pairs: Iterator[tuple[str, torch.Tensor]], windo
         yield from _windows(spec, pairs, window_bytes, own)
 
 
-def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
+def _windows(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],
              window_bytes: int, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Cut the stream (in the reference's order) into windows, never inside a fused group."""
     pending: Pending = {}
@@ -172,7 +197,7 @@ def _windows(spec: QuantSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
     _check_complete(spec, pending)
 
 
-def _pack_window(spec: QuantSpec, window: Pairs, sizes: list[int], own: bool
+def _pack_window(spec: SpecCore, window: Pairs, sizes: list[int], own: bool
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Quantize the window's groups, then emit in stream order (dropping what was sent).
     ``own``: each packed tensor owns its storage (else splits of a stack stay views)."""
@@ -183,7 +208,7 @@ def _pack_window(spec: QuantSpec, window: Pairs, sizes: list[int], own: bool
         yield from packed.pop(i, None) or [(name, w)]
 
 
-def _window_amax(spec: QuantSpec, window: Pairs, sizes: list[int]) -> dict[int, torch.Tensor]:
+def _window_amax(spec: SpecCore, window: Pairs, sizes: list[int]) -> dict[int, torch.Tensor]:
     """The shared amax (fp32 scalar tensor) of every fused member of ``window``, by index;
     members of one group are consecutive there (:func:`_fused_order`)."""
     idx = [i for i, size in enumerate(sizes) if size]
@@ -201,7 +226,7 @@ def _window_amax(spec: QuantSpec, window: Pairs, sizes: list[int]) -> dict[int, 
     return dict(zip(idx, shared.unbind(0)))
 
 
-def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tensor], own: bool
+def _quantize_window(spec: SpecCore, window: Pairs, amax: dict[int, torch.Tensor], own: bool
                      ) -> dict[int, Pairs]:
     """Packed tensors of every quantized weight of ``window``, by its index there."""
     groups: dict[tuple, list[int]] = {}
@@ -223,11 +248,11 @@ def _quantize_window(spec: QuantSpec, window: Pairs, amax: dict[int, torch.Tenso
     return out
 
 
-def _pack_group(spec: QuantSpec, kind: str, names: Sequence[str],
+def _pack_group(spec: SpecCore, kind: str, names: Sequence[str],
                 weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool
                 ) -> list[Pairs]:
     """The packed tensors of each weight of one kind; a stack's as views of its packing
-    (:meth:`QuantSpec.pack_stacked`) or of its quantization's split."""
+    (:meth:`SpecCore.pack_stacked`) or of its quantization's split."""
     if not stacked:
         return [spec.pack_quantized(n, spec.quantize_weight(w, global_amax=a, name=n))
                 for n, w, a in zip(names, weights, amaxes)]

@@ -27,14 +27,11 @@ single-weight reference for every format. :func:`fused_amax` gives the fused-gro
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from .spec_core import SpecCore
 from .weight import QuantizedWeight
-
-if TYPE_CHECKING:
-    from .spec import QuantSpec
 
 MAX_STACK_ELEMENTS = 1 << 27
 """Largest stack quantized in one call (elements; fp32 temporaries are ~3x its bytes)."""
@@ -43,7 +40,7 @@ Amax = torch.Tensor | float | None
 """One weight's ``global_amax``: a scalar tensor, a float, or None (the weight's own amax)."""
 
 
-def can_stack(spec: QuantSpec, weights: Sequence[torch.Tensor]) -> bool:
+def can_stack(spec: SpecCore, weights: Sequence[torch.Tensor]) -> bool:
     """True if quantizing the row-concatenation of ``weights`` equals quantizing each alone."""
     if not spec.quantizes_weights or len(weights) < 2:
         return False
@@ -103,7 +100,7 @@ def _amax_list(global_amax: Sequence[Amax] | torch.Tensor | None, n: int) -> lis
 
 def _row_amax(stacked: torch.Tensor, rows: list[int], amaxes: list[Amax]) -> torch.Tensor:
     """``[sum(rows), 1]`` fp32: row r holds its weight's global amax (as
-    :meth:`QuantSpec.quantize_weight` converts it: fp32 on the weight's device)."""
+    :meth:`SpecCore.quantize_weight` converts it: fp32 on the weight's device)."""
     dev = stacked.device
     if any(a is None for a in amaxes):
         row = stacked.abs().amax(dim=1)
@@ -117,7 +114,7 @@ def _row_amax(stacked: torch.Tensor, rows: list[int], amaxes: list[Amax]) -> tor
     return torch.cat([a.expand(r) for a, r in zip(per.unbind(0), rows)]).unsqueeze(1)
 
 
-def split_stack(spec: QuantSpec, q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
+def split_stack(spec: SpecCore, q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
     """Split a stacked :class:`QuantizedWeight` back into one per weight (views, no copies);
     a per-row tensor scale becomes each weight's scalar."""
     per_scale_row = spec.block[0] if spec.block is not None else 1
@@ -140,7 +137,7 @@ def _stacks(weights: Sequence[torch.Tensor], amaxes: list[Amax], name: str, max_
         yield stacked, [w.shape[0] for w in part], [amaxes[i] for i in idx], label
 
 
-def _quantize_stack(spec: QuantSpec, stacked: torch.Tensor, rows: list[int],
+def _quantize_stack(spec: SpecCore, stacked: torch.Tensor, rows: list[int],
                     amaxes: list[Amax], label: str) -> QuantizedWeight:
     """One quantizer call on the stack; formats with a per-tensor scale get it per row."""
     with torch.no_grad():
@@ -148,16 +145,16 @@ def _quantize_stack(spec: QuantSpec, stacked: torch.Tensor, rows: list[int],
         return spec.quantize_weight(stacked, global_amax=ga, name=label)
 
 
-def _fake_quant_stack(spec: QuantSpec, stacked: torch.Tensor, rows: list[int],
+def _fake_quant_stack(spec: SpecCore, stacked: torch.Tensor, rows: list[int],
                       amaxes: list[Amax], label: str) -> torch.Tensor:
     """:func:`_quantize_stack` then dequantize, through the format's fake-quant fast path
-    (:meth:`QuantSpec.quantize_dequantize`, the same bits)."""
+    (:meth:`SpecCore.quantize_dequantize`, the same bits)."""
     with torch.no_grad():
         ga = _row_amax(stacked, rows, amaxes) if spec.shares_tensor_scale else None
         return spec.quantize_dequantize(stacked, global_amax=ga, name=label)
 
 
-def quantize_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
+def quantize_many(spec: SpecCore, weights: Sequence[torch.Tensor], *,
                   global_amax: Sequence[Amax] | torch.Tensor | None = None,
                   name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
                   ) -> list[QuantizedWeight]:
@@ -178,13 +175,13 @@ def quantize_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
             for w in split_stack(spec, q, rows)]
 
 
-def quantize_stacks(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
+def quantize_stacks(spec: SpecCore, weights: Sequence[torch.Tensor], *,
                     global_amax: Sequence[Amax] | torch.Tensor | None = None,
                     name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
                     ) -> Iterator[tuple[QuantizedWeight, list[int]]]:
     """:func:`quantize_many` before the split, for weights that :func:`can_stack`: per run of at
     most ``max_elements``, the :class:`QuantizedWeight` of its row-concatenation and its
-    weights' row counts (:func:`split_stack` gives the weights; :meth:`QuantSpec.pack_stacked`
+    weights' row counts (:func:`split_stack` gives the weights; :meth:`SpecCore.pack_stacked`
     packs them in one go)."""
     if not can_stack(spec, weights):
         raise ValueError(f"{name}: these weights cannot be quantized as one stack (can_stack)")
@@ -193,13 +190,13 @@ def quantize_stacks(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
         yield _quantize_stack(spec, stacked, rows, amx, label), rows
 
 
-def fake_quant_many(spec: QuantSpec, weights: Sequence[torch.Tensor], *,
+def fake_quant_many(spec: SpecCore, weights: Sequence[torch.Tensor], *,
                     global_amax: Sequence[Amax] | torch.Tensor | None = None,
                     name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
                     ) -> list[torch.Tensor]:
     """``[spec.dequantize(spec.quantize_weight(w, global_amax=a)) for ...]`` (no autograd),
     stacked where that is bit-identical; each result has its weight's dtype. Computed with
-    :meth:`QuantSpec.quantize_dequantize` (the format's fake-quant fast path, same bits)."""
+    :meth:`SpecCore.quantize_dequantize` (the format's fake-quant fast path, same bits)."""
     amaxes = _amax_list(global_amax, len(weights))
     if not can_stack(spec, weights):
         return [spec.quantize_dequantize(w, global_amax=a, name=f"{name}[{i}]")

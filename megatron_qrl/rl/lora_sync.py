@@ -29,11 +29,11 @@ import torch
 from megatron_qrl.models.lora_config import LoraConfig
 from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn, is_aqn_target
-from megatron_qrl.utils.hf_names import parse
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rl.sync import SyncResult, sync_weights
 from megatron_qrl.rollout.base import WeightManifest, WeightSyncError, once_each
 from megatron_qrl.rollout.lora_serving import LoraServing, hf_weight_of
+from megatron_qrl.utils.hf_names import parse
 
 __all__ = ["LoraSync"]
 

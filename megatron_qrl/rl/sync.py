@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_qrl.utils import hf_names
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, once_each
 from megatron_qrl.rollout_sglang.factory import make_engine
+from megatron_qrl.utils import hf_names
 
 __all__ = ["SyncResult", "make_engine", "sync_weights"]
 

@@ -26,8 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..utils.net import free_port
 from ..sync.protocol.wire import flatten, iter_buckets, json_tensor, tensor_json, unflatten
+from ..utils.net import free_port
 
 __all__ = ["broadcast_from_trainer", "find_group", "free_port", "init_group", "receive_stream",
            "send_stream"]

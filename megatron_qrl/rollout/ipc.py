@@ -46,8 +46,8 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from torch.multiprocessing import reductions
 
-from .broadcast import broadcast_from_trainer
 from ..sync.protocol.wire import flatten, iter_buckets, unflatten
+from .broadcast import broadcast_from_trainer
 
 __all__ = ["IPC_IN_FLIGHT", "device_uuid", "misplaced", "open_shared", "receive_ipc_stream",
            "send_ipc_stream", "share", "visible_devices"]

@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from ..quant import get_spec, list_specs
 from ..utils.hf_names import parse
 from .lora_adapters import PEFT_PREFIX
 
@@ -64,21 +65,14 @@ _HOPPER = (9, 0)
 _MARLIN_LORA_MIN = (9, 0)
 """``MarlinLoraRunnerCore``'s minimum compute capability (module doc)."""
 
-EXPERT_SERVING: dict[str, str] = {
-    "bf16": "adapter",       # UnquantizedFusedMoEMethod, Triton runner
-    "int8": "adapter",       # w8a8_int8: Triton runner
-    "fp8": "adapter",        # w8a8_fp8: Triton runner
-    "fp8_block": "merge",    # fp8 (block): DeepGEMM runner on Hopper, no LoRA
-    "w4a16": "adapter",      # compressed-tensors WNA16 MoE: Marlin (moe_runner_backend=marlin)
-    "nvfp4": "adapter",      # ModelOpt NVFP4: Marlin on sm90 (merge on Blackwell)
-}
-"""SGLang 0.5.17, routed-expert adapters per rollout format on the H200 (module doc; the
-Marlin formats merge below sm90, NVFP4 also on sm100+: :func:`expert_path`)."""
-_MARLIN = ("w4a16", "nvfp4")
-"""Formats whose served expert adapters run SGLang's Marlin LoRA MoE runner
-(``MarlinLoraRunnerCore``; :func:`expert_path` leaves them ``adapter`` only where it runs)."""
+EXPERT_SERVING: dict[str, str] = {name: get_spec(name).engine.lora_experts
+                                   for name in list_specs()}
+"""SGLang 0.5.17, routed-expert adapters per rollout format on the H200, as each format
+declares it (:attr:`megatron_qrl.quant.engine_facts.EngineFacts.lora_experts`; the Marlin
+formats merge below sm90, NVFP4 also on sm100+: :func:`expert_path`)."""
 
-EXPERT_LORA_MOE_RUNNER = {"w4a16": "marlin"}
+EXPERT_LORA_MOE_RUNNER = {name: get_spec(name).engine.lora_moe_runner for name in list_specs()
+                          if get_spec(name).engine.lora_moe_runner is not None}
 """``moe_runner_backend`` of an engine serving routed-expert adapters, per rollout format
 where SGLang 0.5.17's default (``auto``) cannot: ``FusedMoEWithLoRA.__init__``
 (``srt/lora/layers.py``) takes the LoRA runner from ``base_layer.quant_method.runner``, which
@@ -159,7 +153,7 @@ class LoraServing:
     def moe_runner_backend(self) -> str | None:
         """The engine's ``moe_runner_backend`` (:data:`EXPERT_LORA_MOE_RUNNER`; None: SGLang's
         own choice)."""
-        return EXPERT_LORA_MOE_RUNNER.get(self.spec_name) if self.wraps_experts else None
+        return get_spec(self.spec_name).engine.lora_moe_runner if self.wraps_experts else None
 
     @property
     def eager_reason(self) -> str | None:
@@ -179,22 +173,23 @@ class LoraServing:
         ``base_backend._add_moe_lora_info`` only for ``batch_info.use_cuda_graph`` batches
         (``lora_manager.prepare_lora_batch``: only after a decode graph runner set
         ``max_bs_in_cuda_graph``); ``MarlinLoraRunnerCore`` reads ``w13_qweight``."""
-        if self.wraps_experts and self.spec_name in _MARLIN:
+        if self.wraps_experts and get_spec(self.spec_name).engine.lora_marlin:
             return MARLIN_EXPERT_LORA_EAGER
         return None
 
 
 def expert_path(spec_name: str, capability: tuple[int, int] | None = None) -> str:
     """SGLang's routed-expert LoRA verdict for a format on a GPU (None: the H200, sm90)."""
-    if spec_name not in EXPERT_SERVING:
-        raise ValueError(f"LoRA serving: format {spec_name!r} is not in EXPERT_SERVING "
-                         f"({', '.join(EXPERT_SERVING)}); add its SGLang verdict there")
+    if spec_name not in list_specs():
+        raise ValueError(f"LoRA serving: format {spec_name!r} is not a registered format "
+                         f"({', '.join(list_specs())})")
+    facts = get_spec(spec_name).engine
     cap = capability or _HOPPER
-    if spec_name in _MARLIN and cap < _MARLIN_LORA_MIN:
+    if facts.lora_marlin and cap < _MARLIN_LORA_MIN:
         return "merge"  # MarlinLoraRunnerCore: compute capability >= 9
-    if spec_name == "nvfp4" and cap >= (10, 0):
-        return "merge"  # ModelOpt NVFP4 MoE on Blackwell: FlashInfer TRT-LLM runner
-    return EXPERT_SERVING[spec_name]
+    if facts.lora_merge_from is not None and cap >= facts.lora_merge_from:
+        return "merge"  # e.g. ModelOpt NVFP4 MoE on Blackwell: FlashInfer TRT-LLM runner
+    return facts.lora_experts
 
 
 def resolve_lora_serving(engine: str, spec_name: str, targets: Iterable[str], *,

@@ -58,12 +58,12 @@ from typing import Any
 
 import torch
 
+from ..sync.protocol.wire import as_bytes, from_bytes, iter_buckets
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .broadcast import free_port, init_group, receive_stream, send_stream
 from .ipc import device_uuid, misplaced, receive_ipc_stream, send_ipc_stream, visible_devices
 from .supervisor import EngineDiedError
 from .weight_groups import receive_sharded
-from ..sync.protocol.wire import as_bytes, from_bytes, iter_buckets
 
 __all__ = ["WEIGHT_TRANSPORTS", "EngineActor", "EngineBuilder", "EngineSpec", "RayEngine",
            "WireTensor", "bucketize", "from_wire", "pick_transport", "to_wire",

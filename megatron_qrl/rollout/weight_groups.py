@@ -31,9 +31,9 @@ from itertools import groupby
 import torch
 import torch.distributed as dist
 
+from ..sync.protocol.wire import tensor_json, unflatten
 from ..utils.hf_names import layer_prefix, parse
 from .broadcast import broadcast_from_trainer, send_stream
-from ..sync.protocol.wire import tensor_json, unflatten
 
 __all__ = ["WeightGroupPlan", "receive_sharded", "segment_key", "send_segments",
            "weight_group_plan"]

@@ -15,4 +15,5 @@ from ..sync.protocol.wire import (
     unflatten,
 )
 
-__all__ = ["BucketMeta", "as_bytes", "bucket_nbytes", "buckets", "dtype_name", "flatten", "from_bytes", "iter_buckets", "json_tensor", "nbytes", "tensor_json", "unflatten"]
+__all__ = ["BucketMeta", "as_bytes", "bucket_nbytes", "buckets", "dtype_name", "flatten",
+           "from_bytes", "iter_buckets", "json_tensor", "nbytes", "tensor_json", "unflatten"]

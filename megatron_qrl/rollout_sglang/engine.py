@@ -57,11 +57,11 @@ from ..rollout.base import (
 )
 from ..rollout.sampling import row_seeds
 from ..rollout.supervisor import EngineDiedError
+from ..sync.protocol.inplace import LOADER
 from ..utils.optional import require
 from . import crash
 from .kernels.moe_configs import config_dir_for_engine
 from .options import SGLangOptions
-from ..sync.protocol.inplace import LOADER
 from .sync.sender import check_receipts, send_disk_sync, send_tensor_sync
 
 FEATURE = "--qrl-rollout-engine sglang"

@@ -16,40 +16,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..quant import get_spec
+from ..quant import get_spec, list_specs
+from ..quant.engine_facts import SYNC_MODES
 from ..quant.kv_cache import get_kv_format, list_kv_formats
 
 __all__ = ["OPTION_SYNCS", "SYNC_MODES", "SYNC_SUPPORT", "SGLangOptions",
            "check_sync_supported", "default_sync"]
 
-# In-place weight updates of a running SGLang 0.5.17 engine, measured on the H200
-# (tests/gpu/test_sglang_engine.py and tests/gpu/test_sglang_inplace.py, 2026-11-29): True
-# works, False fails, absent = not yet run. "distributed" ran between two GPUs over NCCL.
-# Plain "tensor" (SGLang's own model.load_weights) fails for every format that quantizes
-# weights that was measured: int8 and fp8 raise "'Parameter' object has no attribute
-# 'weight_loader'" (w8a8 replaces its parameters after loading), fp8_block killed the engine;
-# it is refused for those formats unless measured True here (use "inplace").
-# int8 and fp8 over disk (SGLang's update_weights_from_disk, the same load_weights) fail the
-# same way; bf16 and fp8_block over disk work.
-SYNC_MODES = ("inplace", "tensor", "disk", "distributed")
 SYNC_SUPPORT: dict[tuple[str, str], bool] = {
-    ("bf16", "tensor"): True,
-    ("bf16", "disk"): True,
-    ("fp8_block", "disk"): True,
-    ("fp8", "disk"): False,
-    ("fp8_block", "tensor"): False,
-    ("int8", "tensor"): False,
-    ("fp8", "tensor"): False,
-    ("int8", "disk"): False,
-    ("int8", "inplace"): True,
-    ("fp8", "inplace"): True,
-    ("fp8_block", "inplace"): True,
-    ("w4a16", "inplace"): True,
-    ("nvfp4", "inplace"): True,
-    ("bf16", "distributed"): True,
-    ("int8", "distributed"): True,
-    ("fp8", "distributed"): True,
-}
+    (name, path): works for name in list_specs()
+    for path, works in get_spec(name).engine.sglang_syncs.items()}
+"""``(format, sync path) -> works`` on SGLang 0.5.17, as each format declares it
+(:attr:`megatron_qrl.quant.engine_facts.EngineFacts.sglang_syncs`); absent = not yet run."""
 
 OPTION_SYNCS = {"flat_buckets": ("inplace",), "prefetch_buckets": ("tensor", "inplace"),
                 "direct_expert_loads": ("inplace",), "stack_experts": ("inplace",)}
@@ -225,16 +203,17 @@ def default_sync(spec_name: str) -> str:
 
 
 def _unsupported(spec_name: str, sync: str) -> str | None:
-    known = SYNC_SUPPORT.get((spec_name, sync))
-    if known or (known is None and not (sync == "tensor"
-                                        and get_spec(spec_name).quantizes_weights)):
+    spec = get_spec(spec_name)
+    known = spec.engine.sglang_syncs.get(sync)
+    if known or (known is None and not (sync == "tensor" and spec.quantizes_weights)):
         return None
-    works = sorted(f"{f}/{p}" for (f, p), ok in SYNC_SUPPORT.items() if ok)
+    works = sorted(f"{f}/{p}" for f in list_specs()
+                   for p, ok in get_spec(f).engine.sglang_syncs.items() if ok)
     why = ("measured on H200" if known is False else "SGLang's plain load_weights cannot "
            "reload a quantized layer after its post-load processing; every quantized format "
            "measured failed")
     return (f"SGLang 0.5.17 cannot update {spec_name!r} weights in place with sync={sync!r} "
-            f"({why}; see SYNC_SUPPORT in {__name__}). Known to work: {works}; use "
+            f"({why}; see the format's EngineFacts.sglang_syncs). Known to work: {works}; use "
             "sync='inplace' (--qrl-rollout-sglang-sync inplace), --qrl-rollout-engine "
             "reference, or another format / sync path")
 

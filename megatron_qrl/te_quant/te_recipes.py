@@ -2,8 +2,8 @@
 
 The aligned forward must reproduce the rollout's quantized GEMM (QaRL, docs/ALGORITHMS.md section 5).
 A TE recipe qualifies only if its weight and activation quantizers produce the same values as
-the spec's reference quantizer; the table below records, per rollout format, the candidate
-recipe, the GPUs that run it and whether its numerics match:
+the spec's reference quantizer; each format declares its candidate recipe, the GPUs that run
+it and whether its numerics match (``EngineFacts.te_recipe``, collected in :data:`RECIPES`):
 
 - ``fp8_block`` -> ``Float8BlockScaling`` (Hopper, SM 9.x): 128x128 weight blocks, 1x128
   activation groups, E4M3 with ``scale = 448 / amax``, as SGLang's block FP8. TE constrains the
@@ -25,50 +25,16 @@ recipe, the GPUs that run it and whether its numerics match:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_qrl.quant import get_spec, list_specs
+from megatron_qrl.quant.engine_facts import TERecipe
 from megatron_qrl.utils.optional import available
 
-
-@dataclass(frozen=True)
-class TERecipe:
-    """A TE recipe candidate for one rollout format."""
-
-    format: str
-    """The ``--qrl-rollout-format`` it would serve."""
-    recipe: str
-    """The ``transformer_engine.common.recipe`` class name."""
-    megatron: dict[str, str]
-    """``TransformerConfig`` fields that make megatron-core wrap its TE layers in this recipe."""
-    capabilities: tuple[int, ...]
-    """CUDA compute-capability majors that run it (9: Hopper, 10: Blackwell)."""
-    matches_spec: bool
-    """True if TE's quantized values equal the spec's reference quantizer."""
-    why: str
-    """What differs (or what makes it equal)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment TE must see before it is imported."""
-    within_rounding: bool = False
-    """True if TE differs from the spec only by rounding (at most one quantization step per
-    element): usable when asked for ``approximate`` (speed measurements), never by default."""
-
-
-RECIPES: dict[str, TERecipe] = {
-    "fp8_block": TERecipe(
-        "fp8_block", "Float8BlockScaling", {"fp8": "e4m3", "fp8_recipe": "blockwise"}, (9,), False,
-        "same 128x128 / 1x128 blocks and fp32 scales, but TE rounds x * (448/amax) where SGLang "
-        "rounds x / (amax/448): values differ by up to 1.4e-2 (weights) / 7.8e-2 (activations) "
-        "on the H200 (TE 2.20.2)",
-        {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, within_rounding=True),
-    "fp8": TERecipe(
-        "fp8", "Float8CurrentScaling", {"fp8": "e4m3", "fp8_recipe": "tensorwise"}, (9, 10), False,
-        "one scale per tensor; the rollout uses per-channel weight and per-token activation scales"),
-    "nvfp4": TERecipe(
-        "nvfp4", "NVFP4BlockScaling", {"fp4": "nvfp4", "fp4_recipe": "nvfp4"}, (10,), False,
-        "W4A4 (activations quantized too); the rollout's nvfp4 is W4A16"),
-}
-"""Rollout format -> TE recipe candidate (formats not listed have none)."""
+RECIPES: dict[str, TERecipe] = {name: get_spec(name).engine.te_recipe for name in list_specs()
+                               if get_spec(name).engine.te_recipe is not None}
+"""Rollout format -> TE recipe candidate, as each format declares it
+(:attr:`megatron_qrl.quant.engine_facts.EngineFacts.te_recipe`; formats not listed have none)."""
 
 
 def _gpu() -> tuple[str, int]:
@@ -89,7 +55,7 @@ def te_recipe_for(fmt: str, gpu: tuple[str, int] | None = None,
     the rollout's numerics exactly.
     """
     name, major = gpu or _gpu()
-    recipe = RECIPES.get(fmt)
+    recipe = get_spec(fmt).engine.te_recipe if fmt in list_specs() else None
     fallback = "use the default straight-through fake-quant aligned forward (no TE recipe)"
     if recipe is None:
         raise ValueError(f"no Transformer Engine recipe computes {fmt!r}; {fallback}")
@@ -97,7 +63,8 @@ def te_recipe_for(fmt: str, gpu: tuple[str, int] | None = None,
         raise ValueError(f"TE {recipe.recipe} does not reproduce the {fmt!r} rollout "
                          f"({recipe.why}); {fallback}")
     if major not in recipe.capabilities:
-        runnable = sorted(f for f, r in RECIPES.items() if r.matches_spec and major in r.capabilities)
+        runnable = sorted(f for f in list_specs() if (r := get_spec(f).engine.te_recipe)
+                          is not None and r.matches_spec and major in r.capabilities)
         raise ValueError(
             f"TE {recipe.recipe} (for {fmt!r}) needs compute capability "
             f"{'/'.join(f'{c}.x' for c in recipe.capabilities)}; this GPU is {name} "

@@ -1,7 +1,9 @@
 """The package's layer order: imports point one way only, and no module imports itself back.
 
 Every module of ``megatron_qrl`` is parsed (``ast``, not imported), every import statement
-counts — at module level, inside functions, under ``TYPE_CHECKING`` — and so does loading one
+counts — at module level, inside functions, under ``TYPE_CHECKING`` (between files, one under
+``TYPE_CHECKING`` counts where its name is used at run time: instantiated, or a method called
+on a parameter it annotates) — and so does loading one
 of the package's own modules by name (``importlib.import_module("megatron_qrl...")``,
 ``importlib.util.find_spec(...)``, ``__import__``): the package's own modules are imported
 plainly. Failures name the file and line.
@@ -264,19 +266,92 @@ def test_no_package_cycle():
     assert not msgs, "\n".join(msgs)
 
 
+def _type_checking_blocks(tree: ast.AST) -> list[ast.If]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(n.test)]
+
+
+def _bound(path: Path, node: ast.Import | ast.ImportFrom) -> Iterator[tuple[str, str]]:
+    """``(name bound in the file, imported module)`` of one import statement."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.asname or alias.name.split(".")[0], alias.name
+        return
+    base = _resolve(path, node)
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        yield alias.asname or alias.name, sub if _is_module(sub) else base
+
+
+def _annotation_ids(tree: ast.AST) -> set[int]:
+    """Ids of every node inside an annotation (never evaluated: ``from __future__ import
+    annotations`` in every module)."""
+    roots = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.arg) and n.annotation is not None:
+            roots.append(n.annotation)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+            roots.append(n.returns)
+        elif isinstance(n, ast.AnnAssign):
+            roots.append(n.annotation)
+    return {id(x) for r in roots for x in ast.walk(r)}
+
+
+def _names_in(node: ast.AST | None) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} if node is not None else set()
+
+
+def _called_through_annotation(tree: ast.AST, name: str) -> int | None:
+    """Line of the first call of a method on a parameter annotated with ``name``
+    (``def f(spec: QuantSpec): spec.pack(...)``): the function needs ``name``'s class at run
+    time, whatever the annotation says about importing it."""
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        a = fn.args
+        params = {p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                  if p is not None and name in _names_in(getattr(p, "annotation", None))}
+        for call in ast.walk(fn):
+            if (params and isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id in params):
+                return call.lineno
+    return None
+
+
+def _used_at_run_time(tree: ast.AST, name: str, skip: set[int]) -> int | None:
+    """Line where a name imported under ``TYPE_CHECKING`` is used when the code runs: read
+    outside annotations (``QuantSpec(...)``, ``isinstance(x, QuantSpec)``), or called through
+    a parameter annotated with it. None where it only annotates."""
+    notes = _annotation_ids(tree)
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+                and id(n) not in notes and id(n) not in skip):
+            return n.lineno
+    return _called_through_annotation(tree, name)
+
+
 def _runtime_imports(path: Path) -> Iterator[tuple[int, str]]:
-    """:func:`imports` without those under ``if TYPE_CHECKING:`` (never executed)."""
+    """:func:`imports` without those under ``if TYPE_CHECKING:`` that only annotate: an import
+    there whose name is used at run time (:func:`_used_at_run_time`) is a dependency like any
+    other, reported at the line of the use."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
-    lines = {n.lineno for n in ast.walk(tree) if id(n) in skip and hasattr(n, "lineno")}
+    blocks = _type_checking_blocks(tree)
+    skip = {id(n) for b in blocks for n in ast.walk(b)}
+    lines = {n.lineno for b in blocks for n in ast.walk(b) if hasattr(n, "lineno")}
     for line, target in imports(path):
         if line not in lines:
             yield line, target
+    for node in (n for b in blocks for n in ast.walk(b)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for name, target in _bound(path, node):
+                used = _used_at_run_time(tree, name, skip)
+                if used is not None:
+                    yield used, target
 
 
 def test_no_module_cycle():
-    """No file imports itself back through other files (``a -> b -> a``), lazily or not."""
+    """No file imports itself back through other files (``a -> b -> a``), lazily or not, nor
+    through a ``TYPE_CHECKING`` import whose name the file uses at run time."""
     graph: dict[str, set[str]] = {}
     edges = []
     for path in _files():
@@ -305,6 +380,29 @@ def test_the_scan_sees_lazy_and_relative_imports(tmp_path, monkeypatch, source, 
     assert expected in [t for _, t in imports(fake)]
 
 
+def test_the_design_doc_states_these_layers():
+    """docs/DESIGN.md's layer line is :data:`LAYERS`, lowest first."""
+    line = " -> ".join(", ".join(tier) for tier in LAYERS)
+    assert line in (ROOT / "docs" / "DESIGN.md").read_text(), \
+        f"docs/DESIGN.md: write the layer line as {line!r} (tests/package/test_layering.py)"
+
+
 def test_an_upward_import_is_reported():
     assert _tier("quant") < _tier("models") < _tier("te_quant") < _tier("rollout")
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("source, runs", [
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_qrl.quant.spec "
+     "import QuantSpec\ndef f(spec: QuantSpec) -> int:\n    return spec.pack(1)\n", True),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_qrl.quant.spec "
+     "import QuantSpec\ndef f(x) -> None:\n    return QuantSpec()\n", True),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_qrl.quant.spec "
+     "import QuantSpec\ndef f(spec: QuantSpec) -> QuantSpec:\n    return spec\n", False),
+])
+def test_a_type_checking_import_used_at_run_time_counts(monkeypatch, source, runs):
+    """A name imported under ``TYPE_CHECKING`` and then instantiated, or called through a
+    parameter it annotates, is a dependency of the module; one that only annotates is not."""
+    fake = ROOT / PACKAGE / "quant" / "_layering_probe.py"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source)
+    assert ("megatron_qrl.quant.spec" in [t for _, t in _runtime_imports(fake)]) is runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine_facts import EngineFacts, KernelFlags
 from ..spec import QuantSpec, register_spec
 
 
@@ -16,6 +17,13 @@ class BF16Spec(QuantSpec):
     description: str = "no quantization (BF16 weights and activations)"
     weight_format: str = "none"
     granularity: str = "none"
+    # SGLang: every sync path loads bf16; the Triton fused-MoE kernel, unquantized; expert
+    # adapters on UnquantizedFusedMoEMethod's Triton runner
+    engine = EngineFacts(
+        sglang_syncs={"tensor": True, "disk": True, "distributed": True},
+        te_recipe=None,
+        moe_kernel=KernelFlags(),
+        lora_experts="adapter")
 
     def hf_quantization_config(self):
         return None

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from ..engine_facts import EngineFacts, KernelFlags, TERecipe
 from ..numerics import (
     FP8_E4M3_MAX,
     ZERO_AMAX_EPS,
@@ -25,7 +26,8 @@ from ..numerics import (
     constant,
     round_half_away,
 )
-from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+from ..spec import QuantizedWeight, QuantSpec, register_spec
+from ..spec_core import _lookup
 
 _ACT_EPS = 1e-10
 
@@ -76,6 +78,13 @@ class Int8Spec(_PerChannelSpec):
     weight_format: str = "int8"
     sglang_quantization: str | None = "w8a8_int8"
     _max: ClassVar[float] = 127.0
+    # w8a8_int8 replaces its parameters after loading: SGLang's load_weights ('tensor', 'disk')
+    # fails ('Parameter' object has no attribute 'weight_loader'); expert adapters: Triton runner
+    engine = EngineFacts(
+        sglang_syncs={"tensor": False, "disk": False, "inplace": True, "distributed": True},
+        te_recipe=None,
+        moe_kernel=KernelFlags(use_int8_w8a8=True, per_channel_quant=True),
+        lora_experts="adapter")
 
     def _quantize(self, w, global_amax):
         w32 = w.float()
@@ -125,6 +134,15 @@ class FP8Spec(_PerChannelSpec):
     weight_format: str = "float8_e4m3fn"
     sglang_quantization: str | None = "w8a8_fp8"
     _max: ClassVar[float] = FP8_E4M3_MAX
+    # w8a8_fp8: as int8 ('tensor' and 'disk' fail the same way); expert adapters: Triton runner
+    engine = EngineFacts(
+        sglang_syncs={"tensor": False, "disk": False, "inplace": True, "distributed": True},
+        te_recipe=TERecipe(
+            "fp8", "Float8CurrentScaling", {"fp8": "e4m3", "fp8_recipe": "tensorwise"}, (9, 10),
+            False, "one scale per tensor; the rollout uses per-channel weight and per-token "
+            "activation scales"),
+        moe_kernel=KernelFlags(use_fp8_w8a8=True, per_channel_quant=True),
+        lora_experts="adapter")
 
     def _quantize(self, w, global_amax):
         s, _ = self._row_scale(w.float())

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine_facts import EngineFacts, KernelFlags, TERecipe
 from ..numerics import FP8_E4M3_MAX, ZERO_AMAX_EPS, amax, cast_e4m3, from_blocks_2d, to_blocks_2d
-from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+from ..spec import QuantizedWeight, QuantSpec, register_spec
+from ..spec_core import _lookup
 
 BLOCK = 128
 _ACT_EPS = 1e-10
@@ -38,6 +40,18 @@ class FP8BlockSpec(QuantSpec):
     act_group: int | None = BLOCK
     sglang_quantization: str | None = "fp8"
     bits_per_weight: float = 8.0 + 32.0 / (BLOCK * BLOCK)
+    # 'tensor' killed the engine, 'disk' works; Fp8MoEMethod with weight_block_size [128, 128]
+    # (Triton path, DeepGEMM off); expert adapters merged (DeepGEMM runner on Hopper, no LoRA)
+    engine = EngineFacts(
+        sglang_syncs={"tensor": False, "disk": True, "inplace": True},
+        te_recipe=TERecipe(
+            "fp8_block", "Float8BlockScaling", {"fp8": "e4m3", "fp8_recipe": "blockwise"}, (9,),
+            False, "same 128x128 / 1x128 blocks and fp32 scales, but TE rounds x * (448/amax) "
+            "where SGLang rounds x / (amax/448): values differ by up to 1.4e-2 (weights) / "
+            "7.8e-2 (activations) on the H200 (TE 2.20.2)",
+            {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, within_rounding=True),
+        moe_kernel=KernelFlags(use_fp8_w8a8=True, block_shape=(128, 128)),
+        lora_experts="merge")
 
     def _check_shape(self, shape, name):
         # SGLang quantizes activations in groups of 128 along the input dim, so the input

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine_facts import EngineFacts, TERecipe
 from ..numerics import (
     E2M1_MAX,
     FP8_E4M3_MAX,
@@ -40,7 +41,8 @@ from ..numerics import (
     pack_nibbles,
     unpack_nibbles,
 )
-from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec, row_starts
+from ..spec import QuantizedWeight, QuantSpec, register_spec
+from ..spec_core import _lookup, row_starts
 
 BLOCK = 16
 _E4M3_MIN_SUBNORMAL = 2.0**-9
@@ -59,6 +61,15 @@ class NVFP4Spec(QuantSpec):
     sglang_quantization: str | None = "modelopt_fp4"
     shares_tensor_scale: bool = True
     bits_per_weight: float = 4.0 + 8.0 / BLOCK
+    # ModelOpt NVFP4 MoE: Marlin on sm90 (adapters served), FlashInfer TRT-LLM on sm100+ (merged)
+    engine = EngineFacts(
+        sglang_syncs={"inplace": True},
+        te_recipe=TERecipe(
+            "nvfp4", "NVFP4BlockScaling", {"fp4": "nvfp4", "fp4_recipe": "nvfp4"}, (10,), False,
+            "W4A4 (activations quantized too); the rollout's nvfp4 is W4A16"),
+        moe_kernel=None,
+        lora_experts="adapter", lora_marlin=True,
+        lora_merge_from=(10, 0))
 
     def _check_shape(self, shape, name):
         if shape[1] % BLOCK:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine_facts import EngineFacts
 from ..numerics import (
     ZERO_AMAX_EPS,
     amax,
@@ -26,7 +27,8 @@ from ..numerics import (
     pack_int4_to_int32,
     unpack_int32_to_int4,
 )
-from ..spec import QuantizedWeight, QuantSpec, _lookup, register_spec
+from ..spec import QuantizedWeight, QuantSpec, register_spec
+from ..spec_core import _lookup
 
 GROUP = 128
 SCALE_DTYPE = torch.bfloat16
@@ -54,6 +56,14 @@ class W4A16Spec(QuantSpec):
     block: tuple[int, int] | None = (1, GROUP)
     sglang_quantization: str | None = "compressed-tensors"
     bits_per_weight: float = 4.0 + 16.0 / GROUP
+    # compressed-tensors WNA16 MoE runs Marlin; expert adapters on Marlin with
+    # moe_runner_backend=marlin
+    engine = EngineFacts(
+        sglang_syncs={"inplace": True},
+        te_recipe=None,
+        moe_kernel=None,
+        lora_experts="adapter", lora_marlin=True,
+        lora_moe_runner="marlin")
 
     def _check_shape(self, shape, name):
         if shape[1] % GROUP:

@@ -21,33 +21,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MoeCase", "TUNE_FORMATS", "best_per_m", "make_case", "stage1_space",
+from ...quant import get_spec, list_specs
+from ...quant.engine_facts import KernelFlags
+
+__all__ = ["KernelFlags", "MoeCase", "TUNE_FORMATS", "best_per_m", "make_case", "stage1_space",
            "stage2_space", "time_config"]
 
 DEFAULT_M = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Token counts tuned: decode batch sizes (CUDA-graph sizes) and prefill chunks."""
 
 
-@dataclass(frozen=True)
-class KernelFlags:
-    """How SGLang's MoE method of a format calls ``fused_experts``."""
-
-    use_fp8_w8a8: bool = False
-    use_int8_w8a8: bool = False
-    per_channel_quant: bool = False
-    block_shape: tuple[int, int] | None = None
-
-
 TUNE_FORMATS: dict[str, KernelFlags] = {
-    # w8a8_int8 / w8a8_fp8 MoE methods: per-channel weight scales, dynamic per-token activations
-    "int8": KernelFlags(use_int8_w8a8=True, per_channel_quant=True),
-    "fp8": KernelFlags(use_fp8_w8a8=True, per_channel_quant=True),
-    # Fp8MoEMethod with weight_block_size [128, 128] (Triton path, DeepGEMM off)
-    "fp8_block": KernelFlags(use_fp8_w8a8=True, block_shape=(128, 128)),
-    "bf16": KernelFlags(),
-}
-"""Formats whose MoE runs SGLang's Triton fused-MoE kernel on Hopper. w4a16 and nvfp4 run
-Marlin kernels (no Triton tile configuration)."""
+    name: get_spec(name).engine.moe_kernel for name in list_specs()
+    if get_spec(name).engine.moe_kernel is not None}
+"""Formats whose MoE runs SGLang's Triton fused-MoE kernel on Hopper, with its flags, as each
+format declares them (:attr:`megatron_qrl.quant.engine_facts.EngineFacts.moe_kernel`); the
+others (w4a16, nvfp4) run Marlin kernels (no Triton tile configuration)."""
 
 
 def _valid(cfg: dict, flags: KernelFlags) -> bool:
@@ -113,17 +102,17 @@ class MoeCase:
 
 def make_case(fmt: str, E: int, N: int, K: int, device: str = "cuda", seed: int = 0) -> MoeCase:
     """``w1 [E, 2N, K]`` (gate|up), ``w2 [E, K, N]`` and scales for ``fmt``."""
-    if fmt not in TUNE_FORMATS:
+    flags = get_spec(fmt).engine.moe_kernel if fmt in list_specs() else None
+    if flags is None:
         raise ValueError(f"format {fmt!r}: the Triton fused-MoE kernel runs {sorted(TUNE_FORMATS)}"
                          " (w4a16/nvfp4 use Marlin, which has no tile configuration)")
-    flags = TUNE_FORMATS[fmt]
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g, device=device, dtype=torch.float32)
 
     w1, w2 = rand(E, 2 * N, K) * 0.02, rand(E, K, N) * 0.02
-    if fmt == "bf16":
+    if not (flags.use_int8_w8a8 or flags.use_fp8_w8a8):  # the unquantized kernel
         return MoeCase(fmt, flags, w1.bfloat16(), w2.bfloat16(), None, None)
     if flags.use_int8_w8a8:
         def q(w: torch.Tensor) -> torch.Tensor:

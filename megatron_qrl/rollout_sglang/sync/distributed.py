@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
-from ...rollout.broadcast import broadcast_from_trainer, free_port, init_group
-from megatron_qrl.sync.protocol.wire import buckets, flatten
 from megatron_qrl.sync.protocol.inplace import CONTROL, LOADER, RECV, encode_control
+from megatron_qrl.sync.protocol.wire import buckets, flatten
+
+from ...rollout.broadcast import broadcast_from_trainer, free_port, init_group
 from .sender import StreamTracker, packed_suffixes
 
 __all__ = ["WeightGroup", "flat_buckets", "open_group", "run_alongside", "send_bucket",

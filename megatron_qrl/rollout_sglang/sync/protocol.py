@@ -16,4 +16,6 @@ from ...sync.protocol.inplace import (
     parse_stacked,
 )
 
-__all__ = ["CONTROL", "FLAT", "LOADER", "RECV", "InplaceSyncError", "decode_control", "encode_control", "expert_name", "expert_names", "expert_views", "module_key", "parse_stacked"]
+__all__ = ["CONTROL", "FLAT", "LOADER", "RECV", "InplaceSyncError", "decode_control",
+           "encode_control", "expert_name", "expert_names", "expert_views", "module_key",
+           "parse_stacked"]

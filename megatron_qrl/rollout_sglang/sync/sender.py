@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 
-from ...quant.expert_stacks import stack_experts
 from megatron_qrl.sync.protocol.checksums import Checksums, WeightManifest, WeightSyncError
-from megatron_qrl.sync.protocol.wire import as_bytes, buckets, flatten
 from megatron_qrl.sync.protocol.inplace import (
     CONTROL,
     FLAT,
@@ -44,6 +42,9 @@ from megatron_qrl.sync.protocol.inplace import (
     module_key,
     parse_stacked,
 )
+from megatron_qrl.sync.protocol.wire import as_bytes, buckets, flatten
+
+from ...quant.expert_stacks import stack_experts
 
 __all__ = ["StreamTracker", "check_receipts", "fingerprinted", "packed_suffixes", "requests",
            "send_disk_sync", "send_tensor_sync", "stack_experts"]

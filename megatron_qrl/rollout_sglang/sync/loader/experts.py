@@ -28,8 +28,9 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_qrl.utils.hf_names import parse
 from megatron_qrl.sync.protocol.inplace import expert_names, expert_views, parse_stacked
+from megatron_qrl.utils.hf_names import parse
+
 from .expert_batch import ExpertLoad, load_batched
 
 __all__ = ["MODELS", "load_experts_directly", "unstack", "unstack_all"]

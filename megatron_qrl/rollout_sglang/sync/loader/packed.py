@@ -50,9 +50,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_qrl.sync.protocol.inplace import (
+    CONTROL,
+    FLAT,
+    RECV,
+    InplaceSyncError,
+    decode_control,
+    module_key,
+)
 from megatron_qrl.sync.protocol.wire import from_bytes, unflatten
+
 from ..debug import PhaseLog, write_digest
-from megatron_qrl.sync.protocol.inplace import CONTROL, FLAT, RECV, InplaceSyncError, decode_control, module_key
 from .experts import load_experts_directly, unstack_all
 from .lora_wrappers import base_layers_in_place
 from .module_state import (
@@ -272,8 +280,9 @@ def bucket_weights(named: list, device: torch.device) -> list[tuple[str, torch.T
 def receive_bucket(msg: dict, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a broadcast bucket (:data:`RECV` message ``{"group", "meta"}``):
     receive the flat buffer from rank 0 of the weight-update group and view it."""
-    from ....rollout.broadcast import broadcast_from_trainer, find_group
     from megatron_qrl.sync.protocol.wire import bucket_nbytes
+
+    from ....rollout.broadcast import broadcast_from_trainer, find_group
 
     flat = torch.empty(bucket_nbytes(msg["meta"]), dtype=torch.uint8, device=device)
     broadcast_from_trainer(flat, find_group(msg["group"]))

@@ -21,8 +21,9 @@ import os
 import torch
 
 from megatron_qrl.sync.protocol.checksums import Checksums
-from megatron_qrl.sync.protocol.wire import dtype_name
 from megatron_qrl.sync.protocol.inplace import expert_names, expert_views, parse_stacked
+from megatron_qrl.sync.protocol.wire import dtype_name
+
 from .module_state import needs_reload
 
 __all__ = ["RECEIPT_ATTR", "note_received", "write_receipt"]

@@ -1,0 +1,304 @@
+"""The per-weight half of a format: its fields, reference quantizer and packing.
+
+:class:`SpecCore` holds what one weight needs (1. and 2. of :mod:`megatron_qrl.quant.spec`);
+the stream packers (:mod:`.stacked`, :mod:`.pack_stream`) build on it, and
+:class:`~megatron_qrl.quant.spec.QuantSpec` (the registered formats' base) adds the
+whole-stream packing on top, so imports point one way: ``spec -> pack_stream -> stacked ->
+spec_core``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..utils.finite import require_finite
+from . import targets
+from .weight import QuantizedWeight
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: a quantize-dequantize function; backward: identity (STE, Bengio et al. 2013)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):  # noqa: D401
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@dataclass(frozen=True)
+class SpecCore:
+    """A quantization format's fields and its numerics of one weight: quantize, dequantize,
+    fake-quantize, pack and unpack (the base of :class:`~megatron_qrl.quant.spec.QuantSpec`).
+
+    Each format is a frozen dataclass subclass of ``QuantSpec`` that sets these fields'
+    defaults and implements the hooks ``_quantize``, ``_dequantize``, ``_pack``, ``_unpack``,
+    ``_packed_suffixes`` (and ``_act`` for W8A8 formats; ``_fake_quant`` where a direct
+    computation of the dequantized weight saves passes over memory). The stream packers
+    (:mod:`.stacked`, :mod:`.pack_stream`) build on this class alone.
+    """
+
+    name: str = ""
+    """Registry key and ``--qrl-rollout-format`` value."""
+    description: str = ""
+    weight_format: str = "none"
+    """``none`` | ``int8`` | ``float8_e4m3fn`` | ``int4`` | ``e2m1``."""
+    granularity: str = "none"
+    """``none`` | ``channel`` | ``block`` | ``group``: what one weight scale covers."""
+    block: tuple[int, int] | None = None
+    """(rows, cols) covered by one weight scale for block/group formats."""
+    activation: str = "none"
+    """``none`` | ``per_token`` | ``per_token_group``: dynamic activation quantization."""
+    act_group: int | None = None
+    sglang_quantization: str | None = None
+    """SGLang ``--quantization`` method that loads the packed tensors."""
+    shares_tensor_scale: bool = False
+    """True if one per-tensor scale must be shared by a fused group (q/k/v, gate/up)."""
+    bits_per_weight: float = 16.0
+
+    # ---- public API -------------------------------------------------------------------
+    @property
+    def quantizes_weights(self) -> bool:
+        return self.weight_format != "none"
+
+    @property
+    def quantizes_activations(self) -> bool:
+        return self.activation != "none"
+
+    def is_quantized(self, hf_name: str) -> bool:
+        """True if this format stores ``hf_name`` in low precision on the rollout side."""
+        return self.quantizes_weights and targets.is_quantized(hf_name)
+
+    def quantize_weight(
+        self,
+        w: torch.Tensor,
+        *,
+        global_amax: torch.Tensor | float | None = None,
+        name: str = "weight",
+    ) -> QuantizedWeight:
+        """Quantize a [out, in] weight exactly as the rollout engine will hold it.
+
+        ``global_amax`` overrides the per-tensor amax of two-level formats (NVFP4) so that the
+        members of a fused group (q/k/v, gate/up) share one scale; ignored elsewhere. It may
+        also be ``[out, 1]``, one per row: ``w`` is then a row-stack of weights, each row
+        quantized with its weight's amax (:mod:`megatron_qrl.quant.stacked`), and the result's
+        ``global_scale`` is ``[out, 1]``.
+        """
+        self._check_weight(w, name)
+        ga = self._global_amax(w, global_amax, name)
+        with torch.no_grad():
+            return self._quantize(w.detach(), ga)
+
+    def quantize_dequantize(
+        self,
+        w: torch.Tensor,
+        *,
+        global_amax: torch.Tensor | float | None = None,
+        name: str = "weight",
+    ) -> torch.Tensor:
+        """``dequantize(quantize_weight(w, global_amax=...))`` in ``w``'s dtype, bit for bit,
+        without autograd, through the format's fake-quant fast path (:meth:`_fake_quant`: the
+        dequantized value computed directly, no integer codes, few elementwise passes).
+        Same arguments and errors as :meth:`quantize_weight`."""
+        if not self.quantizes_weights:
+            return w.detach()
+        self._check_weight(w, name, finite=False)  # the format checks finiteness on its amax
+        ga = self._global_amax(w, global_amax, name)
+        with torch.no_grad():
+            return self._fake_quant(w.detach(), ga, name).to(w.dtype)
+
+    def dequantize(self, q: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight the rollout engine computes with, in ``dtype`` (default: the original)."""
+        if q.spec != self.name:
+            raise ValueError(f"{self.name}.dequantize got a weight quantized with {q.spec!r}")
+        with torch.no_grad():
+            return self._dequantize(q).to(dtype or q.dtype)
+
+    def fake_quant_weight(
+        self, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """``dequantize(quantize_weight(w))`` with a straight-through gradient into ``w``."""
+        if not self.quantizes_weights:
+            return w
+        return _StraightThrough.apply(
+            w, lambda x: self.quantize_dequantize(x, global_amax=global_amax)
+        )
+
+    def fake_quant_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """Dynamic activation quantization of W8A8 formats (STE); identity for weight-only."""
+        if not self.quantizes_activations:
+            return x
+        return _StraightThrough.apply(x, lambda t: self._act(t.detach().float()).to(t.dtype))
+
+    def pack(
+        self, hf_name: str, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors SGLang's loader expects for HF tensor ``hf_name`` (names, dtypes, layout).
+
+        Tensors this format leaves in high precision come back unchanged.
+        """
+        if not self.is_quantized(hf_name):
+            return [(hf_name, w)]
+        return self.pack_quantized(hf_name, self.quantize_weight(w, global_amax=global_amax,
+                                                                 name=hf_name))
+
+    def pack_quantized(self, hf_name: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+        """The tensors :meth:`pack` emits for quantized weight ``hf_name`` from ``q``, its
+        :meth:`quantize_weight` (or its split of a stacked one, :mod:`.stacked`)."""
+        return self._pack(targets.module_name(hf_name), q)
+
+    def pack_stacked(self, hf_names: Sequence[str], q: QuantizedWeight, rows: Sequence[int]
+                     ) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """:meth:`pack_quantized` of each weight of a stacked quantization, in one go: ``q``
+        quantizes the row-concatenation of weights ``hf_names`` of ``rows[i]`` rows each
+        (:func:`.stacked.quantize_stacks`); each weight's tensors are views of the stack's
+        packed tensors (a few kernels for the stack, not a few per weight). None where the
+        format packs one weight at a time (then split ``q``: :func:`.stacked.split_stack`)."""
+        return self._pack_rows([targets.module_name(n) for n in hf_names], q, list(rows))
+
+    def unpack(
+        self,
+        hf_name: str,
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> QuantizedWeight | torch.Tensor:
+        """Inverse of :meth:`pack` (reads only this module's tensors from ``tensors``).
+
+        Returns a :class:`QuantizedWeight` for quantized weights, else the stored tensor.
+        """
+        if not self.is_quantized(hf_name):
+            return _lookup(tensors, hf_name)
+        return self._unpack(targets.module_name(hf_name), tensors, dtype)
+
+    def packed_names(self, hf_name: str) -> tuple[str, ...]:
+        """Names :meth:`pack` emits for ``hf_name`` (cheap, no quantization)."""
+        if not self.is_quantized(hf_name):
+            return (hf_name,)
+        mod = targets.module_name(hf_name)
+        return tuple(f"{mod}.{suffix}" for suffix in self._packed_suffixes())
+
+    def shared_amax(self, hf_name: str, tensors: Mapping[str, torch.Tensor]) -> float | None:
+        """The amax ``hf_name`` must be quantized with: the max over its fused group's members
+        in ``tensors`` (None for formats or weights without a shared per-tensor scale)."""
+        group = self.fusion_group(hf_name)
+        if group is None:
+            return None
+        return max(float(_amax_all(tensors[m])) for m in group[1])
+
+    def fusion_group(self, hf_name: str) -> tuple[str, tuple[str, ...]] | None:
+        """Fused group whose members must share a per-tensor scale (None if not needed)."""
+        if not (self.shares_tensor_scale and self.is_quantized(hf_name)):
+            return None
+        return targets.fusion_group(hf_name)
+
+    def hf_quantization_config(self) -> dict[str, Any] | None:
+        """The ``quantization_config`` block of config.json SGLang reads (None for bf16)."""
+        raise NotImplementedError
+
+    def modelopt_config(self) -> dict[str, Any]:
+        """A ModelOpt ``mtq.quantize`` config with the same numerics (see each format)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"QuantSpec({self.name!r}: {self.description})"
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _quantize(self, w: torch.Tensor, global_amax: torch.Tensor | None) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _fake_quant(self, w: torch.Tensor, global_amax: torch.Tensor | None, name: str
+                    ) -> torch.Tensor:
+        """``_dequantize(_quantize(w))`` (any float dtype; the caller casts to ``w``'s).
+
+        Formats override it with a direct computation of the same bits (no codes); an
+        override must check finiteness itself (:meth:`_check_finite_amax` on an amax it
+        reduces anyway). ``w`` has passed :meth:`_check_weight` without the finite check.
+        """
+        self._check_finite(w, name)
+        return self._dequantize(self._quantize(w, global_amax))
+
+    def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _pack_rows(self, modules: list[str], q: QuantizedWeight, rows: list[int]
+                   ) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """:meth:`_pack` of each weight of a stack in one go (formats whose packing is
+        row-local and costs kernels), or None (:meth:`pack_stacked`)."""
+        return None
+
+    def _unpack(
+        self, module: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def _packed_suffixes(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_shape(self, shape: tuple[int, int], name: str) -> None:
+        """Formats with block/group constraints raise here (clear error naming the tensor)."""
+
+    # ---- shared validation -----------------------------------------------------------
+    def _check_weight(self, w: torch.Tensor, name: str, finite: bool = True) -> None:
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"{self.name}: {name} must be a 2-D [out, in] tensor, got {shape}")
+        if w.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{self.name}: {name} has dtype {w.dtype}; expected fp32/bf16/fp16")
+        if finite:
+            self._check_finite(w, name)
+        self._check_shape(tuple(w.shape), name)
+
+    def _check_finite(self, w: torch.Tensor, name: str) -> None:
+        require_finite(w, f"{self.name}: {name}", "the checkpoint or the last optimizer step is broken")
+
+    def _check_finite_amax(self, a: torch.Tensor, w: torch.Tensor, name: str) -> None:
+        """The finite check of :meth:`_check_weight` from an amax ``a`` reduced over all of
+        ``w`` (a max propagates NaN and Inf: ATen ``SharedReduceOps.h`` ``AbsMaxOps``, the
+        inf-norm's reduction, uses ``max_propagate_nan`` on CUDA and ``max_impl`` on CPU): one
+        small kernel instead of ``isfinite`` (four full passes: ``==``, ``abs``, ``!=``, ``*``)
+        and ``all``."""
+        if not bool(torch.isfinite(a).all()):
+            self._check_finite(w, name)
+
+    def _global_amax(self, w: torch.Tensor, global_amax: torch.Tensor | float | None,
+                     name: str) -> torch.Tensor | None:
+        """``global_amax`` as fp32 on ``w``'s device: a scalar, or ``[out, 1]`` (checked)."""
+        if global_amax is None:
+            return None
+        if isinstance(global_amax, torch.Tensor):
+            global_amax = global_amax.detach()
+        ga = torch.as_tensor(global_amax, dtype=torch.float32, device=w.device)
+        if ga.dim() == 2 and tuple(ga.shape) != (w.shape[0], 1):
+            raise ValueError(f"{self.name}: per-row global_amax for {name} must have shape "
+                             f"[{w.shape[0]}, 1], got {tuple(ga.shape)}")
+        return ga if ga.dim() == 2 else ga.reshape(())
+
+
+def row_starts(rows: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``int64`` index of each weight's first row in a row-concatenation of ``rows``."""
+    return torch.tensor([0, *rows[:-1]], dtype=torch.int64).cumsum(0).to(device)
+
+
+def _amax_all(w: torch.Tensor) -> torch.Tensor:
+    return w.detach().float().abs().amax()
+
+
+def _lookup(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return tensors[key]
+    except KeyError:
+        raise KeyError(f"packed tensor {key!r} is missing (have {len(tensors)} tensors)") from None
