@@ -8,7 +8,11 @@ One spec gives (docs/DESIGN.md, "One spec per format"):
 2. the rollout side: the SGLang ``--quantization`` method, :meth:`QuantSpec.pack` (the tensors
    SGLang's loader expects, names and dtypes) and :meth:`QuantSpec.hf_quantization_config`;
 3. the training side (``te_quant``) uses 1. with a straight-through gradient;
-4. :meth:`QuantSpec.modelopt_config` for PTQ/export and numerics cross-checks.
+4. :meth:`QuantSpec.modelopt_config` for PTQ/export and numerics cross-checks;
+5. :attr:`QuantSpec.engine`: what the engines do with it (SGLang sync paths, TE recipe, MoE
+   kernel flags, LoRA serving; :mod:`.engine_facts`), declared on the format.
+One weight's numerics live in :class:`~megatron_qrl.quant.spec_core.SpecCore`, the stream
+packing in :mod:`.pack_stream`; this module adds the registry.
 The contract held by the tests: ``dequantize(unpack(pack(w))) == fake_quant_weight(w)`` bit
 for bit, for every format.
 """
