@@ -104,15 +104,12 @@ class FleetSession(RaySession):
         """Colocated engines sit on every trainer GPU; the driver (rank 0) holds one."""
         return torch.cuda.device_count() <= 1
 
-    def transport(self, spec: EngineSpec) -> str:
-        """As a single engine's, except that ``auto`` under torchrun is ``broadcast``: its
-        groups take the sharded sync (every EP rank sends its own experts,
-        :mod:`megatron_qrl.rl.ep_sync`)."""
+    def sharded_sync(self) -> bool:
+        """Under torchrun the engines' groups take the sharded sync (every EP rank sends its
+        own experts, :mod:`megatron_qrl.rl.ep_sync`): ``auto`` is then ``broadcast``."""
         import torch.distributed as dist
 
-        if self.weight_transport == "auto" and dist.is_initialized() and dist.get_world_size() > 1:
-            return "broadcast"
-        return super().transport(spec)
+        return dist.is_initialized() and dist.get_world_size() > 1
 
     def backend(self, spec: EngineSpec) -> str:
         """NCCL only where every engine has GPUs of its own (never two ranks on one GPU)."""

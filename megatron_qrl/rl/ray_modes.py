@@ -213,11 +213,16 @@ class RaySession:
         the GPU of the trainer's rank 0)."""
         return True
 
+    def sharded_sync(self) -> bool:
+        """Whether every rank sends its own part of the weights (no: one driver sends all)."""
+        return False
+
     def transport(self, spec: EngineSpec) -> str:
         """The weight transport of ``spec``'s actors (``auto`` resolved, ``ipc`` checked:
         :func:`~megatron_qrl.rollout.ray_actor.pick_transport`)."""
         return pick_transport(self.weight_transport, self.mode == "colocated",
-                              self.shares_device(), spec.kind, self.num_nodes)
+                              self.shares_device(), spec.kind, self.num_nodes,
+                              sharded=self.sharded_sync())
 
     def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:
         """The driver's engine factory for this session's mode."""

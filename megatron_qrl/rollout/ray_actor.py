@@ -271,9 +271,11 @@ def weight_backend(engine_kind: str, colocated: bool = False) -> str:
 
 
 def pick_transport(requested: str, colocated: bool, shares_device: bool, engine_kind: str,
-                   num_nodes: int = 1) -> str:
+                   num_nodes: int = 1, sharded: bool = False) -> str:
     """The weight transport for ``--qrl-ray-weight-transport requested`` (``auto`` or one of
-    :data:`WEIGHT_TRANSPORTS`): ``auto`` is ``ipc`` for a colocated engine that shares the
+    :data:`WEIGHT_TRANSPORTS`), the one place ``auto`` is resolved: ``broadcast`` where the
+    sync is ``sharded`` (under torchrun every EP rank sends its own experts,
+    :mod:`megatron_qrl.rl.ep_sync`), else ``ipc`` for a colocated engine that shares the
     driver's device (``shares_device``; a CPU engine always does) and ``broadcast``
     otherwise. An explicit ``ipc`` for an engine that cannot open the driver's memory (a
     disaggregated SGLang engine has a GPU of its own; on a cluster of more than one node a
@@ -282,6 +284,8 @@ def pick_transport(requested: str, colocated: bool, shares_device: bool, engine_
     if requested not in ("auto", *WEIGHT_TRANSPORTS):
         raise ValueError(f"--qrl-ray-weight-transport {requested!r}: choose auto or one of "
                          f"{WEIGHT_TRANSPORTS}")
+    if requested == "auto" and sharded:
+        return "broadcast"
     shares = (colocated and (shares_device or engine_kind != "sglang")) or (
         not colocated and engine_kind != "sglang" and num_nodes == 1)
     if requested == "auto":

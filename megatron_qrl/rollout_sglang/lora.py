@@ -102,8 +102,7 @@ class SGLangLoraEngine(SGLangEngine):
                              f"; resolve it with resolve_lora_serving('sglang', {spec_name!r}, "
                              "...)")
         options = options if options is not None else SGLangOptions()
-        if options.sync == "auto":  # the LoRA wrappers rename SGLang's parameters: our loader
-            options = options.replace(sync="inplace")
+        options = options.replace(sync=options.sync_for(spec_name, lora=True))
         self.lora_targets = tuple(lora_serving.engine_targets)
         if lora_serving.eager_reason is not None:
             log.warning("SGLang LoRA engine (%s, routed-expert adapters): decode and prefill run "

@@ -154,11 +154,19 @@ class SGLangOptions:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
+    def sync_for(self, spec_name: str, lora: bool = False) -> str:
+        """The sync path of format ``spec_name``, the one place ``auto`` is resolved: the
+        path asked for, else :func:`default_sync`, or ``inplace`` for a LoRA engine (SGLang's
+        LoRA wrappers rename its parameters: only our in-place loader finds them)."""
+        if self.sync != "auto":
+            return self.sync
+        return "inplace" if lora else default_sync(spec_name)
+
     def problem(self, spec_name: str) -> str | None:
         """Why these options cannot run with format ``spec_name`` (naming the flags), or None:
         a speed option asked for (True / > 0) on a sync it does not apply to, stacked experts
         without direct expert loads, or a (format, sync) SGLang 0.5.17 cannot update."""
-        resolved = default_sync(spec_name) if self.sync == "auto" else self.sync
+        resolved = self.sync_for(spec_name)
         said = self.sync if self.sync != "auto" else f"auto ({resolved} for {spec_name})"
         if self.prefetch_buckets and resolved not in OPTION_SYNCS["prefetch_buckets"]:
             return (f"{_flag('prefetch_buckets')} applies to the tensor and in-place syncs, "
@@ -185,7 +193,7 @@ class SGLangOptions:
         if text is not None:
             err = NotImplementedError if text.startswith("SGLang 0.5.17 cannot") else ValueError
             raise err(text)
-        sync = default_sync(spec_name) if self.sync == "auto" else self.sync
+        sync = self.sync_for(spec_name)
         inplace = sync == "inplace"
         direct = inplace if self.direct_expert_loads is None else self.direct_expert_loads
         return self.replace(

@@ -197,6 +197,19 @@ def test_pick_transport():
         pick_transport("nccl", True, True, "sglang")
 
 
+def test_auto_under_a_sharded_sync_is_broadcast():
+    """Under torchrun every EP rank sends its own experts (``FleetSession.sharded_sync``):
+    ``auto`` is ``broadcast`` even where ``ipc`` would be chosen; an explicit choice stands."""
+    from megatron_qrl.rl.ray_fleet import FleetSession
+    from megatron_qrl.rl.ray_modes import RaySession
+
+    assert pick_transport("auto", True, True, "sglang", sharded=True) == "broadcast"
+    assert pick_transport("objectstore", True, True, "sglang", sharded=True) == "objectstore"
+    assert pick_transport("ipc", True, True, "reference", sharded=True) == "ipc"
+    assert RaySession("colocated").sharded_sync() is False
+    assert FleetSession.sharded_sync is not RaySession.sharded_sync  # torchrun: the gloo tests
+
+
 def test_ipc_flag_reaches_the_session(ray):
     from megatron_qrl.rl.cli import _ray_session, parse_configs
 

@@ -325,6 +325,16 @@ def test_engine_defaults_to_inplace_for_weight_quantized_formats():
     assert packed_suffixes(get_spec("w4a16")) == ("weight_packed", "weight_scale", "weight_shape")
 
 
+def test_auto_sync_is_resolved_in_one_place():
+    from megatron_qrl.rollout_sglang.options import SGLangOptions
+
+    auto = SGLangOptions()
+    assert [auto.sync_for(f) for f in ("bf16", "int8")] == ["tensor", "inplace"]
+    assert auto.sync_for("bf16", lora=True) == "inplace"  # LoRA wrappers: our loader only
+    assert SGLangOptions(sync="disk").sync_for("bf16", lora=True) == "disk"
+    assert auto.resolve("bf16").sync == "tensor" and auto.resolve("fp8").sync == "inplace"
+
+
 def test_float8_tensors_travel_as_uint8_and_arrive_as_float8():
     seen = {}
     model = FakeModel()
