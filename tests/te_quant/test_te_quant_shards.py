@@ -85,7 +85,7 @@ def test_te_recipe_table_errors():
 
     hopper, ampere, blackwell = ("NVIDIA H200", 9), ("NVIDIA A100-SXM4-80GB", 8), ("NVIDIA B200", 10)
     # measured on the H200: TE's block FP8 rounds differently from SGLang's -> only on request
-    with pytest.raises(ValueError, match=r"does not reproduce the 'fp8_block' rollout.*rounds"):
+    with pytest.raises(ValueError, match=r"does not reproduce the .fp8_block. rollout.*rounding tie"):
         te_config_overrides("fp8_block", hopper)
     assert te_config_overrides("fp8_block", hopper, approximate=True) == {
         "fp8": "e4m3", "fp8_recipe": "blockwise"}
@@ -167,3 +167,25 @@ def test_tp2_sequence_parallel_aligned_forward_matches_reference():
             ref = quantized_copy(hf, get_spec(fmt))(input_ids=x).logits
         for rank_out in got:
             assert_close_up_to_flips(rank_out[fmt], ref, fmt)
+
+
+def test_block_recipe_scales_fixed_at_te_import():
+    """TE's Float8BlockScaling reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES once, as a class
+    attribute, when its module is imported (measured on the H200, TE 2.20.2: set after the
+    import -> power-of-two scales). A module object with that class-attribute shape stands in
+    for TE (not installable on the CPU machine)."""
+    from types import SimpleNamespace
+
+    from megatron_qrl.te_quant.te_recipes import RECIPES, scales_fixed_too_early
+
+    def te_module(pow2: bool):
+        cls = type("Float8BlockScaling", (), {
+            "fp8_quant_fwd_weight": SimpleNamespace(power_2_scale=pow2, amax_epsilon=0.0)})
+        return SimpleNamespace(Float8BlockScaling=cls)
+
+    recipe = RECIPES["fp8_block"]
+    late = scales_fixed_too_early(recipe, te_module(pow2=True))
+    assert late and "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in late and "before" in late
+    assert scales_fixed_too_early(recipe, te_module(pow2=False)) is None
+    assert scales_fixed_too_early(recipe) is None  # TE not imported here: read in time
+    assert scales_fixed_too_early(RECIPES["fp8"], te_module(pow2=True)) is None  # no such env
