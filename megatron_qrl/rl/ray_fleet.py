@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec, wait_for_placement
+from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
+from megatron_qrl.rl.ray_placement import wait_for_bundle, wait_for_placement
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
 from megatron_qrl.rollout.fleet_sync import FleetBroadcast
@@ -71,6 +72,8 @@ class FleetSession(RaySession):
         from ray.util.placement_group import placement_group
 
         self._started = _init_ray()
+        need = session_layout(self.mode, self.rollout_cfg)
+        self.wait_for_cluster(sum(b.get("GPU", 0.0) for b in need.bundles))
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.num_nodes = len(nodes)
         gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
@@ -93,6 +96,7 @@ class FleetSession(RaySession):
 
         if self.pg is None or self.fleet is None:
             raise RuntimeError("FleetSession.new_engine outside `with FleetSession(...)`")
+        wait_for_bundle(self.pg, index, self.pg_timeout_s, f"fleet engine {index}")
         opts = {"num_cpus": 1.0, "num_gpus": self.fleet.gpus_per_engine, "max_restarts": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=index)}
