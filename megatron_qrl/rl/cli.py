@@ -214,7 +214,8 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     try:
         _run_main(args, configs, flags, argv, engine_factory, board)
     except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
-        line, code = error_line(exc, configs["run"], board, configs["launch"])
+        line, code = getattr(exc, "qrl_line", None) or error_line(exc, configs["run"], board,
+                                                                   configs["launch"])
         if line is None:
             if board is not None:  # the peers that lose this rank say why
                 board.record_failure(f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -378,10 +379,16 @@ def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any
     with torchrun_megatron(mega.tp, mega.ep, mega.etp, mega.pp,
                            timeout_s=launch.collective_timeout_s) as rank_world:
         world[0] = rank_world
-        with _ray_session(args.qrl_mode, configs, rank_world.is_main) as session:
-            if session is not None and engine_factory is None:
-                factory[0] = session.engine_factory
-            records = run(configs, flags)
+        try:
+            with _ray_session(args.qrl_mode, configs, rank_world.is_main) as session:
+                if session is not None and engine_factory is None:
+                    factory[0] = session.engine_factory
+                records = run(configs, flags)
+        except Exception as exc:  # the line for the peers, while this rank's group still stands
+            exc.qrl_line = error_line(exc, configs["run"], board, launch)  # type: ignore[attr-defined]
+            line = exc.qrl_line[0] or f"{type(exc).__name__}: {str(exc)[:300]}"
+            board.record_failure(line)
+            raise
         if rank_world.is_main:
             _summary(records)
 

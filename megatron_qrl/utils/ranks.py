@@ -98,8 +98,9 @@ class RankBoard:
         store.set(self.key("rank", self.rank), f"{self.node} {own_address()}")
         store.add(self.key("arrived"), 1)
         start = last = time.monotonic()
-        log(f"waiting for {self.world_size} ranks at {self.master} (up to {timeout_s:.0f} s, "
-            "--qrl-launch-startup-timeout-s)")
+        nodes = -(-self.world_size // self.per_node)
+        log(f"waiting for {nodes} nodes / {self.world_size} ranks at {self.master} (up to "
+            f"{timeout_s:.0f} s, --qrl-launch-startup-timeout-s)")
         while store.add(self.key("arrived"), 0) < self.world_size:
             now = time.monotonic()
             if now - start > timeout_s:
@@ -153,7 +154,7 @@ class RankBoard:
 
 
 def peer_loss(exc: BaseException, board: RankBoard | None, collective_timeout_s: float,
-              settle_s: float = 2.0) -> str | None:
+              settle_s: float = 5.0) -> str | None:
     """One line for a collective that failed because a peer left or froze; None for any
     other error. ``settle_s``: time given to the lost peer to record its own line."""
     text = str(exc).lower()

@@ -12,7 +12,9 @@ seconds from the start of the nodes to the last one's exit, generous for a 2-cor
 * a placement that cannot fit: one line with the cluster's resources, no traceback;
 * a rank that fails alone (resume on a node whose directory lacks the checkpoint): its own
   line, and the other node's line names the lost rank and quotes it;
-* a frozen node: the other node's line after the collective timeout.
+* a frozen node: the other node's line after the collective timeout;
+* colocated mode on a two-node Ray cluster: the engine's bundle is on the driver's node even
+  where Ray's best fit is the other node.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,28 @@ def test_a_frozen_node_ends_the_job_after_the_collective_timeout(tmp_path):
     assert first.rc not in (None, 0) and len(lines) == 1, first.stderr[-3000:]
     assert lines[0].startswith("qrl-train: error: [node 0 rank 0] no answer from the other "
                                "ranks within 20 s"), lines
+
+
+@pytest.mark.slow
+def test_colocated_bundle_is_pinned_to_the_drivers_node():
+    """Head (the driver's node) 2 CPUs, worker 1 CPU: Ray's PACK best fit for a 1-CPU bundle
+    is the worker; the colocated engine shares rank 0's device, so it must be the head."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from megatron_qrl.rl.ray_modes import RaySession
+    from megatron_qrl.rl.ray_placement import bundle_node
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2,
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        for _ in range(2):
+            with RaySession("colocated", pg_timeout_s=60) as session:
+                assert bundle_node(session.pg, 0) == here
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -119,7 +119,7 @@ def test_wait_for_ranks_names_the_missing_node_after_the_timeout(store_port):
                                                   r"to join 127\.0\.0\.1:\d+;.*--node-rank"):
         _board(store_port, 0).wait_for_ranks(1.0, logs.append, every_s=0.3)
     assert time.monotonic() - start < 5
-    assert logs[0].startswith("waiting for 2 ranks at 127.0.0.1:")
+    assert logs[0].startswith("waiting for 2 nodes / 2 ranks at 127.0.0.1:")
     assert any("still waiting for node [1]" in m for m in logs[1:])
 
 
