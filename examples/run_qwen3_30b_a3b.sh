@@ -62,7 +62,7 @@
 # real nodes: this script itself, NCCL, SGLang inside a Ray actor, SGLang engines of TP > 1.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-source "${MODEL_SH:-${HERE}/models/qwen3_30b_a3b.sh}"
+if [ -n "${MODEL_SH:-}" ]; then source "${MODEL_SH}"; else source "${HERE}/models/qwen3_30b_a3b.sh"; fi
 
 ROLE="${ROLE:-head}"
 ENGINES="${ENGINES:-8}"        # rollout engines

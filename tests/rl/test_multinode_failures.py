@@ -20,6 +20,7 @@ seconds from the start of the nodes to the last one's exit, generous for a 2-cor
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def _one_line_each(nodes, *expected: str) -> None:
         assert len(lines) == 1, f"node {n.rank}: {lines}\n{n.stderr[-3000:]}"
         assert lines[0].startswith(f"qrl-train: error: [node {n.rank} rank {n.rank}] "), lines
         assert want in lines[0], f"node {n.rank}: {lines[0]!r} lacks {want!r}"
-        assert "Traceback" not in n.stderr, f"node {n.rank}:\n{n.stderr[-3000:]}"
+        ours = re.search(r'File "[^"]*/megatron_qrl/', n.stderr)  # torchrun's own report aside
+        assert ours is None, f"node {n.rank}:\n{n.stderr[-3000:]}"
 
 
 @pytest.fixture
@@ -75,17 +77,20 @@ def two_raylets():
 @pytest.mark.slow
 def test_engine_node_lost_in_sharded_fleet_run_ends_with_one_line_per_node(tmp_path,
                                                                             two_raylets):
-    """Bound: 240 s (start-up, one sync, the bundle wait of 15 s, the exits)."""
+    """The worker raylet (one engine's node) is killed after the first rollout; the engine
+    dies in the colocated fleet's memory release, is restarted in its bundle, which cannot be
+    placed again (the head's CPU is the other engine's). Bound: 420 s (start-up of two
+    engines, one sync, one rollout, the bundle wait of 15 s, the exits)."""
     address, raylet = two_raylets
     hf = make_tiny_hf(tmp_path / "hf", "moe")
     CharTokenizer().save(hf, hf=False)
     args = [*TINY, "--qrl-steps", "2", "--qrl-save-interval", "0", "--qrl-mode", "colocated",
             "--qrl-rollout-num-engines", "2", "--qrl-launch-startup-timeout-s", "15",
             "--qrl-output-dir", str(tmp_path / "out"),
-            "--kill-node", f"{raylet}:generate:1",
+            "--kill-node", f"{raylet}:release_memory:1",
             "--", "--load", str(hf), "--expert-model-parallel-size", "2"]
     nodes = finish(start_nodes(tmp_path, RAY_HELPER, args, env={"RAY_ADDRESS": address}),
-                   bound_s=240)
+                   bound_s=420)
     _one_line_each(nodes, "cannot be started again", "rank 0 stopped the job: PlacementError")
 
 
