@@ -23,7 +23,11 @@ from typing import Any
 import torch
 
 from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
-from megatron_qrl.rl.ray_placement import wait_for_bundle, wait_for_placement
+from megatron_qrl.rl.ray_placement import (
+    driver_node_selector,
+    wait_for_bundle,
+    wait_for_placement,
+)
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
 from megatron_qrl.rollout.fleet_sync import FleetBroadcast
@@ -59,6 +63,13 @@ def fleet_engine_spec(fleet: FleetLayout, rollout_cfg: Any, hf_config: dict,
     return replace(spec, sglang_kwargs=dict(spec.sglang_kwargs) | par.sglang_args())
 
 
+def _trainer_ranks() -> bool:
+    """Whether this driver is rank 0 of several torchrun trainer ranks."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 class FleetSession(RaySession):
     """Ray + the fleet's placement group (module docstring); a context manager."""
 
@@ -83,7 +94,11 @@ class FleetSession(RaySession):
         if self.mode == "disaggregated":
             bundles.append({"CPU": 1.0})  # the trainer's share (torchrun owns its GPUs)
         strategy = "SPREAD" if len(nodes) > 1 else "PACK"
-        self.pg = placement_group(bundles, strategy=strategy)
+        # colocated without torchrun ranks: the engines share this process's device (the
+        # ipc transport of `auto`), so every bundle goes to this node
+        pinned = self.mode == "colocated" and not _trainer_ranks()
+        self.pg = placement_group(bundles, strategy=strategy, bundle_label_selector=(
+            driver_node_selector(len(bundles)) if pinned else None))
         wait_for_placement(self, bundles, strategy,
                            f"--qrl-rollout-num-engines {self.fleet.num_engines}",
                            "add GPUs or lower --qrl-rollout-num-engines")
@@ -112,9 +127,7 @@ class FleetSession(RaySession):
         """As a single engine's, except that ``auto`` under torchrun is ``broadcast``: its
         groups take the sharded sync (every EP rank sends its own experts,
         :mod:`megatron_qrl.rl.ep_sync`)."""
-        import torch.distributed as dist
-
-        if self.weight_transport == "auto" and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.weight_transport == "auto" and _trainer_ranks():
             return "broadcast"
         return super().transport(spec)
 

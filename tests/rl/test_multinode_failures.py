@@ -52,20 +52,35 @@ def _one_line_each(nodes, *expected: str) -> None:
         assert ours is None, f"node {n.rank}:\n{n.stderr[-3000:]}"
 
 
+def _cluster(head: dict, worker: dict, attempts: int = 3):
+    """``(Cluster, worker node)``: a head and a worker raylet (a raylet that misses Ray's
+    fixed 30 s start-up window on a loaded host is retried)."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(attempts):
+        cluster = Cluster()
+        try:
+            cluster.add_node(include_dashboard=False, **head)
+            node = cluster.add_node(**worker)
+            cluster.wait_for_nodes()
+            return cluster, node
+        except Exception:
+            cluster.shutdown()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def two_raylets():
     """A Ray cluster of two nodes of 1 CPU each (fast node-death detection); yields
     ``(address, worker raylet pid)``."""
     ray = pytest.importorskip("ray")
     from ray import ray_constants
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False,
-        "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                           "health_check_failure_threshold": 3}})
-    worker = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
+    cluster, worker = _cluster({"num_cpus": 1, "_system_config": {
+        "health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+        "health_check_failure_threshold": 3}}, {"num_cpus": 1})
     pid = worker.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
     try:
         yield cluster.address, pid
@@ -167,15 +182,10 @@ def test_colocated_bundle_is_pinned_to_the_drivers_node():
     """Head (the driver's node) 2 CPUs, worker 1 CPU: Ray's PACK best fit for a 1-CPU bundle
     is the worker; the colocated engine shares rank 0's device, so it must be the head."""
     ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
     from megatron_qrl.rl.ray_modes import RaySession
     from megatron_qrl.rl.ray_placement import bundle_node
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2,
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
+    cluster, _ = _cluster({"num_cpus": 2}, {"num_cpus": 1})
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         here = ray.get_runtime_context().get_node_id()
