@@ -199,8 +199,11 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     """Entry point of the ``qrl-train`` console script.
 
     A user-fixable failure (bad flag or file, damaged checkpoint, full / read-only disk, a
-    run stopped by ``--qrl-max-bad-steps``) is ONE line ``qrl-train: error: ...`` on rank 0
-    (exit 2; 1 for a stopped run); ``--debug`` or env ``QRL_DEBUG=1`` shows the traceback.
+    run stopped by ``--qrl-max-bad-steps``) is ONE line ``qrl-train: error: ...`` (exit 2; 1
+    for a stopped run). So is a job that cannot go on: engines that cannot recover, a lost,
+    frozen or missing peer (exit 1). Under torchrun EVERY rank prints its own line, prefixed
+    ``[node N rank R]``, and leaves it for its peers (:mod:`megatron_qrl.utils.ranks`), whose
+    lines name it. ``--debug`` or env ``QRL_DEBUG=1`` shows the traceback.
     """
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
