@@ -167,10 +167,11 @@ def test_a_frozen_node_ends_the_job_after_the_collective_timeout(tmp_path):
     start = time.monotonic()
     try:
         (first,) = finish(nodes[:1], bound_s=60)
+        took = time.monotonic() - start
     finally:
         os.kill(frozen, signal.SIGKILL)
         finish(nodes[1:], bound_s=30)
-    assert time.monotonic() - start < 60
+    assert first.rc is not None and took < 60, first.stderr[-3000:]
     lines = first.errors()
     assert first.rc not in (None, 0) and len(lines) == 1, first.stderr[-3000:]
     assert lines[0].startswith("qrl-train: error: [node 0 rank 0] no answer from the other "
