@@ -25,6 +25,7 @@ from ..quant.aqn import AQNConfig
 from .checkpoint_info import read_checkpoint_info
 from .checks import CheckEnv, combination_problems, combination_warnings
 from .generator import ConfigGroup, FlagSpec, add_group_args, explicit_dests, specs_by_flag
+from .launch import LaunchConfig
 from .presets import PRESETS, preset_names
 from .run import (
     RolloutConfig,
@@ -95,6 +96,7 @@ def default_config_classes() -> list[ConfigGroup]:
         ConfigGroup("lora", LoraConfig, "lora",
                     {"base_format": {"choices": base_format_choices}}),
         ConfigGroup("task", TaskConfig, "task"),
+        ConfigGroup("launch", LaunchConfig, "launch"),
     ]
 
 

@@ -89,6 +89,10 @@ class RankWorld:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def from_main(self, fn: Any) -> Any:
+        """``fn()`` run on rank 0, its result on every rank."""
+        return self.broadcast(fn() if self.is_main else None)
+
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in rank order on rank 0, None on the others."""
         if self.world_size == 1:

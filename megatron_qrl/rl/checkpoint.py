@@ -62,7 +62,9 @@ _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_out
                         "qrl_rollout_sglang_stack_experts", "qrl_rollout_sglang_receipt",
                         "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
                         "qrl_engine_max_restarts", "qrl_max_bad_steps",
-                        "qrl_prox_from_first_update", "qrl_train_moe_fast_path")
+                        "qrl_prox_from_first_update", "qrl_train_moe_fast_path",
+                        "qrl_launch_startup_timeout_s", "qrl_launch_collective_timeout_s",
+                        "qrl_launch_ray_nodes")
 """Flags that may differ between a run and its resumption (run length, saving, resume, how
 the same weights reach the engine, and where pi_prox's log-probs are computed: the first
 update's forward or a recompute pass give the same values; its default changed from off to

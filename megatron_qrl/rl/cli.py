@@ -46,6 +46,7 @@ from typing import Any
 from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
 from megatron_qrl.config.moe_path import check_moe_flags
 from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, one_line_error
+from megatron_qrl.utils.ranks import rank_label
 
 __all__ = ["build_parser", "main", "parse_configs"]
 
@@ -198,8 +199,11 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     """Entry point of the ``qrl-train`` console script.
 
     A user-fixable failure (bad flag or file, damaged checkpoint, full / read-only disk, a
-    run stopped by ``--qrl-max-bad-steps``) is ONE line ``qrl-train: error: ...`` on rank 0
-    (exit 2; 1 for a stopped run); ``--debug`` or env ``QRL_DEBUG=1`` shows the traceback.
+    run stopped by ``--qrl-max-bad-steps``) is ONE line ``qrl-train: error: ...`` (exit 2; 1
+    for a stopped run). So is a job that cannot go on: engines that cannot recover, a lost,
+    frozen or missing peer (exit 1). Under torchrun EVERY rank prints its own line, prefixed
+    ``[node N rank R]``, and leaves it for its peers (:mod:`megatron_qrl.utils.ranks`), whose
+    lines name it. ``--debug`` or env ``QRL_DEBUG=1`` shows the traceback.
     """
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -209,22 +213,38 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
         configs, flags, args = parse_configs(argv)
     except QrlArgumentError as exc:
         build_parser().error(str(exc))
+    board = _rank_board(args, configs)
     try:
-        _run_main(args, configs, flags, argv, engine_factory)
+        _run_main(args, configs, flags, argv, engine_factory, board)
     except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
-        line, code = error_line(exc, configs["run"])
+        line, code = getattr(exc, "qrl_line", None) or error_line(exc, configs["run"], board,
+                                                                   configs["launch"])
         if line is None:
+            if board is not None:  # the peers that lose this rank say why
+                board.record_failure(f"{type(exc).__name__}: {str(exc)[:300]}")
             raise
-        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
-            if debug:
-                traceback.print_exc()
-            print(f"qrl-train: error: {line}", file=sys.stderr)
+        if board is not None:
+            board.record_failure(line)
+        if debug:
+            traceback.print_exc()
+        where = rank_label()  # every rank prints its own line, prefixed with node / rank
+        print(f"qrl-train: error: {f'[{where}] ' if where else ''}{line}", file=sys.stderr,
+              flush=True)
         return code
     return 0
 
 
+def _rank_board(args: argparse.Namespace, configs: dict) -> Any:
+    """This rank's :class:`~megatron_qrl.utils.ranks.RankBoard` under torchrun, else None."""
+    if args.world_size <= 1:
+        return None
+    from megatron_qrl.utils.ranks import RankBoard
+
+    return RankBoard(int(os.environ["RANK"]), args.world_size)
+
+
 def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
-              engine_factory: Any) -> None:
+              engine_factory: Any, board: Any = None) -> None:
     from megatron_qrl.rl.driver import run_job
     from megatron_qrl.rl.sync import make_engine
 
@@ -237,7 +257,7 @@ def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[s
                        **kw)
 
     if args.world_size > 1:
-        _launch_ranks(args, configs, flags, run, world, factory, engine_factory)
+        _launch_ranks(args, configs, flags, run, world, factory, engine_factory, board)
     else:
         with _ray_session(args.qrl_mode, configs, True) as session:
             if session is not None and engine_factory is None:
@@ -249,9 +269,11 @@ _DAMAGED = ("SafetensorError", "CheckpointException", "UnpicklingError", "EOFErr
 """Exception types of an unreadable (damaged, truncated) weight file."""
 
 
-def error_line(exc: BaseException, run: Any) -> tuple[str | None, int]:
-    """``(one-line message, exit code)`` of a user-fixable failure; ``(None, 1)`` for a bug
-    (its traceback is shown)."""
+def error_line(exc: BaseException, run: Any, board: Any = None,
+               launch: Any = None) -> tuple[str | None, int]:
+    """``(one-line message, exit code)`` of a user-fixable failure, of a job that cannot go
+    on (an engine fleet that cannot recover, a lost or missing node: exit 1); ``(None, 1)``
+    for a bug (its traceback is shown)."""
     from megatron_qrl.data.dataset import PromptFileError
     from megatron_qrl.models.hf_config import UnsupportedModelError
     from megatron_qrl.models.hf_io import CheckpointMismatchError, CheckpointReadError
@@ -263,6 +285,9 @@ def error_line(exc: BaseException, run: Any) -> tuple[str | None, int]:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, BadStepsError):
         return first, 1
+    job = _job_failure(exc, first, board, launch)
+    if job is not None:
+        return job, 1
     if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError, CheckpointReadError)):
         where = f"--qrl-checkpoint {run.checkpoint}: " if run.checkpoint else ""
         return where + first, 2
@@ -276,6 +301,22 @@ def error_line(exc: BaseException, run: Any) -> tuple[str | None, int]:
         return (f"--qrl-checkpoint {run.checkpoint}: a weight file is damaged or truncated "
                 f"({type(exc).__name__}: {first}); copy or convert the checkpoint again"), 2
     return None, 1
+
+
+def _job_failure(exc: BaseException, first: str, board: Any, launch: Any) -> str | None:
+    """The one line of a job that cannot go on (``error_line``), or None."""
+    from megatron_qrl.rl.rank_resync import MainRankStopped
+    from megatron_qrl.rl.ray_placement import PlacementError
+    from megatron_qrl.rollout.supervisor import EngineDiedError
+    from megatron_qrl.utils.ranks import StartupTimeoutError, peer_loss
+
+    if isinstance(exc, (MainRankStopped, PlacementError, StartupTimeoutError)):
+        return first
+    if isinstance(exc, EngineDiedError):
+        return f"the rollout engines cannot recover: {first[:500]}"
+    if board is not None and isinstance(exc, RuntimeError):
+        return peer_loss(exc, board, launch.collective_timeout_s if launch else 0.0)
+    return None
 
 
 def _world_size(args: argparse.Namespace, mega: Any) -> int:
@@ -310,32 +351,47 @@ def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
 
     run = configs["run"]
     ro = configs["rollout"]
+    launch = configs["launch"]
+    waits = {"pg_timeout_s": launch.startup_timeout_s, "ray_nodes": launch.ray_nodes}
     if ro.num_engines > 1 or ro.engine_tp > 1 or ro.engine_ep > 1:  # a fleet (rl.ray_fleet)
         from megatron_qrl.rl.ray_fleet import FleetSession
 
         with FleetSession(mode, configs["rollout"], max_restarts=run.engine_max_restarts,
                           weight_transport=run.ray_weight_transport,
-                          weight_timeout_s=run.ray_weight_timeout_s) as session:
+                          weight_timeout_s=run.ray_weight_timeout_s, **waits) as session:
             yield session
         return
     with RaySession(mode, engine_gpus=engine_gpus(configs["rollout"]),
                     max_restarts=run.engine_max_restarts,
                     weight_transport=run.ray_weight_transport,
-                    weight_timeout_s=run.ray_weight_timeout_s) as session:
+                    weight_timeout_s=run.ray_weight_timeout_s, **waits) as session:
         yield session
 
 
 def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any,
-                  world: list[Any], factory: list[Any], engine_factory: Any) -> None:
+                  world: list[Any], factory: list[Any], engine_factory: Any,
+                  board: Any) -> None:
     from megatron_qrl.models.runtime import torchrun_megatron
 
-    mega = configs["megatron"]
-    with torchrun_megatron(mega.tp, mega.ep, mega.etp, mega.pp) as rank_world:
+    mega, launch = configs["megatron"], configs["launch"]
+    label = rank_label()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts it
+        board.wait_for_ranks(launch.startup_timeout_s,
+                             lambda m: print(f"[qrl-train] [{label}] {m}", file=sys.stderr,
+                                             flush=True))
+    with torchrun_megatron(mega.tp, mega.ep, mega.etp, mega.pp,
+                           timeout_s=launch.collective_timeout_s) as rank_world:
         world[0] = rank_world
-        with _ray_session(args.qrl_mode, configs, rank_world.is_main) as session:
-            if session is not None and engine_factory is None:
-                factory[0] = session.engine_factory
-            records = run(configs, flags)
+        try:
+            with _ray_session(args.qrl_mode, configs, rank_world.is_main) as session:
+                if session is not None and engine_factory is None:
+                    factory[0] = session.engine_factory
+                records = run(configs, flags)
+        except Exception as exc:  # the line for the peers, while this rank's group still stands
+            exc.qrl_line = error_line(exc, configs["run"], board, launch)  # type: ignore[attr-defined]
+            line = exc.qrl_line[0] or f"{type(exc).__name__}: {str(exc)[:300]}"
+            board.record_failure(line)
+            raise
         if rank_world.is_main:
             _summary(records)
 

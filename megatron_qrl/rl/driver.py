@@ -239,7 +239,16 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
                             **aqn_at(version))
 
     def sync(version: int) -> Any:
-        result = send(version) if world.is_main else gather(version)
+        if not world.is_main:
+            result = gather(version)
+        elif not ray_ranks:
+            result = send(version)
+        else:
+            try:
+                result = send(version)
+            except Exception as exc:  # the others wait for rank 0's message: stop them
+                world.stop(exc)
+                raise
         if ray_ranks:  # rank 0: the sync is over; the others serve its re-syncs until then
             world.broadcast(None)
         return result

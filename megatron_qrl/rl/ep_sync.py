@@ -9,7 +9,8 @@ its non-expert tensors and experts through the fleet's group 0
 experts through group ``s``, which it hosts. Per sync (and per re-sync of a restarted
 engine, announced to the other ranks as before: :mod:`megatron_qrl.rl.rank_resync`):
 
-1. rank 0 broadcasts the sync's header (version, AQN step, and the groups' base name when
+1. rank 0 broadcasts the sync's header (a ``SYNC`` message of
+   :mod:`~megatron_qrl.rl.rank_resync`: version, AQN step, and the groups' base name when
    the engines changed: the senders then gather their rendezvous addresses to rank 0 and
    host their groups while the engine actors join);
 2. every rank packs its stream (AQN, then ``spec.pack_state_dict``) and records its
@@ -27,8 +28,6 @@ every sender's segments on), and a single engine actor without ``--qrl-rollout-n
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,11 +36,13 @@ import torch.distributed as dist
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rl.ep_send import ep_sender, sharded_hf_stream
+from megatron_qrl.rl.rank_resync import RESYNC, SYNC, post, receive
 from megatron_qrl.rl.sync import SyncResult
 from megatron_qrl.rollout.base import WeightManifest, WeightSyncError
 from megatron_qrl.rollout.broadcast import free_port, init_group
 from megatron_qrl.rollout.fleet_sync import release_group
 from megatron_qrl.rollout.weight_groups import send_segments, weight_group_plan
+from megatron_qrl.utils.ranks import own_address
 
 __all__ = ["ShardedSync", "sharded_sync_applies"]
 
@@ -55,23 +56,6 @@ def sharded_sync_applies(engine: Any, groups: Any, lora: bool) -> bool:
     if lora or ep is None or not dist.is_initialized() or dist.get_world_size(ep) < 2:
         return False
     return bool(getattr(getattr(engine, "broadcast", None), "shardable", False))
-
-
-def _own_host() -> str:
-    """This rank's address as seen from the torchrun master (its route to MASTER_ADDR)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _gather(obj: Any) -> list[Any] | None:
@@ -131,15 +115,20 @@ class ShardedSync:
         return SyncResult(version, len(manifest.checksums), sigma)
 
     def serve(self, *_: Any) -> None:
-        """A rank > 0: its part of the sync rank 0 runs now (module docstring)."""
-        header = _broadcast(None)
+        """A rank > 0: its part of the sync rank 0 runs now (module docstring). A ``RESYNC``
+        while it waits for the header: rank 0 gave that sync up before its header (an engine
+        found dead before the groups formed: nothing streamed on any rank) and re-syncs a
+        restarted engine instead, whose header follows."""
+        kind = RESYNC
+        while kind == RESYNC:
+            kind, header = receive(SYNC, RESYNC)
         (version, aqn_step, total_steps), base, world_size, how = header
         sender = ep_sender(self.trainer.policy.groups)
         index = sender.index or 0  # 0: sends nothing (rank 0 is never here)
         error = None
         if base is not None:
             self.close()
-            host, port = _own_host(), free_port()
+            host, port = own_address(), free_port()
             _gather((index, host, port) if index else None)
             if index:
                 plan = weight_group_plan([1] * (world_size - 1), senders=sender.senders)
@@ -183,7 +172,7 @@ class _Peers:
     def start(self, rejoin: str | None, world_size: int) -> list[tuple[str, int]]:
         how = {"backend": self.broadcast.backend, "timeout_s": self.broadcast.timeout_s,
                "bucket_bytes": self.broadcast.bucket_bytes}
-        _broadcast((self.header, rejoin, world_size, how))
+        post(SYNC, (self.header, rejoin, world_size, how))
         if rejoin is None:
             return []
         hosts = {a[0]: (a[1], a[2]) for a in _gather(None)[1:] if a is not None}

@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec, wait_for_placement
+from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
+from megatron_qrl.rl.ray_placement import (
+    driver_node_selector,
+    wait_for_bundle,
+    wait_for_placement,
+)
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
 from megatron_qrl.rollout.fleet_sync import FleetBroadcast
@@ -58,6 +63,13 @@ def fleet_engine_spec(fleet: FleetLayout, rollout_cfg: Any, hf_config: dict,
     return replace(spec, sglang_kwargs=dict(spec.sglang_kwargs) | par.sglang_args())
 
 
+def _trainer_ranks() -> bool:
+    """Whether this driver is rank 0 of several torchrun trainer ranks."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 class FleetSession(RaySession):
     """Ray + the fleet's placement group (module docstring); a context manager."""
 
@@ -71,6 +83,8 @@ class FleetSession(RaySession):
         from ray.util.placement_group import placement_group
 
         self._started = _init_ray()
+        need = session_layout(self.mode, self.rollout_cfg)
+        self.wait_for_cluster(sum(b.get("GPU", 0.0) for b in need.bundles))
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.num_nodes = len(nodes)
         gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
@@ -80,7 +94,11 @@ class FleetSession(RaySession):
         if self.mode == "disaggregated":
             bundles.append({"CPU": 1.0})  # the trainer's share (torchrun owns its GPUs)
         strategy = "SPREAD" if len(nodes) > 1 else "PACK"
-        self.pg = placement_group(bundles, strategy=strategy)
+        # colocated without torchrun ranks: the engines share this process's device (the
+        # ipc transport of `auto`), so every bundle goes to this node
+        pinned = self.mode == "colocated" and not _trainer_ranks()
+        self.pg = placement_group(bundles, strategy=strategy, bundle_label_selector=(
+            driver_node_selector(len(bundles)) if pinned else None))
         wait_for_placement(self, bundles, strategy,
                            f"--qrl-rollout-num-engines {self.fleet.num_engines}",
                            "add GPUs or lower --qrl-rollout-num-engines")
@@ -93,6 +111,7 @@ class FleetSession(RaySession):
 
         if self.pg is None or self.fleet is None:
             raise RuntimeError("FleetSession.new_engine outside `with FleetSession(...)`")
+        wait_for_bundle(self.pg, index, self.pg_timeout_s, f"fleet engine {index}")
         opts = {"num_cpus": 1.0, "num_gpus": self.fleet.gpus_per_engine, "max_restarts": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=index)}
@@ -107,9 +126,7 @@ class FleetSession(RaySession):
     def sharded_sync(self) -> bool:
         """Under torchrun the engines' groups take the sharded sync (every EP rank sends its
         own experts, :mod:`megatron_qrl.rl.ep_sync`): ``auto`` is then ``broadcast``."""
-        import torch.distributed as dist
-
-        return dist.is_initialized() and dist.get_world_size() > 1
+        return _trainer_ranks()
 
     def backend(self, spec: EngineSpec) -> str:
         """NCCL only where every engine has GPUs of its own (never two ranks on one GPU)."""

@@ -46,6 +46,12 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.rl.ray_placement import (
+    driver_node_selector,
+    wait_for_bundle,
+    wait_for_cluster,
+    wait_for_placement,
+)
 from megatron_qrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_qrl.rollout.ray_actor import (
     WEIGHT_TRANSPORTS,
@@ -60,7 +66,7 @@ from megatron_qrl.rollout_sglang.factory import build_engine
 from megatron_qrl.rollout_sglang.factory import engine_spec as _engine_spec
 
 __all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "actor_options", "engine_gpus",
-           "engine_spec", "placement_layout"]
+           "engine_spec", "placement_layout", "wait_for_placement"]
 
 RAY_MODES = ("colocated", "disaggregated")
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -92,20 +98,6 @@ def placement_layout(mode: str, num_nodes: int, engine_gpus: float = 0.0,
         return PlacementLayout([shared], "PACK", 0, dict(shared))
     strategy = "STRICT_SPREAD" if num_nodes > 1 else "PACK"
     return PlacementLayout([res(engine_gpus), res(trainer_gpus)], strategy, 0, res(engine_gpus))
-
-
-def wait_for_placement(session: Any, bundles: Any, strategy: str, what: str, fix: str) -> None:
-    """Wait up to ``session.pg_timeout_s`` for ``session.pg``; on a timeout close the session
-    and raise one error naming ``what`` (the flag), the bundles, the cluster and ``fix``."""
-    import ray
-
-    try:
-        ray.get(session.pg.ready(), timeout=session.pg_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        session.__exit__(None, None, None)
-        raise RuntimeError(
-            f"{what}: the Ray cluster cannot place bundles {bundles} ({strategy}) within "
-            f"{session.pg_timeout_s:.0f} s; it has {ray.cluster_resources()} — {fix}") from None
 
 
 def _init_ray() -> bool:
@@ -159,7 +151,7 @@ class RaySession:
 
     def __init__(self, mode: str, pg_timeout_s: float = 120.0, max_restarts: int = 2,
                  engine_gpus: int = 0, weight_transport: str = "auto",
-                 weight_timeout_s: float = 300.0):
+                 weight_timeout_s: float = 300.0, ray_nodes: int = 0):
         if mode not in RAY_MODES:
             raise ValueError(f"--qrl-mode {mode!r}: the Ray modes are {RAY_MODES}")
         if weight_transport not in ("auto", *WEIGHT_TRANSPORTS):
@@ -167,7 +159,7 @@ class RaySession:
                              f"one of {WEIGHT_TRANSPORTS}")
         self.mode, self.pg_timeout_s, self.max_restarts = mode, pg_timeout_s, max_restarts
         self.weight_transport, self.weight_timeout_s = weight_transport, weight_timeout_s
-        self.engine_gpus = engine_gpus
+        self.engine_gpus, self.ray_nodes = engine_gpus, ray_nodes
         self.pg: Any = None
         self.layout: PlacementLayout | None = None
         self.num_nodes = 1
@@ -178,12 +170,25 @@ class RaySession:
         from ray.util.placement_group import placement_group
 
         self._started = _init_ray()
+        self.wait_for_cluster(self.engine_gpus)
         nodes = self.num_nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.layout = placement_layout(self.mode, nodes, engine_gpus=self.engine_gpus)
-        self.pg = placement_group(self.layout.bundles, strategy=self.layout.strategy)
+        # colocated: the engine shares rank 0's device, so its bundle is on rank 0's node
+        pinned = driver_node_selector(1) if self.mode == "colocated" else None
+        self.pg = placement_group(self.layout.bundles, strategy=self.layout.strategy,
+                                  bundle_label_selector=pinned)
         wait_for_placement(self, self.layout.bundles, self.layout.strategy,
                            f"--qrl-mode {self.mode}", "add nodes/CPUs/GPUs")
         return self
+
+    def wait_for_cluster(self, gpus: float) -> None:
+        """Wait for ``--qrl-launch-ray-nodes`` nodes and ``gpus`` GPUs (the start-up
+        timeout; closes the session and raises one line after it)."""
+        try:
+            wait_for_cluster(self.ray_nodes, gpus, self.pg_timeout_s)
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         import ray
@@ -202,6 +207,8 @@ class RaySession:
 
         if self.pg is None or self.layout is None:
             raise RuntimeError("RaySession.new_actor outside `with RaySession(...)`")
+        wait_for_bundle(self.pg, self.layout.engine_bundle, self.pg_timeout_s,
+                        "the rollout engine actor")
         opts = actor_options(self.layout, spec, self.pg)
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
                          transport=self.transport(spec), engine_kind=spec.kind,

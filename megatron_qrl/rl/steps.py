@@ -174,8 +174,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     t0 = time.perf_counter()
-    batch, rewards, texts, over_budget = ctx.world.broadcast(
-        _rollout(ctx, step) if ctx.world.is_main else None)
+    batch, rewards, texts, over_budget = ctx.world.from_main(lambda: _rollout(ctx, step))
     batch = ctx.check_length(batch)
     ctx.engine_memory(release=True)  # the trainer's recompute + update run next
     t1 = time.perf_counter()

@@ -334,7 +334,8 @@ class EngineFleet(RolloutEngine):
         return out
 
     def release_memory(self) -> None:
-        self._in_parallel(lambda m: m.engine.release_memory())
+        # a dead engine is restarted (and re-synced) here too: its node may have left
+        self._in_parallel(lambda m: self._supervised(m, lambda e: e.release_memory()))
         self.released = True
 
     def resume_memory(self) -> None:

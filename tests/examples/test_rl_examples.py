@@ -46,7 +46,7 @@ def test_tiny_cpu_script_runs_the_default_job(tmp_path):
 
 def test_multinode_script_layout(tmp_path):
     argv = _captured_args(tmp_path, EXAMPLES / "run_qwen3_30b_a3b.sh",
-                          {"CKPT": str(tmp_path), "VARIANT": "nvfp4"})
+                          {"CKPT": str(tmp_path), "VARIANT": "nvfp4", "HEAD_ADDR": "10.0.0.1"})
     qrl, megatron = argv[: argv.index("--")], argv[argv.index("--") + 1:]
     assert qrl[:2] == ["--qrl-mode", "disaggregated"]
     assert "qwen3-30b-a3b,qerl" in qrl
@@ -63,7 +63,7 @@ def test_multinode_script_sizes_the_fleet(tmp_path):
 
     argv = _captured_args(tmp_path, EXAMPLES / "run_qwen3_30b_a3b.sh",
                           {"CKPT": str(tmp_path), "ENGINES": "1", "ENGINE_TP": "8",
-                           "ENGINE_EP": "8", "DP_ATTENTION": "1", "MODE": "colocated"})
+                           "HEAD_ADDR": "10.0.0.1", "ENGINE_EP": "8", "DP_ATTENTION": "1", "MODE": "colocated"})
     qrl = argv[: argv.index("--")]
 
     def value(flag):
@@ -78,6 +78,7 @@ def test_multinode_script_sizes_the_fleet(tmp_path):
     fleet_layout(1, 8, 8, "sglang", "colocated", trainer_gpus=8, mem_fraction=0.4)
     engine_parallel({"num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
                      "moe_intermediate_size": 768}, 8, 8, dp_attention=True)
-    plain = _captured_args(tmp_path, EXAMPLES / "run_qwen3_30b_a3b.sh", {"CKPT": str(tmp_path)})
+    plain = _captured_args(tmp_path, EXAMPLES / "run_qwen3_30b_a3b.sh",
+                           {"CKPT": str(tmp_path), "HEAD_ADDR": "10.0.0.1"})
     assert "--qrl-rollout-engine-dp-attention" not in plain
     assert plain[plain.index("--qrl-rollout-num-engines") + 1] == "8"

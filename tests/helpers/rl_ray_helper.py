@@ -22,6 +22,9 @@ the hooks; only rank 0 has an engine actor):
   streams all-gathered from other ranks over the expert-parallel group
   (``models.streaming._all_gather``), and the sharded sends of this rank
   (``ep_sync.send_segments`` calls, bytes).
+* ``--kill-node PID:CALL:N``: just before the N-th call of CALL (counted as for ``--kill``)
+  kill process PID (a Ray node's raylet: its actors die with it) and wait until Ray reports
+  that node dead: a node of the Ray cluster goes away.
 * ``--calls FILE`` writes the call log of the last actor (update_weights / generate /
   release_memory / resume_memory, in order) as JSON lines when it is shut down, plus the
   number of restarts.
@@ -106,7 +109,21 @@ def _pop(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def _install_hooks(kills: dict[str, set[int]], calls: str | None) -> None:
+def _kill_node(pid: int) -> None:
+    import signal
+    import time
+
+    import ray
+
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while sum(1 for n in ray.nodes() if n.get("Alive")) >= alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _install_hooks(kills: dict[str, set[int]], calls: str | None,
+                   node_kill: tuple[int, str, int] | None = None) -> None:
     import ray
 
     call, shutdown = RayEngine._call, RayRolloutEngine.shutdown
@@ -117,6 +134,8 @@ def _install_hooks(kills: dict[str, set[int]], calls: str | None) -> None:
         counts[key] = counts.get(key, 0) + 1
         if counts[key] in kills.get(key, ()):
             ray.kill(self.actor, no_restart=True)
+        if node_kill is not None and (key, counts[key]) == node_kill[1:]:
+            _kill_node(node_kill[0])
         return call(self, method, *args, **kwargs)
 
     def logging_shutdown(self):
@@ -174,6 +193,10 @@ def _ep_hooks(gather_experts: bool, log_dir: str | None) -> None:
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack on stderr
     argv = sys.argv[1:]
     kill, kill_at = _pop(argv, "--kill"), _pop(argv, "--kill-at")
     exit_in_update, calls = _pop(argv, "--exit-in-update"), _pop(argv, "--calls")
@@ -192,7 +215,12 @@ if __name__ == "__main__":
         ExitingActor.claim = os.path.join(tempfile.gettempdir(), f"qrl-exit-{uuid.uuid4().hex}")
         atexit.register(lambda: Path(ExitingActor.claim).unlink(missing_ok=True))
         ray_fleet.EngineActor = ExitingActor
-    _install_hooks(_kills(kill, kill_at), calls)
+    node = _pop(argv, "--kill-node")
+    node_kill = None
+    if node:
+        pid, method, n = node.split(":")
+        node_kill = (int(pid), method, int(n))
+    _install_hooks(_kills(kill, kill_at), calls, node_kill)
     gather_experts = "--gather-experts" in argv
     if gather_experts:
         argv.remove("--gather-experts")
