@@ -11,3 +11,7 @@ MODEL_ARGS=(
     --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall --moe-grouped-gemm
     --moe-permute-fusion --moe-router-fusion
 )
+# TE's fused grouped GEMM for the experts' GroupedLinear (one native grouped GEMM instead of
+# TE's per-GEMM path): 13.0% vs 10.5% trainer MFU on the 4-layer slice on one H200
+# (bench/results/moe30b_ee27c8e.jsonl, row none-mb8-gg-pf-rf). TE 2.20 reads it per layer build.
+export NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM="${NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM:-1}"
