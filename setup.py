@@ -32,7 +32,7 @@ setup(
     ],
     extras_require={
         # ray runs on CPU: the Ray-mode tests run in CI too
-        "test": ["pytest>=8", "ruff>=0.6", "ray>=2.40", "tensorboard==2.21.0",
+        "test": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "ray>=2.40", "tensorboard==2.21.0",
                  # SGLang's event loop: the crash tests run their fake engine on it too
                  "uvloop==0.21.0",
                  # slime 0.3.1's loss module imports it: tests/integrations/test_integrations_slime*.py
