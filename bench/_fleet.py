@@ -94,7 +94,7 @@ def fleet_scaling(rows: list[dict]) -> list[dict]:
     """Decode tok/s of each fleet record (``engines`` > 1) of ``rows`` over the one-engine
     record of the same variant: at the same total batch (``same_total``: the RL step's view,
     one engine decodes the whole batch) and at the fleet's batch per engine (``same_per_engine``:
-    the scaling with engines, issue 21's >= 1.9x on 2 GPUs); None where no one-engine record
+    the scaling with engines, target >= 1.9x on 2 GPUs); None where no one-engine record
     has that batch size."""
     ones = {r["variant"]: r for r in rows if r.get("engines", 1) == 1 and "error" not in r}
     out = []

@@ -11,7 +11,7 @@
 #   setup       unpack SGLang, install megatron-core, start the Marlin prewarm in the background
 #   tune        tools/tune_fused_moe.py for fp8_block, fp8, int8 side by side (~3 min)
 #   throughput  bench/rollout_throughput.py (set VARIANTS=...; default every format)
-#   kvthroughput  the same at RL lengths with the KV-cache variants (issue 23): PRESET=rl-512 |
+#   kvthroughput  the same at RL lengths with the KV-cache variants: PRESET=rl-512 |
 #               rl-1024, VARIANTS=... (default: the `kv` set; ~2.5 min per variant at rl-512,
 #               so give one call three variants; LAYERS=12: the first 12 of the 48 layers,
 #               ~4x less decode time per variant) -> $OUT/kvthroughput.jsonl
@@ -22,12 +22,12 @@
 #               ${KV_CACHE:-fp8_e4m3} --qrl-train-forward aligned -> $OUT/kvtrain_metrics.jsonl
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: per-expert loads (flat +
-#               prefetch, the default before run 10) vs the defaults (+ direct loads of the
+#               prefetch, the older default) vs the defaults (+ direct loads of the
 #               expert-stacked wire) for fp8, w4a16, nvfp4 (~90 s per variant: each starts a 30B engine)
 #   produce     bench/weight_sync.py --produce-only: the trainer side of the 30B in-place sync
 #               without an engine (pack, fingerprints, expert stacking, flat buckets), stacked
 #               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min);
-#               +packeach: experts packed per expert and stacked in the sender (before 2026-12-01)
+#               +packeach: experts packed per expert and stacked in the sender (the older order)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -37,7 +37,7 @@
 #               site), then bench/rollout_throughput.py --engines 2 vs 1 (VARIANTS, default fp8)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
 #   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
-#   lora        LoRA adapters served by SGLang on its quantized base (issue 19): bench/lora_sync.py
+#   lora        LoRA adapters served by SGLang on its quantized base: bench/lora_sync.py
 #               (adapter sync time, Qwen3-30B-A3B shape, r = 32, FORMATS default fp8: no Marlin
 #               wait; SCOPES default attn,all: attention-only / + every expert, with the sha256
 #               receipt; add attn+noreceipt,all+noreceipt for the transport alone; ~2.5 min) -> $OUT/lora_sync.jsonl, then tests/gpu/test_sglang_lora.py (engine
@@ -55,7 +55,7 @@
 #   te-test     wait for the build, then tests/gpu/test_te_recipes.py and the te: variants of
 #               bench/aligned_step.py
 #   te-save     after te-build: the compiled transformer_engine_torch as xz parts under $OUT
-#   te-load     a later session: te-part 1..5, then te-load (carry .stage/te0 .stage/te_built
+#   te-load     a later machine: te-part 1..5, then te-load (carry .stage/te0 .stage/te_built
 #               .stage/recipe .stage/stub): no compile
 #   ray-part N  Ray 2.60.0 (no Ray in the image): part N (1..2) of its 79 MB cp312 wheel, staged
 #               here as .stage/rayN (split -b 40000000 -d; .stage/ray1/ray.sha256); carry .stage/rayN
@@ -66,7 +66,7 @@
 #   gpu-tests   every tests/gpu file, one log each with the commit hash under $OUT
 #               (FILES=... to choose; ~25 min one after another). STREAMS="a b;c;d" runs
 #               each ;-group (files or node ids) as a parallel stream, one log per stream:
-#               every file in two calls of ~5.5 min (tenth session)
+#               every file in two calls of ~5.5 min
 #   fa3-part N  FA3 attention (sgl_kernel/flash_ops.abi3.so, 1.1 GB, left out of the site):
 #               part N (0..2) of its xz (148 MB), staged here by tools/stage_fa3.sh; carry
 #               .stage/fa3_N with .stage/recipe and .stage/stub only (57 MB: no room for
@@ -94,10 +94,10 @@
 #               ag allgather dispatcher) with --breakdown: GPU ms per model part per micro batch
 #   teblock     bench/te_block_codes.py: TE Float8BlockQuantizer vs the fp8_block spec, codes and
 #               scales element by element, and the recipe's power-of-two setting (~1 min)
-#   rlstep-mfu  trainer MFU (issue 16): bench/train_mfu.py runs the recompute + train phases of
+#   rlstep-mfu  trainer MFU: bench/train_mfu.py runs the recompute + train phases of
 #               one 4B RL step (32 x 8 samples, 1,024 new tokens, synthetic batch, no engine)
 #               for ROWS side by side on ONE built policy, at ${UPDATES:-1} optimizer updates per
-#               step (the qwen3-4b-1gpu job's; the 7ed221d rows ran 2) (default: the 8th session's setting
+#               step (the qwen3-4b-1gpu job's; the 7ed221d rows ran 2) (default: the first measured setting
 #               full-mb4-oldlp-norope-prox0, then full-mb4-prox0, none-mb4-prox0,
 #               none-mb4-lp16512-prox1, none-mb8-lp16512-prox1, full-mb16-lp16512-prox1; prox0
 #               recomputes pi_prox of every micro batch, prox1 or no word (the default) not the
@@ -111,7 +111,7 @@
 #   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single; MODE=colocated: the engine
 #               in a Ray actor, needs ray-install), 3 RL steps on the random Qwen3-4B, no checkpoint
 #               written; the metrics go to $OUT/example4b_${MODE}_metrics.jsonl
-#   mg-parity, mg-engine, mg-fleet, mg-dist-test, mg-sync, mg-30b   the multi-GPU runs of issue 21
+#   mg-parity, mg-engine, mg-fleet, mg-dist-test, mg-sync, mg-30b   the multi-GPU runs
 #               (nvidia-h200-x2 / -x8): bench/multigpu.sh, sourced here, lists what each does
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
@@ -275,7 +275,7 @@ case $phase in
     echo $! > /tmp/te_build.pid
     echo "building transformer_engine_torch in the background (log /tmp/te_build.log)" ;;
   te-save)  # the compiled transformer_engine_torch back under $OUT (<= 4 x 16 MiB xz parts): a
-    # later session carries them as .stage/te_built and runs te-load instead of the 7-min compile
+    # later machine carries them as .stage/te_built and runs te-load instead of the 7-min compile
     te_env
     tar cf - -C /tmp te_torch | xz -T0 -6 > /tmp/te_torch.tar.xz && ls -la /tmp/te_torch.tar.xz
     (cd /tmp && sha256sum te_torch.tar.xz > "$OUT/te_torch.sha256" \
@@ -309,10 +309,10 @@ case $phase in
     # of 0.3-fraction engines fit one H200), one log per stream (the device returns <= 8 files).
     # Keep the mem_fraction_static of the engines alive at once <= ~0.9 across the streams:
     # test_sglang_load 0.45, test_sglang_fleet 2 x 0.3, the others 0.3 (one more 0.3 engine next
-    # to load + two others starved on 2026-12-01: "Loaded weights leave no GPU memory for the
+    # to load + two others starved: "Loaded weights leave no GPU memory for the
     # KV cache"); a file that waits for the Marlin prewarm (~6.5 min uncached) holds its stream
     # Trainer-side tensors count too (the TE tests, each in-place worker's reference models):
-    # three 0.3 streams beside test_te_spec starved the fp8 in-place engine (12th session), so
+    # three 0.3 streams beside test_te_spec starved the fp8 in-place engine, so
     # keep <= ~0.6 of engines beside a TE / trainer stream.
     te_env
     commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)  # .commit first: the device copy's git HEAD can be stale
@@ -342,7 +342,7 @@ case $phase in
     echo "cuda cases in: $files"
     python3 -m pytest -q -rs -k cuda $files 2>&1 | tail -n 5 ;;
   marlin-save)  # the Marlin JIT kernels (the setup prewarm, ~6.5 min of nvcc) back under $OUT
-    # as <= 16 MB xz parts: a later session carries them as .stage/marlin and setup loads them.
+    # as <= 16 MB xz parts: a later machine carries them as .stage/marlin and setup loads them.
     # SGLang's load_jit reuses a built .so found under its content- and arch-keyed directory
     # (sglang/kernels/jit/utils/compile.py), so only the .so files travel
     marlin_wait; cache=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}
@@ -436,6 +436,6 @@ case $phase in
       python3 bench/rollout_throughput.py --variants "${VARIANTS:-fp8}" --batches 128 --new 256 \
         --engines $n --out "$OUT/throughput_fleet.jsonl" 2>&1 | grep -E "^\||Error" | tail -n 4
     done ;;
-  mg-*) source bench/multigpu.sh ;;  # issue 21's multi-GPU phases (their list is there)
+  mg-*) source bench/multigpu.sh ;;  # the multi-GPU phases (their list is there)
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

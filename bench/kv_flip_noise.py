@@ -1,6 +1,6 @@
-"""How far can a KV-aligned trainer get to the engine with an fp8 KV cache? (CPU, issue 23)
+"""How far can a KV-aligned trainer get to the engine with an fp8 KV cache? (CPU)
 
-The H200 test (tests/gpu/test_kv_cache_alignment.py, 2026-12-01) measured the trainer-engine
+The H200 test (tests/gpu/test_kv_cache_alignment.py) measured the trainer-engine
 mismatch KL with a BF16 KV cache (the floor, 3.1e-4), with an fp8_e4m3 cache and a plain trainer
 (2.2e-3) and with the KV-aligned trainer (1.5e-3: 4.9x the floor). This bench asks whether exact
 rounding rules can reach the floor at all when the trainer's values before rounding differ from

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""LoRA adapter sync time trainer -> SGLang for the Qwen3-30B-A3B shape (issue 19: <= 0.5 s at
+"""LoRA adapter sync time trainer -> SGLang for the Qwen3-30B-A3B shape (target <= 0.5 s at
 r = 32), per rollout format.
 
     python bench/lora_sync.py --formats fp8,w4a16 --out bench/results/lora_sync.jsonl

@@ -1,4 +1,4 @@
-# Issue 21's multi-GPU phases (nvidia-h200-x2 / -x4 / -x8), sourced by bench/h200.sh for any
+# The multi-GPU phases (nvidia-h200-x2 / -x4 / -x8), sourced by bench/h200.sh for any
 # phase named mg-* (after its setup: the SGLang site, megatron-core, PYTHONPATH, te_env):
 #
 #   bash bench/h200.sh mg-parity        (or: bash bench/h200.sh run mg-parity:400 mg-engine:590)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summary of a multi-GPU qrl-train run (issue 21, bench/h200.sh mg-30b): each RL step's split
+"""Summary of a multi-GPU qrl-train run (bench/h200.sh mg-30b): each RL step's split
 (rollout / recompute / train / sync seconds, rank 0's trainer peak) and each GPU's peak memory
 from an ``nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms
 1000`` log taken during the run (engines + trainer together: what the device really held).

@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 PEAK_FLOPS = 989e12
 PRESETS = {"qwen3_4b": "qwen3-4b-1gpu", "qwen3_30b_a3b": "qwen3-30b-a3b"}
 """The ``--qrl-preset`` of each model's job (any other model: ``tiny-cpu``, qrl-train's default).
-Before 2026-12-02 no preset was passed, so the 4B step ran under ``tiny-cpu``'s two updates per
-step (half the micro batches' pi_prox recomputed), not the example's one."""
+Without it the 4B step would run under ``tiny-cpu``'s two updates per step (half the micro
+batches' pi_prox recomputed), not the example's one."""
 PHASES = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
 
 

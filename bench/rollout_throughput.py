@@ -21,7 +21,7 @@ block-FP8 dense GEMMs and MoE; ``fp8_block`` only: per-channel ``fp8`` never cal
 SGLang 0.5.17), ``deepgemm_dense`` (dense GEMMs only). An unknown option stops the run before
 any engine starts, with the list of known ones.
 
-The GPU session that measures FA3 and DeepGEMM (issue 7), one warm ``nvidia-h200`` (its /tmp
+The device calls that measure FA3 and DeepGEMM, one warm ``nvidia-h200`` (its /tmp
 keeps the site, FA3 and the DeepGEMM cache; ~25 min of device time in all):
 
 0. here, once: ``bash tools/stage_fa3.sh`` (~4 min on 2 cores) -> ``.stage/fa3_0..2``.
@@ -45,7 +45,7 @@ argument the variant ran with (``engine_kwargs``: SGLangEngine's, the bench's, t
 and ``--extra``), the variant's own (``variant_engine_kwargs``), ``extra``, the shape
 (``prompt_len``, ``new``), the KV-cache capacity (``max_total_num_tokens``) and ``env``.
 
-RL lengths and the KV-cache table (issue 23): ``--preset rl-512`` (512 prompt + 1,536 new,
+RL lengths and the KV-cache table: ``--preset rl-512`` (512 prompt + 1,536 new,
 batches 256,128) or ``--preset rl-1024`` (1,024 + 4,096, batch 128) with ``--variants kv``
 (bf16, fp8, fp8 + fp8 KV, int8 + fp8 KV, w4a16 + fp8 KV, bf16 + fp8 KV; ``FMT:kv_fp8_e4m3``
 runs the engine exactly as ``--qrl-rollout-kv-cache fp8_e4m3`` does). On the H200:
@@ -79,7 +79,7 @@ PRESETS: dict[str, dict] = {
     "rl-512": {"prompt_len": 512, "new": 1536, "batches": "256,128"},
     "rl-1024": {"prompt_len": 1024, "new": 4096, "batches": "128"},
 }
-"""``--preset``: prompt length, new tokens and batch sizes (RL lengths: issue 23; at 1,024 +
+"""``--preset``: prompt length, new tokens and batch sizes (RL lengths; at 1,024 +
 4,096 a batch of 256 does not fit BF16 K/V next to the 30B-A3B weights on one H200)."""
 
 VARIANT_SETS: dict[str, str] = {

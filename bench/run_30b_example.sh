@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21's run of examples/run_qwen3_30b_a3b.sh on ONE node of G GPUs (bench/h200.sh mg-30b
+# The multi-GPU run of examples/run_qwen3_30b_a3b.sh on ONE node of G GPUs (bench/h200.sh mg-30b
 # calls it; tests/examples/test_example_30b.py parses exactly these arguments on the CPU):
 # MODE=colocated (ROLE=head starts the Ray head with the node's G GPUs), G engines of TP 1 (one
 # per GPU), FP8-block rollouts (VARIANT=fp8), trainer TP 2 x EP min(G, 8) with sequence

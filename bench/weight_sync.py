@@ -31,9 +31,9 @@ exactly the options it names.
 (pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:
 ``megatron_qrl.rollout_sglang.sync.sender.requests``),
 and checks that every variant leaves the same fingerprints; option ``fpeach`` fingerprints
-each expert before stacking (the order before 2026-11-29) to time the rows of
+each expert before stacking (the older order) to time the rows of
 ``checksum_rows`` side by side. With ``+stacked`` the experts leave the pack stream stacked
-(``pack_state_dict(stack_experts=True)``, no per-expert copies, since 2026-12-01);
+(``pack_state_dict(stack_experts=True)``, no per-expert copies, the default);
 ``+packeach`` packs them per expert and stacks them in the sender (the path before; ``fpeach``
 implies it), for the engine variants too. ``--device cpu --layers 1 --experts 8`` is a CPU
 smoke run.
@@ -131,7 +131,7 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
     """The trainer's side of an in-place sync without an engine (``--produce-only``): packing,
     fingerprints, expert stacking and flat buckets exactly as the engine's sender
     (:func:`megatron_qrl.rollout_sglang.sync.sender.requests`) does them, every bucket consumed and dropped; two syncs, as the engine variants time them.
-    ``fpeach``: fingerprint each expert before stacking (the order before 2026-11-29)."""
+    ``fpeach``: fingerprint each expert before stacking (the older order)."""
     import hashlib
 
     import torch

@@ -2,7 +2,7 @@
 
 The local (no Transformer Engine) layer spec of megatron-core 0.16.1 uses
 ``DotProductAttention``, which materialises the ``[b, heads, s, s]`` scores and softmax in
-every layer (memory O(s^2) per head, the H200 OOM of issue 16). :class:`SDPACoreAttention` is a
+every layer (memory O(s^2) per head: out of memory on an H200 at RL lengths). :class:`SDPACoreAttention` is a
 drop-in ``core_attention`` module for that spec (same constructor and forward signature, the
 ``CoreAttention`` protocol of ``megatron.core.transformer.attention``): softmax(Q K^T * scale) V
 (Vaswani et al. 2017, eq. 1) computed by PyTorch's fused kernels (flash / memory-efficient on a

@@ -68,7 +68,7 @@ _RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_out
 """Flags that may differ between a run and its resumption (run length, saving, resume, how
 the same weights reach the engine, and where pi_prox's log-probs are computed: the first
 update's forward or a recompute pass give the same values; its default changed from off to
-auto on 2026-12-01, and runs from before must still resume; the MoE expert path, whose
+auto, and runs saved before must still resume; the MoE expert path, whose
 grouped and sequential experts hold the same weights under the same checkpoint names)."""
 _CHUNK = 1 << 24
 

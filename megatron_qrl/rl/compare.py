@@ -6,7 +6,7 @@ every variant starts RL from its weights with that seed, the same prompts and st
 :mod:`megatron_qrl.rl.compare_report`) gives each column as mean +- std over the seeds and
 plots the accuracy curves with +-1 std bands.
 
-Variants (issue 22; the papers' claims they test are in docs/COMPARE.md):
+Variants (the papers' claims they test are in docs/COMPARE.md):
 
 * ``bf16``: BF16 rollouts and trainer, PPO-clip (the reference).
 * ``int8 aligned+acr``: the default job's RL (tiny-cpu: INT8 W8A8 rollouts, aligned forward,
@@ -21,7 +21,7 @@ Variants (issue 22; the papers' claims they test are in docs/COMPARE.md):
   ``w4a16 tis`` (AQN off).
 * ``int8 low-lr`` / ``int8 low-lr+uaq``: INT8 W8A8 rollouts, ACR, lr :data:`LOW_LR`, UAQ
   s = 1.5 off / on (QuRL eq. 10-12: QuRL uses UAQ at lr < 1e-5 only).
-* LoRA (issue 19; the full-parameter reference is ``bf16``): ``bf16 lora ppo_clip`` (LoRA
+* LoRA (the full-parameter reference is ``bf16``): ``bf16 lora ppo_clip`` (LoRA
   r = 32, alpha = 32 on all seven projections, BF16 base / rollouts / trainer);
   ``bf16 qlora-nf4 ppo_clip`` (rlquant's QLoRA: NF4 double-quantized frozen base, r = 8,
   alpha = 16, dropout 0.05, lr 1e-4, BF16 rollouts); ``nvfp4 lora aligned+tis+aqn`` (QeRL:

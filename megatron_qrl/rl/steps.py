@@ -1,6 +1,6 @@
 """One supervised warm-up step and one RL step of the driver (pure orchestration).
 
-RL step (issue 6, item 2): sample prompts -> group sampling (``n`` per prompt) on the engine
+RL step: sample prompts -> group sampling (``n`` per prompt) on the engine
 -> rewards -> GRPO advantages -> pi_prox recompute on the trainer (forward only, routing
 replay if on; the first update's own forward gives its pi_prox instead where
 ``config.prox_from_first_update`` says so, :func:`set_old_log_probs`) -> ``updates_per_step``

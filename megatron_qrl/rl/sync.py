@@ -1,7 +1,7 @@
 """Weight sync trainer -> engine (and the single-process driver's engine factory,
 :func:`megatron_qrl.rollout_sglang.factory.make_engine`).
 
-The one sync path, identical for every engine (issue 6, item 1)::
+The one sync path, identical for every engine::
 
     iter_hf_tensors -> apply_aqn (engine copy only) -> spec.pack_state_dict
         -> manifest.record -> engine.update_weights -> engine.verify
@@ -9,7 +9,7 @@ The one sync path, identical for every engine (issue 6, item 1)::
 An engine that checks its own updates (``RolloutEngine.verifies_own_update``: the in-process
 SGLang engine compares its scheduler's receipt with the fingerprints of the stream it was
 handed) gets the stream without the manifest, a second per-tensor pass over the same stream
-(1.3-1.6 s of a 30B-A3B fp8 sync on an H200, run 10). Names sent twice are refused either
+(1.3-1.6 s of a 30B-A3B fp8 sync on an H200). Names sent twice are refused either
 way. Such an engine may also take expert stacks (``RolloutEngine.stacked_experts``): the
 packed experts then leave ``pack_state_dict`` stacked per layer and kind, without
 per-expert copies.

@@ -1,7 +1,7 @@
 """Per-step metrics: ``<output-dir>/metrics.jsonl``, TensorBoard, a final PNG, a compare table.
 
 Every step appends ONE JSON object (flushed at once) holding at least :data:`REQUIRED_KEYS`
-(issue 6, item 4). ``mismatch_kl`` is the k3 estimate of KL(pi_behav || pi_prox) on rollout
+``mismatch_kl`` is the k3 estimate of KL(pi_behav || pi_prox) on rollout
 tokens (losses metric ``kl_behav_prox_k3``); ``clip_frac`` the fraction of tokens clipped
 (low + high); ``time_*_s`` wall seconds of the step's phases. SFT steps have no rollout:
 RL-only values may be ``None`` (``null``). Extra keys are kept (e.g. the losses' metrics,

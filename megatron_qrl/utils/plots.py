@@ -3,7 +3,7 @@
 pyplot keeps global state and resolves a GUI backend on first use; inside an SGLang
 process (or anything that imports a stand-in ``IPython``) that resolution raised
 ``AttributeError: module 'IPython' has no attribute 'get_ipython'`` at the end of a
-``qrl-train`` run on the H200 (2026-11-29) and lost the run's plot. A ``Figure`` renders
+``qrl-train`` run on the H200 and lost the run's plot. A ``Figure`` renders
 with the Agg canvas directly and never touches pyplot.
 """
 

@@ -1,4 +1,4 @@
-"""bench/rollout_throughput.py --engines N --gpus G (issue 21, nvidia-h200-x2): each engine on
+"""bench/rollout_throughput.py --engines N --gpus G (nvidia-h200-x2): each engine on
 its own GPU with the memory of its GPU, and the scaling table over the one-engine record."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench: KV-cache variants, RL-length presets and the full engine-argument record (issue 23)."""
+"""bench: KV-cache variants, RL-length presets and the full engine-argument record."""
 
 import json
 

@@ -454,7 +454,7 @@ def test_run_level_helpers():
         qrl_configs_from_args(p.parse_args(["--qrl-rollout-stop", ""]))
 
 
-# --- issue 24: non-finite and negative numbers, nothing to run -----------------------------
+# --- non-finite and negative numbers, nothing to run -----------------------------
 
 def _float_flags() -> list[str]:
     """Every generated float flag (introspected from the config dataclasses) and every float

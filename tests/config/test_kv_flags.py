@@ -1,5 +1,5 @@
 """--qrl-rollout-kv-cache: from the flag to SGLang's engine arguments, the flag checks, the
-trainer forward plan and the per-micro-batch prompt lengths (issue 23)."""
+trainer forward plan and the per-micro-batch prompt lengths."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""examples/run_qwen3_30b_a3b.sh as issue 21's 8-GPU run calls it (bench/run_30b_example.sh):
+"""examples/run_qwen3_30b_a3b.sh as the 8-GPU run calls it (bench/run_30b_example.sh):
 every flag exists and the whole command line passes qrl-train's checks, as on an H200 node
 (CPU check: torchrun / ray are stand-ins that print the arguments; the GPU, Transformer Engine
 and the 8 torchrun ranks are declared, not present)."""

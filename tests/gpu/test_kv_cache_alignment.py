@@ -9,7 +9,7 @@ on the engine's tokens, its attention either plain or
 prompt length (the op the Megatron core attention runs: tests/te_quant/test_kv_core_attention.py holds
 the Megatron wiring to it on CPU). Printed: the token-mean mismatch KL estimate
 ``E_engine[exp(d) - 1 - d]``, ``d = logp_trainer - logp_engine`` (Schulman's k3) and mean
-|d| for each pair; asserted: the issue-23 target (aligned FP8-KV mismatch within 2x of the
+|d| for each pair; asserted: the target (aligned FP8-KV mismatch within 2x of the
 BF16-KV noise floor) and that the alignment lowers the FP8-KV mismatch.
 
 Run on the device machine: ``source .stage/recipe/setup.sh; python -m pytest -q -s
@@ -105,12 +105,12 @@ def test_fp8_kv_alignment_moves_the_trainer_towards_the_engine(tmp_path):
     floor = res["bf16 KV engine / plain trainer"]["kl_k3"]
     plain = res["fp8 KV engine / plain trainer"]["kl_k3"]
     aligned = res["fp8 KV engine / KV-aligned trainer"]["kl_k3"]
-    # Issue 23's target (aligned within 2x of the floor) is a benchmark, printed, not asserted:
-    # the H200 run of 2026-12-01 measured 4.9x, and bench/kv_flip_noise.py shows why exact
+    # The target (aligned within 2x of the floor) is a benchmark, printed, not asserted:
+    # the H200 measured 4.9x, and bench/kv_flip_noise.py shows why exact
     # rounding rules cannot reach it when the trainer's pre-rounding K/V differ from the
     # engine's by kernel noise (each fp8 code that rounds the other way moves a whole fp8 step:
     # the aligned KL falls ~ noise while the floor falls ~ noise^2; 3.4x at 2e-3 noise there).
-    print(f"KV-aligned / floor = {aligned / floor:.1f} (issue 23 target <= 2); "
+    print(f"KV-aligned / floor = {aligned / floor:.1f} (target <= 2); "
           f"aligned removes {(plain - aligned) / (plain - floor):.0%} of the fp8 excess")
     assert floor < plain, res  # the fp8 cache is visible at all in this run
     assert aligned <= 0.8 * plain, res  # the rounding rules move the trainer to the engine

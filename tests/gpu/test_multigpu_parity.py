@@ -1,4 +1,4 @@
-"""2 GPUs (nvidia-h200-x2, issue 21): the trainer at TP=2 and at EP=2 under torchrun + NCCL
+"""2 GPUs (nvidia-h200-x2): the trainer at TP=2 and at EP=2 under torchrun + NCCL
 matches TP=1 on the same job: SFT loss, token accuracy and grad norm of 3 optimizer steps,
 then one RL step (its weight gather to rank 0, rollout and update).
 

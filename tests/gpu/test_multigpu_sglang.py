@@ -1,4 +1,4 @@
-"""2 GPUs (nvidia-h200-x2, issue 21): SGLang engines of TP 2 and a fleet of one engine per GPU.
+"""2 GPUs (nvidia-h200-x2): SGLang engines of TP 2 and a fleet of one engine per GPU.
 
     bash bench/h200.sh mg-engine       # Ray from ray-part / ray-install for the qrl-train cases
     python -m pytest -q -s -rs tests/gpu/test_multigpu_sglang.py

@@ -138,7 +138,7 @@ def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_engine_tp_2_on_one_gpu_says_why():
     """Engine TP 2 on a one-GPU machine: the fleet session refuses before placing anything,
-    saying that engine TP > 1 needs a multi-GPU node (multi-GPU runs: issue 21)."""
+    saying that engine TP > 1 needs a multi-GPU node (multi-GPU runs: bench/README.md)."""
     import torch
 
     from megatron_qrl.config.run import RolloutConfig

@@ -1,4 +1,4 @@
-"""The qrl-train command lines of tests/gpu/test_multigpu_sglang.py (issue 21, 2 GPUs), shared
+"""The qrl-train command lines of tests/gpu/test_multigpu_sglang.py (2 GPUs), shared
 with their CPU check (tests/rl/test_multigpu_commands.py: the flags pass qrl-train's checks)."""
 
 from __future__ import annotations

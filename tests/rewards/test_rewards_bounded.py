@@ -1,4 +1,4 @@
-"""Math reward scoring is bounded whatever a model answers (issue 24): towers, huge
+"""Math reward scoring is bounded whatever a model answers: towers, huge
 factorials, deeply nested brackets and 1 MB strings score fast as wrong answers.
 
 No test times anything: each asserts the structural bound instead — an over-budget answer is

@@ -1,4 +1,4 @@
-"""The qrl-train command lines of tests/gpu/test_multigpu_sglang.py (issue 21) pass qrl-train's
+"""The qrl-train command lines of tests/gpu/test_multigpu_sglang.py pass qrl-train's
 checks as on a 2-GPU H200 node, and give the engine actors the SGLang layout they name (CPU
 check: the GPU is declared, the Ray session's layout and the engine spec are computed)."""
 

@@ -1,4 +1,4 @@
-"""An engine that dies in the MIDDLE of a sharded weight sync (issue 17, item 3).
+"""An engine that dies in the MIDDLE of a sharded weight sync.
 
 qrl-train under torchrun, trainer EP = 2 (gloo), a fleet of 2 reference engines in Ray actors:
 every EP rank sends its own experts into its own weight group (``megatron_qrl.rl.ep_sync``).

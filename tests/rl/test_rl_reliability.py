@@ -1,4 +1,4 @@
-"""qrl-train reliability (issue 24): checksummed checkpoints, run identity, used output
+"""qrl-train reliability: checksummed checkpoints, run identity, used output
 directories, NaN guard, one-line errors.
 
 Unit tests drive :mod:`megatron_qrl.rl.checkpoint` / :mod:`megatron_qrl.rl.guard` /

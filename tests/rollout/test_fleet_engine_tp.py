@@ -81,7 +81,7 @@ def test_fleet_engine_spec_gives_every_actor_its_split():
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_one_gpu_machine_says_engine_tp_2_needs_more_gpus(mode):
     """The H200 of this project has one GPU: engine TP 2 is refused before Ray places
-    anything, saying why (multi-GPU runs: issue 21)."""
+    anything, saying why (multi-GPU runs: bench/README.md)."""
     from megatron_qrl.config.run import RolloutConfig
     from megatron_qrl.rl.ray_fleet import session_layout
 

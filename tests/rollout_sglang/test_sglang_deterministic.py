@@ -1,4 +1,4 @@
-"""--qrl-rollout-sglang-deterministic (issue 17): from the flag through the one options object
+"""--qrl-rollout-sglang-deterministic: from the flag through the one options object
 to SGLang's ``enable_deterministic_inference``, and what a seeded sampling sends to SGLang.
 
 SGLang 0.5.17 uses a request's ``sampling_seed`` only with deterministic inference on

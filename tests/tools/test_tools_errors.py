@@ -1,4 +1,4 @@
-"""tools/ answer a user's mistake or a damaged file with ONE line and exit code 2 (issue 24).
+"""tools/ answer a user's mistake or a damaged file with ONE line and exit code 2.
 
 Each case used to end in a raw traceback, a misleading message or silence. ``--debug`` (or
 ``QRL_DEBUG=1``) brings the traceback back.

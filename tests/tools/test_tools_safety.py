@@ -1,7 +1,7 @@
 """tools/ never destroy an input, never misread a quantized export, never carry NaN through.
 
 Every case runs the tool's ``main()`` as a user would and compares the bytes of the inputs
-before and after (issue 24: ``export_quantized --overwrite`` used to replace the BF16 source,
+before and after (``export_quantized --overwrite`` once replaced the BF16 source,
 delete a parent directory, or replace a plain file).
 """
 

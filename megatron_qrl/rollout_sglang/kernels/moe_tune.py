@@ -1,4 +1,4 @@
-"""Tuning SGLang's Triton fused-MoE kernel for our formats' MoE shapes (issue 7, item 3).
+"""Tuning SGLang's Triton fused-MoE kernel for our formats' MoE shapes.
 
 SGLang picks a fused-MoE tile configuration per token count ``M`` from a JSON file named by
 ``get_config_file_name(E, N, dtype, block_shape, per_channel_quant)``; without one it runs a

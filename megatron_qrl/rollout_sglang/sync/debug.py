@@ -22,7 +22,7 @@ post-processed module's quant method and scheme (Marlin workspaces, processed sc
 Two syncs of the same weights through different load paths (SGLang's per-tensor
 ``FusedMoE.weight_loader`` and :mod:`.loader.expert_batch`'s batched copies) must leave equal
 digests. Unlike comparing generated tokens, this does not assume the engine's kernels are
-deterministic: on the H200 (2026-11-29) the nvfp4 engine's greedy agreement with the
+deterministic: on the H200 the nvfp4 engine's greedy agreement with the
 reference was 0.953 in one run and 0.969 in the next for the same weights and prompts (the
 other formats repeated to the digit), and its batched-vs-per-tensor token check failed; the
 digest tells a wrong load from a non-deterministic kernel. Costs one pass over the weights

@@ -146,7 +146,7 @@ def requests(stream: Iterable[tuple[str, torch.Tensor]], sent: Checksums,
 
     ``tracker``: an in-place sync (control tensors, ``flat`` buckets, ``stack`` experts);
     None: plain tensors for SGLang's own loader. ``rows`` False fingerprints each expert
-    before stacking (the order before 2026-11-29; ``bench/weight_sync.py`` times both; the
+    before stacking (the older order; ``bench/weight_sync.py`` times both; the
     fingerprints are equal). ``lap`` gains ``stream_s`` (waiting on the packed stream),
     ``fingerprint_s`` and ``flatten_s``."""
     from .prefetch import timed

@@ -84,7 +84,7 @@ class _ZeroFilledEmpty(TorchFunctionMode):
     EMPTY scale, re-derived only on the CUTLASS/TRTLLM paths, never on Hopper's Marlin path
     (``modelopt_quant.py`` in 0.5.17). Copied into the live tensor after each sync, that
     placeholder carried whatever memory the allocator handed back, so two syncs of the same
-    weights left different engine bits (the H200 state-digest run of 2026-11-29). Zeros are
+    weights left different engine bits (measured with H200 state digests). Zeros are
     one possible value of uninitialised memory, so nothing that was correct becomes wrong.
     """
 
