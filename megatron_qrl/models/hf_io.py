@@ -21,6 +21,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SIDE_FILE_GLOBS = ("config.json", "generation_config.json", "tokenizer*", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
                    "chat_template*")
+HF_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""A directory without one of these has no HF vocabulary (transformers 5 then builds an empty
+tokenizer from tokenizer_config.json alone, which encodes every text to no tokens)."""
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -110,10 +110,11 @@ def safe_output_dir(out: str | Path, inputs: Iterable[str | Path], *, tool: str,
 
 
 def check_output_file(out: str | Path, inputs: Iterable[str | Path | None], *,
-                      flag: str = "--out") -> Path:
+                      flag: str = "--out", overwrite: bool = False) -> Path:
     """Return ``out`` if a tool may write a FILE there: not a directory, not one of the
     ``inputs`` (files or directories; None entries skipped), not an existing file inside one
-    of them (a new file next to a model's files is fine)."""
+    of them (a new file next to a model's files is fine), and not an existing file at all
+    unless ``overwrite`` (the tool's ``--overwrite``)."""
     given = Path(out)
     real = given.resolve()
     for inp in inputs:
@@ -126,4 +127,7 @@ def check_output_file(out: str | Path, inputs: Iterable[str | Path | None], *,
     if real.is_dir():
         raise OutputDirError(f"{flag} {given} is a directory; give a file name (e.g. "
                              f"{given / 'report.png'})")
+    if os.path.lexists(given) and not overwrite:
+        raise OutputDirError(f"{flag} {given} already exists; choose a new {flag}, or pass "
+                             "--overwrite to replace it")
     return given
