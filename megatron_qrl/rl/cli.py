@@ -45,7 +45,7 @@ from typing import Any
 
 from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
 from megatron_qrl.config.moe_path import check_moe_flags
-from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, one_line_error
+from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, disk_error, one_line_error
 from megatron_qrl.utils.ranks import rank_label
 
 __all__ = ["build_parser", "main", "parse_configs"]
@@ -295,7 +295,8 @@ def error_line(exc: BaseException, run: Any, board: Any = None,
                         QrlArgumentError, ForwardUnavailableError, DriverCheckpointError,
                         PromptFileError, AlreadyScaledError)):
         return first, 2
-    if isinstance(exc, OSError) and (line := one_line_error(exc)) is not None:
+    if ((isinstance(exc, OSError) or disk_error(exc) is not None)
+            and (line := one_line_error(exc)) is not None):
         return line, 2  # a full / read-only disk: utils.cli's wording, as the tools say it
     if type(exc).__name__ in _DAMAGED and run.checkpoint:
         return (f"--qrl-checkpoint {run.checkpoint}: a weight file is damaged or truncated "
