@@ -66,6 +66,7 @@ __all__ = [
     "lexical_budget",
     "math_reward",
     "parse_number",
+    "reference_answer",
     "score_math",
 ]
 
@@ -412,6 +413,15 @@ class MathRewardResult:
     """The answer was too large to parse or evaluate (scored wrong and unformatted)."""
 
 
+def reference_answer(answer: str) -> str:
+    """The reference answer scored against: ``answer``, or the content of its last
+    ``\\boxed{...}``; raises ``ValueError`` when that is empty or unbalanced (``\\boxed{2``)."""
+    ref = extract_boxed(answer) if _BOXED in answer else answer
+    if ref is None or not ref.strip():
+        raise ValueError(f"reference answer {answer!r} is empty or has an unbalanced \\boxed{{}}")
+    return ref
+
+
 def score_math(response: str, answer: str, format_bonus: float = 0.1,
                require_boxed: bool = False) -> MathRewardResult:
     """Score ``response`` against the reference ``answer`` (see the module docstring).
@@ -421,9 +431,7 @@ def score_math(response: str, answer: str, format_bonus: float = 0.1,
     """
     if not 0.0 <= format_bonus <= 1.0:
         raise ValueError(f"format_bonus must be in [0, 1] (--qrl-task-format-bonus), got {format_bonus}")
-    ref = extract_boxed(answer) if _BOXED in answer else answer
-    if ref is None or not ref.strip():
-        raise ValueError(f"reference answer {answer!r} is empty or has an unbalanced \\boxed{{}}")
+    ref = reference_answer(answer)
     got = None
     try:
         got = _extract(response, require_boxed)

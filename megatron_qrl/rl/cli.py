@@ -257,12 +257,23 @@ def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[s
                        **kw)
 
     if args.world_size > 1:
+        _require_torchrun(args.world_size)
         _launch_ranks(args, configs, flags, run, world, factory, engine_factory, board)
     else:
         with _ray_session(args.qrl_mode, configs, True) as session:
             if session is not None and engine_factory is None:
                 factory[0] = session.engine_factory
             _launch(args, configs, flags, argv, run)
+
+
+def _require_torchrun(world_size: int) -> None:
+    """``WORLD_SIZE`` > 1 means torchrun launched this process: its other variables must be set."""
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise QrlArgumentError(
+            f"WORLD_SIZE={world_size} is set in the environment but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun --nproc-per-node "
+            f"{world_size} (which sets them all), or unset WORLD_SIZE for one process")
 
 
 _DAMAGED = ("SafetensorError", "CheckpointException", "UnpicklingError", "EOFError")
@@ -276,7 +287,11 @@ def error_line(exc: BaseException, run: Any, board: Any = None,
     for a bug (its traceback is shown)."""
     from megatron_qrl.data.dataset import PromptFileError
     from megatron_qrl.models.hf_config import UnsupportedModelError
-    from megatron_qrl.models.hf_io import CheckpointMismatchError, CheckpointReadError
+    from megatron_qrl.models.hf_io import (
+        CheckpointMismatchError,
+        CheckpointReadError,
+        QuantizedCheckpointError,
+    )
     from megatron_qrl.quant.uaq import AlreadyScaledError
     from megatron_qrl.rl.checkpoint import DriverCheckpointError
     from megatron_qrl.rl.forward import ForwardUnavailableError
@@ -288,7 +303,8 @@ def error_line(exc: BaseException, run: Any, board: Any = None,
     job = _job_failure(exc, first, board, launch)
     if job is not None:
         return job, 1
-    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError, CheckpointReadError)):
+    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError, CheckpointReadError,
+                        QuantizedCheckpointError)):
         where = f"--qrl-checkpoint {run.checkpoint}: " if run.checkpoint else ""
         return where + first, 2
     if isinstance(exc, (FileExistsError, FileNotFoundError, NotImplementedError,
