@@ -211,6 +211,8 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     debug = debug_enabled("--debug" in head)
     try:
         configs, flags, args = parse_configs(argv)
+        if args.world_size > 1:
+            _require_torchrun(args.world_size)
     except QrlArgumentError as exc:
         build_parser().error(str(exc))
     board = _rank_board(args, configs)
@@ -257,7 +259,6 @@ def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[s
                        **kw)
 
     if args.world_size > 1:
-        _require_torchrun(args.world_size)
         _launch_ranks(args, configs, flags, run, world, factory, engine_factory, board)
     else:
         with _ray_session(args.qrl_mode, configs, True) as session:
