@@ -43,7 +43,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "qrl-quant-report=megatron_qrl.quant.report:main",
+            "qrl-quant-report=megatron_qrl.models.quant_report_cli:main",
             "qrl-train=megatron_qrl.rl.cli:main",
         ],
     },

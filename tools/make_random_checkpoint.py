@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import zlib
 from collections.abc import Iterator
@@ -69,14 +70,18 @@ def make_random_checkpoint(config: str, out: str | Path, layers: int | None = No
                            overwrite: bool = False) -> Path:
     """Write the checkpoint directory ``out``; returns it."""
     from megatron_qrl.data import CharTokenizer
+    from megatron_qrl.models.hf_config import arch_from_dict
     from megatron_qrl.models.hf_io import write_safetensors
+    from megatron_qrl.models.mapping import expected_hf_shapes
     from megatron_qrl.utils.io import atomic_write_json
     from megatron_qrl.utils.outdir import safe_output_dir
 
     cfg = load_config(config, layers)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     inputs = [] if config in BUILTIN else [config]
-    with safe_output_dir(out, inputs, tool="make_random_checkpoint", overwrite=overwrite) as tmp:
+    need = 2 * sum(math.prod(s) for s in expected_hf_shapes(arch_from_dict(cfg, "--config")).values())
+    with safe_output_dir(out, inputs, tool="make_random_checkpoint", overwrite=overwrite,
+                         need_bytes=need) as tmp:
         atomic_write_json(tmp / "config.json", cfg)
         atomic_write_json(tmp / "generation_config.json", {
             "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),

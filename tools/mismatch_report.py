@@ -12,7 +12,8 @@ often the top-k routing still agrees with BF16), and writes a bar chart. ``--kv-
 cache stores them, every position read as a decode step reads it; "all" then includes it. Prompts are random
 token ids unless --prompts names a text/JSONL file (then DIR needs a tokenizer). DIR must be
 the full-precision checkpoint: a quantized export (tools/export_quantized.py) is refused, its
-codes are not weights. ``--debug`` shows tracebacks.
+codes are not weights. ``--seq-len`` is at most the model's ``max_position_embeddings``; an
+existing ``--out`` is replaced only with ``--overwrite``. ``--debug`` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ def _report(args) -> Path:
     from megatron_qrl.te_quant.attribution import format_table, plot_rows, prompt_ids, run_report
     from megatron_qrl.utils.outdir import check_output_file
 
-    out = check_output_file(args.out, [args.hf_dir, args.prompts])
+    out = check_output_file(args.out, [args.hf_dir, args.prompts], overwrite=args.overwrite)
     _, arch, _ = open_hf_checkpoint(args.hf_dir)  # refuses a quantized export by name
+    if args.seq_len > arch.max_position_embeddings:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's "
+                         f"max_position_embeddings {arch.max_position_embeddings} "
+                         f"({args.hf_dir}/config.json); give --seq-len <= "
+                         f"{arch.max_position_embeddings}")
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: file not found")
     ids = prompt_ids(args.hf_dir, args.prompts, args.batch, args.seq_len, arch.vocab_size,
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="rollout KV-cache format (--qrl-rollout-kv-cache); a rounding one adds "
                         "the 'kv cache' row")
     p.add_argument("--out", required=True, help="PNG bar chart to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--prompts", default=None, help="text (one per line) or JSONL with 'prompt'")
     p.add_argument("--batch", type=positive_int, default=4, help="number of sequences (>= 1)")
     p.add_argument("--seq-len", type=positive_int, default=32, help="tokens per sequence (>= 1)")

@@ -29,6 +29,10 @@ __all__ = [
 ]
 
 
+MAX_SEED = 2**63 - 1
+"""Largest ``--qrl-seed``: torch's generators take a signed 64-bit seed."""
+
+
 def _int(flag: str, value: object, minimum: int) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
@@ -367,6 +371,9 @@ class RunConfig:
                                  ("--qrl-engine-max-restarts", self.engine_max_restarts, 0),
                                  ("--qrl-max-bad-steps", self.max_bad_steps, 0)):
             _int(flag, value, low)
+        if self.seed > MAX_SEED:
+            raise ValueError(f"--qrl-seed must be at most 2**63 - 1 = {MAX_SEED} (torch's "
+                             f"generators take a signed 64-bit seed), got {self.seed}")
         _real("--qrl-lr", self.lr, 0.0, low_open=True)
         _real("--qrl-sft-lr", self.sft_lr, 0.0, low_open=True)
         _choice("--qrl-ray-weight-transport", self.ray_weight_transport,

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_qrl.rewards.math import reference_answer
+
 __all__ = ["PromptFileError", "PromptRecord", "load_prompt_jsonl"]
 
 
@@ -36,7 +38,13 @@ def _record(obj: object, where: str) -> PromptRecord:
             or (isinstance(answer, float) and not math.isfinite(answer)):
         raise PromptFileError(f"{where}: \"answer\" must be a non-empty string or a finite "
                               f"number, got {answer!r}")
-    return PromptRecord(prompt, answer if isinstance(answer, str) else json.dumps(answer))
+    answer = answer if isinstance(answer, str) else json.dumps(answer)
+    try:
+        reference_answer(answer)  # what the reward will score against, checked before training
+    except ValueError as exc:
+        raise PromptFileError(f"{where}: \"answer\" cannot be scored: {exc}; close the "
+                              "\\boxed{...} or give the plain answer") from None
+    return PromptRecord(prompt, answer)
 
 
 def load_prompt_jsonl(path: str | Path, flag: str = "--qrl-task-prompts") -> list[PromptRecord]:

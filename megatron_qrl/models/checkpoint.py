@@ -11,7 +11,6 @@ Layout of a checkpoint directory::
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +19,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
 from megatron_qrl.models.hf_io import CheckpointReadError
+from megatron_qrl.utils.disk import os_error_of
 
 METADATA_NAME = "megatron_qrl.json"
 FORMAT = "megatron_qrl.dist_ckpt.v1"
-_ERRNO_TEXT = re.compile(r"\[Errno (?P<errno>\d+)\] (?P<msg>[^:\n]+)(?:: '(?P<file>[^'\n]*)')?")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,7 +68,7 @@ def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, metadata: dict[
         try:
             dist_checkpointing.save(model.sharded_state_dict(), str(model_dir))
         except (Exception, CheckpointException) as exc:
-            os_error = _os_error(exc)  # a full / read-only disk: the OSError, for one line
+            os_error = os_error_of(exc)  # a full / read-only disk: the OSError, for one line
             if os_error is None:
                 raise
             raise os_error from exc
@@ -93,27 +92,6 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
             "metadata file is truncated or corrupted, or belongs to another model: convert the "
             "model again") from exc
     model.load_state_dict(state, strict=True)
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError behind a failed save, or None: found in a CheckpointException's failures,
-    their ``__cause__`` chain, or — where the writer process's "Worker failure" reached us as
-    text — rebuilt from the standard ``[Errno N] message: 'file'`` form."""
-    failures = getattr(exc, "failures", None)
-    todo = [f[0] for f in failures.values()] if isinstance(failures, dict) else [exc]
-    seen = set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        found = _ERRNO_TEXT.search(str(e))
-        if found:
-            return OSError(int(found["errno"]), found["msg"], found["file"])
-        todo += [e.__cause__, e.__context__]
-    return None
 
 
 def _cause(exc: BaseException) -> str:

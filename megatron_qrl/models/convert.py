@@ -28,6 +28,7 @@ from megatron_qrl.models.hf_io import (
 )
 from megatron_qrl.models.mapping import count_parameters, expected_hf_shapes
 from megatron_qrl.quant.uaq import apply_uaq
+from megatron_qrl.utils.disk import tree_bytes
 from megatron_qrl.utils.finite import require_finite
 from megatron_qrl.utils.outdir import safe_output_dir
 
@@ -92,7 +93,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, uaq_scale: float
     meta = {"architecture": arch.architecture, "dtype": str(dtype).removeprefix("torch."),
             "saved_layout": {"tp": 1, "ep": 1}, "uaq_scale": cfg.get(UAQ_CONFIG_KEY),
             "source": str(hf_dir.resolve())}
-    with safe_output_dir(out, [hf_dir], tool=TO_MEGATRON, overwrite=overwrite) as tmp, \
+    with safe_output_dir(out, [hf_dir], tool=TO_MEGATRON, overwrite=overwrite,
+                         need_bytes=tree_bytes(hf_dir)) as tmp, \
             single_process_megatron():
         model = build_model(arch, params_dtype=dtype)
         names = [n for n, _ in model.named_parameters()]
@@ -118,7 +120,8 @@ def convert_megatron_to_hf(megatron_dir: str | Path, out: str | Path,
     megatron_dir = Path(megatron_dir)
     meta, _, arch = read_metadata(megatron_dir)
     n_tensors = len(expected_hf_shapes(arch))
-    with safe_output_dir(out, [megatron_dir], tool=TO_HF, overwrite=overwrite) as tmp, \
+    with safe_output_dir(out, [megatron_dir], tool=TO_HF, overwrite=overwrite,
+                         need_bytes=tree_bytes(megatron_dir / "model")) as tmp, \
             single_process_megatron():
         model = build_model(arch, params_dtype=DTYPES[meta["dtype"]])
         load_checkpoint(model, megatron_dir)

@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..quant import get_spec
+from ..utils.disk import tree_bytes
 from ..utils.outdir import safe_output_dir
 from .hf_io import copy_side_files, open_hf_checkpoint, write_safetensors
 
@@ -42,7 +43,8 @@ def export_quantized(
     if max_shard_bytes <= 0:
         raise ExportError(f"--max-shard-gb must be > 0 (got {max_shard_bytes} bytes)")
     cfg, _, reader = open_hf_checkpoint(hf_dir)
-    with safe_output_dir(out, [hf_dir], tool=TOOL, overwrite=overwrite) as tmp:
+    with safe_output_dir(out, [hf_dir], tool=TOOL, overwrite=overwrite,
+                         need_bytes=tree_bytes(hf_dir)) as tmp:
         stream = ((n, reader.get(n)) for n in tqdm(
             reader.names(), desc=f"quantize {fmt}", unit="tensor", disable=not progress))
         write_safetensors(spec.pack_state_dict(stream), tmp, max_shard_bytes=max_shard_bytes)

@@ -98,13 +98,26 @@ class ModelArch:
         return self.num_experts > 0
 
 
-def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
+def _get(cfg: dict[str, Any], *names: str, default: Any = None, kind: type = object) -> Any:
+    """The first of ``names`` present in ``cfg`` (else ``default``), checked to be a JSON value
+    of ``kind``: ``int`` (not a bool, not a string), ``float`` (an int or float) or ``bool``."""
     for name in names:
         if cfg.get(name) is not None:
-            return cfg[name]
-    if default is None:
-        raise UnsupportedModelError(f"config.json: missing field {names[0]!r}", (names[0],))
-    return default
+            value = cfg[name]
+            break
+    else:
+        if default is None:
+            raise UnsupportedModelError(f"config.json: missing field {names[0]!r}", (names[0],))
+        return default
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          bool: lambda v: isinstance(v, bool), object: lambda v: True}[kind](value)
+    if not ok:
+        what = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise UnsupportedModelError(
+            f"config.json: {name} must be {what}, got {value!r} ({type(value).__name__}); write "
+            f"it without quotes", (name,))
+    return value
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -118,6 +131,10 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     if theta is None:
         raise UnsupportedModelError("config.json: missing rope_theta (or rope_parameters.rope_theta)",
                                     ("rope_theta",))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise UnsupportedModelError(f"config.json: rope_theta must be a number, got {theta!r} "
+                                    f"({type(theta).__name__}); write it without quotes",
+                                    ("rope_theta",))
     return float(theta)
 
 
@@ -126,31 +143,37 @@ def _common(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError("config.json: attention_bias=true is not supported for Qwen3")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"config.json: hidden_act={cfg['hidden_act']!r}, expected 'silu'")
-    heads = int(_get(cfg, "num_attention_heads"))
-    hidden = int(_get(cfg, "hidden_size"))
+    heads = _get(cfg, "num_attention_heads", kind=int)
+    hidden = _get(cfg, "hidden_size", kind=int)
     return dict(
         architecture=cfg["architectures"][0],
-        vocab_size=int(_get(cfg, "vocab_size")),
+        vocab_size=_get(cfg, "vocab_size", kind=int),
         hidden_size=hidden,
-        num_layers=int(_get(cfg, "num_hidden_layers")),
+        num_layers=_get(cfg, "num_hidden_layers", kind=int),
         num_heads=heads,
-        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
-        head_dim=int(_get(cfg, "head_dim", default=hidden // heads)),
-        ffn_hidden_size=int(_get(cfg, "intermediate_size")),
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)),
+        num_kv_heads=_get(cfg, "num_key_value_heads", default=heads, kind=int),
+        head_dim=_get(cfg, "head_dim", default=hidden // heads if heads > 0 else 1, kind=int),
+        ffn_hidden_size=_get(cfg, "intermediate_size", kind=int),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6, kind=float)),
         rope_theta=_rope_theta(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings")),
+        tie_word_embeddings=_get(cfg, "tie_word_embeddings", default=False, kind=bool),
+        max_position_embeddings=_get(cfg, "max_position_embeddings", kind=int),
     )
 
 
 def _parse_qwen3(cfg: dict[str, Any]) -> ModelArch:
+    experts = [k for k in ("num_experts", "num_local_experts") if cfg.get(k)]
+    if experts:
+        raise UnsupportedModelError(
+            f"config.json: {cfg['architectures'][0]} is a dense model but {experts[0]}="
+            f"{cfg[experts[0]]!r}; set architectures to Qwen3MoeForCausalLM for an MoE model, or "
+            f"drop {experts[0]}", (experts[0],))
     return ModelArch(**_common(cfg))
 
 
 def _parse_qwen3_moe(cfg: dict[str, Any]) -> ModelArch:
-    layers = int(_get(cfg, "num_hidden_layers"))
-    step = int(cfg.get("decoder_sparse_step", 1))
+    layers = _get(cfg, "num_hidden_layers", kind=int)
+    step = _get(cfg, "decoder_sparse_step", default=1, kind=int)
     dense_layers = list(cfg.get("mlp_only_layers") or [])
     if step != 1 or dense_layers:
         raise UnsupportedModelError(
@@ -160,11 +183,11 @@ def _parse_qwen3_moe(cfg: dict[str, Any]) -> ModelArch:
         raise UnsupportedModelError("config.json: Qwen3-MoE with a shared expert is not supported")
     return ModelArch(
         **_common(cfg),
-        num_experts=int(_get(cfg, "num_experts", "num_local_experts")),
-        moe_top_k=int(_get(cfg, "num_experts_per_tok")),
-        moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        num_experts=_get(cfg, "num_experts", "num_local_experts", kind=int),
+        moe_top_k=_get(cfg, "num_experts_per_tok", kind=int),
+        moe_ffn_hidden_size=_get(cfg, "moe_intermediate_size", kind=int),
+        norm_topk_prob=_get(cfg, "norm_topk_prob", default=False, kind=bool),
+        router_aux_loss_coef=float(_get(cfg, "router_aux_loss_coef", default=0.0, kind=float)),
     )
 
 

@@ -15,12 +15,16 @@ from safetensors.torch import save_file
 
 from megatron_qrl.models.hf_config import ModelArch, load_hf_config
 from megatron_qrl.models.mapping import expected_hf_shapes
+from megatron_qrl.utils.io import follow_umask
 
 INDEX_NAME = "model.safetensors.index.json"
 # files that travel with the weights (config, tokenizer, generation defaults, chat template)
 SIDE_FILE_GLOBS = ("config.json", "generation_config.json", "tokenizer*", "vocab.json",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
                    "chat_template*")
+HF_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""A directory without one of these has no HF vocabulary (transformers 5 then builds an empty
+tokenizer from tokenizer_config.json alone, which encodes every text to no tokens)."""
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -184,6 +188,15 @@ def copy_side_files(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> Path:
+    """``safetensors.torch.save_file`` with the file mode of the umask (safetensors creates
+    its files 0600, which an SGLang server under another account cannot read)."""
+    save_file(tensors, str(path), metadata=metadata)
+    follow_umask(path)
+    return Path(path)
+
+
 def write_safetensors(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
                       max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """Write ``(name, tensor)`` pairs as HF safetensors shards (+ index when > 1 shard).
@@ -196,7 +209,7 @@ def write_safetensors(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str | 
     size = total = 0
 
     def flush() -> None:
-        save_file(current, str(out / f"part-{len(shard_names):05d}.tmp"), metadata={"format": "pt"})
+        save_safetensors(current, out / f"part-{len(shard_names):05d}.tmp", {"format": "pt"})
         shard_names.append(list(current))
         current.clear()
 

@@ -5,12 +5,12 @@ For every registered format it packs the model's weights exactly as weight sync 
 weights equal the trainer's fake-quantized ones, bit for bit), then runs the rollout-side
 model (:func:`~megatron_qrl.quant.hf_reference.quantized_copy`) on random prompts and
 reports per-format weight SQNR by layer kind, KL(pi_bf16 || pi_quant) per token, top-1
-agreement and the packed size. Writes ``report.json`` and ``report.png`` to ``--out-dir``.
+agreement and the packed size. The command line (``qrl-quant-report``) is
+:mod:`megatron_qrl.models.quant_report_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import get_spec, list_specs
+from . import get_spec
 from .hf_reference import build_hf_model, hf_tensors, quantized_copy
 from .targets import layer_kind
 
@@ -114,35 +114,3 @@ def plot_report(report: dict, path: Path) -> None:
     fig.suptitle("megatron_qrl rollout formats on " + Path(report["config"]).stem)
     fig.tight_layout()
     save_png(fig, path, dpi=110)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="qrl-quant-report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
-                   help="HF config.json of the model (random weights); default: a tiny Qwen3-MoE")
-    p.add_argument("--formats", nargs="+", default=list_specs(), choices=list_specs())
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=Path("outputs/quant_report"))
-    args = p.parse_args(argv)
-    if not args.config.is_file():
-        p.error(f"--config {args.config}: file not found")
-    print(f"qrl-quant-report: model {args.config}, output directory {args.out_dir}")
-    report = run_report(args.config, args.formats, args.batch, args.seq_len, args.seed)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = args.out_dir / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(args.out_dir / "report.json")
-    plot_report(report, args.out_dir / "report.png")
-    print(format_table(report))
-    print(f"wrote {args.out_dir / 'report.json'} and {args.out_dir / 'report.png'}")
-    bad = [f for f, r in report["formats"].items() if r["contract_mismatches"]]
-    if bad:
-        print(f"CONTRACT VIOLATED for {bad}: rollout weights differ from the trainer's")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,25 +18,39 @@ sympy when both sides parse as short expressions. Sympy only ever sees strings o
 ``+-*/^()``, ``sqrt``, ``pi``), so parsing is safe (no attribute access, no names beyond the
 whitelist).
 
-Budget (a model answer can never stall scoring; no threads, no timeouts): the work per
-answer is bounded by its structure. A response is searched for ``\\boxed`` in full (a C
+Budget (a model answer can never stall scoring): the work per answer is bounded by its
+structure, and a hard time limit backs that bound up. A response is searched for ``\\boxed`` in full (a C
 string search) but its braces are matched over at most :data:`MAX_ANSWER_CHARS` characters,
 and the last number is looked for in the last :data:`MAX_SCAN_CHARS` characters; an answer
-longer than :data:`MAX_ANSWER_CHARS` is not parsed. An expression is first parsed
+longer than :data:`MAX_ANSWER_CHARS` is not parsed. Before sympy sees a string, its numeric
+literals are checked lexically (:func:`lexical_budget`): at most :data:`MAX_LITERAL_DIGITS`
+digits and a decimal exponent (``1e308``) of at most :data:`MAX_LITERAL_EXPONENT` in magnitude
+(sympy turns ``1e999999`` into an exact integer inside ONE uninterruptible C call). An
+expression is then parsed
 unevaluated and its cost bounded before sympy evaluates anything (:func:`expression_cost`):
 exact numbers of at most :data:`MAX_BITS` bits, numeric exponents of at most
 :data:`MAX_EXPONENT` (so no towers like ``9^9^9`` and no ``2^{10^6}``), polynomial degree at
 most :data:`MAX_DEGREE` and at most :data:`MAX_TERMS` terms once expanded. An answer over
 budget is a wrong, unformatted answer (``MathRewardResult.over_budget``, counted by the
 driver as the metric ``reward_over_budget``).
+
+Deadline: the sympy work of one answer (parse, evaluate, compare) runs under
+:func:`~megatron_qrl.rewards.deadline.time_limit` of :data:`MAX_SECONDS`, which interrupts
+Python code in any thread (Ray actors included) and cannot be swallowed by sympy's own
+``except Exception``. An answer that runs out of time is scored like one over budget (wrong,
+unformatted, ``over_budget`` set, so counted in ``reward_over_budget``) and a
+``RuntimeWarning`` names it.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
+
+from .deadline import TimeLimitExceeded, time_limit
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -49,8 +63,10 @@ __all__ = [
     "extract_answer",
     "extract_boxed",
     "extract_last_number",
+    "lexical_budget",
     "math_reward",
     "parse_number",
+    "reference_answer",
     "score_math",
 ]
 
@@ -68,6 +84,12 @@ MAX_DEGREE = 16
 """Largest degree of an expression (numerators and denominators alike)."""
 MAX_TERMS = 160
 """Most terms of an expression once expanded (numerators and denominators alike)."""
+MAX_LITERAL_DIGITS = 600
+"""Most digits of one numeric literal handed to sympy (~ :data:`MAX_BITS` bits)."""
+MAX_LITERAL_EXPONENT = 308
+"""Largest magnitude of a literal's decimal exponent (``1e308``; the double range)."""
+MAX_SECONDS = 5.0
+"""Hard time limit of the sympy work on one answer (module docstring: Deadline)."""
 
 
 class OverBudget(ValueError):
@@ -83,6 +105,7 @@ _SYMBOLIC_CHARS = re.compile(r"^[0-9a-z+\-*/^(). ]+$")
 _WORDS = re.compile(r"[a-z]+")
 _BOXED = "\\boxed"
 _BRACE = re.compile(r"[{}]")
+_LITERAL = re.compile(r"(?<![a-z_\d.])(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?")
 
 
 def _boxed(text: str) -> str | None:
@@ -192,6 +215,18 @@ def _symbolic_text(text: str) -> str | None:
     return s.replace("^", "**")
 
 
+def lexical_budget(s: str) -> None:
+    """Raise :class:`OverBudget` when a numeric literal of ``s`` (the whitelisted, lower-case
+    form handed to sympy) has more than :data:`MAX_LITERAL_DIGITS` digits or a decimal
+    exponent beyond :data:`MAX_LITERAL_EXPONENT`; checked on the string, before any parse."""
+    for m in _LITERAL.finditer(s):
+        mantissa, exp = m.groups()
+        if len(mantissa) - ("." in mantissa) > MAX_LITERAL_DIGITS:
+            raise OverBudget(f"a number with more than {MAX_LITERAL_DIGITS} digits")
+        if exp is not None and (len(exp) > 8 or abs(int(exp)) > MAX_LITERAL_EXPONENT):
+            raise OverBudget(f"a decimal exponent e{exp} beyond +-{MAX_LITERAL_EXPONENT}")
+
+
 def _parse(s: str, evaluate: bool):
     import sympy
     from sympy.parsing.sympy_parser import (
@@ -288,6 +323,7 @@ def _sympify(text: str):
     s = _symbolic_text(text)
     if s is None:
         return None
+    lexical_budget(s)
     try:
         tree = _parse(s, evaluate=False)
     except Exception:  # noqa: BLE001 - any parse failure means "not an expression"
@@ -338,11 +374,31 @@ def _rational_probe(diff) -> bool:
 
 def answers_equal(predicted: str, reference: str) -> bool:
     """Numeric (exact) equality if both are numbers, else sympy ``simplify(a - b) == 0``;
-    an answer over budget (module docstring) is never equal."""
+    an answer over budget or out of time (module docstring) is never equal."""
     try:
-        return _equal(predicted, reference)
+        return _within_deadline(_equal, predicted, reference)
     except OverBudget:
         return False
+
+
+def _within_deadline(fn, *args):
+    """``fn(*args)`` under the hard limit :data:`MAX_SECONDS`; running out of time is
+    :class:`OverBudget` (and a ``RuntimeWarning``). sympy is imported before the clock starts."""
+    import sympy.parsing.sympy_parser  # noqa: F401 - the first import takes seconds
+
+    try:
+        with time_limit(MAX_SECONDS):
+            return fn(*args)
+    except TimeLimitExceeded as exc:
+        warnings.warn(f"math reward: scoring an answer {exc}; it is scored as wrong and "
+                      "counted in reward_over_budget", RuntimeWarning, stacklevel=3)
+        raise OverBudget(str(exc)) from None
+
+
+def _judge(got: str | None, ref: str) -> tuple[bool, bool]:
+    """``(formatted, correct)`` of the extracted answer ``got``; raises :class:`OverBudget`."""
+    formatted = got is not None and (parse_number(got) is not None or _sympify(got) is not None)
+    return formatted, formatted and _equal(got, ref)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -357,6 +413,15 @@ class MathRewardResult:
     """The answer was too large to parse or evaluate (scored wrong and unformatted)."""
 
 
+def reference_answer(answer: str) -> str:
+    """The reference answer scored against: ``answer``, or the content of its last
+    ``\\boxed{...}``; raises ``ValueError`` when that is empty or unbalanced (``\\boxed{2``)."""
+    ref = extract_boxed(answer) if _BOXED in answer else answer
+    if ref is None or not ref.strip():
+        raise ValueError(f"reference answer {answer!r} is empty or has an unbalanced \\boxed{{}}")
+    return ref
+
+
 def score_math(response: str, answer: str, format_bonus: float = 0.1,
                require_boxed: bool = False) -> MathRewardResult:
     """Score ``response`` against the reference ``answer`` (see the module docstring).
@@ -366,15 +431,11 @@ def score_math(response: str, answer: str, format_bonus: float = 0.1,
     """
     if not 0.0 <= format_bonus <= 1.0:
         raise ValueError(f"format_bonus must be in [0, 1] (--qrl-task-format-bonus), got {format_bonus}")
-    ref = extract_boxed(answer) if _BOXED in answer else answer
-    if ref is None or not ref.strip():
-        raise ValueError(f"reference answer {answer!r} is empty or has an unbalanced \\boxed{{}}")
+    ref = reference_answer(answer)
     got = None
     try:
         got = _extract(response, require_boxed)
-        formatted = got is not None and (parse_number(got) is not None
-                                         or _sympify(got) is not None)
-        correct = formatted and _equal(got, ref)  # type: ignore[arg-type]
+        formatted, correct = _within_deadline(_judge, got, ref)
     except OverBudget:
         return MathRewardResult(0.0, False, False, got, over_budget=True)
     return MathRewardResult(1.0 * correct + format_bonus * formatted, correct, formatted, got)

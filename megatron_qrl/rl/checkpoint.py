@@ -32,7 +32,7 @@ import hashlib
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ import torch
 
 from megatron_qrl import __version__
 from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.utils.disk import disk_full_as_one_line
 from megatron_qrl.utils.io import atomic_write_json, atomic_write_text
 from megatron_qrl.utils.outdir import MARKER_NAME, read_marker
 
@@ -111,6 +112,18 @@ def _checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
 
 
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested dicts / lists / tuples (the checkpoint's bulk)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
 def save_driver_checkpoint(output_dir: str | Path, next_step: int, trainer_state: dict,
                            flags: dict[str, Any], keep: int = 2,
                            rank_states: list[dict] | None = None,
@@ -131,17 +144,19 @@ def save_driver_checkpoint(output_dir: str | Path, next_step: int, trainer_state
     if rank_states is not None:
         state["rank_states"] = rank_states
     tmp = root / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        digest = _sha256(tmp)
-        atomic_write_text(_sum_path(path), f"{digest}  {path.name}\n")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    need = sum(t.numel() * t.element_size() for t in _tensors(state))
+    with disk_full_as_one_line(output_dir, "--qrl-output-dir", need):
+        try:
+            with open(tmp, "wb") as fh:
+                torch.save(state, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            digest = _sha256(tmp)
+            atomic_write_text(_sum_path(path), f"{digest}  {path.name}\n")
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
     if _sha256(path) != digest:
         raise OSError(f"{path}: the bytes read back differ from the bytes written; the disk "
                       "or filesystem is failing (older checkpoints were kept)")

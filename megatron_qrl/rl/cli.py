@@ -45,7 +45,7 @@ from typing import Any
 
 from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
 from megatron_qrl.config.moe_path import check_moe_flags
-from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, one_line_error
+from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, disk_error, one_line_error
 from megatron_qrl.utils.ranks import rank_label
 
 __all__ = ["build_parser", "main", "parse_configs"]
@@ -211,6 +211,8 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     debug = debug_enabled("--debug" in head)
     try:
         configs, flags, args = parse_configs(argv)
+        if args.world_size > 1:
+            _require_torchrun(args.world_size)
     except QrlArgumentError as exc:
         build_parser().error(str(exc))
     board = _rank_board(args, configs)
@@ -265,6 +267,16 @@ def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[s
             _launch(args, configs, flags, argv, run)
 
 
+def _require_torchrun(world_size: int) -> None:
+    """``WORLD_SIZE`` > 1 means torchrun launched this process: its other variables must be set."""
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise QrlArgumentError(
+            f"WORLD_SIZE={world_size} is set in the environment but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun --nproc-per-node "
+            f"{world_size} (which sets them all), or unset WORLD_SIZE for one process")
+
+
 _DAMAGED = ("SafetensorError", "CheckpointException", "UnpicklingError", "EOFError")
 """Exception types of an unreadable (damaged, truncated) weight file."""
 
@@ -276,7 +288,11 @@ def error_line(exc: BaseException, run: Any, board: Any = None,
     for a bug (its traceback is shown)."""
     from megatron_qrl.data.dataset import PromptFileError
     from megatron_qrl.models.hf_config import UnsupportedModelError
-    from megatron_qrl.models.hf_io import CheckpointMismatchError, CheckpointReadError
+    from megatron_qrl.models.hf_io import (
+        CheckpointMismatchError,
+        CheckpointReadError,
+        QuantizedCheckpointError,
+    )
     from megatron_qrl.quant.uaq import AlreadyScaledError
     from megatron_qrl.rl.checkpoint import DriverCheckpointError
     from megatron_qrl.rl.forward import ForwardUnavailableError
@@ -288,14 +304,16 @@ def error_line(exc: BaseException, run: Any, board: Any = None,
     job = _job_failure(exc, first, board, launch)
     if job is not None:
         return job, 1
-    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError, CheckpointReadError)):
+    if isinstance(exc, (UnsupportedModelError, CheckpointMismatchError, CheckpointReadError,
+                        QuantizedCheckpointError)):
         where = f"--qrl-checkpoint {run.checkpoint}: " if run.checkpoint else ""
         return where + first, 2
     if isinstance(exc, (FileExistsError, FileNotFoundError, NotImplementedError,
                         QrlArgumentError, ForwardUnavailableError, DriverCheckpointError,
                         PromptFileError, AlreadyScaledError)):
         return first, 2
-    if isinstance(exc, OSError) and (line := one_line_error(exc)) is not None:
+    if ((isinstance(exc, OSError) or disk_error(exc) is not None)
+            and (line := one_line_error(exc)) is not None):
         return line, 2  # a full / read-only disk: utils.cli's wording, as the tools say it
     if type(exc).__name__ in _DAMAGED and run.checkpoint:
         return (f"--qrl-checkpoint {run.checkpoint}: a weight file is damaged or truncated "

@@ -21,13 +21,11 @@ import torch
 
 from megatron_qrl.data.tokenizer import TOKENIZER_FILE, CharTokenizer
 from megatron_qrl.models.hf_config import ModelArch, arch_from_dict
+from megatron_qrl.models.hf_io import HF_VOCAB_FILES as _HF_VOCAB_FILES
 
 __all__ = ["HFTokenizer", "StartCheckpoint", "load_start_weights", "load_tokenizer",
            "read_start_checkpoint"]
 
-_HF_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-"""A directory without one of these has no HF vocabulary (transformers 5 then builds an empty
-tokenizer from tokenizer_config.json alone instead of failing)."""
 
 
 class HFTokenizer:

@@ -152,6 +152,12 @@ def prompt_ids(hf_dir: str, prompts: str | None, batch: int, seq_len: int, vocab
 
     from transformers import AutoTokenizer
 
+    from megatron_qrl.models.hf_io import HF_VOCAB_FILES
+
+    if not any((Path(hf_dir) / name).is_file() for name in HF_VOCAB_FILES):
+        raise ValueError(f"--prompts needs a tokenizer in --hf-dir {hf_dir}, which holds none of "
+                         f"{' / '.join(HF_VOCAB_FILES)}; copy the model's tokenizer files into "
+                         "it, or drop --prompts to use random token ids")
     try:
         tok = AutoTokenizer.from_pretrained(hf_dir)
     except (OSError, ValueError) as exc:
@@ -172,8 +178,11 @@ def prompt_ids(hf_dir: str, prompts: str | None, batch: int, seq_len: int, vocab
     if len(texts) < batch:
         raise ValueError(f"{prompts}: {len(texts)} prompts, need --batch {batch}")
     rows = []
-    for text in texts:
-        got = tok(text)["input_ids"] or [0]
+    for i, text in enumerate(texts, 1):
+        got = tok(text)["input_ids"]
+        if not got:
+            raise ValueError(f"--prompts {prompts}: prompt {i} encodes to no tokens with the "
+                             f"tokenizer of --hf-dir {hf_dir}; give a non-empty prompt")
         rows.append((got * (seq_len // len(got) + 1))[:seq_len])
     return torch.tensor(rows, dtype=torch.long)
 

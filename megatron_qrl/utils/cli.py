@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .argparse_negative import allow_negative_numbers
+from .disk import DiskFullError, os_error_of
 
-__all__ = ["USER_ERRORS", "allow_negative_numbers", "debug_enabled", "one_line_error",
+__all__ = ["USER_ERRORS", "allow_negative_numbers", "debug_enabled", "disk_error", "one_line_error",
            "positive_float", "positive_int", "run_tool", "tool_parser"]
 
 # mistakes a user fixes by changing a flag or a file (a bug elsewhere keeps its traceback)
@@ -48,11 +49,20 @@ def debug_enabled(debug: bool | None = None) -> bool:
     return bool(debug) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+def disk_error(exc: BaseException) -> OSError | None:
+    """The OSError of a full, read-only or forbidden disk behind ``exc`` (itself or wrapped by
+    a writer: :func:`~megatron_qrl.utils.disk.os_error_of`), or None."""
+    err = os_error_of(exc)
+    return err if err is not None and err.errno in _DISK_HINTS else None
+
+
 def one_line_error(exc: BaseException) -> str | None:
     """The one-line message for a user error, or None when ``exc`` is a bug."""
-    if isinstance(exc, OSError) and exc.errno in _DISK_HINTS:
-        where = f"{exc.filename}: " if exc.filename else ""
-        msg = f"{where}{exc.strerror or exc} ({_DISK_HINTS[exc.errno]})"
+    if isinstance(exc, DiskFullError):
+        msg = str(exc)
+    elif (err := disk_error(exc)) is not None:
+        where = f"{err.filename}: " if err.filename else ""
+        msg = f"{where}{err.strerror or err} ({_DISK_HINTS[err.errno]})"
     elif isinstance(exc, KeyError) and exc.args:
         msg = str(exc.args[0])
     elif isinstance(exc, USER_ERRORS):

@@ -25,6 +25,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "follow_umask",
 ]
 
 
@@ -40,12 +41,19 @@ entries; the renamed results get the modes a plain ``open`` / ``mkdir`` would gi
 colleague on a shared cluster can read the run's checkpoints and metrics."""
 
 
+def follow_umask(path: str | Path, directory: bool = False) -> None:
+    """Give ``path`` the mode a plain ``open`` (``mkdir``) gives under the process umask:
+    for a file made by a writer that creates it 0600 (``mkstemp``, safetensors'
+    ``save_file``) so another account can read what the run wrote."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_UMASK)
+
+
 @contextlib.contextmanager
 def _temp_file(path: Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_UMASK)
+    follow_umask(tmp)
     try:
         yield Path(tmp)
         os.replace(tmp, path)
@@ -102,7 +110,7 @@ def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    os.chmod(tmp, 0o777 & ~_UMASK)
+    follow_umask(tmp, directory=True)
     try:
         yield tmp
     except BaseException:

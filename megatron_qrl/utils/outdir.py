@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from .disk import disk_full_as_one_line
 from .io import atomic_directory, atomic_write_json
 
 __all__ = ["MARKER_NAME", "OutputDirError", "check_output_dir", "check_output_file", "read_marker",
@@ -94,26 +95,30 @@ def _version() -> str:
 
 @contextlib.contextmanager
 def safe_output_dir(out: str | Path, inputs: Iterable[str | Path], *, tool: str,
-                    overwrite: bool = False, flag: str = "--out") -> Iterator[Path]:
+                    overwrite: bool = False, flag: str = "--out",
+                    need_bytes: int | None = None) -> Iterator[Path]:
     """``with safe_output_dir(out, [inp], tool=T) as tmp: <write into tmp>``.
 
     Checks ``out`` (:func:`check_output_dir`) before anything is written and again before
     the temporary directory is renamed to ``out``; writes the marker last. On an error the
-    temporary directory is removed and ``out`` is untouched.
+    temporary directory is removed and ``out`` is untouched; a full disk is then one
+    :class:`~megatron_qrl.utils.disk.DiskFullError` naming ``out``, ``flag`` and the space to
+    free (``need_bytes``: the output's estimated size).
     """
     inputs = list(inputs)
     real = check_output_dir(out, inputs, tool=tool, overwrite=overwrite, flag=flag)
-    with atomic_directory(real, overwrite=True) as tmp:
+    with disk_full_as_one_line(out, flag, need_bytes), atomic_directory(real, overwrite=True) as tmp:
         yield tmp
         atomic_write_json(tmp / MARKER_NAME, {"tool": tool, "version": _version()})
         check_output_dir(out, inputs, tool=tool, overwrite=overwrite, flag=flag)
 
 
 def check_output_file(out: str | Path, inputs: Iterable[str | Path | None], *,
-                      flag: str = "--out") -> Path:
+                      flag: str = "--out", overwrite: bool = False) -> Path:
     """Return ``out`` if a tool may write a FILE there: not a directory, not one of the
     ``inputs`` (files or directories; None entries skipped), not an existing file inside one
-    of them (a new file next to a model's files is fine)."""
+    of them (a new file next to a model's files is fine), and not an existing file at all
+    unless ``overwrite`` (the tool's ``--overwrite``)."""
     given = Path(out)
     real = given.resolve()
     for inp in inputs:
@@ -126,4 +131,7 @@ def check_output_file(out: str | Path, inputs: Iterable[str | Path | None], *,
     if real.is_dir():
         raise OutputDirError(f"{flag} {given} is a directory; give a file name (e.g. "
                              f"{given / 'report.png'})")
+    if os.path.lexists(given) and not overwrite:
+        raise OutputDirError(f"{flag} {given} already exists; choose a new {flag}, or pass "
+                             "--overwrite to replace it")
     return given

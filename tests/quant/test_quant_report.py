@@ -4,9 +4,10 @@ import json
 
 import torch
 
+from megatron_qrl.models.quant_report_cli import main
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.hf_reference import hf_tensors, quantized_copy
-from megatron_qrl.quant.report import DEFAULT_CONFIG, build_model, main
+from megatron_qrl.quant.report import DEFAULT_CONFIG, build_model
 
 
 def test_report_writes_table_json_and_png(tmp_path, capsys):
