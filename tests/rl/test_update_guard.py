@@ -17,7 +17,6 @@ import torch
 
 from megatron_qrl.rl.sync import NonFiniteWeightsError, refuse_non_finite
 
-
 RUN = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "1", "--qrl-prompts-per-step", "2",
        "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
        "--qrl-micro-batch-size", "8", "--qrl-updates-per-step", "1", "--qrl-no-progress",
