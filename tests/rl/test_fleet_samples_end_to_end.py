@@ -5,7 +5,8 @@ in-process engine of ``--qrl-mode single`` (megatron_qrl.rollout.groups: every e
 prompt group ``k`` from the same per-group seed).
 
 One local Ray cluster of 4 CPUs (3 engine actors + the trainer's bundle); each job is a
-subprocess joining it through ``RAY_ADDRESS`` (tests/helpers/rl_ray_helper.py).
+subprocess joining it through ``RAY_ADDRESS`` (tests/helpers/rl_ray_helper.py); each Ray run
+prints the weight transport its ``auto`` resolved to.
 """
 
 import json
@@ -39,6 +40,8 @@ def _run(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py")
                            str(out), *extra], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if helper == "rl_ray_helper.py":  # the run says which transport `auto` chose
+        assert "[qrl-train] weight transport: " in proc.stdout, proc.stdout[-2000:]
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(VARYING)} for r in recs]
 
