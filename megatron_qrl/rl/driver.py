@@ -53,6 +53,7 @@ from megatron_qrl.rl.run_control import (
     describe_run,
     save_due,
     stop_line,
+    update_ratio,
 )
 from megatron_qrl.rl.start_model import (
     HFTokenizer,
@@ -389,7 +390,7 @@ def _run_locked(configs: dict[str, Any], flags: dict[str, Any], engine_factory: 
             f"(--qrl-prox-from-first-update unset: {why})")
     ctx = _build(configs, data, engine_factory, start_weights, world)
     describe_run(ctx, configs, log)
-    guard = ctx.trainer.guard = BadStepGuard(run.max_bad_steps, log, run.max_update_ratio)
+    guard = ctx.trainer.guard = BadStepGuard(run.max_bad_steps, log, update_ratio(configs, log))
     sft_steps = 0 if skip_sft else run.sft_steps
     start, resumed = 0, False
     if has_checkpoint:

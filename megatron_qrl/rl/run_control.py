@@ -23,18 +23,10 @@ from typing import Any
 
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.utils.metrics import METRICS_FILE, read_metrics
+from megatron_qrl.utils.outdir import path_overlap
 
-__all__ = ["check_resume_metrics", "check_run_paths", "describe_run", "save_due", "stop_line"]
-
-
-def _overlap(a: Path, b: Path) -> str | None:
-    if a == b:
-        return "is"
-    if a in b.parents:
-        return "contains"
-    if b in a.parents:
-        return "lies inside"
-    return None
+__all__ = ["check_resume_metrics", "check_run_paths", "describe_run", "save_due", "stop_line",
+           "update_ratio"]
 
 
 def check_run_paths(configs: dict[str, Any]) -> None:
@@ -48,7 +40,7 @@ def check_run_paths(configs: dict[str, Any]) -> None:
                                   ("--qrl-task-prompts", task.prompts)) if p]
     for oflag, out in outputs:
         for iflag, inp in inputs:
-            how = _overlap(Path(out).resolve(), Path(inp).resolve())
+            how = path_overlap(Path(out).resolve(), Path(inp).resolve())
             if how is not None:
                 raise QrlArgumentError(
                     f"{oflag} {out} {how} the input {iflag} {inp}: the run would write into "
@@ -65,6 +57,19 @@ def save_due(interval: int, done: int, sft_steps: int, total: int) -> bool:
     if not interval:
         return False
     return done % interval == 0 if done < sft_steps else (done - sft_steps) % interval == 0
+
+
+def update_ratio(configs: dict[str, Any], log: Callable[[str], None]) -> float:
+    """``--qrl-max-update-ratio``, or 0 (no parameter check) where the optimizer's state
+    lives in megatron's CPU-offloaded copy, which the guard's pre-step copy cannot restore."""
+    ratio = configs["run"].max_update_ratio
+    mega = configs.get("megatron")
+    if ratio and mega is not None and mega.optimizer_cpu_offload:
+        log("[qrl-train] --qrl-max-update-ratio: parameters are not checked after a step with "
+            "--optimizer-cpu-offload (the offloaded optimizer state cannot be restored); NaN / "
+            "inf losses and gradients still skip the update")
+        return 0.0
+    return ratio
 
 
 def stop_line(signum: int, phase: str, step: int, path: Path | None) -> str:
