@@ -4,7 +4,10 @@ counters) with 1, 2 and 3 reference engines in ``--qrl-mode disaggregated`` and 
 in-process engine of ``--qrl-mode single`` (megatron_qrl.rollout.groups: every engine samples
 prompt group ``k`` from the same per-group seed).
 
-One local Ray cluster of 4 CPUs (3 engine actors + the trainer's bundle); each job is a
+In-process (fast): a lone reference engine asked for a step's batch with the driver's
+``SamplingParams(seed, group_size=n)`` gives exactly the batch of a fleet of 2 and 3 engines.
+
+End to end: one local Ray cluster of 4 CPUs (3 engine actors + the trainer's bundle); each job is a
 subprocess joining it through ``RAY_ADDRESS`` (tests/helpers/rl_ray_helper.py); each Ray run
 prints the weight transport its ``auto`` resolved to.
 """
@@ -16,14 +19,46 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from megatron_qrl.quant import get_spec
+from megatron_qrl.quant.hf_reference import hf_tensors
+from megatron_qrl.rollout.base import SamplingParams, WeightManifest
+from megatron_qrl.rollout.fleet import EngineFleet
+from megatron_qrl.rollout.reference import ReferenceEngine, build_hf_model
 from tests.helpers import HELPERS
+from tests.rollout.test_rollout_fleet import CFG
 
 TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "1", "--qrl-prompts-per-step", "3",
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "1", "--qrl-lr", "1e-3",
         "--qrl-no-progress", "--qrl-steps", "2", "--no-qrl-tensorboard"]
 VARYING = ("time_", "fleet/", "trainer_peak_gib", "trainer_reserved_gib", "alloc_retries")
+
+
+def test_a_lone_engine_samples_each_group_as_a_fleet_does():
+    torch.manual_seed(0)
+    model = build_hf_model(CFG, torch.float32, "cpu")
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0, 0.2)
+    packed = list(get_spec("int8").pack_state_dict(hf_tensors(model)))
+    n = 3
+    prompts = [p for p in ([5, 6, 7], [9, 10, 11, 12], [3], [20, 21]) for _ in range(n)]
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=11, group_size=n)
+
+    def engine():
+        return ReferenceEngine(CFG, "int8", seed=0)
+
+    outs = []
+    for e in (engine(), EngineFleet([engine] * 2, group_size=n),
+              EngineFleet([engine] * 3, group_size=n)):
+        e.update_weights(WeightManifest().record(iter(packed)), version=1)
+        outs.append(e.generate(prompts, sampling))
+    for other in outs[1:]:
+        assert torch.equal(other.output_ids, outs[0].output_ids)
+        assert torch.equal(other.logprobs, outs[0].logprobs)
+        assert torch.equal(other.mask, outs[0].mask)
 
 
 @pytest.fixture(scope="module")
