@@ -21,13 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_qrl.quant import get_spec
-from megatron_qrl.quant.hf_reference import hf_tensors
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest
 from megatron_qrl.rollout.fleet import EngineFleet
-from megatron_qrl.rollout.reference import ReferenceEngine, build_hf_model
+from megatron_qrl.rollout.reference import ReferenceEngine
 from tests.helpers import HELPERS
-from tests.rollout.test_rollout_fleet import CFG
+from tests.rollout.test_rollout_fleet import CFG, packed  # noqa: F401 - the int8 weights
 
 TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "1", "--qrl-prompts-per-step", "3",
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
@@ -36,13 +34,7 @@ TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "1", "--qrl-prompts-per-s
 VARYING = ("time_", "fleet/", "trainer_peak_gib", "trainer_reserved_gib", "alloc_retries")
 
 
-def test_a_lone_engine_samples_each_group_as_a_fleet_does():
-    torch.manual_seed(0)
-    model = build_hf_model(CFG, torch.float32, "cpu")
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.normal_(0, 0.2)
-    packed = list(get_spec("int8").pack_state_dict(hf_tensors(model)))
+def test_a_lone_engine_samples_each_group_as_a_fleet_does(packed):  # noqa: F811
     n = 3
     prompts = [p for p in ([5, 6, 7], [9, 10, 11, 12], [3], [20, 21]) for _ in range(n)]
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=11, group_size=n)
