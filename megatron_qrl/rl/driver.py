@@ -252,7 +252,8 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
         return world.broadcast(next((b for b in world.gather(name) or [] if b), None))
 
     def sync(version: int) -> Any:
-<<<<<<< HEAD
+        refuse_non_finite(trainer.module.named_parameters(), version,
+                          agree=first_bad if world.world_size > 1 else None)
         if not world.is_main:
             result = gather(version)
         elif not ray_ranks:
@@ -263,11 +264,6 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
             except Exception as exc:  # the others wait for rank 0's message: stop them
                 world.stop(exc)
                 raise
-=======
-        refuse_non_finite(trainer.module.named_parameters(), version,
-                          agree=first_bad if world.world_size > 1 else None)
-        result = send(version) if world.is_main else gather(version)
->>>>>>> c1ec056 (run control: output-directory lock, outputs apart from inputs, SIGINT/SIGTERM stop with a checkpoint, save interval in SFT, durable metrics lines, resume checks metrics, whole-run summary; update guard checks the parameters it produced; sync refuses non-finite weights; per-group seeds for every engine; LoRA and rollout lines)
         if ray_ranks:  # rank 0: the sync is over; the others serve its re-syncs until then
             world.broadcast(None)
         return result

@@ -1,12 +1,7 @@
 """Per-step metrics: ``<output-dir>/metrics.jsonl``, TensorBoard, a final PNG, a compare table.
 
-<<<<<<< HEAD
-Every step appends ONE JSON object (flushed at once) holding at least :data:`REQUIRED_KEYS`
-``mismatch_kl`` is the k3 estimate of KL(pi_behav || pi_prox) on rollout
-=======
-Every step appends ONE JSON object (one write of its whole line, fsync'ed) holding at least :data:`REQUIRED_KEYS`
-(issue 6, item 4). ``mismatch_kl`` is the k3 estimate of KL(pi_behav || pi_prox) on rollout
->>>>>>> c1ec056 (run control: output-directory lock, outputs apart from inputs, SIGINT/SIGTERM stop with a checkpoint, save interval in SFT, durable metrics lines, resume checks metrics, whole-run summary; update guard checks the parameters it produced; sync refuses non-finite weights; per-group seeds for every engine; LoRA and rollout lines)
+Every step appends ONE JSON object (one write of its whole line, fsync'ed) holding at least
+:data:`REQUIRED_KEYS`. ``mismatch_kl`` is the k3 estimate of KL(pi_behav || pi_prox) on rollout
 tokens (losses metric ``kl_behav_prox_k3``); ``clip_frac`` the fraction of tokens clipped
 (low + high); ``time_*_s`` wall seconds of the step's phases. SFT steps have no rollout:
 RL-only values may be ``None`` (``null``). Extra keys are kept (e.g. the losses' metrics,
