@@ -11,18 +11,22 @@ __all__ = ["lora_problem"]
 
 
 def _aligned(lora: Any, c: Mapping[str, Any]) -> str | None:
+    """The aligned forward with LoRA needs a weight-only rollout format that is also the
+    base's storage. Activation quantization is checked first, so that no refusal suggests a
+    base format the next check refuses."""
     fmt = c["rollout"].format
     if c["train"].forward != "aligned":
         return None
+    if get_spec(fmt).quantizes_activations:
+        return (f"--qrl-lora-rank {lora.rank} with --qrl-train-forward aligned and W8A8 "
+                f"--qrl-rollout-format {fmt}: the LoRA linears do not quantize activations; "
+                "use --qrl-train-forward bf16, or a weight-only format held by the base too "
+                "(--qrl-rollout-format w4a16 --qrl-lora-base-format w4a16, or nvfp4 for both)")
     if lora.base_format != fmt:
         return (f"--qrl-lora-rank {lora.rank} with --qrl-train-forward aligned: the frozen base "
                 f"is the aligned forward, so --qrl-lora-base-format must be the rollout's "
                 f"format ({fmt}), got {lora.base_format}; set --qrl-lora-base-format {fmt} or "
                 "use --qrl-train-forward bf16")
-    if get_spec(fmt).quantizes_activations:
-        return (f"--qrl-lora-rank {lora.rank} with --qrl-train-forward aligned and W8A8 "
-                f"--qrl-rollout-format {fmt}: the LoRA linears do not quantize activations; "
-                "use a weight-only format (w4a16, nvfp4) or --qrl-train-forward bf16")
     return None
 
 

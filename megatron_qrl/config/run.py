@@ -317,19 +317,32 @@ class RunConfig:
     """Directory of the TensorBoard event files; none = <output-dir>/tensorboard."""
 
     save_interval: int = 0
-    """Save an (atomic) checkpoint every N steps; 0 = only at the end; -1 = never (benchmarks,
-    smoke runs: a Qwen3-4B checkpoint with its Adam state is ~70 GB)."""
+    """Save an (atomic) checkpoint every N steps of each phase (SFT and RL steps each counted
+    from their phase's first step), at the end of SFT and at the end; 0 = only at the end of
+    SFT and of the run (and when SIGINT / SIGTERM stop it); -1 = never (benchmarks, smoke
+    runs: a Qwen3-4B checkpoint with its Adam state is ~70 GB)."""
 
     resume: bool = False
     """Resume from the newest intact checkpoint in the output directory (reproduces the next
     step exactly on CPU); a run that stopped before its first checkpoint starts again. Without
     it a used output directory is refused."""
 
+    resume_allow_missing_metrics: bool = False
+    """With --qrl-resume: go on when metrics.jsonl lacks steps before the checkpoint (deleted
+    or cut short; the curves and the summary then lack them). Without it such a resume is
+    refused."""
+
     max_bad_steps: int = 3
     """Steps whose loss or gradient norm is NaN / inf skip their optimizer update (logged,
     counted in the metrics bad_updates / bad_steps_total); one more bad step than this stops
     the run, naming the step and the metric, before broken weights reach the engine (0: stop
     at the first)."""
+
+    max_update_ratio: float = 10.0
+    """An optimizer update whose norm exceeds this multiple of the weights' norm (or that
+    leaves a NaN / inf weight) is undone — parameters and optimizer state back to before the
+    step — and counted as a bad step like a NaN gradient (0: no check, and no copy of the
+    parameters and optimizer state before each step)."""
 
     ray_weight_transport: Literal["auto", "broadcast", "objectstore", "ipc"] = "auto"
     """Ray modes: how weights reach the engine actor. ipc: each bucket stays in memory the
@@ -376,6 +389,7 @@ class RunConfig:
                              f"generators take a signed 64-bit seed), got {self.seed}")
         _real("--qrl-lr", self.lr, 0.0, low_open=True)
         _real("--qrl-sft-lr", self.sft_lr, 0.0, low_open=True)
+        _real("--qrl-max-update-ratio", self.max_update_ratio, 0.0)
         _choice("--qrl-ray-weight-transport", self.ray_weight_transport,
                 ("auto", "broadcast", "objectstore", "ipc"))
         _real("--qrl-ray-weight-timeout-s", self.ray_weight_timeout_s, 0.0, low_open=True)

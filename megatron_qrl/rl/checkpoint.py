@@ -43,6 +43,7 @@ from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.utils.disk import disk_full_as_one_line
 from megatron_qrl.utils.io import atomic_write_json, atomic_write_text
 from megatron_qrl.utils.outdir import MARKER_NAME, read_marker
+from megatron_qrl.utils.run_lock import LOCK_NAME
 
 __all__ = ["CKPT_DIR", "DriverCheckpointError", "checkpoint_problem", "latest_checkpoint",
            "load_driver_checkpoint", "prepare_output_dir", "save_driver_checkpoint"]
@@ -55,14 +56,15 @@ _NAME = re.compile(r"^step_(\d{6,})\.pt$")
 _STALE = re.compile(r"^\..+\.(tmp|old)-")
 """Leftovers of an interrupted atomic write (``utils.io``: ``.<name>.tmp-*`` / ``.old-*``)."""
 _RUN_FILES = ("metrics.jsonl",)
-_RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_steps", "qrl_save_interval", "qrl_output_dir",
+_RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_resume_allow_missing_metrics", "qrl_steps",
+                        "qrl_save_interval", "qrl_output_dir",
                         "qrl_tensorboard", "qrl_tensorboard_dir", "qrl_rollout_sglang_sync",
                         "qrl_rollout_sglang_sync_dir", "qrl_rollout_sglang_base_gpu",
                         "qrl_rollout_sglang_flat_buckets", "qrl_rollout_sglang_prefetch_buckets",
                         "qrl_rollout_sglang_direct_expert_loads",
                         "qrl_rollout_sglang_stack_experts", "qrl_rollout_sglang_receipt",
                         "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
-                        "qrl_engine_max_restarts", "qrl_max_bad_steps",
+                        "qrl_engine_max_restarts", "qrl_max_bad_steps", "qrl_max_update_ratio",
                         "qrl_prox_from_first_update", "qrl_train_moe_fast_path",
                         "qrl_launch_startup_timeout_s", "qrl_launch_collective_timeout_s",
                         "qrl_launch_ray_nodes")
@@ -249,7 +251,8 @@ def _foreign(out: Path) -> bool:
     """``out`` is a non-empty directory with nothing of a qrl-train run in it (no marker,
     no ``metrics.jsonl``, no ``checkpoints/``)."""
     return out.is_dir() and read_marker(out) is None and not any(
-        (out / f).exists() for f in (*_RUN_FILES, CKPT_DIR)) and any(out.iterdir())
+        (out / f).exists() for f in (*_RUN_FILES, CKPT_DIR)) and any(
+        p.name != LOCK_NAME for p in out.iterdir())
 
 
 def prepare_output_dir(output_dir: str | Path, resume: bool) -> bool:

@@ -204,6 +204,8 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     frozen or missing peer (exit 1). Under torchrun EVERY rank prints its own line, prefixed
     ``[node N rank R]``, and leaves it for its peers (:mod:`megatron_qrl.utils.ranks`), whose
     lines name it. ``--debug`` or env ``QRL_DEBUG=1`` shows the traceback.
+    SIGINT / SIGTERM stop the run after the current step with a checkpoint: one line, exit
+    130 / 143 (:mod:`megatron_qrl.rl.stop`).
     """
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -215,9 +217,21 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
             _require_torchrun(args.world_size)
     except QrlArgumentError as exc:
         build_parser().error(str(exc))
+    from megatron_qrl.rl.stop import RunStopped
+
     board = _rank_board(args, configs)
     try:
         _run_main(args, configs, flags, argv, engine_factory, board)
+    except RunStopped as exc:  # SIGINT / SIGTERM: stopped after a step, with a checkpoint
+        if os.environ.get("RANK", "0") == "0":
+            print(f"qrl-train: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:  # before the steps started or at a second Ctrl-C
+        if debug:
+            traceback.print_exc()
+        print("qrl-train: interrupted (SIGINT) outside a step boundary; the last "
+              "checkpoint is the one to resume from (--qrl-resume)", file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
         line, code = getattr(exc, "qrl_line", None) or error_line(exc, configs["run"], board,
                                                                    configs["launch"])
@@ -297,9 +311,10 @@ def error_line(exc: BaseException, run: Any, board: Any = None,
     from megatron_qrl.rl.checkpoint import DriverCheckpointError
     from megatron_qrl.rl.forward import ForwardUnavailableError
     from megatron_qrl.rl.guard import BadStepsError
+    from megatron_qrl.rl.sync import NonFiniteWeightsError
 
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, BadStepsError):
+    if isinstance(exc, (BadStepsError, NonFiniteWeightsError)):
         return first, 1
     job = _job_failure(exc, first, board, launch)
     if job is not None:
@@ -449,7 +464,8 @@ def _compare_base(argv: Sequence[str]) -> list[str]:
 
 
 def _summary(records: Sequence[dict]) -> None:
-    """The RL phase's accuracy in windows of 10 steps and its fitted slope (utils.curves)."""
+    """The RL phase's accuracy in windows of 10 steps and its fitted slope (utils.curves),
+    over the whole run (``run_job`` returns a resumed run's earlier records too)."""
     from megatron_qrl.utils.curves import summary_line
 
     acc = [r["accuracy"] for r in records if r["phase"] == "rl" and r.get("accuracy") is not None]

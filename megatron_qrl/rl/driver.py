@@ -47,6 +47,14 @@ from megatron_qrl.rl.forward import forward_plan
 from megatron_qrl.rl.guard import BadStepGuard
 from megatron_qrl.rl.lora_sync import LoraSync, enter_lora
 from megatron_qrl.rl.rank_resync import ResyncWorld
+from megatron_qrl.rl.run_control import (
+    check_resume_metrics,
+    check_run_paths,
+    describe_run,
+    save_due,
+    stop_line,
+    update_ratio,
+)
 from megatron_qrl.rl.start_model import (
     HFTokenizer,
     StartCheckpoint,
@@ -56,9 +64,11 @@ from megatron_qrl.rl.start_model import (
     read_start_checkpoint,
 )
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
-from megatron_qrl.rl.sync import make_engine, sync_weights
+from megatron_qrl.rl.stop import RunStopped, StopRequest
+from megatron_qrl.rl.sync import make_engine, refuse_non_finite, sync_weights
 from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 from megatron_qrl.utils.metrics import MetricsLogger
+from megatron_qrl.utils.run_lock import acquire_run_lock
 
 __all__ = ["JobData", "prepare_job", "run_job"]
 
@@ -238,7 +248,12 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
         return sync_weights(trainer.hf_tensors(), engine, spec, version, aqn, run.seed,
                             **aqn_at(version))
 
+    def first_bad(name: str | None) -> str | None:  # every rank's check, one answer
+        return world.broadcast(next((b for b in world.gather(name) or [] if b), None))
+
     def sync(version: int) -> Any:
+        refuse_non_finite(trainer.module.named_parameters(), version,
+                          agree=first_bad if world.world_size > 1 else None)
         if not world.is_main:
             result = gather(version)
         elif not ray_ranks:
@@ -281,15 +296,19 @@ def _lora_serving(configs: dict[str, Any], arch: ModelArch) -> Any:
                                 is_moe=arch.is_moe, experts=lora.experts, capability=cap)
 
 
-def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any], data: JobData) -> None:
-    """Rank 0 writes one checkpoint with every rank's trainer state (atomic, verified)."""
+def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any],
+          data: JobData) -> Path | None:
+    """Rank 0 writes one checkpoint with every rank's trainer state (atomic, verified);
+    its path on rank 0."""
     world = ctx.world
     states = world.gather(ctx.trainer.state_dict())
+    path = None
     if world.is_main:
-        save_driver_checkpoint(out, done, states[0], flags,
-                               rank_states=states if world.world_size > 1 else None,
-                               model_config=data.hf_config)
+        path = save_driver_checkpoint(out, done, states[0], flags,
+                                      rank_states=states if world.world_size > 1 else None,
+                                      model_config=data.hf_config)
     world.barrier()
+    return path
 
 
 def _on_main(world: RankWorld, fn: Callable[[], Any]) -> Any:
@@ -332,17 +351,31 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
 
     ``flags``: the effective ``--qrl-*`` values (stored in checkpoints, checked on resume).
     ``world``: this rank of a torchrun job (None: one process). Returns the metrics records
-    of this invocation's steps (all of them are in ``<output-dir>/metrics.jsonl``; on ranks
-    other than 0 the same records, nothing written).
+    of the whole run on rank 0 (a resumed run's earlier steps included, as in
+    ``<output-dir>/metrics.jsonl``), this invocation's on the other ranks (nothing written).
+    The output directory is locked for the run (:mod:`megatron_qrl.utils.run_lock`); SIGINT /
+    SIGTERM stop it after the current step with a checkpoint (:mod:`megatron_qrl.rl.stop`).
     """
+    world = world or RankWorld()
+    log = log if world.is_main else (lambda _msg: None)
+    out = Path(configs["run"].resolved_output_dir())
+    log(f"[qrl-train] output directory: {out}")
+    _on_main(world, lambda: check_run_paths(configs))
+    lock = _on_main(world, lambda: acquire_run_lock(out, log=log))
+    try:
+        return _run_locked(configs, flags, engine_factory, progress, start_weights, skip_sft,
+                           log, world, out)
+    finally:
+        if world.is_main:
+            lock.release()
+
+
+def _run_locked(configs: dict[str, Any], flags: dict[str, Any], engine_factory: EngineFactory,
+                progress: bool, start_weights: dict | None, skip_sft: bool,
+                log: Callable[[str], None], world: RankWorld, out: Path) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    world = world or RankWorld()
-    main = world.is_main
-    log = log if main else (lambda _msg: None)
-    run = configs["run"]
-    out = Path(run.resolved_output_dir())
-    log(f"[qrl-train] output directory: {out}")
+    run, main = configs["run"], world.is_main
     has_checkpoint = _on_main(world, lambda: prepare_output_dir(out, run.resume))
     if run.resume and not has_checkpoint:
         log(f"[qrl-train] --qrl-resume: no checkpoint in {out} yet; starting the run at step 0")
@@ -352,11 +385,13 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
         log(f"[qrl-train] pi_prox: a recompute pass on every mini batch "
             f"(--qrl-prox-from-first-update unset: {why})")
     ctx = _build(configs, data, engine_factory, start_weights, world)
-    guard = ctx.trainer.guard = BadStepGuard(configs["run"].max_bad_steps, log)
+    describe_run(ctx, configs, log)
+    guard = ctx.trainer.guard = BadStepGuard(run.max_bad_steps, log, update_ratio(configs, log))
     sft_steps = 0 if skip_sft else run.sft_steps
     start, resumed = 0, False
     if has_checkpoint:
         start, trainer_state, rng = _resume(ctx, out, flags, data, log)
+        _on_main(world, lambda: check_resume_metrics(out, start, run, log))
         if start > sft_steps:
             enter_lora(ctx.trainer, configs)
             ctx.trainer.policy.set_optimizer(ctx.trainer.policy.new_optimizer(run.lr))
@@ -368,27 +403,32 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
     if start >= total:
         log(f"[qrl-train] the run is complete ({start} steps); raise --qrl-steps to continue")
     logger = MetricsLogger(out, tensorboard=run.tensorboard, tensorboard_dir=run.tensorboard_dir,
-                           resume_from_step=start if run.resume else None) if main else None
+                           resume_from_step=start if run.resume else None,
+                           warn=log) if main else None
     records: list[dict[str, Any]] = []
     bar = tqdm(range(start, total), desc="qrl-train", disable=not (progress and main),
                file=sys.stderr)
     try:
-        for step in bar:
-            guard.begin(step)
-            if step < sft_steps:
-                rec = sft_step(ctx, step)
-            else:
-                if step == start or step == sft_steps:
-                    _start_rl(ctx, data, step, resumed and step == start)
-                rec = rl_step(ctx, step, step - sft_steps)
-            rec = guard.record(rec)
-            records.append(logger.log(rec) if logger is not None else rec)
-            bar.set_postfix(_postfix(rec), refresh=False)
-            done = step + 1
-            rl_done = done - sft_steps
-            if run.save_interval >= 0 and (done == sft_steps or done == total or (
-                    rl_done > 0 and run.save_interval and rl_done % run.save_interval == 0)):
-                _save(ctx, out, done, flags, data)
+        with StopRequest(log) as stop:
+            for step in bar:
+                guard.begin(step)
+                if step < sft_steps:
+                    rec = sft_step(ctx, step)
+                else:
+                    if step == start or step == sft_steps:
+                        _start_rl(ctx, data, step, resumed and step == start)
+                    rec = rl_step(ctx, step, step - sft_steps)
+                rec = guard.record(rec)
+                records.append(logger.log(rec) if logger is not None else rec)
+                bar.set_postfix(_postfix(rec), refresh=False)
+                done = step + 1
+                path = _save(ctx, out, done, flags, data) \
+                    if save_due(run.save_interval, done, sft_steps, total) else None
+                signum = world.broadcast(stop.signum) if world.world_size > 1 else stop.signum
+                if signum is not None and done < total:
+                    if path is None and run.save_interval >= 0:
+                        path = _save(ctx, out, done, flags, data)
+                    raise RunStopped(stop_line(signum, rec["phase"], step, path), signum)
     finally:
         bar.close()
         png = logger.close(plot=True) if logger is not None else None
@@ -396,4 +436,4 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
             ctx.engine.shutdown()
     if png is not None:
         log(f"[qrl-train] metrics: {logger.path}, curves: {png}")
-    return records
+    return logger.records if logger is not None else records

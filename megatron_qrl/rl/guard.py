@@ -7,17 +7,25 @@ were, so no broken weights ever reach the engine) and is counted by :class:`BadS
 step that makes the count exceed ``max_bad_steps`` raises :class:`BadStepsError` naming the
 step and the metric, before the step's weight sync. Multi-rank: the decision is agreed over
 every rank (a MAX all-reduce of the flag), so all ranks skip or step together.
+
+A finite gradient can still give broken weights (``--qrl-lr 1e30``: Adam's first update is
+``lr * sign(g)``). So the guard also checks the parameters the update produced
+(:class:`PreStepState`): before the step it copies what the step changes (the model's
+parameters, the optimizer's fp32 masters and its moments); after it, non-finite parameters or
+a relative update ``||w' - w|| / ||w||`` above ``max_update_ratio`` (``--qrl-max-update-
+ratio``; norms over every parameter of every rank) restore that copy and count the update as
+skipped, like a non-finite gradient.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["BadStepGuard", "BadStepsError", "guarded_step", "non_finite_loss"]
+__all__ = ["BadStepGuard", "BadStepsError", "PreStepState", "guarded_step", "non_finite_loss"]
 
 
 class BadStepsError(RuntimeError):
@@ -27,9 +35,13 @@ class BadStepsError(RuntimeError):
 class BadStepGuard:
     """Counts steps whose update was skipped; stops the run past ``max_bad_steps``."""
 
-    def __init__(self, max_bad_steps: int, log: Callable[[str], None] = print) -> None:
+    def __init__(self, max_bad_steps: int, log: Callable[[str], None] = print,
+                 max_update_ratio: float = 10.0) -> None:
         self.max_bad_steps = max_bad_steps
         self.log = log
+        self.max_update_ratio = max_update_ratio
+        """An update whose norm exceeds this multiple of the weights' norm is undone (0: the
+        parameters are not checked after a step, and nothing is copied before it)."""
         self.step = 0
         """The global step being run (the driver sets it)."""
         self.bad_steps = 0
@@ -80,6 +92,71 @@ def non_finite_loss(store: Sequence[dict]) -> tuple[str, float] | None:
     return None
 
 
+def _all_sum(values: list[float]) -> list[float]:
+    """``values`` summed over every rank (as is in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    nccl = dist.get_backend() == "nccl"
+    t = torch.tensor(values, dtype=torch.float64,
+                     device=torch.cuda.current_device() if nccl else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+class PreStepState:
+    """Copies of what one optimizer step changes: ``model_params``, and per member optimizer
+    its parameters (fp32 masters, or the model's own) and their state (Adam moments, step).
+    Memory: one more copy of the parameters and of the optimizer state."""
+
+    def __init__(self, optimizer: Any, model_params: Iterable[torch.Tensor]) -> None:
+        self.masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.states: list[tuple[Any, dict]] = []
+        for opt in _members(optimizer):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            state = {p: {k: v.detach().clone() if torch.is_tensor(v) else v
+                         for k, v in inner.state[p].items()} for p in list(inner.state)}
+            self.states.append((inner, state))
+            self.masters += [(p, p.detach().clone()) for g in inner.param_groups
+                             for p in g["params"]]
+        seen = {id(p) for p, _ in self.masters}  # fp32 optimizers step the model's own
+        self.model = [(p, p.detach().clone()) for p in model_params
+                      if p.requires_grad and id(p) not in seen]
+
+    def update_problem(self, max_ratio: float) -> tuple[str, float] | None:
+        """``(what, value)`` when the step produced non-finite parameters or a relative
+        update norm above ``max_ratio``; None when the update is sound (every rank agrees)."""
+        bad = upd = old = 0.0
+        for p, before in self.masters or self.model:
+            new = p.detach().float()
+            finite = torch.isfinite(new)
+            bad += float((~finite).sum())
+            upd += float((new - before.float()).where(finite, 0.0).double().pow(2).sum())
+            old += float(before.double().pow(2).sum())
+        bad, upd, old = _all_sum([bad, upd, old])
+        if bad:
+            return "the updated parameters (non-finite)", math.nan
+        ratio = math.sqrt(upd) / max(math.sqrt(old), 1e-12)
+        if not math.isfinite(ratio) or ratio > max_ratio:
+            return (f"the update norm / weight norm (above --qrl-max-update-ratio "
+                    f"{max_ratio:g})"), ratio
+        return None
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the parameters and the optimizer state back as they were before the step."""
+        for p, before in self.model + self.masters:
+            p.copy_(before)
+        for inner, state in self.states:
+            inner.state.clear()
+            for p, st in state.items():
+                inner.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                                  for k, v in st.items()}
+
+
 def _agree(bad: bool) -> bool:
     """True on every rank when any rank is bad (no collective in a single process)."""
     import torch.distributed as dist
@@ -118,11 +195,15 @@ def _clip_and_step(optimizer: Any, grad_norm: float) -> bool:
     return bool(optimizer.step_with_ready_grads())
 
 
-def guarded_step(optimizer: Any, store: Sequence[dict], guard: BadStepGuard | None) -> float:
+def guarded_step(optimizer: Any, store: Sequence[dict], guard: BadStepGuard | None,
+                 model_params: Iterable[torch.Tensor] = ()) -> float:
     """Megatron's ``optimizer.step()`` and its gradient norm, unless ``guard`` is given and
     the loss or the gradient norm is non-finite: then the update is skipped, ``guard`` counts
     it and the norm is NaN. One gradient-norm pass either way: with a guard, the norm it
-    checks is the one the clipping uses (:func:`_clip_and_step`)."""
+    checks is the one the clipping uses (:func:`_clip_and_step`). With a guard whose
+    ``max_update_ratio`` > 0, the parameters the step produced are checked too
+    (:class:`PreStepState`, ``model_params``: the model's parameters): a broken update is
+    undone and counted like a skipped one."""
     if guard is None:
         ok, grad_norm, _ = optimizer.step()
     else:
@@ -137,7 +218,13 @@ def guarded_step(optimizer: Any, store: Sequence[dict], guard: BadStepGuard | No
         if _agree(bad is not None):
             guard.skip(*(bad or ("grad_norm (on another rank)", math.nan)))
             return math.nan
+        before = PreStepState(optimizer, model_params) if guard.max_update_ratio > 0 else None
         ok = _clip_and_step(optimizer, grad_norm)
+        problem = before.update_problem(guard.max_update_ratio) if before is not None else None
+        if problem is not None:
+            before.restore()
+            guard.skip(*problem)
+            return math.nan
     if not ok:
         raise RuntimeError("megatron optimizer step failed (inf/nan gradients); lower "
                            "--qrl-lr / --qrl-sft-lr")

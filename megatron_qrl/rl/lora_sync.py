@@ -85,7 +85,8 @@ class LoraSync:
         if served:
             self._send_adapter(engine, served, manifest, version)
         self.adapter_syncs += 1
-        return SyncResult(version, len(manifest.checksums), sigma)
+        return SyncResult(version, len(manifest.checksums), sigma,
+                          adapter_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def _send_adapter(self, engine: Any, served: dict, manifest: WeightManifest,
                       version: int) -> None:

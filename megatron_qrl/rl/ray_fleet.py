@@ -139,7 +139,7 @@ class FleetSession(RaySession):
             raise RuntimeError("FleetSession.engine_factory outside `with FleetSession(...)`")
         spec = fleet_engine_spec(self.fleet, rollout_cfg, hf_config, seed)
         broadcast = None
-        if self.transport(spec) == "broadcast":
+        if self.announce(spec) == "broadcast":
             broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s,
                                        shardable=spec.kind == "reference")
         return EngineFleet([lambda i=i: self.new_engine(spec, i)

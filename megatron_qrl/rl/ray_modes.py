@@ -231,10 +231,19 @@ class RaySession:
                               self.shares_device(), spec.kind, self.num_nodes,
                               sharded=self.sharded_sync())
 
+    def announce(self, spec: EngineSpec) -> str:
+        """Resolve and print the weight transport of ``spec``'s actors (one line)."""
+        chosen = self.transport(spec)
+        how = f" (--qrl-ray-weight-transport {self.weight_transport})" \
+            if self.weight_transport == "auto" else ""
+        print(f"[qrl-train] weight transport: {chosen}{how}, --qrl-mode {self.mode}",
+              flush=True)
+        return chosen
+
     def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:
         """The driver's engine factory for this session's mode."""
         spec = engine_spec(rollout_cfg, hf_config, seed)
-        self.transport(spec)  # an ipc engine that cannot open the trainer's memory: say so now
+        self.announce(spec)  # an ipc engine that cannot open the trainer's memory: say so now
         if self.layout is not None:
             actor_options(self.layout, spec)  # a GPU engine in a CPU bundle: say so now
         return RayRolloutEngine(lambda: self.new_actor(spec), colocated=self.mode == "colocated",

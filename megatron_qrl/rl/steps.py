@@ -149,7 +149,7 @@ def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str]
     sampling = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                               top_p=ro.top_p, top_k=ro.top_k, stop=tuple(ro.stop),
                               stop_token_ids=(ctx.tokenizer.eos_id,),
-                              seed=step_seed(run.seed, step, 2))
+                              seed=step_seed(run.seed, step, 2), group_size=n)
     out = ctx.engine.generate(prompts, sampling)
     responses = out.responses()
     vocab = ctx.tokenizer.vocab_size  # ids of the padded vocabulary tail decode to nothing
@@ -190,9 +190,11 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         counts.append(ctx.trainer.last_routing_counts)
     t3 = time.perf_counter()
     ctx.engine_memory(release=False)
-    ctx.sync(step + 1)
+    synced = ctx.sync(step + 1)
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    if getattr(synced, "adapter_bytes", None) is not None:  # LoRA: adapters over the wire
+        rec["sync_adapter_bytes"] = synced.adapter_bytes
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     pack = getattr(ctx.trainer, "pack_multiple", lambda: None)()  # --qrl-pack-sequences
     rec["trained_tokens"] = sum(positions_run(mb, pack) for mb in mbs)

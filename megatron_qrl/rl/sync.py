@@ -14,6 +14,10 @@ way. Such an engine may also take expert stacks (``RolloutEngine.stacked_experts
 packed experts then leave ``pack_state_dict`` stacked per layer and kind, without
 per-expert copies.
 
+Before anything is sent, :func:`refuse_non_finite` checks the trainer's parameters on every
+rank: a NaN / inf weight is ONE error naming the parameter, and the engine is left untouched
+(it keeps serving the last good version).
+
 The trainer's weights are never modified: AQN noise draws a new tensor for each norm gain
 it perturbs (QeRL, docs/ALGORITHMS.md), seeded by ``(seed, version)`` so a resumed run sends the
 same noise.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +37,28 @@ from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, once_each
 from megatron_qrl.rollout_sglang.factory import make_engine
 from megatron_qrl.utils import hf_names
 
-__all__ = ["SyncResult", "make_engine", "sync_weights"]
+__all__ = ["NonFiniteWeightsError", "SyncResult", "make_engine", "refuse_non_finite",
+           "sync_weights"]
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The trainer holds NaN / inf weights; nothing was sent to the engine."""
+
+
+def refuse_non_finite(named_params: Iterable[tuple[str, torch.Tensor]], version: int,
+                      agree: Any = None) -> None:
+    """Raise :class:`NonFiniteWeightsError` before the sync of ``version`` when a parameter
+    holds a NaN / inf. ``agree(local_name_or_None)``: the first bad name over every rank
+    (a multi-rank job; None: this process alone)."""
+    bad = next((n for n, t in named_params if not bool(torch.isfinite(t.detach()).all())),
+               None)
+    if agree is not None:
+        bad = agree(bad)
+    if bad is not None:
+        raise NonFiniteWeightsError(
+            f"weight sync of version {version} refused: the trainer's parameter {bad} holds "
+            "NaN / inf values, the engine keeps its last weights; lower --qrl-lr / "
+            "--qrl-sft-lr, or check --qrl-max-update-ratio and the start checkpoint")
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,8 @@ class SyncResult:
     version: int
     num_tensors: int
     aqn_sigma: float
+    adapter_bytes: int | None = None
+    """LoRA runs: bytes of the adapter tensors this sync sent (None: a full-weight sync)."""
 
 
 def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutEngine,

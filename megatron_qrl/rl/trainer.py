@@ -312,7 +312,8 @@ class PolicyTrainer:
             config.calculate_per_token_loss = saved
         if sink is not None:
             self._routing_totals(sink)
-        grad_norm = guarded_step(optimizer, store, self.guard)  # NaN: update skipped
+        grad_norm = guarded_step(optimizer, store, self.guard,  # NaN: update skipped / undone
+                                 model_params=ddp.module.parameters())
         metrics = average_metrics(store)
         if self.stage is not None:  # the loss ran on the last stage
             metrics = metrics_from_last(self.stage, metrics)

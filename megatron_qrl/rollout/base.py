@@ -47,8 +47,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings; needs an engine with a tokenizer (``decode``)."""
     seed: int | None = None
+    group_size: int = 0
+    """> 0 (with ``seed``): the prompts are consecutive prompt groups of this many rows, and
+    group ``k`` is sampled from its own seed ``rollout.groups.group_seed(seed, k)``, so its
+    samples do not depend on the other groups of the call nor on the engine serving it
+    (``rollout.groups``); 0: the batch is sampled as one from ``seed``."""
 
     def __post_init__(self) -> None:
+        if self.group_size < 0:
+            raise ValueError(f"group_size must be >= 0, got {self.group_size}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:

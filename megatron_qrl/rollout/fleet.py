@@ -2,10 +2,17 @@
 
 Generation: the prompts are cut into prompt groups of ``group_size`` (a GRPO group's
 samples stay on one engine); every group is sampled with its own seed,
-:func:`group_seed` ``(sampling.seed, k)`` for the ``k``-th group, so a group's samples are
-the same whichever engine serves it and however many engines there are — on engines that
-honour the seed: the reference engine, and SGLang engines with ``SGLangOptions.deterministic``
-(without it SGLang ignores seeds and the engine warns once). Dispatch is done
+:func:`~megatron_qrl.rollout.groups.group_seed` ``(sampling.seed, k)`` for the ``k``-th
+group. The promise, end to end through ``qrl-train``: for the same ``--qrl-seed`` (and the
+same weights), a group's samples are the same whichever engine serves it and however many
+engines there are — 1, 2 or 3 in a fleet, and the single engine of ``--qrl-mode single`` or
+a one-engine Ray mode, because the driver asks every engine for the same per-group seeds
+(``SamplingParams.group_size``, :mod:`megatron_qrl.rollout.groups`). It holds on engines that
+honour seeds batch-invariantly: the reference engine (it samples each group in its own
+call), and SGLang engines with ``SGLangOptions.deterministic`` (without it SGLang ignores
+seeds and the engine warns once). It does not cover a change of ``--qrl-rollout-n-samples-
+per-prompt`` or ``--qrl-prompts-per-step`` (other groups), nor engines of other numerics
+(another format, engine TP). Dispatch is done
 here in the driver: one thread per engine takes the next unserved group from a shared
 queue (a fast engine serves more groups), and the groups' outputs are merged in prompt
 order. SGLang's router (``sglang-router``) is not used: it balances HTTP requests over
@@ -40,39 +47,12 @@ import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightManifest, WeightSyncError
 from .fleet_sync import FleetBroadcast, FleetSyncError
-from .sampling import derive_seed
+from .groups import group_seed, merge_outputs
 from .supervisor import RESTARTABLE, EngineDiedError
 
 __all__ = ["EngineFleet", "group_seed", "merge_outputs"]
 
 log = logging.getLogger(__name__)
-
-
-def group_seed(base: int, k: int) -> int:
-    """The sampling seed of the ``k``-th prompt group of a call seeded ``base`` (a hash, so
-    neighbouring groups and calls get unrelated streams; < 2**63)."""
-    return derive_seed("group", base, k)
-
-
-def _pad_cat(parts: Sequence[torch.Tensor], width: int, fill: float) -> torch.Tensor:
-    rows = [torch.nn.functional.pad(p, (0, width - p.shape[1]) + (0, 0) * (p.dim() - 2)
-                                    if p.dim() == 2 else
-                                    (0, 0) * (p.dim() - 2) + (0, width - p.shape[1]), value=fill)
-            for p in parts]
-    return torch.cat(rows)
-
-
-def merge_outputs(outs: Sequence[GenerationOutput]) -> GenerationOutput:
-    """The outputs of consecutive prompt groups as one output (right-padded to the longest)."""
-    t = max(o.output_ids.shape[1] for o in outs)
-    routed = None
-    if outs[0].routed_experts is not None:
-        width = max(o.routed_experts.shape[1] for o in outs)
-        routed = _pad_cat([o.routed_experts for o in outs], width, -1)
-    return GenerationOutput(
-        [p for o in outs for p in o.prompt_ids], _pad_cat([o.output_ids for o in outs], t, 0),
-        _pad_cat([o.logprobs for o in outs], t, 0.0), _pad_cat([o.mask for o in outs], t, False),
-        [r for o in outs for r in o.finish_reasons], outs[0].weight_version, routed)
 
 
 class _Member:
@@ -277,7 +257,7 @@ class EngineFleet(RolloutEngine):
                 m.queue_s += t0 - start
                 try:
                     out = self._supervised(m, lambda e, k=k: e.generate(
-                        groups[k], replace(sampling, seed=group_seed(base, k))))
+                        groups[k], replace(sampling, seed=group_seed(base, k), group_size=0)))
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                     errors.append(exc)
                     return

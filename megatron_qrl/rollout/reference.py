@@ -23,6 +23,7 @@ from ..quant.hf_reference import (
     load_packed_weights,
 )
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError, tensor_checksum
+from .groups import generate_by_group
 from .lora_adapters import AdapterSet
 from .sampling import sample_next
 
@@ -130,6 +131,9 @@ class ReferenceEngine(RolloutEngine):
             raise ValueError("generate() needs at least one prompt and no empty prompt")
         if sampling.stop and self.decode is None:
             raise ValueError("stop strings need a decode function (ReferenceEngine(decode=...))")
+        grouped = generate_by_group(self.generate, prompts, sampling)  # one call per group
+        if grouped is not None:
+            return grouped
         gen = self.generator if sampling.seed is None else torch.Generator(
             device=self.device).manual_seed(sampling.seed)
         ids, attn = _left_pad(prompts, self.device)

@@ -55,6 +55,7 @@ from ..rollout.base import (
     SamplingParams,
     WeightSyncError,
 )
+from ..rollout.groups import group_seed
 from ..rollout.sampling import row_seeds
 from ..rollout.supervisor import EngineDiedError
 from ..sync.protocol.inplace import LOADER
@@ -286,7 +287,8 @@ class SGLangEngine(RolloutEngine):
     def _sampling_params(self, n: int, sampling: SamplingParams) -> dict | list[dict]:
         """SGLang's sampling parameters for ``n`` prompts. A seeded sampling (temperature > 0,
         ``sampling.seed`` set) on a deterministic engine gives every row its own
-        ``sampling_seed`` (:func:`~megatron_qrl.rollout.sampling.row_seeds`: SGLang hashes
+        ``sampling_seed`` (:func:`~megatron_qrl.rollout.sampling.row_seeds` of the call's
+        seed, or of each prompt group's seed with ``sampling.group_size``: SGLang hashes
         (seed, position) into the noise, so the rows of a prompt group would be equal under
         one seed); on an engine without ``deterministic`` SGLang ignores ``sampling_seed``:
         none is sent and a warning says so once per engine."""
@@ -296,7 +298,7 @@ class SGLangEngine(RolloutEngine):
         if sampling.seed is None or sampling.temperature == 0:
             return params
         if self.options.deterministic:
-            return [params | {"sampling_seed": s} for s in row_seeds(sampling.seed, n)]
+            return [params | {"sampling_seed": s} for s in _row_seeds(sampling, n)]
         if not self._warned_unseeded:
             self._warned_unseeded = True
             log.warning(UNSEEDED_WARNING)
@@ -375,3 +377,16 @@ def _read_config(path: Path) -> dict:
         raise FileNotFoundError(f"{cfg_file} not found: start the SGLang engine on a directory "
                                 "written by tools/export_quantized.py")
     return json.loads(cfg_file.read_text())
+
+
+def _row_seeds(sampling: SamplingParams, n: int) -> list[int]:
+    """The ``sampling_seed`` of each of ``n`` rows: per prompt group (``group_size``) the
+    rows of :func:`~megatron_qrl.rollout.groups.group_seed`, as the fleet sends one group
+    per call, else the rows of ``sampling.seed``."""
+    g = sampling.group_size
+    if not g:
+        return row_seeds(sampling.seed, n)
+    if n % g:
+        raise ValueError(f"generate: {n} prompts are not whole prompt groups of {g} "
+                         "(SamplingParams.group_size)")
+    return [s for k in range(n // g) for s in row_seeds(group_seed(sampling.seed, k), g)]

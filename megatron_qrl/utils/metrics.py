@@ -1,7 +1,7 @@
 """Per-step metrics: ``<output-dir>/metrics.jsonl``, TensorBoard, a final PNG, a compare table.
 
-Every step appends ONE JSON object (flushed at once) holding at least :data:`REQUIRED_KEYS`
-``mismatch_kl`` is the k3 estimate of KL(pi_behav || pi_prox) on rollout
+Every step appends ONE JSON object (one write of its whole line, fsync'ed) holding at least
+:data:`REQUIRED_KEYS`. ``mismatch_kl`` is the k3 estimate of KL(pi_behav || pi_prox) on rollout
 tokens (losses metric ``kl_behav_prox_k3``); ``clip_frac`` the fraction of tokens clipped
 (low + high); ``time_*_s`` wall seconds of the step's phases. SFT steps have no rollout:
 RL-only values may be ``None`` (``null``). Extra keys are kept (e.g. the losses' metrics,
@@ -18,11 +18,13 @@ shows once (the first run's event file stays on disk, like the rewritten metrics
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,19 +97,32 @@ def validate_record(record: Mapping[str, Any], last_step: int | None = None) -> 
     return out
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` (or of the directory holding it)."""
+def read_metrics(path: str | Path,
+                 warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` (or of the directory holding it).
+
+    A torn last line (no newline at its end and not valid JSON: a write cut short by a full
+    disk or a crash) is dropped with a warning through ``warn`` (default: this module's
+    logger); an invalid line anywhere else is an error naming the file and line.
+    """
     p = Path(path)
     p = p / METRICS_FILE if p.is_dir() else p
     if not p.is_file():
         raise FileNotFoundError(f"metrics: {p} not found")
+    text = p.read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")
     out = []
-    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"metrics: {p} line {lineno}: invalid JSON ({exc.msg})") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if lineno == len(lines):  # the last line has no newline: a torn write
+                (warn or log.warning)(f"metrics: {p} line {lineno} is a torn record "
+                                      f"({len(line)} bytes, cut short); dropped")
+                break
+            raise ValueError(f"metrics: {p} line {lineno}: invalid JSON ({exc.msg})") from None
     return out
 
 
@@ -115,20 +130,26 @@ class MetricsLogger:
     """Append validated per-step records to ``<output_dir>/metrics.jsonl`` (+ TensorBoard).
 
     ``resume_from_step=k`` keeps the records with ``step < k`` already in the file (a resumed
-    run rewrites the steps after its checkpoint); otherwise an existing non-empty file is an
-    error unless ``overwrite``. ``tensorboard``: also write TensorBoard scalars (when the
-    package is installed) to ``tensorboard_dir`` (None: ``<output_dir>/tensorboard``).
+    run rewrites the steps after its checkpoint; a torn last line is dropped, said through
+    ``warn``); otherwise an existing non-empty file is an error unless ``overwrite``.
+    ``tensorboard``: also write TensorBoard scalars (when the package is installed) to
+    ``tensorboard_dir`` (None: ``<output_dir>/tensorboard``).
+
+    Each record is ONE ``os.write`` of its whole line to the file opened ``O_APPEND``, then
+    ``fsync``; a short write (a full disk) is cut back to the previous end of the file before
+    the error is raised, so the file never holds a torn line written by this logger.
     """
 
     def __init__(self, output_dir: str | Path, tensorboard: bool = True, overwrite: bool = False,
                  resume_from_step: int | None = None,
-                 tensorboard_dir: str | Path | None = None) -> None:
+                 tensorboard_dir: str | Path | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / METRICS_FILE
         kept: list[dict[str, Any]] = []
         if resume_from_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] < resume_from_step]
+            kept = [r for r in read_metrics(self.path, warn) if r["step"] < resume_from_step]
         elif self.path.exists() and self.path.stat().st_size and not overwrite:
             raise FileExistsError(f"{self.path} exists: resume the run (--qrl-resume) or choose "
                                   "another --qrl-output-dir")
@@ -138,7 +159,7 @@ class MetricsLogger:
         self.tensorboard_dir = Path(tensorboard_dir or self.dir / TENSORBOARD_DIR)
         self._purge_step = resume_from_step
         self._tb: Any = None
-        self._fh = self.path.open("a", encoding="utf-8")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
     @property
     def last_step(self) -> int | None:
@@ -147,11 +168,26 @@ class MetricsLogger:
     def log(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """Validate, append and flush one step's record; returns the stored copy."""
         clean = validate_record(record, self.last_step)
-        self._fh.write(json.dumps(clean) + "\n")
-        self._fh.flush()
+        self._append((json.dumps(clean) + "\n").encode("utf-8"))
         self.records.append(clean)
         self._tensorboard(clean)
         return clean
+
+    def _append(self, line: bytes) -> None:
+        """One whole line, durably, or nothing (class docstring)."""
+        if self._fd is None:
+            raise ValueError(f"metrics: {self.path} is closed")
+        end = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(28, f"wrote {written} of {len(line)} bytes (no space left on "
+                                  "device?)", str(self.path))
+            os.fsync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise
 
     def _tensorboard(self, rec: Mapping[str, Any]) -> None:
         if not self._tb_wanted:
@@ -168,7 +204,9 @@ class MetricsLogger:
 
     def close(self, plot: bool = True) -> Path | None:
         """Close the files; write ``metrics.png`` (:func:`plot_run`) when ``plot``."""
-        self._fh.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._tb is not None:
             self._tb.close()
         return plot_run(self.records, self.dir / "metrics.png") if plot and self.records else None
@@ -177,7 +215,7 @@ class MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._fh.closed:
+        if self._fd is not None:
             self.close(plot=exc[0] is None)
 
 

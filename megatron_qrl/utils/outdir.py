@@ -20,8 +20,8 @@ from pathlib import Path
 from .disk import disk_full_as_one_line
 from .io import atomic_directory, atomic_write_json
 
-__all__ = ["MARKER_NAME", "OutputDirError", "check_output_dir", "check_output_file", "read_marker",
-           "safe_output_dir"]
+__all__ = ["MARKER_NAME", "OutputDirError", "check_output_dir", "check_output_file",
+           "path_overlap", "read_marker", "safe_output_dir"]
 
 MARKER_NAME = ".megatron_qrl-output.json"
 """The file every tool output directory carries: ``{"tool": NAME, "version": VERSION}``."""
@@ -40,7 +40,9 @@ def read_marker(path: str | Path) -> dict | None:
     return marker if isinstance(marker, dict) else None
 
 
-def _overlap(out: Path, inp: Path) -> str | None:
+def path_overlap(out: Path, inp: Path) -> str | None:
+    """How resolved path ``out`` overlaps ``inp``: ``is``, ``contains``, ``lies inside`` or
+    None."""
     if out == inp:
         return "is"
     if out in inp.parents:
@@ -61,7 +63,7 @@ def check_output_dir(out: str | Path, inputs: Iterable[str | Path], *, tool: str
     given = Path(out)
     real = given.resolve()
     for inp in inputs:
-        how = _overlap(real, Path(inp).resolve())
+        how = path_overlap(real, Path(inp).resolve())
         if how is not None:
             raise OutputDirError(
                 f"{flag} {given} {how} the input {inp}; writing there would destroy the input. "
@@ -124,7 +126,7 @@ def check_output_file(out: str | Path, inputs: Iterable[str | Path | None], *,
     for inp in inputs:
         if inp is None:
             continue
-        how = _overlap(real, Path(inp).resolve())
+        how = path_overlap(real, Path(inp).resolve())
         if how is not None and (how != "lies inside" or os.path.lexists(given)):
             raise OutputDirError(f"{flag} {given} {how} the input {inp}; writing there would "
                                  f"change the input. Choose an {flag} outside it")
