@@ -66,6 +66,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-micro-batch-size": 32,
         "--qrl-updates-per-step": 2,
         "--qrl-save-interval": 10,
+        "--qrl-max-update-ratio": 10.0,
     },
     "qwen3-4b-1gpu": {
         "--qrl-model": "checkpoint",

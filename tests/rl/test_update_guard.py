@@ -90,3 +90,18 @@ def test_the_sync_refuses_nan_weights_and_leaves_the_engine_untouched(tmp_path):
     assert engine.weight_version() < 0  # never updated
     line, code = error_line(exc, configs["run"])
     assert code == 1 and "\n" not in line and "NaN" in line
+
+
+def test_the_pre_step_copy_is_on_in_the_cpu_preset_only():
+    """The guard's copy doubles the parameters and optimizer state on their device (a 4B
+    trainer's ~56 GB would not fit beside the engine on one H200): off by default, on in the
+    CPU job's preset."""
+    import dataclasses
+
+    from megatron_qrl.config.presets import PRESETS
+    from megatron_qrl.config.run import RunConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(RunConfig)}["max_update_ratio"]
+    assert default == 0.0
+    assert PRESETS["tiny-cpu"]["--qrl-max-update-ratio"] == 10.0
+    assert all("--qrl-max-update-ratio" not in p for n, p in PRESETS.items() if n != "tiny-cpu")
