@@ -51,7 +51,10 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 def _run(out: Path, hf: Path, sft: str, megatron: tuple[str, ...]) -> list[dict]:
-    cmd = [sys.executable, "-m", "megatron_qrl.rl.cli", *JOB, "--qrl-sft-steps", sft,
+    # without a warm-up the tiny model rarely earns a reward: a seed whose two RL steps both
+    # sample one (the per-group seeds of the default 1234 give step 2 no reward, so no gradient)
+    seed = ["--qrl-seed", "1"] if sft == "0" else []
+    cmd = [sys.executable, "-m", "megatron_qrl.rl.cli", *JOB, *seed, "--qrl-sft-steps", sft,
            "--qrl-model", "checkpoint", "--qrl-checkpoint", str(hf), "--qrl-output-dir",
            str(out), "--", *megatron]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
