@@ -152,7 +152,8 @@ def test_a_rank_failing_alone_is_named_by_the_other_node(tmp_path):
 @pytest.mark.slow
 def test_a_frozen_node_ends_the_job_after_the_collective_timeout(tmp_path):
     """Node 1's rank stops (SIGSTOP) once the run is under way: node 0 says, after the
-    collective timeout (20 s), that no answer came. Bound: 60 s after the freeze."""
+    collective timeout (20 s), that no answer came. Bound: 120 s after the freeze (the 20 s
+    timeout, then the exit; a CI machine's two cores also run another test worker)."""
     nodes = start_nodes(tmp_path, "-m megatron_qrl.rl.cli",
                         [*TINY, "--qrl-steps", "50", "--qrl-save-interval", "0",
                          "--qrl-launch-collective-timeout-s", "20",
@@ -166,12 +167,12 @@ def test_a_frozen_node_ends_the_job_after_the_collective_timeout(tmp_path):
     os.kill(frozen, signal.SIGSTOP)
     start = time.monotonic()
     try:
-        (first,) = finish(nodes[:1], bound_s=60)
+        (first,) = finish(nodes[:1], bound_s=120)
         took = time.monotonic() - start
     finally:
         os.kill(frozen, signal.SIGKILL)
         finish(nodes[1:], bound_s=30)
-    assert first.rc is not None and took < 60, first.stderr[-3000:]
+    assert first.rc is not None and took < 120, first.stderr[-3000:]
     lines = first.errors()
     assert first.rc not in (None, 0) and len(lines) == 1, first.stderr[-3000:]
     assert lines[0].startswith("qrl-train: error: [node 0 rank 0] no answer from the other "

@@ -298,6 +298,8 @@ def test_qrl_train_packed_equals_padded(tmp_path):
         assert a.get("sample") == b.get("sample")
         for key, value in a.items():
             if isinstance(value, float) and not key.startswith("time_") and "gib" not in key:
-                assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (a["step"], key)
+                # fp32 sums in another order (per-segment attention, no padding) compound
+                # over six updates at lr 1e-3: measured up to 9e-5 relative (grad_norm)
+                assert b[key] == pytest.approx(value, rel=3e-4, abs=1e-6), (a["step"], key)
         if a["phase"] == "rl":
             assert b["trained_tokens"] < a["trained_tokens"]
