@@ -57,6 +57,10 @@ BACKWARD_PARTS: tuple[tuple[str, str], ...] = (
 MLP, output layer) share ``linear`` in the backward: their forward parts say which is which."""
 
 
+_FORWARD = frozenset(p for _, p in FORWARD_PARTS)
+"""The forward part names (a recompute charges these, run again inside a backward)."""
+
+
 def forward_part(name: str) -> str | None:
     """The part of the module called ``name`` (:data:`FORWARD_PARTS`), or None."""
     for pattern, part in FORWARD_PARTS:
@@ -116,8 +120,7 @@ def _part_of(event: Any) -> str:
         node = node.cpu_parent
     if first is None:
         return "other"
-    is_forward = first in {p for _, p in FORWARD_PARTS}
-    return f"recompute:{first}" if in_backward_recompute and is_forward else first
+    return f"recompute:{first}" if in_backward_recompute and first in _FORWARD else first
 
 
 def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
@@ -168,7 +171,7 @@ def table(rows: list[dict[str, Any]], layers: int) -> str:
         for p in r["breakdown"]["parts_ms"]:
             if p not in parts:
                 parts.append(p)
-    per_layer = {p for _, p in FORWARD_PARTS} | {p for _, p in BACKWARD_PARTS}
+    per_layer = _FORWARD | {p for _, p in BACKWARD_PARTS}
     head = "| part | " + " | ".join(r["row"] for r in rows) + " |"
     lines = [head, "|" + "---|" * (len(rows) + 1)]
     for p in parts:
