@@ -33,6 +33,7 @@ def starts_ray(path: Path) -> bool:
     return any(s in text for s in _RAY_STARTS)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Whole modules per worker, every Ray-starting module in one unit."""
     from xdist.scheduler import LoadScopeScheduling

@@ -54,6 +54,7 @@ def init_cpu_distributed(
         tp / pp / ep / etp: tensor / pipeline / expert / expert-tensor parallel sizes;
             ``world_size`` must be divisible by ``tp * pp`` (data parallel takes the rest).
         seed: passed to ``model_parallel_cuda_manual_seed`` (routed to the CPU generator).
+        timeout_s: every collective's timeout, the default group's and megatron's groups'.
     """
     if world_size % (tp * pp) != 0:
         raise ValueError(
@@ -77,10 +78,26 @@ def init_cpu_distributed(
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        distributed_timeout_minutes=timeout_s / 60.0,  # megatron's groups: the same timeout
     )
+    set_group_timeouts(timeout_s)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return CpuParallelLayout(rank=rank, world_size=world_size, tp=tp, pp=pp, ep=ep)
+
+
+def set_group_timeouts(timeout_s: float) -> int:
+    """Every process group this rank is in waits at most ``timeout_s`` per collective (a
+    frozen peer then ends the job whichever group it was in); returns how many groups.
+    megatron-core 0.16.1 creates its expert data-parallel gloo group without the
+    ``distributed_timeout_minutes`` it is given (30 min, torch's default)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]
+    for group in groups:
+        c10d._set_pg_timeout(timeout, group)
+    return len(groups)
 
 
 def destroy_cpu_distributed() -> None:

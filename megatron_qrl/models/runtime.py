@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_qrl.compat.distributed import set_group_timeouts
 from megatron_qrl.models.builder import (
     ParallelLayout,
     SpecHook,
@@ -164,7 +165,9 @@ def torchrun_megatron(tp: int = 1, ep: int = 1, etp: int = 1, pp: int = 1,
                                 timeout=timeout)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+            distributed_timeout_minutes=timeout_s / 60.0)
+        set_group_timeouts(timeout_s)
         mode: Any = contextlib.nullcontext()
     else:
         from megatron_qrl.compat import cpu_device_mode, init_cpu_distributed

@@ -114,3 +114,24 @@ def test_tiny_gpt_trains_on_cpu_and_tp2_matches_tp1():
                 continue
             assert name in rank_out["after"], name
             torch.testing.assert_close(rank_out["after"][name], value, rtol=1e-4, atol=1e-5)
+
+
+def _group_timeouts(rank, world_size, port):
+    import torch.distributed as dist
+
+    init_cpu_distributed(rank, world_size, port, ep=2, timeout_s=7.0)
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+        return sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                       for g in groups}), len(groups)
+    finally:
+        destroy_cpu_distributed()
+
+
+def test_every_megatron_group_times_out_with_the_default_group():
+    """A collective on megatron's groups (data / expert / tensor parallel) waits as long as the
+    default group's (``timeout_s``), not megatron's own 30 min default: a frozen peer ends the
+    job after ``--qrl-launch-collective-timeout-s`` whichever group the ranks were in. Fails
+    without ``distributed_timeout_minutes`` passed to ``initialize_model_parallel``."""
+    for timeouts, count in run_distributed(_group_timeouts, 2):
+        assert count > 5 and timeouts == [7.0], (count, timeouts)

@@ -39,13 +39,28 @@ class Node:
         """The ``qrl-train: error:`` lines of this node."""
         return [line for line in self.stderr.splitlines() if line.startswith("qrl-train: error:")]
 
-    def worker_pid(self) -> int:
-        """The pid of this node's (only) worker process, torchrun's child."""
+    def worker_pids(self) -> list[int]:
+        """The pids of this node's worker processes, torchrun's children."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
                              text=True).stdout.split()
-        if not out:
+        return [int(p) for p in out]
+
+    def worker_pid(self) -> int:
+        """The pid of this node's (only) worker process."""
+        pids = self.worker_pids()
+        if not pids:
             raise RuntimeError(f"node {self.rank}: no worker process yet")
-        return int(out[0])
+        return pids[0]
+
+    def kill(self) -> None:
+        """SIGKILL torchrun's process group and its workers' (torchrun starts each worker in
+        a session of its own: killing torchrun alone leaves them running)."""
+        for pgid in [*self.worker_pids(), self.proc.pid]:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
 
 
 def start_nodes(tmp: Path, script: str | Path, args: list[str],
@@ -72,14 +87,13 @@ def start_nodes(tmp: Path, script: str | Path, args: list[str],
 
 def finish(nodes: list[Node], bound_s: float) -> list[Node]:
     """Wait up to ``bound_s`` for every node; a node still running then is killed (its
-    process group) and its ``rc`` left None."""
+    workers too) and its ``rc`` left None."""
     deadline = time.monotonic() + bound_s
     for n in nodes:
         try:
             n.rc = n.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            os.killpg(n.proc.pid, signal.SIGKILL)
-            n.proc.wait()
+            n.kill()
             n.rc = None
         n.seconds = time.monotonic() - n.started
     return nodes
