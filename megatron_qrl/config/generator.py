@@ -13,6 +13,8 @@ them (``add_qrl_args``, usable as Megatron's ``extra_args_provider``)"):
 * help: the docstring string literal placed under the field (read once with ``ast``);
 * default: the field's default (a group may override defaults / choices of a foreign
   dataclass it cannot annotate, see :class:`ConfigGroup`);
+* "may change on resume": the metadata ``{"on_resume": "may change"}``
+  (:attr:`FlagSpec.may_change_on_resume`; ``rl.checkpoint`` compares every other flag);
 * a field whose type is itself a dataclass (e.g. ``RolloutConfig.sglang``) gives that
   dataclass's flags under ``--qrl-<prefix>-<field>-`` (its :class:`FlagSpec` ``field`` is
   dotted, ``sglang.sync``); the group builds it whole from them.
@@ -83,6 +85,9 @@ class FlagSpec:
     choices: tuple[Any, ...] | None
     default: Any
     help: str
+    may_change_on_resume: bool = False
+    """The field's metadata ``{"on_resume": "may change"}``: a resumed run may set it to
+    another value (run length, saving, how the same weights reach the engine, waits)."""
 
 
 def field_docstrings(cls: type) -> dict[str, str]:
@@ -220,7 +225,8 @@ def flag_specs(group: ConfigGroup) -> list[FlagSpec]:
             raise TypeError(f"{where}: no docstring under the field (it is the flag's help)")
         dest = flag[2:].replace("-", "_")
         specs.append(FlagSpec(group.key, f.name, flag, dest, kind, parse, optional, choices,
-                              _default(f, meta), help_text))
+                              _default(f, meta), help_text,
+                              meta.get("on_resume") == "may change"))
     return specs
 
 

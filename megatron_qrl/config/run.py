@@ -149,7 +149,7 @@ class TrainForwardConfig:
     uses exactly the rollout's quantized weights (and activation quantization for W8A8),
     straight-through to the BF16 masters; needs a quantized --qrl-rollout-format."""
 
-    moe_fast_path: bool = False
+    moe_fast_path: bool = field(default=False, metadata={"on_resume": "may change"})
     """MoE models on a GPU with Transformer Engine: grouped-GEMM experts, alltoall dispatcher,
     fused permute, selective recompute of the experts' activation (Megatron flags after '--'
     win); elsewhere (no TE / GPU, LoRA) the experts run sequentially and the log says so."""
@@ -245,7 +245,7 @@ class RunConfig:
     """Model to start from with --qrl-model checkpoint: an HF directory (config.json +
     *.safetensors) or a megatron_qrl checkpoint (megatron_qrl.json + hf/ + model/)."""
 
-    steps: int = 100
+    steps: int = field(default=100, metadata={"on_resume": "may change"})
     """Number of RL steps (one rollout batch and its optimizer update(s) each)."""
 
     sft_steps: int = 0
@@ -285,7 +285,7 @@ class RunConfig:
     the right padding changes no earlier logit), fewer and larger forwards; 0 = on the
     training micro batches."""
 
-    prox_from_first_update: bool | None = None
+    prox_from_first_update: bool | None = field(default=None, metadata={"on_resume": "may change"})
     """RL steps: the first optimizer step's pi_prox is its own forward's log-probs (detached)
     instead of a separate recompute pass — its weights are pi_prox's, so only float noise
     differs; the recompute then runs on the other --qrl-updates-per-step - 1 mini batches
@@ -304,41 +304,41 @@ class RunConfig:
     seed: int = 1234
     """Seed of the model init, task generation, sampling and AQN noise."""
 
-    output_dir: str | None = None
+    output_dir: str | None = field(default=None, metadata={"on_resume": "may change"})
     """Directory for metrics.jsonl, plots and checkpoints; none = qrl_runs/<preset>-seed<seed>
     (printed at start; ',' in the preset becomes '+')."""
 
-    tensorboard: bool = True
+    tensorboard: bool = field(default=True, metadata={"on_resume": "may change"})
     """Also write every numeric metric as a TensorBoard scalar (tag = metric name, step = the
     record's step); needs the tensorboard package (without it one line says so and the run
     goes on). --no-qrl-tensorboard turns it off."""
 
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = field(default=None, metadata={"on_resume": "may change"})
     """Directory of the TensorBoard event files; none = <output-dir>/tensorboard."""
 
-    save_interval: int = 0
+    save_interval: int = field(default=0, metadata={"on_resume": "may change"})
     """Save an (atomic) checkpoint every N steps of each phase (SFT and RL steps each counted
     from their phase's first step), at the end of SFT and at the end; 0 = only at the end of
     SFT and of the run (and when SIGINT / SIGTERM stop it); -1 = never (benchmarks, smoke
     runs: a Qwen3-4B checkpoint with its Adam state is ~70 GB)."""
 
-    resume: bool = False
+    resume: bool = field(default=False, metadata={"on_resume": "may change"})
     """Resume from the newest intact checkpoint in the output directory (reproduces the next
     step exactly on CPU); a run that stopped before its first checkpoint starts again. Without
     it a used output directory is refused."""
 
-    resume_allow_missing_metrics: bool = False
+    resume_allow_missing_metrics: bool = field(default=False, metadata={"on_resume": "may change"})
     """With --qrl-resume: go on when metrics.jsonl lacks steps before the checkpoint (deleted
     or cut short; the curves and the summary then lack them). Without it such a resume is
     refused."""
 
-    max_bad_steps: int = 3
+    max_bad_steps: int = field(default=3, metadata={"on_resume": "may change"})
     """Steps whose loss or gradient norm is NaN / inf skip their optimizer update (logged,
     counted in the metrics bad_updates / bad_steps_total); one more bad step than this stops
     the run, naming the step and the metric, before broken weights reach the engine (0: stop
     at the first)."""
 
-    max_update_ratio: float = 0.0
+    max_update_ratio: float = field(default=0.0, metadata={"on_resume": "may change"})
     """An optimizer update whose norm exceeds this multiple of the weights' norm (or that
     leaves a NaN / inf weight) is undone — parameters and optimizer state back to before the
     step — and counted as a bad step like a NaN gradient. It keeps one more copy of the
@@ -346,7 +346,8 @@ class RunConfig:
     it is off by default (0) and on in the tiny-cpu preset (10); the weight sync refuses
     non-finite weights either way."""
 
-    ray_weight_transport: Literal["auto", "broadcast", "objectstore", "ipc"] = "auto"
+    ray_weight_transport: Literal["auto", "broadcast", "objectstore", "ipc"] = field(default="auto",
+        metadata={"on_resume": "may change"})
     """Ray modes: how weights reach the engine actor. ipc: each bucket stays in memory the
     actor opens in place (CUDA IPC on the shared GPU, shared memory on CPU), only a small
     handle is sent; needs the engine on the trainer's node and device (--qrl-mode
@@ -355,12 +356,12 @@ class RunConfig:
     bucket ray.put into the object store (a full copy of the weights there per sync). auto:
     ipc for a colocated engine on the trainer's device, else broadcast."""
 
-    ray_weight_timeout_s: float = 300.0
+    ray_weight_timeout_s: float = field(default=300.0, metadata={"on_resume": "may change"})
     """Ray modes, broadcast and ipc transports: timeout of the weight group's rendezvous and
     of each broadcast (ipc: of each bucket handle and the actor's answer). A dead actor fails a broadcast at once; one that hangs is restarted after
     this long (keep it above the longest gap between two buckets of a sync)."""
 
-    engine_max_restarts: int = 2
+    engine_max_restarts: int = field(default=2, metadata={"on_resume": "may change"})
     """Ray modes: restarts of the rollout engine actor allowed within one call (a rollout,
     a weight sync) before the job fails."""
 

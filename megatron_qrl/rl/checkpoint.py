@@ -14,7 +14,7 @@ takes the newest checkpoint whose bytes match its checksum; each newer damaged o
 truncation, no checksum) is reported in one line, and the next save renames it
 ``*.damaged`` so it is never taken for the latest again.
 
-Identity: a resume compares the stored flags (less :data:`_RESUME_KEYS_IGNORED`) and model
+Identity: a resume compares the stored flags (less :func:`resume_keys_ignored`) and model
 config with this run's; any difference is ONE error naming every differing flag (model-config
 fields by the Megatron flag that sets them, e.g. ``--moe-router-topk``).
 
@@ -56,23 +56,21 @@ _NAME = re.compile(r"^step_(\d{6,})\.pt$")
 _STALE = re.compile(r"^\..+\.(tmp|old)-")
 """Leftovers of an interrupted atomic write (``utils.io``: ``.<name>.tmp-*`` / ``.old-*``)."""
 _RUN_FILES = ("metrics.jsonl",)
-_RESUME_KEYS_IGNORED = ("qrl_resume", "qrl_resume_allow_missing_metrics", "qrl_steps",
-                        "qrl_save_interval", "qrl_output_dir",
-                        "qrl_tensorboard", "qrl_tensorboard_dir", "qrl_rollout_sglang_sync",
-                        "qrl_rollout_sglang_sync_dir", "qrl_rollout_sglang_base_gpu",
-                        "qrl_rollout_sglang_flat_buckets", "qrl_rollout_sglang_prefetch_buckets",
-                        "qrl_rollout_sglang_direct_expert_loads",
-                        "qrl_rollout_sglang_stack_experts", "qrl_rollout_sglang_receipt",
-                        "qrl_ray_weight_transport", "qrl_ray_weight_timeout_s",
-                        "qrl_engine_max_restarts", "qrl_max_bad_steps", "qrl_max_update_ratio",
-                        "qrl_prox_from_first_update", "qrl_train_moe_fast_path",
-                        "qrl_launch_startup_timeout_s", "qrl_launch_collective_timeout_s",
-                        "qrl_launch_ray_nodes")
-"""Flags that may differ between a run and its resumption (run length, saving, resume, how
-the same weights reach the engine, and where pi_prox's log-probs are computed: the first
-update's forward or a recompute pass give the same values; its default changed from off to
-auto, and runs saved before must still resume; the MoE expert path, whose
-grouped and sequential experts hold the same weights under the same checkpoint names)."""
+
+
+def resume_keys_ignored() -> frozenset[str]:
+    """The flags that may differ between a run and its resumption: those whose config field
+    says so (``{"on_resume": "may change"}``: run length, saving, resume itself, how the same
+    weights reach the engine, the waits, where pi_prox's log-probs are computed — the first
+    update's forward or a recompute pass give the same values — and the MoE expert path,
+    whose grouped and sequential experts hold the same weights under the same names)."""
+    from megatron_qrl.config.args import default_config_classes
+    from megatron_qrl.config.generator import flag_specs
+
+    return frozenset(s.dest for g in default_config_classes() for s in flag_specs(g)
+                     if s.may_change_on_resume)
+
+
 _CHUNK = 1 << 24
 
 
@@ -191,8 +189,9 @@ def _identity_diffs(state: dict, flags: dict[str, Any], model_config: dict | Non
     from megatron_qrl.config.megatron_flags import flag_for_hf_key
 
     saved = state.get("flags", {})
+    ignored = resume_keys_ignored()
     diffs = [f"--{k.replace('_', '-')} {saved[k]!r} -> {flags[k]!r}" for k in flags
-             if k not in _RESUME_KEYS_IGNORED and k in saved and saved[k] != flags[k]]
+             if k not in ignored and k in saved and saved[k] != flags[k]]
     old = state.get("model_config")
     if old is not None and model_config is not None:
         for key in sorted(set(old) | set(model_config)):

@@ -44,7 +44,8 @@ def _flag(field: str) -> str:
 class SGLangOptions:
     """SGLang rollout engine: weight-sync path and speed options, placement, memory."""
 
-    sync: Literal["auto", "tensor", "disk", "inplace", "distributed"] = "auto"
+    sync: Literal["auto", "tensor", "disk", "inplace", "distributed"] = field(default="auto",
+        metadata={"on_resume": "may change"})
     """SGLang weight-sync path: tensor (update_weights_from_tensor, colocated), disk
     (safetensors in --qrl-rollout-sglang-sync-dir + update_weights_from_disk), inplace
     (tensor buckets re-processed into the engine's live quantized layout), distributed
@@ -52,38 +53,38 @@ class SGLangOptions:
     trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), auto (the engine's choice per
     format)."""
 
-    base_gpu: int = 0
+    base_gpu: int = field(default=0, metadata={"on_resume": "may change"})
     """First GPU of the in-process SGLang engine (its TP ranks take the next ones); with
     --qrl-rollout-sglang-sync distributed, a GPU the trainer does not use."""
 
-    sync_dir: str = "/dev/shm"
+    sync_dir: str = field(default="/dev/shm", metadata={"on_resume": "may change"})
     """Directory for --qrl-rollout-sglang-sync disk (fast local storage)."""
 
-    flat_buckets: bool | None = None
+    flat_buckets: bool | None = field(default=None, metadata={"on_resume": "may change"})
     """In-place sync: send each bucket as one flattened buffer (one CUDA-IPC handle per bucket
     instead of one per tensor). Unset: on for the in-place sync;
     --no-qrl-rollout-sglang-flat-buckets turns it off."""
 
-    prefetch_buckets: int | None = None
+    prefetch_buckets: int | None = field(default=None, metadata={"on_resume": "may change"})
     """Tensor / in-place sync: weight buckets prepared (packed, fingerprinted, flattened) in a
     thread ahead of the one the engine is loading (0: one after the other). Unset: 1 for the
     in-place sync, 0 for the tensor sync."""
 
-    direct_expert_loads: bool | None = None
+    direct_expert_loads: bool | None = field(default=None, metadata={"on_resume": "may change"})
     """In-place sync: expert tensors go straight to their FusedMoE parameters' weight loaders
     in batched copies, skipping SGLang's per-tensor expert-mapping scan in load_weights
     (Qwen3-MoE). Unset: on for the in-place sync (the engine's bits equal a per-tensor load
     in all five formats); --no-qrl-rollout-sglang-direct-expert-loads turns it and
     --qrl-rollout-sglang-stack-experts off."""
 
-    stack_experts: bool | None = None
+    stack_experts: bool | None = field(default=None, metadata={"on_resume": "may change"})
     """In-place sync with direct expert loads: send each decoder layer's experts of one kind
     (e.g. every expert's gate_proj.weight) as one stacked tensor instead of one tensor per
     expert (~37k fewer wire tensors per Qwen3-30B-A3B sync); fingerprints stay per expert.
     Unset: on wherever direct expert loads are; --no-qrl-rollout-sglang-stack-experts turns
     it off."""
 
-    receipt: bool = True
+    receipt: bool = field(default=True, metadata={"on_resume": "may change"})
     """In-place (and quantized distributed) syncs: each engine process fingerprints what it
     received, and the parameters it holds in the received layout, and the engine compares
     that receipt with the fingerprints of what was sent, failing the sync on the first

@@ -402,3 +402,22 @@ def test_resume_ignores_where_pi_prox_is_computed():
     assert _identity_diffs(state, {"qrl_prox_from_first_update": None,
                                    "qrl_loss_kind": "ppo_clip"}, None) == [
         "--qrl-loss-kind 'tis' -> 'ppo_clip'"]
+
+
+def test_what_may_change_on_resume_is_declared_on_the_config_fields():
+    """The flags a resumed run may change are the config fields marked
+    ``{"on_resume": "may change"}`` (every group's, nested SGLang options included); a field
+    without the mark is compared. Fails when the generator drops the mark (every flag would
+    then be compared: ``--qrl-steps`` named below)."""
+    from megatron_qrl.rl.checkpoint import _identity_diffs, resume_keys_ignored
+
+    ignored = resume_keys_ignored()
+    for dest in ("qrl_steps", "qrl_output_dir", "qrl_rollout_sglang_stack_experts",
+                 "qrl_launch_collective_timeout_s", "qrl_train_moe_fast_path"):
+        assert dest in ignored, dest
+    assert not {"qrl_loss_kind", "qrl_rollout_format", "qrl_seed", "qrl_lr"} & ignored
+    state = {"flags": {"qrl_steps": 4, "qrl_rollout_sglang_stack_experts": None,
+                       "qrl_rollout_format": "int8"}}
+    assert _identity_diffs(state, {"qrl_steps": 8, "qrl_rollout_sglang_stack_experts": True,
+                                   "qrl_rollout_format": "fp8"}, None) == [
+        "--qrl-rollout-format 'int8' -> 'fp8'"]
