@@ -111,7 +111,8 @@ def _count(module: Any) -> tuple[int, int]:
 
 
 def describe_run(ctx: Any, configs: dict[str, Any], log: Callable[[str], None]) -> None:
-    """Log the LoRA setup and the engine's concurrency (rank 0's ``log``)."""
+    """Log the LoRA setup, how the engine serves a step's requests and, where the engine
+    reports it, how many it decodes at once (rank 0's ``log``)."""
     lora = configs["lora"]
     if lora.enabled:
         adapters, total = _count(ctx.trainer.module)
@@ -135,3 +136,7 @@ def describe_run(ctx: Any, configs: dict[str, Any], log: Callable[[str], None]) 
                                               f"all {requests} requests of a step in one call"))
     log(f"[qrl-train] rollout: {requests} requests per step ({run.prompts_per_step} prompts x "
         f"{ro.n_samples_per_prompt} samples); {how}")
+    capacity = ctx.engine.capacity()
+    if capacity is not None:  # the longest prompt of the task plus every new token
+        longest = max((len(ctx.prompt_ids(r)) for r in ctx.records), default=0)
+        log(f"[qrl-train] {capacity.describe(requests, longest + ro.max_new_tokens)}")

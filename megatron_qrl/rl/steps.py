@@ -34,6 +34,7 @@ from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.micro_forward import positions_run
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
+from megatron_qrl.rollout.capacity import decode_waves
 
 __all__ = ["StepContext", "micro_batches", "recompute_log_probs", "rl_step", "sample_indices",
            "set_old_log_probs", "sft_step", "step_seed"]
@@ -140,7 +141,8 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
             "grad_norm": grad_norm, **metrics}
 
 
-def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str], int]:
+def _rollout(ctx: StepContext,
+             step: int) -> tuple[dict, torch.Tensor, list[str], int, int | None]:
     run, ro = ctx.configs["run"], ctx.configs["rollout"]
     n = ro.n_samples_per_prompt
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), run.prompts_per_step,
@@ -161,7 +163,10 @@ def _rollout(ctx: StepContext, step: int) -> tuple[dict, torch.Tensor, list[str]
     batch = pack_samples(prompts, responses, lps, ctx.tokenizer.pad_id, out.routed_experts)
     groups = torch.arange(len(recs)).repeat_interleave(n)
     batch["advantages"] = grpo_advantages(rewards, groups)
-    return batch, rewards, texts, sum(s.over_budget for s in scores)
+    capacity = ctx.engine.capacity()
+    waves = None if capacity is None else decode_waves(
+        capacity, [len(p) + len(r) for p, r in zip(prompts, responses)])
+    return batch, rewards, texts, sum(s.over_budget for s in scores), waves
 
 
 def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
@@ -174,7 +179,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     t0 = time.perf_counter()
-    batch, rewards, texts, over_budget = ctx.world.from_main(lambda: _rollout(ctx, step))
+    batch, rewards, texts, over_budget, waves = ctx.world.from_main(lambda: _rollout(ctx, step))
     batch = ctx.check_length(batch)
     ctx.engine_memory(release=True)  # the trainer's recompute + update run next
     t1 = time.perf_counter()
@@ -193,6 +198,8 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     synced = ctx.sync(step + 1)
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    if waves is not None:  # the engine reports its capacity (rollout.capacity)
+        rec["rollout_waves"] = waves
     if getattr(synced, "adapter_bytes", None) is not None:  # LoRA: adapters over the wire
         rec["sync_adapter_bytes"] = synced.adapter_bytes
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)

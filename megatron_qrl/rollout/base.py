@@ -31,6 +31,7 @@ from ..sync.protocol.checksums import (  # noqa: F401  (the engine interface's s
     once_each,
     tensor_checksum,
 )
+from .capacity import EngineCapacity
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,12 @@ class RolloutEngine(ABC):
     def verify(self, manifest: WeightManifest) -> None:
         """Check that the engine holds exactly what ``manifest`` recorded."""
         manifest.compare(self.held_checksums())
+
+    def capacity(self) -> EngineCapacity | None:
+        """What the engine decodes at once (:class:`~megatron_qrl.rollout.capacity.EngineCapacity`);
+        None where it has no fixed KV pool or batch limit (the reference engine, remote
+        engines)."""
+        return None
 
     def release_memory(self) -> None:
         """Free accelerator memory while the trainer runs (colocated mode); no-op by default."""

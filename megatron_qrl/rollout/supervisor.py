@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightSyncError
+from .capacity import EngineCapacity
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ class EngineSupervisor(RolloutEngine):
             raise WeightSyncError(f"engine generated with weight version {out.weight_version}, "
                                   f"expected {self._version}")
         return out
+
+    def capacity(self) -> EngineCapacity | None:
+        return self.engine.capacity()
 
     def release_memory(self) -> None:
         self.engine.release_memory()

@@ -50,6 +50,7 @@ import torch
 from ..quant import get_spec
 from ..rollout.base import (
     Checksums,
+    EngineCapacity,
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
@@ -102,6 +103,7 @@ class SGLangEngine(RolloutEngine):
     arguments (they win over :func:`engine_args_for` and the options)."""
 
     verifies_own_update = True
+    _capacity: EngineCapacity | None = None
     _warned_unseeded = False
     """Whether :data:`UNSEEDED_WARNING` was logged by this engine (once per engine)."""
 
@@ -268,6 +270,14 @@ class SGLangEngine(RolloutEngine):
         return self._version
 
     # ---- generation ------------------------------------------------------------------
+    def capacity(self) -> EngineCapacity | None:
+        """The KV pool and batch limit SGLang settled on at start (read once)."""
+        if self._capacity is None:
+            from .server_info import capacity_from_server_info
+
+            self._capacity = capacity_from_server_info(self.engine.get_server_info())
+        return self._capacity
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         if self._version < 0:
             raise WeightSyncError("generate() before the first update_weights()")
