@@ -9,7 +9,8 @@ gate/up are stacked by the engine)::
     base_model.model.model.layers.<i>.mlp.experts.<e>.gate_proj.lora_A.weight
 
 Every function here is collective over the model's TP / EP groups (all ranks iterate in
-lockstep), as :func:`megatron_qrl.models.streaming.iter_hf_tensors` is.
+lockstep), as :func:`megatron_qrl.models.streaming.iter_hf_tensors` is; on a pipeline stage
+(``groups.stage``) they address the stage's own layers under their global indices.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.lora import lora_linears
 from megatron_qrl.models.mapping import rule_for
+from megatron_qrl.models.stages import global_name
 from megatron_qrl.models.streaming import (
     ShardGroups,
     _all_gather,
@@ -71,7 +73,7 @@ def adapter_tensors(model: torch.nn.Module, arch: ModelArch,
     for name, lin in lora_linears(model):
         if not len(lin.lora_A):
             continue
-        rule = rule_for(f"{name}.weight", arch, ep_rank, n_local)
+        rule = rule_for(global_name(f"{name}.weight", groups.stage), arch, ep_rank, n_local)
         group = groups.etp if rule.expert else groups.tp
         full: list[tuple[int, str, torch.Tensor]] = []
         for i, proj in enumerate(lin.qrl_lora.projections):
@@ -89,7 +91,8 @@ def adapter_tensors(model: torch.nn.Module, arch: ModelArch,
             continue
         per_rank = [_all_gather(t, groups.ep) for _, _, t in full]
         for r in range(ep_size):
-            names = rule_for(f"{name}.weight", arch, r, n_local).hf_names
+            names = rule_for(global_name(f"{name}.weight", groups.stage), arch, r,
+                             n_local).hf_names
             for (i, f, _), ts in zip(full, per_rank):
                 yield peft_name(names[i], f), ts[r]
 
@@ -107,7 +110,7 @@ def load_adapter_tensors(model: torch.nn.Module, arch: ModelArch,
         for name, lin in lora_linears(model):
             if not len(lin.lora_A):
                 continue
-            rule = rule_for(f"{name}.weight", arch, ep_rank, n_local)
+            rule = rule_for(global_name(f"{name}.weight", groups.stage), arch, ep_rank, n_local)
             rank, size = _rank_size(groups.etp if rule.expert else groups.tp)
             for i, proj in enumerate(lin.qrl_lora.projections):
                 if proj not in lin.lora_A:

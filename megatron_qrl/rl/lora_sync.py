@@ -16,6 +16,13 @@ on top, ``rollout/lora_adapters.py``)::
 The base never changes after :func:`megatron_qrl.models.lora.freeze_base`, so it is sent once;
 a resumed run sends it again (``base_sent`` starts False). Every stream here is collective
 over the trainer's TP / EP groups: ranks other than 0 call :meth:`LoraSync.consume`.
+
+Under pipeline parallelism every stream is each stage's own (its layers' base tensors,
+adapters and merged weights under their global names) and reaches rank 0 stage by stage
+through :func:`megatron_qrl.rl.pipeline.stream_to_main`; a stage merges its own adapters into
+its own base, so no rank gathers the model. Whether a sync has a merge part is agreed over
+the pipeline group (:func:`megatron_qrl.rl.pipeline.any_stage`): one stage may hold no merged
+adapter.
 """
 
 from __future__ import annotations
@@ -30,12 +37,26 @@ from megatron_qrl.models.lora_config import LoraConfig
 from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn, is_aqn_target
 from megatron_qrl.quant.spec import QuantSpec
+from megatron_qrl.rl.pipeline import any_stage, stream_to_main
 from megatron_qrl.rl.sync import SyncResult, sync_weights
 from megatron_qrl.rollout.base import WeightManifest, WeightSyncError, once_each
 from megatron_qrl.rollout.lora_serving import LoraServing, hf_weight_of
 from megatron_qrl.utils.hf_names import parse
 
 __all__ = ["LoraSync"]
+
+
+def _stage(trainer: Any) -> Any:
+    """The trainer's pipeline stage (None: one stage)."""
+    stage = getattr(trainer.policy.groups, "stage", None)
+    return stage if stage is not None and stage.size > 1 else None
+
+
+def _to_main(trainer: Any, stream: Iterator[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream`` of this stage; under PP every stage's on rank 0 (module docstring)."""
+    stage = _stage(trainer)
+    return stream if stage is None else stream_to_main(stage, stream)
 
 
 @dataclass
@@ -54,9 +75,11 @@ class LoraSync:
         full = not self.base_sent
         return full, (not full) and (sigma > 0.0 or self.norms_noisy)
 
+    def _base(self, trainer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return base_hf_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups)
+
     def _norms(self, trainer: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, t) for n, t in base_hf_tensors(trainer.module, trainer.policy.arch,
-                                                   trainer.policy.groups) if is_aqn_target(n))
+        return ((n, t) for n, t in self._base(trainer) if is_aqn_target(n))
 
     def _adapters(self, trainer: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return adapter_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups)
@@ -67,20 +90,19 @@ class LoraSync:
         sigma = aqn.sigma(aqn_step, total_steps) if aqn is not None else 0.0
         full, norms = self._plan(sigma)
         if full:
-            sync_weights(base_hf_tensors(trainer.module, trainer.policy.arch,
-                                         trainer.policy.groups), engine, spec, version, aqn,
+            sync_weights(_to_main(trainer, self._base(trainer)), engine, spec, version, aqn,
                          seed, aqn_step, total_steps)
             self.base_sent = True
         elif norms:
-            stream = self._norms(trainer)
+            stream = _to_main(trainer, self._norms(trainer))
             if sigma > 0.0:
                 stream = apply_aqn(stream, sigma, AQNConfig.generator(seed, version))
             engine.update_base_tensors(list(stream), version=version)
         self.norms_noisy = sigma > 0.0
         manifest = WeightManifest()
-        tensors = dict(manifest.record(self._adapters(trainer)))
+        tensors = dict(manifest.record(_to_main(trainer, self._adapters(trainer))))
         served, merged = self.serving.split(tensors) if self.serving else (tensors, {})
-        if merged:
+        if any_stage(_stage(trainer), bool(merged)):
             self._send_merged(trainer, engine, spec, merged, version)
         if served:
             self._send_adapter(engine, served, manifest, version)
@@ -103,12 +125,12 @@ class LoraSync:
 
     def _merged_stream(self, trainer: Any, merged: dict) -> Iterator[tuple[str, torch.Tensor]]:
         """``W0 + (alpha/r) B A`` of every tensor of the engine modules ``merged`` touches
-        (collective: every rank iterates the base)."""
+        (collective: every rank iterates its base; under PP each stage merges its own layers
+        and rank 0 yields every stage's)."""
         touched = {parse(hf_weight_of(n)).engine_module for n in merged}
-        base = base_hf_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups)
-        picked = ((n, t) for n, t in base
+        picked = ((n, t) for n, t in self._base(trainer)
                   if (p := parse(n)) is not None and p.engine_module in touched)
-        return merge_into(picked, merged, self.config.scaling)
+        return _to_main(trainer, merge_into(picked, merged, self.config.scaling))
 
     def _send_merged(self, trainer: Any, engine: Any, spec: QuantSpec, merged: dict,
                      version: int) -> None:
@@ -124,23 +146,22 @@ class LoraSync:
         engine.update_packed_tensors(sent.record(packed), version=version)
         sent.compare(engine.held_checksums())
 
-    def _merges(self, names: list[str]) -> bool:
-        return self.serving is not None and any(self.serving.path_of(n) == "merge"
-                                                for n in names)
-
     def consume(self, trainer: Any, aqn: AQNConfig | None, aqn_step: int,
                 total_steps: int) -> None:
-        """Ranks other than 0: take part in the same gathers as :meth:`send`."""
+        """Ranks other than 0: take part in the same gathers (and, under PP, stage sends) as
+        :meth:`send`."""
         sigma = aqn.sigma(aqn_step, total_steps) if aqn is not None else 0.0
         full, norms = self._plan(sigma)
-        streams = [base_hf_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups)
-                   ] if full else [self._norms(trainer)] if norms else []
+        streams = [self._base(trainer)] if full else [self._norms(trainer)] if norms else []
         for stream in streams:
-            for _ in stream:
+            for _ in _to_main(trainer, stream):
                 pass
-        names = [n for n, _ in self._adapters(trainer)]
-        if self._merges(names):  # the same base gathers as _merged_stream on rank 0
-            for _ in base_hf_tensors(trainer.module, trainer.policy.arch, trainer.policy.groups):
+        local = list(self._adapters(trainer))
+        for _ in _to_main(trainer, iter(local)):
+            pass
+        merged = self.serving.split(dict(local))[1] if self.serving else {}
+        if any_stage(_stage(trainer), bool(merged)):  # as _send_merged on rank 0
+            for _ in self._merged_stream(trainer, merged):
                 pass
         self.base_sent = True
         self.norms_noisy = sigma > 0.0

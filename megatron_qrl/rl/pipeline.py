@@ -17,8 +17,9 @@ What lives on the last stage only and is broadcast over the pipeline group here:
 per-token log-probs of the pi_prox recompute (:func:`log_probs_from_last`) and the loss
 metrics of an update (:func:`metrics_from_last`). Routing agreement is measured by each stage
 on its own MoE layers and combined weighted by layer count (:func:`layer_weighted_sum`). The
-weight sync streams each stage's own tensors to rank 0 one at a time
-(:func:`stream_to_main`), never gathering the model on one rank.
+weight sync (the LoRA sync's base, adapters and merged weights too, ``rl.lora_sync``) streams
+each stage's own tensors to rank 0 one at a time (:func:`stream_to_main`), never gathering the
+model on one rank.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["layer_weighted_sum", "log_probs_from_last", "metrics_from_last", "pipeline_problem",
+__all__ = ["any_stage", "layer_weighted_sum", "log_probs_from_last", "metrics_from_last", "pipeline_problem",
            "stream_to_main", "uniform_shape"]
 
 
@@ -38,11 +39,7 @@ def pipeline_problem(configs: Mapping[str, Any], pp: int) -> str | None:
     one line naming it and the fix (None: none)."""
     if pp <= 1:
         return None
-    run, lora = configs["run"], configs.get("lora")
-    if lora is not None and lora.enabled:
-        return (f"--qrl-lora-rank {lora.rank} with --pipeline-model-parallel-size {pp}: the "
-                "LoRA weight sync (base once, then adapters) does not stream pipeline stages "
-                "to the engine yet; drop --qrl-lora-rank or use --pipeline-model-parallel-size 1")
+    run = configs["run"]
     uaq = configs.get("uaq")
     if uaq is not None and uaq.enabled:
         return (f"--qrl-uaq-scale {uaq.scale} with --pipeline-model-parallel-size {pp}: UAQ at "
@@ -102,6 +99,15 @@ def metrics_from_last(stage: Any, metrics: dict[str, float]) -> dict[str, float]
     box = [metrics if stage.last else None]
     dist.broadcast_object_list(box, src=_last_rank(stage), group=stage.group)
     return box[0]
+
+
+def any_stage(stage: Any, flag: bool) -> bool:
+    """``flag`` of any stage of this rank's pipeline group (``flag`` itself without one)."""
+    if stage is None:
+        return flag
+    box = torch.tensor([int(flag)], dtype=torch.int32, device=_device())
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=stage.group)
+    return bool(box.item())
 
 
 def layer_weighted_sum(stage: Any, values: torch.Tensor, layers: int) -> torch.Tensor:

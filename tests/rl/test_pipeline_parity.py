@@ -5,11 +5,15 @@ The tiny Qwen3 / Qwen3-MoE models (2 layers: one per stage) are built by
 puts each stage's layers under their global names), then run the pi_prox recompute (forward
 only: the log-probs come from the last stage) and one optimizer step through megatron-core's
 1F1B schedule, for every loss kind, error tokens, the rollout-aligned forward, routing replay,
-tied embeddings and LoRA. Compared with the PP = 1 run: the recomputed log-probs, the loss
-metrics (broadcast from the last stage), routing agreement (each stage's MoE layers), the
-fingerprints a reference engine holds after a weight sync of the loaded weights (int8 packing
-with AQN noise; each stage streams its own tensors to rank 0), the grad norm, every gradient after megatron's reduction (``main_grad``; for tied embeddings the first
-stage's embedding and the last stage's copy both hold the sum) and every updated parameter.
+tied embeddings and LoRA (dense; MoE with expert adapters). Compared with the PP = 1 run: the
+recomputed log-probs, the loss metrics (broadcast from the last stage), routing agreement (each
+stage's MoE layers), the fingerprints a reference engine holds after a weight sync (int8
+packing with AQN noise; each stage streams its own tensors to rank 0: the loaded weights, or
+for LoRA ``rl.lora_sync`` before and after the update: frozen base + adapters, then noisy norm
+gains + adapters, the expert adapters merged into their modules by the stage that holds them),
+the grad norm, every gradient after megatron's reduction (``main_grad``; for tied embeddings
+the first stage's embedding and the last stage's copy both hold the sum) and every updated
+parameter. Fingerprints are compared bit for bit: each stage packs the same tensors.
 
 Tolerance: PP splits the same per-layer computation over two processes and sends the fp32
 activations unchanged, so each layer runs the same kernels on the same inputs; what may differ
@@ -47,6 +51,8 @@ CASES: dict[str, tuple[bool, list[str], dict]] = {
     "dense-aligned": (False, [*DENSE, "--qrl-train-forward", "aligned", "--qrl-loss-kind",
                               "acr"], {}),
     "dense-lora": (False, [*DENSE, "--qrl-lora-rank", "4", "--qrl-loss-kind", "tis"], {}),
+    "moe-lora-experts": (True, [*MOE, "--qrl-lora-rank", "4", "--qrl-lora-experts",
+                                "--qrl-loss-kind", "tis"], {}),
     **{f"moe-{k}": (True, [*MOE, "--qrl-loss-kind", k], {})
        for k in ("ppo_clip", "decoupled", "tis", "acr")},
     "moe-aligned-replay-recompute": (True, [*MOE[:3], "recompute", "--qrl-train-forward",
@@ -94,8 +100,9 @@ def _case(moe: bool, flags: list[str], overrides: dict, groups) -> dict:
         _set_adapters(trainer.module, stage)
     start = {global_name(n, stage): p.detach().clone()
              for n, p in trainer.module.named_parameters()}
-    held = _sync(trainer, configs, tiny_config("moe" if moe else "dense", **overrides)) \
-        if plan.lora is None else None
+    hf_config = tiny_config("moe" if moe else "dense", **overrides)
+    lora = _LoraEngine(trainer, configs, hf_config) if plan.lora is not None else None
+    held = _sync(trainer, configs, hf_config) if lora is None else lora.sync(1)
     loss_fn = make_loss_fn(configs)
     mbs = split_batch(_batch(moe_layers=arch.num_layers if moe else 0, vocab=arch.vocab_size), 2)
     g = torch.Generator().manual_seed(1)
@@ -104,6 +111,8 @@ def _case(moe: bool, flags: list[str], overrides: dict, groups) -> dict:
         mb["rollout_log_probs"] = lp + 0.05 * torch.randn(lp.shape, generator=g)
     agreement = trainer.last_routing_agreement
     metrics, grad_norm = trainer.train_step(mbs, loss_fn)
+    if lora is not None:
+        held = lora.close(held, lora.sync(2))
     named = list(trainer.module.named_parameters())
     return {"log_probs": [mb["old_log_probs"] for mb in mbs], "agreement": agreement,
             "metrics": metrics, "grad_norm": grad_norm,
@@ -148,6 +157,42 @@ def _sync(trainer, configs: dict, hf_config: dict) -> dict[str, str] | None:
         engine.shutdown()
 
 
+class _LoraEngine:
+    """A reference engine on rank 0 kept in sync with a LoRA trainer by ``rl.lora_sync``
+    (the other ranks take part through ``LoraSync.consume``); AQN on."""
+
+    def __init__(self, trainer, configs: dict, hf_config: dict) -> None:
+        import torch.distributed as dist
+
+        from megatron_qrl.rl.lora_sync import LoraSync
+        from megatron_qrl.rl.sync import make_engine
+        from megatron_qrl.rollout.lora_serving import resolve_lora_serving
+
+        lora, rollout = configs["lora"], configs["rollout"]
+        serving = resolve_lora_serving("reference", rollout.format, lora.targets,
+                                       is_moe=trainer.policy.arch.is_moe, experts=lora.experts)
+        self.trainer, self.spec, self.lora = trainer, rollout.spec, LoraSync(lora, serving)
+        self.engine = make_engine(rollout, hf_config, 0) if dist.get_rank() == 0 else None
+
+    def sync(self, version: int) -> list[dict[str, str]] | None:
+        """Sync ``version``; rank 0: the engine's base and adapter fingerprints after it."""
+        from megatron_qrl.quant.aqn import AQNConfig
+
+        aqn = AQNConfig(enabled=True)
+        if self.engine is None:
+            self.lora.consume(self.trainer, aqn, 5, 10)
+            return None
+        self.lora.send(self.trainer, self.engine, self.spec, version, aqn, 0, 5, 10)
+        return [self.engine.held_checksums(), self.engine.held_lora_checksums()]
+
+    def close(self, first: list | None, second: list | None) -> list | None:
+        """Both syncs' fingerprints (rank 0; None elsewhere); the engine shut down."""
+        if self.engine is None:
+            return None
+        self.engine.shutdown()
+        return first + second
+
+
 def _body(rank, world_size, port, pp: int, names: list[str]) -> dict:
     from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
     from megatron_qrl.models.streaming import groups_from_parallel_state
@@ -184,7 +229,10 @@ def _assert_parity(ref: dict, stages: list[dict], name: str) -> None:
             assert got["agreement"] is None, name
         else:
             assert got["agreement"] == pytest.approx(ref["agreement"], rel=TOL), name
-    if ref["held"] is not None:  # the engine's fingerprints: every tensor, bit for bit
+    if isinstance(ref["held"], list):  # LoRA: base, adapters; after the update: both again
+        assert stages[0]["held"] == ref["held"] and all(ref["held"]), name
+        assert ref["held"][3] != ref["held"][1], name  # the update moved the adapters
+    elif ref["held"] is not None:  # the engine's fingerprints: every tensor, bit for bit
         assert stages[0]["held"] == ref["held"] and len(ref["held"]) > 10, name
     grads, params = _merged(stages, "grads"), _merged(stages, "params")
     tied = "output_layer.weight" in params and "output_layer.weight" not in ref["params"]
@@ -225,7 +273,9 @@ def test_pp2_equals_pp1(group):
         assert moved > 1e-4, name  # the update moved the weights (far above PARAM_TOL)
     if group == "dense-features":  # error tokens flagged, not all
         assert 0 < ref["dense-tied-error-tokens"]["metrics"]["error_improbable_rate"] < 1
-    if group == "moe":
+    if group == "moe":  # the expert adapters were merged: the experts' packs changed
+        held = ref["moe-lora-experts"]["held"]
+        assert any(held[2][k] != v for k, v in held[0].items() if ".experts." in k)
         assert all(ref[n]["agreement"] is not None for n in names)
         assert ref["moe-tis"]["agreement"] < 1.0  # recompute: replayed; update: own routing
 
