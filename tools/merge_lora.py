@@ -10,7 +10,8 @@ product in fp32) with the frozen base as the trainer held it (NF4 / rollout-form
 dequantized), plus config.json and the tokenizer. ``--adapter-out`` also writes the PEFT
 adapter (adapter_model.safetensors + adapter_config.json). Quantize the merged checkpoint for
 SGLang with tools/export_quantized.py. Runs with Megatron shape flags after ``--`` are not
-reconstructed (only the tiny models and ``--qrl-model checkpoint``). ``--out`` /
+reconstructed (only the tiny models and ``--qrl-model checkpoint``). A pipeline-parallel run's
+stages are joined into the one-stage model (its TP / EP shards are not: one error). ``--out`` /
 ``--adapter-out`` must not overlap the run directory; ``--overwrite`` replaces only an earlier
 output of this tool.
 
@@ -104,7 +105,7 @@ def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | No
     from megatron_qrl.models.hf_io import save_safetensors, write_safetensors
     from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
     from megatron_qrl.models.runtime import single_process_megatron
-    from megatron_qrl.rl.checkpoint import latest_checkpoint
+    from megatron_qrl.rl.checkpoint import latest_checkpoint, model_state_of
     from megatron_qrl.rl.driver import prepare_job
     from megatron_qrl.rl.forward import forward_plan
     from megatron_qrl.rl.lora_sync import enter_lora
@@ -131,7 +132,7 @@ def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | No
     with single_process_megatron():
         trainer = PolicyTrainer(build_policy(data.arch, 1e-4, forward_plan(configs, data.arch)))
         enter_lora(trainer, configs)
-        model_state = state["trainer"]["model"]
+        model_state = model_state_of(state, path, data.arch)  # (a PP run's stages joined)
         if not any(".qrl_base." in k for k in model_state):
             raise ValueError(f"{path} was written before the RL phase (no frozen base); merge a "
                              "checkpoint of the LoRA phase")

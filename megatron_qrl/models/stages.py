@@ -10,16 +10,20 @@ all-reduce, gradients summed over the embedding group in ``finalize_model_grads`
 
 :class:`PipelineStage` says where this rank's stage sits; :func:`global_name` turns a local
 parameter name into the name the whole model would give it, which the one HF name map
-(``models.mapping``) reads.
+(``models.mapping``) reads; :func:`whole_model_state` joins the stages' state dicts into the
+one-stage model's.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PipelineStage", "global_name", "is_tied_output_copy"]
+import torch
+
+__all__ = ["PipelineStage", "global_name", "is_tied_output_copy", "whole_model_state"]
 
 _LAYER = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)(\..+)$")
 
@@ -66,3 +70,22 @@ def is_tied_output_copy(name: str, tied: bool, stage: PipelineStage | None) -> b
     """True for the last stage's copy of tied word embeddings (not a weight of its own)."""
     return tied and stage is not None and not stage.first and \
         re.sub(r"^(?:module\.)+", "", name) == "output_layer.weight"
+
+
+def whole_model_state(stage_states: Sequence[Mapping[str, torch.Tensor]], num_layers: int,
+                      tied: bool) -> dict[str, torch.Tensor]:
+    """The one-stage model's state dict from each stage's (``stage_states[s]``: pipeline
+    rank ``s``'s ``state_dict()``, local layer indices): decoder-layer indices made global,
+    the last stage's copy of tied word embeddings left out. Raises ValueError where two
+    stages disagree on a tensor both hold (the tied copy, or one outside the layers)."""
+    size, out = len(stage_states), {}
+    for rank, state in enumerate(stage_states):
+        stage = PipelineStage.of(rank, size, num_layers)
+        for key, value in state.items():
+            name = "embedding.word_embeddings.weight" if is_tied_output_copy(
+                key, tied, stage) else global_name(key, stage)
+            if name in out and not torch.equal(out[name], value):
+                raise ValueError(f"pipeline stage {rank}'s {key} differs from an earlier stage's "
+                                 f"{name}: the checkpoint's stages do not hold one model")
+            out.setdefault(name, value)
+    return out

@@ -46,7 +46,8 @@ from megatron_qrl.utils.outdir import MARKER_NAME, read_marker
 from megatron_qrl.utils.run_lock import LOCK_NAME
 
 __all__ = ["CKPT_DIR", "DriverCheckpointError", "checkpoint_problem", "latest_checkpoint",
-           "load_driver_checkpoint", "prepare_output_dir", "save_driver_checkpoint"]
+           "load_driver_checkpoint", "model_state_of", "prepare_output_dir",
+           "save_driver_checkpoint"]
 
 CKPT_DIR = "checkpoints"
 TOOL = "qrl-train"
@@ -170,6 +171,35 @@ def save_driver_checkpoint(output_dir: str | Path, next_step: int, trainer_state
         old.unlink()
         _sum_path(old).unlink(missing_ok=True)
     return path
+
+
+def model_state_of(state: dict, path: str | Path, arch: Any) -> dict[str, torch.Tensor]:
+    """The whole model's trainer state dict in a driver checkpoint ``state`` (read from
+    ``path``; ``arch``: the run's ``ModelArch``): rank 0's of a one-process run; a
+    pipeline-parallel run's stages joined (``models.stages.whole_model_state``; one rank a
+    stage, data-parallel replicas hold the same weights). A tensor / expert-parallel run's
+    shards are refused in one line naming its layout."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_qrl.models.stages import whole_model_state
+
+    ranks = state.get("rank_states")
+    if not ranks:
+        return state["trainer"]["model"]
+    layout = state["flags"].get("megatron_layout", "")
+    sizes = dict(p.split("=", 1) for p in layout.split(",") if "=" in p)
+    sharded = [f"{k}={v}" for k, v in sizes.items() if k in ("tp", "ep", "etp") and v != "1"]
+    if sharded:
+        raise ValueError(f"{path}: written by a run with {', '.join(sharded)} ({layout}); its "
+                         "tensor / expert-parallel shards are not joined into one model here "
+                         "(pipeline stages and data-parallel replicas are): use a checkpoint "
+                         "of a run with --tensor-model-parallel-size 1 "
+                         "--expert-model-parallel-size 1")
+    pp = int(sizes.get("pp", 1))
+    first = RankGenerator(tp=1, ep=1, dp=len(ranks) // pp, pp=pp, cp=1,
+                          order="tp-cp-ep-dp-pp").get_ranks("pp")[0]  # megatron's rank order
+    return whole_model_state([ranks[r]["model"] for r in first], arch.num_layers,
+                             arch.tie_word_embeddings)
 
 
 def latest_checkpoint(output_dir: str | Path,
