@@ -353,8 +353,11 @@ def _refuse(ns: argparse.Namespace, explicit: frozenset[str]) -> None:
     if virtual:
         raise QrlArgumentError(
             f"{virtual[0]}: qrl-train runs megatron-core's non-interleaved 1F1B pipeline "
-            "schedule (one model chunk per stage); interleaved virtual stages are not wired: "
-            "drop the flag (--pipeline-model-parallel-size alone)")
+            "schedule, one model chunk per pipeline rank: the interleaved schedule of "
+            "megatron-core 0.16.1 takes V chunks per rank (each its own non-contiguous layers "
+            "and data iterator), and the trainer's weight sync, LoRA, routing replay and "
+            "checkpoints address one contiguous stage per rank; drop the flag "
+            "(--pipeline-model-parallel-size alone)")
     _refuse_memory_flags(ns, explicit)
     if ns.fp16:
         raise QrlArgumentError(

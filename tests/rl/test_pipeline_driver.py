@@ -61,16 +61,19 @@ def test_refusals_name_the_flag():
                          (["--qrl-max-tokens-per-micro-batch", "64"],
                           "--qrl-max-tokens-per-micro-batch"),
                          (["--qrl-log-prob-max-tokens", "64"], "--qrl-log-prob-max-tokens"),
-                         (["--qrl-model", "tiny-dense", "--qrl-routing-replay", "off",
-                           "--qrl-train-forward", "bf16", "--qrl-lora-rank", "4"],
-                          "--qrl-lora-rank 4"),
                          (["--qrl-uaq-scale", "1.5", "--qrl-lr", "1e-6"], "--qrl-uaq-scale 1.5")):
         with pytest.raises(QrlArgumentError, match=f"{named}.*--pipeline-model-parallel-size 2"):
             parse_configs([*flags, *pp])
     for virtual in ("--num-layers-per-virtual-pipeline-stage",
                     "--num-virtual-stages-per-pipeline-rank"):
-        with pytest.raises(QrlArgumentError, match=f"{virtual} 1: .*non-interleaved 1F1B"):
+        with pytest.raises(QrlArgumentError, match=f"{virtual} 1: .*non-interleaved 1F1B.*"
+                                                   "takes V chunks per rank"):
             parse_configs([*pp, virtual, "1"])
+    lora = ["--qrl-model", "tiny-dense", "--qrl-routing-replay", "off", "--qrl-train-forward",
+            "bf16", "--qrl-lora-rank", "4"]  # LoRA streams its stages (rl.lora_sync)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WORLD_SIZE", "2")  # (torchrun's two ranks: one a stage)
+        assert parse_configs([*lora, *pp])[0]["lora"].enabled
     with pytest.raises(QrlArgumentError, match="--pipeline-model-parallel-size 2 .*divisible "
                                                "by 2.*--nproc-per-node 2"):
         parse_configs(pp)  # one process cannot hold two stages
@@ -150,3 +153,16 @@ def test_pp2_times_tp2_or_ep2_matches_one_process(hf_dir, reference, tmp_path, o
     got = _run(tmp_path / "run", (), ("--load", str(hf_dir), "--lr", "1e-5", "--train-iters", "1",
                                       "--pipeline-model-parallel-size", "2", *other), 4)
     assert_records_close(reference[:3], got, COMPARED, skip_missing=True)
+
+
+@pytest.mark.slow
+def test_lora_pp2_matches_one_process(hf_dir, tmp_path):
+    """LoRA (adapters on each stage, the frozen base and then adapters streamed stage by stage
+    into the engine by ``rl.lora_sync``): one RL step on PP 2 equals the one-process run
+    (refused before the LoRA sync streamed stages)."""
+    lora = ("--qrl-lora-rank", "4")
+    layout = ("--load", str(hf_dir), "--lr", "1e-5", "--train-iters", "1")
+    ref = _run(tmp_path / "one", lora, layout, 1)
+    got = _run(tmp_path / "pp", lora, (*layout, "--pipeline-model-parallel-size", "2"), 2)
+    assert [r["phase"] for r in got] == ["sft", "sft", "rl"]
+    assert_records_close(ref, got, COMPARED, skip_missing=True)
