@@ -158,11 +158,16 @@ def test_pp2_times_tp2_or_ep2_matches_one_process(hf_dir, reference, tmp_path, o
 @pytest.mark.slow
 def test_lora_pp2_matches_one_process(hf_dir, tmp_path):
     """LoRA (adapters on each stage, the frozen base and then adapters streamed stage by stage
-    into the engine by ``rl.lora_sync``): one RL step on PP 2 equals the one-process run
-    (refused before the LoRA sync streamed stages)."""
+    into the engine by ``rl.lora_sync``): warm-up and one RL step on PP 2 equal the
+    one-process run (refused before the LoRA sync streamed stages): the RL step's samples and
+    rewards come from the engine the stages synced. Not the grad norm: each stage draws its
+    adapters' A from the seeded RNG in its own build order, so the runs hold other A (B = 0:
+    the same policy until the first update; tests/rl/test_pipeline_parity.py sets A by name
+    and compares the gradients and the update)."""
     lora = ("--qrl-lora-rank", "4")
     layout = ("--load", str(hf_dir), "--lr", "1e-5", "--train-iters", "1")
     ref = _run(tmp_path / "one", lora, layout, 1)
     got = _run(tmp_path / "pp", lora, (*layout, "--pipeline-model-parallel-size", "2"), 2)
     assert [r["phase"] for r in got] == ["sft", "sft", "rl"]
-    assert_records_close(ref, got, COMPARED, skip_missing=True)
+    assert_records_close(ref, got, [k for k in COMPARED if k != "grad_norm"],
+                         skip_missing=True)
