@@ -102,8 +102,7 @@ QRL_ARGS=(
    --custom-loss-function-path megatron_qrl.integrations.slime.loss.qrl_policy_loss
    --qrl-loss-kind "${LOSS}"
    --qrl-loss-tis-cap 2.0
-   --qrl-loss-aggregation token_mean
-   --calculate-per-token-loss
+   --qrl-loss-aggregation seq_mean_token_mean   # slime's per-sample mean (TBPO needs it)
    --qrl-rollout-format fp8_block
    --qrl-train-forward aligned
    --spec megatron_qrl.integrations.slime.model qrl_layer_spec
