@@ -28,8 +28,9 @@ case $phase in
     du -sh /tmp/slime /tmp/mlm "$SLIME_SITE"
     te_env
     python3 -c "import slime.utils.arguments, megatron.training.arguments, sglang_router, wandb, torch_memory_saver; print('slime imports')" || exit 1
-    python3 -m pytest -q -rs -n 0 tests/integrations/test_integrations_slime.py \
-      -k "launcher_parses or example_script" 2>&1 | tee "$OUT/slime_launcher_test.log" | tail -n 15 ;;
+    python3 -m pytest -q -rs -n 0 tests/integrations/test_integrations_slime_examples.py \
+      "tests/integrations/test_integrations_slime.py::test_launcher_parses_a_real_slime_command_line" \
+      2>&1 | tee "$OUT/slime_launcher_test.log" | tail -n 15 ;;
   slime-ckpt)
     te_env; c=/tmp/qrl_random_ckpt/qwen3_4b-${LAYERS:-8}L
     [ -f $c/config.json ] || python3 tools/make_random_checkpoint.py --config qwen3_4b \
