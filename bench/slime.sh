@@ -16,6 +16,7 @@
 # image's own packages win).
 SLIME_SITE=/tmp/slime_site
 export PYTHONPATH=/tmp/mlm:$PYTHONPATH:/tmp/slime:$SLIME_SITE SLIME_SRC=/tmp/slime
+export PATH=/tmp/ray_site/bin:$SLIME_SITE/bin:$PATH  # `ray start` of the example script
 case $phase in
   slime-part)
     n=${2:?part number}; mkdir -p /tmp/slime_stage/slime$n
