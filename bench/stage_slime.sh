@@ -3,16 +3,16 @@
 #   .stage/slime1  slime's repository at its 0.3.1 commit (slime/, train.py, scripts/models,
 #                  docker/patch/latest), the Megatron-LM tree at the commit slime's Dockerfile
 #                  pins with slime's two Megatron patches applied, and the small py3.12 wheels
-#                  slime imports that the SGLang site (.stage/s1) lacks       (~23 MB)
+#                  slime imports that the SGLang site (.stage/s1) lacks       (22.3 MiB)
 #   .stage/slime2  the two large wheels: wandb (slime imports it at start) and sglang-router
-#                  0.3.2 (slime's parse_args imports its RouterArgs)              (~51 MB)
+#                  0.3.2 (slime's parse_args imports its RouterArgs)              (48.7 MiB)
 # bench/slime.sh (the slime-* phases of bench/h200.sh) unpacks them on the device.
 #
 #   SLIME_GIT=DIR MEGATRON_GIT=DIR bash bench/stage_slime.sh     (from the repo root)
 #
 # SLIME_GIT / MEGATRON_GIT: git directories holding slime's commit below and Megatron-LM's
 # pinned commit (e.g. the snapshots of THUDM/slime and NVIDIA/Megatron-LM the session's fetch
-# tool brings under /work/.mirror/). Measured: .stage/slime1 22.6 MB, .stage/slime2 51.1 MB.
+# tool brings under /work/.mirror/). Measured: .stage/slime1 22.3 MiB, .stage/slime2 48.7 MiB.
 set -euo pipefail
 SLIME_COMMIT=624b824a8        # slime 0.3.1 (setup.py version), shared/third_party/slime-0.3.1
 MEGATRON_COMMIT=1dcf0dafa884ad52ffb243625717a3471643e087  # slime's docker/Dockerfile ARG
