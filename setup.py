@@ -36,7 +36,10 @@ setup(
                  # SGLang's event loop: the crash tests run their fake engine on it too
                  "uvloop==0.21.0",
                  # slime 0.3.1's loss module imports it: tests/integrations/test_integrations_slime*.py
-                 "httpx"],
+                 "httpx",
+                 # slime 0.3.1's reward dispatch (slime.rollout.rm_hub) imports them:
+                 # tests/integrations/test_integrations_slime_data.py
+                 "aiohttp", "pylatexenc"],
         "ray": ["ray>=2.40"],
         # GPU-only: neither installs nor imports on a CPU machine; imported lazily.
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang>=0.5.17"],

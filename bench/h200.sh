@@ -111,13 +111,15 @@
 #   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single; MODE=colocated: the engine
 #               in a Ray actor, needs ray-install), 3 RL steps on the random Qwen3-4B, no checkpoint
 #               written; the metrics go to $OUT/example4b_${MODE}_metrics.jsonl
+#   slime-part N, slime-install, slime-ckpt, slime-run   slime 0.3.1 staged and run with and
+#               without our flags on one GPU: bench/slime.sh, sourced here, lists what each does
 #   mg-parity, mg-engine, mg-fleet, mg-dist-test, mg-sync, mg-30b   the multi-GPU runs
 #               (nvidia-h200-x2 / -x8): bench/multigpu.sh, sourced here, lists what each does
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -437,5 +439,6 @@ case $phase in
         --engines $n --out "$OUT/throughput_fleet.jsonl" 2>&1 | grep -E "^\||Error" | tail -n 4
     done ;;
   mg-*) source bench/multigpu.sh ;;  # the multi-GPU phases (their list is there)
+  slime-*) source bench/slime.sh ;;  # slime 0.3.1 (its list is there)
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Write a randomly initialised HF checkpoint (safetensors + config.json + the char tokenizer).
+"""Write a randomly initialised HF checkpoint (safetensors + config.json + the char tokenizer
++ the synthetic addition prompts).
 
     python tools/make_random_checkpoint.py --config qwen3_4b --out /tmp/qwen3-4b-random
     python tools/make_random_checkpoint.py --config qwen3_30b_a3b --layers 8 --out DIR
@@ -14,6 +15,14 @@ from its own generator (seed + name), on the GPU when there is one, and streamed
 safetensors shards, so at most one shard (``--shard-gb``) is held in host memory. The
 directory appears atomically (``utils.outdir.safe_output_dir``: built under a temporary name,
 marked as this tool's output, renamed; ``--overwrite`` replaces only an earlier output).
+
+Beside the weights: the character tokenizer (``CharTokenizer.save``: our file and an HF
+``tokenizer.json`` + ``tokenizer_config.json``, so ``AutoTokenizer.from_pretrained(DIR)`` — what
+slime and SGLang load from ``--hf-checkpoint`` — gives the same ids) and ``--prompts N``
+synthetic addition problems (seeded by ``--seed``) as :data:`PROMPTS_FILE`, one
+``{"prompt": "12+34=", "answer": "46"}`` per line: ``qrl-train --qrl-task-prompts`` reads it,
+and so does slime (``--prompt-data DIR/prompts.jsonl --input-key prompt --label-key answer``
+with ``--custom-rm-path megatron_qrl.integrations.slime.reward.qrl_math_reward``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 BUILTIN = ("qwen3_4b", "qwen3_30b_a3b")
+PROMPTS_FILE = "prompts.jsonl"
+"""The addition prompts written beside the weights (see the module docstring)."""
 
 
 def load_config(name: str, layers: int | None) -> dict:
@@ -67,9 +78,10 @@ def random_tensors(cfg: dict, seed: int, device: str) -> Iterator[tuple[str, tor
 
 def make_random_checkpoint(config: str, out: str | Path, layers: int | None = None,
                            seed: int = 0, shard_gb: float = 2.0, device: str | None = None,
-                           overwrite: bool = False) -> Path:
-    """Write the checkpoint directory ``out``; returns it."""
+                           overwrite: bool = False, prompts: int = 512) -> Path:
+    """Write the checkpoint directory ``out`` (with ``prompts`` addition problems); returns it."""
     from megatron_qrl.data import CharTokenizer
+    from megatron_qrl.data.synthetic import addition_problems, write_jsonl
     from megatron_qrl.models.hf_config import arch_from_dict
     from megatron_qrl.models.hf_io import write_safetensors
     from megatron_qrl.models.mapping import expected_hf_shapes
@@ -77,6 +89,11 @@ def make_random_checkpoint(config: str, out: str | Path, layers: int | None = No
     from megatron_qrl.utils.outdir import safe_output_dir
 
     cfg = load_config(config, layers)
+    from megatron_qrl.data.synthetic import count_addition_problems
+
+    if not 1 <= prompts <= count_addition_problems(1, 3):
+        raise ValueError(f"--prompts must be in [1, {count_addition_problems(1, 3)}] (distinct "
+                         f"1-3 digit addition problems), got {prompts}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     inputs = [] if config in BUILTIN else [config]
     need = 2 * sum(math.prod(s) for s in expected_hf_shapes(arch_from_dict(cfg, "--config")).values())
@@ -89,6 +106,7 @@ def make_random_checkpoint(config: str, out: str | Path, layers: int | None = No
         write_safetensors(random_tensors(cfg, seed, device), tmp,
                           max_shard_bytes=int(shard_gb * 2**30))
         CharTokenizer().save(tmp, hf=True)
+        write_jsonl(tmp / PROMPTS_FILE, addition_problems(prompts, seed))
     return Path(out)
 
 
@@ -101,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=positive_int, default=None,
                    help="decoder layers (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=positive_int, default=512,
+                   help=f"addition problems written as {PROMPTS_FILE} (1-3 digit operands)")
     p.add_argument("--shard-gb", type=positive_float, default=2.0,
                    help="safetensors shard size (GiB)")
     p.add_argument("--device", default=None, help="where to draw (default: cuda if present)")
@@ -115,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_tool("make_random_checkpoint", lambda: make_random_checkpoint(
         args.config, args.out, args.layers, args.seed, args.shard_gb, args.device,
-        args.overwrite), debug=args.debug)
+        args.overwrite, args.prompts), debug=args.debug)
 
 
 if __name__ == "__main__":

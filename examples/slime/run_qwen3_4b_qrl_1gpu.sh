@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# slime 0.3.1 GRPO on ONE GPU (H200), colocated (trainer and one SGLang engine share the GPU),
+# random Qwen3-4B-shaped weights (LAYERS of its 36 layers) on the synthetic addition task, 3
+# rollouts: slime as its users run it, with megatron_qrl's flags (QRL=1, the default) or
+# without them (QRL=0: the baseline, slime's own PPO loss on the BF16 checkpoint).
+#
+# STATUS: NOT RUN YET. Written from slime 0.3.1's code and its scripts/run-qwen3-4B.sh; on CPU
+# its QRL_ARGS parse and pass the options' checks against the slime flags beside them
+# (tests/examples/test_slime_example_1gpu.py). bench/h200.sh's slime-* phases run it.
+#
+# QRL=1 adds (docs/SLIME.md): fp8_block rollouts (--hf-checkpoint is the fp8_block export:
+# SGLang starts from it; every weight sync sends QuantSpec.pack of the trainer's weights), the
+# rollout-aligned training forward (--spec ... qrl_layer_spec), the LOSS (acr or tbpo) through
+# slime's custom-loss hook, QaRL error tokens, AQN on the rollout copy. Both runs use our
+# reward (--custom-rm-path ...reward.qrl_math_reward) on the prompts the checkpoint carries.
+#
+# Before the first run (from the megatron_qrl checkout; ~1 min on the GPU):
+#   python3 tools/make_random_checkpoint.py --config qwen3_4b --layers 8 --out $CKPT
+#   python3 tools/export_quantized.py --hf-dir $CKPT --format fp8_block --out $CKPT-fp8_block
+# Then: SLIME_DIR=/root/slime CKPT=... [QRL=0] [LOSS=tbpo] bash examples/slime/run_qwen3_4b_qrl_1gpu.sh
+# slime loads the HF weights itself (--load is an HF directory: slime 0.3.1's hf_to_megatron).
+# The driver runs here against a local Ray head (no `ray job submit`: no dashboard needed); the
+# trainer and rollout actors inherit PYTHONPATH, so export Megatron-LM's tree there first.
+set -euo pipefail
+
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SLIME_DIR=${SLIME_DIR:-/root/slime}
+CKPT=${CKPT:?CKPT=dir of tools/make_random_checkpoint.py (+ its -fp8_block export)}
+QRL=${QRL:-1}
+LOSS=${LOSS:-acr}
+LAYERS=${LAYERS:-8}
+ROLLOUTS=${ROLLOUTS:-3}
+SAVE=${SAVE:-/tmp/slime_qrl_run}
+
+source "${HERE}/examples/models/qwen3_4b.sh"   # MODEL_ARGS (Qwen3-4B's shape)
+MODEL_ARGS+=(--num-layers "${LAYERS}")        # the checkpoint's layers (last value wins)
+
+CKPT_ARGS=(
+   --hf-checkpoint "${CKPT}"
+   --load "${CKPT}"
+   --save "${SAVE}"
+)
+
+ROLLOUT_ARGS=(
+   --prompt-data "${CKPT}/prompts.jsonl"
+   --input-key prompt
+   --label-key answer
+   --rollout-shuffle
+   --custom-rm-path megatron_qrl.integrations.slime.reward.qrl_math_reward
+   --num-rollout "${ROLLOUTS}"
+   --rollout-batch-size 16
+   --n-samples-per-prompt 8
+   --rollout-max-response-len 256
+   --rollout-temperature 1
+   --global-batch-size 128
+)
+
+PERF_ARGS=(
+   --tensor-model-parallel-size 1
+   --pipeline-model-parallel-size 1
+   --context-parallel-size 1
+   --recompute-granularity full
+   --recompute-method uniform
+   --recompute-num-layers 1
+   --use-dynamic-batch-size
+   --max-tokens-per-gpu 8192
+)
+
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --entropy-coef 0.00
+)
+
+OPTIMIZER_ARGS=(
+   --optimizer adam
+   --lr 1e-6
+   --lr-decay-style constant
+   --weight-decay 0.1
+   --adam-beta1 0.9
+   --adam-beta2 0.98
+)
+
+SGLANG_ARGS=(
+   --rollout-num-gpus-per-engine 1
+   --sglang-mem-fraction-static 0.4
+   --sglang-attention-backend triton   # the staged SGLang site has no FA3 kernels
+   --sglang-grammar-backend none
+)
+
+MISC_ARGS=(
+   --attention-dropout 0.0
+   --hidden-dropout 0.0
+   --accumulate-allreduce-grads-in-fp32
+   --attention-softmax-in-fp32
+   --seed 1234
+)
+
+QRL_ARGS=(
+   --hf-checkpoint "${CKPT}-fp8_block"   # SGLang starts from the export (last value wins)
+   --loss-type custom_loss
+   --custom-loss-function-path megatron_qrl.integrations.slime.loss.qrl_policy_loss
+   --qrl-loss-kind "${LOSS}"
+   --qrl-loss-tis-cap 2.0
+   --qrl-loss-aggregation seq_mean_token_mean   # slime's per-sample mean (TBPO needs it)
+   --qrl-rollout-format fp8_block
+   --qrl-train-forward aligned
+   --spec megatron_qrl.integrations.slime.model qrl_layer_spec
+   --custom-megatron-init-path megatron_qrl.integrations.slime.hooks.qrl_megatron_init
+   --custom-megatron-before-log-prob-hook-path megatron_qrl.integrations.slime.hooks.qrl_before_log_prob
+   --custom-megatron-before-train-step-hook-path megatron_qrl.integrations.slime.hooks.qrl_before_train_step
+   --qrl-error-tokens-action mask
+   --rollout-data-postprocess-path megatron_qrl.integrations.slime.postprocess.qrl_rollout_data_postprocess
+   --qrl-aqn-enabled
+)
+BASELINE_ARGS=(
+   --eps-clip 0.2
+   --eps-clip-high 0.28
+   --get-mismatch-metrics   # slime's train / rollout log-prob mismatch metrics
+)
+
+if [ "${QRL}" = 1 ]; then
+   entry=(-m megatron_qrl.integrations.slime.launch); EXTRA=("${QRL_ARGS[@]}")
+else
+   entry=(train.py); EXTRA=("${BASELINE_ARGS[@]}")
+fi
+
+ray start --head --num-gpus 1 --include-dashboard=false --disable-usage-stats
+trap 'ray stop' EXIT
+cd "${SLIME_DIR}"
+RAY_ADDRESS=auto python3 "${entry[@]}" \
+   --actor-num-nodes 1 \
+   --actor-num-gpus-per-node 1 \
+   --colocate \
+   "${MODEL_ARGS[@]}" \
+   "${CKPT_ARGS[@]}" \
+   "${ROLLOUT_ARGS[@]}" \
+   "${OPTIMIZER_ARGS[@]}" \
+   "${GRPO_ARGS[@]}" \
+   "${PERF_ARGS[@]}" \
+   "${SGLANG_ARGS[@]}" \
+   "${MISC_ARGS[@]}" \
+   "${EXTRA[@]}"
