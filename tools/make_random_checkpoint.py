@@ -97,6 +97,8 @@ def make_random_checkpoint(config: str, out: str | Path, layers: int | None = No
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     inputs = [] if config in BUILTIN else [config]
     need = 2 * sum(math.prod(s) for s in expected_hf_shapes(arch_from_dict(cfg, "--config")).values())
+    tokenizer = CharTokenizer()  # the checkpoint's tokenizer: the config names its ids
+    cfg = {**cfg, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     with safe_output_dir(out, inputs, tool="make_random_checkpoint", overwrite=overwrite,
                          need_bytes=need) as tmp:
         atomic_write_json(tmp / "config.json", cfg)
@@ -105,7 +107,7 @@ def make_random_checkpoint(config: str, out: str | Path, layers: int | None = No
             "do_sample": True})
         write_safetensors(random_tensors(cfg, seed, device), tmp,
                           max_shard_bytes=int(shard_gb * 2**30))
-        CharTokenizer().save(tmp, hf=True)
+        tokenizer.save(tmp, hf=True)
         write_jsonl(tmp / PROMPTS_FILE, addition_problems(prompts, seed))
     return Path(out)
 

@@ -43,6 +43,9 @@ def test_tiny_checkpoint_loads_into_qrl_train_and_is_deterministic(tmp_path):
     assert len(list(out.glob("*.safetensors"))) > 1
     tok = load_tokenizer(out)
     assert tok.vocab_size <= start.arch.vocab_size
+    for name in ("config.json", "generation_config.json"):  # the ids of the tokenizer shipped
+        ids = json.loads((out / name).read_text())
+        assert (ids["bos_token_id"], ids["eos_token_id"]) == (tok.bos_id, tok.eos_id), name
     again = make_random_checkpoint(str(TINY_MOE), tmp_path / "again", layers=1, seed=3)
     from safetensors.torch import load_file
 
