@@ -5,7 +5,7 @@ The gathering sync (:func:`megatron_qrl.rl.sync.sync_weights` on
 0, which sends the whole model. Here (where :func:`sharded_sync_applies`, THE rule) every
 rank streams :func:`~megatron_qrl.rl.ep_send.sharded_hf_stream` (no gather over EP): rank 0
 its non-expert tensors and experts through the fleet's group 0
-(:meth:`~megatron_qrl.rollout.fleet_sync.FleetBroadcast.sharded`), EP sender ``s`` its
+(:meth:`~megatron_qrl.rollout.transports.fleet.FleetBroadcast.sharded`), EP sender ``s`` its
 experts through group ``s``, which it hosts. Per sync (and per re-sync of a restarted
 engine, announced to the other ranks as before: :mod:`megatron_qrl.rl.rank_resync`):
 
@@ -14,7 +14,7 @@ engine, announced to the other ranks as before: :mod:`megatron_qrl.rl.rank_resyn
    the engines changed: the senders then gather their rendezvous addresses to rank 0 and
    host their groups while the engine actors join);
 2. every rank packs its stream (AQN, then ``spec.pack_state_dict``) and records its
-   manifest; the senders send their segments (:func:`~megatron_qrl.rollout.weight_groups.
+   manifest; the senders send their segments (:func:`~megatron_qrl.rollout.transports.sharded.
    send_segments`), the other ranks drain theirs (their tensor-parallel gathers);
 3. the manifests are gathered to rank 0 and combined (a name sent twice is refused), and
    every engine is verified against them, with its weight version.
@@ -40,8 +40,9 @@ from megatron_qrl.rl.rank_resync import RESYNC, SYNC, post, receive
 from megatron_qrl.rl.sync import SyncResult
 from megatron_qrl.rollout.base import WeightManifest, WeightSyncError
 from megatron_qrl.rollout.broadcast import free_port, init_group
-from megatron_qrl.rollout.fleet_sync import release_group
-from megatron_qrl.rollout.weight_groups import send_segments, weight_group_plan
+from megatron_qrl.rollout.transports.fleet import release_group
+from megatron_qrl.rollout.transports.sharded import send_segments
+from megatron_qrl.rollout.weight_groups import weight_group_plan
 from megatron_qrl.utils.ranks import own_address
 
 __all__ = ["ShardedSync", "sharded_sync_applies"]
@@ -146,7 +147,7 @@ class ShardedSync:
                 send_segments(stream, self.group, device, how["bucket_bytes"])
             except Exception as exc:  # noqa: BLE001 - reported to rank 0, which restarts
                 error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-            if error is not None:  # after the except block (fleet_sync.release_group)
+            if error is not None:  # after the except block (transports.fleet.release_group)
                 self.close()
         for _ in stream:  # a non-sender, or a broken send: this rank's gathers still run
             pass
@@ -161,7 +162,7 @@ class ShardedSync:
 
 @dataclass
 class _Peers:
-    """Rank 0's :class:`~megatron_qrl.rollout.fleet_sync.ShardedPeers`: the other ranks."""
+    """Rank 0's :class:`~megatron_qrl.rollout.transports.fleet.ShardedPeers`: the other ranks."""
 
     senders: int
     header: tuple[int, int, int]

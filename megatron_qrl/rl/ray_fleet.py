@@ -8,7 +8,7 @@ GPUs and its actor starts SGLang with ``tp_size`` / ``ep_size`` / DP attention:
 :func:`fleet_engine_spec`), and whose engine factory is an
 :class:`~megatron_qrl.rollout.fleet.EngineFleet`: engine ``i`` always starts in bundle ``i``
 (a restart too), weights go to all engines over ONE broadcast group
-(:class:`~megatron_qrl.rollout.fleet_sync.FleetBroadcast`; the objectstore and ipc transports
+(:class:`~megatron_qrl.rollout.transports.fleet.FleetBroadcast`; the objectstore and ipc transports
 send the stream to each engine in turn; ipc, the colocated default, only where every engine
 shares the driver's device: a CPU fleet, or one GPU), prompt groups are spread over the engines by the driver.
 Colocated: the fleet releases every engine's memory after a rollout and resumes it before the
@@ -30,7 +30,7 @@ from megatron_qrl.rl.ray_placement import (
 )
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
-from megatron_qrl.rollout.fleet_sync import FleetBroadcast
+from megatron_qrl.rollout.transports.fleet import FleetBroadcast
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, weight_backend
 from megatron_qrl.rollout_sglang.factory import build_engine
 

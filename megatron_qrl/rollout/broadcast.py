@@ -30,7 +30,7 @@ from ..sync.protocol.wire import flatten, iter_buckets, json_tensor, tensor_json
 from ..utils.net import free_port
 
 __all__ = ["broadcast_from_trainer", "find_group", "free_port", "init_group", "receive_stream",
-           "send_stream"]
+           "send_end", "send_frame", "send_stream"]
 
 
 def init_group(host: str, port: int, world_size: int, rank: int, group_name: str,
@@ -79,19 +79,31 @@ def broadcast_from_trainer(t: torch.Tensor, group: dist.ProcessGroup) -> None:
     dist.broadcast(t, group=group, group_src=0)
 
 
+def send_frame(bucket: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
+               device: torch.device | str) -> None:
+    """Broadcast one non-empty bucket from rank 0 as a frame (header, metadata, payload;
+    module docstring). ``device``: where the group's tensors live (``cuda`` for NCCL)."""
+    flat, meta = flatten([(name, t.to(device)) for name, t in bucket])
+    head = json_tensor(meta, device)
+    broadcast_from_trainer(torch.tensor([head.numel(), flat.numel()], dtype=torch.int64, device=device), group)
+    broadcast_from_trainer(head, group)
+    broadcast_from_trainer(flat, group)
+
+
+def send_end(group: dist.ProcessGroup, device: torch.device | str) -> None:
+    """The ``(0, 0)`` header that ends a framed stream."""
+    broadcast_from_trainer(torch.zeros(2, dtype=torch.int64, device=device), group)
+
+
 def send_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
                 device: torch.device | str, bucket_bytes: int) -> int:
     """Broadcast ``stream`` from rank 0 as framed buckets (module docstring); returns the
     number of buckets. ``device``: where the group's tensors live (``cuda`` for NCCL)."""
     n = 0
     for bucket in iter_buckets(stream, bucket_bytes):
-        flat, meta = flatten([(name, t.to(device)) for name, t in bucket])
-        head = json_tensor(meta, device)
-        broadcast_from_trainer(torch.tensor([head.numel(), flat.numel()], dtype=torch.int64, device=device), group)
-        broadcast_from_trainer(head, group)
-        broadcast_from_trainer(flat, group)
+        send_frame(bucket, group, device)
         n += 1
-    broadcast_from_trainer(torch.zeros(2, dtype=torch.int64, device=device), group)
+    send_end(group, device)
     return n
 
 

@@ -20,7 +20,7 @@ SGLang servers, while these engines are in-process SGLang engines inside Ray act
 HTTP server), and the weight sync needs the actors anyway (see ``docs/LAUNCH.md``).
 
 Weight sync: to all engines at once. Engines that are broadcast-transport Ray actors get ONE
-group spanning the driver and every engine (:class:`~megatron_qrl.rollout.fleet_sync.
+group spanning the driver and every engine (:class:`~megatron_qrl.rollout.transports.fleet.
 FleetBroadcast`: each bucket broadcast once); others get the materialised stream one after
 the other. :meth:`verify` checks the manifest against EVERY engine (naming the engine) and
 :meth:`weight_version` that every engine holds the same version.
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightManifest, WeightSyncError
-from .fleet_sync import FleetBroadcast, FleetSyncError
+from .transports.fleet import FleetBroadcast, FleetSyncError
 from .groups import group_seed, merge_outputs
 from .supervisor import RESTARTABLE, EngineDiedError
 

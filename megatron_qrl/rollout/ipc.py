@@ -49,8 +49,8 @@ from torch.multiprocessing import reductions
 from ..sync.protocol.wire import flatten, iter_buckets, unflatten
 from .broadcast import broadcast_from_trainer
 
-__all__ = ["IPC_IN_FLIGHT", "device_uuid", "misplaced", "open_shared", "receive_ipc_stream",
-           "send_ipc_stream", "share", "visible_devices"]
+__all__ = ["IPC_IN_FLIGHT", "device_uuid", "end_shared", "misplaced", "open_shared",
+           "receive_ipc_stream", "send_ipc_stream", "send_shared", "share", "visible_devices"]
 
 IPC_IN_FLIGHT = 2
 """Buckets the driver keeps alive at once (the one the actor loads, the one it fills)."""
@@ -131,6 +131,28 @@ def _answer(group: dist.ProcessGroup) -> None:
     dist.broadcast(torch.zeros(1, dtype=torch.int64), group=group, group_src=1)
 
 
+def send_shared(bucket: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
+                device: torch.device | str, pending: deque[torch.Tensor]) -> None:
+    """Hand one non-empty bucket to rank 1 as a shared buffer on ``device``; ``pending``:
+    the buckets the actor may still read (this one joins them; with :data:`IPC_IN_FLIGHT`
+    of them the oldest is let go once the actor answered)."""
+    flat, meta = flatten([(name, t.to(device)) for name, t in bucket])
+    if flat.is_cuda:  # the actor reads what the fill wrote (torch's IPC event does too)
+        torch.cuda.current_stream(flat.device).synchronize()
+    _send_message(group, pickle.dumps((meta, share(flat))))
+    pending.append(flat)
+    if len(pending) == IPC_IN_FLIGHT:
+        _answer(group)
+        pending.popleft()
+
+
+def end_shared(group: dist.ProcessGroup, pending: deque[torch.Tensor]) -> None:
+    """End the stream and wait for the actor's answer to the last bucket."""
+    _send_message(group, None)
+    if pending:
+        _answer(group)
+
+
 def send_ipc_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
                     device: torch.device | str, bucket_bytes: int) -> int:
     """Hand ``stream`` to rank 1 of ``group`` as shared buckets on ``device`` (module
@@ -138,18 +160,9 @@ def send_ipc_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.Proc
     pending: deque[torch.Tensor] = deque()  # buckets the actor may still read
     n = 0
     for bucket in iter_buckets(stream, bucket_bytes):
-        flat, meta = flatten([(name, t.to(device)) for name, t in bucket])
-        if flat.is_cuda:  # the actor reads what the fill wrote (torch's IPC event does too)
-            torch.cuda.current_stream(flat.device).synchronize()
-        _send_message(group, pickle.dumps((meta, share(flat))))
-        pending.append(flat)
-        if len(pending) == IPC_IN_FLIGHT:
-            _answer(group)
-            pending.popleft()
+        send_shared(bucket, group, device, pending)
         n += 1
-    _send_message(group, None)
-    if pending:
-        _answer(group)
+    end_shared(group, pending)
     return n
 
 

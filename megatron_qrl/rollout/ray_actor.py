@@ -6,38 +6,14 @@ inside the actor process, with the engine factory it is handed
 with its engine TP's GPUs per actor; this layer never imports SGLang), and :class:`RayEngine` is the
 driver-side proxy whose methods call the actor. ``verify`` compares the actor's
 ``held_checksums`` with the sender's :class:`WeightManifest` exactly as in single mode. The
-packed ``(hf_name, tensor)`` stream reaches the actor by one of three transports
-(:func:`pick_transport` chooses one where ``--qrl-ray-weight-transport`` is ``auto``):
-
-* ``broadcast`` (the default, :mod:`megatron_qrl.rollout.broadcast`): on the first sync the
-  driver (rank 0) and the actor (rank 1) form a 2-rank process group ``qrl-weights-<uuid>``
-  (rendezvous at the driver's node IP; NCCL when the driver has CUDA and the SGLang engine
-  has its own GPU, else gloo — a colocated engine shares the driver's GPU, where NCCL cannot
-  hold both ranks). With NCCL a watcher aborts the group if the actor dies mid-send (NCCL
-  does not notice a dead peer). Per sync the driver starts ``update_weights_broadcast`` on the actor,
-  broadcasts the stream as framed ``uint8`` buckets of about ``bucket_bytes``
-  (:func:`~megatron_qrl.rollout.broadcast.send_stream`) while the actor's engine loads it
-  bucket by bucket, then waits for the call. Nothing goes through the object store.
-* ``ipc`` (the default of ``--qrl-mode colocated``, :mod:`megatron_qrl.rollout.ipc`): for
-  an engine on the driver's node and device. The driver fills each framed bucket in memory
-  the actor can open — on the GPU through CUDA IPC, on CPU through a shared-memory segment —
-  and sends the actor only a small pickled handle to it (torch's multiprocessing
-  reductions, as SGLang's ``update_weights_from_tensor`` does for a colocated engine) over
-  the same gloo weight group; the actor opens the bucket in place (copying a GPU one into
-  its own memory) and feeds the engine's bucket loader, and answers once the engine asks
-  for the next bucket. The driver keeps each bucket alive until that answer, at most two at
-  once: it fills bucket ``i + 1`` while the actor loads ``i``. No bucket leaves the device
-  (the gloo broadcast of a colocated engine takes every bucket GPU -> CPU -> socket -> CPU
-  -> GPU). On the first sync the driver asks the actor where it runs: an actor on another
-  node or without the driver's GPU is one error naming the flag and the fix. Dead actors
-  and failed sends are handled as for ``broadcast``.
-* ``objectstore``: every bucket is ``ray.put`` as it fills and the actor loads the stream
-  from the ObjectRefs (a full copy of the weights in the object store per sync). Tensors of
-  the 1-byte float dtypes (FP8 / NVFP4 codes and scales) travel as their ``uint8`` bytes
-  plus the dtype (:class:`WireTensor`, :func:`megatron_qrl.sync.protocol.wire.as_bytes`): torch's
-  pickler cannot round-trip them (measured with torch 2.13: ``pickle.loads(pickle.dumps(float8
-  tensor))`` fails in ``_legacy_load`` on ``UntypedStorage.dtype``), and Ray pickles what it
-  stores.
+packed ``(hf_name, tensor)`` stream reaches the actor by one of the side-``ray`` transports
+of :mod:`megatron_qrl.rollout.transports` (:func:`pick_transport` chooses one where
+``--qrl-ray-weight-transport`` is ``auto``): ``broadcast`` (the default, a 2-rank process
+group with the actor), ``ipc`` (the default of ``--qrl-mode colocated``: handles to buckets
+in shared GPU / CPU memory) or ``objectstore`` (``ray.put`` per bucket). The actor's
+receiving calls are here (``update_weights_broadcast`` / ``_ipc`` / ``_sharded`` /
+``update_weights``); what a transport needs of the actor is its
+:class:`~megatron_qrl.rollout.transports.link.ActorLink`.
 
 A dead actor (``RayActorError`` / ``ActorDiedError``) surfaces as :class:`EngineDiedError`,
 which :class:`EngineSupervisor` restarts; so does a broadcast (or ipc handle) that fails (gloo measured with
@@ -50,45 +26,28 @@ gets a new group, and the old one is destroyed on the driver.
 
 from __future__ import annotations
 
-import threading
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..sync.protocol.wire import as_bytes, from_bytes, iter_buckets
+from ..sync.transport import WeightTransport, transport_class, transport_names
 from .base import GenerationOutput, RolloutEngine, SamplingParams
-from .broadcast import free_port, init_group, receive_stream, send_stream
-from .ipc import device_uuid, misplaced, receive_ipc_stream, send_ipc_stream, visible_devices
+from .broadcast import init_group, receive_stream
+from .ipc import misplaced, receive_ipc_stream, visible_devices
 from .supervisor import EngineDiedError
+from .transports import ActorLink
+from .transports.objectstore import from_wire
 from .weight_groups import receive_sharded
 
 __all__ = ["WEIGHT_TRANSPORTS", "EngineActor", "EngineBuilder", "EngineSpec", "RayEngine",
-           "WireTensor", "bucketize", "from_wire", "pick_transport", "to_wire",
-           "weight_backend"]
+           "pick_transport", "weight_backend"]
 
-WEIGHT_TRANSPORTS = ("broadcast", "objectstore", "ipc")
-"""How :class:`RayEngine` sends weights to its actor (module docstring)."""
-
-@dataclass(frozen=True)
-class WireTensor:
-    """A tensor the object store cannot hold as is: its raw bytes and its dtype's name."""
-
-    data: torch.Tensor
-    dtype: str
-
-
-def to_wire(t: torch.Tensor) -> torch.Tensor | WireTensor:
-    """``t`` on the driver's CPU, in a form Ray can pickle (see the module docstring)."""
-    raw, dtype = as_bytes(t.detach().cpu())
-    return raw if dtype is None else WireTensor(raw, dtype)
-
-
-def from_wire(t: torch.Tensor | WireTensor) -> torch.Tensor:
-    """Undo :func:`to_wire`."""
-    return from_bytes(t.data, t.dtype) if isinstance(t, WireTensor) else t
+WEIGHT_TRANSPORTS = transport_names("ray")
+"""How :class:`RayEngine` sends weights to its actor (the side-``ray`` transports of
+:mod:`megatron_qrl.rollout.transports`), the choices of ``--qrl-ray-weight-transport``
+besides ``auto``."""
 
 
 @dataclass(frozen=True)
@@ -298,15 +257,6 @@ def pick_transport(requested: str, colocated: bool, shares_device: bool, engine_
     return requested
 
 
-def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
-              bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
-    """Group ``stream`` into lists of about ``bucket_bytes`` (a larger tensor is its own
-    bucket, :func:`~megatron_qrl.sync.protocol.wire.iter_buckets`), each tensor in its
-    :func:`to_wire` form."""
-    for bucket in iter_buckets(stream, bucket_bytes):
-        yield [(name, to_wire(t)) for name, t in bucket]
-
-
 class RayEngine(RolloutEngine):
     """Driver-side proxy of an :class:`EngineActor` handle (``actor``).
 
@@ -319,25 +269,34 @@ class RayEngine(RolloutEngine):
     def __init__(self, actor: Any, bucket_bytes: int = 256 * 2**20,
                  transport: str = "objectstore", backend: str | None = None,
                  engine_kind: str = "reference", timeout_s: float = 300.0):
-        if transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"RayEngine transport {transport!r}: choose one of "
-                             f"{WEIGHT_TRANSPORTS} (--qrl-ray-weight-transport)")
+        cls = transport_class("ray", transport, "RayEngine transport (--qrl-ray-weight-transport)")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"RayEngine backend {backend!r}: gloo or nccl (None: automatic)")
         self.actor = actor
-        self.bucket_bytes = bucket_bytes
-        self.transport, self.timeout_s = transport, timeout_s
-        self.backend = "gloo" if transport == "ipc" else backend or weight_backend(engine_kind)
-        self.ipc_device = ("cuda" if engine_kind == "sglang" and torch.cuda.is_available()
-                           else "cpu")
-        """Where the ipc transport's buckets live (the engine's device)."""
-        self.buckets_sent = 0
-        self.group: Any = None
-        self.group_name: str | None = None
+        self.transport = transport
+        backend = "gloo" if transport == "ipc" else backend or weight_backend(engine_kind)
+        self.link = ActorLink(
+            actor, call=lambda *a, **kw: self._call(*a, **kw), kill=self._kill,
+            bucket_bytes=bucket_bytes, backend=backend, timeout_s=timeout_s,
+            ipc_device=("cuda" if engine_kind == "sglang" and torch.cuda.is_available()
+                        else "cpu"),
+            abort_on_death=backend == "nccl")
+        self.sender: WeightTransport = cls(self.link)
         self._broken = False  # a broadcast failed: the actor was killed, never call it again
-        self.abort_on_death = self.backend == "nccl"
-        """Abort the group when the actor dies mid-send (NCCL does not notice a dead peer;
-        gloo fails the send at once, and its groups cannot be aborted)."""
+
+    # the link's fields, read and set as the proxy's own (tests and callers use these)
+    bucket_bytes = property(lambda self: self.link.bucket_bytes,
+                            lambda self, v: setattr(self.link, "bucket_bytes", v))
+    backend = property(lambda self: self.link.backend)
+    timeout_s = property(lambda self: self.link.timeout_s)
+    ipc_device = property(lambda self: self.link.ipc_device)
+    buckets_sent = property(lambda self: self.link.buckets_sent)
+    group = property(lambda self: self.link.group,
+                     lambda self, v: setattr(self.link, "group", v))
+    group_name = property(lambda self: self.link.group_name,
+                          lambda self, v: setattr(self.link, "group_name", v))
+    abort_on_death = property(lambda self: self.link.abort_on_death,
+                              lambda self, v: setattr(self.link, "abort_on_death", v))
 
     def _call(self, method: str, *args: Any, during: Callable[[Any], Any] | None = None) -> Any:
         """``actor.method(*args)``; ``during(ref)`` runs on the driver between submitting the
@@ -354,117 +313,7 @@ class RayEngine(RolloutEngine):
                                   f"{type(exc).__name__}: {str(exc)[:300]}") from exc
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        import ray
-
-        if self.transport == "objectstore":
-            refs = [ray.put(b) for b in bucketize(named_tensors, self.bucket_bytes)]
-            self.buckets_sent += len(refs)
-            self._call("update_weights", refs, version)
-            return
-        if self.group is None:
-            if self.transport == "ipc":
-                self._check_ipc_peer()
-            self._join_group()
-        self._call(f"update_weights_{'ipc' if self.transport == 'ipc' else 'broadcast'}",
-                   version, during=lambda ref: self._broadcast(named_tensors, ref))
-
-    def _check_ipc_peer(self) -> None:
-        """The ipc transport shares memory: the actor must run on this node and (CUDA
-        buckets) see this process's GPU; else one error naming the flag and the fix."""
-        import ray
-
-        node, devices = self._call("ipc_peer")
-        here = ray.get_runtime_context().get_node_id()
-        where = None
-        if node != here:
-            where = f"on Ray node {node}, not the trainer's node {here}"
-        elif self.ipc_device == "cuda":
-            uuid = device_uuid(torch.cuda.current_device())
-            if uuid not in devices:
-                where = f"on GPUs {devices}, not the trainer's GPU {uuid}"
-        if where is not None:
-            raise ValueError(misplaced(f"an actor {where}"))
-
-    def _broadcast(self, named_tensors: Iterable[tuple[str, torch.Tensor]], ref: Any) -> None:
-        """Send the stream on the group; a failed send drains the stream, kills the actor and
-        raises :class:`EngineDiedError` (an error of the stream itself propagates). With
-        ``abort_on_death`` a watcher aborts the group when the actor dies mid-send."""
-        source = _Tracked(named_tensors)
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        sending = threading.Event()
-        sending.set()
-        if self.abort_on_death:
-            threading.Thread(target=self._abort_if_actor_dies, args=(ref, sending),
-                             name="qrl-weight-watch", daemon=True).start()
-        if self.transport == "ipc":
-            send, device = send_ipc_stream, self.ipc_device
-        else:
-            send = send_stream
-        try:
-            self.buckets_sent += send(source, self.group, device, self.bucket_bytes)
-        except Exception as exc:
-            self._kill()
-            if source.failed:
-                raise
-            for _ in source:  # under torchrun every trainer rank gathers this stream
-                pass
-            what = "ipc handles" if self.transport == "ipc" else "broadcast"
-            raise EngineDiedError(f"weight {what} to the rollout engine actor failed "
-                                  f"(group {self.group_name}): {type(exc).__name__}: "
-                                  f"{str(exc)[:300]}") from exc
-        finally:
-            sending.clear()
-
-    def _abort_if_actor_dies(self, ref: Any, sending: threading.Event) -> None:
-        """While ``sending``: if the actor's receiving call ends in the actor's death, abort
-        the group so the blocked send fails (an NCCL send to a dead peer otherwise waits for
-        the group timeout, after which NCCL's watchdog may tear the trainer down)."""
-        import ray
-
-        while sending.is_set():
-            ready, _ = ray.wait([ref], timeout=0.5)
-            if not ready:
-                continue
-            try:
-                ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                if sending.is_set() and self.group is not None:
-                    try:
-                        self.group.abort()
-                    except Exception:  # noqa: BLE001 - the send fails at its timeout then
-                        pass
-            except Exception:  # noqa: BLE001 - an engine error: the actor drains the stream
-                pass
-            return
-
-    def _join_group(self) -> None:
-        """Form the 2-rank weight group with the actor (rank 1); the driver is rank 0 and
-        hosts the rendezvous on its node. An actor that dies first is an EngineDiedError."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        port, name = free_port(), f"qrl-weights-{uuid.uuid4().hex[:12]}"
-        joined = self.actor.join_weight_group.remote(host, port, 2, 1, name, self.backend,
-                                                     self.timeout_s)
-        result: dict[str, Any] = {}
-
-        def rank0() -> None:
-            try:
-                result["group"] = init_group(host, port, 2, 0, name, self.backend, self.timeout_s)
-            except Exception as exc:  # noqa: BLE001 - reported by the caller
-                result["error"] = exc
-
-        thread = threading.Thread(target=rank0, name=name, daemon=True)
-        thread.start()
-        try:  # the actor's side finishes with the driver's (or the actor dies first)
-            ray.get(joined, timeout=self.timeout_s + 30)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise EngineDiedError(f"rollout engine actor died joining the weight group "
-                                  f"{name}: {type(exc).__name__}: {str(exc)[:300]}") from exc
-        thread.join()
-        if "error" in result:
-            raise result["error"]
-        self.group, self.group_name = result["group"], name
+        self.sender.send(named_tensors, version)
 
     def _kill(self) -> None:
         import ray
@@ -516,23 +365,4 @@ class RayEngine(RolloutEngine):
                 pass
         self._kill()
         self.destroy_group()
-
-
-class _Tracked:
-    """An iterator over ``source`` that records whether ``source`` itself raised."""
-
-    def __init__(self, source: Iterable[Any]):
-        self.source, self.failed = iter(source), False
-
-    def __iter__(self) -> _Tracked:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.source)
-        except StopIteration:
-            raise
-        except BaseException:
-            self.failed = True
-            raise
 

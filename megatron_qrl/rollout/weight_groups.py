@@ -14,8 +14,8 @@ as rank 0 and engine ``i``'s TP ranks at ``offset(i) .. offset(i) + tp_i - 1``
 sender: a broadcast reaches every member, so sender 0 in a shared group would receive (and
 materialise) the other senders' experts, and SGLang's receivers broadcast from group rank 0.
 An engine joins each sender's group at the same offset. A sync is framed in segments
-(:func:`send_segments` / :func:`receive_sharded`): every sender's non-expert segment (only
-sender 0's has tensors), then per decoder layer each sender's experts of that layer in
+(:mod:`megatron_qrl.rollout.transports.sharded` / :func:`receive_sharded`): every sender's
+non-expert segment (only sender 0's has tensors), then per decoder layer each sender's experts of that layer in
 sender order, so a layer's experts reach the engine together and in ascending order (an
 in-place reload sees the layer's experts module complete; expert stacking still applies).
 The senders take turns, which costs nothing where the engines' receive bandwidth is the
@@ -26,16 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import groupby
 
 import torch
 import torch.distributed as dist
 
 from ..sync.protocol.wire import tensor_json, unflatten
 from ..utils.hf_names import layer_prefix, parse
-from .broadcast import broadcast_from_trainer, send_stream
+from .broadcast import broadcast_from_trainer
 
-__all__ = ["WeightGroupPlan", "receive_sharded", "segment_key", "send_segments",
+__all__ = ["WeightGroupPlan", "receive_sharded", "segment_key", "send_stream_end",
            "weight_group_plan"]
 
 _STREAM_END = (0, 1)
@@ -90,29 +89,9 @@ def segment_key(hf_name: str) -> str:
     return "" if parts is None or parts.expert is None else layer_prefix(hf_name) or ""
 
 
-def send_segments(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
-                  device: torch.device | str, bucket_bytes: int) -> int:
-    """A sender's side of a sharded sync: its non-expert segment (empty but for sender 0),
-    then one segment per decoder layer of its experts, each framed by
-    :func:`~megatron_qrl.rollout.broadcast.send_stream`, then the end-of-stream mark.
-    Returns the buckets sent. The stream sends non-expert tensors first and each layer's
-    experts together (:func:`megatron_qrl.rl.ep_send.sharded_hf_stream` does)."""
-    n, seen = 0, set()
-    first = True
-    for key, items in groupby(stream, key=lambda item: segment_key(item[0])):
-        if key in seen or (key == "" and not first):
-            raise ValueError(f"sharded weight stream: segment {key or 'non-expert'!r} comes "
-                             "back after the stream moved on; send the non-expert tensors "
-                             "first and each layer's experts together")
-        if first and key != "":
-            n += send_stream(iter(()), group, device, bucket_bytes)  # no non-expert tensors
-        first = False
-        seen.add(key)
-        n += send_stream(items, group, device, bucket_bytes)
-    if first:
-        n += send_stream(iter(()), group, device, bucket_bytes)
+def send_stream_end(group: dist.ProcessGroup, device: torch.device | str) -> None:
+    """The header that ends a sender's stream (after its last segment)."""
     broadcast_from_trainer(torch.tensor(_STREAM_END, dtype=torch.int64, device=device), group)
-    return n
 
 
 def _receive_segment(group: dist.ProcessGroup, device: torch.device | str
@@ -133,7 +112,7 @@ def _receive_segment(group: dist.ProcessGroup, device: torch.device | str
 
 def receive_sharded(groups: Sequence[dist.ProcessGroup],
                     device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """One engine rank's side of a sharded sync (:func:`send_segments` on every sender's
+    """One engine rank's side of a sharded sync (``send_segments`` on every sender's
     group): the non-expert segment of every sender, then layer by layer the experts of
     sender 0, 1, ...: a layer's experts arrive together and in ascending order (sender
     ``s`` holds the ``s``-th block of them), as one ``(name, tensor)`` stream."""

@@ -52,7 +52,7 @@ def _trainer(rank: int, hf_dir: str, mport: int, groups: dict, gather_experts: b
     )
     from megatron_qrl.rl.ep_send import ep_sender, sharded_hf_stream
     from megatron_qrl.rollout.broadcast import send_stream
-    from megatron_qrl.rollout.weight_groups import send_segments
+    from megatron_qrl.rollout.transports.sharded import send_segments
 
     init_cpu_distributed(rank, 2, mport, tp=1, ep=2, etp=1)
     gathered = []

@@ -96,7 +96,7 @@ def test_the_one_rule(monkeypatch, ep, lora, shardable, expect):
 
     from megatron_qrl.models.streaming import ShardGroups
     from megatron_qrl.rl.ep_sync import sharded_sync_applies
-    from megatron_qrl.rollout.fleet_sync import FleetBroadcast
+    from megatron_qrl.rollout.transports.fleet import FleetBroadcast
 
     group = object()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

@@ -29,7 +29,8 @@ import torch
 from megatron_qrl.rl.compare import VARIANTS, _slug
 from megatron_qrl.rl.ray_modes import RayRolloutEngine, RaySession, placement_layout
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
-from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine, bucketize
+from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine
+from megatron_qrl.rollout.transports.objectstore import bucketize
 from megatron_qrl.rollout.supervisor import EngineDiedError
 from tests.helpers import HELPERS
 
@@ -231,7 +232,7 @@ def test_actor_death_mid_send_aborts_the_group(ray, cluster, monkeypatch):
     import threading
     import time
 
-    import megatron_qrl.rollout.ray_actor as ray_actor
+    import megatron_qrl.rollout.transports.broadcast as broadcast
 
     class BlockingGroup:
         def __init__(self):
@@ -240,9 +241,9 @@ def test_actor_death_mid_send_aborts_the_group(ray, cluster, monkeypatch):
         def abort(self):
             self.aborted.set()
 
-    def blocking_send(source, group, device, bucket_bytes):
+    def blocking_send(bucket, group, device):
         if not group.aborted.wait(60):
-            return 0
+            return
         raise RuntimeError("NCCL communicator was aborted")
 
     cfg, packed = _packed()
@@ -250,7 +251,7 @@ def test_actor_death_mid_send_aborts_the_group(ray, cluster, monkeypatch):
         engine = session.new_actor(EngineSpec("reference", cfg, "int8", seed=0, num_threads=1))
         engine.abort_on_death = True
         engine.group, engine.group_name = BlockingGroup(), "blocking"
-        monkeypatch.setattr(ray_actor, "send_stream", blocking_send)
+        monkeypatch.setattr(broadcast, "send_frame", blocking_send)
         monkeypatch.setattr(engine, "destroy_group", lambda: None)
         _kill(engine.actor)
         start = time.monotonic()

@@ -123,19 +123,20 @@ def test_sharded_streams_send_non_experts_first_and_each_layer_whole(monkeypatch
 
     import megatron_qrl.rollout.broadcast as bc
     from megatron_qrl.rollout import weight_groups as wg
+    from megatron_qrl.rollout.transports.sharded import send_segments
 
     heads = []
     monkeypatch.setattr(bc, "broadcast_from_trainer", lambda t, g: heads.append(t.tolist()))
     monkeypatch.setattr(wg, "broadcast_from_trainer", lambda t, g: heads.append(t.tolist()))
     e = "model.layers.{}.mlp.experts.{}.down_proj.weight"
     one = torch.zeros(2)
-    assert wg.send_segments([(e.format(0, 2), one), (e.format(1, 2), one)], None, "cpu", 64) == 2
+    assert send_segments([(e.format(0, 2), one), (e.format(1, 2), one)], None, "cpu", 64) == 2
     ends = [h for h in heads if h in ([0, 0], [0, 1])]
     assert ends == [[0, 0]] * 3 + [[0, 1]]  # an empty non-expert segment, 2 layers, the end
     for bad in ([("model.norm.weight", one), (e.format(0, 2), one), ("lm_head.weight", one)],
                 [(e.format(0, 2), one), (e.format(1, 2), one), (e.format(0, 3), one)]):
         with pytest.raises(ValueError, match="comes back after the stream moved on"):
-            wg.send_segments(bad, None, "cpu", 64)
+            send_segments(bad, None, "cpu", 64)
 
 
 def test_flags_are_checked_against_a_known_model():

@@ -1,4 +1,4 @@
-"""The rollout fleet (megatron_qrl.rollout.fleet / fleet_sync / fleet_layout).
+"""The rollout fleet (megatron_qrl.rollout.fleet / transports.fleet / fleet_layout).
 
 Pure: impossible engine layouts are one clear error naming the flag; a fleet of 1, 2, 3
 in-process reference engines gives the same batch for the same seed (sampling seeded per
@@ -212,7 +212,7 @@ def _new(ray, cls=EngineActor, **kw):
 
 def _fleet(ray, engines, **kw):
     """A fleet over ``engines`` (used as they are) whose restarts start plain actors."""
-    from megatron_qrl.rollout.fleet_sync import FleetBroadcast
+    from megatron_qrl.rollout.transports.fleet import FleetBroadcast
 
     made = {i: e for i, e in enumerate(engines)}
     return EngineFleet([lambda i=i: made.pop(i, None) or _new(ray) for i in range(len(engines))],

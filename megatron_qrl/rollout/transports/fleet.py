@@ -1,10 +1,11 @@
-"""Weights to every engine of a fleet at once: ONE broadcast group, each bucket sent once.
+"""Transport ``broadcast`` of side ``fleet``: weights to every engine of a fleet at once, ONE
+broadcast group, each bucket sent once.
 
 The driver (the trainer's sending rank) is rank 0 of a group whose ranks 1..N are the N
 engine actors (:class:`~megatron_qrl.rollout.ray_actor.EngineActor`, each joining with
 ``join_weight_group``; gloo on CPU, NCCL where every engine has its own GPU). Per sync the
 driver starts ``update_weights_broadcast(version)`` on every actor, then broadcasts the
-packed stream as framed buckets (:func:`~megatron_qrl.rollout.broadcast.send_stream`): one
+packed stream as framed buckets (:class:`FleetFrames`, framed as :mod:`.broadcast` frames): one
 broadcast per bucket (header, metadata, payload) however many engines listen, so the
 trainer's send cost does not grow with N (NCCL / gloo broadcast trees fan it out).
 
@@ -20,7 +21,7 @@ active the sync has ``peers.senders`` senders, ONE group per sender
 (another trainer rank, reached through ``peers``: :class:`ShardedPeers`) hosts group ``s``, and
 every engine actor joins all of them at the same rank and receives with
 :func:`~megatron_qrl.rollout.weight_groups.receive_sharded`. The driver sends its segments
-(:func:`~megatron_qrl.rollout.weight_groups.send_segments`), the other senders theirs.
+(:class:`~.sharded.SegmentTransport`), the other senders theirs.
 """
 
 from __future__ import annotations
@@ -34,11 +35,20 @@ from typing import Any, Protocol
 
 import torch
 
-from .broadcast import free_port, init_group, send_stream
-from .supervisor import EngineDiedError
-from .weight_groups import send_segments, weight_group_plan
+from ...sync.transport import register_transport
+from ..broadcast import free_port, init_group
+from ..supervisor import EngineDiedError
+from ..weight_groups import weight_group_plan
+from .broadcast import FramedTransport
+from .sharded import SegmentTransport
 
-__all__ = ["FleetBroadcast", "FleetSyncError", "ShardedPeers", "release_group"]
+__all__ = ["FleetBroadcast", "FleetFrames", "FleetSyncError", "ShardedPeers", "release_group"]
+
+
+@register_transport("fleet", "broadcast")
+class FleetFrames(FramedTransport):
+    """One sync's frames on the fleet's group (:class:`FleetBroadcast` owns the group and
+    the engines' calls around it)."""
 
 
 class ShardedPeers(Protocol):
@@ -135,9 +145,9 @@ class FleetBroadcast:
         refs = [getattr(e.actor, method).remote(version) for e in engines]
         device = "cuda" if self.backend == "nccl" else "cpu"
         sent_error: str | None = None
+        frames = SegmentTransport if peers is not None else FleetFrames
         try:
-            send = send_segments if peers is not None else send_stream
-            self.broadcasts += send(stream, self.group, device, self.bucket_bytes)
+            self.broadcasts += frames(self.group, device, self.bucket_bytes).send(stream, version)
         except Exception as exc:  # noqa: BLE001 - a peer is gone: reported with the deaths
             sent_error = f"{type(exc).__name__}: {exc}"  # the text: see release_group
         if sent_error is not None:
