@@ -30,8 +30,8 @@ from megatron_qrl.rl.ray_placement import (
 )
 from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
-from megatron_qrl.rollout.transports.fleet import FleetBroadcast
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, weight_backend
+from megatron_qrl.rollout.transports.fleet import FleetBroadcast
 from megatron_qrl.rollout_sglang.factory import build_engine
 
 __all__ = ["FleetSession", "fleet_engine_spec", "session_layout"]

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from .base import GenerationOutput, RolloutEngine, SamplingParams, WeightManifest, WeightSyncError
-from .transports.fleet import FleetBroadcast, FleetSyncError
 from .groups import group_seed, merge_outputs
 from .supervisor import RESTARTABLE, EngineDiedError
+from .transports.fleet import FleetBroadcast, FleetSyncError
 
 __all__ = ["EngineFleet", "group_seed", "merge_outputs"]
 

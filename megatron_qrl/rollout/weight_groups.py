@@ -24,7 +24,7 @@ limit (every engine rank receives the whole model either way).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch

@@ -60,11 +60,13 @@ from ..rollout.groups import group_seed
 from ..rollout.sampling import row_seeds
 from ..rollout.supervisor import EngineDiedError
 from ..sync.protocol.inplace import LOADER
+from ..sync.transport import WeightTransport, transport_class
 from ..utils.optional import require
 from . import crash
 from .kernels.moe_configs import config_dir_for_engine
 from .options import SGLangOptions
-from .sync.sender import check_receipts, send_disk_sync, send_tensor_sync
+from .sync import transports as _transports  # noqa: F401  (registers the sync paths)
+from .sync.session import SGLangSession
 
 FEATURE = "--qrl-rollout-engine sglang"
 UNSEEDED_WARNING = (
@@ -197,26 +199,29 @@ class SGLangEngine(RolloutEngine):
         t0 = time.perf_counter()
         self.last_sync = {"buckets": 0, "seconds": 0.0}
         with crash.engine_call():
-            if self.options.sync in ("tensor", "inplace"):
-                send_tensor_sync(self, named_tensors, version, sent, receipt)
-            elif self.options.sync == "distributed":
-                from .sync.distributed import send_distributed_sync
-
-                send_distributed_sync(self, named_tensors, version, sent, receipt)
-            else:
-                send_disk_sync(self, named_tensors, version, sent)
+            transport = self.transport(sent, receipt)
+            transport.send(named_tensors, version)
             t1 = time.perf_counter()
             got = self.engine.get_server_info().get("weight_version")
         if str(got) != str(version):
             raise WeightSyncError(f"SGLang reports weight_version {got!r} after sending version "
                                   f"{version}; the engine did not apply the update")
         self._sent, self._version = sent.result(), version
-        self._received = (check_receipts(receipt, self._sent, self.processes)
-                          if receipt else None)
+        self._received = transport.verify(self._sent)
         self.last_sync["verified"] = "receipt" if receipt else "version"
         t2 = time.perf_counter()
         self.last_sync["finish_s"] = t2 - t1
         self.last_sync["seconds"] = t2 - t0
+
+    def transport(self, sent: Checksums, receipt: str | None) -> WeightTransport:
+        """The transport ``options.sync`` names (:mod:`.sync.transports`), for one sync
+        whose fingerprints go to ``sent`` and receipts to ``receipt``."""
+        session = SGLangSession(
+            self.options, self.spec, self.trainer_device, self.bucket_bytes, self.processes,
+            self.model_path, sent, receipt, self.last_sync,
+            serialize=lambda items: self.engine._serialize_tensors_per_rank(items, None),
+            request=self.request, call=self._call, weight_group=self.weight_group)
+        return transport_class("sglang", self.options.sync, "--qrl-rollout-sglang-sync")(session)
 
     def _receipt_prefix(self, version: int) -> str:
         """Where this sync's receipts go (a sync that failed left its own: removed)."""
@@ -232,8 +237,7 @@ class SGLangEngine(RolloutEngine):
         :class:`EngineDiedError` naming the bucket's ``first`` tensor."""
         t0 = time.perf_counter()
         try:
-            coro = getattr(self.engine.tokenizer_manager, send)(req, None)
-            return tuple(self.engine.loop.run_until_complete(coro)[:2])
+            return self._call(send, req)
         except Exception as exc:
             if not self._alive():
                 raise EngineDiedError(f"SGLang died loading a weight bucket ({first} ...; see "
@@ -242,6 +246,11 @@ class SGLangEngine(RolloutEngine):
         finally:  # the engine's share of the sync (the rest: packing, fingerprints, buckets)
             self.last_sync["request_s"] = self.last_sync.get("request_s", 0.0) + (
                 time.perf_counter() - t0)
+
+    def _call(self, method: str, req) -> tuple[bool, str]:
+        """``(ok, message)`` of the tokenizer manager's ``method(req)``."""
+        coro = getattr(self.engine.tokenizer_manager, method)(req, None)
+        return tuple(self.engine.loop.run_until_complete(coro)[:2])
 
     def weight_group(self):
         """The weight-update group of ``sync="distributed"`` (created on first use)."""

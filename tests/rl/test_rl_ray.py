@@ -30,8 +30,8 @@ from megatron_qrl.rl.compare import VARIANTS, _slug
 from megatron_qrl.rl.ray_modes import RayRolloutEngine, RaySession, placement_layout
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
 from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine
-from megatron_qrl.rollout.transports.objectstore import bucketize
 from megatron_qrl.rollout.supervisor import EngineDiedError
+from megatron_qrl.rollout.transports.objectstore import bucketize
 from tests.helpers import HELPERS
 
 

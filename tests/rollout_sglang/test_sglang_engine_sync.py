@@ -77,7 +77,7 @@ def _engine(model, bucket_bytes, flatten, prefetch, fail_at=None, direct=False, 
                                 direct_expert_loads=direct, stack_experts=stacked,
                                 receipt=receipt).resolve("int8")
     eng.spec, eng.trainer_device = get_spec("int8"), torch.device("cpu")
-    eng.bucket_bytes, eng.processes = bucket_bytes, 1
+    eng.bucket_bytes, eng.processes, eng.model_path = bucket_bytes, 1, None
     eng.engine = _Engine(model, fail_at, transport)
     eng._reset_sync_state()
     return eng

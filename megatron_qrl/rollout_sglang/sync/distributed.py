@@ -24,20 +24,16 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
-from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
-from megatron_qrl.sync.protocol.inplace import CONTROL, LOADER, RECV, encode_control
+from megatron_qrl.sync.protocol.checksums import WeightSyncError
 from megatron_qrl.sync.protocol.wire import buckets, flatten
 
 from ...rollout.broadcast import broadcast_from_trainer, free_port, init_group
-from .sender import StreamTracker, packed_suffixes
 
-__all__ = ["WeightGroup", "flat_buckets", "open_group", "run_alongside", "send_bucket",
-           "send_distributed_sync"]
+__all__ = ["WeightGroup", "flat_buckets", "open_group", "run_alongside", "send_bucket"]
 
 
 @dataclass
@@ -121,41 +117,3 @@ def flat_buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             continue
         flat, meta = flatten([(n, t.to(device, non_blocking=True)) for n, t in bucket])
         yield [n for n, _ in bucket], flat, meta, last
-
-
-def send_distributed_sync(eng: Any, stream: Iterable[tuple[str, torch.Tensor]], version: int,
-                          sent: Checksums, receipt: str | None) -> None:
-    """Every bucket broadcast from the trainer's device to the engine ``eng``
-    (:class:`~megatron_qrl.rollout_sglang.engine.SGLangEngine`) while its request waits:
-    our loader's request for quantized formats (with ``receipt``), SGLang's own
-    ``update_weights_from_distributed`` for bf16."""
-    from sglang.srt.managers.io_struct import (
-        UpdateWeightsFromDistributedReqInput,
-        UpdateWeightsFromTensorReqInput,
-    )
-
-    group = eng.weight_group()
-    tracker = (StreamTracker(packed_suffixes(eng.spec), receipt=receipt)
-               if eng.spec.quantizes_weights else None)
-    for names, flat, meta, last in flat_buckets(sent.passing(stream), eng.bucket_bytes,
-                                                eng.trainer_device):
-        wv = str(version) if last else None
-        if tracker:
-            for n in names:
-                tracker.add(n)
-            small = [(RECV, encode_control({"group": group.name, "meta": meta}).cuda()),
-                     (CONTROL, tracker.control(final=last).cuda())]
-            req = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=eng.engine._serialize_tensors_per_rank(small, None),
-                load_format=LOADER, flush_cache=last, weight_version=wv)
-        else:
-            req = UpdateWeightsFromDistributedReqInput(
-                names=names, dtypes=[d for _, d, _ in meta], shapes=[s for _, _, s in meta],
-                group_name=group.name, flush_cache=last, weight_version=wv,
-                load_format="flattened_bucket")
-        send = "update_weights_from_tensor" if tracker else "update_weights_from_distributed"
-        ok, msg = run_alongside(partial(eng.request, send, req, names[0]),
-                                partial(send_bucket, flat, group))
-        if not ok:
-            raise WeightSyncError(f"SGLang rejected a broadcast weight bucket ({names[0]} ...): {msg}")
-        eng.last_sync["buckets"] += 1

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import glob
 import json
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -33,7 +31,6 @@ from megatron_qrl.sync.protocol.checksums import Checksums, WeightManifest, Weig
 from megatron_qrl.sync.protocol.inplace import (
     CONTROL,
     FLAT,
-    LOADER,
     RECV,
     InplaceSyncError,
     encode_control,
@@ -47,7 +44,7 @@ from megatron_qrl.sync.protocol.wire import as_bytes, buckets, flatten
 from ...quant.expert_stacks import stack_experts
 
 __all__ = ["StreamTracker", "check_receipts", "fingerprinted", "packed_suffixes", "requests",
-           "send_disk_sync", "send_tensor_sync", "stack_experts"]
+           "stack_experts"]
 
 
 def packed_suffixes(spec) -> tuple[str, ...]:
@@ -179,59 +176,6 @@ def _request_items(bucket: list, tracker: StreamTracker | None, device: torch.de
     if tracker:
         items = items + [(CONTROL, tracker.control(final=last).to(device))]
     return items, bucket[0][0] if bucket else "end of sync", last
-
-
-# ---- requests to the engine ----------------------------------------------------------
-def send_tensor_sync(eng: Any, stream: Iterable[tuple[str, torch.Tensor]], version: int,
-                     sent: Checksums, receipt: str | None) -> None:
-    """Buckets through ``update_weights_from_tensor`` (``eng``: the
-    :class:`~megatron_qrl.rollout_sglang.engine.SGLangEngine`); in place with our loader and
-    a control tensor per bucket. With ``prefetch_buckets`` the next buckets are prepared in
-    a thread while the engine loads one; the requests stay in order, in this thread."""
-    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
-    from .prefetch import ahead, timed
-
-    opts, device, lap = eng.options, eng.trainer_device, eng.last_sync
-    tracker = (StreamTracker(packed_suffixes(eng.spec), direct_experts=opts.direct_expert_loads,
-                             receipt=receipt) if opts.sync == "inplace" else None)
-    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-    produced = requests(stream, sent, tracker, device, bucket_bytes=eng.bucket_bytes,
-                        flat=opts.flat_buckets, stack=opts.stack_experts, lap=lap)
-    lap.setdefault("serialize_s", 0.0)
-    for items, first, last in timed(ahead(timed(produced, lap, "produce_s"),
-                                          opts.prefetch_buckets, init), lap, "wait_s"):
-        t0 = time.perf_counter()
-        payload = eng.engine._serialize_tensors_per_rank(items, None)
-        lap["serialize_s"] += time.perf_counter() - t0
-        req = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=payload, load_format=LOADER if tracker else None,
-            flush_cache=last, weight_version=str(version) if last else None)
-        ok, msg = eng.request("update_weights_from_tensor", req, first)
-        if not ok:
-            raise WeightSyncError(f"SGLang rejected a weight bucket ({first} ...): {msg}")
-        lap["buckets"] += 1
-
-
-def send_disk_sync(eng: Any, stream: Iterable[tuple[str, torch.Tensor]], version: int,
-                   sent: Checksums) -> None:
-    """The stream as safetensors in ``sync_dir/v<version>``, loaded with SGLang's
-    ``update_weights_from_disk`` (which re-runs each layer's post-load processing)."""
-    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-
-    from ...models.hf_io import copy_side_files, write_safetensors
-
-    target = Path(eng.options.sync_dir) / f"v{version}"
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
-    write_safetensors(sent.passing(stream), target)
-    copy_side_files(eng.model_path, target)
-    req = UpdateWeightFromDiskReqInput(model_path=str(target), weight_version=str(version))
-    ok, msg = eng.engine.loop.run_until_complete(
-        eng.engine.tokenizer_manager.update_weights_from_disk(req, None))[:2]
-    shutil.rmtree(target, ignore_errors=True)
-    if not ok:
-        raise WeightSyncError(f"SGLang failed to load the synced weights: {msg}")
 
 
 def check_receipts(prefix: str, sent: dict[str, str], processes: int) -> dict[str, str]:
