@@ -65,7 +65,8 @@ from megatron_qrl.rl.start_model import (
 )
 from megatron_qrl.rl.steps import StepContext, make_loss_fn, rl_step, sft_step
 from megatron_qrl.rl.stop import RunStopped, StopRequest
-from megatron_qrl.rl.sync import make_engine, refuse_non_finite, sync_weights
+from megatron_qrl.rl.sync import make_engine, refuse_non_finite
+from megatron_qrl.rl.sync_plan import SyncPlan
 from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 from megatron_qrl.utils.metrics import MetricsLogger
 from megatron_qrl.utils.run_lock import acquire_run_lock
@@ -223,30 +224,12 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     # trainer EP > 1 with a fleet of reference engines: every EP rank sends its own experts
     sharded = world.world_size > 1 and world.broadcast(
         sharded_sync_applies(engine, trainer.policy.groups, plan.lora is not None))
-    ep_sync = ShardedSync(trainer, spec, aqn, run.seed) if sharded else None
-
-    def aqn_at(version: int) -> dict[str, int]:
-        return {"aqn_step": min(max(version - run.sft_steps, 0), max(run.steps - 1, 0)),
-                "total_steps": max(run.steps, 1)}
-
-    def gather(version: int = 0) -> None:  # the gathers of iter_hf_tensors need every rank
-        if lora is not None and plan.lora.active:
-            return lora.consume(trainer, aqn, **aqn_at(version))
-        if ep_sync is not None:  # rank 0's header says which sync
-            return ep_sync.serve()
-        for _ in trainer.hf_tensors():
-            pass
+    syncs = SyncPlan(trainer, engine, spec, aqn, run.seed, run.sft_steps, run.steps, lora,
+                     plan.lora, ShardedSync(trainer, spec, aqn, run.seed) if sharded else None)
+    gather, send = syncs.serve, syncs.send
 
     if ray_ranks:
         world = ResyncWorld.of(world, serve=gather)
-
-    def send(version: int) -> Any:
-        if lora is not None and plan.lora.active:  # the base once, then adapters only
-            return lora.send(trainer, engine, spec, version, aqn, run.seed, **aqn_at(version))
-        if ep_sync is not None:
-            return ep_sync.send(engine, version, **aqn_at(version))
-        return sync_weights(trainer.hf_tensors(), engine, spec, version, aqn, run.seed,
-                            **aqn_at(version))
 
     def first_bad(name: str | None) -> str | None:  # every rank's check, one answer
         return world.broadcast(next((b for b in world.gather(name) or [] if b), None))
@@ -269,8 +252,7 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
         return result
 
     def resync(version: int) -> Any:  # rank 0, after an engine actor restart
-        if lora is not None:  # a restarted engine holds no base
-            lora.base_sent = False
+        syncs.engine_restarted()
         if ray_ranks:
             world.announce_resync()
         return send(version)
