@@ -4,9 +4,10 @@ In-process ``sglang.Engine`` started on an HF directory for the spec (exported b
 ``tools/export_quantized.py``, or config-only with placeholder weights:
 :mod:`.launch`), so its layers are built for the low-bit format. This module holds the
 engine's lifecycle and generation; the weight sync lives in :mod:`.sync`, split where the
-process splits (:mod:`.sync.sender` in this process, :mod:`.sync.loader` inside SGLang's
-scheduler). Sync paths (``SGLangOptions.sync``, resolved per format by
-:meth:`~.options.SGLangOptions.resolve`):
+process splits (:mod:`.sync.transports` and :mod:`.sync.sender` in this process,
+:mod:`.sync.loader` inside SGLang's scheduler). Sync paths (``SGLangOptions.sync``, resolved
+per format by :meth:`~.options.SGLangOptions.resolve`), one transport each, handed a typed
+:class:`~.sync.session.SGLangSession` by :meth:`SGLangEngine.transport`:
 
 - ``inplace`` (default for formats that quantize weights): buckets of packed tensors through
   ``update_weights_from_tensor`` with ``load_format`` = our registered loader, which rebuilds

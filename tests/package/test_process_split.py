@@ -3,9 +3,9 @@
 SGLang's scheduler imports the in-place loader by name (``load_format`` =
 :data:`megatron_qrl.sync.protocol.inplace.LOADER`); what that import loads runs in every
 engine process. A fresh interpreter imports the module and reports which of the package's
-modules got loaded: the loader must load none of the trainer's side (sender, engine,
+modules got loaded: the loader must load none of the trainer's side (sender, transports, engine,
 supervisor, the RL driver, the quantization registry), and the protocol both sides share
-nothing of the package but the one HF-name parser.
+(and the transports' interface on it) nothing of the package but the one HF-name parser.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from megatron_qrl.sync.protocol.inplace import LOADER
 ROOT = Path(__file__).resolve().parents[2]
 PARSER = "megatron_qrl.utils.hf_names"
 TRAINER_SIDE = ("megatron_qrl.rollout_sglang.sync.sender", "megatron_qrl.rollout_sglang.engine",
-                "megatron_qrl.rollout.supervisor", "megatron_qrl.rl", "megatron_qrl.quant",
-                "megatron_qrl.config")
+                "megatron_qrl.rollout_sglang.sync.transports",
+                "megatron_qrl.rollout_sglang.sync.session", "megatron_qrl.sync.transport",
+                "megatron_qrl.rollout.transports", "megatron_qrl.rollout.supervisor",
+                "megatron_qrl.rl", "megatron_qrl.quant", "megatron_qrl.config")
 
 
 @functools.cache
@@ -70,6 +72,7 @@ def test_the_sglang_loader_loads_none_of_the_trainer_side():
     "megatron_qrl.sync.protocol.checksums",
     "megatron_qrl.sync.protocol.inplace",
     "megatron_qrl.rollout_sglang.sync.protocol",  # the re-export both sides used to import
+    "megatron_qrl.sync.transport",  # the transports' interface: on the protocol alone
 ])
 def test_the_protocol_imports_only_torch_and_the_name_parser(module):
     own, others = _loaded(module)

@@ -31,7 +31,7 @@ from megatron_qrl.rl.ray_modes import RayRolloutEngine, RaySession, placement_la
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
 from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine
 from megatron_qrl.rollout.supervisor import EngineDiedError
-from megatron_qrl.rollout.transports.objectstore import bucketize
+from megatron_qrl.sync.transport import cut
 from tests.helpers import HELPERS
 
 
@@ -122,7 +122,7 @@ def test_placement_layout():
     assert co.bundles == [{"CPU": 1.0, "GPU": 1}] and co.strategy == "PACK"
     with pytest.raises(ValueError, match="--qrl-mode"):
         placement_layout("single", 1)
-    sizes = [len(b) for b in bucketize(((f"t{i}", torch.zeros(4)) for i in range(5)), 40)]
+    sizes = [len(b) for b, _ in cut(((f"t{i}", torch.zeros(4)) for i in range(5)), 40)]
     assert sizes == [2, 2, 1]  # 16-byte tensors in 40-byte buckets
 
 

@@ -24,6 +24,7 @@ from megatron_qrl.rollout.transports.sharded import SegmentTransport
 from megatron_qrl.sync.protocol.wire import nbytes
 from megatron_qrl.sync.transport import cut
 from tests.rl.test_rl_ray import _packed
+from tests.rollout.test_ipc import ray  # noqa: F401  (the module's local Ray cluster)
 
 BUCKET = 4096
 
@@ -39,16 +40,9 @@ def _failing(stream, after: int):
         yield item
 
 
-@pytest.fixture(scope="module")
-def ray():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
+@pytest.mark.usefixtures("ray")
 @pytest.mark.parametrize("transport", ["objectstore", "broadcast", "ipc"])
-def test_ray_transport_contract(ray, transport):
+def test_ray_transport_contract(transport):
     cfg, packed = _packed()
     with RaySession("colocated", weight_transport=transport) as session:
         engine = session.new_actor(EngineSpec("reference", cfg, "int8", seed=0, num_threads=1))

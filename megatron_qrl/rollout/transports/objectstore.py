@@ -9,17 +9,16 @@ pickles what it stores."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...sync.protocol.wire import as_bytes, from_bytes
-from ...sync.transport import Bucket, WeightTransport, cut, register_transport
+from ...sync.transport import Bucket, WeightTransport, register_transport
 from .link import ActorLink
 
-__all__ = ["ObjectStoreTransport", "WireTensor", "bucketize", "from_wire", "to_wire"]
+__all__ = ["ObjectStoreTransport", "WireTensor", "from_wire", "to_wire"]
 
 
 @dataclass(frozen=True)
@@ -39,15 +38,6 @@ def to_wire(t: torch.Tensor) -> torch.Tensor | WireTensor:
 def from_wire(t: torch.Tensor | WireTensor) -> torch.Tensor:
     """Undo :func:`to_wire`."""
     return from_bytes(t.data, t.dtype) if isinstance(t, WireTensor) else t
-
-
-def bucketize(stream: Iterable[tuple[str, torch.Tensor]],
-              bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | WireTensor]]]:
-    """The non-empty buckets of ``stream`` (:func:`~megatron_qrl.sync.transport.cut`), each
-    tensor in its :func:`to_wire` form."""
-    for bucket, _ in cut(stream, bucket_bytes):
-        if bucket:
-            yield [(name, to_wire(t)) for name, t in bucket]
 
 
 @register_transport("ray", "objectstore")

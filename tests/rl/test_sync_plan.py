@@ -1,0 +1,45 @@
+"""The trainer-side sync a weight version takes is chosen in one place
+(megatron_qrl.rl.sync_plan.SyncPlan): a LoRA run whose base is frozen syncs adapters, a
+sharded sync sends each EP rank's experts, anything else gathers to rank 0; AQN's step is
+the version's RL step. The syncs themselves run end to end in tests/rl/test_rl_driver.py,
+test_lora_driver.py and test_rl_ep_sync.py."""
+
+from __future__ import annotations
+
+from megatron_qrl.models.lora import LoraState
+from megatron_qrl.models.lora_config import LoraConfig
+from megatron_qrl.quant import get_spec
+from megatron_qrl.rl.ep_sync import ShardedSync
+from megatron_qrl.rl.lora_sync import LoraSync
+from megatron_qrl.rl.sync_plan import SYNC_STRATEGIES, SyncPlan
+
+
+def _plan(lora: bool, sharded: bool, active: bool) -> SyncPlan:
+    spec = get_spec("int8")
+    state = LoraState(LoraConfig(rank=4)) if lora else None
+    if state is not None:
+        state.active = active
+    return SyncPlan(None, None, spec, None, 0, sft_steps=3, steps=5,
+                    lora=LoraSync(LoraConfig(rank=4)) if lora else None, lora_plan=state,
+                    sharded=ShardedSync(None, spec, None, 0) if sharded else None)
+
+
+def test_one_rule_picks_the_sync():
+    picks = {(lora, sharded, active): _plan(lora, sharded, active).strategy()
+             for lora in (False, True) for sharded in (False, True) for active in (False, True)}
+    assert set(picks.values()) == set(SYNC_STRATEGIES)
+    for (lora, sharded, active), how in picks.items():
+        assert how == ("lora" if lora and active else "sharded" if sharded else "gathered")
+
+
+def test_aqn_step_is_the_versions_rl_step():
+    plan = _plan(False, False, False)
+    assert [plan.aqn_at(v)["aqn_step"] for v in (0, 3, 4, 7, 9)] == [0, 0, 1, 4, 4]
+    assert plan.aqn_at(5)["total_steps"] == 5
+
+
+def test_a_restarted_engine_gets_the_lora_base_again():
+    plan = _plan(True, False, True)
+    plan.lora.base_sent = True
+    plan.engine_restarted()
+    assert plan.lora.base_sent is False
