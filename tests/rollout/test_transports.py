@@ -76,17 +76,19 @@ def _as_bytes(stream):
             for n, t in stream]
 
 
-def _frames(wire: list[torch.Tensor]) -> list[int]:
-    """Payload bytes of every frame on the wire (header, metadata, payload per frame)."""
-    sizes, i = [], 0
+def _frames(wire: list[torch.Tensor]) -> tuple[list[int], list[list[int]]]:
+    """Payload bytes of every frame on the wire (header, metadata, payload per frame), and
+    the end marks between them."""
+    sizes, ends, i = [], [], 0
     while i < len(wire):
         n_meta, n_flat = wire[i].tolist()
         if n_meta:
             sizes.append(n_flat)
             i += 3
         else:
+            ends.append([n_meta, n_flat])
             i += 1
-    return sizes
+    return sizes, ends
 
 
 @pytest.mark.parametrize("frames", [FleetFrames, SegmentTransport])
@@ -98,7 +100,7 @@ def test_fleet_transport_contract(monkeypatch, frames):
     wire: list[torch.Tensor] = []
     _loopback(monkeypatch, wire, send=True)
     sent = frames(None, "cpu", BUCKET).send(iter(packed), version=1)
-    sizes = _frames(wire)
+    sizes, ends = _frames(wire)
     assert sent == len(sizes) >= _expected_buckets(packed)
     big = max(nbytes(t) for _, t in packed)
     assert all(s <= max(BUCKET, big) for s in sizes)
@@ -109,10 +111,12 @@ def test_fleet_transport_contract(monkeypatch, frames):
     assert _as_bytes(got) == _as_bytes(packed)
     if frames is SegmentTransport:  # cut per segment: no bucket spans two segments
         keys = [wg.segment_key(n) for n, _ in packed]
+        segments = list(dict.fromkeys(keys))
         assert sent == sum(_expected_buckets([p for p, k in zip(packed, keys) if k == key])
-                           for key in dict.fromkeys(keys))
+                           for key in segments)
+        assert ends == [[0, 0]] * len(segments) + [[0, 1]]  # each segment ends, then the stream
     else:
-        assert sent == _expected_buckets(packed)
+        assert sent == _expected_buckets(packed) and ends == [[0, 0]]
     _loopback(monkeypatch, wire, send=True)
     with pytest.raises(KeyError, match="trainer's stream failed"):
         frames(None, "cpu", BUCKET).send(_failing(iter(packed), 3), version=2)

@@ -27,7 +27,7 @@ __all__ = ["SegmentTransport", "send_segments"]
 class SegmentTransport(FramedTransport):
     """Frames cut per segment, then the end-of-stream mark (module docstring)."""
 
-    def _cuts(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[Bucket, bool]]:
+    def cuts(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[Bucket, bool]]:
         """Each segment cut on its own (``last``: the segment's last bucket)."""
         seen: set[str] = set()
         first = True
