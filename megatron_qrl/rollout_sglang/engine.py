@@ -9,25 +9,19 @@ process splits (:mod:`.sync.transports` and :mod:`.sync.sender` in this process,
 per format by :meth:`~.options.SGLangOptions.resolve`), one transport each, handed a typed
 :class:`~.sync.session.SGLangSession` by :meth:`SGLangEngine.transport`:
 
-- ``inplace`` (default for formats that quantize weights): buckets of packed tensors through
-  ``update_weights_from_tensor`` with ``load_format`` = our registered loader, which rebuilds
-  each quantized layer's checkpoint parameters, re-runs its post-load processing (Marlin
-  repacking, transposes) and copies the result into the live tensors, so CUDA graphs stay
-  valid;
-- ``tensor``: the same buckets through SGLang's plain ``model.load_weights`` (bf16, and
-  formats whose loaded layout equals the checkpoint's);
-- ``distributed``: the engine runs on other GPUs (``base_gpu``) and every bucket is broadcast
-  from the trainer's GPU over a weight-update group (:mod:`.sync.distributed`);
-- ``disk``: safetensors in ``sync_dir`` loaded with ``update_weights_from_disk``.
+``inplace`` (default for formats that quantize weights: our registered loader reloads each
+layer and copies into the live tensors, so CUDA graphs stay valid), ``tensor`` (SGLang's
+plain ``model.load_weights``), ``distributed`` (an engine on other GPUs, every bucket
+broadcast over a weight-update group), ``disk`` (safetensors loaded from ``sync_dir``); each
+transport's module docstring says more.
 
 Verification: after every sync the engine's ``weight_version`` must equal the version sent.
 Where our loader runs (in place, and quantized distributed syncs), each scheduler process
 also fingerprints what it received (and the parameters it holds in the received layout) and
 :meth:`SGLangEngine.update_weights` compares that receipt with the fingerprints of the stream
-it was handed, raising :class:`WeightSyncError` naming the tensor (``SGLangOptions.receipt``,
-on by default). SGLang's own loaders
-(``tensor``, ``disk``, bf16 ``distributed``) return no receipt: there only the version is
-checked. Requires a CUDA GPU and SGLang; imports fail with a message naming the ``[gpu]``
+it was handed (the transport's ``verify``), raising :class:`WeightSyncError` naming the
+tensor (``SGLangOptions.receipt``, on by default). SGLang's own loaders (``tensor``, ``disk``,
+bf16 ``distributed``) return no receipt: there only the version is checked. Requires a CUDA GPU and SGLang; imports fail with a message naming the ``[gpu]``
 extra.
 """
 
