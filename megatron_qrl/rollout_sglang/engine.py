@@ -1,28 +1,22 @@
 """The SGLang rollout engine behind :class:`~megatron_qrl.rollout.base.RolloutEngine`.
 
 In-process ``sglang.Engine`` started on an HF directory for the spec (exported by
-``tools/export_quantized.py``, or config-only with placeholder weights:
-:mod:`.launch`), so its layers are built for the low-bit format. This module holds the
-engine's lifecycle and generation; the weight sync lives in :mod:`.sync`, split where the
-process splits (:mod:`.sync.transports` and :mod:`.sync.sender` in this process,
-:mod:`.sync.loader` inside SGLang's scheduler). Sync paths (``SGLangOptions.sync``, resolved
-per format by :meth:`~.options.SGLangOptions.resolve`), one transport each, handed a typed
-:class:`~.sync.session.SGLangSession` by :meth:`SGLangEngine.transport`:
-
-``inplace`` (default for formats that quantize weights: our registered loader reloads each
-layer and copies into the live tensors, so CUDA graphs stay valid), ``tensor`` (SGLang's
-plain ``model.load_weights``), ``distributed`` (an engine on other GPUs, every bucket
-broadcast over a weight-update group), ``disk`` (safetensors loaded from ``sync_dir``); each
-transport's module docstring says more.
+``tools/export_quantized.py``, or config-only with placeholder weights: :mod:`.launch`), so
+its layers are built for the low-bit format. This module holds the engine's lifecycle and
+generation; the weight sync lives in :mod:`.sync`, split where the process splits. Each
+sync path (``SGLangOptions.sync``, resolved per format by :meth:`~.options.SGLangOptions.
+resolve`: ``inplace``, ``tensor``, ``distributed``, ``disk``) is one transport of
+:mod:`.sync.transports`, handed a typed :class:`~.sync.session.SGLangSession` by
+:meth:`SGLangEngine.transport`; its module docstring says how it works.
 
 Verification: after every sync the engine's ``weight_version`` must equal the version sent.
 Where our loader runs (in place, and quantized distributed syncs), each scheduler process
 also fingerprints what it received (and the parameters it holds in the received layout) and
-:meth:`SGLangEngine.update_weights` compares that receipt with the fingerprints of the stream
-it was handed (the transport's ``verify``), raising :class:`WeightSyncError` naming the
-tensor (``SGLangOptions.receipt``, on by default). SGLang's own loaders (``tensor``, ``disk``,
-bf16 ``distributed``) return no receipt: there only the version is checked. Requires a CUDA GPU and SGLang; imports fail with a message naming the ``[gpu]``
-extra.
+the transport's ``verify`` compares that receipt with the fingerprints of the stream it was
+handed, raising :class:`WeightSyncError` naming the tensor (``SGLangOptions.receipt``, on by
+default). SGLang's own loaders (``tensor``, ``disk``, bf16 ``distributed``) return no
+receipt: there only the version is checked. Requires a CUDA GPU and SGLang; imports fail
+with a message naming the ``[gpu]`` extra.
 """
 
 from __future__ import annotations
@@ -209,8 +203,7 @@ class SGLangEngine(RolloutEngine):
         self.last_sync["seconds"] = t2 - t0
 
     def transport(self, sent: Checksums, receipt: str | None) -> WeightTransport:
-        """The transport ``options.sync`` names (:mod:`.sync.transports`), for one sync
-        whose fingerprints go to ``sent`` and receipts to ``receipt``."""
+        """``options.sync``'s transport for one sync (fingerprints to ``sent``, receipts to ``receipt``)."""
         session = SGLangSession(
             self.options, self.spec, self.trainer_device, self.bucket_bytes, self.processes,
             self.model_path, sent, receipt, self.last_sync,
