@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
-__all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "report_from_dirs", "run_compare", "variants_for_mode",
+__all__ = ["LOW_LR", "RLQUANT_VARIANTS", "VARIANTS", "VARIANT_SETS", "VariantSet", "parse_seeds",
+           "report_from_dirs", "run_compare", "variants_for_mode",
            "variant_argv"]
 
 LOW_LR = 3e-6
@@ -75,6 +77,42 @@ VARIANTS: tuple[tuple[str, list[str]], ...] = (
                                     *_LORA32, "--qrl-lora-base-format", "nvfp4"]),
 )
 """(label, flags appended to the user's command line: later flags win)."""
+
+
+_GRPO = ["--qrl-loss-kind", "ppo_clip", "--qrl-loss-aggregation", "seq_mean_token_mean"]
+RLQUANT_VARIANTS: tuple[tuple[str, list[str]], ...] = (
+    ("bf16 grpo", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16", *_GRPO]),
+    ("qaft int8", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "aligned", *_GRPO]),
+    ("qaft w4a16", ["--qrl-rollout-format", "w4a16", "--qrl-train-forward", "aligned", *_GRPO]),
+    ("qlora nf4", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16", *_GRPO,
+                   "--qrl-lora-rank", "8", "--qrl-lora-alpha", "16", "--qrl-lora-dropout", "0.05",
+                   "--qrl-lora-base-format", "nf4", "--qrl-lr", "1e-4"]),
+)
+"""The rlquant study's RL runs (plain GRPO = PPO-clip, sequence-mean aggregation, for all):
+full precision (PTQ starts from its last checkpoint), QAFT-STE as the aligned forward at INT8
+and W4A16, QLoRA (NF4 double-quantized frozen base, r = 8, alpha = 16, dropout 0.05, lr 1e-4)."""
+
+
+@dataclass(frozen=True)
+class VariantSet:
+    """One ``--qrl-compare`` set: its RL variants and what runs after all seeds' RL runs,
+    ``after(out_dir, seed_dirs, log)`` (e.g. the rlquant PTQ evaluation), or None."""
+
+    variants: tuple[tuple[str, list[str]], ...]
+    after: Callable[[Path, list[Path], Callable[[str], None]], object] | None = None
+
+
+def _rlquant_after(out: Path, seed_dirs: list[Path], log: Callable[[str], None]) -> object:
+    from megatron_qrl.rl.compare_rlquant import rlquant_report
+
+    return rlquant_report(seed_dirs, out, log=log)
+
+
+VARIANT_SETS: dict[str, VariantSet] = {
+    "papers": VariantSet(VARIANTS),
+    "rlquant": VariantSet(RLQUANT_VARIANTS, _rlquant_after),
+}
+"""``--qrl-compare NAME`` -> its variants (``papers`` is the flag's default)."""
 
 
 def parse_seeds(text: str | None) -> list[int | None]:
@@ -127,14 +165,16 @@ def _with_visible_updates(records: list[dict], vdir: Path, spec: Any) -> list[di
     return [*records[:-1], {**records[-1], VISIBLE_KEY: visible_update_fraction(*states, spec)}]
 
 
-def variants_for_mode(mode: str, log: Callable[[str], None] = print
+def variants_for_mode(mode: str, set_name: str = "papers", log: Callable[[str], None] = print
                       ) -> tuple[tuple[str, list[str]], ...]:
-    """The variants ``--qrl-mode mode`` can run: the Ray modes' engine actor serves no LoRA
-    adapters yet (``rl.cli`` refuses LoRA there), so they leave the LoRA variants out, saying so."""
+    """The variants of ``--qrl-compare set_name`` that ``--qrl-mode mode`` can run: the Ray
+    modes' engine actor serves no LoRA adapters yet (``rl.cli`` refuses LoRA there), so they
+    leave the LoRA variants out, saying so."""
+    variants = VARIANT_SETS[set_name].variants
     if mode == "single":
-        return VARIANTS
-    kept = tuple(v for v in VARIANTS if "--qrl-lora-rank" not in v[1])
-    left = [label for label, extra in VARIANTS if "--qrl-lora-rank" in extra]
+        return variants
+    kept = tuple(v for v in variants if "--qrl-lora-rank" not in v[1])
+    left = [label for label, extra in variants if "--qrl-lora-rank" in extra]
     if left:
         log(f"[compare] --qrl-mode {mode}: the LoRA variants run in --qrl-mode single only; "
             f"left out: {', '.join(left)}")
@@ -145,21 +185,26 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
                 run: Callable[..., list[dict]], out_dir: str | Path,
                 log: Callable[[str], None] = print,
                 seeds: Sequence[int | None] = (None,),
-                variants: Sequence[tuple[str, list[str]]] = VARIANTS) -> tuple[Path, Path]:
+                variants: Sequence[tuple[str, list[str]]] = VARIANTS,
+                after: Callable[[Path, list[Path], Callable[[str], None]], object] | None = None,
+                ) -> tuple[Path, Path]:
     """Run the warm-up and every variant for every seed; write ``compare.md`` /
     ``compare.png`` in ``out_dir`` (:func:`megatron_qrl.rl.compare_report.write_report`).
 
     ``parse(argv) -> (configs, flags)`` validates a command line; ``run(configs, flags,
     start_weights=..., skip_sft=...)`` is :func:`megatron_qrl.rl.driver.run_job` (inside a
-    megatron job). ``seeds``: None = the command line's ``--qrl-seed``.
+    megatron job). ``seeds``: None = the command line's ``--qrl-seed``. ``after``: see
+    :class:`VariantSet`, called with the seeds' output directories once every run is done.
     """
     from megatron_qrl.rl.compare_report import write_report
 
     out = Path(out_dir)
     runs: dict[str, dict[str, list[dict]]] = {}
+    seed_dirs: list[Path] = []
     for seed in seeds:
         s_argv = list(argv) if seed is None else [*argv, "--qrl-seed", str(seed)]
         s_out = out if seed is None else out / f"seed{seed}"
+        seed_dirs.append(s_out)
         start = _warm_up(s_argv, parse, run, s_out / "sft", log)
         for label, extra in variants:
             vdir = s_out / _slug(label)
@@ -171,6 +216,8 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
             runs.setdefault(label, {})[str(configs["run"].seed)] = records
     md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
+    if after is not None:
+        after(out, seed_dirs, log)
     return md, png
 
 
