@@ -26,6 +26,9 @@ Variants (the papers' claims they test are in docs/COMPARE.md):
   ``bf16 qlora-nf4 ppo_clip`` (rlquant's QLoRA: NF4 double-quantized frozen base, r = 8,
   alpha = 16, dropout 0.05, lr 1e-4, BF16 rollouts); ``nvfp4 lora aligned+tis+aqn`` (QeRL:
   NVFP4 rollouts and frozen base = the aligned forward, LoRA r = 32 alpha = 32, TIS, AQN).
+
+``--qrl-compare rlquant`` runs :data:`RLQUANT_VARIANTS` instead, then evaluates every final
+policy at the precision it deploys at (:mod:`megatron_qrl.rl.compare_rlquant`).
 """
 
 from __future__ import annotations
