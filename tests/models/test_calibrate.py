@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from megatron_qrl.data.tiny_model import tiny_moe_config
 from megatron_qrl.models.calibrate import CalibrationError, calibrate_tensors, check_method
@@ -21,7 +20,7 @@ from megatron_qrl.quant.hf_reference import (
 )
 from megatron_qrl.rollout.base import SamplingParams
 from megatron_qrl.rollout.reference import ReferenceEngine
-from tests.helpers.tiny_hf import make_tiny_hf
+from tests.helpers.tiny_hf import make_tiny_hf, read_safetensors_dir
 from tools.export_quantized import main as export_main
 
 VOCAB = 64
@@ -128,12 +127,7 @@ def test_pairs_that_do_not_combine_are_refused_in_one_line(tmp_path, capsys, met
     assert not (tmp_path / "o").exists()
 
 
-def _read(out):
-    tensors = {}
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            tensors.update({k: h.get_tensor(k) for k in h.keys()})
-    return tensors
+_read = read_safetensors_dir
 
 
 @pytest.fixture(scope="module")
