@@ -53,7 +53,7 @@ __all__ = ["build_parser", "main", "parse_configs"]
 DEFAULT_PRESET = "tiny-cpu"
 MODES = ("single", "colocated", "disaggregated")
 COMPARE_SETS = ("papers", "rlquant")
-"""``--qrl-compare`` variant sets (the keys of :data:`megatron_qrl.rl.compare.VARIANT_SETS`)."""
+"""``--qrl-compare`` variant sets (the keys of :data:`megatron_qrl.rl.compare_sets.VARIANT_SETS`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -440,12 +440,8 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
 
     with single_process_megatron():
         if args.qrl_compare:
-            from megatron_qrl.rl.compare import (
-                VARIANT_SETS,
-                parse_seeds,
-                run_compare,
-                variants_for_mode,
-            )
+            from megatron_qrl.rl.compare import parse_seeds, run_compare, variants_for_mode
+            from megatron_qrl.rl.compare_sets import VARIANT_SETS
 
             base = _compare_base(argv)
 
@@ -454,7 +450,8 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
 
             out = configs["run"].output_dir or configs["run"].resolved_output_dir() + "-compare"
             run_compare(base, parse, run, out, seeds=parse_seeds(args.qrl_seeds),
-                        variants=variants_for_mode(args.qrl_mode, args.qrl_compare),
+                        variants=variants_for_mode(args.qrl_mode,
+                                                   VARIANT_SETS[args.qrl_compare].variants),
                         after=VARIANT_SETS[args.qrl_compare].after)
         else:
             records = run(configs, flags)

@@ -44,9 +44,8 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
-__all__ = ["LOW_LR", "RLQUANT_VARIANTS", "VARIANTS", "VARIANT_SETS", "VariantSet", "parse_seeds",
-           "report_from_dirs", "run_compare", "variants_for_mode",
-           "variant_argv"]
+__all__ = ["LOW_LR", "RLQUANT_VARIANTS", "VARIANTS", "VariantSet", "parse_seeds", "report_from_dirs",
+           "run_compare", "slug", "variant_argv", "variants_for_mode"]
 
 LOW_LR = 3e-6
 """Learning rate of the UAQ pair (below QuRL's UAQ limit of 1e-5)."""
@@ -105,19 +104,6 @@ class VariantSet:
     after: Callable[[Path, list[Path], Callable[[str], None]], object] | None = None
 
 
-def _rlquant_after(out: Path, seed_dirs: list[Path], log: Callable[[str], None]) -> object:
-    from megatron_qrl.rl.compare_rlquant import rlquant_report
-
-    return rlquant_report(seed_dirs, out, log=log)
-
-
-VARIANT_SETS: dict[str, VariantSet] = {
-    "papers": VariantSet(VARIANTS),
-    "rlquant": VariantSet(RLQUANT_VARIANTS, _rlquant_after),
-}
-"""``--qrl-compare NAME`` -> its variants (``papers`` is the flag's default)."""
-
-
 def parse_seeds(text: str | None) -> list[int | None]:
     """``--qrl-seeds 1,2,3`` -> ``[1, 2, 3]`` (distinct non-negative integers); None / '' ->
     ``[None]`` (one run at ``--qrl-seed``)."""
@@ -133,7 +119,8 @@ def parse_seeds(text: str | None) -> list[int | None]:
     return list(seeds)
 
 
-def _slug(label: str) -> str:
+def slug(label: str) -> str:
+    """A variant label as a directory name."""
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)
 
 
@@ -168,12 +155,11 @@ def _with_visible_updates(records: list[dict], vdir: Path, spec: Any) -> list[di
     return [*records[:-1], {**records[-1], VISIBLE_KEY: visible_update_fraction(*states, spec)}]
 
 
-def variants_for_mode(mode: str, set_name: str = "papers", log: Callable[[str], None] = print
-                      ) -> tuple[tuple[str, list[str]], ...]:
-    """The variants of ``--qrl-compare set_name`` that ``--qrl-mode mode`` can run: the Ray
-    modes' engine actor serves no LoRA adapters yet (``rl.cli`` refuses LoRA there), so they
-    leave the LoRA variants out, saying so."""
-    variants = VARIANT_SETS[set_name].variants
+def variants_for_mode(mode: str, variants: tuple[tuple[str, list[str]], ...] = VARIANTS,
+                      log: Callable[[str], None] = print) -> tuple[tuple[str, list[str]], ...]:
+    """The ``variants`` that ``--qrl-mode mode`` can run: the Ray modes' engine actor serves no
+    LoRA adapters yet (``rl.cli`` refuses LoRA there), so they leave the LoRA variants out,
+    saying so."""
     if mode == "single":
         return variants
     kept = tuple(v for v in variants if "--qrl-lora-rank" not in v[1])
@@ -210,7 +196,7 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
         seed_dirs.append(s_out)
         start = _warm_up(s_argv, parse, run, s_out / "sft", log)
         for label, extra in variants:
-            vdir = s_out / _slug(label)
+            vdir = s_out / slug(label)
             configs, flags = parse(variant_argv(s_argv, extra, vdir))
             log(f"[compare] seed {configs['run'].seed}: {label} -> {vdir}")
             records = _with_visible_updates(
@@ -237,7 +223,7 @@ def report_from_dirs(seed_dirs: Sequence[str | Path], out_dir: str | Path,
     for d in map(Path, seed_dirs):
         for sub in [d, *sorted(d.glob("seed*"))]:
             for label, extra in variants:
-                vdir = sub / _slug(label)
+                vdir = sub / slug(label)
                 if not (vdir / "metrics.jsonl").is_file():
                     continue
                 fmt = extra[extra.index("--qrl-rollout-format") + 1]

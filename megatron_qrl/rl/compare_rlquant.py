@@ -20,11 +20,13 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from megatron_qrl.rl.compare import slug
 from megatron_qrl.utils.curves import mean_std
 from megatron_qrl.utils.io import atomic_write_text
 from megatron_qrl.utils.plots import new_figure, save_png
 
-__all__ = ["CALIB_PROMPTS", "DEPLOYMENTS", "EVAL_PROMPTS", "evaluate_seed", "rlquant_report"]
+__all__ = ["CALIB_PROMPTS", "DEPLOYMENTS", "EVAL_PROMPTS", "evaluate_seed", "rlquant_after",
+           "rlquant_report"]
 
 EVAL_PROMPTS = 512
 CALIB_PROMPTS = 64
@@ -41,12 +43,6 @@ DEPLOYMENTS: tuple[tuple[str, str, str, str], ...] = (
 )
 """(label, RL variant, deployed format, ``--calibrate`` method). QLoRA deploys as its engine
 served it during RL: the dequantized NF4 base with the adapter (merged, BF16)."""
-
-
-def _slug(label: str) -> str:
-    from megatron_qrl.rl.compare import _slug as slug
-
-    return slug(label)
 
 
 def held_out(configs: dict, train: Sequence, n: int = EVAL_PROMPTS) -> list:
@@ -98,7 +94,7 @@ def evaluate_seed(seed_dir: Path, log: Callable[[str], None] = print,
     result: dict[str, dict[str, float]] = json.loads(path.read_text()) if path.is_file() else {}
     finals: dict[str, tuple | None] = {}
     for label, variant, fmt, method in DEPLOYMENTS:
-        vdir = seed_dir / _slug(variant)
+        vdir = seed_dir / slug(variant)
         if label in result or not (vdir / "metrics.jsonl").is_file():
             continue
         if variant not in finals:
@@ -181,3 +177,8 @@ def rlquant_report(seed_dirs: Sequence[Path], out: Path, log: Callable[[str], No
     md, png = write_report(by_seed, Path(out))
     log(f"[rlquant] table: {md}\n" + md.read_text())
     return md, png
+
+
+def rlquant_after(out: Path, seed_dirs: list[Path], log: Callable[[str], None]) -> object:
+    """The ``after`` step of the ``rlquant`` variant set (:mod:`megatron_qrl.rl.compare_sets`)."""
+    return rlquant_report(seed_dirs, out, log=log)

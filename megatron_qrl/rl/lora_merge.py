@@ -21,10 +21,13 @@ __all__ = ["configs_from_flags", "final_hf_tensors", "merged_lora_tensors"]
 
 def configs_from_flags(flags: dict) -> dict:
     """The run's component configs from the flag values stored in its checkpoint."""
-    from megatron_qrl.config import qrl_configs_from_args
-    from megatron_qrl.rl.cli import build_parser
+    import argparse
 
-    args = build_parser().parse_args([])
+    from megatron_qrl.config import add_qrl_args, qrl_configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_qrl_args(parser)
+    args = parser.parse_args([])
     for k, v in flags.items():
         if hasattr(args, k):
             setattr(args, k, v)

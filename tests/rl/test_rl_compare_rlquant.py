@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 from megatron_qrl.rl.cli import COMPARE_SETS, _compare_base, parse_configs
-from megatron_qrl.rl.compare import RLQUANT_VARIANTS, VARIANT_SETS, variant_argv
+from megatron_qrl.rl.compare import RLQUANT_VARIANTS, variant_argv
 from megatron_qrl.rl.compare_rlquant import DEPLOYMENTS, held_out, table, write_report
+from megatron_qrl.rl.compare_sets import VARIANT_SETS
 from tests.helpers import RL_RUN_HELPER
 
 BASE = ["--qrl-preset", "tiny-cpu", "--qrl-steps", "7"]
