@@ -46,18 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _configs(flags: dict) -> dict:
-    from megatron_qrl.config import qrl_configs_from_args
-    from megatron_qrl.rl.cli import build_parser
-
-    args = build_parser().parse_args([])
-    for k, v in flags.items():
-        if hasattr(args, k):
-            setattr(args, k, v)
-    args.qrl_preset = None  # the stored values are already the effective ones
-    return qrl_configs_from_args(args)
-
-
 def _arch_diff(cfg: dict, want: dict) -> str | None:
     """None when HF config ``cfg`` describes the run's model ``want``, else the first
     config.json keys that differ."""
@@ -103,13 +91,10 @@ def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | No
     import torch
 
     from megatron_qrl.models.hf_io import save_safetensors, write_safetensors
-    from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
     from megatron_qrl.models.runtime import single_process_megatron
-    from megatron_qrl.rl.checkpoint import latest_checkpoint, model_state_of
+    from megatron_qrl.rl.checkpoint import latest_checkpoint
     from megatron_qrl.rl.driver import prepare_job
-    from megatron_qrl.rl.forward import forward_plan
-    from megatron_qrl.rl.lora_sync import enter_lora
-    from megatron_qrl.rl.trainer import PolicyTrainer, build_policy
+    from megatron_qrl.rl.lora_merge import configs_from_flags, merged_lora_tensors
     from megatron_qrl.utils.io import atomic_write_json
     from megatron_qrl.utils.outdir import check_output_dir, safe_output_dir
 
@@ -124,24 +109,15 @@ def merge_run(run_dir: str | Path, out: str | Path, adapter_out: str | Path | No
     flags = dict(state["flags"], qrl_task_prompts=None)  # the prompts play no part in a merge
     if (start := _base_dir(flags, state, Path(run_dir), base)) is not None:
         flags["qrl_checkpoint"] = start
-    configs = _configs(flags)
+    configs = configs_from_flags(flags)
     lora = configs["lora"]
     if not lora.enabled:
         raise ValueError(f"--run-dir {run_dir}: the run has no adapters (--qrl-lora-rank 0)")
     data = prepare_job(configs)
     with single_process_megatron():
-        trainer = PolicyTrainer(build_policy(data.arch, 1e-4, forward_plan(configs, data.arch)))
-        enter_lora(trainer, configs)
-        model_state = model_state_of(state, path, data.arch)  # (a PP run's stages joined)
-        if not any(".qrl_base." in k for k in model_state):
-            raise ValueError(f"{path} was written before the RL phase (no frozen base); merge a "
-                             "checkpoint of the LoRA phase")
-        trainer.load_state_dict({"model": model_state,
-                                 "optimizer": trainer.policy.optimizer.state_dict()})
-        adapters = dict(adapter_tensors(trainer.module, data.arch))
+        merged, adapters = merged_lora_tensors(state, configs, data, path)
         with safe_output_dir(out, [run_dir], tool="merge_lora", overwrite=overwrite) as tmp:
-            write_safetensors(merge_into(base_hf_tensors(trainer.module, data.arch), adapters,
-                                         lora.scaling), tmp)
+            write_safetensors(merged, tmp)
             atomic_write_json(Path(tmp) / "config.json", data.hf_config)
             _save_tokenizer(data.tokenizer, Path(tmp))
         if adapter_out is not None:

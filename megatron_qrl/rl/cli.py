@@ -52,6 +52,8 @@ __all__ = ["build_parser", "main", "parse_configs"]
 
 DEFAULT_PRESET = "tiny-cpu"
 MODES = ("single", "colocated", "disaggregated")
+COMPARE_SETS = ("papers", "rlquant")
+"""``--qrl-compare`` variant sets (the keys of :data:`megatron_qrl.rl.compare_sets.VARIANT_SETS`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,11 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
                     f"(default --qrl-preset {DEFAULT_PRESET})"))  # --qrl-lr -1e-3: a value
     add_qrl_args(parser)
     launch = parser.add_argument_group("qrl-train launcher")
-    launch.add_argument("--qrl-compare", action="store_true",
-                        help="run the same RL budget for every variant of "
-                             "megatron_qrl.rl.compare (bf16, w4a16 naive / tis / acr / "
-                             "aligned+tbpo / tis+aqn, int8 low-lr with and without UAQ) and "
-                             "write compare.md / compare.png in the output directory")
+    launch.add_argument("--qrl-compare", nargs="?", const="papers", default=None,
+                        choices=COMPARE_SETS, metavar="{" + ",".join(COMPARE_SETS) + "}",
+                        help="run the same RL budget for every variant of a set in "
+                             "megatron_qrl.rl.compare and write compare.md / compare.png in the "
+                             "output directory. papers (the default): bf16, w4a16 naive / tis / "
+                             "acr / aligned+tbpo / tis+aqn, int8 low-lr with and without UAQ, "
+                             "LoRA; rlquant: full-precision RL then PTQ (RTN, AWQ, SmoothQuant) "
+                             "vs QAFT vs QLoRA, each evaluated at its deployed format")
     launch.add_argument("--qrl-seeds", default=None, metavar="S1,S2,...",
                         help="with --qrl-compare: run every variant on each of these seeds "
                              "(one warm-up per seed); the table gives mean +- std over them")
@@ -436,6 +441,7 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
     with single_process_megatron():
         if args.qrl_compare:
             from megatron_qrl.rl.compare import parse_seeds, run_compare, variants_for_mode
+            from megatron_qrl.rl.compare_sets import VARIANT_SETS
 
             base = _compare_base(argv)
 
@@ -444,7 +450,9 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
 
             out = configs["run"].output_dir or configs["run"].resolved_output_dir() + "-compare"
             run_compare(base, parse, run, out, seeds=parse_seeds(args.qrl_seeds),
-                        variants=variants_for_mode(args.qrl_mode))
+                        variants=variants_for_mode(args.qrl_mode,
+                                                   VARIANT_SETS[args.qrl_compare].variants),
+                        after=VARIANT_SETS[args.qrl_compare].after)
         else:
             records = run(configs, flags)
             _summary(records)
@@ -452,14 +460,20 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
 
 def _compare_base(argv: Sequence[str]) -> list[str]:
     """The command line of the compare's runs: without the launcher's compare flags."""
-    out, skip = [], False
+    out, skip, skip_set = [], False, False
     for a in _with_default_preset(argv):
         if skip:
             skip = False
         elif a == "--qrl-seeds":
             skip = True
-        elif a != "--qrl-compare" and not a.startswith("--qrl-seeds="):
+        elif a == "--qrl-compare":
+            skip_set = True
+            continue
+        elif skip_set and a in COMPARE_SETS:
+            pass
+        elif not a.startswith(("--qrl-seeds=", "--qrl-compare=")):
             out.append(a)
+        skip_set = False
     return out
 
 

@@ -26,12 +26,16 @@ Variants (the papers' claims they test are in docs/COMPARE.md):
   ``bf16 qlora-nf4 ppo_clip`` (rlquant's QLoRA: NF4 double-quantized frozen base, r = 8,
   alpha = 16, dropout 0.05, lr 1e-4, BF16 rollouts); ``nvfp4 lora aligned+tis+aqn`` (QeRL:
   NVFP4 rollouts and frozen base = the aligned forward, LoRA r = 32 alpha = 32, TIS, AQN).
+
+``--qrl-compare rlquant`` runs :data:`RLQUANT_VARIANTS` instead, then evaluates every final
+policy at the precision it deploys at (:mod:`megatron_qrl.rl.compare_rlquant`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +44,8 @@ import torch
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
-__all__ = ["LOW_LR", "VARIANTS", "parse_seeds", "report_from_dirs", "run_compare", "variants_for_mode",
-           "variant_argv"]
+__all__ = ["LOW_LR", "RLQUANT_VARIANTS", "VARIANTS", "VariantSet", "parse_seeds", "report_from_dirs",
+           "run_compare", "slug", "variant_argv", "variants_for_mode"]
 
 LOW_LR = 3e-6
 """Learning rate of the UAQ pair (below QuRL's UAQ limit of 1e-5)."""
@@ -77,6 +81,29 @@ VARIANTS: tuple[tuple[str, list[str]], ...] = (
 """(label, flags appended to the user's command line: later flags win)."""
 
 
+_GRPO = ["--qrl-loss-kind", "ppo_clip", "--qrl-loss-aggregation", "seq_mean_token_mean"]
+RLQUANT_VARIANTS: tuple[tuple[str, list[str]], ...] = (
+    ("bf16 grpo", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16", *_GRPO]),
+    ("qaft int8", ["--qrl-rollout-format", "int8", "--qrl-train-forward", "aligned", *_GRPO]),
+    ("qaft w4a16", ["--qrl-rollout-format", "w4a16", "--qrl-train-forward", "aligned", *_GRPO]),
+    ("qlora nf4", ["--qrl-rollout-format", "bf16", "--qrl-train-forward", "bf16", *_GRPO,
+                   "--qrl-lora-rank", "8", "--qrl-lora-alpha", "16", "--qrl-lora-dropout", "0.05",
+                   "--qrl-lora-base-format", "nf4", "--qrl-lr", "1e-4"]),
+)
+"""The rlquant study's RL runs (plain GRPO = PPO-clip, sequence-mean aggregation, for all):
+full precision (PTQ starts from its last checkpoint), QAFT-STE as the aligned forward at INT8
+and W4A16, QLoRA (NF4 double-quantized frozen base, r = 8, alpha = 16, dropout 0.05, lr 1e-4)."""
+
+
+@dataclass(frozen=True)
+class VariantSet:
+    """One ``--qrl-compare`` set: its RL variants and what runs after all seeds' RL runs,
+    ``after(out_dir, seed_dirs, log)`` (e.g. the rlquant PTQ evaluation), or None."""
+
+    variants: tuple[tuple[str, list[str]], ...]
+    after: Callable[[Path, list[Path], Callable[[str], None]], object] | None = None
+
+
 def parse_seeds(text: str | None) -> list[int | None]:
     """``--qrl-seeds 1,2,3`` -> ``[1, 2, 3]`` (distinct non-negative integers); None / '' ->
     ``[None]`` (one run at ``--qrl-seed``)."""
@@ -92,7 +119,8 @@ def parse_seeds(text: str | None) -> list[int | None]:
     return list(seeds)
 
 
-def _slug(label: str) -> str:
+def slug(label: str) -> str:
+    """A variant label as a directory name."""
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)
 
 
@@ -127,14 +155,15 @@ def _with_visible_updates(records: list[dict], vdir: Path, spec: Any) -> list[di
     return [*records[:-1], {**records[-1], VISIBLE_KEY: visible_update_fraction(*states, spec)}]
 
 
-def variants_for_mode(mode: str, log: Callable[[str], None] = print
-                      ) -> tuple[tuple[str, list[str]], ...]:
-    """The variants ``--qrl-mode mode`` can run: the Ray modes' engine actor serves no LoRA
-    adapters yet (``rl.cli`` refuses LoRA there), so they leave the LoRA variants out, saying so."""
+def variants_for_mode(mode: str, variants: tuple[tuple[str, list[str]], ...] = VARIANTS,
+                      log: Callable[[str], None] = print) -> tuple[tuple[str, list[str]], ...]:
+    """The ``variants`` that ``--qrl-mode mode`` can run: the Ray modes' engine actor serves no
+    LoRA adapters yet (``rl.cli`` refuses LoRA there), so they leave the LoRA variants out,
+    saying so."""
     if mode == "single":
-        return VARIANTS
-    kept = tuple(v for v in VARIANTS if "--qrl-lora-rank" not in v[1])
-    left = [label for label, extra in VARIANTS if "--qrl-lora-rank" in extra]
+        return variants
+    kept = tuple(v for v in variants if "--qrl-lora-rank" not in v[1])
+    left = [label for label, extra in variants if "--qrl-lora-rank" in extra]
     if left:
         log(f"[compare] --qrl-mode {mode}: the LoRA variants run in --qrl-mode single only; "
             f"left out: {', '.join(left)}")
@@ -145,24 +174,29 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
                 run: Callable[..., list[dict]], out_dir: str | Path,
                 log: Callable[[str], None] = print,
                 seeds: Sequence[int | None] = (None,),
-                variants: Sequence[tuple[str, list[str]]] = VARIANTS) -> tuple[Path, Path]:
+                variants: Sequence[tuple[str, list[str]]] = VARIANTS,
+                after: Callable[[Path, list[Path], Callable[[str], None]], object] | None = None,
+                ) -> tuple[Path, Path]:
     """Run the warm-up and every variant for every seed; write ``compare.md`` /
     ``compare.png`` in ``out_dir`` (:func:`megatron_qrl.rl.compare_report.write_report`).
 
     ``parse(argv) -> (configs, flags)`` validates a command line; ``run(configs, flags,
     start_weights=..., skip_sft=...)`` is :func:`megatron_qrl.rl.driver.run_job` (inside a
-    megatron job). ``seeds``: None = the command line's ``--qrl-seed``.
+    megatron job). ``seeds``: None = the command line's ``--qrl-seed``. ``after``: see
+    :class:`VariantSet`, called with the seeds' output directories once every run is done.
     """
     from megatron_qrl.rl.compare_report import write_report
 
     out = Path(out_dir)
     runs: dict[str, dict[str, list[dict]]] = {}
+    seed_dirs: list[Path] = []
     for seed in seeds:
         s_argv = list(argv) if seed is None else [*argv, "--qrl-seed", str(seed)]
         s_out = out if seed is None else out / f"seed{seed}"
+        seed_dirs.append(s_out)
         start = _warm_up(s_argv, parse, run, s_out / "sft", log)
         for label, extra in variants:
-            vdir = s_out / _slug(label)
+            vdir = s_out / slug(label)
             configs, flags = parse(variant_argv(s_argv, extra, vdir))
             log(f"[compare] seed {configs['run'].seed}: {label} -> {vdir}")
             records = _with_visible_updates(
@@ -171,6 +205,8 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
             runs.setdefault(label, {})[str(configs["run"].seed)] = records
     md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
+    if after is not None:
+        after(out, seed_dirs, log)
     return md, png
 
 
@@ -187,7 +223,7 @@ def report_from_dirs(seed_dirs: Sequence[str | Path], out_dir: str | Path,
     for d in map(Path, seed_dirs):
         for sub in [d, *sorted(d.glob("seed*"))]:
             for label, extra in variants:
-                vdir = sub / _slug(label)
+                vdir = sub / slug(label)
                 if not (vdir / "metrics.jsonl").is_file():
                     continue
                 fmt = extra[extra.index("--qrl-rollout-format") + 1]

@@ -58,3 +58,14 @@ def hf_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
 def tokens(batch: int = 2, seq: int = 8, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     """Deterministic token ids ``[batch, seq]``."""
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def read_safetensors_dir(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` shards in ``out``."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for f in sorted(Path(out).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    return tensors

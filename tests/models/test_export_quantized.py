@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from megatron_qrl.models.export import export_quantized
 from megatron_qrl.models.hf_io import QuantizedCheckpointError
 from megatron_qrl.quant import get_spec
 from megatron_qrl.utils.outdir import OutputDirError
-from tests.helpers.tiny_hf import make_tiny_hf
+from tests.helpers.tiny_hf import make_tiny_hf, read_safetensors_dir
 from tools.export_quantized import main as export_main
 
 # every quantized linear's in_features a multiple of 128 (fp8_block, w4a16)
@@ -24,12 +23,7 @@ def hf_dir(tmp_path_factory):
                         **QUANT_DIMS)
 
 
-def _read(out):
-    tensors = {}
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            tensors.update({k: h.get_tensor(k) for k in h.keys()})
-    return tensors
+_read = read_safetensors_dir
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "fp8_block", "w4a16", "nvfp4"])

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_qrl.rl.compare import VARIANTS, _slug
+from megatron_qrl.rl.compare import VARIANTS, slug
 from megatron_qrl.rl.ray_modes import RayRolloutEngine, RaySession, placement_layout
 from megatron_qrl.rollout.base import SamplingParams, WeightManifest, WeightSyncError
 from megatron_qrl.rollout.ray_actor import EngineSpec, RayEngine
@@ -391,5 +391,5 @@ def test_compare_colocated_writes_the_single_mode_table(cluster, tmp_path):
         == co.splitlines()
     assert (tmp_path / "c" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for label in ("bf16", "int8 aligned+acr", "w4a16 aligned+tbpo"):
-        runs = [_records(tmp_path / m / _slug(label)) for m in ("s", "c")]
+        runs = [_records(tmp_path / m / slug(label)) for m in ("s", "c")]
         assert runs[0] == runs[1] and [r["phase"] for r in runs[0]] == ["rl"]
