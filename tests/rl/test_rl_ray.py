@@ -1,6 +1,6 @@
 """The Ray modes of qrl-train: the rollout engine in a Ray actor (megatron_qrl.rl.ray_modes).
 
-One local Ray cluster (2 CPUs) per module. In-process, over the three weight transports
+The worker's local Ray cluster (``local_ray`` of tests/conftest.py). In-process, over the three weight transports
 (``broadcast``: a driver <-> actor gloo group; ``objectstore``; ``ipc``: handles to shared
 CPU buckets, more in tests/rollout/test_ipc.py): bucketed weight sync +
 manifest verification through the actor, a tampered manifest names the tensor, a killed
@@ -67,10 +67,8 @@ def ray():
 
 
 @pytest.fixture(scope="module")
-def cluster(ray):
-    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ctx.address_info["gcs_address"]
-    ray.shutdown()
+def cluster(ray, local_ray):
+    return local_ray.address()
 
 
 def _records(out: Path) -> list[dict]:
@@ -303,9 +301,21 @@ def test_sglang_engine_needs_a_gpu_bundle(cluster):
             pass
 
 
+@pytest.fixture(scope="module")
+def killed_run(cluster, tmp_path_factory):
+    """A disaggregated job whose actor is ``ray.kill``ed before the 2nd generate: its records
+    and the last actor's call log. The same job without the kill (disaggregated, one engine,
+    == single mode) runs in tests/rl/test_fleet_samples_end_to_end.py."""
+    out = tmp_path_factory.mktemp("killed")
+    calls = out / "calls.jsonl"
+    records = _job(cluster, out / "k", "--qrl-mode", "disaggregated", "--kill-at", "2",
+                   "--calls", str(calls))
+    return records, [json.loads(line) for line in calls.read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_disaggregated_matches_single(cluster, single_run, tmp_path):
-    disagg = _job(cluster, tmp_path / "d", "--qrl-mode", "disaggregated")
+def test_disaggregated_matches_single(single_run, killed_run):
+    disagg, _ = killed_run  # the restart re-syncs; every step equals the single-mode run
     assert [r["phase"] for r in disagg] == ["sft"] * 4 + ["rl"] * 2
     assert disagg == single_run
 
@@ -322,12 +332,9 @@ def test_colocated_releases_memory_around_training(cluster, single_run, tmp_path
 
 
 @pytest.mark.slow
-def test_killed_actor_restarts_and_reproduces_the_run(cluster, single_run, tmp_path):
-    calls = tmp_path / "calls.jsonl"
-    killed = _job(cluster, tmp_path / "k", "--qrl-mode", "disaggregated", "--kill-at", "2",
-                  "--calls", str(calls))
+def test_killed_actor_restarts_and_reproduces_the_run(single_run, killed_run):
+    killed, (log,) = killed_run
     assert killed == single_run
-    (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     # the new actor got the re-sync of v5, served step 5's generate, then the sync of v6
     assert log == {"calls": ["update_weights", "generate", "update_weights"], "restarts": 1}
 

@@ -1,6 +1,6 @@
 """The ``ipc`` weight transport of the Ray engine actor (megatron_qrl.rollout.ipc / ray_actor).
 
-One local Ray cluster (2 CPUs) for the module; the reference engine in a real actor, the
+The worker's local Ray cluster (``local_ray`` of tests/conftest.py); the reference engine in a real actor, the
 buckets shared through CPU shared memory (the CUDA IPC path runs in tests/gpu/test_ipc_sglang.py).
 An ipc sync leaves the actor holding exactly what a broadcast sync leaves (fingerprints, and
 the rollouts generated from them), a byte flipped in a shared bucket is caught by the
@@ -28,11 +28,11 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 
 
 @pytest.fixture(scope="module")
-def ray():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+def ray(local_ray):
+    local_ray.address()
+    import ray
+
+    return ray
 
 
 def _spec(cfg, fmt="int8"):
