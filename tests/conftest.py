@@ -33,13 +33,16 @@ _RAY_STARTS = ("ray.init(", "ray_runs(", "local_ray")
 
 
 @functools.cache
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
+
+
 def starts_ray(path: Path) -> bool:
     """Whether the test module at ``path`` starts a local Ray cluster."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return False
-    return any(s in text for s in _RAY_STARTS)
+    return any(s in _text(path) for s in _RAY_STARTS)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -74,7 +77,8 @@ def pytest_collection_modifyitems(config, items):
     """On an xdist worker: the longest units first (longest processing time first: both workers
     then finish together). A module costs its seconds in the last whole run (pytest's cache),
     else ``SLOW_SECONDS`` per ``slow`` test; the Ray unit costs the sum of its modules and keeps
-    them together. Stable otherwise."""
+    them together, those that start clusters of their own first (the shared one then starts
+    once). Stable otherwise."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     seconds = config.cache.get(MODULE_SECONDS, {}) if config.cache is not None else {}
@@ -91,10 +95,11 @@ def pytest_collection_modifyitems(config, items):
         unit_cost[unit[path]] = unit_cost.get(unit[path], 0.0) + cost[path]
         unit_first.setdefault(unit[path], first[path])
 
-    def key(item):
+    def key(item):  # in the Ray unit the modules with clusters of their own first
         path = _module(item.nodeid)
         u = unit[path]
-        return (-unit_cost[u], unit_first[u], -cost[path], first[path])
+        shared = not _own_cluster(config.rootpath / path)  # local_ray: started once
+        return (-unit_cost[u], unit_first[u], shared, -cost[path], first[path])
 
     items.sort(key=key)
 
@@ -209,10 +214,17 @@ def local_ray(request):
     cluster.stop()
 
 
+def _own_cluster(path: Path) -> bool:
+    """Whether the test module at ``path`` starts Ray clusters of its own (``ray.init``)."""
+    return "ray.init(" in _text(path)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last Ray module in a row the shared cluster stops: its idle processes would
-    take CPU from the modules that follow on the worker."""
+    """The shared cluster stops after the last Ray module in a row (its idle processes would
+    take CPU from the modules that follow on the worker) and before a module that starts
+    clusters of its own (one driver connection per process)."""
     cluster = item.config.stash.get(_LOCAL_RAY, None)
-    if cluster is not None and (nextitem is None or not starts_ray(nextitem.path)):
+    if cluster is not None and (nextitem is None or not starts_ray(nextitem.path)
+                                or _own_cluster(nextitem.path)):
         cluster.stop()

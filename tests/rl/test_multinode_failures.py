@@ -72,11 +72,10 @@ def _cluster(head: dict, worker: dict, attempts: int = 3):
 
 
 @pytest.fixture
-def two_raylets(local_ray):
+def two_raylets():
     """A Ray cluster of two nodes of 1 CPU each (fast node-death detection); yields
-    ``(address, worker raylet pid)``. The worker's shared cluster stops first."""
+    ``(address, worker raylet pid)``."""
     ray = pytest.importorskip("ray")
-    local_ray.stop()
     from ray import ray_constants
 
     cluster, worker = _cluster({"num_cpus": 1, "_system_config": {
@@ -111,11 +110,10 @@ def test_engine_node_lost_in_sharded_fleet_run_ends_with_one_line_per_node(tmp_p
 
 
 @pytest.mark.slow
-def test_a_placement_that_cannot_fit_is_one_line(tmp_path, local_ray):
+def test_a_placement_that_cannot_fit_is_one_line(tmp_path):
     """2 engines + the trainer's bundle on a 2-CPU cluster (qrl-train joins it): one line
     with what the cluster has, read before the session closes. Bound: 120 s."""
     ray = pytest.importorskip("ray")
-    local_ray.stop()  # a cluster of its own (2 CPUs)
     ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
@@ -182,11 +180,10 @@ def test_a_frozen_node_ends_the_job_after_the_collective_timeout(tmp_path):
 
 
 @pytest.mark.slow
-def test_colocated_bundle_is_pinned_to_the_drivers_node(local_ray):
+def test_colocated_bundle_is_pinned_to_the_drivers_node():
     """Head (the driver's node) 2 CPUs, worker 1 CPU: Ray's PACK best fit for a 1-CPU bundle
     is the worker; the colocated engine shares rank 0's device, so it must be the head."""
     ray = pytest.importorskip("ray")
-    local_ray.stop()  # this driver joins a cluster of its own
     from megatron_qrl.rl.ray_modes import RaySession
     from megatron_qrl.rl.ray_placement import bundle_node
 
