@@ -81,7 +81,8 @@ def pytest_collection_modifyitems(config, items):
     once). Stable otherwise."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    seconds = config.cache.get(MODULE_SECONDS, {}) if config.cache is not None else {}
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    seconds = cache.get(MODULE_SECONDS, {}) if cache is not None else {}
     slow: dict[str, int] = {}
     for item in items:
         path = _module(item.nodeid)
@@ -126,7 +127,7 @@ def pytest_configure(config):
     whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS
              and not config.option.keyword and not config.option.markexpr)
     workers = getattr(config.option, "numprocesses", None)
-    if (whole and workers and config.cache is not None
+    if (whole and workers and getattr(config, "cache", None) is not None
             and not os.environ.get("PYTEST_XDIST_WORKER")):
         config.pluginmanager.register(ModuleSeconds(config), "qrl-module-seconds")
 

@@ -58,6 +58,9 @@ TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-s
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
         "--qrl-lr", "1e-3", "--qrl-no-progress", "--qrl-steps", "2"]
 TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+BUCKET = 128 * 1024
+"""Bucket size of the in-process syncs: about 10 buckets of the tiny MoE's 1.1 MB of int8
+weights (its largest tensor is 64 KiB)."""
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +138,7 @@ def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
     with RaySession("disaggregated", weight_transport=transport) as session:
         spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
         engine = RayRolloutEngine(lambda: session.new_actor(spec), colocated=False)
-        engine.actor.bucket_bytes = 4096
+        engine.actor.bucket_bytes = BUCKET
         manifest = WeightManifest()
         engine.update_weights(manifest.record(iter(packed)), version=3)
         assert engine.actor.buckets_sent > 1 and engine.weight_version() == 3
@@ -200,7 +203,7 @@ def test_broadcast_failures(ray, cluster):
         spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
         engine = session.new_actor(spec)
         assert isinstance(engine, RayEngine) and engine.backend == "gloo"
-        engine.bucket_bytes = 4096
+        engine.bucket_bytes = BUCKET
         # an engine error mid-stream: the actor reads the rest, its error arrives at once
         start = time.monotonic()
         with pytest.raises(WeightSyncError, match="unexpected"):
