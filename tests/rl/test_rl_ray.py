@@ -1,13 +1,14 @@
 """The Ray modes of qrl-train: the rollout engine in a Ray actor (megatron_qrl.rl.ray_modes).
 
-The worker's local Ray cluster (``local_ray`` of tests/conftest.py). In-process, over the three weight transports
-(``broadcast``: a driver <-> actor gloo group; ``objectstore``; ``ipc``: handles to shared
-CPU buckets, more in tests/rollout/test_ipc.py): bucketed weight sync +
-manifest verification through the actor, a tampered manifest names the tensor, a killed
+The worker's local Ray cluster (``local_ray`` of tests/conftest.py). In-process, over the
+three weight transports (``broadcast``: a driver <-> actor gloo group; ``objectstore``;
+``ipc``: handles to shared CPU buckets, more in tests/rollout/test_ipc.py): bucketed weight
+sync + manifest verification through the actor, a tampered manifest names the tensor, a killed
 actor is an EngineDiedError (a killed one mid-broadcast too, with the stream drained and
 the group destroyed; the restarted actor gets a new group), an engine error inside a
-broadcast sync arrives at once and leaves the group usable, placement of the engine actor. Subprocess jobs (``tests/helpers/rl_ray_helper.py``
-connects to the module's cluster through RAY_ADDRESS): disaggregated == single metrics with
+broadcast sync arrives at once and leaves the group usable, placement of the engine actor.
+Subprocess jobs (``tests/helpers/rl_ray_helper.py`` connects to the worker's cluster through
+RAY_ADDRESS): disaggregated == single metrics with
 the same seed, colocated release/resume order (actor call log), a ``ray.kill``ed actor
 mid-run (before a generate, in a weight update, in its re-sync, in the verification
 read-back) or an actor process that ``os._exit``s half-way through an update restarts,
