@@ -4,12 +4,16 @@ which takes precedence), and how the suite is spread over pytest-xdist workers.
 ``pytest -q`` runs on two xdist workers (``addopts`` in pyproject.toml; ``-n 0`` runs in one
 process). A worker takes a whole test module at a time, so a module's fixtures are built once;
 the modules that start a local Ray cluster form one unit, run one after another on one worker,
-so that no two clusters start side by side (:func:`pytest_xdist_make_scheduler`). Modules
-holding ``slow`` tests are handed out first: the longest jobs first keep both workers busy to
-the end. Multi-process gloo tests need nothing more: each rendezvous port is drawn at random
+so that no two clusters start side by side (:func:`pytest_xdist_make_scheduler`), and they share
+one cluster per worker (:func:`local_ray`) where they need no cluster of their own. The
+longest units are handed out first (:func:`pytest_collection_modifyitems`: seconds per module
+from the last whole run, kept in pytest's cache, else the count of ``slow`` tests), so that both
+workers finish together. Multi-process gloo tests need nothing more: each rendezvous port is drawn at random
 outside the ephemeral range and checked free (``megatron_qrl.utils.net.free_port``).
 """
 
+import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -18,19 +22,27 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers share the two cores: one intra-op thread each (subprocesses inherit it)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray starts its worker processes (the engine actors) at nice 15: beside a busy test worker on
+# a 2-core host an actor then gets a few percent of a core, and the Ray test waiting on it idles.
+# Every cluster the tests start (in this process or in a subprocess job) inherits this.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 RAY_UNIT = "ray"
-_RAY_STARTS = ("ray.init(", "ray_runs(")
+_RAY_STARTS = ("ray.init(", "ray_runs(", "local_ray")
 """Source text of a test module that starts (or calls a helper that starts) a local Ray cluster."""
+
+
+@functools.cache
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
 
 
 def starts_ray(path: Path) -> bool:
     """Whether the test module at ``path`` starts a local Ray cluster."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return False
-    return any(s in text for s in _RAY_STARTS)
+    return any(s in _text(path) for s in _RAY_STARTS)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -51,21 +63,73 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
+MODULE_SECONDS = "megatron_qrl/module_seconds"
+"""pytest's cache key: seconds per test module (setup + call + teardown) in the last whole run."""
+SLOW_SECONDS = 60.0
+"""What a ``slow`` test is taken to cost where the cache has no time for its module."""
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config, items):
-    """On an xdist worker: the modules with the most ``slow`` tests first (stable otherwise)."""
+    """On an xdist worker: the longest units first (longest processing time first: both workers
+    then finish together). A module costs its seconds in the last whole run (pytest's cache),
+    else ``SLOW_SECONDS`` per ``slow`` test; the Ray unit costs the sum of its modules and keeps
+    them together, those that start clusters of their own first (the shared one then starts
+    once). Stable otherwise."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    seconds = cache.get(MODULE_SECONDS, {}) if cache is not None else {}
     slow: dict[str, int] = {}
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
+        path = _module(item.nodeid)
         slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+    cost = {path: seconds.get(path, SLOW_SECONDS * n) for path, n in slow.items()}
     first = {path: i for i, path in enumerate(slow)}
+    unit = {path: RAY_UNIT if starts_ray(config.rootpath / path) else path for path in slow}
+    unit_cost: dict[str, float] = {}
+    unit_first: dict[str, int] = {}
+    for path in slow:
+        unit_cost[unit[path]] = unit_cost.get(unit[path], 0.0) + cost[path]
+        unit_first.setdefault(unit[path], first[path])
 
-    def key(item):
-        path = item.nodeid.split("::", 1)[0]
-        return (-slow[path], first[path])
+    def key(item):  # in the Ray unit the modules with clusters of their own first
+        path = _module(item.nodeid)
+        u = unit[path]
+        shared = not _own_cluster(config.rootpath / path)  # local_ray: started once
+        return (-unit_cost[u], unit_first[u], shared, -cost[path], first[path])
 
     items.sort(key=key)
+
+
+class ModuleSeconds:
+    """Adds up each module's seconds in a whole ``pytest`` run (no paths, ``-k`` or ``-m``) on
+    xdist workers and keeps them in pytest's cache for the next run's order."""
+
+    def __init__(self, config):
+        self.config, self.seconds = config, {}
+
+    def pytest_runtest_logreport(self, report):
+        path = _module(report.nodeid)
+        self.seconds[path] = self.seconds.get(path, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.seconds and exitstatus in (0, 1):  # finished, with or without failures
+            kept = self.config.cache.get(MODULE_SECONDS, {})
+            kept.update({path: round(s, 1) for path, s in self.seconds.items()})
+            self.config.cache.set(MODULE_SECONDS, kept)
+
+
+def pytest_configure(config):
+    whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+             and not config.option.keyword and not config.option.markexpr)
+    workers = getattr(config.option, "numprocesses", None)
+    if (whole and workers and getattr(config, "cache", None) is not None
+            and not os.environ.get("PYTEST_XDIST_WORKER")):
+        config.pluginmanager.register(ModuleSeconds(config), "qrl-module-seconds")
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +141,91 @@ def megatron():
 
     with quiet_torch_trace(), single_process_megatron():
         yield
+
+
+class LocalRay:
+    """The worker's local Ray cluster, started on first use and kept for the next module: 4 CPUs
+    (the fleet's 3 engine actors + a trainer bundle); its processes inherit the repository on
+    ``PYTHONPATH`` (actor classes of test modules) and one intra-op thread, set in the
+    environment the raylet starts with rather than as a runtime env (the idle workers Ray starts
+    with the cluster then serve the actors). :meth:`stop` frees the worker for a module that
+    starts a cluster of its own; the next :meth:`address` starts a fresh one."""
+
+    STARTS = 3
+    """Attempts at a start: a raylet that misses Ray's fixed 30 s start-up window on a loaded
+    host is retried."""
+
+    def __init__(self):
+        self._address: str | None = None
+
+    def address(self) -> str:
+        """The GCS address (``RAY_ADDRESS`` for subprocess jobs); the ``ray`` driver connected."""
+        ray = pytest.importorskip("ray")
+        if self._address is None or not ray.is_initialized():
+            repo = str(Path(__file__).resolve().parents[1])
+            env = {"PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+                   "OMP_NUM_THREADS": "1"}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                self._address = self._start(ray)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        del os.environ[k]
+                    else:
+                        os.environ[k] = v
+        return self._address
+
+    def _start(self, ray) -> str:
+        import psutil
+
+        me = psutil.Process()
+        for attempt in range(self.STARTS):
+            before = {p.pid for p in me.children(recursive=True)}
+            try:
+                ctx = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+                return ctx.address_info["gcs_address"]
+            except Exception as e:
+                ray.shutdown()  # not the processes of a failed start (GCS, monitor ...): by pid
+                for p in me.children(recursive=True):
+                    if p.pid not in before:
+                        with contextlib.suppress(psutil.NoSuchProcess):
+                            p.kill()
+                if "timed out during startup" not in str(e) or attempt == self.STARTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def stop(self) -> None:
+        if self._address is not None:
+            import ray
+
+            ray.shutdown()
+            self._address = None
+
+
+_LOCAL_RAY = pytest.StashKey[LocalRay]()
+
+
+@pytest.fixture(scope="session")
+def local_ray(request):
+    """One :class:`LocalRay` per worker (a Ray start costs 5-30 s on a loaded 2-core host)."""
+    cluster = request.config.stash[_LOCAL_RAY] = LocalRay()
+    yield cluster
+    cluster.stop()
+
+
+def _own_cluster(path: Path) -> bool:
+    """Whether the test module at ``path`` starts Ray clusters of its own (``ray.init``)."""
+    return "ray.init(" in _text(path)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The shared cluster stops after the last Ray module in a row (its idle processes would
+    take CPU from the modules that follow on the worker) and before a module that starts
+    clusters of its own (one driver connection per process)."""
+    cluster = item.config.stash.get(_LOCAL_RAY, None)
+    if cluster is not None and (nextitem is None or not starts_ray(nextitem.path)
+                                or _own_cluster(nextitem.path)):
+        cluster.stop()

@@ -7,7 +7,8 @@ prompt group ``k`` from the same per-group seed).
 In-process (fast): a lone reference engine asked for a step's batch with the driver's
 ``SamplingParams(seed, group_size=n)`` gives exactly the batch of a fleet of 2 and 3 engines.
 
-End to end: one local Ray cluster of 4 CPUs (3 engine actors + the trainer's bundle); each job is a
+End to end: the worker's local Ray cluster of 4 CPUs (3 engine actors + the trainer's bundle;
+``local_ray`` of tests/conftest.py); each job is a
 subprocess joining it through ``RAY_ADDRESS`` (tests/helpers/rl_ray_helper.py); each Ray run
 prints the weight transport its ``auto`` resolved to.
 """
@@ -54,11 +55,8 @@ def test_a_lone_engine_samples_each_group_as_a_fleet_does(packed):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray = pytest.importorskip("ray")
-    ctx = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ctx.address_info["gcs_address"]
-    ray.shutdown()
+def cluster(local_ray):
+    return local_ray.address()
 
 
 def _run(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py") -> list[dict]:

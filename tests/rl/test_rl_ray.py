@@ -1,13 +1,14 @@
 """The Ray modes of qrl-train: the rollout engine in a Ray actor (megatron_qrl.rl.ray_modes).
 
-One local Ray cluster (2 CPUs) per module. In-process, over the three weight transports
-(``broadcast``: a driver <-> actor gloo group; ``objectstore``; ``ipc``: handles to shared
-CPU buckets, more in tests/rollout/test_ipc.py): bucketed weight sync +
-manifest verification through the actor, a tampered manifest names the tensor, a killed
+The worker's local Ray cluster (``local_ray`` of tests/conftest.py). In-process, over the
+three weight transports (``broadcast``: a driver <-> actor gloo group; ``objectstore``;
+``ipc``: handles to shared CPU buckets, more in tests/rollout/test_ipc.py): bucketed weight
+sync + manifest verification through the actor, a tampered manifest names the tensor, a killed
 actor is an EngineDiedError (a killed one mid-broadcast too, with the stream drained and
 the group destroyed; the restarted actor gets a new group), an engine error inside a
-broadcast sync arrives at once and leaves the group usable, placement of the engine actor. Subprocess jobs (``tests/helpers/rl_ray_helper.py``
-connects to the module's cluster through RAY_ADDRESS): disaggregated == single metrics with
+broadcast sync arrives at once and leaves the group usable, placement of the engine actor.
+Subprocess jobs (``tests/helpers/rl_ray_helper.py`` connects to the worker's cluster through
+RAY_ADDRESS): disaggregated == single metrics with
 the same seed, colocated release/resume order (actor call log), a ``ray.kill``ed actor
 mid-run (before a generate, in a weight update, in its re-sync, in the verification
 read-back) or an actor process that ``os._exit``s half-way through an update restarts,
@@ -59,6 +60,9 @@ TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-s
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
         "--qrl-lr", "1e-3", "--qrl-no-progress", "--qrl-steps", "2"]
 TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+BUCKET = 128 * 1024
+"""Bucket size of the in-process syncs: about 10 buckets of the tiny MoE's 1.1 MB of int8
+weights (its largest tensor is 64 KiB)."""
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +72,8 @@ def ray():
 
 
 @pytest.fixture(scope="module")
-def cluster(ray):
-    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ctx.address_info["gcs_address"]
-    ray.shutdown()
+def cluster(ray, local_ray):
+    return local_ray.address()
 
 
 def _records(out: Path) -> list[dict]:
@@ -138,7 +140,7 @@ def test_actor_sync_verify_kill_and_placement(ray, cluster, transport):
     with RaySession("disaggregated", weight_transport=transport) as session:
         spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
         engine = RayRolloutEngine(lambda: session.new_actor(spec), colocated=False)
-        engine.actor.bucket_bytes = 4096
+        engine.actor.bucket_bytes = BUCKET
         manifest = WeightManifest()
         engine.update_weights(manifest.record(iter(packed)), version=3)
         assert engine.actor.buckets_sent > 1 and engine.weight_version() == 3
@@ -203,7 +205,7 @@ def test_broadcast_failures(ray, cluster):
         spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
         engine = session.new_actor(spec)
         assert isinstance(engine, RayEngine) and engine.backend == "gloo"
-        engine.bucket_bytes = 4096
+        engine.bucket_bytes = BUCKET
         # an engine error mid-stream: the actor reads the rest, its error arrives at once
         start = time.monotonic()
         with pytest.raises(WeightSyncError, match="unexpected"):
@@ -304,9 +306,21 @@ def test_sglang_engine_needs_a_gpu_bundle(cluster):
             pass
 
 
+@pytest.fixture(scope="module")
+def killed_run(cluster, tmp_path_factory):
+    """A disaggregated job whose actor is ``ray.kill``ed before the 2nd generate: its records
+    and the last actor's call log. The same job without the kill (disaggregated, one engine,
+    == single mode) runs in tests/rl/test_fleet_samples_end_to_end.py."""
+    out = tmp_path_factory.mktemp("killed")
+    calls = out / "calls.jsonl"
+    records = _job(cluster, out / "k", "--qrl-mode", "disaggregated", "--kill-at", "2",
+                   "--calls", str(calls))
+    return records, [json.loads(line) for line in calls.read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_disaggregated_matches_single(cluster, single_run, tmp_path):
-    disagg = _job(cluster, tmp_path / "d", "--qrl-mode", "disaggregated")
+def test_disaggregated_matches_single(single_run, killed_run):
+    disagg, _ = killed_run  # the restart re-syncs; every step equals the single-mode run
     assert [r["phase"] for r in disagg] == ["sft"] * 4 + ["rl"] * 2
     assert disagg == single_run
 
@@ -323,12 +337,9 @@ def test_colocated_releases_memory_around_training(cluster, single_run, tmp_path
 
 
 @pytest.mark.slow
-def test_killed_actor_restarts_and_reproduces_the_run(cluster, single_run, tmp_path):
-    calls = tmp_path / "calls.jsonl"
-    killed = _job(cluster, tmp_path / "k", "--qrl-mode", "disaggregated", "--kill-at", "2",
-                  "--calls", str(calls))
+def test_killed_actor_restarts_and_reproduces_the_run(single_run, killed_run):
+    killed, (log,) = killed_run
     assert killed == single_run
-    (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     # the new actor got the re-sync of v5, served step 5's generate, then the sync of v6
     assert log == {"calls": ["update_weights", "generate", "update_weights"], "restarts": 1}
 

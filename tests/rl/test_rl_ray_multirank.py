@@ -1,10 +1,10 @@
 """Ray modes under torchrun: a 2-rank TP=2 trainer (gloo) whose rank 0 drives a Ray engine actor.
 
-Rank 0 joins the module's Ray cluster (``RAY_ADDRESS``) and holds the engine actor; rank 1
-never imports Ray. The Ray runs must reproduce the same 2-rank job in ``--qrl-mode single``
-(rank 0's in-process engine) metric for metric, bit for bit: the rollouts, their broadcast,
-the gathered weight sync and the training are the same computations, only the engine's
-process differs (it runs with rank 0's torch thread count). A ``ray.kill`` of the actor
+Rank 0 joins the worker's Ray cluster (``RAY_ADDRESS``; ``local_ray`` of tests/conftest.py) and
+holds the engine actor; rank 1 never imports Ray. The Ray runs must reproduce the same 2-rank
+job in ``--qrl-mode single`` (rank 0's in-process engine) metric for metric, bit for bit: the
+rollouts, their broadcast, the gathered weight sync and the training are the same
+computations, only the engine's process differs (it runs with rank 0's torch thread count). A ``ray.kill`` of the actor
 before the 2nd rollout, and again in its re-sync, restarts it twice, re-syncs the trainer's
 current weights (gathered from both ranks again, rank 1 called in from its wait for the
 rollout) and still reproduces the run — with the weights broadcast on a driver <-> actor
@@ -61,30 +61,25 @@ def _torchrun(out: Path, *qrl: str, ray_address: str | None = None) -> list[dict
 
 
 @pytest.mark.slow
-def test_tp2_ray_modes_match_single_and_survive_a_killed_actor(tmp_path):
-    ray = pytest.importorskip("ray")
+def test_tp2_ray_modes_match_single_and_survive_a_killed_actor(tmp_path, local_ray):
     single = _torchrun(tmp_path / "single", "--qrl-mode", "single")
     assert [r["phase"] for r in single] == ["sft"] * 2 + ["rl"] * 2
-    ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        address = ctx.address_info["gcs_address"]
-        for transport in ("broadcast", "objectstore", "ipc"):
-            calls = tmp_path / f"calls-{transport}.jsonl"
-            disagg = _torchrun(tmp_path / f"d-{transport}", "--qrl-mode", "disaggregated",
-                               "--kill", "generate:2,update_weights:3",
-                               "--qrl-ray-weight-transport", transport,
-                               "--calls", str(calls), ray_address=address)
-            assert disagg == single, transport
-            (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
-            # generate #2 and its re-sync (update #3) die: the 3rd actor got the re-sync of
-            # v3, served step 3's generate, then the sync of v4 (a broadcast killed in the
-            # re-sync drained the gathered stream on rank 0, so rank 1 stays in step)
-            assert log == {"calls": ["update_weights", "generate", "update_weights"],
-                           "restarts": 2}, transport
-        co = _torchrun(tmp_path / "c", "--qrl-mode", "colocated", ray_address=address)  # ipc
-        assert co == single
-    finally:
-        ray.shutdown()
+    address = local_ray.address()
+    for transport in ("broadcast", "objectstore", "ipc"):
+        calls = tmp_path / f"calls-{transport}.jsonl"
+        disagg = _torchrun(tmp_path / f"d-{transport}", "--qrl-mode", "disaggregated",
+                           "--kill", "generate:2,update_weights:3",
+                           "--qrl-ray-weight-transport", transport,
+                           "--calls", str(calls), ray_address=address)
+        assert disagg == single, transport
+        (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
+        # generate #2 and its re-sync (update #3) die: the 3rd actor got the re-sync of
+        # v3, served step 3's generate, then the sync of v4 (a broadcast killed in the
+        # re-sync drained the gathered stream on rank 0, so rank 1 stays in step)
+        assert log == {"calls": ["update_weights", "generate", "update_weights"],
+                       "restarts": 2}, transport
+    co = _torchrun(tmp_path / "c", "--qrl-mode", "colocated", ray_address=address)  # ipc
+    assert co == single
 
 
 def _rollout_cfg(engine: str = "sglang", **sglang):

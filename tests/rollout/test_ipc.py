@@ -1,6 +1,6 @@
 """The ``ipc`` weight transport of the Ray engine actor (megatron_qrl.rollout.ipc / ray_actor).
 
-One local Ray cluster (2 CPUs) for the module; the reference engine in a real actor, the
+The worker's local Ray cluster (``local_ray`` of tests/conftest.py); the reference engine in a real actor, the
 buckets shared through CPU shared memory (the CUDA IPC path runs in tests/gpu/test_ipc_sglang.py).
 An ipc sync leaves the actor holding exactly what a broadcast sync leaves (fingerprints, and
 the rollouts generated from them), a byte flipped in a shared bucket is caught by the
@@ -24,15 +24,18 @@ from megatron_qrl.rollout.supervisor import EngineDiedError
 from tests.rl.test_rl_ray import _kill, _packed, _recorded
 
 SAMPLING = SamplingParams(max_new_tokens=3, seed=5)
+BUCKET = 128 * 1024
+"""Bucket size: about 10 buckets of the tiny MoE's 1.1 MB of int8 weights (its largest tensor is
+64 KiB), several in flight, each a round trip to the actor."""
 PROMPTS = [[1, 2, 3], [4, 5]]
 
 
 @pytest.fixture(scope="module")
-def ray():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+def ray(local_ray):
+    local_ray.address()
+    import ray
+
+    return ray
 
 
 def _spec(cfg, fmt="int8"):
@@ -44,7 +47,7 @@ def _sync_and_read(session, cfg, packed, transport):
     rollout from the weights it holds."""
     session.weight_transport = transport
     engine = RayRolloutEngine(lambda: session.new_actor(_spec(cfg)), colocated=True)
-    engine.actor.bucket_bytes = 4096
+    engine.actor.bucket_bytes = BUCKET
     manifest = WeightManifest()
     engine.update_weights(manifest.record(iter(packed)), version=1)
     assert engine.actor.transport == transport and engine.actor.buckets_sent > 2
@@ -79,7 +82,7 @@ def test_corrupted_bucket_is_caught(ray, monkeypatch):
     monkeypatch.setattr(ipc, "flatten", flipping)
     with RaySession("colocated", weight_transport="ipc") as session:
         engine = RayRolloutEngine(lambda: session.new_actor(_spec(cfg)), colocated=True)
-        engine.actor.bucket_bytes = 4096
+        engine.actor.bucket_bytes = BUCKET
         manifest = WeightManifest()
         engine.update_weights(manifest.record(iter(packed)), version=1)
         assert engine.weight_version() == 1
@@ -106,7 +109,7 @@ def test_at_most_two_buckets_in_flight(ray, monkeypatch):
     monkeypatch.setattr(ipc, "flatten", tracked)
     with RaySession("colocated", weight_transport="ipc") as session:
         engine = session.new_actor(_spec(cfg))
-        engine.bucket_bytes = 4096
+        engine.bucket_bytes = BUCKET
         engine.update_weights(iter(packed), 1)
         assert engine.weight_version() == 1
         engine.shutdown()
@@ -121,7 +124,7 @@ def test_engine_error_mid_stream_and_a_killed_actor(ray):
     with RaySession("colocated", weight_transport="ipc", weight_timeout_s=60) as session:
         engine = session.new_actor(_spec(cfg))
         assert isinstance(engine, RayEngine) and engine.transport == "ipc"
-        engine.bucket_bytes = 4096
+        engine.bucket_bytes = BUCKET
         start = time.monotonic()  # the engine's error arrives at once, not at the timeout
         with pytest.raises(WeightSyncError, match="unexpected"):
             engine.update_weights(iter([("bogus.weight", torch.zeros(3))] + packed), 1)
@@ -139,7 +142,7 @@ def test_actor_killed_mid_sync_restarts_and_resyncs(ray):
     cfg, packed = _packed()
     with RaySession("colocated", weight_transport="ipc", weight_timeout_s=60) as session:
         engine = RayRolloutEngine(lambda: session.new_actor(_spec(cfg)), colocated=True)
-        engine.actor.bucket_bytes = 4096
+        engine.actor.bucket_bytes = BUCKET
         engine.update_weights(iter(packed), 1)
         expect = engine.generate(PROMPTS, SAMPLING)
         first = engine.actor

@@ -2,7 +2,7 @@
 
 Pure: impossible engine layouts are one clear error naming the flag; a fleet of 1, 2, 3
 in-process reference engines gives the same batch for the same seed (sampling seeded per
-prompt group). Ray (one local 2-CPU cluster, 3 reference-engine actors shared by the
+prompt group). Ray (the worker's local cluster, 3 reference-engine actors shared by the
 fleets): N = 1, 2, 3 actors synced over ONE gloo group give identical batches, and the
 driver's broadcasts are as many for 3 engines as for 1 (each bucket sent once); an actor
 killed mid-rollout and one whose process exits mid-sync are restarted (alone / with a fleet
@@ -194,13 +194,13 @@ class ExitingActor(EngineActor):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
+def ray_cluster(local_ray):
+    """The worker's local Ray cluster (its actors import this module: the repository is on
+    their ``PYTHONPATH``)."""
+    local_ray.address()
+    import ray
+
+    return ray
 
 
 def _new(ray, cls=EngineActor, **kw):
