@@ -54,8 +54,8 @@ def test_two_sglang_engines_on_one_gpu(tmp_path, monkeypatch):
     from megatron_qrl.quant.hf_reference import hf_tensors
     from megatron_qrl.rollout import SamplingParams, WeightManifest
     from megatron_qrl.rollout.fleet import EngineFleet
-    from megatron_qrl.rollout.transports.fleet import FleetBroadcast
     from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine
+    from megatron_qrl.rollout.transports.fleet import FleetBroadcast
     from megatron_qrl.rollout_sglang.factory import build_engine
     from megatron_qrl.rollout_sglang.options import SGLangOptions
 
