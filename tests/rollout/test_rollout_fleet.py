@@ -10,6 +10,7 @@ re-sync) and the batch equals the unkilled one.
 """
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,13 +133,20 @@ def test_in_process_fleets_of_1_2_3_agree(packed):
 class Dying(ReferenceEngine):
     """An in-process engine whose ``plan`` says in which of its calls it "dies"; the calls
     are counted over the engine's restarts (the plan's ``"n"``), so a restarted engine that
-    serves more groups (dispatch follows the threads' timing) does not die again."""
+    serves more groups (dispatch follows the threads' timing) does not die again. The plan's
+    ``"first"`` (an Event) makes the engine's generate wait until another engine has
+    served: dispatch follows the threads' timing, so without it one engine may take every
+    group and the other's planned death never comes."""
 
     def __init__(self, plan, log):
         super().__init__(CFG, "int8")
         self.plan, self.log, self.n = plan, log, plan.setdefault("n", {})
 
     def _maybe_die(self, what):
+        if what == "generate" and "after" in self.plan:
+            assert self.plan["after"].wait(60), "the other engine never served a group"
+        if what == "generate" and "first" in self.plan:
+            self.plan["first"].set()
         self.n[what] = self.n.get(what, 0) + 1
         self.log.append(what)
         if self.n[what] in self.plan.get(what, ()):
@@ -158,7 +166,9 @@ def test_in_process_deaths_restart_one_engine_and_keep_the_batch(packed):
     ref = EngineFleet([lambda: ReferenceEngine(CFG, "int8")], group_size=G)
     _sync(ref, packed, 1)
     expect = ref.generate(PROMPTS, SAMPLING)
-    plans = [{"generate": {2}}, {"update": {2}}]  # engine 0 dies in its 2nd group, 1 in sync 2
+    served = threading.Event()  # engine 1 serves once engine 0 has taken a group
+    plans = [{"generate": {1}, "first": served},  # engine 0 dies in its 1st group,
+             {"update": {2}, "after": served}]  # engine 1 in sync 2
     logs = [[], []]
     fleet = EngineFleet([lambda i=i: Dying(plans[i], logs[i]) for i in range(2)], group_size=G)
     fleet.bind_resync(lambda v: _sync(fleet, packed, v))
