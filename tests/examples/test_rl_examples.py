@@ -31,9 +31,13 @@ def _captured_args(tmp_path, script, env=None):
         'shift; done\n[ "$#" -gt 0 ] || { echo "torchrun without -m megatron_qrl.rl.cli" >&2; '
         'exit 3; }\nshift\nprintf "%s\\n" "$@"\n')
     (fake / "torchrun").chmod(0o755)
-    run_env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", **(env or {}))
-    out = subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True,
-                         env=run_env, timeout=60)
+    # a user's shell, not this worker's: a Ray started in-process (the shared test cluster)
+    # leaves RAY_* variables (RAY_AUTH_MODE=token) that the scripts read
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    run_env = dict(clean, PATH=f"{fake}:{os.environ['PATH']}", **(env or {}))
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=run_env,
+                         timeout=60)
+    assert out.returncode == 0, f"{script.name} exited {out.returncode}: {out.stderr[-3000:]}"
     return out.stdout.splitlines()
 
 
