@@ -157,6 +157,10 @@ class LocalRay:
 
     def __init__(self):
         self._address: str | None = None
+        self._ray_env: dict[str, str] | None = None
+        """The worker's ``RAY_*`` variables before the start: ``ray.init`` sets some (e.g.
+        ``RAY_AUTH_MODE``) and leaves them after shutdown, where the modules that follow
+        would hand them to their subprocesses."""
 
     def address(self) -> str:
         """The GCS address (``RAY_ADDRESS`` for subprocess jobs); the ``ray`` driver connected."""
@@ -166,6 +170,7 @@ class LocalRay:
             env = {"PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
                    "OMP_NUM_THREADS": "1"}
             saved = {k: os.environ.get(k) for k in env}
+            self._ray_env = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
             os.environ.update(env)
             try:
                 self._address = self._start(ray)
@@ -202,6 +207,11 @@ class LocalRay:
 
             ray.shutdown()
             self._address = None
+        if self._ray_env is not None:  # the worker's RAY_* variables as before the start
+            for k in [k for k in os.environ if k.startswith("RAY_")]:
+                del os.environ[k]
+            os.environ.update(self._ray_env)
+            self._ray_env = None
 
 
 _LOCAL_RAY = pytest.StashKey[LocalRay]()
