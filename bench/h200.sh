@@ -28,6 +28,8 @@
 #               without an engine (pack, fingerprints, expert stacking, flat buckets), stacked
 #               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min);
 #               +packeach: experts packed per expert and stacked in the sender (the older order)
+#   packprof    bench/pack_profile.py: a torch.profiler trace of the pack alone (FORMATS, LAYERS):
+#               GPU busy vs wall, top kernels, top host ops (~20 s per format)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -119,7 +121,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -224,6 +226,13 @@ case $phase in
       --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
     [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.sync.debug "$OUT/inplace_phases.jsonl" ;;
+  packprof)  # bench/pack_profile.py: one traced pack (FORMATS, default fp8 fp8_block w4a16) of
+    # LAYERS (default 8) 30B-A3B layers -> $OUT/pack_profile_FMT.json (GPU busy vs wall, top
+    # kernels, top host ops)
+    for f in ${FORMATS:-fp8 fp8_block w4a16}; do
+      python3 bench/pack_profile.py --format "$f" --layers "${LAYERS:-8}" \
+        --out "$OUT/pack_profile_$f.json" 2>&1 | grep -v -i warn | head -n 30
+    done ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
       --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+packeach,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \

@@ -119,3 +119,20 @@ def test_engine_variant_options_are_checked_before_any_work():
         child("fp8:inplace+flat+direct+stacked+fpeach", 1)
     with pytest.raises(ValueError, match="--device / --layers / --experts apply to"):
         child("fp8:inplace", 1, device="cpu")
+
+
+def test_pack_profile_traces_the_pack_on_cpu(tmp_path):
+    """bench/pack_profile.py on the CPU (1 layer, 4 experts): the traced pack yields the same
+    packed bytes as the untimed pack of bench/weight_sync.py and names the quantizer's ops."""
+    from bench.pack_profile import main as profile_main
+    from bench.weight_sync import model_config, time_pack
+    from megatron_qrl.quant import get_spec
+
+    out = tmp_path / "p.json"
+    assert profile_main(["--format", "fp8", "--layers", "1", "--experts", "4",
+                         "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    _, nbytes = time_pack(get_spec("fp8"), model_config(1, 4), device="cpu")
+    assert res["packed_gb"] == round(nbytes / 1e9, 3) and res["gpu_busy_s"] is None
+    ops = {name for name, _, _ in res["top_host_self_ms"]}
+    assert "aten::clamp" in ops or "aten::amax" in ops, ops

@@ -56,6 +56,12 @@ def test_sglang_sync_then_generate_matches_reference(tmp_path, fmt, sync):
         assert engine.last_sync["verified"] == "version"
         manifest.compare(engine.sent_checksums())
         out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
+        # the live engine's server info carries the keys capacity() reads (a renamed key in
+        # SGLang makes this None and the start line silent)
+        cap = engine.capacity()
+        print(f"{fmt} {sync}: {cap}")
+        assert cap is not None and cap.max_running_requests >= 1
+        assert cap.kv_pool_tokens >= max(len(p) for p in PROMPTS) + 8
     finally:
         engine.shutdown()
     ref = ReferenceEngine(CFG, fmt, device="cuda", dtype=torch.bfloat16)
