@@ -3,13 +3,18 @@
 One table serves the conversion tools and weight sync. Names are those of the local spec
 (``SequentialMLP`` experts: ``mlp.experts.local_experts.{j}``); Transformer Engine spec names
 (fused layer norms, ``TEGroupedMLP`` ``weight{j}``) are first mapped to the local ones by
-:func:`canonical_name` — the same aliasing as Megatron's ``sharded_state_dict_keys_map``.
+:func:`canonical_name` — the same aliasing as Megatron's ``sharded_state_dict_keys_map``. Stacked expert weights
+(``models.stacked_experts``: one ``[experts, out, in]`` parameter per GEMM) are named per expert
+by :func:`per_expert_named` before they meet this table.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.layout import global_expert_index
@@ -40,6 +45,7 @@ _TE_ALIASES = (
     (re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$"),
      r"mlp.experts.local_experts.\2.\1.weight"),
 )
+_STACKED = re.compile(r"(^|\.)mlp\.experts\.linear_fc[12]\.weight$")
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
@@ -49,6 +55,18 @@ def canonical_name(name: str) -> str:
     for pattern, repl in _TE_ALIASES:
         name = pattern.sub(repl, name)
     return name
+
+
+def per_expert_named(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` with every stacked expert weight ``...mlp.experts.linear_fc{1,2}.weight``
+    ``[E, out, in]`` replaced by its experts ``(...weight{i}, stacked[i])`` (views: reading
+    or writing them reads or writes the stack); everything else passes unchanged."""
+    for name, tensor in named:
+        if tensor.dim() == 3 and _STACKED.search(name):
+            for i, view in enumerate(tensor.unbind(0)):
+                yield f"{name}{i}", view
+        else:
+            yield name, tensor
 
 
 def _members(hf_name: str) -> tuple[str, ...]:

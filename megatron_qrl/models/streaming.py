@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_qrl.models import layout
 from megatron_qrl.models.hf_config import ModelArch
-from megatron_qrl.models.mapping import ParamRule, rule_for
+from megatron_qrl.models.mapping import ParamRule, per_expert_named, rule_for
 from megatron_qrl.models.stages import PipelineStage, global_name, is_tied_output_copy
 
 
@@ -121,11 +121,12 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
     ``model.named_parameters()`` (a LoRA model's frozen bases, ``models.lora_io``).
     ``gather_experts`` False: no gather over the expert-parallel group; this rank yields
     only the experts it holds, under their global HF names (``megatron_qrl.rl.ep_send``).
+    Stacked expert weights (``models.stacked_experts``) are streamed one expert at a time.
     """
     groups = groups or ShardGroups()
     ep_rank, ep_size = _rank_size(groups.ep)
     n_local = _num_local_experts(arch, groups)
-    for name, param in (model.named_parameters() if named is None else named):
+    for name, param in per_expert_named(model.named_parameters() if named is None else named):
         if _is_adapter(name) or is_tied_output_copy(name, arch.tie_word_embeddings,
                                                     groups.stage):
             continue  # (the tied copy: the first stage streams the embedding)
@@ -159,7 +160,7 @@ def load_hf_weights(model: torch.nn.Module, arch: ModelArch, get_tensor: Callabl
     n_local = _num_local_experts(arch, groups)
     used: set[str] = set()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in per_expert_named(model.named_parameters()):
             if _is_adapter(name):
                 continue
             if is_tied_output_copy(name, arch.tie_word_embeddings, groups.stage):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_qrl.models.hf_config import ModelArch
-from megatron_qrl.models.mapping import rule_for
+from megatron_qrl.models.mapping import per_expert_named, rule_for
 from megatron_qrl.models.streaming import ShardGroups, iter_hf_tensors
 from megatron_qrl.quant.hf_names import parse
 
@@ -70,7 +70,7 @@ def _dense_first(model: torch.nn.Module, arch: ModelArch,
     """``model``'s parameters, non-expert ones first, then the experts (module docstring)."""
     ep_rank, ep_size = _rank_size(groups.ep)
     n_local = arch.num_experts // ep_size if arch.is_moe else 0
-    named = list(model.named_parameters())
+    named = list(per_expert_named(model.named_parameters()))
     expert = {n for n, _ in named
               if ".lora_" not in n and rule_for(n, arch, ep_rank, n_local).expert}
     return [p for p in named if p[0] not in expert] + [p for p in named if p[0] in expert]

@@ -1,18 +1,6 @@
-"""One grouped GEMM over all local experts: ``y[rows of e] = x[rows of e] @ W_e^T`` for every e.
+"""Straight-through gradient of a stacked quantized expert weight into per-expert masters.
 
-The experts' token groups lie back to back in ``x`` (megatron's permuted order, sizes
-``counts``); ``w`` is the stacked ``[num_experts, out, in]`` weight. Two loop-free
-implementations of the same maths (Shazeer et al. 2017's expert layer; the segment / grouped
-GEMM of Gale et al. 2023, "MegaBlocks", eq. 1):
-
-- ``torch._grouped_mm`` where torch has it for these operands: on CUDA the CUTLASS grouped GEMM
-  (BF16, the kernel's documented case), on the CPU torch's own grouped kernel (fp32: the same
-  products as one ``matmul`` per expert, bit for bit); rows 16-byte aligned;
-- otherwise a padded batched GEMM: every group is scattered into a ``[num_experts, max_rows,
-  in]`` buffer (zeros elsewhere), one ``torch.bmm`` multiplies all experts, and the rows are
-  gathered back. Padding rows are zeros, so they add nothing to the weight gradient.
-
-Both are differentiable through autograd (inputs and the stacked weight).
+The grouped GEMM itself is :mod:`megatron_qrl.models.grouped_gemm` (re-exported here).
 """
 
 from __future__ import annotations
@@ -20,6 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from megatron_qrl.models.grouped_gemm import grouped_mm, padded_grouped_mm, torch_grouped_mm
+
+__all__ = ["grouped_mm", "padded_grouped_mm", "stacked_ste", "torch_grouped_mm"]
 
 
 class _StackSTE(torch.autograd.Function):
@@ -42,53 +34,3 @@ def stacked_ste(quantized: torch.Tensor, weights: Sequence[torch.Tensor]) -> tor
         raise ValueError(f"stacked_ste: {quantized.shape[0]} quantized experts for "
                          f"{len(weights)} weights")
     return _StackSTE.apply(quantized, *weights)
-
-
-_CPU_GROUPED = (torch.float32,)
-
-
-def _use_torch_grouped(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` takes these operands (dtype, device, 16-byte aligned rows)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or x.shape[0] == 0:
-        return False
-    if x.dtype not in ((torch.bfloat16,) if x.is_cuda else _CPU_GROUPED):
-        return False
-    size = x.element_size()
-    return (x.shape[-1] * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
-
-
-def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """The padded-``bmm`` grouped GEMM (module docstring); ``x`` ``[sum(counts), in]``."""
-    n_exp, rows = len(counts), max(counts, default=0)
-    dev = x.device
-    sizes = torch.tensor(list(counts), device=dev, dtype=torch.long)
-    expert = torch.repeat_interleave(torch.arange(n_exp, device=dev), sizes,
-                                     output_size=x.shape[0])
-    start = torch.cumsum(sizes, 0) - sizes
-    pos = torch.arange(x.shape[0], device=dev) - start[expert]
-    padded = x.new_zeros(n_exp, rows, x.shape[1]).index_put((expert, pos), x)
-    return torch.bmm(padded, w.transpose(1, 2))[expert, pos]
-
-
-def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """``torch._grouped_mm`` with ``offs`` = the groups' cumulative ends (module docstring)."""
-    offs = torch.tensor(list(counts), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    y = torch._grouped_mm(x.contiguous(), w.contiguous().transpose(1, 2),
-                          offs=offs.to(x.device, non_blocking=True))
-    if y.requires_grad:  # its backward needs a dense gradient (a broadcast one has stride 0)
-        y.register_hook(torch.Tensor.contiguous)
-    return y
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """``cat_e(x_e @ w[e]^T)`` for the row groups ``x_e`` of sizes ``counts`` (one GEMM call)."""
-    counts = [int(c) for c in counts]
-    if w.dim() != 3 or w.shape[0] != len(counts) or w.shape[2] != x.shape[-1]:
-        raise ValueError(f"grouped_mm: weight {tuple(w.shape)} is not [{len(counts)} experts, "
-                         f"out, {x.shape[-1]}]")
-    if sum(counts) != x.shape[0]:
-        raise ValueError(f"grouped_mm: the groups hold {sum(counts)} rows, the input "
-                         f"{x.shape[0]}")
-    if _use_torch_grouped(x, w):
-        return torch_grouped_mm(x, w, counts)
-    return padded_grouped_mm(x, w, counts)
