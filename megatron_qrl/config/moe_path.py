@@ -12,6 +12,10 @@ is present, no ``--transformer-impl local``, no LoRA):
 - ``recompute_granularity selective`` with ``recompute_modules ["moe_act"]`` (only the experts'
   SwiGLU outputs are recomputed in the backward) unless a ``--recompute-*`` flag was given.
 
+``--qrl-train-moe-experts stacked`` replaces the experts (TE's or the sequential ones) by
+``models.stacked_experts`` (one grouped GEMM per linear, no TE needed); without the TE spec the
+fast path then gives it the selective recompute only.
+
 Megatron flags given after ``--`` win. Where the TE spec is not built the experts run sequentially and :func:`moe_overrides` says so in its
 note; an explicit ``--moe-grouped-gemm`` there is refused (``megatron_flags``, :func:`check_moe_flags`).
 """
@@ -38,9 +42,14 @@ _RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers
               "recompute_modules")
 
 
-def check_moe_flags(settings: Any, lora_enabled: bool) -> None:
+def check_moe_flags(settings: Any, lora_enabled: bool, moe_experts: str = "megatron") -> None:
     """Raise naming the flags for an expert path the trainer would not build as asked."""
     given = dict(settings.config_overrides)
+    if lora_enabled and moe_experts == "stacked":
+        raise QrlArgumentError(
+            "--qrl-train-moe-experts stacked with --qrl-lora-rank > 0: LoRA adapters on routed "
+            "experts need one SequentialMLP linear per expert; use --qrl-train-moe-experts "
+            "megatron or train without LoRA")
     if lora_enabled and given.get("moe_grouped_gemm"):
         raise QrlArgumentError(
             "--moe-grouped-gemm with --qrl-lora-rank > 0: LoRA adapters on routed experts run "
@@ -48,19 +57,30 @@ def check_moe_flags(settings: Any, lora_enabled: bool) -> None:
             "--moe-grouped-gemm (the sequential path) or train without LoRA")
 
 
+def _recompute(given: dict[str, Any]) -> dict[str, Any]:
+    if any(k in given for k in _RECOMPUTE):
+        return {}
+    return {k: list(v) if isinstance(v, tuple | list) else v for k, v in FAST_RECOMPUTE}
+
+
 def moe_overrides(settings: Any, fast: bool, is_moe: bool, lora: bool,
-                  te_spec: bool) -> tuple[dict[str, Any], str | None]:
+                  te_spec: bool, stacked: bool = False) -> tuple[dict[str, Any], str | None]:
     """``(TransformerConfig overrides, note)`` of the Megatron flags plus the fast path.
 
     ``fast``: ``--qrl-train-moe-fast-path``; ``te_spec``: the trainer builds the Transformer
-    Engine spec; ``lora``: a LoRA run (local spec). ``note``: one line saying why the fast path
-    did not apply, else None.
+    Engine spec; ``lora``: a LoRA run (local spec); ``stacked``: ``--qrl-train-moe-experts
+    stacked`` (grouped GEMMs without TE: only the selective recompute applies where the TE spec
+    is not built). ``note``: one line saying what of the fast path did not apply, else None.
     """
     given = dict(settings.config_overrides)
     if "recompute_modules" in given:  # TransformerConfig's field is a list
         given["recompute_modules"] = list(given["recompute_modules"])
     if not (fast and is_moe):
         return given, None
+    if stacked and not te_spec and not lora:
+        return {**_recompute(given), **given}, (
+            "--qrl-train-moe-fast-path: the Transformer Engine spec is not built here; the "
+            "stacked experts run with megatron-core's unfused permute and top-k")
     if lora or not te_spec:
         why = ("LoRA runs on the local spec" if lora else
                "the Transformer Engine spec is not built here (no TE on a GPU, or "
@@ -68,7 +88,6 @@ def moe_overrides(settings: Any, fast: bool, is_moe: bool, lora: bool,
         return given, (f"--qrl-train-moe-fast-path: {why}; the MoE experts run sequentially "
                        "(SequentialMLP)")
     out = {k: v for k, v in FAST_PATH if k not in given}
-    if not any(k in given for k in _RECOMPUTE):
-        out.update((k, list(v) if isinstance(v, tuple | list) else v) for k, v in FAST_RECOMPUTE)
+    out.update(_recompute(given))
     out.update(given)
     return out, None

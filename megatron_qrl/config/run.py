@@ -140,6 +140,10 @@ class RolloutConfig:
         return get_spec(self.format)
 
 
+MOE_EXPERTS = ("megatron", "stacked")
+"""``--qrl-train-moe-experts`` choices (``TrainForwardConfig.moe_experts``)."""
+
+
 @dataclass
 class TrainForwardConfig:
     """Which forward the trainer runs for pi_prox recompute and the update."""
@@ -154,8 +158,15 @@ class TrainForwardConfig:
     fused permute, selective recompute of the experts' activation (Megatron flags after '--'
     win); elsewhere (no TE / GPU, LoRA) the experts run sequentially and the log says so."""
 
+    moe_experts: Literal["megatron", "stacked"] = "megatron"
+    """MoE routed experts. megatron: the spec's (TEGroupedMLP with --moe-grouped-gemm, else
+    SequentialMLP). stacked: one [experts, out, in] weight per GEMM and one torch grouped GEMM
+    per forward (torch._grouped_mm), no per-expert host work, no Transformer Engine needed;
+    checkpoints and HF names stay per expert (models/stacked_experts.py). Not with LoRA."""
+
     def __post_init__(self) -> None:
         _choice("--qrl-train-forward", self.forward, ("bf16", "aligned"))
+        _choice("--qrl-train-moe-experts", self.moe_experts, MOE_EXPERTS)
 
 
 @dataclass

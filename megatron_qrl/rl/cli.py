@@ -150,7 +150,7 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     configs = validate_qrl_args(args)
     flags = effective_values(args)
     configs["megatron"] = settings
-    check_moe_flags(settings, configs["lora"].enabled)
+    check_moe_flags(settings, configs["lora"].enabled, configs["train"].moe_experts)
     flags["megatron_layout"] = settings.describe()
     from megatron_qrl.rl.pipeline import pipeline_problem
 

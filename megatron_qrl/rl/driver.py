@@ -193,7 +193,8 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     plan = forward_plan(configs, data.arch)
     overrides, note = moe_overrides(
         mega, configs["train"].moe_fast_path, data.arch.is_moe, lora=plan.lora is not None,
-        te_spec=resolve_transformer_impl(mega.transformer_impl))
+        te_spec=resolve_transformer_impl(mega.transformer_impl),
+        stacked=configs["train"].moe_experts == "stacked")
     plan.config_overrides.update(overrides)
     if note and world.is_main:
         print(f"qrl-train: {note}", file=sys.stderr, flush=True)

@@ -60,7 +60,8 @@ def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
     lora = configs.get("lora")
     if lora is not None and lora.enabled:
         return _lora_plan(configs, arch)
-    needed = train.forward == "aligned" or routing.replay != "off" or arch.is_moe
+    needed = (train.forward == "aligned" or routing.replay != "off" or arch.is_moe
+              or train.moe_experts == "stacked")
     if not needed:
         return ForwardPlan()
     from megatron_qrl import te_quant  # megatron-core and the aligned linears: when needed

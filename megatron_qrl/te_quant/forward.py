@@ -1,7 +1,8 @@
 """From the ``--qrl-*`` configs to the trainer's model spec: aligned forward + routing replay.
 
 ``trainer_forward(TrainForwardConfig, rollout_format, RoutingReplayConfig, arch)`` returns the
-one ``spec_hook`` to pass to ``models.runtime.build_model`` plus the two state objects the RL
+one ``spec_hook`` (stacked experts where ``--qrl-train-moe-experts stacked``, then the aligned
+linears, the replay routers, the KV rounding) to pass to ``models.runtime.build_model`` plus the two state objects the RL
 loop drives: :class:`AlignedForwardState` (attach to the optimizer; ``only(())`` gives the
 plain forward) and :class:`~megatron_qrl.moe.RoutingReplay` (``use(expert_ids, phase)``
 around the pi_prox recompute and the update forward/backward).
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_qrl.models.hf_config import ModelArch
+from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
 from megatron_qrl.quant.kv_cache import get_kv_format
 from megatron_qrl.te_quant.kv_core_attention import KVAlignState, kv_spec_hook
 from megatron_qrl.te_quant.spec_hook import SpecHook, aligned_spec_hook, compose_hooks
@@ -54,6 +56,11 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
 
     aligned = kv = None
     overrides: dict[str, str] = {}
+    stacked = train.moe_experts == "stacked"
+    if stacked and te_recipe:
+        raise ValueError("--qrl-train-moe-experts stacked: the stacked experts compute in torch, "
+                         "outside a Transformer Engine recipe; serve the aligned forward with the "
+                         "fake-quant linears (no TE recipe) or use --qrl-train-moe-experts megatron")
     if train.forward == "aligned":
         state = AlignedForwardState(rollout_format)
         kv = KVAlignState(kv_cache) if get_kv_format(kv_cache).quantizes else None
@@ -66,12 +73,17 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
             aligned = state  # (BF16 weights with a rounding KV cache: plain linears)
     elif te_recipe:
         raise ValueError("a TE recipe serves only --qrl-train-forward aligned")
+    if stacked and not arch.is_moe:
+        raise ValueError(f"--qrl-train-moe-experts stacked needs an MoE model; "
+                         f"{arch.architecture} is dense (use megatron)")
     replay = None
     if arch.is_moe:
         replay = RoutingReplay(routing.replay, arch.num_experts, arch.moe_top_k)
     elif routing.replay != "off":
         raise ValueError(f"--qrl-routing-replay {routing.replay} needs an MoE model; "
                          f"{arch.architecture} is dense (use off)")
-    hook = compose_hooks(aligned and aligned_spec_hook(aligned),
+    # the stacked experts first: the aligned hook then swaps their linears (te_grouped)
+    hook = compose_hooks(stacked_experts_spec_hook if stacked else None,
+                         aligned and aligned_spec_hook(aligned),
                          replay and replay_spec_hook(replay), kv and kv_spec_hook(kv))
     return TrainerForward(hook, aligned, replay, overrides, kv)

@@ -11,7 +11,8 @@ and the output layer are untouched (BF16, as in the rollout). No Megatron class 
 On the Transformer Engine spec every TE linear is replaced by its name-keeping aligned
 stand-in (:mod:`megatron_qrl.te_quant.te_names`: the fused ``TELayerNormColumnParallelLinear``
 keeps ``layer_norm_weight`` and computes the norm itself; :mod:`megatron_qrl.te_quant.te_grouped`:
-``TEGroupedMLP`` keeps ``linear_fc1.weight{i}``), so parameter names, state-dict keys and
+``TEGroupedMLP`` keeps ``linear_fc1.weight{i}``; the stacked experts of
+``models.stacked_experts`` keep their one stacked weight per linear), so parameter names, state-dict keys and
 torch_dist checkpoints are the TE spec's in both forward modes. TE FP8 recipes are a separate,
 opt-in path (:mod:`megatron_qrl.te_quant.te_recipes`).
 """
@@ -67,18 +68,23 @@ def _swap_experts(moe_sub: Any, state: AlignedForwardState, config: Any) -> None
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_qrl.models.stacked_experts import StackedGroupedMLP
     from megatron_qrl.te_quant import te_grouped
 
     experts = moe_sub.experts
-    if experts.module is TEGroupedMLP:  # TE's grouped GEMM experts: keep weight{i} names
+    grouped = {  # TE's grouped GEMM experts (weight{i} names) and the stacked ones
+        TEGroupedMLP: (te_grouped.AlignedTEGroupedMLP, te_grouped.AlignedTEColumnParallelGroupedLinear,
+                       te_grouped.AlignedTERowParallelGroupedLinear),
+        StackedGroupedMLP: (te_grouped.AlignedStackedGroupedMLP,
+                            te_grouped.AlignedStackedColumnGroupedLinear,
+                            te_grouped.AlignedStackedRowGroupedLinear)}
+    if experts.module in grouped:
+        mlp, fc1, fc2 = grouped[experts.module]
         sub = MLPSubmodules(
             activation_func=getattr(experts.submodules, "activation_func", None),
-            linear_fc1=_linear(te_grouped.AlignedTEColumnParallelGroupedLinear, state, "experts",
-                               FusionLayout("gate_up")),
-            linear_fc2=_linear(te_grouped.AlignedTERowParallelGroupedLinear, state, "experts",
-                               FusionLayout()))
-        moe_sub.experts = ModuleSpec(module=te_grouped.AlignedTEGroupedMLP,
-                                     params={"qrl_state": state}, submodules=sub)
+            linear_fc1=_linear(fc1, state, "experts", FusionLayout("gate_up")),
+            linear_fc2=_linear(fc2, state, "experts", FusionLayout()))
+        moe_sub.experts = ModuleSpec(module=mlp, params={"qrl_state": state}, submodules=sub)
         return
     if experts.module is not SequentialMLP or not isinstance(experts.submodules, MLPSubmodules):
         raise ValueError(f"--qrl-train-forward aligned: experts {experts.module.__name__} are not "

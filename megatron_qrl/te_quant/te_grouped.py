@@ -27,8 +27,14 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-from megatron_qrl.te_quant.grouped_gemm import grouped_mm, stacked_ste
-from megatron_qrl.te_quant.linears import _PLAIN, quantize_input
+from megatron_qrl.models.grouped_gemm import grouped_mm
+from megatron_qrl.models.stacked_experts import (
+    StackedGroupedLinear,
+    StackedGroupedMLP,
+    grouped_sharded_state_dict,
+)
+from megatron_qrl.te_quant.grouped_gemm import stacked_ste
+from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
 from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
 from megatron_qrl.te_quant.state import AlignedForwardState
 from megatron_qrl.te_quant.te_names import TEExtraState, set_te_parallel_attributes
@@ -40,7 +46,69 @@ def _pg_size_rank(group: Any) -> tuple[int, int]:
     return get_pg_size(group), get_pg_rank(group)
 
 
-class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
+class AlignedGroupedGemm:
+    """The aligned grouped GEMM of a module holding all local experts' weights of one linear
+    (per-expert parameters or one stacked parameter): ``Q_w`` of every expert cached stacked
+    once per optimizer step, ``Q_a`` in one call, one grouped GEMM."""
+
+    parallel_mode = "column"
+    qrl_state: AlignedForwardState
+    qrl_kind: str
+    qrl_layout: FusionLayout
+
+    def _init_aligned(self, qrl_state: AlignedForwardState, qrl_kind: str,
+                      qrl_layout: FusionLayout) -> None:
+        if not isinstance(qrl_state, AlignedForwardState):
+            raise TypeError(f"qrl_state must be an AlignedForwardState, got {type(qrl_state).__name__}")
+        self.qrl_state, self.qrl_kind, self.qrl_layout = qrl_state, qrl_kind, qrl_layout
+        self.qrl_recomputes = 0
+        self._qrl_cache: tuple[Any, torch.Tensor] | None = None
+
+    def weights(self) -> list[torch.Tensor]:
+        """Every local expert's master weight ``[out, in]``, in expert order."""
+        raise NotImplementedError
+
+    def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
+        """The stacked masters (``quantized`` None) or ``quantized`` with the straight-through
+        gradient into them."""
+        raise NotImplementedError
+
+    def _qrl_key(self) -> tuple:
+        return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
+
+    def quantized_weights(self) -> torch.Tensor:
+        """``Q_w(W_e)`` of every local expert's shard stacked ``[num_gemms, out, in]``,
+        recomputed only after the weights changed (once per optimizer step): one stacked
+        quantizer call where the stack is bit-identical, else one call per expert."""
+        key = self._qrl_key()
+        if self._qrl_cache is None or self._qrl_cache[0] != key:
+            spec, weights = self.qrl_state.spec, self.weights()
+            name = f"experts {type(self).__name__}"
+            tp, _ = _pg_size_rank(self.tp_group)
+            qs = (quantize_shards_stacked(spec, weights, [self.qrl_layout] * len(weights), name)
+                  if tp == 1 and len(weights) > 1 else None)
+            if qs is None:
+                dim = 1 if self.parallel_mode == "row" else 0
+                qs = [quantize_shard(spec, w, self.qrl_layout, dim, self.tp_group, name)
+                      for w in weights]
+            self._qrl_cache = (key, torch.stack(qs))
+            self.qrl_recomputes += 1
+        return self._qrl_cache[1]
+
+    def forward(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, None]:
+        """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` as ONE grouped GEMM
+        (:func:`~megatron_qrl.models.grouped_gemm.grouped_mm`); aligned: the stacked cached
+        ``Q_w(W)`` and ``Q_a`` of all rows in one call (per-token scales: equal per expert)."""
+        if self.qrl_state.is_enabled(self.qrl_kind):
+            stacked = self._masters(self.quantized_weights())
+            x = quantize_input(self.qrl_state, x, 1 if self.parallel_mode == "row" else 0,
+                               self.tp_group)
+        else:
+            stacked = self._masters(None)
+        return grouped_mm(x, stacked, m_splits), None
+
+
+class AlignedTEGroupedLinear(TEExtraState, AlignedGroupedGemm, MegatronModule):
     """Megatron's ``TEGroupedLinear`` names (``weight{i}``), one grouped GEMM (aligned or plain)."""
 
     parallel_mode = "column"
@@ -57,8 +125,6 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
         if bias:
             raise ValueError("aligned grouped experts support add_bias_linear=False (Qwen3-MoE); "
                              "use --moe-grouped-gemm off for biased experts")
-        if not isinstance(qrl_state, AlignedForwardState):
-            raise TypeError(f"qrl_state must be an AlignedForwardState, got {type(qrl_state).__name__}")
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -72,9 +138,7 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
         self.in_features = input_size // tp if self.parallel_mode == "row" else input_size
         self.out_features = output_size // tp if self.parallel_mode == "column" else output_size
         self.use_bias = False
-        self.qrl_state, self.qrl_kind, self.qrl_layout = qrl_state, qrl_kind, qrl_layout
-        self.qrl_recomputes = 0
-        self._qrl_cache: tuple[Any, torch.Tensor] | None = None
+        self._init_aligned(qrl_state, qrl_kind, qrl_layout)
         # TE's mode is None with explicit expert communication: partition_dim 0 even for "row"
         dim = 1 if self.parallel_mode == "row" and not self.explicit_expert_comm else 0
         for i in range(num_gemms):
@@ -122,74 +186,17 @@ class AlignedTEGroupedLinear(TEExtraState, MegatronModule):
         """``[weight0, .., weight{n-1}]``."""
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
-    def _qrl_key(self) -> tuple:
-        return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
-
-    def quantized_weights(self) -> torch.Tensor:
-        """``Q_w(W_e)`` of every local expert's shard stacked ``[num_gemms, out, in]``,
-        recomputed only after the weights changed (once per optimizer step): one stacked
-        quantizer call where the stack is bit-identical, else one call per expert."""
-        key = self._qrl_key()
-        if self._qrl_cache is None or self._qrl_cache[0] != key:
-            spec, weights = self.qrl_state.spec, self.weights()
-            name = f"experts {type(self).__name__}"
-            tp, _ = _pg_size_rank(self.tp_group)
-            qs = (quantize_shards_stacked(spec, weights, [self.qrl_layout] * len(weights), name)
-                  if tp == 1 and len(weights) > 1 else None)
-            if qs is None:
-                dim = 1 if self.parallel_mode == "row" else 0
-                qs = [quantize_shard(spec, w, self.qrl_layout, dim, self.tp_group, name)
-                      for w in weights]
-            self._qrl_cache = (key, torch.stack(qs))
-            self.qrl_recomputes += 1
-        return self._qrl_cache[1]
-
-    def forward(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, None]:
-        """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` as ONE grouped GEMM
-        (:func:`~megatron_qrl.te_quant.grouped_gemm.grouped_mm`); aligned: the stacked cached
-        ``Q_w(W)`` and ``Q_a`` of all rows in one call (per-token scales: equal per expert)."""
+    def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
         weights = self.weights()
-        if self.qrl_state.is_enabled(self.qrl_kind):
-            stacked = stacked_ste(self.quantized_weights(), weights)
-            x = quantize_input(self.qrl_state, x, 1 if self.parallel_mode == "row" else 0,
-                               self.tp_group)
-        else:
-            stacked = torch.stack(weights)
-        return grouped_mm(x, stacked, m_splits), None
+        return torch.stack(weights) if quantized is None else stacked_ste(quantized, weights)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         """Each local expert's weight as its global expert's shard (TE's
         ``TEGroupedLinear._sharded_state_dict_grouped``, Megatron 0.16)."""
-        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-        from megatron.core.transformer.utils import (
-            ensure_metadata_has_dp_cp_group,
-            make_sharded_tensors_for_checkpoint,
-        )
-
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        singleton = metadata.get("singleton_local_shards", False)
-        ep_size, ep_rank = _pg_size_rank(self._pg_collection.ep)
-        n_global, first = ep_size * self.num_gemms, ep_rank * self.num_gemms
-        axis = 1 if self.parallel_mode == "row" else 0
-        out: dict[str, Any] = {}
-        for i in range(self.num_gemms):
-            g = first + i
-            local = {f"{i}.weight": getattr(self, f"weight{i}"),
-                     f"{i}._extra_state": self.get_extra_state()}
-            offsets = (sharded_offsets if singleton
-                       else (*sharded_offsets, (len(sharded_offsets), g, n_global)))
-            sub = make_sharded_tensors_for_checkpoint(
-                local, "", {f"{i}.weight": axis}, offsets, tp_group=self._tp_group,
-                dp_cp_group=metadata["dp_cp_group"])
-            replace_prefix_for_sharding(sub, f"{i}.", f"{g}.{prefix}" if singleton else prefix)
-            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
-            out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
-        _, edp_rank = _pg_size_rank(self._pg_collection.expt_dp)
-        for sh in out.values():  # replicated along DP modulo EP
-            full = getattr(sh, "is_data_parallel_fully_shard", False)
-            sh.replica_id = (*sh.replica_id[:2], 0 if full else edp_rank)
-        return out
+        return grouped_sharded_state_dict(self.weights(), self.get_extra_state(), prefix,
+                                          sharded_offsets, metadata, self.parallel_mode == "row",
+                                          self._pg_collection, self._tp_group)
 
 
 class AlignedTEColumnParallelGroupedLinear(AlignedTEGroupedLinear):
@@ -228,3 +235,38 @@ class AlignedTEGroupedMLP(TEGroupedMLP):
         out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert,
                                     torch.ones_like(permuted_probs))
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), bias
+
+
+class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
+    """:class:`~megatron_qrl.models.stacked_experts.StackedGroupedLinear` (one stacked
+    ``weight``), aligned: the straight-through gradient goes into the stack as a whole."""
+
+    def __init__(self, *args: Any, qrl_state: AlignedForwardState, qrl_kind: str = "experts",
+                 qrl_layout: FusionLayout = _PLAIN, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_aligned(qrl_state, qrl_kind, qrl_layout)
+
+    def weights(self) -> list[torch.Tensor]:
+        return list(self.weight.unbind(0))
+
+    def _qrl_key(self) -> tuple:
+        return (self.qrl_state.version, self.weight._version, self.weight.data_ptr())
+
+    def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
+        return self.weight if quantized is None else _UseQuantized.apply(self.weight, quantized)
+
+
+class AlignedStackedColumnGroupedLinear(AlignedStackedGroupedLinear):
+    """The stacked experts' ``linear_fc1``, aligned."""
+
+    parallel_mode = "column"
+
+
+class AlignedStackedRowGroupedLinear(AlignedStackedGroupedLinear):
+    """The stacked experts' ``linear_fc2``, aligned."""
+
+    parallel_mode = "row"
+
+
+class AlignedStackedGroupedMLP(AlignedTEGroupedMLP, StackedGroupedMLP):
+    """:class:`AlignedTEGroupedMLP`'s gate order over the stacked experts."""

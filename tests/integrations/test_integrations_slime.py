@@ -241,6 +241,8 @@ def test_options_from_yaml_keys_and_slime_flags():
          "--use-rollout-routing-replay"),
         (dict(qrl_loss_kind="tbpo", qrl_loss_aggregation="token_mean",
               calculate_per_token_loss=True), "tbpo is sequence-level"),
+        (dict(qrl_loss_aggregation="seq_mean_token_mean", qrl_train_moe_experts="stacked"),
+         "--qrl-train-moe-experts stacked inside slime.*linear_fc1.weight<i>"),
     ]
     for kw, match in cases:
         with pytest.raises(QrlArgumentError, match=match):

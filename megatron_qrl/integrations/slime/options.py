@@ -144,6 +144,11 @@ def slime_problems(opts: SlimeQrlOptions, args: Any) -> list[str]:
     elif replay == "all" and not r3:
         out.append("--qrl-routing-replay all inside slime is slime's own R3 (the rollout's "
                    "expert ids travel with slime's data only then): add --use-rollout-routing-replay")
+    if opts.train.moe_experts == "stacked":
+        out.append("--qrl-train-moe-experts stacked inside slime: slime's weight update and "
+                   "converters read one parameter per expert (mlp.experts.linear_fc1.weight<i>), "
+                   "the stacked experts hold one per GEMM; use --qrl-train-moe-experts megatron "
+                   "(slime's --moe-grouped-gemm)")
     if opts.train.forward == "aligned" and list(getattr(args, "spec", None) or []) != SPEC:
         out.append(f"--qrl-train-forward aligned swaps the quantized linears through the layer "
                    f"spec: add --spec {' '.join(SPEC)}")
