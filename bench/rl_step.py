@@ -13,7 +13,9 @@ runs as ``examples/run_qwen3_4b_1gpu.sh`` does, one optimizer update per step; t
 override the preset's; the 30B-A3B preset runs the fast MoE path on a GPU with TE —
 ``--qrl-train-moe-fast-path``: grouped-GEMM experts, alltoall dispatcher, fused permute,
 selective recompute of the experts' activation unless ``--megatron`` names a recompute flag;
-``--qrl "--no-qrl-train-moe-fast-path"`` measures the sequential experts); the LAST step's
+``--qrl "--no-qrl-train-moe-fast-path"`` measures the sequential experts, ``--moe-experts
+stacked`` the stacked experts of ``models.stacked_experts``, also where TE is not installed);
+the LAST step's
 record (``metrics.jsonl``) is reported: the four phase times, the trainer's peak memory
 (``torch.cuda.max_memory_allocated`` of the trainer process; SGLang's memory lives in its own
 processes) and
@@ -95,6 +97,7 @@ def _job(args: argparse.Namespace, ckpt: Path, fmt: str, flags: str, out_dir: Pa
            str(args.n), "--qrl-rollout-max-new-tokens", str(args.max_new_tokens),
            "--qrl-micro-batch-size", str(args.micro_batch_size), "--qrl-loss-kind", "tis",
            "--qrl-train-forward", args.train_forward,
+           *(["--qrl-train-moe-experts", args.moe_experts] if args.moe_experts else []),
            "--qrl-routing-replay", "off", "--qrl-output-dir", str(out_dir), "--qrl-no-progress",
            "--no-qrl-tensorboard", "--qrl-save-interval", "-1"]
     if args.max_tokens_per_micro_batch:
@@ -121,6 +124,7 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                               p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)))
     res: dict = {"variant": variant, "format": fmt, "flags": flags, "qrl_flags": args.qrl,
+                 "moe_experts": args.moe_experts,
                  "preset": cmd[cmd.index("--qrl-preset") + 1],
                  "micro_batch_size": args.micro_batch_size,
                  "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
@@ -181,6 +185,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-micro-batch", type=int, default=0)
     p.add_argument("--train-forward", default="bf16", choices=("bf16", "aligned"),
                    help="--qrl-train-forward of every variant (aligned: quantized formats only)")
+    p.add_argument("--moe-experts", default=None, choices=("megatron", "stacked"),
+                   help="--qrl-train-moe-experts of every variant (default: the preset's; "
+                   "stacked: one grouped GEMM per expert linear, no Transformer Engine needed)")
     p.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang mem_fraction_static")
     p.add_argument("--megatron", default="", help="Megatron flags for every variant")
     p.add_argument("--preset", default=None, help="qrl-train --qrl-preset of every variant "

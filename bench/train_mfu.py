@@ -28,8 +28,12 @@ micro batches whose pi_prox is recomputed (``rl.steps.set_old_log_probs``), then
                      PackedSeqParams; no padding in the layers)
     gg | pf | rf     MoE: TE grouped-GEMM experts (--moe-grouped-gemm), fused permute
                      (--moe-permute-fusion), fused router (--moe-router-fusion); ag: the
-                     allgather dispatcher (default: alltoall with TE). These are build-time
-                     settings: rows are built once per distinct set (in the order given)
+                     allgather dispatcher (default: alltoall with TE), a2a: the alltoall one
+                     (the default without TE is allgather)
+    st               MoE: stacked experts (--qrl-train-moe-experts stacked: one [experts,
+                     out, in] weight per GEMM, one torch._grouped_mm per GEMM; TE not needed).
+                     The MoE words are build-time settings: rows are built once per distinct
+                     set (in the order given)
     oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
                      a separate entropy pass; ``PolicyLossFunc(chunked=False)``)
     norope           --no-rope-fusion
@@ -71,12 +75,17 @@ DEFAULT_ROWS = ("full-mb4-oldlp-norope-prox0,full-mb4-prox0,none-mb4-prox0,none-
                 "none-mb8-lp16512-prox1,full-mb16-lp16512-prox1")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 COMMIT = commit()
+STACKED = "qrl_stacked_experts"
+"""The ``st`` word's key in ``Row.moe``: a spec hook (models.stacked_experts), not a config field."""
 MOE_WORDS: dict[str, tuple[str, object]] = {
     "gg": ("moe_grouped_gemm", True), "pf": ("moe_permute_fusion", True),
-    "rf": ("moe_router_fusion", True), "ag": ("moe_token_dispatcher_type", "allgather")}
-MOE_FLAGS = {"moe_grouped_gemm": "--moe-grouped-gemm", "moe_permute_fusion": "--moe-permute-fusion",
-             "moe_router_fusion": "--moe-router-fusion",
-             "moe_token_dispatcher_type": "--moe-token-dispatcher-type allgather"}
+    "rf": ("moe_router_fusion", True), "ag": ("moe_token_dispatcher_type", "allgather"),
+    "a2a": ("moe_token_dispatcher_type", "alltoall"), "st": (STACKED, True)}
+MOE_FLAGS = {("moe_grouped_gemm", True): "--moe-grouped-gemm",
+             ("moe_permute_fusion", True): "--moe-permute-fusion",
+             ("moe_router_fusion", True): "--moe-router-fusion",
+             ("moe_token_dispatcher_type", "allgather"): "--moe-token-dispatcher-type allgather",
+             ("moe_token_dispatcher_type", "alltoall"): "--moe-token-dispatcher-type alltoall"}
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,8 @@ class Row:
     """prox1: True, prox0: False, neither: None (qrl-train's default: on here)."""
     thd: bool = False
     moe: tuple[tuple[str, object], ...] = ()
-    """Build-time ``TransformerConfig`` overrides of the MoE words (gg, pf, rf, ag)."""
+    """Build-time settings of the MoE words: ``TransformerConfig`` overrides (gg, pf, rf, ag,
+    a2a) and :data:`STACKED` (st)."""
 
     @classmethod
     def parse(cls, name: str) -> Row:
@@ -121,7 +131,9 @@ class Row:
                 kw["thd"] = True
             else:
                 raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
-                                 "prox0, thd, oldlp, norope, gg, pf, rf, ag)")
+                                 "prox0, thd, oldlp, norope, gg, pf, rf, ag, a2a, st)")
+        if len({k for k, _ in moe}) < len(moe):
+            raise ValueError(f"row {name!r}: ag and a2a exclude each other")
         kw["moe"] = tuple(sorted(moe))
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
             raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
@@ -133,12 +145,14 @@ class Row:
             else f"--micro-batch-size {self.micro_batch}"
         meg = " ".join(([RECOMPUTE] if self.recompute else [])
                        + ([] if self.rope_fusion else ["--no-rope-fusion"])
-                       + [MOE_FLAGS[k] for k, _ in self.moe])
+                       + [MOE_FLAGS[kv] for kv in self.moe if kv in MOE_FLAGS])
         qrl = " ".join(([f"--qrl-log-prob-max-tokens {self.log_prob_tokens}"]
                         if self.log_prob_tokens else [])
                        + {True: ["--qrl-prox-from-first-update"], None: [],
                           False: ["--no-qrl-prox-from-first-update"]}[self.prox_first]
-                       + (["--qrl-pack-sequences"] if self.thd else []))
+                       + (["--qrl-pack-sequences"] if self.thd else [])
+                       + (["--qrl-train-moe-experts stacked"] if dict(self.moe).get(STACKED)
+                          else []))
         return mb, meg, qrl
 
 
@@ -326,13 +340,26 @@ def _configs() -> dict:
                           "--qrl-no-progress"])[0]
 
 
-def _build(arch, moe: tuple, bf16: bool):
-    """One policy (``rl.trainer.build_policy``) with the MoE build-time overrides ``moe``."""
+def _build(arch, moe: tuple, bf16: bool, impl: str = "auto"):
+    """One policy (``rl.trainer.build_policy``) with the MoE build-time settings ``moe``
+    (``st``: the stacked-experts spec hook) and layer implementation ``impl``."""
+    from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
     from megatron_qrl.rl.forward import ForwardPlan
     from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 
-    return PolicyTrainer(build_policy(arch, 1e-6, ForwardPlan(config_overrides=dict(moe)),
-                                      bf16=bf16, options=TrainerOptions()))
+    overrides = dict(moe)
+    hook = stacked_experts_spec_hook if overrides.pop(STACKED, False) else None
+    plan = ForwardPlan(spec_hook=hook, config_overrides=overrides)
+    return PolicyTrainer(build_policy(arch, 1e-6, plan, bf16=bf16,
+                                      options=TrainerOptions(transformer_impl=impl)))
+
+
+def _experts(module) -> str | None:
+    """Class name of the model's first routed-experts module (None: a dense model)."""
+    for name, sub in module.named_modules():
+        if name.endswith("mlp.experts"):
+            return type(sub).__name__
+    return None
 
 
 def _emit(args: argparse.Namespace, rec: dict) -> None:
@@ -367,7 +394,7 @@ def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
     with single_process_megatron():
         for i, moe in enumerate(builds):
             t = time.perf_counter()
-            trainer = _build(arch, moe, bf16=args.device == "cuda")
+            trainer = _build(arch, moe, bf16=args.device == "cuda", impl=args.transformer_impl)
             fused_rope = bool(trainer.policy.config.apply_rope_fusion)
             print(f"[train_mfu] built {args.model} ({cfg['num_hidden_layers']} layers, "
                   f"{n_active / 1e9:.2f} B active, TE spec: {fused_rope or 'no/unknown'}, "
@@ -385,6 +412,8 @@ def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
                 except ValueError as exc:
                     rec = {"row": row.name, "error": str(exc)}
                 rec.update(model=args.model, layers=cfg["num_hidden_layers"],
+                           transformer_impl=args.transformer_impl,
+                           experts=_experts(trainer.module),
                            device=args.device, prompts=args.prompts, n=args.n,
                            new_tokens=args.new_tokens, updates=args.updates)
                 _emit(args, rec)
@@ -435,6 +464,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=2, help="optimizer steps per RL step (2: the "
                    "tiny-cpu preset's --qrl-updates-per-step and the 7ed221d rows; the "
                    "qwen3-4b-1gpu job runs 1, bench/h200.sh rlstep-mfu passes UPDATES=1)")
+    p.add_argument("--transformer-impl", default="auto",
+                   choices=("auto", "local", "transformer_engine"),
+                   help="layer implementation (auto: TE where it imports on a GPU; local: "
+                   "megatron-core's local spec with SDPA attention, no TE)")
     p.add_argument("--out", default=None, help="append the records here (JSONL)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the per-row kernel profile (CUDA: GPU busy share of the recompute "

@@ -135,6 +135,31 @@ def test_cpu_smoke(tmp_path):
     assert bad.returncode == 2 and "full or none" in bad.stderr
 
 
+def test_cpu_smoke_stacked_experts_without_te(tmp_path):
+    """The ``st`` row (stacked experts) on the tiny Qwen3-MoE through the local spec (no
+    Transformer Engine here): built with ``StackedGroupedMLP``, times and tokens as the
+    sequential row's, and its rl_step.py flags name ``--qrl-train-moe-experts stacked``."""
+    out = tmp_path / "t.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/train_mfu.py"), "--device", "cpu", "--model",
+         "tiny_qwen3_moe", "--transformer-impl", "local", "--prompts", "2", "--n", "4",
+         "--new-tokens", "12", "--rows", "none-mb2-st,none-mb2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["row"]: r for r in map(json.loads, out.read_text().splitlines())}
+    st, seq = rows["none-mb2-st"], rows["none-mb2"]
+    assert (st["experts"], seq["experts"]) == ("StackedGroupedMLP", "SequentialMLP")
+    assert st["time_train_s"] > 0 and st["trained_tokens"] == seq["trained_tokens"]
+    assert st["transformer_impl"] == "local"
+    assert Row.parse("none-mb16-st-pf-rf").rl_step_args() == (
+        "--micro-batch-size 16", "--moe-permute-fusion --moe-router-fusion",
+        "--qrl-train-moe-experts stacked")
+    assert Row.parse("none-mb4-st-a2a").rl_step_args()[1] == (
+        "--moe-token-dispatcher-type alltoall")
+    with pytest.raises(ValueError, match="ag and a2a"):
+        Row.parse("none-mb4-ag-a2a")
+
+
 def test_kernel_profile_reads_the_profiler_events():
     a, b = torch.randn(300, 300), torch.randn(300, 300)
     out = _kernel_profile(lambda: [a @ b for _ in range(5)], device="cpu")
