@@ -21,7 +21,8 @@ from tests.helpers.te_quant_fixtures import FLIP_BATCH, grads_as_hf, hf_state, i
 FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
 
 
-def _model(arch, tensors, stacked, fmt=None, replay=None, **overrides):
+def _model(arch, tensors, stacked, fmt=None, replay=None, layout=None, groups=None,
+           **overrides):
     from megatron_qrl.models.runtime import build_model
     from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
     from megatron_qrl.models.streaming import load_hf_weights
@@ -31,9 +32,9 @@ def _model(arch, tensors, stacked, fmt=None, replay=None, **overrides):
     state = AlignedForwardState(fmt) if fmt else None
     hook = compose_hooks(stacked_experts_spec_hook if stacked else None,
                          state and aligned_spec_hook(state), replay and replay_spec_hook(replay))
-    model = build_model(arch, spec_hook=hook, use_te=False, use_cpu_initialization=True,
-                        **overrides)
-    load_hf_weights(model, arch, tensors.__getitem__)
+    model = build_model(arch, layout, spec_hook=hook, use_te=False,
+                        use_cpu_initialization=True, **overrides)
+    load_hf_weights(model, arch, tensors.__getitem__, groups)
     return state, model
 
 
@@ -230,3 +231,56 @@ def test_stacked_flag_and_its_refusals(tiny):
     with pytest.raises(ValueError, match="outside a Transformer Engine recipe"):
         trainer_forward(TrainForwardConfig("aligned", moe_experts="stacked"), "fp8", off, arch,
                         te_recipe="approximate")
+
+
+def _ep2_body(rank, world_size, port, arch, tensors, x, save_dir):
+    """EP 2 (gloo): logits, loss and every gradient (gathered to HF names over EP) of the
+    stacked and the sequential experts; the stacked model saved as a torch_dist checkpoint."""
+    from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.checkpoint import save_checkpoint
+    from megatron_qrl.models.streaming import groups_from_parallel_state, iter_hf_tensors
+
+    init_cpu_distributed(rank, world_size, port, tp=1, ep=2, etp=1)
+    out = {}
+    try:
+        with cpu_device_mode():
+            groups = groups_from_parallel_state()
+            for stacked in (True, False):
+                _, model = _model(arch, tensors, stacked, layout=ParallelLayout(ep=2),
+                                  groups=groups)
+                experts = model.decoder.layers[0].mlp.experts
+                n_local = sum(p.shape[0] if p.dim() == 3 else 1
+                              for n, p in experts.named_parameters() if "fc2" in n)
+                logits, loss, _ = _run(model, arch, x)
+                for _, p in model.named_parameters():
+                    p.data = p.grad
+                out[stacked] = (logits, loss, dict(iter_hf_tensors(model, arch, groups)), n_local)
+                if stacked:
+                    _, model = _model(arch, tensors, True, layout=ParallelLayout(ep=2),
+                                      groups=groups)
+                    save_checkpoint(model, save_dir, {"architecture": arch.architecture})
+    finally:
+        destroy_cpu_distributed()
+    return out
+
+
+def test_stacked_equals_sequential_at_ep2_and_its_checkpoint_loads_at_ep1(tiny, tmp_path):
+    """Two expert-parallel ranks, each stacking its 4 local experts: same logits, loss and
+    gradients as the sequential experts at EP 2; the EP-2 checkpoint of the stacked model
+    loads into the sequential model at EP 1 with every HF tensor equal."""
+    from megatron_qrl.models.checkpoint import load_checkpoint
+    from megatron_qrl.models.streaming import iter_hf_tensors
+    from tests.helpers.mp_utils import run_distributed
+
+    arch, tensors = tiny
+    (tmp_path / "hf").mkdir()
+    x = ids(**FLIP_BATCH)
+    results = run_distributed(_ep2_body, 2, arch, tensors, x, str(tmp_path))
+    for rank, out in enumerate(results):
+        assert out[True][3] == out[False][3] == arch.num_experts // 2, rank
+        _assert_same(out[True][:3], out[False][:3], f"ep2 rank {rank}")
+    _, model = _model(arch, {k: torch.zeros_like(v) for k, v in tensors.items()}, False)
+    load_checkpoint(model, tmp_path)
+    got = dict(iter_hf_tensors(model, arch))
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
