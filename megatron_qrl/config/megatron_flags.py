@@ -439,9 +439,6 @@ def _refuse_memory_flags(ns: argparse.Namespace, explicit: frozenset[str]) -> No
     if bad or modules == []:
         raise QrlArgumentError(f"--recompute-modules {' '.join(modules)}: choose from "
                                f"{' '.join(RECOMPUTE_MODULES)} (megatron-core 0.16.1)")
-    if "moe_act" in (modules or ()) and not ns.moe_grouped_gemm:
-        raise QrlArgumentError("--recompute-modules moe_act recomputes TEGroupedMLP's "
-                               "activation: add --moe-grouped-gemm, or recompute moe / mlp")
     if layers is not None and layers < 1:
         raise QrlArgumentError(f"--recompute-num-layers must be >= 1, got {layers}")
     if "transformer_impl" in explicit and ns.transformer_impl == "transformer_engine":

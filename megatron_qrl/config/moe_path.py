@@ -45,6 +45,11 @@ _RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers
 def check_moe_flags(settings: Any, lora_enabled: bool, moe_experts: str = "megatron") -> None:
     """Raise naming the flags for an expert path the trainer would not build as asked."""
     given = dict(settings.config_overrides)
+    modules = given.get("recompute_modules") or ()
+    if "moe_act" in modules and not given.get("moe_grouped_gemm") and moe_experts != "stacked":
+        raise QrlArgumentError("--recompute-modules moe_act recomputes the grouped experts' "
+                               "activation: add --moe-grouped-gemm (or --qrl-train-moe-experts "
+                               "stacked), or recompute moe / mlp")
     if lora_enabled and moe_experts == "stacked":
         raise QrlArgumentError(
             "--qrl-train-moe-experts stacked with --qrl-lora-rank > 0: LoRA adapters on routed "
@@ -75,6 +80,8 @@ def moe_overrides(settings: Any, fast: bool, is_moe: bool, lora: bool,
     given = dict(settings.config_overrides)
     if "recompute_modules" in given:  # TransformerConfig's field is a list
         given["recompute_modules"] = list(given["recompute_modules"])
+    if stacked and is_moe and not lora:  # grouped experts (megatron's moe_act recompute check)
+        given["moe_grouped_gemm"] = True
     if not (fast and is_moe):
         return given, None
     if stacked and not te_spec and not lora:

@@ -165,7 +165,9 @@ def layer_spec(arch: ModelArch, config: Any, use_te: bool | str | None = None,
 
     ``spec_hook`` maps the decoder LAYER ``ModuleSpec`` (before it is repeated over layers).
     The local spec gets :class:`SequenceParallelRMSNorm` for every norm, the final one too.
-    Grouped-GEMM experts follow ``config.moe_grouped_gemm`` (TE spec only). Under pipeline
+    Grouped-GEMM experts follow ``config.moe_grouped_gemm``: TEGroupedMLP on the TE spec; on the
+    local spec only a ``spec_hook`` that replaces the sequential experts (the stacked experts of
+    :mod:`.stacked_experts`) may ask for it. Under pipeline
     parallelism the block holds this stage's layers only (megatron-core's
     ``get_num_layers_to_build``, as its ``get_gpt_decoder_block_spec``).
     """
@@ -183,9 +185,6 @@ def layer_spec(arch: ModelArch, config: Any, use_te: bool | str | None = None,
         from megatron.core.extensions.transformer_engine import TENorm
         final_norm: Any = TENorm
     else:
-        if grouped:
-            raise ValueError("--moe-grouped-gemm needs the Transformer Engine spec "
-                             "(--transformer-impl transformer_engine)")
         spec = specs.get_gpt_layer_local_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
             normalization="RMSNorm")
@@ -198,12 +197,24 @@ def layer_spec(arch: ModelArch, config: Any, use_te: bool | str | None = None,
         final_norm = SequenceParallelRMSNorm
     if spec_hook is not None:
         spec = spec_hook(spec, config)
+    if grouped and _sequential_experts(spec):
+        raise ValueError("--moe-grouped-gemm needs the Transformer Engine spec "
+                         "(--transformer-impl transformer_engine) or --qrl-train-moe-experts "
+                         "stacked")
     num_layers = config.num_layers
     if config.pipeline_model_parallel_size > 1:
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
         num_layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=final_norm)
+
+
+def _sequential_experts(layer_spec: Any) -> bool:
+    """The layer's MoE experts are megatron-core's ``SequentialMLP`` (one GEMM per expert)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    experts = getattr(getattr(layer_spec.submodules.mlp, "submodules", None), "experts", None)
+    return getattr(experts, "module", None) is SequentialMLP
 
 
 def config_and_spec(arch: ModelArch, layout: ParallelLayout | None = None,

@@ -104,8 +104,6 @@ def test_lora_with_grouped_gemm_is_one_error(te_here):
 @pytest.mark.parametrize("argv,needle", [
     (["--recompute-modules", "moe_act"], "needs --recompute-granularity selective"),
     (["--recompute-granularity", "selective", "--recompute-modules", "attn"], "choose from"),
-    (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
-     "add --moe-grouped-gemm"),
 ])
 def test_refused_moe_flags(argv, needle):
     with pytest.raises(QrlArgumentError) as info:
@@ -121,3 +119,53 @@ def test_fusions_and_recompute_modules_reach_the_config(te_here):
     assert got == {"moe_grouped_gemm": True, "moe_permute_fusion": True, "moe_router_fusion": True,
                    "recompute_granularity": "selective",
                    "recompute_modules": ["moe_act", "core_attn"]}
+
+
+def test_moe_act_recompute_needs_grouped_experts():
+    """``--recompute-modules moe_act`` recomputes the activation of TEGroupedMLP and of the
+    stacked experts (its subclass); with SequentialMLP it would do nothing: one error."""
+    sel = ["--", "--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
+    with pytest.raises(QrlArgumentError, match="add --moe-grouped-gemm .or "
+                       "--qrl-train-moe-experts stacked"):
+        parse_configs([*BASE, *sel])
+    configs, _, _ = parse_configs([*BASE, "--qrl-train-moe-experts", "stacked", *sel])
+    assert list(dict(configs["megatron"].config_overrides)["recompute_modules"]) == ["moe_act"]
+
+
+def test_fast_path_with_stacked_experts():
+    """Stacked experts: on the TE spec the whole fast path; elsewhere only the selective
+    ``moe_act`` recompute (the fusions need TE), with a note saying so."""
+    got, note = moe_overrides(_settings(), True, is_moe=True, lora=False, te_spec=True,
+                              stacked=True)
+    assert note is None and got["moe_permute_fusion"] and got["recompute_modules"] == ["moe_act"]
+    got, note = moe_overrides(_settings(), True, is_moe=True, lora=False, te_spec=False,
+                              stacked=True)
+    assert got == {"moe_grouped_gemm": True, "recompute_granularity": "selective",
+                   "recompute_modules": ["moe_act"]}
+    assert "stacked experts run with megatron-core's unfused permute" in note
+    full = _settings("--recompute-granularity", "full", "--recompute-method", "uniform",
+                     "--recompute-num-layers", "1")
+    got, _ = moe_overrides(full, True, is_moe=True, lora=False, te_spec=False, stacked=True)
+    assert got["recompute_granularity"] == "full" and "recompute_modules" not in got
+    sel = _settings("--recompute-granularity", "selective", "--recompute-modules", "moe_act")
+    got, note = moe_overrides(sel, False, is_moe=True, lora=False, te_spec=False, stacked=True)
+    assert got["moe_grouped_gemm"] and note is None  # (TransformerConfig's moe_act check)
+
+
+def test_stacked_experts_build_with_the_fast_path_on_cpu(megatron):
+    """The 30B preset's flags with the stacked experts build on the CPU (no TE)."""
+    from megatron_qrl.models.runtime import build_model
+    from megatron_qrl.models.stacked_experts import StackedGroupedMLP, stacked_experts_spec_hook
+    from tests.helpers.te_quant_fixtures import tiny_hf
+
+    configs, _, _ = parse_configs(["--qrl-preset", "tiny-cpu,qwen3-30b-a3b", "--qrl-model",
+                                   "tiny-moe", "--qrl-rollout-engine", "reference",
+                                   "--qrl-train-moe-experts", "stacked"])
+    assert configs["train"].moe_fast_path and configs["train"].moe_experts == "stacked"
+    _, arch = tiny_hf("moe")
+    over, _ = moe_overrides(configs["megatron"], True, is_moe=True, lora=False, te_spec=False,
+                            stacked=True)
+    model = build_model(arch, spec_hook=stacked_experts_spec_hook, use_te=False,
+                        use_cpu_initialization=True, **over)
+    experts = model.decoder.layers[0].mlp.experts
+    assert isinstance(experts, StackedGroupedMLP) and experts.activation_recompute

@@ -223,7 +223,11 @@ def test_stacked_flag_and_its_refusals(tiny):
                        "--qrl-lora-rank", "4", "--qrl-train-forward", "bf16"])
     with pytest.raises(ValueError, match="--qrl-train-moe-experts must be one of"):
         TrainForwardConfig(moe_experts="grouped")
-    arch, _ = tiny
+    arch, tensors = tiny
+    with pytest.raises(ValueError, match="--moe-grouped-gemm needs the Transformer Engine spec.*"
+                       "--qrl-train-moe-experts stacked"):
+        _model(arch, tensors, False, moe_grouped_gemm=True)  # SequentialMLP: refused
+    _model(arch, tensors, True, moe_grouped_gemm=True)  # the stacked experts are grouped
     off = RoutingReplayConfig("off")
     _, dense = tiny_hf("dense")
     with pytest.raises(ValueError, match="stacked needs an MoE model"):
