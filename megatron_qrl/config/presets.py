@@ -15,8 +15,10 @@ Machine / job presets:
 * ``qwen3-4b-1gpu``: Qwen3-4B on one GPU, SGLang rollouts (needs ``--qrl-checkpoint``).
 * ``qwen3-30b-a3b``: Qwen3-30B-A3B, multi-node, FP8-block SGLang rollouts, routing replay,
   the fast MoE trainer path on a GPU with TE (``--qrl-train-moe-fast-path``: grouped GEMM,
-  alltoall, fused permute, selective recompute; config/moe_path.py) (needs
-  ``--qrl-checkpoint``; TP/EP layout are Megatron flags in examples/).
+  alltoall, fused permute, selective recompute; config/moe_path.py; add
+  ``--qrl-train-moe-experts stacked`` for one stacked weight and one torch grouped GEMM per
+  expert linear, also without TE) (needs ``--qrl-checkpoint``; TP/EP layout are Megatron
+  flags in examples/).
 
 Paper modes (docs/ALGORITHMS.md):
 

@@ -6,9 +6,12 @@
 - :mod:`streaming`: ``iter_hf_tensors`` (sharded model -> HF pairs) and ``load_hf_weights``;
 - :mod:`hf_io` / :mod:`checkpoint` / :mod:`runtime`: files, dist checkpoints, 1-rank jobs;
 - :mod:`export`: an HF checkpoint quantized with a QuantSpec (the directory SGLang loads);
-- :mod:`spec_tree`: copy a ``ModuleSpec`` tree for spec hooks.
+- :mod:`spec_tree`: copy a ``ModuleSpec`` tree for spec hooks;
+- :mod:`grouped_gemm` / :mod:`stacked_experts`: one grouped GEMM over all local experts, and
+  the routed experts as one stacked weight per GEMM (``--qrl-train-moe-experts stacked``).
 
-Megatron and torch.distributed are imported lazily inside functions.
+Megatron and torch.distributed are imported lazily inside functions (``stacked_experts``,
+whose classes subclass megatron-core's, imports megatron-core when it is imported).
 """
 
 from pathlib import Path

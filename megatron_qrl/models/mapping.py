@@ -13,12 +13,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.layout import global_expert_index
 from megatron_qrl.utils.hf_names import fusion_group
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("replicated", "column", "row", "qkv", "gate_up")
 

@@ -17,6 +17,11 @@ token dispatcher moves tokens across expert-TP / EP ranks.
 :class:`AlignedTEGroupedMLP` is ``TEGroupedMLP`` with the gate applied after ``linear_fc2``
 when activations are quantized (SGLang's fused-MoE order, see
 :class:`~megatron_qrl.te_quant.linears.AlignedSequentialMLP`).
+
+The same aligned GEMM (:class:`AlignedGroupedGemm`) serves the stacked experts of
+:mod:`megatron_qrl.models.stacked_experts` (``--qrl-train-moe-experts stacked``):
+:class:`AlignedStackedGroupedLinear` keeps their ONE ``[experts, out, in]`` weight, and the
+straight-through gradient goes into that stack whole.
 """
 
 from __future__ import annotations
