@@ -90,10 +90,13 @@
 #   rlstep-offload  the same, FP8, with --use-distributed-optimizer --optimizer-cpu-offload
 #               (its peak trainer memory next to rlstep's fp8 row)
 #   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first),
-#               micro batch 4 and the qwen3-30b-a3b preset's fast MoE path (no full recompute)
+#               micro batch 4 and the qwen3-30b-a3b preset's fast MoE path (no full recompute);
+#               MOE_EXPERTS=stacked: the stacked experts (--qrl-train-moe-experts stacked)
 #   moe30b      bench/train_mfu.py on the Qwen3-30B-A3B slice (${LAYERS_30B:-4} layers, no engine):
 #               ROWS of MoE build settings (gg grouped GEMM, pf permute fusion, rf router fusion,
-#               ag allgather dispatcher) with --breakdown: GPU ms per model part per micro batch
+#               ag allgather dispatcher, st stacked experts: one torch grouped GEMM per expert
+#               linear) with --breakdown: GPU ms per model part per micro batch; IMPL=local
+#               builds the local spec (no TE: st rows without pf / rf)
 #   teblock     bench/te_block_codes.py: TE Float8BlockQuantizer vs the fp8_block spec, codes and
 #               scales element by element, and the recipe's power-of-two setting (~1 min)
 #   rlstep-mfu  trainer MFU: bench/train_mfu.py runs the recompute + train phases of
@@ -401,6 +404,7 @@ case $phase in
     python3 bench/rl_step.py "${model[@]}" --formats "$variants" \
       --variant-flags "offload=--use-distributed-optimizer --optimizer-cpu-offload" \
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
+      ${MOE_EXPERTS:+--moe-experts "$MOE_EXPERTS"} \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
       --out "$OUT/${phase//-/_}${TAG:-}.jsonl" 2>&1 | grep -E "^\||rl_step\]|Error|error" | tail -n 20 ;;
   moe30b)  # the 30B-A3B slice's trainer alone (no engine): MoE build settings side by side,
@@ -408,6 +412,7 @@ case $phase in
     te_env
     timeout --kill-after=10 "${MFU_S:-540}" python3 bench/train_mfu.py --model qwen3_30b_a3b \
       --layers "${LAYERS_30B:-4}" --rows "${ROWS:-full-mb2,none-mb2-gg,none-mb8-gg,none-mb8-gg-pf}" \
+      --transformer-impl "${IMPL:-auto}" \
       --prompts "${PROMPTS:-16}" --new-tokens "${NEW_TOKENS:-1024}" --updates 1 --breakdown \
       --no-profile --out "$OUT/moe30b${TAG:-}.jsonl" 2>&1 \
       | grep -E "^\||train_mfu\]|Error|error" | grep -v '"breakdown"' | tail -n 60 ;;
