@@ -14,7 +14,8 @@ is present, no ``--transformer-impl local``, no LoRA):
 
 ``--qrl-train-moe-experts stacked`` replaces the experts (TE's or the sequential ones) by
 ``models.stacked_experts`` (one grouped GEMM per linear, no TE needed); without the TE spec the
-fast path then gives it the selective recompute only.
+fast path then changes nothing else (megatron-core 0.16.1's ``moe_act`` recompute calls TE's FP8
+state even in BF16, so it needs TE to import).
 
 Megatron flags given after ``--`` win. Where the TE spec is not built the experts run sequentially and :func:`moe_overrides` says so in its
 note; an explicit ``--moe-grouped-gemm`` there is refused (``megatron_flags``, :func:`check_moe_flags`).
@@ -50,6 +51,12 @@ def check_moe_flags(settings: Any, lora_enabled: bool, moe_experts: str = "megat
         raise QrlArgumentError("--recompute-modules moe_act recomputes the grouped experts' "
                                "activation: add --moe-grouped-gemm (or --qrl-train-moe-experts "
                                "stacked), or recompute moe / mlp")
+    from megatron_qrl.models.builder import use_transformer_engine  # (te_here patches it)
+
+    if "moe_act" in modules and not use_transformer_engine():
+        raise QrlArgumentError("--recompute-modules moe_act: megatron-core 0.16.1's "
+                               "CheckpointWithoutOutput calls Transformer Engine's FP8 state, "
+                               "which does not import here; recompute moe / mlp instead")
     if lora_enabled and moe_experts == "stacked":
         raise QrlArgumentError(
             "--qrl-train-moe-experts stacked with --qrl-lora-rank > 0: LoRA adapters on routed "
@@ -74,8 +81,8 @@ def moe_overrides(settings: Any, fast: bool, is_moe: bool, lora: bool,
 
     ``fast``: ``--qrl-train-moe-fast-path``; ``te_spec``: the trainer builds the Transformer
     Engine spec; ``lora``: a LoRA run (local spec); ``stacked``: ``--qrl-train-moe-experts
-    stacked`` (grouped GEMMs without TE: only the selective recompute applies where the TE spec
-    is not built). ``note``: one line saying what of the fast path did not apply, else None.
+    stacked`` (grouped GEMMs without TE; where the TE spec is not built nothing else of the fast
+    path applies). ``note``: one line saying what of the fast path did not apply, else None.
     """
     given = dict(settings.config_overrides)
     if "recompute_modules" in given:  # TransformerConfig's field is a list
@@ -85,9 +92,10 @@ def moe_overrides(settings: Any, fast: bool, is_moe: bool, lora: bool,
     if not (fast and is_moe):
         return given, None
     if stacked and not te_spec and not lora:
-        return {**_recompute(given), **given}, (
+        return given, (
             "--qrl-train-moe-fast-path: the Transformer Engine spec is not built here; the "
-            "stacked experts run with megatron-core's unfused permute and top-k")
+            "stacked experts run with megatron-core's unfused permute and top-k, and no "
+            "selective moe_act recompute unless a --recompute-* flag asks for it")
     if lora or not te_spec:
         why = ("LoRA runs on the local spec" if lora else
                "the Transformer Engine spec is not built here (no TE on a GPU, or "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.config.megatron_flags import parse_megatron_flags
@@ -121,7 +122,7 @@ def test_fusions_and_recompute_modules_reach_the_config(te_here):
                    "recompute_modules": ["moe_act", "core_attn"]}
 
 
-def test_moe_act_recompute_needs_grouped_experts():
+def test_moe_act_recompute_needs_grouped_experts(te_here):
     """``--recompute-modules moe_act`` recomputes the activation of TEGroupedMLP and of the
     stacked experts (its subclass); with SequentialMLP it would do nothing: one error."""
     sel = ["--", "--recompute-granularity", "selective", "--recompute-modules", "moe_act"]
@@ -132,16 +133,26 @@ def test_moe_act_recompute_needs_grouped_experts():
     assert list(dict(configs["megatron"].config_overrides)["recompute_modules"]) == ["moe_act"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                    reason="Transformer Engine is installed: moe_act recompute then runs")
+def test_moe_act_recompute_needs_te_to_import():
+    """megatron-core 0.16.1's ``CheckpointWithoutOutput`` (``moe_act`` recompute) reads TE's FP8
+    state even in BF16 (``fp8 is not None`` for ``fp8=False``): without TE, one error."""
+    with pytest.raises(QrlArgumentError, match="moe_act: megatron-core 0.16.1's "
+                       "CheckpointWithoutOutput calls Transformer Engine"):
+        parse_configs([*BASE, "--qrl-train-moe-experts", "stacked", "--",
+                       "--recompute-granularity", "selective", "--recompute-modules", "moe_act"])
+
+
 def test_fast_path_with_stacked_experts():
-    """Stacked experts: on the TE spec the whole fast path; elsewhere only the selective
-    ``moe_act`` recompute (the fusions need TE), with a note saying so."""
+    """Stacked experts: on the TE spec the whole fast path; elsewhere nothing more (the fusions
+    and megatron-core's ``moe_act`` recompute need TE), with a note saying so."""
     got, note = moe_overrides(_settings(), True, is_moe=True, lora=False, te_spec=True,
                               stacked=True)
     assert note is None and got["moe_permute_fusion"] and got["recompute_modules"] == ["moe_act"]
     got, note = moe_overrides(_settings(), True, is_moe=True, lora=False, te_spec=False,
                               stacked=True)
-    assert got == {"moe_grouped_gemm": True, "recompute_granularity": "selective",
-                   "recompute_modules": ["moe_act"]}
+    assert got == {"moe_grouped_gemm": True}
     assert "stacked experts run with megatron-core's unfused permute" in note
     full = _settings("--recompute-granularity", "full", "--recompute-method", "uniform",
                      "--recompute-num-layers", "1")
@@ -153,7 +164,7 @@ def test_fast_path_with_stacked_experts():
 
 
 def test_stacked_experts_build_with_the_fast_path_on_cpu(megatron):
-    """The 30B preset's flags with the stacked experts build on the CPU (no TE)."""
+    """The 30B preset's flags with the stacked experts build on the CPU (no TE) and train."""
     from megatron_qrl.models.runtime import build_model
     from megatron_qrl.models.stacked_experts import StackedGroupedMLP, stacked_experts_spec_hook
     from tests.helpers.te_quant_fixtures import tiny_hf
@@ -168,4 +179,7 @@ def test_stacked_experts_build_with_the_fast_path_on_cpu(megatron):
     model = build_model(arch, spec_hook=stacked_experts_spec_hook, use_te=False,
                         use_cpu_initialization=True, **over)
     experts = model.decoder.layers[0].mlp.experts
-    assert isinstance(experts, StackedGroupedMLP) and experts.activation_recompute
+    assert isinstance(experts, StackedGroupedMLP) and not experts.activation_recompute
+    x = torch.randint(0, arch.vocab_size, (2, 8))
+    model(x, torch.arange(8)[None].expand_as(x), attention_mask=None).float().mean().backward()
+    assert experts.linear_fc2.weight.grad.abs().sum() > 0
