@@ -17,6 +17,7 @@ from .args import (
 )
 from .checks import TBPO_AGGREGATIONS, prox_first_blocker, prox_from_first_update
 from .generator import ConfigGroup, field_docstrings, flag_specs
+from .job import JobConfig, job_group
 from .presets import PRESETS
 from .run import (
     RolloutConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "PRESETS",
     "TBPO_AGGREGATIONS",
     "ConfigGroup",
+    "JobConfig",
     "QrlArgumentError",
     "RolloutConfig",
     "RoutingReplayConfig",
@@ -44,6 +46,7 @@ __all__ = [
     "effective_values",
     "field_docstrings",
     "flag_specs",
+    "job_group",
     "prox_first_blocker",
     "prox_from_first_update",
     "qrl_configs_from_args",

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config.job import parse_seeds
 from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
 __all__ = ["LOW_LR", "RLQUANT_VARIANTS", "VARIANTS", "VariantSet", "parse_seeds", "report_from_dirs",
@@ -102,21 +102,6 @@ class VariantSet:
 
     variants: tuple[tuple[str, list[str]], ...]
     after: Callable[[Path, list[Path], Callable[[str], None]], object] | None = None
-
-
-def parse_seeds(text: str | None) -> list[int | None]:
-    """``--qrl-seeds 1,2,3`` -> ``[1, 2, 3]`` (distinct non-negative integers); None / '' ->
-    ``[None]`` (one run at ``--qrl-seed``)."""
-    if not text:
-        return [None]
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise QrlArgumentError(f"--qrl-seeds {text!r}: give comma-separated integers, e.g. "
-                               "--qrl-seeds 1,2,3") from None
-    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise QrlArgumentError(f"--qrl-seeds {text!r}: seeds must be distinct and >= 0")
-    return list(seeds)
 
 
 def slug(label: str) -> str:
