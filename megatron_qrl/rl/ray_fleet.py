@@ -32,7 +32,7 @@ from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, weight_backend
 from megatron_qrl.rollout.transports.fleet import FleetBroadcast
-from megatron_qrl.rollout_sglang.factory import build_engine
+from megatron_qrl.rollout_sglang.factory import build_engine, takes_expert_stacks
 
 __all__ = ["FleetSession", "fleet_engine_spec", "session_layout"]
 
@@ -117,7 +117,8 @@ class FleetSession(RaySession):
                     placement_group=self.pg, placement_group_bundle_index=index)}
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
                          transport=self.transport(spec), engine_kind=spec.kind,
-                         backend=self.backend(spec), timeout_s=self.weight_timeout_s)
+                         backend=self.backend(spec), timeout_s=self.weight_timeout_s,
+                         stack_experts=takes_expert_stacks(spec))
 
     def shares_device(self) -> bool:
         """Colocated engines sit on every trainer GPU; the driver (rank 0) holds one."""
@@ -141,7 +142,8 @@ class FleetSession(RaySession):
         broadcast = None
         if self.announce(spec) == "broadcast":
             broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s,
-                                       shardable=spec.kind == "reference")
+                                       shardable=spec.kind == "reference",
+                                       stack_experts=takes_expert_stacks(spec))
         return EngineFleet([lambda i=i: self.new_engine(spec, i)
                             for i in range(self.fleet.num_engines)],
                            group_size=rollout_cfg.n_samples_per_prompt,

@@ -62,7 +62,7 @@ from megatron_qrl.rollout.ray_actor import (
     weight_backend,
 )
 from megatron_qrl.rollout.supervisor import EngineSupervisor
-from megatron_qrl.rollout_sglang.factory import build_engine
+from megatron_qrl.rollout_sglang.factory import build_engine, takes_expert_stacks
 from megatron_qrl.rollout_sglang.factory import engine_spec as _engine_spec
 
 __all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "actor_options", "engine_gpus",
@@ -213,7 +213,8 @@ class RaySession:
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
                          transport=self.transport(spec), engine_kind=spec.kind,
                          backend=weight_backend(spec.kind, colocated=self.mode == "colocated"),
-                         timeout_s=self.weight_timeout_s)
+                         timeout_s=self.weight_timeout_s,
+                         stack_experts=takes_expert_stacks(spec))
 
     def shares_device(self) -> bool:
         """Whether a colocated engine runs on the driver's device (the one engine bundle is

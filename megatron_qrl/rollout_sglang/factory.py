@@ -19,7 +19,7 @@ from ..rollout.ray_actor import EngineSpec
 from ..rollout.reference import ReferenceEngine
 from .options import SGLangOptions
 
-__all__ = ["build_engine", "engine_spec", "make_engine"]
+__all__ = ["build_engine", "engine_spec", "make_engine", "takes_expert_stacks"]
 
 
 def engine_spec(rollout_cfg: Any, hf_config: dict, seed: int,
@@ -61,6 +61,16 @@ def build_engine(spec: EngineSpec) -> RolloutEngine:
             from .lora import SGLangLoraEngine as cls
         return cls(kwargs.pop("model_path"), spec.format, options, **kwargs)
     return start_job_engine(options, spec.format, spec.hf_config, spec.seed, **kwargs)
+
+
+def takes_expert_stacks(spec: EngineSpec) -> bool:
+    """Whether the engine ``spec`` names takes expert stacks over its weight stream (an
+    SGLang engine whose resolved sync is in place with ``stack_experts``); a Ray driver then
+    stacks before it cuts the stream (:class:`~megatron_qrl.rollout.ray_actor.RayEngine`)."""
+    if spec.kind != "sglang":
+        return False
+    options = (spec.sglang if spec.sglang is not None else SGLangOptions()).resolve(spec.format)
+    return options.sync == "inplace" and bool(options.stack_experts)
 
 
 def make_engine(rollout_cfg: Any, hf_config: dict, seed: int,
