@@ -16,6 +16,7 @@ from .args import (
     validate_qrl_args,
 )
 from .checks import TBPO_AGGREGATIONS, prox_first_blocker, prox_from_first_update
+from .configs import QrlConfigs
 from .generator import ConfigGroup, field_docstrings, flag_specs
 from .job import JobConfig, job_group
 from .presets import PRESETS
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigGroup",
     "JobConfig",
     "QrlArgumentError",
+    "QrlConfigs",
     "RolloutConfig",
     "RoutingReplayConfig",
     "RunConfig",

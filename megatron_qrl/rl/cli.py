@@ -50,6 +50,7 @@ from megatron_qrl.config import (
     qrl_configs_from_args,
     validate_qrl_args,
 )
+from megatron_qrl.config.configs import QrlConfigs
 from megatron_qrl.config.generator import add_group_args
 from megatron_qrl.config.job import COMPARE_SETS, MODES, JobConfig, job_group
 from megatron_qrl.config.moe_path import check_moe_flags
@@ -123,11 +124,11 @@ def _megatron_rewrites(argv: list[str], megatron_argv: list[str]) -> tuple[list[
     return out, settings
 
 
-def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], argparse.Namespace]:
+def parse_configs(argv: Sequence[str]) -> tuple[QrlConfigs, dict[str, Any], argparse.Namespace]:
     """``(configs, effective flag values, namespace)`` of a ``qrl-train`` command line.
 
     The Megatron flags after ``--`` (:mod:`megatron_qrl.config.megatron_flags`) become
-    ``--qrl-*`` values and ``configs["megatron"]`` (a ``MegatronSettings``). Raises
+    ``--qrl-*`` values and ``configs.megatron`` (a ``MegatronSettings``). Raises
     :class:`QrlArgumentError` (one message naming the flags) on bad values.
     """
     argv = list(argv)
@@ -138,8 +139,8 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     args.megatron_argv = megatron_argv
     configs = validate_qrl_args(args)
     flags = effective_values(args)
-    configs["megatron"] = settings
-    check_moe_flags(settings, configs["lora"].enabled)
+    configs.megatron = settings
+    check_moe_flags(settings, configs.lora.enabled)
     flags["megatron_layout"] = settings.describe()
     from megatron_qrl.rl.pipeline import pipeline_problem
 
@@ -147,7 +148,7 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     if problem:
         raise QrlArgumentError(problem)
     job: JobConfig = qrl_configs_from_args(args, [job_group()])["job"]
-    configs["job"] = job
+    configs.job = job
     args.world_size = _world_size(job, settings)
     job.check(configs, megatron_argv)
     return configs, flags, args
@@ -191,8 +192,8 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
               "checkpoint is the one to resume from (--qrl-resume)", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
-        line, code = getattr(exc, "qrl_line", None) or error_line(exc, configs["run"], board,
-                                                                   configs["launch"])
+        line, code = getattr(exc, "qrl_line", None) or error_line(exc, configs.run, board,
+                                                                   configs.launch)
         if line is None:
             if board is not None:  # the peers that lose this rank say why
                 board.record_failure(f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -208,7 +209,7 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     return 0
 
 
-def _rank_board(args: argparse.Namespace, configs: dict) -> Any:
+def _rank_board(args: argparse.Namespace, configs: QrlConfigs) -> Any:
     """This rank's :class:`~megatron_qrl.utils.ranks.RankBoard` under torchrun, else None."""
     if args.world_size <= 1:
         return None
@@ -217,7 +218,7 @@ def _rank_board(args: argparse.Namespace, configs: dict) -> Any:
     return RankBoard(int(os.environ["RANK"]), args.world_size)
 
 
-def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
+def _run_main(args: argparse.Namespace, configs: QrlConfigs, flags: dict, argv: list[str],
               engine_factory: Any, board: Any = None) -> None:
     from megatron_qrl.rl.driver import run_job
     from megatron_qrl.rl.sync import make_engine
@@ -233,7 +234,7 @@ def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[s
     if args.world_size > 1:
         _launch_ranks(args, configs, flags, run, world, factory, engine_factory, board)
     else:
-        with _ray_session(configs["job"].mode, configs, True) as session:
+        with _ray_session(configs.job.mode, configs, True) as session:
             if session is not None and engine_factory is None:
                 factory[0] = session.engine_factory
             _launch(args, configs, flags, argv, run)
@@ -324,7 +325,7 @@ def _world_size(job: JobConfig, mega: Any) -> int:
 
 
 @contextlib.contextmanager
-def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
+def _ray_session(mode: str, configs: QrlConfigs, is_main: bool) -> Iterator[Any]:
     """The :class:`~megatron_qrl.rl.ray_modes.RaySession` of a Ray mode on the rank that
     owns the engine (rank 0); None in single mode and on the other ranks (never touch Ray)."""
     if mode == "single" or not is_main:
@@ -332,31 +333,31 @@ def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
         return
     from megatron_qrl.rl.ray_modes import RaySession, engine_gpus
 
-    run = configs["run"]
-    ro = configs["rollout"]
-    launch = configs["launch"]
+    run = configs.run
+    ro = configs.rollout
+    launch = configs.launch
     waits = {"pg_timeout_s": launch.startup_timeout_s, "ray_nodes": launch.ray_nodes}
     if ro.num_engines > 1 or ro.engine_tp > 1 or ro.engine_ep > 1:  # a fleet (rl.ray_fleet)
         from megatron_qrl.rl.ray_fleet import FleetSession
 
-        with FleetSession(mode, configs["rollout"], max_restarts=run.engine_max_restarts,
+        with FleetSession(mode, configs.rollout, max_restarts=run.engine_max_restarts,
                           weight_transport=run.ray_weight_transport,
                           weight_timeout_s=run.ray_weight_timeout_s, **waits) as session:
             yield session
         return
-    with RaySession(mode, engine_gpus=engine_gpus(configs["rollout"]),
+    with RaySession(mode, engine_gpus=engine_gpus(configs.rollout),
                     max_restarts=run.engine_max_restarts,
                     weight_transport=run.ray_weight_transport,
                     weight_timeout_s=run.ray_weight_timeout_s, **waits) as session:
         yield session
 
 
-def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any,
+def _launch_ranks(args: argparse.Namespace, configs: QrlConfigs, flags: dict, run: Any,
                   world: list[Any], factory: list[Any], engine_factory: Any,
                   board: Any) -> None:
     from megatron_qrl.models.runtime import torchrun_megatron
 
-    mega, launch = configs["megatron"], configs["launch"]
+    mega, launch = configs.megatron, configs.launch
     label = rank_label()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts it
         board.wait_for_ranks(launch.startup_timeout_s,
@@ -366,12 +367,12 @@ def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any
                            timeout_s=launch.collective_timeout_s) as rank_world:
         world[0] = rank_world
         try:
-            with _ray_session(configs["job"].mode, configs, rank_world.is_main) as session:
+            with _ray_session(configs.job.mode, configs, rank_world.is_main) as session:
                 if session is not None and engine_factory is None:
                     factory[0] = session.engine_factory
                 records = run(configs, flags)
         except Exception as exc:  # the line for the peers, while this rank's group still stands
-            exc.qrl_line = error_line(exc, configs["run"], board, launch)  # type: ignore[attr-defined]
+            exc.qrl_line = error_line(exc, configs.run, board, launch)  # type: ignore[attr-defined]
             line = exc.qrl_line[0] or f"{type(exc).__name__}: {str(exc)[:300]}"
             board.record_failure(line)
             raise
@@ -379,12 +380,12 @@ def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any
             _summary(records)
 
 
-def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
+def _launch(args: argparse.Namespace, configs: QrlConfigs, flags: dict, argv: list[str],
             run: Any) -> None:
     from megatron_qrl.models.runtime import single_process_megatron
 
     with single_process_megatron():
-        job = configs["job"]
+        job = configs.job
         if job.compare:
             from megatron_qrl.rl.compare import run_compare, variants_for_mode
             from megatron_qrl.rl.compare_sets import VARIANT_SETS
@@ -394,7 +395,7 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
             def parse(v: list[str]) -> tuple[dict, dict]:
                 return parse_configs(v)[:2]
 
-            out = configs["run"].output_dir or configs["run"].resolved_output_dir() + "-compare"
+            out = configs.run.output_dir or configs.run.resolved_output_dir() + "-compare"
             run_compare(base, parse, run, out, seeds=job.seed_list,
                         variants=variants_for_mode(job.mode, VARIANT_SETS[job.compare].variants),
                         after=VARIANT_SETS[job.compare].after)

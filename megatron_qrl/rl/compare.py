@@ -119,9 +119,9 @@ def _warm_up(argv: list[str], parse: Callable, run: Callable, sft_dir: Path,
     """The shared supervised warm-up of one seed (plain forward, no rollouts): its weights."""
     configs, flags = parse([*argv, "--qrl-steps", "0", "--qrl-train-forward", "bf16",
                             "--qrl-output-dir", str(sft_dir)])
-    if not configs["run"].sft_steps:
+    if not configs.run.sft_steps:
         return None
-    log(f"[compare] supervised warm-up ({configs['run'].sft_steps} steps) -> {sft_dir}")
+    log(f"[compare] supervised warm-up ({configs.run.sft_steps} steps) -> {sft_dir}")
     run(configs, flags)
     state = torch.load(latest_checkpoint(sft_dir), map_location="cpu", weights_only=False)
     return state["trainer"]["model"]
@@ -183,11 +183,11 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
         for label, extra in variants:
             vdir = s_out / slug(label)
             configs, flags = parse(variant_argv(s_argv, extra, vdir))
-            log(f"[compare] seed {configs['run'].seed}: {label} -> {vdir}")
+            log(f"[compare] seed {configs.run.seed}: {label} -> {vdir}")
             records = _with_visible_updates(
                 run(configs, flags, start_weights=start, skip_sft=True), vdir,
-                configs["rollout"].spec)
-            runs.setdefault(label, {})[str(configs["run"].seed)] = records
+                configs.rollout.spec)
+            runs.setdefault(label, {})[str(configs.run.seed)] = records
     md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
     if after is not None:

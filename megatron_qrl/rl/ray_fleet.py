@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config.run import RolloutConfig
 from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
 from megatron_qrl.rl.ray_placement import (
     driver_node_selector,
@@ -37,7 +38,7 @@ from megatron_qrl.rollout_sglang.factory import build_engine, takes_expert_stack
 __all__ = ["FleetSession", "fleet_engine_spec", "session_layout"]
 
 
-def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
+def session_layout(mode: str, rollout_cfg: RolloutConfig, cluster_gpus: int | None = None,
                    gpus_per_node: int | None = None) -> FleetLayout:
     """The fleet layout of ``--qrl-mode`` / the ``--qrl-rollout-*`` fleet flags; colocated
     engines share the trainer's GPUs (this process's CUDA devices, one if it has none)."""
@@ -48,7 +49,7 @@ def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
                         mem_fraction=rollout_cfg.sglang.mem_fraction)
 
 
-def fleet_engine_spec(fleet: FleetLayout, rollout_cfg: Any, hf_config: dict,
+def fleet_engine_spec(fleet: FleetLayout, rollout_cfg: RolloutConfig, hf_config: dict,
                       seed: int) -> EngineSpec:
     """The engine actors' spec: SGLang engines get the fleet's engine TP / EP (and DP
     attention) as ``sglang.Engine`` arguments, checked against the model
@@ -73,7 +74,7 @@ def _trainer_ranks() -> bool:
 class FleetSession(RaySession):
     """Ray + the fleet's placement group (module docstring); a context manager."""
 
-    def __init__(self, mode: str, rollout_cfg: Any, **kwargs: Any):
+    def __init__(self, mode: str, rollout_cfg: RolloutConfig, **kwargs: Any):
         super().__init__(mode, **kwargs)
         self.rollout_cfg = rollout_cfg
         self.fleet: FleetLayout | None = None
@@ -134,7 +135,7 @@ class FleetSession(RaySession):
         shared = self.mode == "colocated" or (self.fleet and self.fleet.engines_per_gpu > 1)
         return weight_backend(spec.kind, colocated=bool(shared))
 
-    def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> EngineFleet:
+    def engine_factory(self, rollout_cfg: RolloutConfig, hf_config: dict, seed: int) -> EngineFleet:
         """The driver's engine factory: the fleet of this session."""
         if self.fleet is None:
             raise RuntimeError("FleetSession.engine_factory outside `with FleetSession(...)`")

@@ -130,3 +130,17 @@ def test_stacked_experts_cross_the_cut_whole(monkeypatch):
 ])
 def test_the_driver_stacks_where_the_engine_takes_stacks(kind, fmt, options, want):
     assert takes_expert_stacks(EngineSpec(kind, {}, fmt, sglang=options)) is want
+
+
+def test_a_cut_stream_is_one_pass_either_way():
+    """Iterated tensor by tensor (an engine that does not bucket, the actor draining the
+    rest) or bucket by bucket, from wherever the other way stopped."""
+    def t(i):
+        return str(i), torch.tensor([i])
+
+    stream = CutStream(iter([[t(0), t(1)], [], [t(2)], [t(3), t(4)]]))
+    assert next(stream)[0] == "0"
+    assert [([n for n, _ in b], last) for b, last in wire_mod.buckets(stream, 1)] == [
+        (["1"], False), (["2"], False), (["3", "4"], False), ([], True)]
+    assert [n for n, _ in CutStream(iter([[t(0), t(1)], [t(2)]]))] == ["0", "1", "2"]
+    assert list(wire_mod.buckets(CutStream(iter(())), 1)) == [([], True)]

@@ -20,6 +20,7 @@ and broadcast, SGLang's CUDA-IPC buckets and its weight-update group).
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -102,22 +103,31 @@ class CutStream:
     """A ``(name, tensor)`` stream that is already cut into buckets (``received``: the
     buckets as they arrive, each a list; a receiver does not know which frame is the last
     until the end mark, so :meth:`cuts` marks none and ends with one empty last bucket).
-    Iterating it gives its tensors; :func:`buckets` gives its buckets back. One pass: the
-    buckets are read once, whichever way."""
+    An iterator over its tensors; :func:`buckets` gives its buckets back. One pass: what one
+    way reads, the other does not see again."""
 
     def __init__(self, received: Iterable[list[tuple[str, torch.Tensor]]]):
         self._received = iter(received)
+        self._pending: deque[tuple[str, torch.Tensor]] = deque()  # the bucket being iterated
 
     def cuts(self) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-        """``(bucket, is_last)`` as they arrive, then ``([], True)``."""
+        """``(bucket, is_last)`` as they arrive (the rest of one partly iterated first),
+        then ``([], True)``."""
+        if self._pending:
+            rest, self._pending = list(self._pending), deque()
+            yield rest, False
         for bucket in self._received:
             if bucket:
                 yield bucket, False
         yield [], True
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in self._received:
-            yield from bucket
+    def __iter__(self) -> CutStream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        while not self._pending:
+            self._pending = deque(next(self._received))
+        return self._pending.popleft()
 
 
 def per_bucket(stream: Iterable[tuple[str, torch.Tensor]], step: Any
