@@ -97,3 +97,18 @@ def test_the_job_checks_its_own_fields_and_the_world():
     with pytest.raises(QrlArgumentError, match="--qrl-compare runs in one process"):
         JobConfig(compare="papers").check_world(2, mega)
     JobConfig().check_world(1, mega)  # single mode: the layout's own check says the rest
+
+
+def test_the_job_configs_are_one_typed_object():
+    from megatron_qrl.config import QrlConfigs, RunConfig
+
+    configs, _, _ = parse_configs(["--qrl-mode", "colocated", "--", "--lr", "1e-5"])
+    assert isinstance(configs, QrlConfigs) and isinstance(configs.run, RunConfig)
+    assert configs.run.lr == 1e-5 and configs.job.mode == "colocated"
+    assert configs.megatron.describe() and configs["run"] is configs.run  # the mapping view
+    assert list(configs) == ["run", "rollout", "train", "routing", "loss", "error_tokens",
+                             "uaq", "aqn", "lora", "task", "launch", "megatron", "job"]
+    partial = QrlConfigs.of({"run": RunConfig(), "toy": 1})  # a caller's own group: mapping only
+    assert partial["toy"] == 1 and "lora" not in partial and partial.get("lora") is None
+    with pytest.raises(KeyError):
+        partial["lora"]
