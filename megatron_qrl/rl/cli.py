@@ -5,10 +5,12 @@
     qrl-train --qrl-preset tiny-cpu --qrl-compare --qrl-output-dir runs/compare
 
 Every ``--qrl-*`` flag of :func:`megatron_qrl.config.add_qrl_args` applies. Launcher-only
-flags: ``--qrl-compare`` (run the compare variants, see :mod:`.compare`), ``--qrl-mode``
-(``single``, or the Ray modes ``colocated`` / ``disaggregated`` of :mod:`.ray_modes`: the
-rollout engine in a Ray actor, the trainer in this process or in torchrun's ranks, rank 0
-alone talking to Ray), ``--qrl-no-progress``.
+flags: those of :class:`~megatron_qrl.config.job.JobConfig` (generated from its fields, its
+rules checked by it) — ``--qrl-compare`` (run the compare variants, see :mod:`.compare`),
+``--qrl-seeds``, ``--qrl-mode`` (``single``, or the Ray modes ``colocated`` /
+``disaggregated`` of :mod:`.ray_modes`: the rollout engine in a Ray actor, the trainer in
+this process or in torchrun's ranks, rank 0 alone talking to Ray) — and
+``--qrl-no-progress``.
 
 Megatron-LM flags after ``--`` (a documented subset with Megatron's names and defaults, see
 :mod:`megatron_qrl.config.megatron_flags`): ``--lr``, ``--seed``, ``--micro-batch-size``,
