@@ -181,11 +181,12 @@ class Variant:
         return contextlib.nullcontext()
 
 
-def _configs(forward: str, fmt: str) -> dict[str, Any]:
+def _configs(forward: str, fmt: str) -> Any:
+    from megatron_qrl.config import QrlConfigs
     from megatron_qrl.config.run import RolloutConfig, RoutingReplayConfig, TrainForwardConfig
 
-    return {"train": TrainForwardConfig(forward), "routing": RoutingReplayConfig("off"),
-            "rollout": RolloutConfig(format=fmt)}
+    return QrlConfigs(train=TrainForwardConfig(forward), routing=RoutingReplayConfig("off"),
+                      rollout=RolloutConfig(format=fmt))
 
 
 def build_trainer(arch: Any, plan: Any, args: argparse.Namespace, cuda: bool) -> Any:

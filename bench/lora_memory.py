@@ -58,6 +58,7 @@ def measure(variant: str, arch, rank: int, micro_batch: int, seq_len: int) -> di
     if variant == "full":
         plan = ForwardPlan()
     else:
+        from megatron_qrl.config import QrlConfigs
         from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
 
         fmt = variant.split(":")[1]
@@ -69,8 +70,8 @@ def measure(variant: str, arch, rank: int, micro_batch: int, seq_len: int) -> di
         class _Run:  # no warm-up: the base is frozen before DDP (adapter gradient buffers only)
             sft_steps = 0
 
-        configs = {"lora": lora, "train": TrainForwardConfig(), "routing": RoutingReplayConfig(),
-                   "rollout": _R(), "run": _Run()}
+        configs = QrlConfigs(lora=lora, train=TrainForwardConfig(),
+                             routing=RoutingReplayConfig(), rollout=_R(), run=_Run())
         plan = _lora_plan(configs, arch)
     policy = build_policy(arch, 1e-5, plan, bf16=gpu)
     trainer = PolicyTrainer(policy)

@@ -281,6 +281,7 @@ def check_log_probs(trainer, mb: dict) -> dict:
 def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, updates: int,
             fused_rope: bool, profile: bool = False, breakdown: bool = False) -> dict:
     """Recompute + ``updates`` optimizer steps of ``row``; its times, MFU and memory."""
+    from megatron_qrl.config import QrlConfigs
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
     from megatron_qrl.rl.micro_forward import positions_run
     from megatron_qrl.rl.steps import set_old_log_probs
@@ -300,8 +301,9 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     t0 = time.perf_counter()
-    ctx = SimpleNamespace(configs={"run": SimpleNamespace(log_prob_max_tokens=row.log_prob_tokens)},
-                          tokenizer=SimpleNamespace(pad_id=0), trainer=trainer, loss_fn=loss_fn)
+    run = SimpleNamespace(log_prob_max_tokens=row.log_prob_tokens)
+    ctx = SimpleNamespace(configs=QrlConfigs(run=run), tokenizer=SimpleNamespace(pad_id=0),
+                          trainer=trainer, loss_fn=loss_fn)
     recompute = set_old_log_probs(ctx, groups, row.prox_first is not False)  # as rl_step
     _sync()
     t1 = time.perf_counter()

@@ -16,7 +16,9 @@ from .args import (
     validate_qrl_args,
 )
 from .checks import TBPO_AGGREGATIONS, prox_first_blocker, prox_from_first_update
+from .configs import QrlConfigs
 from .generator import ConfigGroup, field_docstrings, flag_specs
+from .job import JobConfig, job_group
 from .presets import PRESETS
 from .run import (
     RolloutConfig,
@@ -32,7 +34,9 @@ __all__ = [
     "PRESETS",
     "TBPO_AGGREGATIONS",
     "ConfigGroup",
+    "JobConfig",
     "QrlArgumentError",
+    "QrlConfigs",
     "RolloutConfig",
     "RoutingReplayConfig",
     "RunConfig",
@@ -44,6 +48,7 @@ __all__ = [
     "effective_values",
     "field_docstrings",
     "flag_specs",
+    "job_group",
     "prox_first_blocker",
     "prox_from_first_update",
     "qrl_configs_from_args",

@@ -5,7 +5,7 @@ Usable as Megatron's ``extra_args_provider``::
     from megatron.training.arguments import parse_args
     from megatron_qrl.config import add_qrl_args, validate_qrl_args
     args = parse_args(extra_args_provider=add_qrl_args)
-    configs = validate_qrl_args(args)      # {"run": RunConfig, "rollout": ..., "loss": ...}
+    configs = validate_qrl_args(args)      # QrlConfigs: configs.run, configs.rollout, ...
 
 All flags live in one argument group titled ``megatron_qrl`` and start with ``--qrl-``. The
 flag set is generated from :func:`default_config_classes` (see ``generator``).
@@ -24,6 +24,7 @@ from ..models.lora_config import LoraConfig, base_format_choices
 from ..quant.aqn import AQNConfig
 from .checkpoint_info import read_checkpoint_info
 from .checks import CheckEnv, combination_problems, combination_warnings
+from .configs import QrlConfigs
 from .generator import ConfigGroup, FlagSpec, add_group_args, explicit_dests, specs_by_flag
 from .launch import LaunchConfig
 from .presets import PRESETS, preset_names
@@ -172,12 +173,14 @@ def _build(group: ConfigGroup, specs: Sequence[FlagSpec], values: Mapping[str, A
 
 
 def qrl_configs_from_args(args: argparse.Namespace,
-                          groups: Sequence[ConfigGroup] | None = None) -> dict[str, Any]:
-    """``{group key: dataclass instance}`` from parsed args (presets applied, fields checked)."""
+                          groups: Sequence[ConfigGroup] | None = None) -> QrlConfigs:
+    """The :class:`~.configs.QrlConfigs` (``{group key: dataclass instance}``) of parsed args
+    (presets applied, fields checked)."""
     groups = default_config_classes() if groups is None else list(groups)
     values = effective_values(args, groups)
     specs = specs_by_flag(groups).values()
-    return {g.key: _build(g, [s for s in specs if s.group == g.key], values) for g in groups}
+    return QrlConfigs.of({g.key: _build(g, [s for s in specs if s.group == g.key], values)
+                          for g in groups})
 
 
 def _gpu_capability() -> tuple[int, int] | None:
@@ -206,13 +209,13 @@ def _check_env(configs: Mapping[str, Any], gpu_capability: Any, checkpoint_metad
 def validate_qrl_args(args: argparse.Namespace, *, groups: Sequence[ConfigGroup] | None = None,
                       gpu_capability: tuple[int, int] | None | str = "auto",
                       checkpoint_metadata: Mapping[str, Any] | None = None,
-                      model_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      model_config: Mapping[str, Any] | None = None) -> QrlConfigs:
     """Build the configs, reject impossible combinations, write effective values to ``args``.
 
     Raises :class:`QrlArgumentError` with ONE message listing every problem, each naming its
     flags. ``gpu_capability`` defaults to the local GPU's; ``checkpoint_metadata`` and
     ``model_config`` default to what ``--qrl-checkpoint`` holds (with ``--qrl-model
-    checkpoint``). Returns ``{group key: dataclass instance}``.
+    checkpoint``). Returns the :class:`~.configs.QrlConfigs` of the groups.
     """
     groups = default_config_classes() if groups is None else list(groups)
     configs = qrl_configs_from_args(args, groups)

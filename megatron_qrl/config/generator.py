@@ -13,6 +13,9 @@ them (``add_qrl_args``, usable as Megatron's ``extra_args_provider``)"):
 * help: the docstring string literal placed under the field (read once with ``ast``);
 * default: the field's default (a group may override defaults / choices of a foreign
   dataclass it cannot annotate, see :class:`ConfigGroup`);
+* a flag given without a value: the metadata ``{"const": value}`` (``--qrl-x`` alone sets
+  ``value``, ``--qrl-x v`` sets ``v``, absent leaves the default); the metavar shown in the
+  help: ``{"metavar": "..."}``;
 * "may change on resume": the metadata ``{"on_resume": "may change"}``
   (:attr:`FlagSpec.may_change_on_resume`; ``rl.checkpoint`` compares every other flag);
 * a field whose type is itself a dataclass (e.g. ``RolloutConfig.sglang``) gives that
@@ -88,6 +91,11 @@ class FlagSpec:
     may_change_on_resume: bool = False
     """The field's metadata ``{"on_resume": "may change"}``: a resumed run may set it to
     another value (run length, saving, how the same weights reach the engine, waits)."""
+    const: Any = None
+    """The value of the flag given alone (metadata ``{"const": value}``); None: the flag
+    needs a value."""
+    metavar: str | None = None
+    """The value's name in the help (metadata ``{"metavar": ...}``); None: argparse's."""
 
 
 def field_docstrings(cls: type) -> dict[str, str]:
@@ -226,7 +234,8 @@ def flag_specs(group: ConfigGroup) -> list[FlagSpec]:
         dest = flag[2:].replace("-", "_")
         specs.append(FlagSpec(group.key, f.name, flag, dest, kind, parse, optional, choices,
                               _default(f, meta), help_text,
-                              meta.get("on_resume") == "may change"))
+                              meta.get("on_resume") == "may change", meta.get("const"),
+                              meta.get("metavar")))
     return specs
 
 
@@ -278,9 +287,13 @@ def add_group_args(parser_or_group: Any, group: ConfigGroup) -> list[FlagSpec]:
         kw.update(action=_Store, type=s.type)
         if s.kind == "list":
             kw.update(nargs="*", metavar="STR")
+        if s.const is not None:
+            kw.update(nargs="?", const=s.const)
         if s.choices is not None:
             kw["choices"] = list(s.choices) + ([None] if s.optional else [])
             kw["metavar"] = "{" + ",".join(map(str, s.choices)) + "}"
+        if s.metavar is not None:
+            kw["metavar"] = s.metavar
         parser_or_group.add_argument(s.flag, **kw)
     return specs
 

@@ -5,10 +5,12 @@
     qrl-train --qrl-preset tiny-cpu --qrl-compare --qrl-output-dir runs/compare
 
 Every ``--qrl-*`` flag of :func:`megatron_qrl.config.add_qrl_args` applies. Launcher-only
-flags: ``--qrl-compare`` (run the compare variants, see :mod:`.compare`), ``--qrl-mode``
-(``single``, or the Ray modes ``colocated`` / ``disaggregated`` of :mod:`.ray_modes`: the
-rollout engine in a Ray actor, the trainer in this process or in torchrun's ranks, rank 0
-alone talking to Ray), ``--qrl-no-progress``.
+flags: those of :class:`~megatron_qrl.config.job.JobConfig` (generated from its fields, its
+rules checked by it) — ``--qrl-compare`` (run the compare variants, see :mod:`.compare`),
+``--qrl-seeds``, ``--qrl-mode`` (``single``, or the Ray modes ``colocated`` /
+``disaggregated`` of :mod:`.ray_modes`: the rollout engine in a Ray actor, the trainer in
+this process or in torchrun's ranks, rank 0 alone talking to Ray) — and
+``--qrl-no-progress``.
 
 Megatron-LM flags after ``--`` (a documented subset with Megatron's names and defaults, see
 :mod:`megatron_qrl.config.megatron_flags`): ``--lr``, ``--seed``, ``--micro-batch-size``,
@@ -43,17 +45,23 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from megatron_qrl.config import QrlArgumentError, add_qrl_args, effective_values, validate_qrl_args
+from megatron_qrl.config import (
+    QrlArgumentError,
+    add_qrl_args,
+    effective_values,
+    qrl_configs_from_args,
+    validate_qrl_args,
+)
+from megatron_qrl.config.configs import QrlConfigs
+from megatron_qrl.config.generator import add_group_args
+from megatron_qrl.config.job import COMPARE_SETS, MODES, JobConfig, job_group
 from megatron_qrl.config.moe_path import check_moe_flags
 from megatron_qrl.utils.cli import allow_negative_numbers, debug_enabled, disk_error, one_line_error
 from megatron_qrl.utils.ranks import rank_label
 
-__all__ = ["build_parser", "main", "parse_configs"]
+__all__ = ["COMPARE_SETS", "MODES", "build_parser", "main", "parse_configs"]
 
 DEFAULT_PRESET = "tiny-cpu"
-MODES = ("single", "colocated", "disaggregated")
-COMPARE_SETS = ("papers", "rlquant")
-"""``--qrl-compare`` variant sets (the keys of :data:`megatron_qrl.rl.compare_sets.VARIANT_SETS`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,23 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"(default --qrl-preset {DEFAULT_PRESET})"))  # --qrl-lr -1e-3: a value
     add_qrl_args(parser)
     launch = parser.add_argument_group("qrl-train launcher")
-    launch.add_argument("--qrl-compare", nargs="?", const="papers", default=None,
-                        choices=COMPARE_SETS, metavar="{" + ",".join(COMPARE_SETS) + "}",
-                        help="run the same RL budget for every variant of a set in "
-                             "megatron_qrl.rl.compare and write compare.md / compare.png in the "
-                             "output directory. papers (the default): bf16, w4a16 naive / tis / "
-                             "acr / aligned+tbpo / tis+aqn, int8 low-lr with and without UAQ, "
-                             "LoRA; rlquant: full-precision RL then PTQ (RTN, AWQ, SmoothQuant) "
-                             "vs QAFT vs QLoRA, each evaluated at its deployed format")
-    launch.add_argument("--qrl-seeds", default=None, metavar="S1,S2,...",
-                        help="with --qrl-compare: run every variant on each of these seeds "
-                             "(one warm-up per seed); the table gives mean +- std over them")
-    launch.add_argument("--qrl-mode", choices=MODES, default="single",
-                        help="single: the rollout engine in this process (rank 0 under "
-                             "torchrun). colocated / disaggregated: the rollout engine in a Ray "
-                             "actor (same / own placement-group bundle; joins RAY_ADDRESS or a "
-                             "`ray start` cluster, else starts a local one); the trainer stays "
-                             "in this process or torchrun's ranks (rank 0 talks to Ray)")
+    add_group_args(launch, job_group())
     launch.add_argument("--qrl-no-progress", action="store_true", help="no progress bar")
     launch.add_argument("--debug", action="store_true",
                         help="show the traceback behind an error (also: env QRL_DEBUG=1)")
@@ -134,11 +126,11 @@ def _megatron_rewrites(argv: list[str], megatron_argv: list[str]) -> tuple[list[
     return out, settings
 
 
-def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], argparse.Namespace]:
+def parse_configs(argv: Sequence[str]) -> tuple[QrlConfigs, dict[str, Any], argparse.Namespace]:
     """``(configs, effective flag values, namespace)`` of a ``qrl-train`` command line.
 
     The Megatron flags after ``--`` (:mod:`megatron_qrl.config.megatron_flags`) become
-    ``--qrl-*`` values and ``configs["megatron"]`` (a ``MegatronSettings``). Raises
+    ``--qrl-*`` values and ``configs.megatron`` (a ``MegatronSettings``). Raises
     :class:`QrlArgumentError` (one message naming the flags) on bad values.
     """
     argv = list(argv)
@@ -149,54 +141,18 @@ def parse_configs(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any], 
     args.megatron_argv = megatron_argv
     configs = validate_qrl_args(args)
     flags = effective_values(args)
-    configs["megatron"] = settings
-    check_moe_flags(settings, configs["lora"].enabled, configs["train"].moe_experts)
+    configs.megatron = settings
+    check_moe_flags(settings, configs.lora.enabled, configs.train.moe_experts)
     flags["megatron_layout"] = settings.describe()
     from megatron_qrl.rl.pipeline import pipeline_problem
 
     problem = pipeline_problem(configs, settings.pp)
     if problem:
         raise QrlArgumentError(problem)
-    args.world_size = _world_size(args, settings)
-    if args.qrl_mode != "single" and configs["rollout"].sglang.base_gpu:
-        raise QrlArgumentError(
-            f"--qrl-rollout-sglang-base-gpu places the in-process engine of --qrl-mode single; "
-            f"in --qrl-mode {args.qrl_mode} Ray gives the engine actor its GPU: drop the flag")
-    if args.qrl_mode != "single" and configs["rollout"].sglang.sync == "distributed":
-        raise QrlArgumentError(
-            f"--qrl-rollout-sglang-sync distributed is for --qrl-mode single (engine on other "
-            f"GPUs of this process's node); in --qrl-mode {args.qrl_mode} the weights reach the "
-            "engine actor by --qrl-ray-weight-transport broadcast, and the actor loads them "
-            "on its own GPU: use --qrl-rollout-sglang-sync auto")
-    run = configs["run"]
-    if run.steps == 0 and (run.sft_steps == 0 or args.qrl_compare):
-        raise QrlArgumentError(
-            f"--qrl-steps 0{'' if args.qrl_compare else ' with --qrl-sft-steps 0'}: nothing "
-            "to run; give --qrl-steps N (or --train-iters N after '--')")
-    ro = configs["rollout"]
-    if args.qrl_mode == "single" and (ro.num_engines > 1 or ro.engine_tp > 1 or ro.engine_ep > 1):
-        raise QrlArgumentError(
-            f"--qrl-rollout-num-engines {ro.num_engines} / --qrl-rollout-engine-tp "
-            f"{ro.engine_tp} / --qrl-rollout-engine-ep {ro.engine_ep}: the fleet runs its "
-            "engines as Ray actors: add --qrl-mode colocated (engines on the trainer's GPUs) or "
-            "disaggregated (GPUs of their own)")
-    if args.qrl_mode != "single" and configs["lora"].enabled:
-        raise QrlArgumentError(
-            f"--qrl-lora-rank {configs['lora'].rank} with --qrl-mode {args.qrl_mode}: the Ray "
-            "engine actor does not serve LoRA adapters yet (its engine interface has no "
-            "adapter load / unload and its re-sync sends full weights); use --qrl-mode single")
-    if args.qrl_compare and configs["run"].resume:
-        raise QrlArgumentError("--qrl-compare cannot be combined with --qrl-resume (each "
-                               "variant starts from the shared warm-up); drop one of them")
-    if args.qrl_seeds is not None and not args.qrl_compare:
-        raise QrlArgumentError("--qrl-seeds is for --qrl-compare; for one run use --qrl-seed")
-    if args.qrl_compare:
-        from megatron_qrl.rl.compare import parse_seeds
-
-        parse_seeds(args.qrl_seeds)
-    if args.qrl_compare and megatron_argv:
-        raise QrlArgumentError("--qrl-compare runs its variants in one process; drop the "
-                               "Megatron flags after '--' (or run the variants one by one)")
+    job: JobConfig = qrl_configs_from_args(args, [job_group()])["job"]
+    configs.job = job
+    args.world_size = _world_size(job, settings)
+    job.check(configs, megatron_argv)
     return configs, flags, args
 
 
@@ -238,8 +194,8 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
               "checkpoint is the one to resume from (--qrl-resume)", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - user errors become one line, bugs re-raise
-        line, code = getattr(exc, "qrl_line", None) or error_line(exc, configs["run"], board,
-                                                                   configs["launch"])
+        line, code = getattr(exc, "qrl_line", None) or error_line(exc, configs.run, board,
+                                                                   configs.launch)
         if line is None:
             if board is not None:  # the peers that lose this rank say why
                 board.record_failure(f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -255,7 +211,7 @@ def main(argv: Sequence[str] | None = None, engine_factory: Any = None) -> int:
     return 0
 
 
-def _rank_board(args: argparse.Namespace, configs: dict) -> Any:
+def _rank_board(args: argparse.Namespace, configs: QrlConfigs) -> Any:
     """This rank's :class:`~megatron_qrl.utils.ranks.RankBoard` under torchrun, else None."""
     if args.world_size <= 1:
         return None
@@ -264,7 +220,7 @@ def _rank_board(args: argparse.Namespace, configs: dict) -> Any:
     return RankBoard(int(os.environ["RANK"]), args.world_size)
 
 
-def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
+def _run_main(args: argparse.Namespace, configs: QrlConfigs, flags: dict, argv: list[str],
               engine_factory: Any, board: Any = None) -> None:
     from megatron_qrl.rl.driver import run_job
     from megatron_qrl.rl.sync import make_engine
@@ -280,7 +236,7 @@ def _run_main(args: argparse.Namespace, configs: dict, flags: dict, argv: list[s
     if args.world_size > 1:
         _launch_ranks(args, configs, flags, run, world, factory, engine_factory, board)
     else:
-        with _ray_session(args.qrl_mode, configs, True) as session:
+        with _ray_session(configs.job.mode, configs, True) as session:
             if session is not None and engine_factory is None:
                 factory[0] = session.engine_factory
             _launch(args, configs, flags, argv, run)
@@ -357,29 +313,21 @@ def _job_failure(exc: BaseException, first: str, board: Any, launch: Any) -> str
     return None
 
 
-def _world_size(args: argparse.Namespace, mega: Any) -> int:
-    """The torchrun world size, checked against the Megatron layout and the launcher flags."""
+def _world_size(job: JobConfig, mega: Any) -> int:
+    """The torchrun world size, checked against the Megatron layout and the job."""
     from megatron_qrl.models.runtime import torchrun_world_size
 
     try:
         world_size = torchrun_world_size()
     except ValueError as exc:
         raise QrlArgumentError(str(exc)) from None
-    if world_size == 1 and mega.model_parallel_size > 1 and args.qrl_mode != "single":
-        n = mega.model_parallel_size
-        raise QrlArgumentError(
-            f"--qrl-mode {args.qrl_mode} with the Megatron layout ({mega.describe()}) needs "
-            f"{n} trainer ranks: launch with torchrun --nproc-per-node {n} -m "
-            f"megatron_qrl.rl.cli --qrl-mode {args.qrl_mode} ... (rank 0 drives the Ray "
-            "engine actor)")
-    if world_size > 1 and args.qrl_compare:
-        raise QrlArgumentError("--qrl-compare runs in one process; launch it without torchrun")
+    job.check_world(world_size, mega)
     mega.check_world(world_size)
     return world_size
 
 
 @contextlib.contextmanager
-def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
+def _ray_session(mode: str, configs: QrlConfigs, is_main: bool) -> Iterator[Any]:
     """The :class:`~megatron_qrl.rl.ray_modes.RaySession` of a Ray mode on the rank that
     owns the engine (rank 0); None in single mode and on the other ranks (never touch Ray)."""
     if mode == "single" or not is_main:
@@ -387,31 +335,31 @@ def _ray_session(mode: str, configs: dict, is_main: bool) -> Iterator[Any]:
         return
     from megatron_qrl.rl.ray_modes import RaySession, engine_gpus
 
-    run = configs["run"]
-    ro = configs["rollout"]
-    launch = configs["launch"]
+    run = configs.run
+    ro = configs.rollout
+    launch = configs.launch
     waits = {"pg_timeout_s": launch.startup_timeout_s, "ray_nodes": launch.ray_nodes}
     if ro.num_engines > 1 or ro.engine_tp > 1 or ro.engine_ep > 1:  # a fleet (rl.ray_fleet)
         from megatron_qrl.rl.ray_fleet import FleetSession
 
-        with FleetSession(mode, configs["rollout"], max_restarts=run.engine_max_restarts,
+        with FleetSession(mode, configs.rollout, max_restarts=run.engine_max_restarts,
                           weight_transport=run.ray_weight_transport,
                           weight_timeout_s=run.ray_weight_timeout_s, **waits) as session:
             yield session
         return
-    with RaySession(mode, engine_gpus=engine_gpus(configs["rollout"]),
+    with RaySession(mode, engine_gpus=engine_gpus(configs.rollout),
                     max_restarts=run.engine_max_restarts,
                     weight_transport=run.ray_weight_transport,
                     weight_timeout_s=run.ray_weight_timeout_s, **waits) as session:
         yield session
 
 
-def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any,
+def _launch_ranks(args: argparse.Namespace, configs: QrlConfigs, flags: dict, run: Any,
                   world: list[Any], factory: list[Any], engine_factory: Any,
                   board: Any) -> None:
     from megatron_qrl.models.runtime import torchrun_megatron
 
-    mega, launch = configs["megatron"], configs["launch"]
+    mega, launch = configs.megatron, configs.launch
     label = rank_label()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts it
         board.wait_for_ranks(launch.startup_timeout_s,
@@ -421,12 +369,12 @@ def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any
                            timeout_s=launch.collective_timeout_s) as rank_world:
         world[0] = rank_world
         try:
-            with _ray_session(args.qrl_mode, configs, rank_world.is_main) as session:
+            with _ray_session(configs.job.mode, configs, rank_world.is_main) as session:
                 if session is not None and engine_factory is None:
                     factory[0] = session.engine_factory
                 records = run(configs, flags)
         except Exception as exc:  # the line for the peers, while this rank's group still stands
-            exc.qrl_line = error_line(exc, configs["run"], board, launch)  # type: ignore[attr-defined]
+            exc.qrl_line = error_line(exc, configs.run, board, launch)  # type: ignore[attr-defined]
             line = exc.qrl_line[0] or f"{type(exc).__name__}: {str(exc)[:300]}"
             board.record_failure(line)
             raise
@@ -434,13 +382,14 @@ def _launch_ranks(args: argparse.Namespace, configs: dict, flags: dict, run: Any
             _summary(records)
 
 
-def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str],
+def _launch(args: argparse.Namespace, configs: QrlConfigs, flags: dict, argv: list[str],
             run: Any) -> None:
     from megatron_qrl.models.runtime import single_process_megatron
 
     with single_process_megatron():
-        if args.qrl_compare:
-            from megatron_qrl.rl.compare import parse_seeds, run_compare, variants_for_mode
+        job = configs.job
+        if job.compare:
+            from megatron_qrl.rl.compare import run_compare, variants_for_mode
             from megatron_qrl.rl.compare_sets import VARIANT_SETS
 
             base = _compare_base(argv)
@@ -448,11 +397,10 @@ def _launch(args: argparse.Namespace, configs: dict, flags: dict, argv: list[str
             def parse(v: list[str]) -> tuple[dict, dict]:
                 return parse_configs(v)[:2]
 
-            out = configs["run"].output_dir or configs["run"].resolved_output_dir() + "-compare"
-            run_compare(base, parse, run, out, seeds=parse_seeds(args.qrl_seeds),
-                        variants=variants_for_mode(args.qrl_mode,
-                                                   VARIANT_SETS[args.qrl_compare].variants),
-                        after=VARIANT_SETS[args.qrl_compare].after)
+            out = configs.run.output_dir or configs.run.resolved_output_dir() + "-compare"
+            run_compare(base, parse, run, out, seeds=job.seed_list,
+                        variants=variants_for_mode(job.mode, VARIANT_SETS[job.compare].variants),
+                        after=VARIANT_SETS[job.compare].after)
         else:
             records = run(configs, flags)
             _summary(records)

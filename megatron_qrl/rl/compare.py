@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config.job import parse_seeds
 from megatron_qrl.rl.checkpoint import CKPT_DIR, latest_checkpoint
 
 __all__ = ["LOW_LR", "RLQUANT_VARIANTS", "VARIANTS", "VariantSet", "parse_seeds", "report_from_dirs",
@@ -104,21 +104,6 @@ class VariantSet:
     after: Callable[[Path, list[Path], Callable[[str], None]], object] | None = None
 
 
-def parse_seeds(text: str | None) -> list[int | None]:
-    """``--qrl-seeds 1,2,3`` -> ``[1, 2, 3]`` (distinct non-negative integers); None / '' ->
-    ``[None]`` (one run at ``--qrl-seed``)."""
-    if not text:
-        return [None]
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise QrlArgumentError(f"--qrl-seeds {text!r}: give comma-separated integers, e.g. "
-                               "--qrl-seeds 1,2,3") from None
-    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise QrlArgumentError(f"--qrl-seeds {text!r}: seeds must be distinct and >= 0")
-    return list(seeds)
-
-
 def slug(label: str) -> str:
     """A variant label as a directory name."""
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", label)
@@ -134,9 +119,9 @@ def _warm_up(argv: list[str], parse: Callable, run: Callable, sft_dir: Path,
     """The shared supervised warm-up of one seed (plain forward, no rollouts): its weights."""
     configs, flags = parse([*argv, "--qrl-steps", "0", "--qrl-train-forward", "bf16",
                             "--qrl-output-dir", str(sft_dir)])
-    if not configs["run"].sft_steps:
+    if not configs.run.sft_steps:
         return None
-    log(f"[compare] supervised warm-up ({configs['run'].sft_steps} steps) -> {sft_dir}")
+    log(f"[compare] supervised warm-up ({configs.run.sft_steps} steps) -> {sft_dir}")
     run(configs, flags)
     state = torch.load(latest_checkpoint(sft_dir), map_location="cpu", weights_only=False)
     return state["trainer"]["model"]
@@ -198,11 +183,11 @@ def run_compare(argv: Sequence[str], parse: Callable[[list[str]], tuple[dict, di
         for label, extra in variants:
             vdir = s_out / slug(label)
             configs, flags = parse(variant_argv(s_argv, extra, vdir))
-            log(f"[compare] seed {configs['run'].seed}: {label} -> {vdir}")
+            log(f"[compare] seed {configs.run.seed}: {label} -> {vdir}")
             records = _with_visible_updates(
                 run(configs, flags, start_weights=start, skip_sft=True), vdir,
-                configs["rollout"].spec)
-            runs.setdefault(label, {})[str(configs["run"].seed)] = records
+                configs.rollout.spec)
+            runs.setdefault(label, {})[str(configs.run.seed)] = records
     md, png = write_report(runs, out)
     log(f"[compare] table: {md}\n" + md.read_text())
     if after is not None:

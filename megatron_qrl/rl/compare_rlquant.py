@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from megatron_qrl.config.configs import QrlConfigs
 from megatron_qrl.rl.compare import slug
 from megatron_qrl.utils.curves import mean_std
 from megatron_qrl.utils.io import atomic_write_text
@@ -45,25 +46,25 @@ DEPLOYMENTS: tuple[tuple[str, str, str, str], ...] = (
 served it during RL: the dequantized NF4 base with the adapter (merged, BF16)."""
 
 
-def held_out(configs: dict, train: Sequence, n: int = EVAL_PROMPTS) -> list:
+def held_out(configs: QrlConfigs, train: Sequence, n: int = EVAL_PROMPTS) -> list:
     """``n`` addition problems of the task's digits that are not RL prompts (seeded)."""
     from megatron_qrl.data import PromptRecord, addition_problems
 
-    run, task = configs["run"], configs["task"]
+    run, task = configs.run, configs.task
     seen = {r.prompt for r in train}
     pool = addition_problems(n + len(seen), 10_000 + run.seed, task.digits_min, task.digits_max)
     out = [PromptRecord(p["prompt"], p["answer"]) for p in pool if p["prompt"] not in seen]
     return out[:n]
 
 
-def accuracy(hf_config: dict, tensors: Mapping, fmt: str, configs: dict, data, records) -> float:
+def accuracy(hf_config: dict, tensors: Mapping, fmt: str, configs: QrlConfigs, data, records) -> float:
     """Greedy accuracy of ``tensors`` packed as ``fmt`` in the reference engine."""
     from megatron_qrl.quant import get_spec
     from megatron_qrl.rewards.math import score_math
     from megatron_qrl.rollout.base import SamplingParams
     from megatron_qrl.rollout.reference import ReferenceEngine
 
-    tok, ro = data.tokenizer, configs["rollout"]
+    tok, ro = data.tokenizer, configs.rollout
     engine = ReferenceEngine(hf_config, fmt, decode=tok.decode)
     engine.update_weights(get_spec(fmt).pack_state_dict(sorted(tensors.items())), version=1)
     bos = [] if tok.bos_id is None else [tok.bos_id]
@@ -74,11 +75,11 @@ def accuracy(hf_config: dict, tensors: Mapping, fmt: str, configs: dict, data, r
     return sum(score_math(t, r.answer).correct for t, r in zip(texts, records)) / len(records)
 
 
-def _finished(vdir: Path, configs: dict) -> bool:
+def _finished(vdir: Path, configs: QrlConfigs) -> bool:
     from megatron_qrl.utils.metrics import read_metrics
 
     rl = [r for r in read_metrics(vdir) if r.get("phase") == "rl"]
-    return len(rl) >= configs["run"].steps
+    return len(rl) >= configs.run.steps
 
 
 def evaluate_seed(seed_dir: Path, log: Callable[[str], None] = print,

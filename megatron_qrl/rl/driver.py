@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from megatron_qrl.config import QrlArgumentError, prox_first_blocker
+from megatron_qrl.config.configs import QrlConfigs
 from megatron_qrl.config.megatron_flags import MegatronSettings, check_shape
 from megatron_qrl.config.moe_path import moe_overrides
 from megatron_qrl.data import CharTokenizer, addition_problems, tiny_dense_config, tiny_moe_config
@@ -88,9 +89,9 @@ class JobData:
     """``--qrl-model checkpoint``: the weights to start from (None: random init)."""
 
 
-def _checkpoint_job(configs: dict[str, Any]) -> tuple[CharTokenizer | HFTokenizer, StartCheckpoint]:
-    start = read_start_checkpoint(configs["run"].checkpoint)
-    check_uaq_once(start, configs["uaq"].enabled)
+def _checkpoint_job(configs: QrlConfigs) -> tuple[CharTokenizer | HFTokenizer, StartCheckpoint]:
+    start = read_start_checkpoint(configs.run.checkpoint)
+    check_uaq_once(start, configs.uaq.enabled)
     tok = load_tokenizer(start.path)
     if tok.vocab_size > start.arch.vocab_size:
         raise ValueError(f"--qrl-checkpoint {start.path}: the tokenizer has {tok.vocab_size} "
@@ -99,14 +100,14 @@ def _checkpoint_job(configs: dict[str, Any]) -> tuple[CharTokenizer | HFTokenize
     return tok, start
 
 
-def prepare_job(configs: dict[str, Any]) -> JobData:
+def prepare_job(configs: QrlConfigs) -> JobData:
     """The task's records, tokenizer and model named by ``--qrl-model`` (no weights read).
 
-    The Megatron shape flags after ``--`` (``configs["megatron"]``) override the tiny model's
+    The Megatron shape flags after ``--`` (``configs.megatron``) override the tiny model's
     shape and must agree with a checkpoint's.
     """
-    run, task = configs["run"], configs["task"]
-    mega = configs.get("megatron") or MegatronSettings()
+    run, task = configs.run, configs.task
+    mega = configs.megatron or MegatronSettings()
     if task.prompts:
         records = load_prompt_jsonl(task.prompts)
     else:
@@ -164,9 +165,9 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
     policy = ctx.trainer.policy
     if not resumed:
         enter_lora(ctx.trainer, configs)  # LoRA: freeze (and quantize) the base, adapters on
-        policy.set_optimizer(policy.new_optimizer(configs["run"].lr))
-        if configs["uaq"].enabled:
-            _apply_uaq(ctx.trainer, data, configs["uaq"].scale)
+        policy.set_optimizer(policy.new_optimizer(configs.run.lr))
+        if configs.uaq.enabled:
+            _apply_uaq(ctx.trainer, data, configs.uaq.scale)
             policy.plan.weights_changed()
     ctx.sync(step)
 
@@ -186,15 +187,15 @@ def _postfix(rec: dict[str, Any]) -> dict[str, str]:
                 "time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s"))}
 
 
-def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory,
+def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
            start_weights: dict | None, world: RankWorld) -> StepContext:
-    run = configs["run"]
-    mega = configs.get("megatron") or MegatronSettings()
+    run = configs.run
+    mega = configs.megatron or MegatronSettings()
     plan = forward_plan(configs, data.arch)
     overrides, note = moe_overrides(
-        mega, configs["train"].moe_fast_path, data.arch.is_moe, lora=plan.lora is not None,
+        mega, configs.train.moe_fast_path, data.arch.is_moe, lora=plan.lora is not None,
         te_spec=resolve_transformer_impl(mega.transformer_impl),
-        stacked=configs["train"].moe_experts == "stacked")
+        stacked=configs.train.moe_experts == "stacked")
     plan.config_overrides.update(overrides)
     if note and world.is_main:
         print(f"qrl-train: {note}", file=sys.stderr, flush=True)
@@ -213,15 +214,15 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
         trainer.module.load_state_dict(start_weights, strict=False)
         plan.weights_changed()
     serving = _lora_serving(configs, data.arch) if plan.lora is not None else None
-    lora_kw = ({"lora": {"lora_rank": configs["lora"].rank, "lora_serving": serving}}
+    lora_kw = ({"lora": {"lora_rank": configs.lora.rank, "lora_serving": serving}}
                if serving is not None and serving.engine == "sglang" else {})
-    engine = engine_factory(configs["rollout"], data.hf_config, run.seed, **lora_kw) \
+    engine = engine_factory(configs.rollout, data.hf_config, run.seed, **lora_kw) \
         if world.is_main else None
-    spec, aqn = configs["rollout"].spec, configs["aqn"]
+    spec, aqn = configs.rollout.spec, configs.aqn
     # a Ray engine under torchrun: its restarts re-sync through every rank (rank_resync)
     ray_ranks = world.world_size > 1 and world.broadcast(hasattr(engine, "bind_resync"))
 
-    lora = LoraSync(configs["lora"], serving) if plan.lora is not None else None
+    lora = LoraSync(configs.lora, serving) if plan.lora is not None else None
     # trainer EP > 1 with a fleet of reference engines: every EP rank sends its own experts
     sharded = world.world_size > 1 and world.broadcast(
         sharded_sync_applies(engine, trainer.policy.groups, plan.lora is not None))
@@ -261,19 +262,19 @@ def _build(configs: dict[str, Any], data: JobData, engine_factory: EngineFactory
     if hasattr(engine, "bind_resync"):  # Ray modes: a restarted engine actor re-syncs
         engine.bind_resync(resync)
     # single mode: the in-process engine shares the trainer's GPU (Ray colocated: the actor)
-    release = bool(configs["rollout"].sglang.release_memory
-                   and configs["rollout"].engine == "sglang" and not hasattr(engine, "bind_resync"))
+    release = bool(configs.rollout.sglang.release_memory
+                   and configs.rollout.engine == "sglang" and not hasattr(engine, "bind_resync"))
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
                        make_loss_fn(configs), sync, world, mega.seq_length,
                        mega.tp if world.world_size > 1 and mega.sequence_parallel else 1,
                        release_engine_memory=release)
 
 
-def _lora_serving(configs: dict[str, Any], arch: ModelArch) -> Any:
+def _lora_serving(configs: QrlConfigs, arch: ModelArch) -> Any:
     """Which of the run's adapters the engine serves and which are merged into its base."""
     from megatron_qrl.rollout.lora_serving import resolve_lora_serving
 
-    lora, rollout = configs["lora"], configs["rollout"]
+    lora, rollout = configs.lora, configs.rollout
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     return resolve_lora_serving(rollout.engine, rollout.format, lora.targets,
                                 is_moe=arch.is_moe, experts=lora.experts, capability=cap)
@@ -325,7 +326,7 @@ def _resume(ctx: StepContext, out: Path, flags: dict[str, Any], data: JobData,
     return state["next_step"], trainer_state, state["rng"]
 
 
-def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
+def run_job(configs: QrlConfigs, flags: dict[str, Any], *,
             engine_factory: EngineFactory = make_engine, progress: bool = True,
             start_weights: dict | None = None, skip_sft: bool = False,
             log: Callable[[str], None] = print,
@@ -341,7 +342,7 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
     """
     world = world or RankWorld()
     log = log if world.is_main else (lambda _msg: None)
-    out = Path(configs["run"].resolved_output_dir())
+    out = Path(configs.run.resolved_output_dir())
     log(f"[qrl-train] output directory: {out}")
     _on_main(world, lambda: check_run_paths(configs))
     lock = _on_main(world, lambda: acquire_run_lock(out, log=log))
@@ -353,12 +354,12 @@ def run_job(configs: dict[str, Any], flags: dict[str, Any], *,
             lock.release()
 
 
-def _run_locked(configs: dict[str, Any], flags: dict[str, Any], engine_factory: EngineFactory,
+def _run_locked(configs: QrlConfigs, flags: dict[str, Any], engine_factory: EngineFactory,
                 progress: bool, start_weights: dict | None, skip_sft: bool,
                 log: Callable[[str], None], world: RankWorld, out: Path) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    run, main = configs["run"], world.is_main
+    run, main = configs.run, world.is_main
     has_checkpoint = _on_main(world, lambda: prepare_output_dir(out, run.resume))
     if run.resume and not has_checkpoint:
         log(f"[qrl-train] --qrl-resume: no checkpoint in {out} yet; starting the run at step 0")

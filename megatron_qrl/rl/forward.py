@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_qrl.config.configs import QrlConfigs
+
 __all__ = ["ForwardPlan", "ForwardUnavailableError", "forward_plan"]
 
 
@@ -54,10 +56,10 @@ class ForwardPlan:
             self.aligned.attach_to_optimizer(optimizer)
 
 
-def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
+def forward_plan(configs: QrlConfigs, arch: Any) -> ForwardPlan:
     """Resolve ``--qrl-train-forward`` / ``--qrl-routing-replay`` for ``arch`` (errors name the flag)."""
-    train, routing, rollout = configs["train"], configs["routing"], configs["rollout"]
-    lora = configs.get("lora")
+    train, routing, rollout = configs.train, configs.routing, configs.rollout
+    lora = configs.lora
     if lora is not None and lora.enabled:
         return _lora_plan(configs, arch)
     needed = (train.forward == "aligned" or routing.replay != "off" or arch.is_moe
@@ -75,21 +77,21 @@ def forward_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
                        kv=fwd.kv)
 
 
-def _lora_plan(configs: dict[str, Any], arch: Any) -> ForwardPlan:
+def _lora_plan(configs: QrlConfigs, arch: Any) -> ForwardPlan:
     """LoRA: every linear a LoRA linear (``models.lora``), routing replay as usual."""
     import dataclasses
 
     from megatron_qrl.models.lora import LoraState, freeze_all_but_adapters, lora_spec_hook
     from megatron_qrl.te_quant import compose_hooks, trainer_forward
 
-    state = LoraState(configs["lora"])
-    train = dataclasses.replace(configs["train"], forward="bf16")
+    state = LoraState(configs.lora)
+    train = dataclasses.replace(configs.train, forward="bf16")
     try:
-        fwd = trainer_forward(train, configs["rollout"].format, configs["routing"], arch)
+        fwd = trainer_forward(train, configs.rollout.format, configs.routing, arch)
     except ValueError as exc:
         raise ForwardUnavailableError(str(exc)) from None
     # the LoRA linears swap into megatron-core's local spec (use_te goes to config_and_spec)
-    run = configs.get("run")
+    run = configs.run
     no_warmup = run is not None and run.sft_steps == 0
     return ForwardPlan(compose_hooks(lora_spec_hook(state), fwd.spec_hook), None, fwd.replay,
                        {**fwd.config_overrides, "use_te": False}, state,

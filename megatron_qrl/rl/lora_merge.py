@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config.configs import QrlConfigs
+
 __all__ = ["configs_from_flags", "final_hf_tensors", "merged_lora_tensors"]
 
 
-def configs_from_flags(flags: dict) -> dict:
+def configs_from_flags(flags: dict) -> QrlConfigs:
     """The run's component configs from the flag values stored in its checkpoint."""
     import argparse
 
@@ -35,7 +37,7 @@ def configs_from_flags(flags: dict) -> dict:
     return qrl_configs_from_args(args)
 
 
-def merged_lora_tensors(state: dict, configs: dict, data: Any, path: Path
+def merged_lora_tensors(state: dict, configs: QrlConfigs, data: Any, path: Path
                         ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """``(merged HF stream, PEFT adapters)`` of LoRA checkpoint ``state`` (read from ``path``);
     call inside a Megatron world of one rank."""
@@ -55,7 +57,7 @@ def merged_lora_tensors(state: dict, configs: dict, data: Any, path: Path
                              "optimizer": trainer.policy.optimizer.state_dict()})
     adapters = dict(adapter_tensors(trainer.module, data.arch))
     merged = merge_into(base_hf_tensors(trainer.module, data.arch), adapters,
-                        configs["lora"].scaling)
+                        configs.lora.scaling)
     return merged, adapters
 
 
@@ -73,7 +75,7 @@ def final_hf_tensors(run_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     state = torch.load(path, map_location="cpu", weights_only=False)
     configs = configs_from_flags(dict(state["flags"], qrl_task_prompts=None))
     cfg = state["model_config"]
-    if configs["lora"].enabled:
+    if configs.lora.enabled:
         merged, _ = merged_lora_tensors(state, configs, prepare_job(configs), path)
         return cfg, dict(merged), configs
     arch = arch_from_dict(cfg)

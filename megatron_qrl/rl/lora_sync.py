@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config.configs import QrlConfigs
 from megatron_qrl.models.lora_config import LoraConfig
 from megatron_qrl.models.lora_io import adapter_tensors, base_hf_tensors, merge_into
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn, is_aqn_target
@@ -167,7 +168,7 @@ class LoraSync:
         self.norms_noisy = sigma > 0.0
 
 
-def enter_lora(trainer: Any, configs: dict[str, Any]) -> int:
+def enter_lora(trainer: Any, configs: QrlConfigs) -> int:
     """Enter LoRA RL (idempotent; no-op without ``--qrl-lora-rank``): freeze every parameter
     but the adapters, move the base into ``--qrl-lora-base-format`` storage, adapters on.
     Call before the RL optimizer is made (it then holds the adapters only)."""
@@ -177,6 +178,6 @@ def enter_lora(trainer: Any, configs: dict[str, Any]) -> int:
     from megatron_qrl.models.lora import freeze_base
     from megatron_qrl.models.lora_base import make_base_storage
 
-    n = freeze_base(trainer.module, make_base_storage(configs["lora"].base_format))
+    n = freeze_base(trainer.module, make_base_storage(configs.lora.base_format))
     plan.lora.active = True
     return n

@@ -24,23 +24,25 @@ model on one rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_qrl.config.configs import QrlConfigs
+
 __all__ = ["any_stage", "layer_weighted_sum", "log_probs_from_last", "metrics_from_last", "pipeline_problem",
            "stream_to_main", "uniform_shape"]
 
 
-def pipeline_problem(configs: Mapping[str, Any], pp: int) -> str | None:
+def pipeline_problem(configs: QrlConfigs, pp: int) -> str | None:
     """The ``--qrl-*`` flag that cannot run with ``--pipeline-model-parallel-size pp``, as
     one line naming it and the fix (None: none)."""
     if pp <= 1:
         return None
-    run = configs["run"]
-    uaq = configs.get("uaq")
+    run = configs.run
+    uaq = configs.uaq
     if uaq is not None and uaq.enabled:
         return (f"--qrl-uaq-scale {uaq.scale} with --pipeline-model-parallel-size {pp}: UAQ at "
                 "the start of RL reads every layer of the model on one rank; fold it into the "

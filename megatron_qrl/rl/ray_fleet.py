@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config.run import RolloutConfig
 from megatron_qrl.rl.ray_modes import RaySession, _init_ray, engine_spec
 from megatron_qrl.rl.ray_placement import (
     driver_node_selector,
@@ -32,12 +33,12 @@ from megatron_qrl.rollout.fleet import EngineFleet
 from megatron_qrl.rollout.fleet_layout import FleetLayout, engine_parallel, fleet_layout
 from megatron_qrl.rollout.ray_actor import EngineActor, EngineSpec, RayEngine, weight_backend
 from megatron_qrl.rollout.transports.fleet import FleetBroadcast
-from megatron_qrl.rollout_sglang.factory import build_engine
+from megatron_qrl.rollout_sglang.factory import build_engine, takes_expert_stacks
 
 __all__ = ["FleetSession", "fleet_engine_spec", "session_layout"]
 
 
-def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
+def session_layout(mode: str, rollout_cfg: RolloutConfig, cluster_gpus: int | None = None,
                    gpus_per_node: int | None = None) -> FleetLayout:
     """The fleet layout of ``--qrl-mode`` / the ``--qrl-rollout-*`` fleet flags; colocated
     engines share the trainer's GPUs (this process's CUDA devices, one if it has none)."""
@@ -48,7 +49,7 @@ def session_layout(mode: str, rollout_cfg: Any, cluster_gpus: int | None = None,
                         mem_fraction=rollout_cfg.sglang.mem_fraction)
 
 
-def fleet_engine_spec(fleet: FleetLayout, rollout_cfg: Any, hf_config: dict,
+def fleet_engine_spec(fleet: FleetLayout, rollout_cfg: RolloutConfig, hf_config: dict,
                       seed: int) -> EngineSpec:
     """The engine actors' spec: SGLang engines get the fleet's engine TP / EP (and DP
     attention) as ``sglang.Engine`` arguments, checked against the model
@@ -73,7 +74,7 @@ def _trainer_ranks() -> bool:
 class FleetSession(RaySession):
     """Ray + the fleet's placement group (module docstring); a context manager."""
 
-    def __init__(self, mode: str, rollout_cfg: Any, **kwargs: Any):
+    def __init__(self, mode: str, rollout_cfg: RolloutConfig, **kwargs: Any):
         super().__init__(mode, **kwargs)
         self.rollout_cfg = rollout_cfg
         self.fleet: FleetLayout | None = None
@@ -117,7 +118,8 @@ class FleetSession(RaySession):
                     placement_group=self.pg, placement_group_bundle_index=index)}
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
                          transport=self.transport(spec), engine_kind=spec.kind,
-                         backend=self.backend(spec), timeout_s=self.weight_timeout_s)
+                         backend=self.backend(spec), timeout_s=self.weight_timeout_s,
+                         stack_experts=takes_expert_stacks(spec))
 
     def shares_device(self) -> bool:
         """Colocated engines sit on every trainer GPU; the driver (rank 0) holds one."""
@@ -133,7 +135,7 @@ class FleetSession(RaySession):
         shared = self.mode == "colocated" or (self.fleet and self.fleet.engines_per_gpu > 1)
         return weight_backend(spec.kind, colocated=bool(shared))
 
-    def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> EngineFleet:
+    def engine_factory(self, rollout_cfg: RolloutConfig, hf_config: dict, seed: int) -> EngineFleet:
         """The driver's engine factory: the fleet of this session."""
         if self.fleet is None:
             raise RuntimeError("FleetSession.engine_factory outside `with FleetSession(...)`")
@@ -141,7 +143,8 @@ class FleetSession(RaySession):
         broadcast = None
         if self.announce(spec) == "broadcast":
             broadcast = FleetBroadcast(self.backend(spec), self.weight_timeout_s,
-                                       shardable=spec.kind == "reference")
+                                       shardable=spec.kind == "reference",
+                                       stack_experts=takes_expert_stacks(spec))
         return EngineFleet([lambda i=i: self.new_engine(spec, i)
                             for i in range(self.fleet.num_engines)],
                            group_size=rollout_cfg.n_samples_per_prompt,

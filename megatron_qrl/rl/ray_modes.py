@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.config.run import RolloutConfig
 from megatron_qrl.rl.ray_placement import (
     driver_node_selector,
     wait_for_bundle,
@@ -62,7 +63,7 @@ from megatron_qrl.rollout.ray_actor import (
     weight_backend,
 )
 from megatron_qrl.rollout.supervisor import EngineSupervisor
-from megatron_qrl.rollout_sglang.factory import build_engine
+from megatron_qrl.rollout_sglang.factory import build_engine, takes_expert_stacks
 from megatron_qrl.rollout_sglang.factory import engine_spec as _engine_spec
 
 __all__ = ["RAY_MODES", "RayRolloutEngine", "RaySession", "actor_options", "engine_gpus",
@@ -112,7 +113,7 @@ def _init_ray() -> bool:
     return True
 
 
-def engine_spec(rollout_cfg: Any, hf_config: dict, seed: int) -> EngineSpec:
+def engine_spec(rollout_cfg: RolloutConfig, hf_config: dict, seed: int) -> EngineSpec:
     """The actor's :class:`EngineSpec` for ``--qrl-rollout-engine`` (``rollout_cfg``); a
     reference engine runs with this process's torch threads (CPU results as in single mode)."""
     return _engine_spec(rollout_cfg, hf_config, seed, num_threads=torch.get_num_threads())
@@ -137,7 +138,7 @@ def actor_options(layout: PlacementLayout, spec: EngineSpec, pg: Any = None) -> 
     return opts
 
 
-def engine_gpus(rollout_cfg: Any) -> int:
+def engine_gpus(rollout_cfg: RolloutConfig) -> int:
     """GPUs of the engine bundle for ``--qrl-rollout-engine`` (1: SGLang, 0: reference)."""
     return _engine_spec(rollout_cfg, {}, 0).num_gpus
 
@@ -213,7 +214,8 @@ class RaySession:
         return RayEngine(ray.remote(EngineActor).options(**opts).remote(spec, build_engine),
                          transport=self.transport(spec), engine_kind=spec.kind,
                          backend=weight_backend(spec.kind, colocated=self.mode == "colocated"),
-                         timeout_s=self.weight_timeout_s)
+                         timeout_s=self.weight_timeout_s,
+                         stack_experts=takes_expert_stacks(spec))
 
     def shares_device(self) -> bool:
         """Whether a colocated engine runs on the driver's device (the one engine bundle is
@@ -240,7 +242,7 @@ class RaySession:
               flush=True)
         return chosen
 
-    def engine_factory(self, rollout_cfg: Any, hf_config: dict, seed: int) -> RayRolloutEngine:
+    def engine_factory(self, rollout_cfg: RolloutConfig, hf_config: dict, seed: int) -> RayRolloutEngine:
         """The driver's engine factory for this session's mode."""
         spec = engine_spec(rollout_cfg, hf_config, seed)
         self.announce(spec)  # an ipc engine that cannot open the trainer's memory: say so now

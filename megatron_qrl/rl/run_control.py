@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config.configs import QrlConfigs
 from megatron_qrl.utils.metrics import METRICS_FILE, read_metrics
 from megatron_qrl.utils.outdir import path_overlap
 
@@ -29,10 +30,10 @@ __all__ = ["check_resume_metrics", "check_run_paths", "describe_run", "save_due"
            "update_ratio"]
 
 
-def check_run_paths(configs: dict[str, Any]) -> None:
+def check_run_paths(configs: QrlConfigs) -> None:
     """Raise :class:`QrlArgumentError` when an output directory of the run overlaps an
     input (module docstring)."""
-    run, task = configs["run"], configs["task"]
+    run, task = configs.run, configs.task
     outputs = [("--qrl-output-dir", run.resolved_output_dir())]
     if run.tensorboard_dir:
         outputs.append(("--qrl-tensorboard-dir", run.tensorboard_dir))
@@ -59,11 +60,11 @@ def save_due(interval: int, done: int, sft_steps: int, total: int) -> bool:
     return done % interval == 0 if done < sft_steps else (done - sft_steps) % interval == 0
 
 
-def update_ratio(configs: dict[str, Any], log: Callable[[str], None]) -> float:
+def update_ratio(configs: QrlConfigs, log: Callable[[str], None]) -> float:
     """``--qrl-max-update-ratio``, or 0 (no parameter check) where the optimizer's state
     lives in megatron's CPU-offloaded copy, which the guard's pre-step copy cannot restore."""
-    ratio = configs["run"].max_update_ratio
-    mega = configs.get("megatron")
+    ratio = configs.run.max_update_ratio
+    mega = configs.megatron
     if ratio and mega is not None and mega.optimizer_cpu_offload:
         log("[qrl-train] --qrl-max-update-ratio: parameters are not checked after a step with "
             "--optimizer-cpu-offload (the offloaded optimizer state cannot be restored); NaN / "
@@ -110,10 +111,10 @@ def _count(module: Any) -> tuple[int, int]:
     return adapters, total
 
 
-def describe_run(ctx: Any, configs: dict[str, Any], log: Callable[[str], None]) -> None:
+def describe_run(ctx: Any, configs: QrlConfigs, log: Callable[[str], None]) -> None:
     """Log the LoRA setup, how the engine serves a step's requests and, where the engine
     reports it, how many it decodes at once (rank 0's ``log``)."""
-    lora = configs["lora"]
+    lora = configs.lora
     if lora.enabled:
         adapters, total = _count(ctx.trainer.module)
         share = 100.0 * adapters / total if total else 0.0
@@ -123,7 +124,7 @@ def describe_run(ctx: Any, configs: dict[str, Any], log: Callable[[str], None]) 
             f"parameters ({share:.3g}%) (SFT trains every parameter)")
     if ctx.engine is None:
         return
-    run, ro = configs["run"], configs["rollout"]
+    run, ro = configs.run, configs.rollout
     requests = run.prompts_per_step * ro.n_samples_per_prompt
     members = getattr(ctx.engine, "members", None)
     if members:

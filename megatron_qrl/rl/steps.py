@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron_qrl.config import QrlArgumentError, prox_from_first_update
+from megatron_qrl.config.configs import QrlConfigs
 from megatron_qrl.data import CharTokenizer
 from megatron_qrl.data.dataset import PromptRecord
 from megatron_qrl.data.synthetic import noisy_demos
@@ -58,7 +59,7 @@ def sample_indices(num_records: int, k: int, seed: int, step: int) -> list[int]:
 class StepContext:
     """Everything a step needs (built once by the driver)."""
 
-    configs: dict[str, Any]
+    configs: QrlConfigs
     tokenizer: CharTokenizer
     """The char tokenizer or a ``rl.start_model.HFTokenizer`` (``bos_id`` may be None)."""
     records: Sequence[PromptRecord]
@@ -123,11 +124,11 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
     """One supervised step on ``prompts_per_step * n`` task answers (+ ``<eos>``), a
     ``--qrl-task-demo-noise`` fraction of them with a spurious trailing 0
     (:func:`~megatron_qrl.data.synthetic.noisy_demos`)."""
-    run = ctx.configs["run"]
-    size = run.prompts_per_step * ctx.configs["rollout"].n_samples_per_prompt
+    run = ctx.configs.run
+    size = run.prompts_per_step * ctx.configs.rollout.n_samples_per_prompt
     t0 = time.perf_counter()
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), size, run.seed, step)]
-    demos = noisy_demos([r.answer for r in recs], ctx.configs["task"].demo_noise,
+    demos = noisy_demos([r.answer for r in recs], ctx.configs.task.demo_noise,
                         step_seed(run.seed, step, 3))
     batch = sft_batch([ctx.prompt_ids(r) for r in recs],
                       [[*ctx.tokenizer.encode(d), ctx.tokenizer.eos_id] for d in demos])
@@ -143,7 +144,7 @@ def sft_step(ctx: StepContext, step: int) -> dict[str, Any]:
 
 def _rollout(ctx: StepContext,
              step: int) -> tuple[dict, torch.Tensor, list[str], int, int | None]:
-    run, ro = ctx.configs["run"], ctx.configs["rollout"]
+    run, ro = ctx.configs.run, ctx.configs.rollout
     n = ro.n_samples_per_prompt
     recs = [ctx.records[i] for i in sample_indices(len(ctx.records), run.prompts_per_step,
                                                     run.seed, step)]
@@ -156,7 +157,7 @@ def _rollout(ctx: StepContext,
     responses = out.responses()
     vocab = ctx.tokenizer.vocab_size  # ids of the padded vocabulary tail decode to nothing
     texts = [ctx.tokenizer.decode([i for i in r if i < vocab]) for r in responses]
-    bonus = ctx.configs["task"].format_bonus
+    bonus = ctx.configs.task.format_bonus
     scores = [score_math(t, recs[i // n].answer, bonus) for i, t in enumerate(texts)]
     rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     lps = [row[m] for row, m in zip(out.logprobs, out.mask)]
@@ -241,7 +242,7 @@ def _agreement(counts: list[tuple[float, int] | None]) -> float | None:
 def recompute_log_probs(ctx: StepContext, mbs: list[dict]) -> list[torch.Tensor]:
     """pi_prox of every micro batch (forward only), on micro batches joined up to
     ``--qrl-log-prob-max-tokens`` (``rl.microbatch.merge_micro_batches``) when it is set."""
-    budget = ctx.configs["run"].log_prob_max_tokens
+    budget = ctx.configs.run.log_prob_max_tokens
     if not budget:
         return ctx.trainer.log_probs(mbs, ctx.loss_fn)
     from megatron_qrl.rl.microbatch import merge_micro_batches
@@ -254,7 +255,7 @@ def recompute_log_probs(ctx: StepContext, mbs: list[dict]) -> list[torch.Tensor]
 def micro_batches(ctx: StepContext, batch: dict) -> list[list[dict]]:
     """This rank's micro batches of each optimizer step of an RL step: padded rows of
     ``--qrl-micro-batch-size``, or by ``--qrl-max-tokens-per-micro-batch`` (rl.microbatch)."""
-    run, world = ctx.configs["run"], ctx.world
+    run, world = ctx.configs.run, ctx.world
     if run.max_tokens_per_micro_batch:
         from megatron_qrl.rl.microbatch import budget_micro_batches
 
@@ -298,9 +299,9 @@ def _mean(v: Sequence[float]) -> float:
     return sum(v) / len(v)
 
 
-def make_loss_fn(configs: dict[str, Any]) -> Callable:
+def make_loss_fn(configs: QrlConfigs) -> Callable:
     """The policy loss (losses' Megatron adapter) for ``--qrl-loss-*`` / ``--qrl-error-tokens-*``."""
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
 
-    return partial(PolicyLossFunc(configs["loss"], configs["error_tokens"],
-                                  temperature=configs["rollout"].temperature))
+    return partial(PolicyLossFunc(configs.loss, configs.error_tokens,
+                                  temperature=configs.rollout.temperature))

@@ -26,7 +26,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..sync.protocol.wire import flatten, iter_buckets, json_tensor, tensor_json, unflatten
+from ..sync.protocol.wire import (
+    CutStream,
+    flatten,
+    iter_buckets,
+    json_tensor,
+    tensor_json,
+    unflatten,
+)
 from ..utils.net import free_port
 
 __all__ = ["broadcast_from_trainer", "find_group", "free_port", "init_group", "receive_stream",
@@ -107,10 +114,16 @@ def send_stream(stream: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessG
     return n
 
 
-def receive_stream(group: dist.ProcessGroup,
-                   device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The ``(name, tensor)`` stream :func:`send_stream` broadcasts, bucket by bucket, as it
-    arrives (tensors are views of their bucket's buffer on ``device``)."""
+def receive_stream(group: dist.ProcessGroup, device: torch.device | str) -> CutStream:
+    """The stream :func:`send_stream` broadcasts, bucket by bucket as it arrives (tensors are
+    views of their bucket's buffer on ``device``), cut where the sender cut it
+    (:class:`~megatron_qrl.sync.protocol.wire.CutStream`: an engine that buckets again keeps
+    these buckets)."""
+    return CutStream(_frames(group, device))
+
+
+def _frames(group: dist.ProcessGroup, device: torch.device | str
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     while True:
         sizes = torch.empty(2, dtype=torch.int64, device=device)
         broadcast_from_trainer(sizes, group)
@@ -121,4 +134,4 @@ def receive_stream(group: dist.ProcessGroup,
         broadcast_from_trainer(head, group)
         flat = torch.empty(n_flat, dtype=torch.uint8, device=device)
         broadcast_from_trainer(flat, group)
-        yield from unflatten(flat, tensor_json(head))
+        yield list(unflatten(flat, tensor_json(head)))

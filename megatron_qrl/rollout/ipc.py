@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from torch.multiprocessing import reductions
 
-from ..sync.protocol.wire import flatten, iter_buckets, unflatten
+from ..sync.protocol.wire import CutStream, flatten, iter_buckets, unflatten
 from .broadcast import broadcast_from_trainer
 
 __all__ = ["IPC_IN_FLIGHT", "device_uuid", "end_shared", "misplaced", "open_shared",
@@ -176,10 +176,15 @@ def _receive_message(group: dist.ProcessGroup) -> bytes | None:
     return msg.numpy().tobytes()
 
 
-def receive_ipc_stream(group: dist.ProcessGroup) -> Iterator[tuple[str, torch.Tensor]]:
-    """The ``(name, tensor)`` stream :func:`send_ipc_stream` hands over, bucket by bucket
-    (views of the shared CPU bucket, or of this process's copy of a CUDA one); the driver
-    learns that a bucket is loaded when the consumer asks for the next one."""
+def receive_ipc_stream(group: dist.ProcessGroup) -> CutStream:
+    """The stream :func:`send_ipc_stream` hands over, bucket by bucket (views of the shared
+    CPU bucket, or of this process's copy of a CUDA one), cut where the driver cut it
+    (:class:`~megatron_qrl.sync.protocol.wire.CutStream`); the driver learns that a bucket
+    is loaded when the consumer asks for the next one."""
+    return CutStream(_shared_buckets(group))
+
+
+def _shared_buckets(group: dist.ProcessGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
     loaded = False
     while True:
         msg = _receive_message(group)
@@ -192,4 +197,4 @@ def receive_ipc_stream(group: dist.ProcessGroup) -> Iterator[tuple[str, torch.Te
         if flat.is_cuda:
             flat = flat.clone()  # ours: the engine may share it on (CUDA IPC to its workers)
         loaded = True
-        yield from unflatten(flat, meta)
+        yield list(unflatten(flat, meta))

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ..quant.expert_stacks import stack_experts
+from ..sync.protocol.wire import CutStream
 from ..sync.transport import WeightTransport, transport_class, transport_names
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .broadcast import init_group, receive_stream
@@ -172,12 +174,11 @@ class EngineActor:
 
         self.calls.append("update_weights")
 
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for ref in bucket_refs:
-                for name, t in ray.get(ref):
-                    yield name, from_wire(t)
+        def received() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            for ref in bucket_refs:  # the driver's buckets, kept (CutStream)
+                yield [(name, from_wire(t)) for name, t in ray.get(ref)]
 
-        self.engine.update_weights(stream(), version)
+        self.engine.update_weights(CutStream(received()), version)
 
     def held_checksums(self) -> dict[str, str]:
         return self.engine.held_checksums()
@@ -263,12 +264,17 @@ class RayEngine(RolloutEngine):
     ``transport``: one of :data:`WEIGHT_TRANSPORTS` (module docstring). ``backend``: the
     broadcast group's (``gloo`` / ``nccl``; None: :func:`weight_backend` of ``engine_kind``;
     always ``gloo`` for ``ipc``, whose group carries handles only). ``timeout_s``: the
-    group's rendezvous and per-broadcast timeout.
+    group's rendezvous and per-broadcast timeout. ``stack_experts``: the actor's engine
+    takes expert stacks (an in-place SGLang sync,
+    :func:`~megatron_qrl.rollout_sglang.factory.takes_expert_stacks`): the driver stacks each
+    layer's experts before it cuts the stream, since the engine keeps the driver's buckets
+    (:class:`~megatron_qrl.sync.protocol.wire.CutStream`) and cannot stack across them.
     """
 
     def __init__(self, actor: Any, bucket_bytes: int = 256 * 2**20,
                  transport: str = "objectstore", backend: str | None = None,
-                 engine_kind: str = "reference", timeout_s: float = 300.0):
+                 engine_kind: str = "reference", timeout_s: float = 300.0,
+                 stack_experts: bool = False):
         cls = transport_class("ray", transport, "RayEngine transport (--qrl-ray-weight-transport)")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"RayEngine backend {backend!r}: gloo or nccl (None: automatic)")
@@ -282,6 +288,7 @@ class RayEngine(RolloutEngine):
                         else "cpu"),
             abort_on_death=backend == "nccl")
         self.sender: WeightTransport = cls(self.link)
+        self.stack_experts = stack_experts
         self._broken = False  # a broadcast failed: the actor was killed, never call it again
 
     # the link's fields, read and set as the proxy's own (tests and callers use these)
@@ -313,6 +320,8 @@ class RayEngine(RolloutEngine):
                                   f"{type(exc).__name__}: {str(exc)[:300]}") from exc
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.stack_experts:  # before the one cut: the actor's engine keeps these buckets
+            named_tensors = stack_experts(named_tensors)
         self.sender.send(named_tensors, version)
 
     def _kill(self) -> None:

@@ -10,7 +10,7 @@ factory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -19,10 +19,22 @@ from ..rollout.ray_actor import EngineSpec
 from ..rollout.reference import ReferenceEngine
 from .options import SGLangOptions
 
-__all__ = ["build_engine", "engine_spec", "make_engine"]
+__all__ = ["EngineChoice", "build_engine", "engine_spec", "make_engine", "takes_expert_stacks"]
 
 
-def engine_spec(rollout_cfg: Any, hf_config: dict, seed: int,
+class EngineChoice(Protocol):
+    """What the factory reads of the job's rollout options (a
+    :class:`~megatron_qrl.config.run.RolloutConfig`; the config layer sits above this one)."""
+
+    engine: str
+    """``--qrl-rollout-engine``: ``reference`` or ``sglang``."""
+    format: str
+    """``--qrl-rollout-format``: the QuantSpec's name."""
+    sglang: SGLangOptions
+    """``--qrl-rollout-sglang-*``."""
+
+
+def engine_spec(rollout_cfg: EngineChoice, hf_config: dict, seed: int,
                 num_threads: int | None = None, lora: dict | None = None) -> EngineSpec:
     """The engine of ``--qrl-rollout-engine`` (``rollout_cfg``: a
     :class:`~megatron_qrl.config.run.RolloutConfig`). ``num_threads``: torch intra-op threads
@@ -63,7 +75,17 @@ def build_engine(spec: EngineSpec) -> RolloutEngine:
     return start_job_engine(options, spec.format, spec.hf_config, spec.seed, **kwargs)
 
 
-def make_engine(rollout_cfg: Any, hf_config: dict, seed: int,
+def takes_expert_stacks(spec: EngineSpec) -> bool:
+    """Whether the engine ``spec`` names takes expert stacks over its weight stream (an
+    SGLang engine whose resolved sync is in place with ``stack_experts``); a Ray driver then
+    stacks before it cuts the stream (:class:`~megatron_qrl.rollout.ray_actor.RayEngine`)."""
+    if spec.kind != "sglang":
+        return False
+    options = (spec.sglang if spec.sglang is not None else SGLangOptions()).resolve(spec.format)
+    return options.sync == "inplace" and bool(options.stack_experts)
+
+
+def make_engine(rollout_cfg: EngineChoice, hf_config: dict, seed: int,
                 lora: dict | None = None) -> RolloutEngine:
     """The rollout engine named by ``--qrl-rollout-engine``, in this process (``lora``: see
     :func:`engine_spec`)."""

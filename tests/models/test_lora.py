@@ -251,15 +251,17 @@ def test_without_warmup_ddp_holds_adapter_gradients_only(megatron):
     """``--qrl-sft-steps 0``: the base is frozen before megatron DDP wraps the model."""
     from types import SimpleNamespace
 
+    from megatron_qrl.config import QrlConfigs
     from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
     from megatron_qrl.rl.forward import _lora_plan
     from megatron_qrl.rl.trainer import build_policy
 
     _, arch = tiny_hf("dense", 0)
     for warmup, expect_base in ((0, False), (3, True)):
-        configs = {"lora": LoraConfig(rank=4), "train": TrainForwardConfig(),
-                   "routing": RoutingReplayConfig(), "rollout": SimpleNamespace(format="bf16"),
-                   "run": SimpleNamespace(sft_steps=warmup)}
+        configs = QrlConfigs(lora=LoraConfig(rank=4), train=TrainForwardConfig(),
+                             routing=RoutingReplayConfig(),
+                             rollout=SimpleNamespace(format="bf16"),
+                             run=SimpleNamespace(sft_steps=warmup))
         policy = build_policy(arch, 1e-3, _lora_plan(configs, arch))
         with_grad = {n for n, p in policy.ddp.module.named_parameters() if hasattr(p, "main_grad")}
         assert any(".lora_B." in n for n in with_grad)
@@ -271,14 +273,15 @@ def test_explicit_transformer_engine_with_lora_is_refused_naming_both_flags(mega
     silently overridden (auto picks local for LoRA)."""
     from types import SimpleNamespace
 
+    from megatron_qrl.config import QrlConfigs
     from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
     from megatron_qrl.rl.forward import _lora_plan
     from megatron_qrl.rl.trainer import TrainerOptions, build_policy
 
     _, arch = tiny_hf("dense", 0)
-    configs = {"lora": LoraConfig(rank=4), "train": TrainForwardConfig(),
-               "routing": RoutingReplayConfig(), "rollout": SimpleNamespace(format="bf16"),
-               "run": SimpleNamespace(sft_steps=0)}
+    configs = QrlConfigs(lora=LoraConfig(rank=4), train=TrainForwardConfig(),
+                         routing=RoutingReplayConfig(), rollout=SimpleNamespace(format="bf16"),
+                         run=SimpleNamespace(sft_steps=0))
     plan = _lora_plan(configs, arch)
     with pytest.raises(ValueError, match="--transformer-impl transformer_engine with --qrl-lora"):
         build_policy(arch, 1e-3, plan, options=TrainerOptions(transformer_impl="transformer_engine"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_qrl.config import QrlConfigs
 from megatron_qrl.rl.steps import StepContext
 
 
@@ -19,7 +20,7 @@ class _Engine:
 
 
 def _ctx(log: list, release: bool) -> StepContext:
-    return StepContext(configs={}, tokenizer=None, records=[], trainer=None,
+    return StepContext(configs=QrlConfigs(), tokenizer=None, records=[], trainer=None,
                        engine=_Engine(log), plan=None, loss_fn=None, sync=None,
                        release_engine_memory=release)
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_qrl.config import QrlArgumentError
+from megatron_qrl.config import QrlArgumentError, QrlConfigs
 from megatron_qrl.rl.batch import pack_samples
 from megatron_qrl.rl.microbatch import budget_micro_batches, merge_micro_batches
 from tests.helpers.mp_utils import run_distributed
@@ -81,7 +81,8 @@ def _body(rank, world_size, port):
             loss_fn = PolicyLossFunc(PolicyLossConfig(kind="tis"))
             out = {}
             for budget in (0, 60, 10**6):
-                ctx = SimpleNamespace(configs={"run": SimpleNamespace(log_prob_max_tokens=budget)},
+                run = SimpleNamespace(log_prob_max_tokens=budget)
+                ctx = SimpleNamespace(configs=QrlConfigs(run=run),
                                       tokenizer=SimpleNamespace(pad_id=PAD), trainer=trainer,
                                       loss_fn=loss_fn)
                 out[budget] = recompute_log_probs(ctx, mbs)

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...quant.expert_stacks import stack_experts
 from ...sync.transport import register_transport
 from ..broadcast import free_port, init_group
 from ..supervisor import EngineDiedError
@@ -87,14 +88,17 @@ class FleetBroadcast:
     actors changed (a restart). ``broadcasts``: buckets sent, over all syncs. ``shardable``:
     the engine actors may receive a sharded sync (reference engines; an SGLang engine's TP
     ranks do not join the senders' groups yet, so its actor gets the gathered stream).
+    ``stack_experts``: the engines take expert stacks, stacked here before the cut (see
+    :class:`~megatron_qrl.rollout.ray_actor.RayEngine`).
     """
 
     def __init__(self, backend: str = "gloo", timeout_s: float = 300.0,
-                 bucket_bytes: int = 256 * 2**20, shardable: bool = False):
+                 bucket_bytes: int = 256 * 2**20, shardable: bool = False,
+                 stack_experts: bool = False):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"FleetBroadcast backend {backend!r}: gloo or nccl")
         self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
-        self.shardable = shardable
+        self.shardable, self.stack_experts = shardable, stack_experts
         self.group: Any = None
         self.group_name: str | None = None
         self._members: tuple[int, ...] = ()
@@ -146,6 +150,8 @@ class FleetBroadcast:
         device = "cuda" if self.backend == "nccl" else "cpu"
         sent_error: str | None = None
         frames = SegmentTransport if peers is not None else FleetFrames
+        if self.stack_experts and peers is None:  # before the one cut (RayEngine's note)
+            stream = stack_experts(stream)
         try:
             self.broadcasts += frames(self.group, device, self.bucket_bytes).send(stream, version)
         except Exception as exc:  # noqa: BLE001 - a peer is gone: reported with the deaths

@@ -2,7 +2,9 @@
 
 Runs in the trainer's process (in :func:`~.prefetch.ahead`'s thread when buckets are
 prefetched). The packed ``(hf_name, tensor)`` stream becomes requests of about
-``bucket_bytes`` (:func:`megatron_qrl.sync.protocol.wire.buckets`, the one bucketing rule):
+``bucket_bytes`` (:func:`megatron_qrl.sync.protocol.wire.buckets`, the one bucketing rule;
+a stream that arrives cut — a Ray engine actor's, :class:`~megatron_qrl.sync.protocol.wire.
+CutStream` — keeps the driver's buckets, the steps below running inside each):
 
 1. optionally each decoder layer's experts of one kind are stacked into one wire tensor
    (:func:`~megatron_qrl.quant.expert_stacks.stack_experts`; names in :mod:`.protocol`) — a
@@ -39,7 +41,7 @@ from megatron_qrl.sync.protocol.inplace import (
     module_key,
     parse_stacked,
 )
-from megatron_qrl.sync.protocol.wire import as_bytes, buckets, flatten
+from megatron_qrl.sync.protocol.wire import as_bytes, buckets, flatten, per_bucket
 
 from ...quant.expert_stacks import stack_experts
 
@@ -149,14 +151,16 @@ def requests(stream: Iterable[tuple[str, torch.Tensor]], sent: Checksums,
     from .prefetch import timed
 
     lap = {} if lap is None else lap
-    wire = timed(stream, lap, "stream_s")
     stack = bool(tracker) and stack
-    if stack and rows:
-        wire = stack_experts(wire)
-    wire = fingerprinted(wire, sent, device, lap)
-    if stack and not rows:
-        wire = stack_experts(wire)
-    for bucket, last in buckets(wire, bucket_bytes):
+
+    def wire_of(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        wire = timed(stream, lap, "stream_s")
+        if stack and rows:
+            wire = stack_experts(wire)
+        wire = fingerprinted(wire, sent, device, lap)
+        return stack_experts(wire) if stack and not rows else wire
+
+    for bucket, last in buckets(per_bucket(stream, wire_of), bucket_bytes):
         if tracker:
             for name, _ in bucket:
                 tracker.add(name)

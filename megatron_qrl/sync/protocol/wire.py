@@ -11,18 +11,23 @@ and broadcast, SGLang's CUDA-IPC buckets and its weight-update group).
   :func:`unflatten` gives back views.
 * Buckets: :func:`buckets` cuts a stream into lists of at most ``bucket_bytes`` (a larger
   tensor is its own bucket) and marks the last one; an empty stream is one empty last bucket.
+  A stream that arrives cut (:class:`CutStream`: the buckets a sender framed, as a receiver
+  reads them) keeps its buckets: :func:`buckets` gives them back instead of cutting again,
+  and :func:`per_bucket` applies a per-tensor step inside each, so a stream is cut once
+  between the trainer and the engine.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["BucketMeta", "as_bytes", "bucket_nbytes", "buckets", "dtype_name", "flatten",
-           "from_bytes", "iter_buckets", "json_tensor", "nbytes", "tensor_json", "unflatten"]
+__all__ = ["BucketMeta", "CutStream", "as_bytes", "bucket_nbytes", "buckets", "dtype_name", "flatten",
+           "from_bytes", "iter_buckets", "json_tensor", "nbytes", "per_bucket", "tensor_json", "unflatten"]
 
 BucketMeta = list[tuple[str, str, list[int]]]
 """One bucket's ``(name, dtype name without "torch.", shape)`` per tensor, in payload order."""
@@ -94,14 +99,57 @@ def tensor_json(t: torch.Tensor) -> Any:
     return json.loads(t.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes().decode())
 
 
+class CutStream:
+    """A ``(name, tensor)`` stream that is already cut into buckets (``received``: the
+    buckets as they arrive, each a list; a receiver does not know which frame is the last
+    until the end mark, so :meth:`cuts` marks none and ends with one empty last bucket).
+    An iterator over its tensors; :func:`buckets` gives its buckets back. One pass: what one
+    way reads, the other does not see again."""
+
+    def __init__(self, received: Iterable[list[tuple[str, torch.Tensor]]]):
+        self._received = iter(received)
+        self._pending: deque[tuple[str, torch.Tensor]] = deque()  # the bucket being iterated
+
+    def cuts(self) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+        """``(bucket, is_last)`` as they arrive (the rest of one partly iterated first),
+        then ``([], True)``."""
+        if self._pending:
+            rest, self._pending = list(self._pending), deque()
+            yield rest, False
+        for bucket in self._received:
+            if bucket:
+                yield bucket, False
+        yield [], True
+
+    def __iter__(self) -> CutStream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        while not self._pending:
+            self._pending = deque(next(self._received))
+        return self._pending.popleft()
+
+
+def per_bucket(stream: Iterable[tuple[str, torch.Tensor]], step: Any
+               ) -> Iterable[tuple[str, torch.Tensor]]:
+    """``step(stream)`` (a per-tensor step: ``stream -> stream``), bucket by bucket when
+    ``stream`` is a :class:`CutStream` (the result is cut where ``stream`` was)."""
+    if not isinstance(stream, CutStream):
+        return step(stream)
+    return CutStream(list(step(iter(bucket))) for bucket, _ in stream.cuts())
+
+
 def buckets(stream: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
             ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
     """``(bucket, is_last)`` over ``stream``: lists of at most ``bucket_bytes`` (a larger
     tensor is its own bucket), cut before the tensor that would overflow; the last bucket is
     marked without reading ahead. An empty stream gives one empty last bucket (a sync of no
-    tensors still sends its version)."""
+    tensors still sends its version). A :class:`CutStream` keeps its own buckets."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if isinstance(stream, CutStream):
+        yield from stream.cuts()
+        return
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in stream:
