@@ -54,7 +54,7 @@ def ray_units(root: Path, seconds: dict[str, float]) -> dict[str, str]:
     """Each Ray-starting test module under ``root/tests`` (relative path) -> its unit's name:
     longest first onto the unit with the fewest seconds so far (a module's seconds from the
     last whole run, else ``SLOW_SECONDS``). The controller and every worker read the same
-    cache, so they agree."""
+    seconds (:func:`module_seconds`), so they agree."""
     paths = sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
                    if starts_ray(p))
     load = {f"{RAY_UNIT}{i}": 0.0 for i in range(RAY_UNITS)}
@@ -129,8 +129,8 @@ def pytest_collection_modifyitems(config, items):
     """On an xdist worker: the longest units first (longest processing time first: both workers
     then finish together). A module costs its seconds in the last whole run
     (:func:`module_seconds`), else ``SLOW_SECONDS`` per ``slow`` test; a Ray unit costs the sum
-    of its modules and keeps them together, those that start clusters of their own first (the shared one then starts
-    once). Stable otherwise."""
+    of its modules and keeps them together, those that start clusters of their own first (the
+    shared one then starts once). Stable otherwise."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     seconds = module_seconds(config)
