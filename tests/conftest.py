@@ -3,17 +3,19 @@ which takes precedence), and how the suite is spread over pytest-xdist workers.
 
 ``pytest -q`` runs on two xdist workers (``addopts`` in pyproject.toml; ``-n 0`` runs in one
 process). A worker takes a whole test module at a time, so a module's fixtures are built once;
-the modules that start a local Ray cluster form one unit, run one after another on one worker,
-so that no two clusters start side by side (:func:`pytest_xdist_make_scheduler`), and they share
-one cluster per worker (:func:`local_ray`) where they need no cluster of their own. The
-longest units are handed out first (:func:`pytest_collection_modifyitems`: seconds per module
-from the last whole run, kept in pytest's cache, else the count of ``slow`` tests), so that both
-workers finish together. Multi-process gloo tests need nothing more: each rendezvous port is drawn at random
-outside the ephemeral range and checked free (``megatron_qrl.utils.net.free_port``).
+the modules that start a local Ray cluster form ``RAY_UNITS`` units of about equal seconds,
+each run one module after another on one worker, so that a worker's Ray modules share one
+cluster (:func:`local_ray`) where they need no cluster of their own and start it once
+(:func:`pytest_xdist_make_scheduler`). The longest units are handed out first
+(:func:`pytest_collection_modifyitems`: seconds per module from the last whole run, kept in
+pytest's cache, else the count of ``slow`` tests), so that both workers finish together.
+Multi-process gloo tests need nothing more: each rendezvous port is drawn at random outside the
+ephemeral range and checked free (``megatron_qrl.utils.net.free_port``).
 """
 
 import contextlib
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -28,6 +30,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 RAY_UNIT = "ray"
+RAY_UNITS = 2
+"""Units the Ray modules are split into: one per xdist worker (the Ray modules together take
+about as long as the rest of the suite; in one unit they would set its wall time)."""
 _RAY_STARTS = ("ray.init(", "ray_runs(", "local_ray")
 """Source text of a test module that starts (or calls a helper that starts) a local Ray cluster."""
 
@@ -45,26 +50,73 @@ def starts_ray(path: Path) -> bool:
     return any(s in _text(path) for s in _RAY_STARTS)
 
 
+def ray_units(root: Path, seconds: dict[str, float]) -> dict[str, str]:
+    """Each Ray-starting test module under ``root/tests`` (relative path) -> its unit's name:
+    longest first onto the unit with the fewest seconds so far (a module's seconds from the
+    last whole run, else ``SLOW_SECONDS``). The controller and every worker read the same
+    seconds (:func:`module_seconds`), so they agree."""
+    paths = sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
+                   if starts_ray(p))
+    load = {f"{RAY_UNIT}{i}": 0.0 for i in range(RAY_UNITS)}
+    units = {}
+    for path in sorted(paths, key=lambda p: -seconds.get(p, SLOW_SECONDS)):
+        unit = min(load, key=lambda u: (load[u], u))
+        units[path] = unit
+        load[unit] += seconds.get(path, SLOW_SECONDS)
+    return units
+
+
+_SECONDS = pytest.StashKey[dict]()
+_RAY_UNITS = pytest.StashKey[dict]()
+
+
+def module_seconds(config) -> dict[str, float]:
+    """Seconds per test module: the last whole run's (pytest's cache) over the committed
+    ``SECONDS_FILE`` (a fresh checkout, CI)."""
+    seconds = config.stash.get(_SECONDS, None)
+    if seconds is None:
+        try:
+            seconds = json.loads((config.rootpath / SECONDS_FILE).read_text())
+        except (OSError, ValueError):
+            seconds = {}
+        cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+        seconds.update(cache.get(MODULE_SECONDS, {}) if cache is not None else {})
+        config.stash[_SECONDS] = seconds
+    return seconds
+
+
+def _ray_units(config) -> dict[str, str]:
+    units = config.stash.get(_RAY_UNITS, None)
+    if units is None:
+        units = config.stash[_RAY_UNITS] = ray_units(config.rootpath, module_seconds(config))
+    return units
+
+
+def _unit(config, path: str) -> str:
+    """A module's scheduling unit: its Ray unit, else the module itself."""
+    units = _ray_units(config)
+    if path in units:
+        return units[path]
+    return RAY_UNIT if starts_ray(config.rootpath / path) else path
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Whole modules per worker, every Ray-starting module in one unit."""
+    """Whole modules per worker, the Ray-starting modules in ``RAY_UNITS`` units."""
     from xdist.scheduler import LoadScopeScheduling
-
-    root = config.rootpath
-    ray_files: dict[str, bool] = {}
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            if path not in ray_files:
-                ray_files[path] = starts_ray(root / path)
-            return RAY_UNIT if ray_files[path] else path
+            return _unit(config, nodeid.split("::", 1)[0])
 
     return ModuleScheduling(config, log)
 
 
 MODULE_SECONDS = "megatron_qrl/module_seconds"
 """pytest's cache key: seconds per test module (setup + call + teardown) in the last whole run."""
+SECONDS_FILE = "tests/module_seconds.json"
+"""Seconds per test module of a whole run on the 2-core machine, committed: the order where
+pytest's cache has none."""
 SLOW_SECONDS = 60.0
 """What a ``slow`` test is taken to cost where the cache has no time for its module."""
 
@@ -75,21 +127,20 @@ def _module(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(config, items):
     """On an xdist worker: the longest units first (longest processing time first: both workers
-    then finish together). A module costs its seconds in the last whole run (pytest's cache),
-    else ``SLOW_SECONDS`` per ``slow`` test; the Ray unit costs the sum of its modules and keeps
-    them together, those that start clusters of their own first (the shared one then starts
-    once). Stable otherwise."""
+    then finish together). A module costs its seconds in the last whole run
+    (:func:`module_seconds`), else ``SLOW_SECONDS`` per ``slow`` test; a Ray unit costs the sum
+    of its modules and keeps them together, those that start clusters of their own first (the
+    shared one then starts once). Stable otherwise."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
-    seconds = cache.get(MODULE_SECONDS, {}) if cache is not None else {}
+    seconds = module_seconds(config)
     slow: dict[str, int] = {}
     for item in items:
         path = _module(item.nodeid)
         slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
     cost = {path: seconds.get(path, SLOW_SECONDS * n) for path, n in slow.items()}
     first = {path: i for i, path in enumerate(slow)}
-    unit = {path: RAY_UNIT if starts_ray(config.rootpath / path) else path for path in slow}
+    unit = {path: _unit(config, path) for path in slow}
     unit_cost: dict[str, float] = {}
     unit_first: dict[str, int] = {}
     for path in slow:
