@@ -51,6 +51,17 @@ def _pg_size_rank(group: Any) -> tuple[int, int]:
     return get_pg_size(group), get_pg_rank(group)
 
 
+def expert_groups(config: Any, pg_collection: Any) -> tuple[Any, Any, int, bool]:
+    """``(pg_collection, expert TP group, its size, expert parallel?)`` of a grouped expert
+    linear; ``pg_collection`` None: megatron's global (mpu) groups."""
+    if pg_collection is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    tp, _ = _pg_size_rank(pg_collection.expt_tp)
+    return pg_collection, pg_collection.expt_tp, tp, config.expert_model_parallel_size > 1
+
+
 def grouped_sharded_state_dict(weights: list[torch.Tensor], extra_state: Any, prefix: str,
                                sharded_offsets: tuple, metadata: dict | None, row: bool,
                                pg_collection: Any, tp_group: Any) -> dict:
@@ -105,14 +116,8 @@ class StackedGroupedLinear(MegatronModule):
         if bias:
             raise ValueError("--qrl-train-moe-experts stacked: experts without bias only "
                              "(add_bias_linear=False, as Qwen3-MoE); use --qrl-train-moe-experts te")
-        if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        self._pg_collection = pg_collection
-        self.tp_group = pg_collection.expt_tp
-        tp, _ = _pg_size_rank(self.tp_group)
-        self.expert_parallel = config.expert_model_parallel_size > 1
+        self._pg_collection, self.tp_group, tp, self.expert_parallel = expert_groups(
+            config, pg_collection)
         self.num_gemms = num_gemms
         self.in_features = input_size // tp if self.parallel_mode == "row" else input_size
         self.out_features = output_size // tp if self.parallel_mode == "column" else output_size

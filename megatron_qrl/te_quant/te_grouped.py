@@ -36,6 +36,7 @@ from megatron_qrl.models.grouped_gemm import grouped_mm
 from megatron_qrl.models.stacked_experts import (
     StackedGroupedLinear,
     StackedGroupedMLP,
+    expert_groups,
     grouped_sharded_state_dict,
 )
 from megatron_qrl.te_quant.grouped_gemm import stacked_ste
@@ -130,14 +131,9 @@ class AlignedTEGroupedLinear(TEExtraState, AlignedGroupedGemm, MegatronModule):
         if bias:
             raise ValueError("aligned grouped experts support add_bias_linear=False (Qwen3-MoE); "
                              "use --moe-grouped-gemm off for biased experts")
-        if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        self._pg_collection = pg_collection
-        self.tp_group = self._tp_group = pg_collection.expt_tp
-        tp, _ = _pg_size_rank(self.tp_group)
-        self.expert_parallel = config.expert_model_parallel_size > 1
+        self._pg_collection, self.tp_group, tp, self.expert_parallel = expert_groups(
+            config, pg_collection)
+        self._tp_group = self.tp_group
         self.explicit_expert_comm = tp > 1 or self.expert_parallel
         self.num_gemms = num_gemms
         self.in_features = input_size // tp if self.parallel_mode == "row" else input_size
