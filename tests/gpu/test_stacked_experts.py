@@ -51,7 +51,7 @@ def _model(arch, tensors, stacked, impl, replay, **overrides):
 def _pair(impl, **overrides):
     from megatron_qrl.moe import RoutingReplay
 
-    arch, tensors, x, route = _fp32_routed()
+    arch, tensors, x, route = _fp32_routed(impl)
     out = {}
     for stacked in (True, False):
         replay = RoutingReplay("all", arch.num_experts, arch.moe_top_k)

@@ -63,15 +63,17 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model(arch, tensors, dtype, grouped, fmt="bf16", aligned=True, replay=None):
+def _model(arch, tensors, dtype, grouped, fmt="bf16", aligned=True, replay=None,
+           impl="transformer_engine"):
     from megatron_qrl.models.runtime import build_model
     from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
     from megatron_qrl.moe import replay_spec_hook
     from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook, compose_hooks
 
     state = AlignedForwardState(fmt)
-    hook = compose_hooks(aligned and aligned_spec_hook(state), replay and replay_spec_hook(replay))
-    model = build_model(arch, None, dtype, spec_hook=hook, use_te="transformer_engine",
+    hook = compose_hooks(aligned_spec_hook(state) if aligned else None,
+                         replay_spec_hook(replay) if replay else None)
+    model = build_model(arch, None, dtype, spec_hook=hook, use_te=impl,
                         moe_grouped_gemm=grouped)
     load_hf_weights(model, arch, tensors.__getitem__, groups_from_parallel_state())
     return state, model.cuda()
@@ -93,13 +95,14 @@ def _run(model, arch, x, state=None, plain=False, replay=None, route=None):
                                             grads_as_hf(model, arch).items()}
 
 
-def _fp32_routed():
+def _fp32_routed(impl="transformer_engine"):
     """(arch, HF tensors, token ids, the fp32 sequential model's experts per token): BF16
-    models replay these experts, so their comparison is not moved by top-k flips."""
+    models replay these experts, so their comparison is not moved by top-k flips. ``impl``:
+    the spec of that fp32 model (``local`` where Transformer Engine is not installed)."""
     hf, arch = tiny_hf("moe")
     tensors = hf_state(hf)
     x = ids(batch=4, seq=64).cuda()
-    _, ref = _model(arch, tensors, torch.float32, False, aligned=False)
+    _, ref = _model(arch, tensors, torch.float32, False, aligned=False, impl=impl)
     with record_routing(ref) as maps, torch.no_grad():
         ref(x, torch.arange(x.shape[1], device="cuda")[None].expand_as(x), attention_mask=None)
     return arch, tensors, x, routing_ids(maps, arch.moe_top_k).cuda()
