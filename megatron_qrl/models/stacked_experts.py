@@ -45,6 +45,11 @@ __all__ = ["StackedColumnGroupedLinear", "StackedGroupedLinear", "StackedGrouped
            "StackedRowGroupedLinear", "grouped_sharded_state_dict",
            "stacked_experts_spec_hook"]
 
+NO_BIAS = ("--qrl-train-moe-experts stacked: experts without bias only (add_bias_linear=False, "
+           "as Qwen3-MoE); use --qrl-train-moe-experts megatron for biased experts")
+"""The refusal of biased experts (the spec hook and the linear say the same)."""
+
+
 def _pg_size_rank(group: Any) -> tuple[int, int]:
     from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -114,8 +119,7 @@ class StackedGroupedLinear(MegatronModule):
         if not is_expert:
             raise ValueError("StackedGroupedLinear holds routed experts only (is_expert=True)")
         if bias:
-            raise ValueError("--qrl-train-moe-experts stacked: experts without bias only "
-                             "(add_bias_linear=False, as Qwen3-MoE); use --qrl-train-moe-experts te")
+            raise ValueError(NO_BIAS)
         self._pg_collection, self.tp_group, tp, self.expert_parallel = expert_groups(
             config, pg_collection)
         self.num_gemms = num_gemms
@@ -227,8 +231,7 @@ def stacked_experts_spec_hook(layer_spec: Any, config: Any) -> Any:
         raise ValueError(f"--qrl-train-moe-experts stacked: the layer spec's experts are "
                          f"{experts.module.__name__}; it replaces SequentialMLP or TEGroupedMLP")
     if config.add_bias_linear:
-        raise ValueError("--qrl-train-moe-experts stacked: experts without bias only "
-                         "(add_bias_linear=False, as Qwen3-MoE); use --qrl-train-moe-experts te")
+        raise ValueError(NO_BIAS)
     sub = MLPSubmodules(linear_fc1=StackedColumnGroupedLinear,
                         linear_fc2=StackedRowGroupedLinear)
     moe_sub.experts = ModuleSpec(module=StackedGroupedMLP, submodules=sub)

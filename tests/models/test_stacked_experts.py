@@ -228,6 +228,9 @@ def test_stacked_flag_and_its_refusals(tiny):
                        "--qrl-train-moe-experts stacked"):
         _model(arch, tensors, False, moe_grouped_gemm=True)  # SequentialMLP: refused
     _model(arch, tensors, True, moe_grouped_gemm=True)  # the stacked experts are grouped
+    with pytest.raises(ValueError, match="experts without bias only.*"
+                       "--qrl-train-moe-experts megatron for biased"):  # a real choice
+        _model(arch, tensors, True, add_bias_linear=True)
     off = RoutingReplayConfig("off")
     _, dense = tiny_hf("dense")
     with pytest.raises(ValueError, match="stacked needs an MoE model"):
