@@ -16,23 +16,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("megatron")]
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from tests.gpu.test_te_grouped import TE_REASON, _compare, _fp32_routed, _Ops, _run  # noqa: E402
-
-needs_te = pytest.mark.skipif(bool(TE_REASON), reason=TE_REASON)
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    from megatron_qrl.models.runtime import single_process_megatron
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    with single_process_megatron():
-        yield
+# the module-scoped `megatron` fixture (one process group, TF32 off) is test_te_grouped's
+from tests.gpu.test_te_grouped import (  # noqa: E402, F401
+    _compare,
+    _fp32_routed,
+    _Ops,
+    _run,
+    megatron,
+    needs_te,
+)
 
 
 def _model(arch, tensors, stacked, impl, replay, **overrides):
@@ -70,12 +67,12 @@ def _pair(impl, **overrides):
     return out
 
 
-def test_stacked_bf16_local_spec_uses_grouped_mm_and_matches_sequential(megatron):
+def test_stacked_bf16_local_spec_uses_grouped_mm_and_matches_sequential():
     out = _pair("local")
     _compare(out[True], out[False], 2e-2, "stacked vs sequential, local spec, bf16")
 
 
 @needs_te
-def test_stacked_bf16_te_spec_matches_te_grouped_linear(megatron):
+def test_stacked_bf16_te_spec_matches_te_grouped_linear():
     out = _pair("transformer_engine", moe_grouped_gemm=True)
     _compare(out[True], out[False], 2e-2, "stacked vs TE GroupedLinear, bf16")
