@@ -145,22 +145,37 @@ def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
             h.remove()
     parts: dict[str, float] = {}
     host: dict[str, float] = {}
+    kernels: dict[str, float] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CPU and not ev.name.startswith("qrl::"):
             host[ev.name] = host.get(ev.name, 0.0) + ev.self_cpu_time_total / 1e3
         # CUDA: the kernels each op launched; CPU (no kernels: a check of the attribution
         # where there is no GPU): each op's own CPU time
-        us = sum(k.duration for k in (getattr(ev, "kernels", None) or [])) if cuda \
-            else ev.self_cpu_time_total
+        ks = launched_kernels(ev) if cuda else []
+        us = sum(k.duration for k in ks) if cuda else ev.self_cpu_time_total
         if us <= 0:
             continue
         part = _part_of(ev)
         parts[part] = parts.get(part, 0.0) + us / 1e3
+        for k in ks:
+            kernels[k.name] = kernels.get(k.name, 0.0) + k.duration / 1e3
     busy = sum(parts.values())
     top = sorted(host.items(), key=lambda kv: -kv[1])[:12]
+    top_k = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
     return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy, 1),
             "parts_ms": {k: round(v, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
-            "host_top_ms": {k[:80]: round(v, 2) for k, v in top}}
+            "host_top_ms": {k[:80]: round(v, 2) for k, v in top},
+            "kernels_top_ms": {k[:100]: round(v, 2) for k, v in top_k}}
+
+
+def launched_kernels(event: Any) -> list[Any]:
+    """The GPU kernels ``event`` itself launched. A profiler range (``record_function``: the
+    ``qrl::`` ranges, ``Optimizer.step#...``) launches none: torch's profiler still lists its
+    whole CUDA-side span as a "kernel" named like the range (its legacy CUDA time), which would
+    count every kernel inside the range a second time, so such entries are left out."""
+    if getattr(event, "is_user_annotation", False):
+        return []
+    return [k for k in (getattr(event, "kernels", None) or []) if k.name != event.name]
 
 
 def table(rows: list[dict[str, Any]], layers: int) -> str:
