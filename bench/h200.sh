@@ -91,7 +91,9 @@
 #               (its peak trainer memory next to rlstep's fp8 row)
 #   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first),
 #               micro batch 4 and the qwen3-30b-a3b preset's fast MoE path (no full recompute);
-#               MOE_EXPERTS=stacked: the stacked experts (--qrl-train-moe-experts stacked)
+#               MOE_EXPERTS=stacked: the stacked experts (--qrl-train-moe-experts stacked);
+#               VARIANTS may name FMT@aligned, FMT@replay, FMT@alignedreplay (the aligned forward,
+#               routing replay of every layer, both); NO_TE=1: the local spec even with TE staged
 #   moe30b      bench/train_mfu.py on the Qwen3-30B-A3B slice (${LAYERS_30B:-4} layers, no engine):
 #               ROWS of MoE build settings (gg grouped GEMM, pf permute fusion, rf router fusion,
 #               ag allgather dispatcher, st stacked experts: one torch grouped GEMM per expert
@@ -150,7 +152,9 @@ if [ ! -d /tmp/mcore/megatron ] && ls .whl/megatron_core-*.whl >/dev/null 2>&1; 
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .whl/megatron_core-*.whl
 fi
 te_env() {  # TE on PYTHONPATH once its background build (te-build) has finished and it imports;
-  # a phase that starts while the compile runs waits for it (bounded by the phase's timeout)
+  # a phase that starts while the compile runs waits for it (bounded by the phase's timeout);
+  # NO_TE=1: the local spec now (e.g. beside a running TE build)
+  [ "${NO_TE:-0}" = 1 ] && { echo "NO_TE=1: local spec"; return 0; }
   [ -d /tmp/te_site ] || return 0
   while [ -f /tmp/te_build.pid ] && kill -0 "$(cat /tmp/te_build.pid)" 2>/dev/null; do sleep 5; done
   if PYTHONPATH=$PYTHONPATH:/tmp/te_site python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
@@ -403,6 +407,9 @@ case $phase in
     esac
     python3 bench/rl_step.py "${model[@]}" --formats "$variants" \
       --variant-flags "offload=--use-distributed-optimizer --optimizer-cpu-offload" \
+      --variant-flags "aligned=--qrl-train-forward aligned" \
+      --variant-flags "replay=--qrl-routing-replay all" \
+      --variant-flags "alignedreplay=--qrl-train-forward aligned --qrl-routing-replay all" \
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       ${MOE_EXPERTS:+--moe-experts "$MOE_EXPERTS"} \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \

@@ -107,10 +107,24 @@ def _job(args: argparse.Namespace, ckpt: Path, fmt: str, flags: str, out_dir: Pa
     else:
         qrl += ["--qrl-rollout-engine", "sglang", "--qrl-rollout-sglang-mem-fraction",
                 str(args.mem_fraction)]
-    qrl += shlex.split(args.qrl)
+    qrl_variant, megatron_variant = split_variant_flags(flags)
+    qrl += shlex.split(args.qrl) + qrl_variant
     megatron = (["--bf16"] if args.device != "cpu" else []) + shlex.split(args.megatron) \
-        + shlex.split(flags)
+        + megatron_variant
     return [sys.executable, "-m", "megatron_qrl.rl.cli", *qrl, "--", *megatron]
+
+
+def split_variant_flags(flags: str) -> tuple[list[str], list[str]]:
+    """``(qrl flags, megatron flags)`` of a ``--variant-flags`` value: a ``--qrl-*`` flag and
+    the values after it (up to the next ``--`` flag) go to qrl-train, the rest after ``--``."""
+    qrl: list[str] = []
+    megatron: list[str] = []
+    dest = megatron
+    for tok in shlex.split(flags):
+        if tok.startswith("--"):
+            dest = qrl if tok.startswith("--qrl-") or tok.startswith("--no-qrl-") else megatron
+        dest.append(tok)
+    return qrl, megatron
 
 
 def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
@@ -175,7 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
     p.add_argument("--formats", default="bf16,fp8", help="rollout formats (FMT or FMT@FLAGSNAME)")
     p.add_argument("--variant-flags", action="append", default=[],
-                   help='NAME="megatron flags" for variants FMT@NAME (repeatable)')
+                   help='NAME="flags" for variants FMT@NAME (repeatable): --qrl-* flags (and '
+                        'their values) go to qrl-train, the others to Megatron')
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--steps", type=int, default=2, help="RL steps per job; the last is reported")
     p.add_argument("--prompts", type=int, default=32)

@@ -1,4 +1,4 @@
-"""bench/rl_step.py: active-parameter count (closed form) and the CPU smoke run of one RL step."""
+"""bench/rl_step.py: active-parameter count (closed form), per-variant flags, and the CPU smoke run of one RL step."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.rl_step import active_params  # noqa: E402
+from bench.rl_step import active_params, split_variant_flags  # noqa: E402
 
 
 def _cfg(name: str) -> dict:
@@ -70,3 +70,13 @@ def test_job_runs_under_the_models_preset(tmp_path):
     assert updates("qwen3_30b_a3b") == ("qwen3-30b-a3b", 4, 1e-6)
     assert updates("tiny")[:2] == ("tiny-cpu", 2)
     assert updates("qwen3_4b", "--preset", "tiny-cpu")[:2] == ("tiny-cpu", 2)
+
+
+def test_qrl_flags_and_megatron_flags_split():
+    qrl, meg = split_variant_flags(
+        "--qrl-train-forward aligned --use-distributed-optimizer --qrl-routing-replay all "
+        "--recompute-modules moe_act layernorm --no-qrl-tensorboard")
+    assert qrl == ["--qrl-train-forward", "aligned", "--qrl-routing-replay", "all",
+                   "--no-qrl-tensorboard"]
+    assert meg == ["--use-distributed-optimizer", "--recompute-modules", "moe_act", "layernorm"]
+    assert split_variant_flags("") == ([], [])
