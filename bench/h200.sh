@@ -53,7 +53,7 @@
 #               (carry .stage/teN; the parts are split here with `split -b 57000000 -d`)
 #   te-build    (carry .stage/te0: TE meta wheel, transformer_engine_torch sdist, deps) reassemble,
 #               install, compile transformer_engine_torch against the machine's torch in the
-#               background (setsid; poll with te-test)
+#               background (setsid; poll with te-test; TE_JOBS compile jobs, default 16)
 #   te-test     wait for the build, then tests/gpu/test_te_recipes.py and the te: variants of
 #               bench/aligned_step.py
 #   te-save     after te-build: the compiled transformer_engine_torch as xz parts under $OUT
@@ -287,7 +287,7 @@ case $phase in
     (cd /tmp && tar xzf "$OLDPWD/.stage/te0/transformer_engine_torch-2.20.2.tar.gz")
     # its own --target, merged after: pip --target into the existing te_site skips the
     # extension ("Target directory ... already exists"), measured on the H200
-    NVTE_FRAMEWORK=pytorch MAX_JOBS=16 setsid nohup sh -c "python3 -m pip install -v --no-deps \
+    NVTE_FRAMEWORK=pytorch MAX_JOBS=${TE_JOBS:-16} setsid nohup sh -c "python3 -m pip install -v --no-deps \
       --no-build-isolation --no-index --target /tmp/te_torch /tmp/transformer_engine_torch-2.20.2 \
       && cp -r /tmp/te_torch/. /tmp/te_site/" > /tmp/te_build.log 2>&1 < /dev/null &
     echo $! > /tmp/te_build.pid
