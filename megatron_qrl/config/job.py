@@ -105,6 +105,15 @@ class JobConfig:
                     f"other GPUs of this process's node); in --qrl-mode {mode} the weights reach "
                     "the engine actor by --qrl-ray-weight-transport broadcast, and the actor "
                     "loads them on its own GPU: use --qrl-rollout-sglang-sync auto")
+        if run.trainer_sleep == "on" and mode == "disaggregated":
+            return ("--qrl-trainer-sleep on with --qrl-mode disaggregated: the engine has GPUs "
+                    "of its own, the trainer's sleep frees nothing it can use; drop the flag (or "
+                    "use --qrl-mode colocated)")
+        if (run.trainer_sleep == "on" and not self.ray and ro.engine == "sglang"
+                and not ro.sglang.release_memory):
+            return ("--qrl-trainer-sleep on with --no-qrl-rollout-sglang-release-memory: the "
+                    "engine would keep its memory through training while the trainer wakes "
+                    "beside it; drop --no-qrl-rollout-sglang-release-memory (or the sleep)")
         if run.steps == 0 and (run.sft_steps == 0 or self.compare):
             return (f"--qrl-steps 0{'' if self.compare else ' with --qrl-sft-steps 0'}: nothing "
                     "to run; give --qrl-steps N (or --train-iters N after '--')")

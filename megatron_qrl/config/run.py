@@ -376,6 +376,18 @@ class RunConfig:
     """Ray modes: restarts of the rollout engine actor allowed within one call (a rollout,
     a weight sync) before the job fails."""
 
+    trainer_sleep: Literal["auto", "on", "off"] = field(default="auto",
+                                                       metadata={"on_resume": "may change"})
+    """Put the trainer to sleep while the engine decodes (rl.trainer_sleep): its weights,
+    fp32 main parameters and optimizer state copied to (pinned) host memory and its gradient
+    buffers released before each rollout, restored bit for bit after it (the optimizer state
+    goes to sleep again before the weight sync, the weights after it), so an engine on the
+    trainer's GPU can be given a larger --qrl-rollout-sglang-mem-fraction. auto: on for an
+    SGLang engine on a GPU in --qrl-mode single (with its memory release) or colocated, off
+    otherwise. on: also with the reference engine or on CPU (the same copies, into host
+    memory); not with --qrl-mode disaggregated. Costs a copy of the trainer's state each way
+    per step (time_sleep_s / time_wake_s in metrics.jsonl)."""
+
     def __post_init__(self) -> None:
         if self.preset is not None:
             preset_names(self.preset)  # raises naming the unknown preset
@@ -407,6 +419,7 @@ class RunConfig:
         _choice("--qrl-ray-weight-transport", self.ray_weight_transport,
                 ("auto", "broadcast", "objectstore", "ipc"))
         _real("--qrl-ray-weight-timeout-s", self.ray_weight_timeout_s, 0.0, low_open=True)
+        _choice("--qrl-trainer-sleep", self.trainer_sleep, ("auto", "on", "off"))
 
     def resolved_output_dir(self) -> str:
         """``output_dir``, or the deterministic default ``qrl_runs/<preset>-seed<seed>``."""

@@ -69,6 +69,7 @@ from megatron_qrl.rl.stop import RunStopped, StopRequest
 from megatron_qrl.rl.sync import make_engine, refuse_non_finite
 from megatron_qrl.rl.sync_plan import SyncPlan
 from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
+from megatron_qrl.rl.trainer_sleep import TrainerSleep, sleep_line, trainer_sleep_on
 from megatron_qrl.utils.metrics import MetricsLogger
 from megatron_qrl.utils.run_lock import acquire_run_lock
 
@@ -169,6 +170,7 @@ def _start_rl(ctx: StepContext, data: JobData, step: int, resumed: bool) -> None
         if configs.uaq.enabled:
             _apply_uaq(ctx.trainer, data, configs.uaq.scale)
             policy.plan.weights_changed()
+    ctx.before_sync()  # a sleeping trainer: its optimizer state off the GPU, the engine back
     ctx.sync(step)
 
 
@@ -216,8 +218,8 @@ def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
     serving = _lora_serving(configs, data.arch) if plan.lora is not None else None
     lora_kw = ({"lora": {"lora_rank": configs.lora.rank, "lora_serving": serving}}
                if serving is not None and serving.engine == "sglang" else {})
-    engine = engine_factory(configs.rollout, data.hf_config, run.seed, **lora_kw) \
-        if world.is_main else None
+    sleeper = TrainerSleep.of_policy(trainer.policy) if trainer_sleep_on(configs) else None
+    engine = _start_engine(configs, data, engine_factory, lora_kw, world, sleeper)
     spec, aqn = configs.rollout.spec, configs.aqn
     # a Ray engine under torchrun: its restarts re-sync through every rank (rank_resync)
     ray_ranks = world.world_size > 1 and world.broadcast(hasattr(engine, "bind_resync"))
@@ -267,7 +269,24 @@ def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
     return StepContext(configs, data.tokenizer, data.records, trainer, engine, plan,
                        make_loss_fn(configs), sync, world, mega.seq_length,
                        mega.tp if world.world_size > 1 and mega.sequence_parallel else 1,
-                       release_engine_memory=release)
+                       release_engine_memory=release, sleeper=sleeper,
+                       engine_released=sleeper is not None and release)
+
+
+def _start_engine(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
+                  lora_kw: dict, world: RankWorld, sleeper: TrainerSleep | None) -> Any:
+    """Rank 0's engine (None elsewhere). A sleeping trainer sleeps while the engine starts,
+    so that the engine sizes its memory pool with the trainer's memory free, and wakes once
+    the engine has released its memory again (the first weight sync resumes it)."""
+    if sleeper is not None:
+        sleeper.sleep()
+    engine = engine_factory(configs.rollout, data.hf_config, configs.run.seed, **lora_kw) \
+        if world.is_main else None
+    if sleeper is not None:
+        if engine is not None:
+            engine.release_memory()
+        sleeper.wake()
+    return engine
 
 
 def _lora_serving(configs: QrlConfigs, arch: ModelArch) -> Any:
@@ -285,6 +304,7 @@ def _save(ctx: StepContext, out: Path, done: int, flags: dict[str, Any],
     """Rank 0 writes one checkpoint with every rank's trainer state (atomic, verified);
     its path on rank 0."""
     world = ctx.world
+    ctx.wake_trainer()  # the optimizer state slept since the weight sync (rl.trainer_sleep)
     states = world.gather(ctx.trainer.state_dict())
     path = None
     if world.is_main:
@@ -370,6 +390,7 @@ def _run_locked(configs: QrlConfigs, flags: dict[str, Any], engine_factory: Engi
             f"(--qrl-prox-from-first-update unset: {why})")
     ctx = _build(configs, data, engine_factory, start_weights, world)
     describe_run(ctx, configs, log)
+    log(sleep_line(ctx.sleeper is not None, configs))
     guard = ctx.trainer.guard = BadStepGuard(run.max_bad_steps, log, update_ratio(configs, log))
     sft_steps = 0 if skip_sft else run.sft_steps
     start, resumed = 0, False
@@ -415,6 +436,7 @@ def _run_locked(configs: QrlConfigs, flags: dict[str, Any], engine_factory: Engi
                     raise RunStopped(stop_line(signum, rec["phase"], step, path), signum)
     finally:
         bar.close()
+        ctx.wake_trainer()
         png = logger.close(plot=True) if logger is not None else None
         if ctx.engine is not None:
             ctx.engine.shutdown()

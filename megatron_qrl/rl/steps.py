@@ -82,15 +82,41 @@ class StepContext:
     after each rollout (before recompute + train) and resume it before the weight sync
     (``--qrl-rollout-sglang-release-memory``; the Ray colocated engine does it itself)."""
 
+    sleeper: Any = None
+    """``rl.trainer_sleep.TrainerSleep`` when the trainer sleeps while the engine decodes
+    (``--qrl-trainer-sleep``); None: the trainer stays on its device."""
+
+    engine_released: bool = False
+    """Whether the engine's memory is released now (``engine_memory``)."""
+
     def engine_memory(self, release: bool) -> None:
-        """Release (or resume) the engine's GPU memory when ``release_engine_memory``. Before
-        a resume the trainer's cached free blocks go back to the driver
-        (``torch.cuda.empty_cache``): the activations of recompute + train, freed but still
-        reserved by the caching allocator, would otherwise leave the engine too little."""
-        if self.release_engine_memory and self.world.is_main and self.engine is not None:
+        """Release (or resume) the engine's GPU memory when ``release_engine_memory`` and it
+        is not so already. Before a resume the trainer's cached free blocks go back to the
+        driver (``torch.cuda.empty_cache``): the activations of recompute + train, freed but
+        still reserved by the caching allocator, would otherwise leave the engine too little."""
+        if self.release_engine_memory and self.world.is_main and self.engine is not None \
+                and release != self.engine_released:
             if not release and torch.cuda.is_available():
                 torch.cuda.empty_cache()
             (self.engine.release_memory if release else self.engine.resume_memory)()
+            self.engine_released = release
+
+    def sleep_trainer(self, keep_params: bool = False) -> float:
+        """Seconds the trainer took to fall asleep (``keep_params``: its weights stay for the
+        weight sync); 0.0 without a sleeper."""
+        return 0.0 if self.sleeper is None else self.sleeper.sleep(keep_params).seconds
+
+    def wake_trainer(self) -> float:
+        """Seconds the trainer took to wake (its state back on its device); 0.0 when awake."""
+        return self.sleeper.wake().seconds if self.sleeper is not None and \
+            self.sleeper.asleep else 0.0
+
+    def before_sync(self) -> float:
+        """Make room for the weight sync: the trainer's optimizer state to sleep (weights
+        stay), the engine's memory resumed. Returns the seconds of the sleep."""
+        slept = self.sleep_trainer(keep_params=True)
+        self.engine_memory(release=False)
+        return slept
 
     def check_length(self, batch: dict) -> dict:
         """``batch`` padded to ``seq_multiple``; raise naming ``--seq-length`` when longer."""
@@ -179,11 +205,15 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    slept = ctx.sleep_trainer()  # the engine gets the GPU while it decodes
+    asleep_gib = torch.cuda.memory_allocated() / 2**30 if cuda and ctx.sleeper else None
     t0 = time.perf_counter()
     batch, rewards, texts, over_budget, waves = ctx.world.from_main(lambda: _rollout(ctx, step))
     batch = ctx.check_length(batch)
     ctx.engine_memory(release=True)  # the trainer's recompute + update run next
     t1 = time.perf_counter()
+    woke = ctx.wake_trainer()
+    t1 += woke
     groups = micro_batches(ctx, batch)
     mbs = [mb for group in groups for mb in group]
     first = prox_from_first_update(ctx.configs)
@@ -195,10 +225,14 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     if first:
         counts.append(ctx.trainer.last_routing_counts)
     t3 = time.perf_counter()
-    ctx.engine_memory(release=False)
+    slept_state = ctx.before_sync()
+    t3 += slept_state
     synced = ctx.sync(step + 1)
     t4 = time.perf_counter()
     rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    if ctx.sleeper is not None:  # the trainer slept through the rollout (rl.trainer_sleep)
+        rec.update(time_sleep_s=slept + slept_state, time_wake_s=woke,
+                   trainer_gpu_gib_asleep=asleep_gib)
     if waves is not None:  # the engine reports its capacity (rollout.capacity)
         rec["rollout_waves"] = waves
     if getattr(synced, "adapter_bytes", None) is not None:  # LoRA: adapters over the wire
