@@ -117,7 +117,8 @@
 #               random 4B checkpoint (randckpt) on the warm machine; ~8.5 min in all
 #   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single; MODE=colocated: the engine
 #               in a Ray actor, needs ray-install), 3 RL steps on the random Qwen3-4B, no checkpoint
-#               written; the metrics go to $OUT/example4b_${MODE}_metrics.jsonl
+#               written; SLEEP=on: the trainer asleep during rollout (engine mem fraction 0.6
+#               unless MEM_FRACTION); the metrics go to $OUT/example4b_${MODE}_sleep${SLEEP}_metrics.jsonl
 #   slime-part N, slime-install, slime-ckpt, slime-run   slime 0.3.1 staged and run with and
 #               without our flags on one GPU: bench/slime.sh, sourced here, lists what each does
 #   mg-parity, mg-engine, mg-fleet, mg-dist-test, mg-sync, mg-30b   the multi-GPU runs
@@ -448,9 +449,9 @@ case $phase in
     CKPT=/tmp/qrl_random_ckpt/qwen3_4b-allL STEPS=${STEPS:-3} SAVE_INTERVAL=-1 \
       OUT=/tmp/qrl_example4b bash examples/run_qwen3_4b_1gpu.sh 2>&1 \
       | grep -v Warning | tail -n 25
-    m="$OUT/example4b_${MODE:-single}_metrics.jsonl"
+    m="$OUT/example4b_${MODE:-single}_sleep${SLEEP:-off}_metrics.jsonl"
     cp /tmp/qrl_example4b/metrics.jsonl "$m" 2>/dev/null && rm -rf /tmp/qrl_example4b
-    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
+    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'time_sleep_s', 'time_wake_s', 'trainer_gpu_gib_asleep', 'rollout_waves', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
   fleet)
     python3 -c "import ray; print('ray', ray.__version__)" || echo "Ray is not in the site: the fleet test skips"
     python3 -m pytest -q tests/gpu/test_sglang_fleet.py -s 2>&1 \

@@ -21,6 +21,12 @@
 # OFFLOAD=1 (--use-distributed-optimizer --optimizer-cpu-offload: masters + Adam on the CPU),
 # RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
+# SLEEP=on|off|auto (--qrl-trainer-sleep; default off, as the preset): on puts the trainer to
+# sleep while the engine decodes (weights, fp32 masters and Adam state in pinned host memory,
+# grad buffers released; docs/LAUNCH.md "The trainer asleep during rollout"), so the engine
+# starts beside a sleeping trainer with MEM_FRACTION default 0.6 instead of 0.3 (its KV pool
+# for all 256 samples at once); the sync then runs beside the trainer's BF16 weights only.
+# Not with RELEASE=0. metrics.jsonl: time_sleep_s, time_wake_s, trainer_gpu_gib_asleep.
 # STATUS: RAN AS SHIPPED on one H200 (2026-12-02, commit 3b72f6b, `bash bench/h200.sh example4b`
 # and `MODE=colocated bash bench/h200.sh example4b`: default flags, random Qwen3-4B from
 # tools/make_random_checkpoint.py, TE spec): 3 RL steps in each mode. MODE=single: rollout
@@ -46,6 +52,8 @@ fi
 if [ -n "${TIMPL:-}" ]; then MEMORY_ARGS+=(--transformer-impl "${TIMPL}"); fi
 RELEASE_ARGS=()
 if [ "${RELEASE:-1}" = 0 ]; then RELEASE_ARGS+=(--no-qrl-rollout-sglang-release-memory); fi
+SLEEP=${SLEEP:-off}
+if [ "${SLEEP}" = on ]; then MEM_FRACTION=${MEM_FRACTION:-0.6}; fi
 QRL_ARGS=(
     --qrl-preset qwen3-4b-1gpu --qrl-model checkpoint --qrl-checkpoint "${CKPT}"
     --qrl-rollout-engine sglang
@@ -53,6 +61,7 @@ QRL_ARGS=(
     --qrl-rollout-sglang-mem-fraction "${MEM_FRACTION:-0.3}"
     --qrl-rollout-max-new-tokens "${MAX_NEW_TOKENS:-1024}"
     --qrl-micro-batch-size "${MICRO_BATCH:-4}" "${RELEASE_ARGS[@]}"
+    --qrl-trainer-sleep "${SLEEP}"
     --qrl-output-dir "${OUT:-qrl_runs/qwen3-4b-${FORMAT:-fp8}}"
 )
 if [ -n "${STEPS:-}" ]; then QRL_ARGS+=(--qrl-steps "${STEPS}"); fi

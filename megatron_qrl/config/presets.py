@@ -82,6 +82,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-prompts-per-step": 32,
         "--qrl-micro-batch-size": 4,
         "--qrl-save-interval": 50,
+        # the trainer stays resident through the rollout until the H200 run with
+        # examples/run_qwen3_4b_1gpu.sh SLEEP=on (mem fraction 0.6) shows the sleep pays
+        "--qrl-trainer-sleep": "off",
     },
     "qwen3-30b-a3b": {
         "--qrl-model": "checkpoint",

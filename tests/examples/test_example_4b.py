@@ -49,3 +49,17 @@ def test_knobs(tmp_path):
     assert megatron[megatron.index("--transformer-impl") + 1] == "local"
     with pytest.raises(Exception, match="CUDA|GPU"):  # offload needs a GPU (CPU host here)
         parse_megatron_flags(megatron)
+
+
+@pytest.mark.parametrize("env,sleep,fraction", [
+    ({}, "off", "0.3"),
+    ({"SLEEP": "on"}, "on", "0.6"),
+    ({"SLEEP": "on", "MEM_FRACTION": "0.5"}, "on", "0.5"),
+    ({"SLEEP": "off", "MEM_FRACTION": "0.4"}, "off", "0.4"),
+])
+def test_sleep_knob_sets_the_flag_and_the_engine_fraction(tmp_path, env, sleep, fraction):
+    """SLEEP=on puts the trainer to sleep during rollout and gives the engine 0.6 of the GPU
+    (MEM_FRACTION still wins); the default keeps the preset's resident trainer at 0.3."""
+    qrl, _ = _split(_captured_args(tmp_path, SCRIPT, {"CKPT": str(tmp_path), **env}))
+    assert qrl[qrl.index("--qrl-trainer-sleep") + 1] == sleep
+    assert qrl[qrl.index("--qrl-rollout-sglang-mem-fraction") + 1] == fraction

@@ -1,0 +1,102 @@
+"""H200: the trainer's sleep on CUDA (rl.trainer_sleep) frees its memory and restores it exactly.
+
+A small dense policy (BF16 weights, fp32 main parameters, fp32 grad buffer, Adam moments: the
+4B example's precision, with and without the distributed optimizer) takes one optimizer step;
+then ``TrainerSleep.sleep()`` must bring ``torch.cuda.memory_allocated`` down by at least 90%
+of what the trainer holds (its allocations since the model was built), the host copies must be
+pinned, and ``wake()`` must give back every weight, main parameter and Adam moment bit for bit
+in the same tensor objects; the next step after the wake must equal the second step of a twin
+policy built the same way that never slept. Prints the sleep / wake seconds and the copy rate (no speed claim: the
+4B example's metrics.jsonl carries time_sleep_s / time_wake_s).
+
+Run: ``pytest tests/gpu/test_trainer_sleep_cuda.py -s`` (< 1 min; bench/h200.sh ``gpu-tests
+FILES=tests/gpu/test_trainer_sleep_cuda.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from megatron_qrl.rl.trainer_sleep import TrainerSleep, trainer_tensors  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from megatron_qrl.models.runtime import single_process_megatron
+
+    with single_process_megatron():
+        yield
+
+
+def _policy(distributed: bool):
+    from megatron.core import tensor_parallel
+
+    from megatron_qrl.data import CharTokenizer, tiny_dense_config
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
+
+    tok = CharTokenizer()
+    cfg = tiny_dense_config(tok.vocab_size) | {"hidden_size": 512, "intermediate_size": 1536,
+                                               "num_hidden_layers": 4}
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return tok, PolicyTrainer(build_policy(arch_from_dict(cfg, source="test"), 1e-3, bf16=True,
+                                           options=TrainerOptions(
+                                               transformer_impl="local",
+                                               distributed_optimizer=distributed)))
+
+
+def _step(tok, trainer):
+    from megatron_qrl.rl.batch import sft_batch, split_batch
+    from megatron_qrl.rl.steps import _sft_loss
+
+    batch = sft_batch([tok.encode("12+34=")] * 8, [[*tok.encode("46"), tok.eos_id]] * 8)
+    return trainer.train_step(split_batch(batch, 4), _sft_loss, per_token_loss=False)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_sleep_frees_the_trainer_and_wake_restores_it(megatron, distributed):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    tok, trainer = _policy(distributed)
+    _step(tok, trainer)
+    tensors = trainer_tensors(trainer.policy.ddp, trainer.policy.optimizer)
+    kept = {r: [_bits(t) for t in ts] for r, ts in tensors.items() if r != "grads"}
+    torch.cuda.synchronize()
+    full = torch.cuda.memory_allocated()
+    own = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+               for ts in tensors.values() for t in ts}.values())
+
+    sleeper = TrainerSleep.of_policy(trainer.policy)
+    slept = sleeper.sleep()
+    asleep = torch.cuda.memory_allocated()
+    woke = sleeper.wake()
+    gb = slept.bytes_copied / 1e9
+    print(f"\n[sleep] distributed={distributed}: trainer {own / 2**20:.0f} MiB, freed "
+          f"{(full - asleep) / 2**20:.0f} MiB; sleep {slept.seconds:.3f} s, wake "
+          f"{woke.seconds:.3f} s ({gb / max(slept.seconds, 1e-9):.1f} / "
+          f"{gb / max(woke.seconds, 1e-9):.1f} GB/s)")
+    assert full - asleep >= 0.9 * (full - base)
+    assert all(h.is_pinned() for pool in sleeper._pool.values() for h in pool)
+    after = trainer_tensors(trainer.policy.ddp, trainer.policy.optimizer)
+    assert [id(t) for ts in after.values() for t in ts] == \
+        [id(t) for ts in tensors.values() for t in ts]
+    for role, bits in kept.items():
+        for t, b in zip(after[role], bits):
+            assert torch.equal(_bits(t), b), role
+    _, twin = _policy(distributed)  # never slept
+    _step(tok, twin)
+    (m1, g1), (m2, g2) = _step(tok, trainer), _step(tok, twin)
+    assert m1 == m2 and g1 == g2
+    for p, q in zip(trainer.module.parameters(), twin.module.parameters()):
+        assert torch.equal(p, q)
