@@ -337,6 +337,22 @@ def test_colocated_releases_memory_around_training(cluster, single_run, tmp_path
 
 
 @pytest.mark.slow
+def test_colocated_trainer_sleep_equals_single_mode(cluster, single_run, tmp_path):
+    """--qrl-trainer-sleep on, colocated: the same records as the single-mode run; the actor
+    starts beside the sleeping trainer and releases before it wakes (rl.trainer_sleep)."""
+    calls = tmp_path / "calls.jsonl"
+    co = _job(cluster, tmp_path / "c", "--qrl-mode", "colocated", "--qrl-trainer-sleep", "on",
+              "--calls", str(calls))
+    sleep_keys = ("time_sleep_s", "time_wake_s", "trainer_gpu_gib_asleep")
+    assert all(r["time_wake_s"] > 0 for r in co if r["phase"] == "rl")
+    assert [{k: v for k, v in r.items() if k not in sleep_keys} for r in co] == single_run
+    (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
+    step = ["generate", "release_memory", "resume_memory", "update_weights"]
+    assert log == {"calls": ["release_memory", "resume_memory", "update_weights", *step, *step],
+                   "restarts": 0}
+
+
+@pytest.mark.slow
 def test_killed_actor_restarts_and_reproduces_the_run(single_run, killed_run):
     killed, (log,) = killed_run
     assert killed == single_run
