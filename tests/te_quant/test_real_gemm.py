@@ -170,19 +170,29 @@ def _logits(model, x):
     return megatron_logits(model, x)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-@pytest.mark.parametrize("fmt", REAL)
-def test_model_real_equals_fake(megatron, kind, fmt):
-    """FP32 tiny model (local spec; MoE: stacked experts, one grouped GEMM): real == fake
-    logits to 1e-4 up to rounding-boundary flips; the cache holds codes, once per step."""
+def _model(kind, fmt):
     from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
+    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
     from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook, compose_hooks
+    from tests.helpers.te_spec_cpu import build_te_shaped
 
-    hf, arch = tiny_hf(kind)
+    hf, arch = tiny_hf(kind.removeprefix("te-"))
     state = AlignedForwardState(fmt)
+    if kind.startswith("te-"):  # TE spec names (TEGroupedMLP with --moe-grouped-gemm)
+        model = build_te_shaped(arch, aligned_spec_hook(state), moe_grouped_gemm=arch.is_moe)
+        load_hf_weights(model, arch, hf_state(hf).__getitem__, groups_from_parallel_state())
+        return state, model
     hook = compose_hooks(stacked_experts_spec_hook if kind == "moe" else None,
                          aligned_spec_hook(state))
-    model = build(arch, hf_state(hf), hook)
+    return state, build(arch, hf_state(hf), hook)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "te-dense", "te-moe"])
+@pytest.mark.parametrize("fmt", REAL)
+def test_model_real_equals_fake(megatron, kind, fmt):
+    """FP32 tiny model (local spec, MoE: stacked experts; TE spec, MoE: TEGroupedMLP): real ==
+    fake logits to 1e-4 up to rounding-boundary flips; the cache holds codes, once per step."""
+    state, model = _model(kind, fmt)
     x = ids(**FLIP_BATCH)
     fake = _logits(model, x)
     state.gemm = "real"
