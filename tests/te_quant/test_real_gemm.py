@@ -214,3 +214,65 @@ def test_state_refuses_real_for_a_format_without_kernel():
 
     with pytest.raises(ValueError, match="--qrl-train-aligned-gemm real: fp8_block"):
         AlignedForwardState("fp8_block", gemm="real")
+
+
+def _tp_linears(model):
+    layer = model.decoder.layers[0]
+    return {"qkv": layer.self_attention.linear_qkv, "proj": layer.self_attention.linear_proj,
+            "fc1": layer.mlp.linear_fc1, "fc2": layer.mlp.linear_fc2}
+
+
+def _tp_worker(rank, world_size, port, tensors, fmt):
+    """Each linear of layer 0 at TP=2 (sequence parallel): output, input and weight gradients
+    of the real path and the fake path for the same input and output gradient."""
+    from megatron_qrl.compat import cpu_device_mode, destroy_cpu_distributed, init_cpu_distributed
+    from megatron_qrl.models.builder import ParallelLayout
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
+    from tests.helpers.te_quant_fixtures import quiet_torch_trace, tiny_cfg
+
+    init_cpu_distributed(rank, world_size, port, tp=world_size)
+    try:
+        with quiet_torch_trace(), cpu_device_mode():
+            arch = arch_from_dict(tiny_cfg("dense", num_attention_heads=4, num_key_value_heads=2))
+            state = AlignedForwardState(fmt)
+            model = build(arch, tensors, aligned_spec_hook(state),
+                          layout=ParallelLayout(tp=world_size))
+            assert model.config.sequence_parallel
+            out = {}
+            for name, lin in _tp_linears(model).items():
+                g = torch.Generator().manual_seed(100 + rank)
+                row = name in ("proj", "fc2")  # input split over TP; else sequence-split rows
+                x = torch.randn(8 if row else 4, 2, lin.input_size_per_partition if row
+                                else lin.input_size, generator=g) * 3
+                res = {}
+                for gemm in ("fake", "real"):
+                    state.gemm = gemm
+                    state.mark_weights_updated()
+                    lin.zero_grad()
+                    xi = x.clone().requires_grad_()
+                    y = lin(xi)[0]
+                    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(7)))
+                    res[gemm] = (y.detach(), xi.grad, lin.weight.grad.clone())
+                out[name] = res
+            return out
+    finally:
+        destroy_cpu_distributed()
+
+
+@pytest.mark.parametrize("fmt", REAL)
+def test_tp2_sequence_parallel_real_equals_fake(fmt):
+    """TP=2 with sequence parallelism, each kind of linear (column with the sequence-parallel
+    gather, row with input features split): row-parallel weight and token scales span both
+    ranks (gathered), the gather and the dgrad reduction are megatron's. FP32: output and
+    gradients equal the fake path's to fp32 summation order (1e-5 of the largest); a local
+    token / weight scale or a missing reduction moves them by a quantization step or more."""
+    from tests.helpers.mp_utils import run_distributed
+
+    hf, _ = tiny_hf("dense", num_attention_heads=4, num_key_value_heads=2)
+    for out in run_distributed(_tp_worker, 2, hf_state(hf), fmt):
+        for name, res in out.items():
+            for what, real, fake in zip(("y", "dx", "dW"), res["real"], res["fake"]):
+                torch.testing.assert_close(real, fake, rtol=1e-5,
+                                           atol=1e-5 * fake.abs().max().item(),
+                                           msg=lambda m, n=name, w=what: f"{fmt} {n} {w}: {m}")
