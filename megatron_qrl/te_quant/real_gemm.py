@@ -268,14 +268,16 @@ def grouped_real_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
 class GroupedRealFn(torch.autograd.Function):
     """Grouped experts through the real GEMM; backward: the fake path's grouped GEMM
     (:func:`megatron_qrl.models.grouped_gemm.grouped_mm`) differentiated on the dequantized
-    operands (the same ops as the fake path, recomputed: one BF16 grouped GEMM more)."""
+    operands (the same ops as the fake path, recomputed: one BF16 grouped GEMM more). The
+    masters are one stacked ``[E, N, K]`` weight or one ``[N, K]`` weight per expert (the
+    gradient is unbound into them, no stacked copy of the masters)."""
 
     @staticmethod
-    def forward(ctx, x, stacked, qw, spec, counts, group):  # noqa: D401
+    def forward(ctx, x, qw, spec, counts, *masters):  # noqa: D401
         xq, xs = activation_operand(spec, x, 0, None)
         y = grouped_real_mm(xq, xs, qw.codes, qw.scale, counts, kernel_for(spec), x.dtype)
         ctx.save_for_backward(xq, xs)
-        ctx.qw, ctx.counts = qw, counts
+        ctx.qw, ctx.counts, ctx.stacked = qw, counts, len(masters) == 1 and masters[0].dim() == 3
         return y
 
     @staticmethod
@@ -284,21 +286,24 @@ class GroupedRealFn(torch.autograd.Function):
 
         xq, xs = ctx.saved_tensors
         x = (xq.float() * xs).to(grad.dtype).requires_grad_(ctx.needs_input_grad[0])
-        w = ctx.qw.dequantize(grad.dtype).requires_grad_(ctx.needs_input_grad[1])
+        w = ctx.qw.dequantize(grad.dtype).requires_grad_(any(ctx.needs_input_grad[4:]))
         with torch.enable_grad():
             y = grouped_mm(x, w, ctx.counts)
             want = [t for t in (x, w) if t.requires_grad]
             grads = iter(torch.autograd.grad(y, want, grad) if want else ())
         gx = next(grads) if x.requires_grad else None
         gw = next(grads) if w.requires_grad else None
-        return gx, gw, None, None, None, None
+        n = len(ctx.needs_input_grad) - 4
+        gws = (gw,) if ctx.stacked else (gw.unbind(0) if gw is not None else (None,) * n)
+        return (gx, None, None, None, *gws)
 
 
-def grouped_real_linear(x: torch.Tensor, stacked: torch.Tensor, qw: RealWeight,
+def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWeight,
                         spec: QuantSpec, counts: list[int]) -> torch.Tensor:
-    """``cat_e(Q_a(x_e) @ Q_w(W_e)^T)`` through the real GEMM; ``stacked`` ``[E, N, K]``
-    receives the straight-through gradient (:class:`GroupedRealFn`)."""
-    return GroupedRealFn.apply(x, stacked, qw, spec, [int(c) for c in counts], None)
+    """``cat_e(Q_a(x_e) @ Q_w(W_e)^T)`` through the real GEMM; ``masters`` (one stacked
+    ``[E, N, K]`` weight or one weight per expert) receive the straight-through gradient
+    (:class:`GroupedRealFn`)."""
+    return GroupedRealFn.apply(x, qw, spec, [int(c) for c in counts], *masters)
 
 
 def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor], parallel_dim: int,

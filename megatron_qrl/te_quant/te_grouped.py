@@ -80,6 +80,10 @@ class AlignedGroupedGemm:
         gradient into them."""
         raise NotImplementedError
 
+    def _real_masters(self) -> list[torch.Tensor]:
+        """The parameters the real path's straight-through gradient goes into."""
+        return self.weights()
+
     def _qrl_key(self) -> tuple:
         return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
 
@@ -119,7 +123,7 @@ class AlignedGroupedGemm:
         (:func:`~megatron_qrl.models.grouped_gemm.grouped_mm`); aligned: the stacked cached
         ``Q_w(W)`` and ``Q_a`` of all rows in one call (per-token scales: equal per expert)."""
         if self.qrl_state.is_enabled(self.qrl_kind) and self.qrl_state.gemm == "real":
-            return grouped_real_linear(x, self._masters(None), self.real_weights(),
+            return grouped_real_linear(x, self._real_masters(), self.real_weights(),
                                        self.qrl_state.spec, m_splits), None
         if self.qrl_state.is_enabled(self.qrl_kind):
             stacked = self._masters(self.quantized_weights())
@@ -268,6 +272,9 @@ class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
 
     def _qrl_key(self) -> tuple:
         return (self.qrl_state.version, self.weight._version, self.weight.data_ptr())
+
+    def _real_masters(self) -> list[torch.Tensor]:
+        return [self.weight]
 
     def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
         return self.weight if quantized is None else _UseQuantized.apply(self.weight, quantized)

@@ -64,10 +64,24 @@ def test_real_refused_where_no_kernel_names_the_flag(fmt, device):
 
 
 def test_flag_parsed_and_checked():
-    from megatron_qrl.config.run import TrainForwardConfig
+    from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
+    from megatron_qrl.rl.cli import parse_configs
+    from megatron_qrl.te_quant import trainer_forward
     from megatron_qrl.te_quant.forward import aligned_gemm
 
     assert TrainForwardConfig().aligned_gemm == "auto"
+    configs = parse_configs(["--qrl-preset", "tiny-cpu", "--qrl-train-aligned-gemm", "real"])[0]
+    assert configs["train"].aligned_gemm == "real"
+    _, dense = tiny_hf("dense")
+    fwd = trainer_forward(TrainForwardConfig("aligned", aligned_gemm="real"), "int8",
+                          RoutingReplayConfig("off"), dense)
+    assert fwd.aligned.gemm == "real"
+    auto = trainer_forward(TrainForwardConfig("aligned"), "fp8", RoutingReplayConfig("off"), dense)
+    if not torch.cuda.is_available():
+        assert auto.aligned.gemm == "fake"  # the CPU keeps the fake path under auto
+    with pytest.raises(ValueError, match="--qrl-train-aligned-gemm real: fp8_block"):
+        trainer_forward(TrainForwardConfig("aligned", aligned_gemm="real"), "fp8_block",
+                        RoutingReplayConfig("off"), dense)
     with pytest.raises(ValueError, match="--qrl-train-aligned-gemm"):
         TrainForwardConfig(aligned_gemm="fast")
     assert aligned_gemm("fp8", "auto", device=CPU) == "fake"
@@ -136,8 +150,11 @@ def test_real_linear_gradients_equal_the_fake_path(fmt):
     assert torch.equal(xr.grad, xf.grad) and torch.equal(wr.grad, wf.grad)
 
 
+@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per-expert-masters"])
 @pytest.mark.parametrize("fmt", REAL)
-def test_grouped_real_equals_per_expert_fake(fmt):
+def test_grouped_real_equals_per_expert_fake(fmt, per_expert):
+    """Stacked experts (one ``[E, N, K]`` master) and TE's grouped linear (one master per
+    expert): outputs within the bound per expert, gradients bit-equal to the fake path's."""
     spec = get_spec(fmt)
     counts = [5, 0, 11, 8]
     x, _ = _operands(seed=2, m=sum(counts), k=64)
@@ -146,7 +163,8 @@ def test_grouped_real_equals_per_expert_fake(fmt):
     qws = [weight_operand(spec, w) for w in ws]
     qw = RealWeight(torch.stack([q.codes for q in qws]), torch.stack([q.scale for q in qws]))
     xr = x.clone().requires_grad_()
-    real = grouped_real_linear(xr, stacked, qw, spec, counts)
+    masters = [w.clone().requires_grad_() for w in ws] if per_expert else [stacked]
+    real = grouped_real_linear(xr, masters, qw, spec, counts)
     xf = x.clone().requires_grad_()
     wf = torch.stack(ws).requires_grad_()
     from megatron_qrl.models.grouped_gemm import grouped_mm
@@ -161,7 +179,8 @@ def test_grouped_real_equals_per_expert_fake(fmt):
     g = torch.randn_like(fake)
     real.backward(g)
     fake.backward(g)
-    assert torch.equal(xr.grad, xf.grad) and torch.equal(stacked.grad, wf.grad)
+    got = torch.stack([m.grad for m in masters]) if per_expert else stacked.grad
+    assert torch.equal(xr.grad, xf.grad) and torch.equal(got, wf.grad)
 
 
 def _logits(model, x):
