@@ -117,14 +117,16 @@ def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
               out_dtype: torch.dtype) -> torch.Tensor:
     """``(xq @ wq^T) * xs * ws^T`` of FP8 E4M3 codes: ``torch._scaled_mm`` with row-wise fp32
     scales ``xs`` ``[M, 1]``, ``ws`` ``[N, 1]``. On CUDA K and N are zero-padded to multiples
-    of 16 (the kernel's alignment) where needed."""
+    of 16 (the kernel's alignment) where needed, and the output is BF16 (the row-wise
+    kernel's only output type) cast to ``out_dtype``."""
     m, n = xq.shape[0], wq.shape[0]
+    dtype = torch.bfloat16 if xq.is_cuda else out_dtype
     if xq.is_cuda and (xq.shape[1] % 16 or n % 16):
         xq, wq = _pad(xq, 1, 16), _pad(_pad(wq, 1, 16), 0, 16)
         ws = _pad(ws, 0, 16)
     y = torch._scaled_mm(xq, wq.t(), scale_a=xs.contiguous(), scale_b=ws.reshape(1, -1),
-                         out_dtype=out_dtype)
-    return y[:m, :n]
+                         out_dtype=dtype)
+    return y[:m, :n].to(out_dtype)
 
 
 def int_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
@@ -273,8 +275,8 @@ class GroupedRealFn(torch.autograd.Function):
     gradient is unbound into them, no stacked copy of the masters)."""
 
     @staticmethod
-    def forward(ctx, x, qw, spec, counts, *masters):  # noqa: D401
-        xq, xs = activation_operand(spec, x, 0, None)
+    def forward(ctx, x, qw, spec, counts, parallel_dim, group, *masters):  # noqa: D401
+        xq, xs = activation_operand(spec, x, parallel_dim, group)
         y = grouped_real_mm(xq, xs, qw.codes, qw.scale, counts, kernel_for(spec), x.dtype)
         ctx.save_for_backward(xq, xs)
         ctx.qw, ctx.counts, ctx.stacked = qw, counts, len(masters) == 1 and masters[0].dim() == 3
@@ -286,24 +288,27 @@ class GroupedRealFn(torch.autograd.Function):
 
         xq, xs = ctx.saved_tensors
         x = (xq.float() * xs).to(grad.dtype).requires_grad_(ctx.needs_input_grad[0])
-        w = ctx.qw.dequantize(grad.dtype).requires_grad_(any(ctx.needs_input_grad[4:]))
+        w = ctx.qw.dequantize(grad.dtype).requires_grad_(any(ctx.needs_input_grad[6:]))
         with torch.enable_grad():
             y = grouped_mm(x, w, ctx.counts)
             want = [t for t in (x, w) if t.requires_grad]
             grads = iter(torch.autograd.grad(y, want, grad) if want else ())
         gx = next(grads) if x.requires_grad else None
         gw = next(grads) if w.requires_grad else None
-        n = len(ctx.needs_input_grad) - 4
+        n = len(ctx.needs_input_grad) - 6
         gws = (gw,) if ctx.stacked else (gw.unbind(0) if gw is not None else (None,) * n)
-        return (gx, None, None, None, *gws)
+        return (gx, None, None, None, None, None, *gws)
 
 
 def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWeight,
-                        spec: QuantSpec, counts: list[int]) -> torch.Tensor:
+                        spec: QuantSpec, counts: list[int], parallel_dim: int = 0,
+                        group=None) -> torch.Tensor:
     """``cat_e(Q_a(x_e) @ Q_w(W_e)^T)`` through the real GEMM; ``masters`` (one stacked
     ``[E, N, K]`` weight or one weight per expert) receive the straight-through gradient
-    (:class:`GroupedRealFn`)."""
-    return GroupedRealFn.apply(x, qw, spec, [int(c) for c in counts], *masters)
+    (:class:`GroupedRealFn`); ``parallel_dim`` 1 with an expert-TP ``group``: the input's
+    features are split, token scales taken over the gathered row."""
+    return GroupedRealFn.apply(x, qw, spec, [int(c) for c in counts], parallel_dim, group,
+                               *masters)
 
 
 def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor], parallel_dim: int,

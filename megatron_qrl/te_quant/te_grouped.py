@@ -124,7 +124,9 @@ class AlignedGroupedGemm:
         ``Q_w(W)`` and ``Q_a`` of all rows in one call (per-token scales: equal per expert)."""
         if self.qrl_state.is_enabled(self.qrl_kind) and self.qrl_state.gemm == "real":
             return grouped_real_linear(x, self._real_masters(), self.real_weights(),
-                                       self.qrl_state.spec, m_splits), None
+                                       self.qrl_state.spec, m_splits,
+                                       1 if self.parallel_mode == "row" else 0,
+                                       self.tp_group), None
         if self.qrl_state.is_enabled(self.qrl_kind):
             stacked = self._masters(self.quantized_weights())
             x = quantize_input(self.qrl_state, x, 1 if self.parallel_mode == "row" else 0,
