@@ -28,6 +28,7 @@ w4a16, nvfp4       none yet: fake                weight-only / FP4: dequantize +
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,14 @@ def _real_support(spec: QuantSpec, device: DeviceInfo) -> tuple[str | None, str]
             return None, f"{spec.name}: blockwise scales need a block-scaled GEMM (not wired yet)"
         # weight-only (w4a16) / FP4 (nvfp4): Hopper has no such tensor-core GEMM from torch
         return None, f"{spec.name}: weight-only / FP4 formats dequantize into a BF16 GEMM"
-    cuda = device.kind == "cuda"
-    if spec.weight_format == "float8_e4m3fn":
-        if cuda and (device.capability or (0, 0)) < (8, 9):
-            return None, f"fp8 GEMMs need CUDA sm >= 89, this GPU is sm {device.capability}"
-        return "scaled_mm", "torch._scaled_mm (row-wise scales)"
-    if spec.weight_format == "int8":
-        return "int_mm", "torch._int_mm (int32 accumulate) + fp32 scales"
-    return None, f"{spec.name}: no real GEMM for weight format {spec.weight_format}"
+    kernel = KERNELS.get(spec.weight_format)
+    if kernel is None:
+        return None, f"{spec.name}: no real GEMM for weight format {spec.weight_format}"
+    if device.kind == "cuda" and (device.capability or (0, 0)) < kernel.min_capability:
+        return None, (f"{spec.weight_format} GEMMs need CUDA sm >= "
+                      f"{''.join(map(str, kernel.min_capability))}, this GPU is sm "
+                      f"{device.capability}")
+    return spec.weight_format, kernel.what
 
 
 def select_gemm(spec: QuantSpec, device: DeviceInfo, mode: str = "auto") -> GemmChoice:
@@ -114,14 +115,16 @@ def _pad(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Te
 
 
 def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, cuda_shapes: bool | None = None) -> torch.Tensor:
     """``(xq @ wq^T) * xs * ws^T`` of FP8 E4M3 codes: ``torch._scaled_mm`` with row-wise fp32
     scales ``xs`` ``[M, 1]``, ``ws`` ``[N, 1]``. On CUDA K and N are zero-padded to multiples
     of 16 (the kernel's alignment) where needed, and the output is BF16 (the row-wise
-    kernel's only output type) cast to ``out_dtype``."""
+    kernel's only output type) cast to ``out_dtype``. ``cuda_shapes`` (default: on CUDA)
+    forces the padding."""
     m, n = xq.shape[0], wq.shape[0]
+    pad = xq.is_cuda if cuda_shapes is None else cuda_shapes
     dtype = torch.bfloat16 if xq.is_cuda else out_dtype
-    if xq.is_cuda and (xq.shape[1] % 16 or n % 16):
+    if pad and (xq.shape[1] % 16 or n % 16):
         xq, wq = _pad(xq, 1, 16), _pad(_pad(wq, 1, 16), 0, 16)
         ws = _pad(ws, 0, 16)
     y = torch._scaled_mm(xq, wq.t(), scale_a=xs.contiguous(), scale_b=ws.reshape(1, -1),
@@ -130,28 +133,42 @@ def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
 
 
 def int_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
+           out_dtype: torch.dtype, cuda_shapes: bool | None = None) -> torch.Tensor:
     """``(xq @ wq^T) * xs * ws^T`` of INT8 codes: ``torch._int_mm`` (int32, exact) then the fp32
     scales, as SGLang's ``int8_scaled_mm``. On CUDA (M > 16, K and N multiples of 8) the
-    operands are zero-padded where needed."""
+    operands are zero-padded where needed (``cuda_shapes``, default: on CUDA)."""
     m, n = xq.shape[0], wq.shape[0]
-    if xq.is_cuda:
+    if xq.is_cuda if cuda_shapes is None else cuda_shapes:
         xq = _pad(_pad(xq, 1, 8), 0, 8, minimum=32)
         wq = _pad(_pad(wq, 1, 8), 0, 8)
     acc = torch._int_mm(xq, wq.t())[:m, :n]
     return (acc.float() * xs * ws.reshape(1, -1)).to(out_dtype)
 
 
-KERNELS = {"scaled_mm": scaled_mm, "int_mm": int_mm}
-"""Kernel name (:func:`_real_support`) -> the GEMM of codes and scales."""
+@dataclass(frozen=True)
+class Kernel:
+    """A real GEMM of codes and scales: ``fn(xq, xs, wq, ws, out_dtype)``."""
+
+    fn: Callable[..., torch.Tensor]
+    min_capability: tuple[int, int]
+    """Lowest CUDA compute capability with the kernel (the CPU has both)."""
+    what: str
 
 
-def kernel_for(spec: QuantSpec) -> str:
-    """The real GEMM's kernel name for ``spec`` (its fields, not its name)."""
-    kernel, reason = _real_support(spec, DeviceInfo("cpu"))
-    if kernel is None:
+KERNELS: dict[str, Kernel] = {
+    "float8_e4m3fn": Kernel(scaled_mm, (8, 9), "torch._scaled_mm (row-wise scales)"),
+    "int8": Kernel(int_mm, (0, 0), "torch._int_mm (int32 accumulate) + fp32 scales"),
+}
+"""Code element type (``QuantSpec.weight_format``) -> its real GEMM: a fact of the hardware
+and torch, shared by every per-channel / per-token format of that element type."""
+
+
+def kernel_for(spec: QuantSpec) -> Callable[..., torch.Tensor]:
+    """The real GEMM of ``spec``'s codes (by its fields, not its name)."""
+    key, reason = _real_support(spec, DeviceInfo("cpu"))
+    if key is None:
         raise ValueError(f"{FLAG} real: {reason}")
-    return kernel
+    return KERNELS[key].fn
 
 
 # ---- operands --------------------------------------------------------------------------------
@@ -215,7 +232,7 @@ class RealLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, qw, spec, parallel_dim, group):  # noqa: D401
         k = x.shape[-1]
         xq, xs = activation_operand(spec, x.reshape(-1, k), parallel_dim, group)
-        y = KERNELS[kernel_for(spec)](xq, xs, qw.codes, qw.scale, x.dtype)
+        y = kernel_for(spec)(xq, xs, qw.codes, qw.scale, x.dtype)
         ctx.save_for_backward(xq, xs)
         ctx.qw, ctx.x_shape = qw, x.shape
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -247,16 +264,16 @@ def _scaled_grouped_ok(xq: torch.Tensor, wq: torch.Tensor) -> bool:
 
 
 def grouped_real_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-                    counts: list[int], kernel: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """``cat_e(gemm(xq_e, wq[e]))`` over the experts' row groups: one
-    ``torch._scaled_grouped_mm`` for FP8 where it runs, else one real GEMM per expert."""
-    if kernel == "scaled_mm" and _scaled_grouped_ok(xq, wq):
+                    counts: list[int], fn: Callable[..., torch.Tensor], out_dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """``cat_e(fn(xq_e, wq[e]))`` over the experts' row groups: one
+    ``torch._scaled_grouped_mm`` for FP8 where it runs, else one real GEMM ``fn`` per expert."""
+    if _scaled_grouped_ok(xq, wq):
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch._scaled_grouped_mm(
             xq, wq.transpose(1, 2), scale_a=xs.reshape(-1).contiguous(),
             scale_b=ws.reshape(wq.shape[0], -1).contiguous(),
             offs=offs.to(xq.device, non_blocking=True), out_dtype=out_dtype)
-    fn = KERNELS[kernel]
     out, start = [], 0
     for e, c in enumerate(counts):
         if c:

@@ -35,7 +35,6 @@ torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 from megatron_qrl.quant import get_spec  # noqa: E402
 from megatron_qrl.te_quant.real_gemm import (  # noqa: E402
-    KERNELS,
     activation_operand,
     device_info,
     kernel_for,
@@ -72,7 +71,7 @@ def test_kernel_vs_fake_and_codes(fmt, shape):
     assert torch.equal(qw.codes.cpu().view(torch.int8), cpu.codes.view(torch.int8))
     assert torch.equal(qw.scale.cpu(), cpu.scale)
     xq, xs = activation_operand(spec, x)
-    real = KERNELS[kernel_for(spec)](xq, xs, qw.codes, qw.scale, torch.bfloat16)
+    real = kernel_for(spec)(xq, xs, qw.codes, qw.scale, torch.bfloat16)
     fake = spec.fake_quant_activation(x) @ spec.quantize_dequantize(w).t()
     err = (real.double() - fake.double()).abs()
     ratio = (err / _bound(spec, x, w, fake).clamp_min(1e-30)).max().item()
@@ -108,7 +107,7 @@ def test_real_gemm_equals_the_engine_kernel(fmt):
     x, w = _operands(512, 2560, 1024, seed=2)
     qw = weight_operand(spec, w)
     xq, xs = activation_operand(spec, x)
-    ours = KERNELS[kernel_for(spec)](xq, xs, qw.codes, qw.scale, torch.bfloat16)
+    ours = kernel_for(spec)(xq, xs, qw.codes, qw.scale, torch.bfloat16)
     kw = {"bias": None} if fmt == "int8" else {}
     theirs = mm(xq, qw.codes.t(), xs, qw.scale, out_dtype=torch.bfloat16, **kw)
     diff = (ours.double() - theirs.double()).abs()

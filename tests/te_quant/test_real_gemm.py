@@ -21,7 +21,6 @@ import torch
 
 from megatron_qrl.quant import get_spec
 from megatron_qrl.te_quant.real_gemm import (
-    KERNELS,
     DeviceInfo,
     RealWeight,
     activation_operand,
@@ -129,12 +128,26 @@ def test_real_gemm_equals_fake_up_to_bf16_rounding(fmt, shape):
     fake = spec.fake_quant_activation(x) @ spec.quantize_dequantize(w).t()
     xq, xs = activation_operand(spec, x)
     qw = weight_operand(spec, w)
-    real = KERNELS[kernel_for(spec)](xq, xs, qw.codes, qw.scale, torch.bfloat16)
+    real = kernel_for(spec)(xq, xs, qw.codes, qw.scale, torch.bfloat16)
     err = (real.float() - fake.float()).abs()
     bound = _bound(x, w, spec, fake)
     print(f"{fmt} {shape}: max |real - fake| {err.max():.3g}, max err/bound "
           f"{(err / bound.clamp_min(1e-30)).max():.3f}, exact {(err == 0).float().mean():.3f}")
     assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", REAL)
+def test_cuda_shape_padding_is_exact(fmt):
+    """The zero padding to the CUDA kernels' shapes (M > 16, K / N multiples of 8 or 16)
+    leaves the result bit for bit unchanged (forced on the CPU)."""
+    spec = get_spec(fmt)
+    x, w = _operands(m=10, k=70, n=38)
+    xq, xs = activation_operand(spec, x)
+    qw = weight_operand(spec, w)
+    fn = kernel_for(spec)
+    plain = fn(xq, xs, qw.codes, qw.scale, torch.bfloat16, cuda_shapes=False)
+    padded = fn(xq, xs, qw.codes, qw.scale, torch.bfloat16, cuda_shapes=True)
+    assert padded.shape == (10, 38) and torch.equal(padded, plain)
 
 
 @pytest.mark.parametrize("fmt", REAL)
