@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real", default="",
                    help="comma-separated formats (in --formats) also timed with the real low-bit "
                         "GEMM (aligned:FMT:real); fp8 needs CUDA sm >= 89, int8 CUDA (or the CPU)")
+    p.add_argument("--no-te-variants", action="store_true",
+                   help="skip the te:FMT recipe models (each is one more model in GPU memory)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per micro batch (4; tiny: 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (1024; tiny: 32)")
     p.add_argument("--num-micro-batches", type=int, default=1,
@@ -291,7 +293,7 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     from megatron_qrl.te_quant import RECIPES, trainer_forward
 
     variants = []
-    te_ok, te_why = te_formats(formats, cuda)
+    te_ok, te_why = ([], "--no-te-variants") if args.no_te_variants else te_formats(formats, cuda)
     fits, why, total, active = plain_fits(arch, args, cuda, others=1 + len(te_ok))
     notes.append(f"parameters: {total / 1e6:,.1f} M total, {active / 1e6:,.1f} M active")
     if fits:

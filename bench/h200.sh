@@ -283,7 +283,7 @@ case $phase in
   fp8train)  # plain model not built beside the aligned one (two 4B models + Adam: ~150 GiB)
     [ "${TE:-0}" = 1 ] && te_env
     python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
-      ${LAYERS:+--layers $LAYERS} --formats fp8,int8 --real fp8,int8 --plain-model no \
+      ${LAYERS:+--layers $LAYERS} --formats fp8,int8 --real fp8,int8 --plain-model no --no-te-variants \
       --warmup 2 --rounds 5 --out "$OUT/fp8_trainer.jsonl" 2>&1 | grep -E "^\||note|device|Error" ;;
   te-part)
     mkdir -p /tmp/te && cp .stage/te${2:?part number}/part* /tmp/te/ && ls -la /tmp/te ;;
