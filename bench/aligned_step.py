@@ -21,11 +21,16 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
 - ``aligned:FMT:per-expert``: the same, quantizing each expert's weights and W8A8 inputs in its
   own calls (``AlignedSequentialMLP.batched = False``; ``--per-expert FMTS``): the stacked
   quantization's gain, measured side by side;
+- ``aligned:FMT:real``: the same aligned model running the real low-bit GEMM on the spec's
+  codes and scales (``--qrl-train-aligned-gemm real``, ``te_quant.real_gemm``: fp8
+  ``torch._scaled_mm``, int8 ``torch._int_mm``; ``--real FMTS``), same forward up to rounding;
 - ``te:FMT``: the Transformer Engine recipe path (``te_quant.te_recipes``), only when TE
   imports and a recipe reproduces FMT on this GPU, or differs only by rounding (path "te
   (rounding differs)": TE fp8_block, measured on the H200; its numerics are not the rollout's).
 The ratio is median step time / median of ``bf16`` (``bf16:off`` when the plain model was
-not built). Peak memory: ``torch.cuda.max_memory_allocated`` during the step (reset before;
+not built). MFU: ``6 * active parameters * tokens / step time / 989 TFLOP/s`` (the H200's
+dense BF16 peak, ``bench/rl_step.py``'s ``PEAK_FLOPS``; the same peak for the low-bit rows, so
+their MFU is comparable to the BF16 row's). Peak memory: ``torch.cuda.max_memory_allocated`` during the step (reset before;
 every model stays resident, so it includes all of them) and the step's own part (peak minus
 the memory allocated when the step started).
 """
@@ -45,6 +50,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 TINY_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "tiny_qwen3_moe.json"
 FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
@@ -74,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-expert", default="",
                    help="formats (of --formats) also timed with per-expert quantizer calls, "
                         "the path before stacking (comma separated)")
+    p.add_argument("--real", default="",
+                   help="comma-separated formats (in --formats) also timed with the real low-bit "
+                        "GEMM (aligned:FMT:real); fp8 needs CUDA sm >= 89, int8 CUDA (or the CPU)")
+    p.add_argument("--no-te-variants", action="store_true",
+                   help="skip the te:FMT recipe models (each is one more model in GPU memory)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per micro batch (4; tiny: 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (1024; tiny: 32)")
     p.add_argument("--num-micro-batches", type=int, default=1,
@@ -107,6 +118,34 @@ def load_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.experts is not None:
         cfg["num_experts"] = args.experts
     return cfg
+
+
+def commit() -> str:
+    """The benchmarked checkout's HEAD (``.commit`` first: a device copy's git HEAD can be
+    stale; ``unknown`` outside a git checkout)."""
+    import subprocess
+
+    stamp = ROOT / ".commit"
+    if stamp.is_file():
+        return stamp.read_text().strip()
+
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def check_real(real: list[str], formats: list[str], cuda: bool) -> None:
+    """``--real`` names formats in ``--formats`` that have a real GEMM on this device."""
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.te_quant.real_gemm import device_info, select_gemm
+
+    if set(real) - set(formats):
+        raise SystemExit(f"--real {sorted(set(real) - set(formats))}: not in --formats")
+    for fmt in real:
+        try:
+            select_gemm(get_spec(fmt), device_info(), "real")
+        except ValueError as exc:
+            raise SystemExit(f"--real {fmt}: {exc}") from None
 
 
 @contextlib.contextmanager
@@ -159,6 +198,8 @@ class Variant:
     """The shared ``AlignedForwardState`` of the aligned model (None: nothing to switch)."""
     batched: bool = True
     """``AlignedSequentialMLP.batched`` during the step (aligned model only)."""
+    gemm: str = "fake"
+    """``AlignedForwardState.gemm`` during the step: fake or real (aligned model only)."""
     times: list[float] = field(default_factory=list)
     peaks: list[float] = field(default_factory=list)
     step_mem: list[float] = field(default_factory=list)
@@ -175,9 +216,10 @@ class Variant:
             return self.state.only(())
         from megatron_qrl.quant import get_spec
 
-        if self.state.spec.name != self.fmt:
+        if self.state.spec.name != self.fmt or self.state.gemm != self.gemm:
             self.state.spec = get_spec(self.fmt)
-            self.state.mark_weights_updated()  # drop the other format's cached weights
+            self.state.gemm = self.gemm
+            self.state.mark_weights_updated()  # drop the other format's / GEMM's cache
         return contextlib.nullcontext()
 
 
@@ -251,7 +293,7 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     from megatron_qrl.te_quant import RECIPES, trainer_forward
 
     variants = []
-    te_ok, te_why = te_formats(formats, cuda)
+    te_ok, te_why = ([], "--no-te-variants") if args.no_te_variants else te_formats(formats, cuda)
     fits, why, total, active = plain_fits(arch, args, cuda, others=1 + len(te_ok))
     notes.append(f"parameters: {total / 1e6:,.1f} M total, {active / 1e6:,.1f} M active")
     if fits:
@@ -266,6 +308,8 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     variants += [Variant(f"aligned:{f}", "fake-quant", aligned, f, plan.aligned) for f in formats]
     variants += [Variant(f"aligned:{f}:per-expert", "fake-quant, per expert", aligned, f,
                          plan.aligned, batched=False) for f in args.per_expert if f in formats]
+    variants += [Variant(f"aligned:{f}:real", "real GEMM", aligned, f, plan.aligned, gemm="real")
+                 for f in args.real]
     if te_why:
         notes.append(te_why)
     for fmt in te_ok:
@@ -347,8 +391,12 @@ def run_rounds(variants: list[Variant], mbs: list[dict], loss_fn: Any, args: arg
             v.step_mem.append(step)
 
 
-def records(variants: list[Variant], meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per variant: median step time, ratio to the baseline, memory."""
+def records(variants: list[Variant], meta: dict[str, Any], flops: float = 0.0
+            ) -> list[dict[str, Any]]:
+    """One record per variant: median step time, ratio to the baseline, MFU (``flops`` per
+    step over the peak), memory."""
+    from rl_step import PEAK_FLOPS
+
     base = next(v for v in variants if v.name in ("bf16", "bf16:off"))
     base_med = statistics.median(base.times)
     out = []
@@ -356,6 +404,7 @@ def records(variants: list[Variant], meta: dict[str, Any]) -> list[dict[str, Any
         med = statistics.median(v.times)
         out.append({**meta, "variant": v.name, "format": v.fmt, "path": v.path,
                     "median_step_s": med, "ratio_to_baseline": med / base_med,
+                    "mfu": round(flops / med / PEAK_FLOPS, 4),
                     "baseline": base.name, "times_s": v.times,
                     "peak_gib": max(v.peaks), "step_gib": max(v.step_mem)})
     return out
@@ -368,11 +417,12 @@ def table(recs: list[dict[str, Any]]) -> str:
     def gib(x: float) -> str:
         return "n/a" if x != x else f"{x:.1f}"
 
-    lines = [f"| variant | path | median step s | ratio to {base} | peak GiB | step GiB |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| variant | path | median step s | ratio to {base} | MFU | peak GiB | step GiB |",
+             "|---|---|---|---|---|---|---|"]
     for r in recs:
         lines.append(f"| {r['variant']} | {r['path']} | {r['median_step_s']:.4f} | "
-                     f"{r['ratio_to_baseline']:.3f} | {gib(r['peak_gib'])} | {gib(r['step_gib'])} |")
+                     f"{r['ratio_to_baseline']:.3f} | {r['mfu']:.3f} | {gib(r['peak_gib'])} | "
+                     f"{gib(r['step_gib'])} |")
     return "\n".join(lines)
 
 
@@ -401,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not formats:
         raise SystemExit(f"--formats {args.formats}: {bad or 'empty'}; choose from "
                          f"{[f for f in list_specs() if f != 'bf16']}")
+    args.real = [f for f in args.real.split(",") if f]
+    check_real(args.real, formats, cuda)
     if args.rounds < 1 or args.warmup < 0:
         raise SystemExit("--rounds must be >= 1 and --warmup >= 0")
     cfg = load_config(args)
@@ -415,14 +467,17 @@ def main(argv: list[str] | None = None) -> int:
         run_rounds(variants, mbs, loss_fn, args, cuda)
         profiles = profile_steps(variants, mbs, loss_fn, cuda, args.profile) if args.profile else {}
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    meta = {"bench": "aligned_step", "device": device, "tiny": args.tiny,
+    meta = {"bench": "aligned_step", "device": device, "commit": commit(), "tiny": args.tiny,
             "layers": arch.num_layers, "hidden": arch.hidden_size, "experts": arch.num_experts,
             "top_k": arch.moe_top_k, "vocab": arch.vocab_size, "dtype": args.dtype,
             "micro_batch": args.micro_batch, "seq_len": args.seq_len,
             "num_micro_batches": args.num_micro_batches, "warmup": args.warmup,
             "rounds": args.rounds, "loss": f"policy loss {args.loss_kind} + error tokens "
             "(PolicyTrainer.train_step: forward + backward + Adam step)", "notes": notes}
-    recs = records(variants, meta)
+    from rl_step import active_params
+
+    tokens = args.num_micro_batches * args.micro_batch * args.seq_len
+    recs = records(variants, meta, 6.0 * active_params(cfg) * tokens)
     for r in recs:
         if r["variant"] in profiles:
             r["profile_top_ops"] = profiles[r["variant"]]

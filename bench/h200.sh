@@ -38,6 +38,10 @@
 #               broadcast, digests on both, split rollout, SIGKILL + recovery; needs Ray in the
 #               site), then bench/rollout_throughput.py --engines 2 vs 1 (VARIANTS, default fp8)
 #   aligned     bench/aligned_step.py (aligned-forward step time vs bf16)
+#   fp8train    bench/aligned_step.py on Qwen3-4B (LAYERS, default all 36): bf16 vs aligned
+#               fake-quant vs aligned real low-bit GEMM (fp8 torch._scaled_mm, int8 torch._int_mm)
+#               side by side, times / MFU / ratio, commit in each record; local spec (TE=1:
+#               the TE spec where TE is built, te_env); ~3 min -> $OUT/fp8_trainer.jsonl
 #   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
 #   lora        LoRA adapters served by SGLang on its quantized base: bench/lora_sync.py
 #               (adapter sync time, Qwen3-30B-A3B shape, r = 32, FORMATS default fp8: no Marlin
@@ -127,7 +131,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|train|aligned|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|train|aligned|fp8train|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -277,6 +281,11 @@ case $phase in
     python3 bench/aligned_step.py --warmup 1 --rounds 4 --num-micro-batches 8 \
       --formats int8,fp8_block,w4a16 --per-expert int8 --out "$OUT/aligned_step_8mb.jsonl" 2>&1 \
       | grep -E "^\||note" ;;
+  fp8train)  # plain model not built beside the aligned one (two 4B models + Adam: ~150 GiB)
+    [ "${TE:-0}" = 1 ] && te_env
+    python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
+      ${LAYERS:+--layers $LAYERS} --formats fp8,int8 --real fp8,int8 --plain-model no --no-te-variants \
+      --warmup 2 --rounds 5 --out "$OUT/fp8_trainer.jsonl" 2>&1 | grep -E "^\||note|device|Error" ;;
   te-part)
     mkdir -p /tmp/te && cp .stage/te${2:?part number}/part* /tmp/te/ && ls -la /tmp/te ;;
   te-build)

@@ -141,6 +141,7 @@ class RolloutConfig:
 
 
 MOE_EXPERTS = ("megatron", "stacked")
+ALIGNED_GEMMS = ("auto", "fake", "real")
 """``--qrl-train-moe-experts`` choices (``TrainForwardConfig.moe_experts``)."""
 
 
@@ -164,9 +165,18 @@ class TrainForwardConfig:
     per forward (torch._grouped_mm), no per-expert host work, no Transformer Engine needed;
     checkpoints and HF names stay per expert (models/stacked_experts.py). Not with LoRA."""
 
+    aligned_gemm: Literal["auto", "fake", "real"] = field(
+        default="auto", metadata={"on_resume": "may change"})
+    """GEMM of the aligned forward. fake: dequantized weights and activations in a BF16 GEMM.
+    real: the rollout's codes and scales in a low-bit GEMM (fp8: torch._scaled_mm, CUDA
+    sm >= 89; int8: torch._int_mm, CUDA); an error where this device or format has none.
+    auto: real where supported, else fake (CPU: fake). Same forward up to rounding; the
+    backward stays BF16 straight-through."""
+
     def __post_init__(self) -> None:
         _choice("--qrl-train-forward", self.forward, ("bf16", "aligned"))
         _choice("--qrl-train-moe-experts", self.moe_experts, MOE_EXPERTS)
+        _choice("--qrl-train-aligned-gemm", self.aligned_gemm, ALIGNED_GEMMS)
 
 
 @dataclass

@@ -138,6 +138,17 @@ class SpecCore:
             return x
         return _StraightThrough.apply(x, lambda t: self._act(t.detach().float()).to(t.dtype))
 
+    def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, scale)`` of the rollout's dynamic per-token activation quantization of ``x``
+        (no autograd): ``codes`` in the weight's element type, ``scale`` fp32 ``[..., 1]``;
+        ``codes.float() * scale`` is :meth:`fake_quant_activation`'s value, bit for bit. The
+        operands of a real low-bit GEMM (W8A8 per-token formats only)."""
+        if self.activation != "per_token":
+            raise ValueError(f"{self.name}: quantize_activation needs per-token activation "
+                             f"quantization (activation={self.activation!r})")
+        with torch.no_grad():
+            return self._act_codes(x.detach().float())
+
     def pack(
         self, hf_name: str, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None
     ) -> list[tuple[str, torch.Tensor]]:
@@ -246,6 +257,9 @@ class SpecCore:
         raise NotImplementedError
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _act_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def _check_shape(self, shape: tuple[int, int], name: str) -> None:

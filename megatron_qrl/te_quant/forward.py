@@ -15,8 +15,10 @@ from typing import Any
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
+from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.kv_cache import get_kv_format
 from megatron_qrl.te_quant.kv_core_attention import KVAlignState, kv_spec_hook
+from megatron_qrl.te_quant.real_gemm import FLAG, DeviceInfo, device_info, select_gemm
 from megatron_qrl.te_quant.spec_hook import SpecHook, aligned_spec_hook, compose_hooks
 from megatron_qrl.te_quant.state import AlignedForwardState
 from megatron_qrl.te_quant.te_recipes import te_config_overrides
@@ -38,6 +40,19 @@ class TrainerForward:
     kv: KVAlignState | None = None
     """Set for ``--qrl-train-forward aligned`` with a rounding ``--qrl-rollout-kv-cache``: the
     RL loop calls ``kv.set_micro_batch(loss_mask)`` before each micro batch's forward."""
+
+
+def aligned_gemm(rollout_format: str, mode: str, te_recipe: bool | str = False,
+                 device: DeviceInfo | None = None) -> str:
+    """``--qrl-train-aligned-gemm`` resolved for this format and device (``fake`` or
+    ``real``, :func:`~megatron_qrl.te_quant.real_gemm.select_gemm`); a TE recipe runs its
+    own GEMMs, so ``real`` with one is refused."""
+    if te_recipe:
+        if mode == "real":
+            raise ValueError(f"{FLAG} real: a Transformer Engine recipe runs its own GEMMs; "
+                             f"use {FLAG} auto or drop the recipe")
+        return "fake"
+    return select_gemm(get_spec(rollout_format), device or device_info(), mode).gemm
 
 
 def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelArch,
@@ -62,7 +77,8 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
                          "outside a Transformer Engine recipe; serve the aligned forward with the "
                          "fake-quant linears (no TE recipe) or use --qrl-train-moe-experts megatron")
     if train.forward == "aligned":
-        state = AlignedForwardState(rollout_format)
+        gemm = aligned_gemm(rollout_format, train.aligned_gemm, te_recipe)
+        state = AlignedForwardState(rollout_format, gemm=gemm)
         kv = KVAlignState(kv_cache) if get_kv_format(kv_cache).quantizes else None
         if not state.spec.quantizes_weights and kv is None:
             raise ValueError(f"--qrl-train-forward aligned needs a quantized --qrl-rollout-format"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_qrl.te_quant.real_gemm import real_linear, weight_operand
 from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
 from megatron_qrl.te_quant.state import AlignedForwardState
 
@@ -102,9 +103,14 @@ class AlignedLinearMixin:
         self._qrl_cache = (self._qrl_key(), q)
         self.qrl_recomputes += 1
 
-    def quantized_weight(self) -> torch.Tensor:
-        """``Q_w(W)`` of this rank's shard, recomputed only after the weights changed."""
-        if self.qrl_stale():
+    def quantized_weight(self) -> Any:
+        """``Q_w(W)`` of this rank's shard, recomputed only after the weights changed: the
+        dequantized weight (fake GEMM) or its codes and scales (:class:`RealWeight`)."""
+        if self.qrl_stale() and self.qrl_state.gemm == "real":
+            self.qrl_store(weight_operand(self.qrl_state.spec, self.weight, self._qrl_parallel_dim,
+                                          self.tp_group, name=f"{self.qrl_kind} "
+                                          f"{type(self).__name__}"))
+        elif self.qrl_stale():
             self.qrl_store(quantize_shard(
                 self.qrl_state.spec, self.weight, self.qrl_layout, self._qrl_parallel_dim,
                 self.tp_group, name=f"{self.qrl_kind} {type(self).__name__}"))
@@ -119,8 +125,30 @@ class AlignedLinearMixin:
         if weight is not self.weight:
             raise RuntimeError(f"{type(self).__name__}: an external weight was passed to forward; "
                                "the aligned forward only quantizes its own parameter")
+        if self.qrl_state.gemm == "real":
+            return self._qrl_real_forward(input, **kwargs)
         q = _UseQuantized.apply(weight, self.quantized_weight())
         return super()._forward_impl(self._qrl_input(input), q, *args, **kwargs)
+
+    def _qrl_real_forward(self, input: torch.Tensor, bias: torch.Tensor | None = None,
+                          allreduce_dgrad: bool = False, sequence_parallel: bool = False,
+                          tp_group: Any = None, **_: Any) -> torch.Tensor:
+        """Megatron's local GEMM with its communication (sequence-parallel all-gather /
+        dgrad all-reduce through megatron's mappings, not overlapped) around the real
+        low-bit GEMM (:func:`~megatron_qrl.te_quant.real_gemm.real_linear`)."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        group = tp_group if tp_group is not None else self.tp_group
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, True, group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group)
+        y = real_linear(input, self.weight, self.quantized_weight(), self.qrl_state.spec,
+                        self._qrl_parallel_dim, self.tp_group)
+        return y + bias if bias is not None else y
 
 
 class AlignedColumnParallelLinear(AlignedLinearMixin, ColumnParallelLinear):
@@ -196,8 +224,8 @@ class AlignedSequentialMLP(SequentialMLP):
     def refresh_quantized_weights(self) -> None:
         """Re-quantize the stale ``linear_fc1`` / ``linear_fc2`` of all local experts, one
         stacked call per projection (the per-expert lazy path remains the fallback)."""
-        if not self._stacked():
-            return
+        if not self._stacked() or self.qrl_state.gemm == "real":
+            return  # the real GEMM's linears cache codes and scales, one expert at a time
         for attr in ("linear_fc1", "linear_fc2"):
             linears = [getattr(e, attr) for e in self.local_experts]
             if not any(lin.qrl_stale() for lin in linears):
@@ -218,7 +246,7 @@ class AlignedSequentialMLP(SequentialMLP):
         if self.config.add_bias_linear or self.config.moe_apply_probs_on_input:
             raise ValueError("aligned W8A8 experts support add_bias_linear=False and "
                              "moe_apply_probs_on_input=False (Qwen3-MoE)")
-        if self._stacked():
+        if self._stacked() and state.gemm == "fake":
             out = self._w8a8_stacked(permuted_local_hidden_states, tokens_per_expert)
             return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
         ones = torch.ones_like(permuted_probs)

@@ -23,9 +23,20 @@ from megatron_qrl.quant.targets import LAYER_KINDS
 class AlignedForwardState:
     """What the aligned linears of one model read at forward time."""
 
-    def __init__(self, spec: QuantSpec | str, kinds: Iterable[str] = LAYER_KINDS) -> None:
+    def __init__(self, spec: QuantSpec | str, kinds: Iterable[str] = LAYER_KINDS,
+                 gemm: str = "fake") -> None:
         self.spec: QuantSpec = get_spec(spec) if isinstance(spec, str) else spec
         """The rollout format the forward is aligned to."""
+        if gemm not in ("fake", "real"):
+            raise ValueError(f"AlignedForwardState: gemm must be fake|real, got {gemm!r}")
+        if gemm == "real":
+            from megatron_qrl.te_quant.real_gemm import kernel_for
+
+            kernel_for(self.spec)  # one clear error where the format has no real GEMM
+        self.gemm: str = gemm
+        """``fake``: dequantized operands in a BF16 GEMM; ``real``: the codes and scales in the
+        format's low-bit GEMM (:mod:`megatron_qrl.te_quant.real_gemm`); the cache then holds
+        the codes and scales, not a dequantized weight."""
         self.version: int = 0
         """Bumped after every optimizer step; part of each linear's cache key."""
         self.enabled_kinds: frozenset[str] = self._check_kinds(kinds)

@@ -41,6 +41,7 @@ from megatron_qrl.models.stacked_experts import (
 )
 from megatron_qrl.te_quant.grouped_gemm import stacked_ste
 from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
+from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear, stacked_weight_operand
 from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
 from megatron_qrl.te_quant.state import AlignedForwardState
 from megatron_qrl.te_quant.te_names import TEExtraState, set_te_parallel_attributes
@@ -79,6 +80,10 @@ class AlignedGroupedGemm:
         gradient into them."""
         raise NotImplementedError
 
+    def _real_masters(self) -> list[torch.Tensor]:
+        """The parameters the real path's straight-through gradient goes into."""
+        return self.weights()
+
     def _qrl_key(self) -> tuple:
         return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
 
@@ -101,10 +106,27 @@ class AlignedGroupedGemm:
             self.qrl_recomputes += 1
         return self._qrl_cache[1]
 
+    def real_weights(self) -> RealWeight:
+        """Codes and per-channel scales of every local expert, stacked ``[E, N, K]`` /
+        ``[E, N, 1]`` (the real GEMM's operands), cached like :meth:`quantized_weights`."""
+        key = self._qrl_key()
+        if self._qrl_cache is None or self._qrl_cache[0] != key:
+            dim = 1 if self.parallel_mode == "row" else 0
+            self._qrl_cache = (key, stacked_weight_operand(
+                self.qrl_state.spec, self.weights(), dim, self.tp_group,
+                f"experts {type(self).__name__}"))
+            self.qrl_recomputes += 1
+        return self._qrl_cache[1]
+
     def forward(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, None]:
         """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` as ONE grouped GEMM
         (:func:`~megatron_qrl.models.grouped_gemm.grouped_mm`); aligned: the stacked cached
         ``Q_w(W)`` and ``Q_a`` of all rows in one call (per-token scales: equal per expert)."""
+        if self.qrl_state.is_enabled(self.qrl_kind) and self.qrl_state.gemm == "real":
+            return grouped_real_linear(x, self._real_masters(), self.real_weights(),
+                                       self.qrl_state.spec, m_splits,
+                                       1 if self.parallel_mode == "row" else 0,
+                                       self.tp_group), None
         if self.qrl_state.is_enabled(self.qrl_kind):
             stacked = self._masters(self.quantized_weights())
             x = quantize_input(self.qrl_state, x, 1 if self.parallel_mode == "row" else 0,
@@ -252,6 +274,9 @@ class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
 
     def _qrl_key(self) -> tuple:
         return (self.qrl_state.version, self.weight._version, self.weight.data_ptr())
+
+    def _real_masters(self) -> list[torch.Tensor]:
+        return [self.weight]
 
     def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
         return self.weight if quantized is None else _UseQuantized.apply(self.weight, quantized)

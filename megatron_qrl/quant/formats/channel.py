@@ -53,6 +53,11 @@ class _PerChannelSpec(QuantSpec):
     def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         return q.codes.float() * q.scale
 
+    def _act(self, x):
+        """Per-token ``codes * scale`` (:meth:`_act_codes`, the format's kernel's numerics)."""
+        codes, scale = self._act_codes(x)
+        return codes.float() * scale
+
     def _packed_suffixes(self):
         return ("weight", "weight_scale")
 
@@ -110,10 +115,10 @@ class Int8Spec(_PerChannelSpec):
         scale = torch.where(zero, 1.0, 1.0 / s)
         return torch.addcmul(constant((0.0,), w.device), torch.mul(w, s).round_(), scale)
 
-    def _act(self, x):
+    def _act_codes(self, x):
         a = torch.clamp(amax(x, dim=-1), min=_ACT_EPS)
         q = torch.clamp(round_half_away(x * (127.0 / a)), -128, 127)
-        return q * (a / 127.0)
+        return q.to(torch.int8), a / 127.0
 
     def modelopt_config(self):
         import modelopt.torch.quantization as mtq
@@ -158,11 +163,11 @@ class FP8Spec(_PerChannelSpec):
         s, _ = self._row_scale(w, a)
         return cast_e4m3(torch.mul(w, s)).float().mul_(1.0 / s)
 
-    def _act(self, x):
+    def _act_codes(self, x):
         # sgl_per_token_quant_fp8: no eps floor; an all-zero token gets inverse scale 0
         s = amax(x, dim=-1) / FP8_E4M3_MAX
         inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / torch.where(s == 0, 1.0, s))
-        return cast_e4m3(x * inv).float() * s
+        return cast_e4m3(x * inv), s
 
     def modelopt_config(self):
         import modelopt.torch.quantization as mtq

@@ -1,0 +1,340 @@
+"""Real low-bit GEMMs of the aligned forward: the rollout's codes and scales as the GEMM's operands.
+
+The aligned forward (QaRL, Fan et al. 2025) computes ``y = Q_a(x) @ Q_w(W)^T``. The fake path
+dequantizes both operands to BF16 and runs a BF16 GEMM; the real path multiplies the codes
+and applies the scales after the integer / FP8 accumulation, as the engine's W8A8 kernels do
+(SGLang ``fp8_scaled_mm`` / ``int8_scaled_mm``):
+
+    y[m, n] = (sum_k qx[m, k] * qw[n, k]) * sx[m] * sw[n]
+
+with ``qx, sx = spec.quantize_activation(x)`` (per token) and ``qw, sw`` the spec's
+``quantize_weight`` (per output channel). The two paths differ only by the BF16 rounding
+of the dequantized operands in the fake path (unit roundoff ``2^-9`` each) and of the
+output. The backward is the fake path's straight-through BF16 backward (Bengio et al. 2013)
+on the same dequantized operands, recomputed from the codes, so gradients are bit-equal.
+
+Which GEMM runs is decided once, by :func:`select_gemm` (format fields x device x
+``--qrl-train-aligned-gemm``):
+
+=================  ============================  =====================================
+format             real GEMM                     device
+=================  ============================  =====================================
+fp8 (channel)      ``torch._scaled_mm`` rowwise  CUDA sm >= 89 (CPU when forced)
+int8 (channel)     ``torch._int_mm`` + scales    CUDA (CPU when forced)
+fp8_block          none yet: fake                blockwise scales need a block GEMM
+w4a16, nvfp4       none yet: fake                weight-only / FP4: dequantize + BF16
+=================  ============================  =====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_qrl.quant import QuantSpec
+
+GEMM_MODES = ("auto", "fake", "real")
+FLAG = "--qrl-train-aligned-gemm"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where the trainer's GEMMs run: ``cpu`` or ``cuda`` with its compute capability."""
+
+    kind: str = "cpu"
+    capability: tuple[int, int] | None = None
+
+
+def device_info() -> DeviceInfo:
+    """This process's trainer device (CUDA when available)."""
+    if torch.cuda.is_available():
+        return DeviceInfo("cuda", torch.cuda.get_device_capability())
+    return DeviceInfo("cpu")
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    """``real`` or ``fake`` and why."""
+
+    gemm: str
+    reason: str
+
+
+def _real_support(spec: QuantSpec, device: DeviceInfo) -> tuple[str | None, str]:
+    """(kernel name or None, reason) for ``spec`` on ``device``; pure."""
+    if not spec.quantizes_weights:
+        return None, f"{spec.name} holds BF16 weights"
+    if spec.granularity != "channel" or spec.activation != "per_token":
+        if spec.granularity == "block":  # one line why: no blockwise scaled GEMM wired in yet
+            return None, f"{spec.name}: blockwise scales need a block-scaled GEMM (not wired yet)"
+        # weight-only (w4a16) / FP4 (nvfp4): Hopper has no such tensor-core GEMM from torch
+        return None, f"{spec.name}: weight-only / FP4 formats dequantize into a BF16 GEMM"
+    kernel = KERNELS.get(spec.weight_format)
+    if kernel is None:
+        return None, f"{spec.name}: no real GEMM for weight format {spec.weight_format}"
+    if device.kind == "cuda" and (device.capability or (0, 0)) < kernel.min_capability:
+        return None, (f"{spec.weight_format} GEMMs need CUDA sm >= "
+                      f"{''.join(map(str, kernel.min_capability))}, this GPU is sm "
+                      f"{device.capability}")
+    return spec.weight_format, kernel.what
+
+
+def select_gemm(spec: QuantSpec, device: DeviceInfo, mode: str = "auto") -> GemmChoice:
+    """Which GEMM the aligned linears run for ``spec`` on ``device`` (pure; see module table).
+
+    ``auto``: real where a kernel exists on a GPU, else fake (the CPU keeps fake); ``real``:
+    the real GEMM where torch has it (also on the CPU), else a clear error naming the flag.
+    """
+    if mode not in GEMM_MODES:
+        raise ValueError(f"{FLAG} must be one of {GEMM_MODES}, got {mode!r}")
+    if mode == "fake":
+        return GemmChoice("fake", f"{FLAG} fake")
+    kernel, reason = _real_support(spec, device)
+    if mode == "real":
+        if kernel is None:
+            raise ValueError(f"{FLAG} real: {reason}; use {FLAG} auto or fake")
+        return GemmChoice("real", reason)
+    if kernel is None or device.kind != "cuda":
+        return GemmChoice("fake", reason if kernel is None else "CPU: fake quantization")
+    return GemmChoice("real", reason)
+
+
+# ---- the GEMMs -------------------------------------------------------------------------------
+def _pad(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Tensor:
+    """``t`` with zero rows / columns appended along ``dim`` up to a multiple (exact: zero
+    codes add nothing to the integer / FP8 sums)."""
+    size = t.shape[dim]
+    target = max(-(-size // multiple) * multiple, minimum)
+    if target == size:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, target - size]
+    return torch.nn.functional.pad(t, pad)
+
+
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+              out_dtype: torch.dtype, cuda_shapes: bool | None = None) -> torch.Tensor:
+    """``(xq @ wq^T) * xs * ws^T`` of FP8 E4M3 codes: ``torch._scaled_mm`` with row-wise fp32
+    scales ``xs`` ``[M, 1]``, ``ws`` ``[N, 1]``. On CUDA K and N are zero-padded to multiples
+    of 16 (the kernel's alignment) where needed, and the output is BF16 (the row-wise
+    kernel's only output type) cast to ``out_dtype``. ``cuda_shapes`` (default: on CUDA)
+    forces the padding."""
+    m, n = xq.shape[0], wq.shape[0]
+    pad = xq.is_cuda if cuda_shapes is None else cuda_shapes
+    dtype = torch.bfloat16 if xq.is_cuda else out_dtype
+    if pad and (xq.shape[1] % 16 or n % 16):
+        xq, wq = _pad(xq, 1, 16), _pad(_pad(wq, 1, 16), 0, 16)
+        ws = _pad(ws, 0, 16)
+    y = torch._scaled_mm(xq, wq.t(), scale_a=xs.contiguous(), scale_b=ws.reshape(1, -1),
+                         out_dtype=dtype)
+    return y[:m, :n].to(out_dtype)
+
+
+def int_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+           out_dtype: torch.dtype, cuda_shapes: bool | None = None) -> torch.Tensor:
+    """``(xq @ wq^T) * xs * ws^T`` of INT8 codes: ``torch._int_mm`` (int32, exact) then the fp32
+    scales, as SGLang's ``int8_scaled_mm``. On CUDA (M > 16, K and N multiples of 8) the
+    operands are zero-padded where needed (``cuda_shapes``, default: on CUDA)."""
+    m, n = xq.shape[0], wq.shape[0]
+    if xq.is_cuda if cuda_shapes is None else cuda_shapes:
+        xq = _pad(_pad(xq, 1, 8), 0, 8, minimum=32)
+        wq = _pad(_pad(wq, 1, 8), 0, 8)
+    acc = torch._int_mm(xq, wq.t())[:m, :n]
+    return (acc.float() * xs * ws.reshape(1, -1)).to(out_dtype)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A real GEMM of codes and scales: ``fn(xq, xs, wq, ws, out_dtype)``."""
+
+    fn: Callable[..., torch.Tensor]
+    min_capability: tuple[int, int]
+    """Lowest CUDA compute capability with the kernel (the CPU has both)."""
+    what: str
+
+
+KERNELS: dict[str, Kernel] = {
+    "float8_e4m3fn": Kernel(scaled_mm, (8, 9), "torch._scaled_mm (row-wise scales)"),
+    "int8": Kernel(int_mm, (0, 0), "torch._int_mm (int32 accumulate) + fp32 scales"),
+}
+"""Code element type (``QuantSpec.weight_format``) -> its real GEMM: a fact of the hardware
+and torch, shared by every per-channel / per-token format of that element type."""
+
+
+def kernel_for(spec: QuantSpec) -> Callable[..., torch.Tensor]:
+    """The real GEMM of ``spec``'s codes (by its fields, not its name)."""
+    key, reason = _real_support(spec, DeviceInfo("cpu"))
+    if key is None:
+        raise ValueError(f"{FLAG} real: {reason}")
+    return KERNELS[key].fn
+
+
+# ---- operands --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RealWeight:
+    """The cached GEMM operand of one weight: ``codes`` ``[N, K]`` and fp32 ``scale`` ``[N, 1]``
+    exactly as ``spec.quantize_weight`` gives them (the rollout's tensors)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """``codes * scale`` in ``dtype``: ``spec.quantize_dequantize(W)``, bit for bit."""
+        return (self.codes.float() * self.scale).to(dtype)
+
+
+def _gather_last(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=-1), dist.get_rank(group)
+
+
+def _split_dim(group, parallel_dim: int) -> bool:
+    """True if the operand's input features are split over a tensor-parallel group of > 1."""
+    return (parallel_dim == 1 and group is not None and dist.is_initialized()
+            and dist.get_world_size(group) > 1)
+
+
+def weight_operand(spec: QuantSpec, w: torch.Tensor, parallel_dim: int = 0, group=None,
+                   name: str = "weight") -> RealWeight:
+    """Codes and per-channel scales of this rank's shard: rows are whole on a column-parallel
+    shard; a row-parallel shard's scale spans all ranks (gathered once, codes narrowed)."""
+    if _split_dim(group, parallel_dim):
+        full, rank = _gather_last(w.detach(), group)
+        q = spec.quantize_weight(full, name=name)
+        k = w.shape[1]
+        return RealWeight(q.codes.narrow(1, rank * k, k).contiguous(), q.scale)
+    q = spec.quantize_weight(w, name=name)
+    return RealWeight(q.codes, q.scale)
+
+
+def activation_operand(spec: QuantSpec, x2d: torch.Tensor, parallel_dim: int = 0, group=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token codes and scales of a ``[M, K]`` input; a row-parallel input's token scale
+    spans all ranks' features (gathered, codes narrowed), as the fake path's."""
+    if _split_dim(group, parallel_dim):
+        full, rank = _gather_last(x2d.detach(), group)
+        codes, scale = spec.quantize_activation(full)
+        k = x2d.shape[1]
+        return codes.narrow(1, rank * k, k).contiguous(), scale
+    return spec.quantize_activation(x2d)
+
+
+# ---- autograd: the real forward, the fake path's straight-through BF16 backward ------------
+class RealLinearFn(torch.autograd.Function):
+    """``y = gemm(Q_a(x), Q_w(W))`` with the real kernel; backward as the fake path's linear
+    (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` without fusion):
+    ``dx = g @ deq(Q_w)``, ``dW = g^T @ deq(Q_a(x))`` (STE), from the saved codes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, qw, spec, parallel_dim, group):  # noqa: D401
+        k = x.shape[-1]
+        xq, xs = activation_operand(spec, x.reshape(-1, k), parallel_dim, group)
+        y = kernel_for(spec)(xq, xs, qw.codes, qw.scale, x.dtype)
+        ctx.save_for_backward(xq, xs)
+        ctx.qw, ctx.x_shape = qw, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, xs = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(ctx.qw.dequantize(grad.dtype))
+        if ctx.needs_input_grad[1]:
+            g2d = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2d.t().matmul((xq.float() * xs).to(grad.dtype))
+        return grad_x, grad_w, None, None, None, None
+
+
+def real_linear(x: torch.Tensor, weight: torch.Tensor, qw: RealWeight, spec: QuantSpec,
+                parallel_dim: int = 0, group=None) -> torch.Tensor:
+    """``x @ W^T`` of the aligned forward through the real low-bit GEMM (see :class:`RealLinearFn`)."""
+    return RealLinearFn.apply(x, weight, qw, spec, parallel_dim, group)
+
+
+def _scaled_grouped_ok(xq: torch.Tensor, wq: torch.Tensor) -> bool:
+    """``torch._scaled_grouped_mm`` takes these FP8 operands: CUDA sm 9.x (its kernel's
+    architecture), K and N multiples of 16."""
+    return (hasattr(torch, "_scaled_grouped_mm") and xq.is_cuda and xq.dtype == torch.float8_e4m3fn
+            and torch.cuda.get_device_capability(xq.device)[0] == 9
+            and xq.shape[1] % 16 == 0 and wq.shape[1] % 16 == 0)
+
+
+def grouped_real_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                    counts: list[int], fn: Callable[..., torch.Tensor], out_dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """``cat_e(fn(xq_e, wq[e]))`` over the experts' row groups: one
+    ``torch._scaled_grouped_mm`` for FP8 where it runs, else one real GEMM ``fn`` per expert."""
+    if _scaled_grouped_ok(xq, wq):
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch._scaled_grouped_mm(
+            xq, wq.transpose(1, 2), scale_a=xs.reshape(-1).contiguous(),
+            scale_b=ws.reshape(wq.shape[0], -1).contiguous(),
+            offs=offs.to(xq.device, non_blocking=True), out_dtype=out_dtype)
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            out.append(fn(xq[start:start + c], xs[start:start + c], wq[e], ws[e], out_dtype))
+        start += c
+    if not out:
+        return xq.new_zeros(0, wq.shape[1], dtype=out_dtype)
+    return torch.cat(out, dim=0)
+
+
+class GroupedRealFn(torch.autograd.Function):
+    """Grouped experts through the real GEMM; backward: the fake path's grouped GEMM
+    (:func:`megatron_qrl.models.grouped_gemm.grouped_mm`) differentiated on the dequantized
+    operands (the same ops as the fake path, recomputed: one BF16 grouped GEMM more). The
+    masters are one stacked ``[E, N, K]`` weight or one ``[N, K]`` weight per expert (the
+    gradient is unbound into them, no stacked copy of the masters)."""
+
+    @staticmethod
+    def forward(ctx, x, qw, spec, counts, parallel_dim, group, *masters):  # noqa: D401
+        xq, xs = activation_operand(spec, x, parallel_dim, group)
+        y = grouped_real_mm(xq, xs, qw.codes, qw.scale, counts, kernel_for(spec), x.dtype)
+        ctx.save_for_backward(xq, xs)
+        ctx.qw, ctx.counts, ctx.stacked = qw, counts, len(masters) == 1 and masters[0].dim() == 3
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron_qrl.models.grouped_gemm import grouped_mm
+
+        xq, xs = ctx.saved_tensors
+        x = (xq.float() * xs).to(grad.dtype).requires_grad_(ctx.needs_input_grad[0])
+        w = ctx.qw.dequantize(grad.dtype).requires_grad_(any(ctx.needs_input_grad[6:]))
+        with torch.enable_grad():
+            y = grouped_mm(x, w, ctx.counts)
+            want = [t for t in (x, w) if t.requires_grad]
+            grads = iter(torch.autograd.grad(y, want, grad) if want else ())
+        gx = next(grads) if x.requires_grad else None
+        gw = next(grads) if w.requires_grad else None
+        n = len(ctx.needs_input_grad) - 6
+        gws = (gw,) if ctx.stacked else (gw.unbind(0) if gw is not None else (None,) * n)
+        return (gx, None, None, None, None, None, *gws)
+
+
+def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWeight,
+                        spec: QuantSpec, counts: list[int], parallel_dim: int = 0,
+                        group=None) -> torch.Tensor:
+    """``cat_e(Q_a(x_e) @ Q_w(W_e)^T)`` through the real GEMM; ``masters`` (one stacked
+    ``[E, N, K]`` weight or one weight per expert) receive the straight-through gradient
+    (:class:`GroupedRealFn`); ``parallel_dim`` 1 with an expert-TP ``group``: the input's
+    features are split, token scales taken over the gathered row."""
+    return GroupedRealFn.apply(x, qw, spec, [int(c) for c in counts], parallel_dim, group,
+                               *masters)
+
+
+def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor], parallel_dim: int,
+                           group, name: str) -> RealWeight:
+    """:func:`weight_operand` of every expert, stacked ``[E, N, K]`` / ``[E, N, 1]`` (one
+    quantizer call over the row stack without tensor parallelism: per-row scales)."""
+    if not _split_dim(group, parallel_dim):
+        e, (n, k) = len(weights), weights[0].shape
+        q = weight_operand(spec, torch.cat([w.detach() for w in weights]), name=name)
+        return RealWeight(q.codes.view(e, n, k), q.scale.view(e, n, 1))
+    qs = [weight_operand(spec, w, parallel_dim, group, name) for w in weights]
+    return RealWeight(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]))
