@@ -1,0 +1,73 @@
+"""Weights and the bit-for-bit comparison shared by the fused-quantizer tests (Triton's
+interpreter on the CPU: tests/quant/test_fused_quant.py; compiled on a GPU:
+tests/gpu/test_fused_quant.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_qrl.quant import get_spec
+from megatron_qrl.quant.fused import set_quant_impl
+
+FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
+
+
+def weights(fmt: str, device: str = "cpu", seed: int = 0):
+    """``(label, weight)`` cases for ``fmt``: fp32 and bf16, rows spread over 10 decades, an
+    all-zero row, a row below the zero-amax threshold 2^-24, extreme finite rows (near the
+    dtype's max, near its smallest normal), exact rounding ties, and a shape that is not a
+    multiple of 128 rows (and, where the format allows, columns)."""
+    g = torch.Generator().manual_seed(seed)
+    cols = 200 if fmt in ("int8", "fp8") else (160 if fmt == "nvfp4" else 384)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (130, 257):
+            w = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 4, rows)[:, None]
+            w[3] = 0.0
+            w[4] = 2.0**-26  # below ModelOpt's zero threshold: codes 0
+            w[5, :] = torch.finfo(dtype).max / 4 * torch.sign(torch.randn(cols, generator=g))
+            w[6] = torch.finfo(dtype).tiny * 8 * torch.randn(cols, generator=g)
+            w[7] = torch.arange(cols) * 0.5 - cols / 4  # exact halves: ties after scaling
+            w[8, : cols // 2] = -0.0
+            w[9] = 2.0**-23 * torch.sign(torch.randn(cols, generator=g))  # just above it
+            out.append((f"{dtype}-{rows}x{cols}", w.to(dtype).to(device)))
+    return out
+
+
+def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
+    """``get_spec(fmt).quantize_weight(w)`` and its packed tensors, through ``impl``."""
+    spec = get_spec(fmt)
+    set_quant_impl(impl)
+    try:
+        q = spec.quantize_weight(w, global_amax=global_amax)
+        return q, spec.pack_quantized("model.layers.0.mlp.down_proj.weight", q)
+    finally:
+        set_quant_impl(None)
+
+
+def bits(t: torch.Tensor | None):
+    """``t``'s bit pattern as an integer tensor on the CPU (compares -0.0, NaN, float8)."""
+    if t is None:
+        return None
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) \
+        if t.element_size() == 4 else t.view(torch.int16) if t.element_size() == 2 else t
+
+
+def assert_same(fused, ref, label: str) -> None:
+    """Same codes, scales, tensor scale, shape, dtypes and packed tensors, bit for bit."""
+    (q, packed), (r, rpacked) = fused, ref
+    for what in ("codes", "scale", "global_scale"):
+        a, b = getattr(q, what), getattr(r, what)
+        assert (a is None) == (b is None), f"{label}: {what} present on one side only"
+        if a is None:
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{label}: {what} {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        diff = (bits(a) != bits(b)).sum().item()
+        assert diff == 0, f"{label}: {diff} of {a.numel()} {what} differ"
+    assert (q.shape, q.dtype, q.spec) == (r.shape, r.dtype, r.spec), label
+    assert [n for n, _ in packed] == [n for n, _ in rpacked], label
+    for (n, a), (_, b) in zip(packed, rpacked):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: packed {n}"
+        assert torch.equal(bits(a), bits(b)), f"{label}: packed {n} differs"
