@@ -71,3 +71,13 @@ def assert_same(fused, ref, label: str) -> None:
     for (n, a), (_, b) in zip(packed, rpacked):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: packed {n}"
         assert torch.equal(bits(a), bits(b)), f"{label}: packed {n} differs"
+
+
+def e4m3_probe(device: str = "cpu") -> torch.Tensor:
+    """Every E4M3 value, every midpoint between neighbours (a tie: to even) and the fp32
+    neighbours of each midpoint, both signs."""
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, torch.nextafter(mids, mids * 2), torch.nextafter(mids, -mids),
+                   torch.tensor([2.0**-10, 2.0**-20, 0.0])])
+    return torch.cat([x, -x]).to(device)

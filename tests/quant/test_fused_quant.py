@@ -23,7 +23,15 @@ except ImportError:
 
 from megatron_qrl.quant import get_spec, triton_quant  # noqa: E402
 from megatron_qrl.quant.fused import set_quant_impl  # noqa: E402
-from tests.quant.fused_cases import FORMATS, assert_same, quantize, weights  # noqa: E402
+from tests.quant.e4m3_cast import e4m3_codes  # noqa: E402
+from tests.quant.fused_cases import (  # noqa: E402
+    FORMATS,
+    assert_same,
+    bits,
+    e4m3_probe,
+    quantize,
+    weights,
+)
 from tests.quant.test_quant_pack_stream import moe_stream  # noqa: E402
 
 if not triton_quant._SOFT:
@@ -45,23 +53,9 @@ def test_nvfp4_given_tensor_amax_per_row_and_scalar():
 
 
 def test_e4m3_every_value_and_midpoint():
-    """The interpreter's float8 cast (bit arithmetic) on every E4M3 value, every midpoint
-    between neighbours (ties to even) and its fp32 neighbours, against torch's cast."""
-    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    mids = (vals[1:] + vals[:-1]) / 2
-    near = torch.cat([torch.nextafter(mids, mids * 2), torch.nextafter(mids, -mids)])
-    x = torch.cat([vals, mids, near, torch.tensor([448.0, 2.0**-10, 2.0**-20])])
-    x = torch.cat([x, -x]).reshape(2, -1)
-    x = torch.nn.functional.pad(x, (0, 256 - x.shape[1] % 256 if x.shape[1] % 256 else 0))
-    codes = torch.empty_like(x, dtype=torch.float8_e4m3fn)
-    scale = torch.ones(x.shape[0], 1)
-    triton_quant._channel_kernel[(1,)](
-        x, codes.view(torch.uint8), scale, torch.empty(2), 2, x.shape[1], x.shape[1],
-        MAXV=1.0, INT8=False, EPS=-1.0, SOFT=True, BLOCK_R=2, BLOCK_K=256)
-    # MAXV=1, EPS=-1: s = 1 / amax; rescale so that codes compare on x itself
-    a = x.abs().amax(dim=1, keepdim=True)
-    ref = (x * (a.reciprocal() * 1.0)).to(torch.float8_e4m3fn)
-    assert torch.equal(codes.view(torch.uint8), ref.view(torch.uint8))
+    """The interpreter's float8 cast (the kernels' bit arithmetic) equals torch's."""
+    x = e4m3_probe()
+    assert torch.equal(e4m3_codes(x, soft=True), bits(x.to(torch.float8_e4m3fn)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
