@@ -13,7 +13,7 @@ FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
 
 
 def weights(fmt: str, device: str = "cpu", seed: int = 0):
-    """``(label, weight)`` cases for ``fmt``: fp32 and bf16, rows spread over 10 decades, an
+    """``(label, weight)`` cases for ``fmt``: fp32 and bf16, rows spread over 10 decades (the edge blocks the smallest), an
     all-zero row, a row below the zero-amax threshold 2^-24, extreme finite rows (near the
     dtype's max, near its smallest normal), exact rounding ties, and a shape that is not a
     multiple of 128 rows (and, where the format allows, columns)."""
@@ -22,7 +22,7 @@ def weights(fmt: str, device: str = "cpu", seed: int = 0):
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (130, 257):
-            w = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 4, rows)[:, None]
+            w = torch.randn(rows, cols, generator=g) * torch.logspace(4, -6, rows)[:, None]
             w[3] = 0.0
             w[4] = 2.0**-26  # below ModelOpt's zero threshold: codes 0
             w[5, :] = torch.finfo(dtype).max / 4 * torch.sign(torch.randn(cols, generator=g))
@@ -31,7 +31,28 @@ def weights(fmt: str, device: str = "cpu", seed: int = 0):
             w[8, : cols // 2] = -0.0
             w[9] = 2.0**-23 * torch.sign(torch.randn(cols, generator=g))  # just above it
             out.append((f"{dtype}-{rows}x{cols}", w.to(dtype).to(device)))
+        out.append((f"{dtype}-ties", ties(fmt, cols).to(dtype).to(device)))
     return out
+
+
+def ties(fmt: str, cols: int) -> torch.Tensor:
+    """128 rows whose scale is exactly 1 (amax 127 for int8, 448 for fp8 / fp8_block: torch's
+    ``reciprocal(amax) * MAX`` is 1 there; group amax 7 for w4a16) and whose other values sit
+    on rounding ties: halves for the integer formats, E4M3 midpoints for the fp8 ones."""
+    j = torch.arange(cols)
+    if fmt == "int8":
+        row = (j % 64) * 0.5 - 16.0
+        row[0] = 127.0
+    elif fmt in ("fp8", "fp8_block"):
+        mids = e4m3_probe()[127:253]  # the 126 midpoints, positive
+        row = mids[j % len(mids)] * torch.where(j % 2 == 0, 1.0, -1.0)
+        row[0] = 448.0
+    elif fmt == "w4a16":
+        row = (j % 15) * 0.5 - 3.5
+        row[j % 128 == 0] = 7.0
+    else:
+        row = (j % 13) * 0.25 - 1.5
+    return row.expand(128, cols).clone()
 
 
 def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
