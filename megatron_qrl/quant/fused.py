@@ -53,9 +53,11 @@ def _check(impl: str, where: str) -> str:
 def kernels() -> ModuleType | None:
     """:mod:`.triton_quant`, or None where Triton does not import."""
     try:
-        from . import triton_quant
+        import triton  # noqa: F401
     except ImportError:
         return None
+    from . import triton_quant
+
     return triton_quant
 
 
