@@ -28,10 +28,11 @@ except ImportError:
     pytest.skip("triton does not import (torch's CUDA wheels ship it)", allow_module_level=True)
 
 from megatron_qrl.quant import get_spec, triton_quant  # noqa: E402
-from megatron_qrl.quant.fused import fused_kernel, set_quant_impl  # noqa: E402
+from megatron_qrl.quant.fused import fused_kernel  # noqa: E402
 from tests.quant.e4m3_cast import e4m3_codes  # noqa: E402
 from tests.quant.fused_cases import (  # noqa: E402
     FORMATS,
+    assert_pack_streams_equal,
     assert_same,
     bits,
     e4m3_probe,
@@ -90,16 +91,4 @@ def test_pack_stream_fused_equals_torch(fmt):
     """The whole pack on the GPU (stacked experts, fused groups, row-split packing)."""
     stream = [(n, t.to(CUDA)) for n, t in moe_stream(
         layers=2, experts=16, hidden=512, inter=256, with_down=fmt != "fp8_block")]
-    spec = get_spec(fmt)
-    out = {}
-    for impl in ("torch", "triton"):
-        set_quant_impl(impl)
-        try:
-            out[impl] = [(n, t.clone()) for n, t in spec.pack_state_dict(iter(stream),
-                                                                         stack_experts=True)]
-        finally:
-            set_quant_impl(None)
-    assert [n for n, _ in out["triton"]] == [n for n, _ in out["torch"]]
-    for (n, a), (_, b) in zip(out["triton"], out["torch"]):
-        assert a.dtype == b.dtype and a.shape == b.shape, n
-        assert torch.equal(bits(a), bits(b)), n
+    assert_pack_streams_equal(fmt, stream)

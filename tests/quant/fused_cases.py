@@ -66,6 +66,24 @@ def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
         set_quant_impl(None)
 
 
+def assert_pack_streams_equal(fmt: str, stream) -> None:
+    """``pack_state_dict`` of ``stream`` (expert-stacked wire) through the fused kernels equals
+    the torch reference's: names, order, dtypes, shapes and bits."""
+    spec = get_spec(fmt)
+    out = {}
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        try:
+            out[impl] = [(n, t.clone()) for n, t in spec.pack_state_dict(iter(stream),
+                                                                         stack_experts=True)]
+        finally:
+            set_quant_impl(None)
+    assert [n for n, _ in out["triton"]] == [n for n, _ in out["torch"]]
+    for (n, a), (_, b) in zip(out["triton"], out["torch"]):
+        assert a.dtype == b.dtype and a.shape == b.shape, n
+        assert torch.equal(bits(a), bits(b)), n
+
+
 def bits(t: torch.Tensor | None):
     """``t``'s bit pattern as an integer tensor on the CPU (compares -0.0, NaN, float8)."""
     if t is None:

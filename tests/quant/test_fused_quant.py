@@ -21,11 +21,11 @@ except ImportError:
     pytest.skip("triton not installed (CPU CI): GPU test tests/gpu/test_fused_quant.py covers it",
                 allow_module_level=True)
 
-from megatron_qrl.quant import get_spec, triton_quant  # noqa: E402
-from megatron_qrl.quant.fused import set_quant_impl  # noqa: E402
+from megatron_qrl.quant import triton_quant  # noqa: E402
 from tests.quant.e4m3_cast import e4m3_codes  # noqa: E402
 from tests.quant.fused_cases import (  # noqa: E402
     FORMATS,
+    assert_pack_streams_equal,
     assert_same,
     bits,
     e4m3_probe,
@@ -62,20 +62,7 @@ def test_e4m3_every_value_and_midpoint():
 def test_pack_stream_fused_equals_torch(fmt):
     """The whole pack (stacked experts, fused groups, row-split packing) through the kernels."""
     stream = moe_stream(layers=1, experts=4, hidden=256, inter=128, with_down=fmt != "fp8_block")
-    spec = get_spec(fmt)
-    out = {}
-    for impl in ("torch", "triton"):
-        set_quant_impl(impl)
-        try:
-            out[impl] = [(n, t.clone()) for n, t in spec.pack_state_dict(iter(stream),
-                                                                         stack_experts=True)]
-        finally:
-            set_quant_impl(None)
-    assert [n for n, _ in out["triton"]] == [n for n, _ in out["torch"]]
-    for (n, a), (_, b) in zip(out["triton"], out["torch"]):
-        assert a.dtype == b.dtype and a.shape == b.shape, n
-        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                           b.view(torch.uint8) if b.element_size() == 1 else b), n
+    assert_pack_streams_equal(fmt, stream)
 
 
 def test_non_finite_weight_named():
