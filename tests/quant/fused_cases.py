@@ -84,11 +84,12 @@ def assert_pack_streams_equal(fmt: str, stream) -> None:
         assert torch.equal(bits(a), bits(b)), n
 
 
-def bits(t: torch.Tensor | None):
-    """``t``'s bit pattern as an integer tensor on the CPU (compares -0.0, NaN, float8)."""
+def bits(t: torch.Tensor | None, device: torch.device | str | None = None):
+    """``t``'s bit pattern as an integer tensor (compares -0.0, NaN, float8), on ``device``
+    (default: its own)."""
     if t is None:
         return None
-    t = t.detach().cpu().contiguous()
+    t = t.detach().to(device or t.device).contiguous()
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) \
         if t.element_size() == 4 else t.view(torch.int16) if t.element_size() == 2 else t
 
@@ -103,13 +104,13 @@ def assert_same(fused, ref, label: str) -> None:
             continue
         assert a.dtype == b.dtype and a.shape == b.shape, \
             f"{label}: {what} {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        diff = (bits(a) != bits(b)).sum().item()
+        diff = (bits(a) != bits(b, a.device)).sum().item()
         assert diff == 0, f"{label}: {diff} of {a.numel()} {what} differ"
     assert (q.shape, q.dtype, q.spec) == (r.shape, r.dtype, r.spec), label
     assert [n for n, _ in packed] == [n for n, _ in rpacked], label
     for (n, a), (_, b) in zip(packed, rpacked):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: packed {n}"
-        assert torch.equal(bits(a), bits(b)), f"{label}: packed {n} differs"
+        assert torch.equal(bits(a), bits(b, a.device)), f"{label}: packed {n} differs"
 
 
 def e4m3_probe(device: str = "cpu") -> torch.Tensor:
