@@ -96,7 +96,8 @@ class SpecCore:
         quantized with its weight's amax (:mod:`megatron_qrl.quant.stacked`), and the result's
         ``global_scale`` is ``[out, 1]``.
         """
-        kernel = fused_kernel(self, w.device) if isinstance(w, torch.Tensor) else None
+        kernel = (fused_kernel(self, w.device) if isinstance(w, torch.Tensor) and w.numel()
+                  else None)  # an empty weight: the reference's own checks and result
         self._check_weight(w, name, finite=kernel is None)
         ga = self._global_amax(w, global_amax, name)
         with torch.no_grad():

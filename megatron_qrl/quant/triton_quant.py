@@ -95,8 +95,9 @@ def _bf16_rne(x):
 def _channel_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n_rows, k, stride_w,
                     MAXV: tl.constexpr, INT8: tl.constexpr, EPS: tl.constexpr,
                     SOFT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per output channel (fp8 / int8 ``_quantize``): ``s = MAX / amax_row`` (as torch:
-    ``reciprocal(amax) * MAX``), ``scale = 1 / s``."""
+    """Per output channel (fp8 / int8 ``_quantize``; ModelOpt ``tensor_quant._tensor_quant``
+    / ``_fp8_eager``): ``s = MAX / amax_row`` (as torch: ``reciprocal(amax) * MAX``),
+    ``codes = e4m3(w * s)`` or ``clamp(rne(w * s), -127, 127)``, ``scale = 1 / s``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     cols = tl.arange(0, BLOCK_K)
@@ -128,8 +129,9 @@ def _channel_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n_rows, k, stride_w,
 @triton.jit
 def _fp8_block_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n, k, stride_w, kb,
                       EPS: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr):
-    """One 128x128 block (fp8_block ``_quantize``): ``s = 448 / amax_block``; edges masked
-    (the reference's zero padding never changes an amax)."""
+    """One 128x128 block (fp8_block ``_quantize``, DeepSeek-V3's layout; ModelOpt
+    ``_fp8_eager`` per block): ``s = 448 / amax_block``, ``codes = e4m3(w * s)``,
+    ``weight_scale_inv = 1 / s``; edges masked (zero padding never changes an amax)."""
     bn, bk = tl.program_id(0), tl.program_id(1)
     rows = bn * BLOCK + tl.arange(0, BLOCK)
     cols = bk * BLOCK + tl.arange(0, BLOCK)
@@ -147,7 +149,8 @@ def _fp8_block_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n, k, stride_w, kb,
 @triton.jit
 def _w4a16_kernel(w_ptr, codes_ptr, packed_ptr, scale_ptr, amax_ptr, n_rows, k, stride_w,
                   EPS: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr):
-    """One group of 128 in ``BLOCK_R`` rows (w4a16 ``_quantize`` and ``pack_int4_to_int32``):
+    """One group of 128 in ``BLOCK_R`` rows (w4a16 ``_quantize``: ModelOpt's INT4 blockwise
+    rule with the scale in bf16; ``pack_int4_to_int32``: compressed-tensors ``pack_to_int32``):
     ``s = bf16(amax_g / 7)``, ``q = clamp(rne(w / s), -8, 7)``, eight ``q + 8`` nibbles per
     int32, lowest first."""
     g = tl.program_id(1)
@@ -174,7 +177,8 @@ def _w4a16_kernel(w_ptr, codes_ptr, packed_ptr, scale_ptr, amax_ptr, n_rows, k, 
 def _nvfp4_kernel(w_ptr, s2_ptr, s2_stride, codes_ptr, packed_ptr, scale_ptr, amax_ptr,
                   n_rows, k, stride_w, SOFT: tl.constexpr, BLOCK_R: tl.constexpr,
                   NB: tl.constexpr, BLOCK: tl.constexpr):
-    """``NB`` blocks of 16 in ``BLOCK_R`` rows (nvfp4 ``quantize_rows`` and ``pack_nibbles``):
+    """``NB`` blocks of 16 in ``BLOCK_R`` rows (nvfp4 ``quantize_rows`` and ``pack_nibbles``;
+    QeRL seed 002 / docs/ALGORITHMS.md sec. 3, ModelOpt ``NVFP4QTensor.quantize``):
     ``s_blk = e4m3(clamp(amax_blk / (6 s2), 2^-9, 448))`` (0 -> 1), ``W_q = e2m1(W / (s_blk
     s2))`` to nearest, ties to the even mantissa, saturating at 6 (OCP MX v1.0 sec. 5.3.3)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
