@@ -17,7 +17,7 @@ import torch
 
 from ..utils.finite import require_finite
 from . import targets
-from .fused import fused_kernel
+from .fused import fused_kernel as select_fused_kernel
 from .weight import QuantizedWeight
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,7 +66,7 @@ class SpecCore:
     bits_per_weight: float = 16.0
     fused_kernel: ClassVar[str | None] = None
     """The format's fused quantizer, a function of :mod:`.triton_quant` giving
-    :meth:`_quantize`'s bits (chosen by :func:`.fused.fused_kernel`), or None."""
+    :meth:`_quantize`'s bits (chosen by :func:`.fused.fused_kernel`, which :meth:`quantize_weight` asks first), or None."""
 
     # ---- public API -------------------------------------------------------------------
     @property
@@ -96,7 +96,7 @@ class SpecCore:
         quantized with its weight's amax (:mod:`megatron_qrl.quant.stacked`), and the result's
         ``global_scale`` is ``[out, 1]``.
         """
-        kernel = (fused_kernel(self, w.device) if isinstance(w, torch.Tensor) and w.numel()
+        kernel = (select_fused_kernel(self, w.device) if isinstance(w, torch.Tensor) and w.numel()
                   else None)  # an empty weight: the reference's own checks and result
         self._check_weight(w, name, finite=kernel is None)
         ga = self._global_amax(w, global_amax, name)
