@@ -66,7 +66,8 @@ class SpecCore:
     bits_per_weight: float = 16.0
     fused_kernel: ClassVar[str | None] = None
     """The format's fused quantizer, a function of :mod:`.triton_quant` giving
-    :meth:`_quantize`'s bits (chosen by :func:`.fused.fused_kernel`, which :meth:`quantize_weight` asks first), or None."""
+    :meth:`_quantize`'s bits, or None; :meth:`quantize_weight` asks
+    :func:`.fused.fused_kernel` whether it runs."""
 
     # ---- public API -------------------------------------------------------------------
     @property
