@@ -77,10 +77,12 @@ def _e4m3(v, SOFT: tl.constexpr):
     """(E4M3 byte as uint8, its fp32 value) of ``v`` already clamped to +-448."""
     if SOFT:
         code, val = _e4m3_soft(v)
-        return code.to(tl.uint8), val
+        code = code.to(tl.uint8)
     else:
         f8 = v.to(tl.float8e4nv)
-        return f8.to(tl.uint8, bitcast=True), f8.to(tl.float32)
+        code = f8.to(tl.uint8, bitcast=True)
+        val = f8.to(tl.float32)
+    return code, val
 
 
 @triton.jit
