@@ -250,7 +250,7 @@ def quantize_fp8_block(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Te
     codes = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     scale, amax = _f32((nb, kb), w.device), _f32((nb, kb), w.device)
     _fp8_block_kernel[(nb, kb)](w, codes.view(torch.uint8), scale, amax, n, k, w.stride(0), kb,
-                                EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK=bs, num_warps=8)
+                                EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK=bs, num_warps=16)
     return QuantizedWeight(spec.name, codes, scale, None, (n, k), w.dtype), amax
 
 
