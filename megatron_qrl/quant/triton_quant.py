@@ -18,6 +18,7 @@ Imported only where Triton is installed (:mod:`.fused`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -215,6 +216,11 @@ def _nvfp4_kernel(w_ptr, s2_ptr, s2_stride, codes_ptr, packed_ptr, scale_ptr, am
     tl.store(amax_ptr + at, a, mask=bmask)
 
 
+def _on(w: torch.Tensor):
+    """Launch on ``w``'s GPU (Triton launches on the current device)."""
+    return torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext()
+
+
 def _f32(shape, device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
@@ -234,10 +240,11 @@ def quantize_channel(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Tens
                         device=w.device)
     scale, amax = _f32((n, 1), w.device), _f32((n,), w.device)
     br, bk = _rows_block(k)
-    _channel_kernel[(triton.cdiv(n, br),)](
-        w, codes.view(torch.int8 if int8 else torch.uint8), scale, amax, n, k, w.stride(0),
-        MAXV=127.0 if int8 else FP8_E4M3_MAX, INT8=int8, EPS=ZERO_AMAX_EPS, SOFT=_SOFT,
-        BLOCK_R=br, BLOCK_K=bk, num_warps=8)
+    with _on(w):
+        _channel_kernel[(triton.cdiv(n, br),)](
+            w, codes.view(torch.int8 if int8 else torch.uint8), scale, amax, n, k, w.stride(0),
+            MAXV=127.0 if int8 else FP8_E4M3_MAX, INT8=int8, EPS=ZERO_AMAX_EPS, SOFT=_SOFT,
+            BLOCK_R=br, BLOCK_K=bk, num_warps=8)
     return QuantizedWeight(spec.name, codes, scale, None, (n, k), w.dtype), amax
 
 
@@ -249,8 +256,9 @@ def quantize_fp8_block(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Te
     nb, kb = triton.cdiv(n, bs), triton.cdiv(k, bs)
     codes = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     scale, amax = _f32((nb, kb), w.device), _f32((nb, kb), w.device)
-    _fp8_block_kernel[(nb, kb)](w, codes.view(torch.uint8), scale, amax, n, k, w.stride(0), kb,
-                                EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK=bs, num_warps=16)
+    with _on(w):
+        _fp8_block_kernel[(nb, kb)](w, codes.view(torch.uint8), scale, amax, n, k, w.stride(0),
+                                    kb, EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK=bs, num_warps=16)
     return QuantizedWeight(spec.name, codes, scale, None, (n, k), w.dtype), amax
 
 
@@ -265,9 +273,10 @@ def quantize_w4a16(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor
     scale = torch.empty((n, k // group), dtype=torch.bfloat16, device=w.device)
     amax = _f32((n, k // group), w.device)
     br = 16
-    _w4a16_kernel[(triton.cdiv(n, br), k // group)](
-        w, codes, packed, scale, amax, n, k, w.stride(0), EPS=ZERO_AMAX_EPS, BLOCK_R=br,
-        GROUP=group, num_warps=4)
+    with _on(w):
+        _w4a16_kernel[(triton.cdiv(n, br), k // group)](
+            w, codes, packed, scale, amax, n, k, w.stride(0), EPS=ZERO_AMAX_EPS, BLOCK_R=br,
+            GROUP=group, num_warps=4)
     return QuantizedWeight(spec.name, codes, scale, None, (n, k), w.dtype, packed), amax
 
 
@@ -284,9 +293,10 @@ def quantize_nvfp4(spec, w: torch.Tensor, s2: torch.Tensor
     scale = torch.empty((n, k // block), dtype=torch.float8_e4m3fn, device=w.device)
     amax = _f32((n, k // block), w.device)
     br, nb = 16, 8
-    _nvfp4_kernel[(triton.cdiv(n, br), triton.cdiv(k, nb * block))](
-        w, s2f, 1 if s2f.dim() == 2 else 0, codes, packed, scale.view(torch.uint8), amax,
-        n, k, w.stride(0), SOFT=_SOFT, BLOCK_R=br, NB=nb, BLOCK=block, num_warps=4)
+    with _on(w):
+        _nvfp4_kernel[(triton.cdiv(n, br), triton.cdiv(k, nb * block))](
+            w, s2f, 1 if s2f.dim() == 2 else 0, codes, packed, scale.view(torch.uint8), amax,
+            n, k, w.stride(0), SOFT=_SOFT, BLOCK_R=br, NB=nb, BLOCK=block, num_warps=4)
     return QuantizedWeight(spec.name, codes, scale, s2, (n, k), w.dtype, packed), amax
 
 
