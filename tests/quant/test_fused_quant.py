@@ -10,10 +10,15 @@ Run: ``PYTHONPATH=/tmp/triton_site:$PWD TRITON_INTERPRET=1 pytest tests/quant/te
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set (by another test "
+                "module, e.g. through ModelOpt): run this module in its own pytest process",
+                allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 try:
     import triton  # noqa: F401
