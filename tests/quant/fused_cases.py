@@ -38,7 +38,8 @@ def weights(fmt: str, device: str = "cpu", seed: int = 0):
 def ties(fmt: str, cols: int) -> torch.Tensor:
     """128 rows whose scale is exactly 1 (amax 127 for int8, 448 for fp8 / fp8_block: torch's
     ``reciprocal(amax) * MAX`` is 1 there; group amax 7 for w4a16) and whose other values sit
-    on rounding ties: halves for the integer formats, E4M3 midpoints for the fp8 ones."""
+    on rounding ties: halves for the integer formats, E4M3 midpoints for the fp8 ones, the
+    E2M1 midpoints for nvfp4 (whose scales are 1 there)."""
     j = torch.arange(cols)
     if fmt == "int8":
         row = (j % 64) * 0.5 - 16.0
@@ -50,9 +51,14 @@ def ties(fmt: str, cols: int) -> torch.Tensor:
     elif fmt == "w4a16":
         row = (j % 15) * 0.5 - 3.5
         row[j % 128 == 0] = 7.0
-    else:
-        row = (j % 13) * 0.25 - 1.5
-    return row.expand(128, cols).clone()
+    else:  # nvfp4: tensor amax 2688 = 6 * 448 gives s2 = 1, block amax 6 then s_blk = 1
+        t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+        row = t[j % 7] * torch.where(j % 2 == 0, 1.0, -1.0)
+        row[j % 16 == 0] = 6.0
+    w = row.expand(128, cols).clone()
+    if fmt == "nvfp4":
+        w[0, 0] = 2688.0
+    return w
 
 
 def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
