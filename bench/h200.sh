@@ -29,7 +29,9 @@
 #               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min);
 #               +packeach: experts packed per expert and stacked in the sender (the older order)
 #   packprof    bench/pack_profile.py: a torch.profiler trace of the pack alone (FORMATS, LAYERS):
-#               GPU busy vs wall, top kernels, top host ops (~20 s per format)
+#               GPU busy vs wall, top kernels, top host ops, once with the torch quantizers and
+#               once with the fused Triton ones (QUANT_IMPL, default torch,triton), their ratio
+#               (~35 s per format)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -238,12 +240,13 @@ case $phase in
       --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
     [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.sync.debug "$OUT/inplace_phases.jsonl" ;;
-  packprof)  # bench/pack_profile.py: one traced pack (FORMATS, default fp8 fp8_block w4a16) of
-    # LAYERS (default 8) 30B-A3B layers -> $OUT/pack_profile_FMT.json (GPU busy vs wall, top
-    # kernels, top host ops)
+  packprof)  # bench/pack_profile.py: traced packs (FORMATS, default fp8 fp8_block w4a16) of
+    # LAYERS (default 8) 30B-A3B layers, one per quantizer of QUANT_IMPL (default torch,triton)
+    # -> $OUT/pack_profile_FMT.json (GPU busy vs wall, top kernels, top host ops, torch / triton)
     for f in ${FORMATS:-fp8 fp8_block w4a16}; do
       python3 bench/pack_profile.py --format "$f" --layers "${LAYERS:-8}" \
-        --out "$OUT/pack_profile_$f.json" 2>&1 | grep -v -i warn | head -n 30
+        --quant-impl "${QUANT_IMPL:-torch,triton}" --out "$OUT/pack_profile_$f.json" 2>&1 \
+        | grep -v -i warn | head -n 100
     done ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -279,8 +280,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="print the table of a saved --out file instead of running")
     p.add_argument("--plot", type=Path, default=None,
                    help="also draw the second syncs' breakdown as a PNG")
+    p.add_argument("--quant-impl", choices=("auto", "torch", "triton"), default=None,
+                   help="the trainer's quantizer: the formats' fused Triton kernels on CUDA "
+                        "(auto, the default) or their torch reference (torch), for A/B runs "
+                        "(sets QRL_QUANT_IMPL for the variants' processes)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.quant_impl:
+        os.environ["QRL_QUANT_IMPL"] = a.quant_impl
     if a.table:
         if not a.table.is_file():
             p.error(f"--table {a.table}: no such file (a --out file of an earlier run)")
@@ -297,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     flags += ["--device", a.device]
     flags += [x for f, v in (("--layers", a.layers), ("--experts", a.experts)) if v is not None
               for x in (f, str(v))]
+    impl = {"quant_impl": os.environ.get("QRL_QUANT_IMPL", "auto")}
     rows = [run_variant([__file__, "--child", v, "--bucket-mb", str(a.bucket_mb), *flags], v,
-                        a.out, tag="sync") for v in a.variants.split(",")]
+                        a.out, tag="sync", extra=impl) for v in a.variants.split(",")]
     if a.produce_only:
         print(produce_table(rows))
         return 0

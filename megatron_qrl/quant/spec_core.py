@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..utils.finite import require_finite
 from . import targets
+from .fused import fused_kernel as select_fused_kernel
 from .weight import QuantizedWeight
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -63,6 +64,10 @@ class SpecCore:
     shares_tensor_scale: bool = False
     """True if one per-tensor scale must be shared by a fused group (q/k/v, gate/up)."""
     bits_per_weight: float = 16.0
+    fused_kernel: ClassVar[str | None] = None
+    """The format's fused quantizer, a function of :mod:`.triton_quant` giving
+    :meth:`_quantize`'s bits, or None; :meth:`quantize_weight` asks
+    :func:`.fused.fused_kernel` whether it runs."""
 
     # ---- public API -------------------------------------------------------------------
     @property
@@ -92,10 +97,16 @@ class SpecCore:
         quantized with its weight's amax (:mod:`megatron_qrl.quant.stacked`), and the result's
         ``global_scale`` is ``[out, 1]``.
         """
-        self._check_weight(w, name)
+        kernel = (select_fused_kernel(self, w.device) if isinstance(w, torch.Tensor) and w.numel()
+                  else None)  # an empty weight: the reference's own checks and result
+        self._check_weight(w, name, finite=kernel is None)
         ga = self._global_amax(w, global_amax, name)
         with torch.no_grad():
-            return self._quantize(w.detach(), ga)
+            if kernel is None:
+                return self._quantize(w.detach(), ga)
+            q, tile_amax = kernel(self, w.detach(), *self._fused_args(w.detach(), ga))
+        self._check_finite_amax(tile_amax, w, name)
+        return q
 
     def quantize_dequantize(
         self,
@@ -227,6 +238,10 @@ class SpecCore:
 
     def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         raise NotImplementedError
+
+    def _fused_args(self, w: torch.Tensor, global_amax: torch.Tensor | None) -> tuple:
+        """Arguments of the fused quantizer after ``(spec, w)`` (nvfp4: its tensor scale)."""
+        return ()
 
     def _fake_quant(self, w: torch.Tensor, global_amax: torch.Tensor | None, name: str
                     ) -> torch.Tensor:

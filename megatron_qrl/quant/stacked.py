@@ -122,8 +122,9 @@ def split_stack(spec: SpecCore, q: QuantizedWeight, rows: list[int]) -> list[Qua
     scales = torch.split(q.scale, [r // per_scale_row for r in rows], dim=0)
     starts = [sum(rows[:i]) for i in range(len(rows))]
     gs = [None if q.global_scale is None else q.global_scale[s, 0] for s in starts]
-    return [QuantizedWeight(q.spec, c, s, g, (r, q.shape[1]), q.dtype)
-            for c, s, g, r in zip(codes, scales, gs, rows)]
+    packed = [None] * len(rows) if q.packed is None else torch.split(q.packed, rows, dim=0)
+    return [QuantizedWeight(q.spec, c, s, g, (r, q.shape[1]), q.dtype, p)
+            for c, s, g, r, p in zip(codes, scales, gs, rows, packed)]
 
 
 def _stacks(weights: Sequence[torch.Tensor], amaxes: list[Amax], name: str, max_elements: int

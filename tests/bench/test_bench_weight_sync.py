@@ -136,3 +136,22 @@ def test_pack_profile_traces_the_pack_on_cpu(tmp_path):
     assert res["packed_gb"] == round(nbytes / 1e9, 3) and res["gpu_busy_s"] is None
     ops = {name for name, _, _ in res["top_host_self_ms"]}
     assert "aten::clamp" in ops or "aten::amax" in ops, ops
+
+
+def test_pack_profile_ab_runs_each_quantizer(tmp_path, capsys):
+    """``--quant-impl torch,auto`` profiles the pack once per quantizer in one run (on the CPU
+    both are the torch reference: same bytes), records the commit; a bad name is one line."""
+    from bench.pack_profile import _ratios
+    from bench.pack_profile import main as profile_main
+
+    out = tmp_path / "ab.json"
+    assert profile_main(["--format", "w4a16", "--layers", "1", "--experts", "2", "--device",
+                         "cpu", "--quant-impl", "torch,auto", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["quant_impl"] for r in res["runs"]] == ["torch", "auto"]
+    assert len({r["packed_gb"] for r in res["runs"]}) == 1 and "commit" in res
+    assert _ratios([{"quant_impl": "torch", "wall_s": 1.0, "gpu_busy_s": 0.9},
+                    {"quant_impl": "triton", "wall_s": 0.25, "gpu_busy_s": 0.1}]) == {
+        "wall_ratio": 4.0, "gpu_busy_ratio": 9.0}
+    with pytest.raises(SystemExit, match="--quant-impl 'cuda'.*auto, torch, triton"):
+        profile_main(["--format", "fp8", "--device", "cpu", "--quant-impl", "cuda"])

@@ -37,6 +37,7 @@ class _PerChannelSpec(QuantSpec):
     granularity: str = "channel"
     activation: str = "per_token"
     bits_per_weight: float = 8.0
+    fused_kernel: ClassVar[str | None] = "quantize_channel"
     _max: ClassVar[float]
 
     def _codes(self, w32: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

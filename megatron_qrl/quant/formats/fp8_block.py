@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -40,6 +41,7 @@ class FP8BlockSpec(QuantSpec):
     act_group: int | None = BLOCK
     sglang_quantization: str | None = "fp8"
     bits_per_weight: float = 8.0 + 32.0 / (BLOCK * BLOCK)
+    fused_kernel: ClassVar[str | None] = "quantize_fp8_block"
     # 'tensor' killed the engine, 'disk' works; Fp8MoEMethod with weight_block_size [128, 128]
     # (Triton path, DeepGEMM off); expert adapters merged (DeepGEMM runner on Hopper, no LoRA)
     engine = EngineFacts(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -61,6 +62,7 @@ class NVFP4Spec(QuantSpec):
     sglang_quantization: str | None = "modelopt_fp4"
     shares_tensor_scale: bool = True
     bits_per_weight: float = 4.0 + 8.0 / BLOCK
+    fused_kernel: ClassVar[str | None] = "quantize_nvfp4"
     # ModelOpt NVFP4 MoE: Marlin on sm90 (adapters served), FlashInfer TRT-LLM on sm100+ (merged)
     engine = EngineFacts(
         sglang_syncs={"inplace": True},
@@ -87,6 +89,12 @@ class NVFP4Spec(QuantSpec):
     def _dequantize(self, q):
         return dequantize_rows(q.codes, q.scale, q.global_scale)
 
+    def _fused_args(self, w, global_amax):
+        """The tensor scale of :meth:`_quantize` (the fused kernel's ``s2``)."""
+        ga = (torch.linalg.vector_norm(w, float("inf")).float() if global_amax is None
+              else global_amax)
+        return (tensor_scale(ga),)
+
     def _fake_quant(self, w, global_amax, name):
         """``dequantize_rows(*quantize_rows(w))`` without codes (:func:`fake_quant_rows`); the
         block amaxes give the tensor amax (a max of maxes) and the finite check."""
@@ -104,12 +112,13 @@ class NVFP4Spec(QuantSpec):
     def _pack_rows(self, modules, q, rows):
         """Row-local: nibbles along the input, one block-scale row per weight row; each
         weight's tensor scale (a scalar alone, the value of its rows in a stack) and a unit
-        input scale."""
+        input scale. The bytes a fused quantizer wrote are taken as is."""
         g = q.global_scale
         tensor_scales = g[row_starts(rows, g.device), 0] if g.dim() == 2 else g.reshape(1)
+        nibbles = pack_nibbles(q.codes) if q.packed is None else q.packed
         return [[(f"{m}.weight", c), (f"{m}.weight_scale", s), (f"{m}.weight_scale_2", s2),
                  (f"{m}.input_scale", one)]
-                for m, c, s, s2, one in zip(modules, pack_nibbles(q.codes).split(rows),
+                for m, c, s, s2, one in zip(modules, nibbles.split(rows),
                                             q.scale.split(rows), tensor_scales.unbind(0),
                                             torch.ones(len(rows), dtype=torch.float32).unbind(0))]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -56,6 +57,7 @@ class W4A16Spec(QuantSpec):
     block: tuple[int, int] | None = (1, GROUP)
     sglang_quantization: str | None = "compressed-tensors"
     bits_per_weight: float = 4.0 + 16.0 / GROUP
+    fused_kernel: ClassVar[str | None] = "quantize_w4a16"
     # compressed-tensors WNA16 MoE runs Marlin; expert adapters on Marlin with
     # moe_runner_backend=marlin
     engine = EngineFacts(
@@ -112,10 +114,11 @@ class W4A16Spec(QuantSpec):
 
     def _pack_rows(self, modules, q, rows):
         """Row-local: eight codes per int32 along the input, one group-scale row per weight
-        row; each weight's own ``[out, in]``."""
+        row; each weight's own ``[out, in]``. The words a fused quantizer wrote are taken as is."""
         shapes = torch.tensor([[r, q.shape[1]] for r in rows], dtype=torch.int64)
+        words = pack_int4_to_int32(q.codes) if q.packed is None else q.packed
         return [[(f"{m}.weight_packed", p), (f"{m}.weight_scale", s), (f"{m}.weight_shape", sh)]
-                for m, p, s, sh in zip(modules, pack_int4_to_int32(q.codes).split(rows),
+                for m, p, s, sh in zip(modules, words.split(rows),
                                        q.scale.split(rows), shapes.unbind(0))]
 
     def _unpack(self, module, tensors, dtype):

@@ -1,0 +1,129 @@
+"""Weights and the bit-for-bit comparison shared by the fused-quantizer tests (Triton's
+interpreter on the CPU: tests/quant/test_fused_quant.py; compiled on a GPU:
+tests/gpu/test_fused_quant.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_qrl.quant import get_spec
+from megatron_qrl.quant.fused import set_quant_impl
+
+FORMATS = ("int8", "fp8", "fp8_block", "w4a16", "nvfp4")
+
+
+def weights(fmt: str, device: str = "cpu", seed: int = 0):
+    """``(label, weight)`` cases for ``fmt``: fp32 and bf16, rows spread over 10 decades (the edge blocks the smallest), an
+    all-zero row, a row below the zero-amax threshold 2^-24, extreme finite rows (near the
+    dtype's max, near its smallest normal), exact rounding ties, and a shape that is not a
+    multiple of 128 rows (and, where the format allows, columns)."""
+    g = torch.Generator().manual_seed(seed)
+    cols = 200 if fmt in ("int8", "fp8") else (160 if fmt == "nvfp4" else 384)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (130, 257):
+            w = torch.randn(rows, cols, generator=g) * torch.logspace(4, -6, rows)[:, None]
+            w[3] = 0.0
+            w[4] = 2.0**-26  # below ModelOpt's zero threshold: codes 0
+            w[5, :] = torch.finfo(dtype).max / 4 * torch.sign(torch.randn(cols, generator=g))
+            w[6] = torch.finfo(dtype).tiny * 8 * torch.randn(cols, generator=g)
+            w[7] = torch.arange(cols) * 0.5 - cols / 4  # exact halves: ties after scaling
+            w[8, : cols // 2] = -0.0
+            w[9] = 2.0**-23 * torch.sign(torch.randn(cols, generator=g))  # just above it
+            out.append((f"{dtype}-{rows}x{cols}", w.to(dtype).to(device)))
+        out.append((f"{dtype}-ties", ties(fmt, cols).to(dtype).to(device)))
+    return out
+
+
+def ties(fmt: str, cols: int) -> torch.Tensor:
+    """128 rows whose scale is exactly 1 (amax 127 for int8, 448 for fp8 / fp8_block: torch's
+    ``reciprocal(amax) * MAX`` is 1 there; group amax 7 for w4a16) and whose other values sit
+    on rounding ties: halves for the integer formats, E4M3 midpoints for the fp8 ones, the
+    E2M1 midpoints for nvfp4 (whose scales are 1 there)."""
+    j = torch.arange(cols)
+    if fmt == "int8":
+        row = (j % 64) * 0.5 - 16.0
+        row[0] = 127.0
+    elif fmt in ("fp8", "fp8_block"):
+        mids = e4m3_probe()[127:253]  # the 126 midpoints, positive
+        row = mids[j % len(mids)] * torch.where(j % 2 == 0, 1.0, -1.0)
+        row[0] = 448.0
+    elif fmt == "w4a16":
+        row = (j % 15) * 0.5 - 3.5
+        row[j % 128 == 0] = 7.0
+    else:  # nvfp4: tensor amax 2688 = 6 * 448 gives s2 = 1, block amax 6 then s_blk = 1
+        t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+        row = t[j % 7] * torch.where(j % 2 == 0, 1.0, -1.0)
+        row[j % 16 == 0] = 6.0
+    w = row.expand(128, cols).clone()
+    if fmt == "nvfp4":
+        w[0, 0] = 2688.0
+    return w
+
+
+def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
+    """``get_spec(fmt).quantize_weight(w)`` and its packed tensors, through ``impl``."""
+    spec = get_spec(fmt)
+    set_quant_impl(impl)
+    try:
+        q = spec.quantize_weight(w, global_amax=global_amax)
+        return q, spec.pack_quantized("model.layers.0.mlp.down_proj.weight", q)
+    finally:
+        set_quant_impl(None)
+
+
+def assert_pack_streams_equal(fmt: str, stream) -> None:
+    """``pack_state_dict`` of ``stream`` (expert-stacked wire) through the fused kernels equals
+    the torch reference's: names, order, dtypes, shapes and bits."""
+    spec = get_spec(fmt)
+    out = {}
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        try:
+            out[impl] = [(n, t.clone()) for n, t in spec.pack_state_dict(iter(stream),
+                                                                         stack_experts=True)]
+        finally:
+            set_quant_impl(None)
+    assert [n for n, _ in out["triton"]] == [n for n, _ in out["torch"]]
+    for (n, a), (_, b) in zip(out["triton"], out["torch"]):
+        assert a.dtype == b.dtype and a.shape == b.shape, n
+        assert torch.equal(bits(a), bits(b)), n
+
+
+def bits(t: torch.Tensor | None, device: torch.device | str | None = None):
+    """``t``'s bit pattern as an integer tensor (compares -0.0, NaN, float8), on ``device``
+    (default: its own)."""
+    if t is None:
+        return None
+    t = t.detach().to(device or t.device).contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) \
+        if t.element_size() == 4 else t.view(torch.int16) if t.element_size() == 2 else t
+
+
+def assert_same(fused, ref, label: str) -> None:
+    """Same codes, scales, tensor scale, shape, dtypes and packed tensors, bit for bit."""
+    (q, packed), (r, rpacked) = fused, ref
+    for what in ("codes", "scale", "global_scale"):
+        a, b = getattr(q, what), getattr(r, what)
+        assert (a is None) == (b is None), f"{label}: {what} present on one side only"
+        if a is None:
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{label}: {what} {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        diff = (bits(a) != bits(b, a.device)).sum().item()
+        assert diff == 0, f"{label}: {diff} of {a.numel()} {what} differ"
+    assert (q.shape, q.dtype, q.spec) == (r.shape, r.dtype, r.spec), label
+    assert [n for n, _ in packed] == [n for n, _ in rpacked], label
+    for (n, a), (_, b) in zip(packed, rpacked):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: packed {n}"
+        assert torch.equal(bits(a), bits(b, a.device)), f"{label}: packed {n} differs"
+
+
+def e4m3_probe(device: str = "cpu") -> torch.Tensor:
+    """Every E4M3 value, every midpoint between neighbours (a tie: to even) and the fp32
+    neighbours of each midpoint, both signs."""
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, torch.nextafter(mids, mids * 2), torch.nextafter(mids, -mids),
+                   torch.tensor([2.0**-10, 2.0**-20, 0.0])])
+    return torch.cat([x, -x]).to(device)

@@ -1,0 +1,53 @@
+"""Compile the fused quantizers for sm_90 without a GPU and count PTX instructions (run as a
+script in a fresh process: ``TRITON_INTERPRET`` must be unset when Triton loads).
+
+Prints one JSON object ``{kernel: {instruction: count}}`` (tests/quant/test_fused_ptx.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_qrl.quant import triton_quant as tq
+
+EPS = 2.0**-24
+_OUT = {"codes_ptr": "*u8", "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
+_CHANNEL = {"w_ptr": "*bf16", **_OUT, "n_rows": "i32", "k": "i32", "stride_w": "i32",
+            "MAXV": "constexpr", "INT8": "constexpr", "EPS": "constexpr", "SOFT": "constexpr",
+            "BLOCK_R": "constexpr", "BLOCK_K": "constexpr"}
+KERNELS = {
+    "fp8": (tq._channel_kernel, _CHANNEL, (448.0, False, EPS, False, 4, 2048)),
+    "int8": (tq._channel_kernel, {**_CHANNEL, "codes_ptr": "*i8"},
+             (127.0, True, EPS, False, 4, 2048)),
+    "fp8_block": (tq._fp8_block_kernel, {"w_ptr": "*bf16", **_OUT, "n": "i32", "k": "i32",
+                                         "stride_w": "i32", "kb": "i32", "EPS": "constexpr",
+                                         "SOFT": "constexpr", "BLOCK": "constexpr"},
+                  (EPS, False, 128)),
+    "w4a16": (tq._w4a16_kernel, {"w_ptr": "*bf16", "codes_ptr": "*i8", "packed_ptr": "*i32",
+                                 "scale_ptr": "*bf16", "amax_ptr": "*fp32", "n_rows": "i32",
+                                 "k": "i32", "stride_w": "i32", "EPS": "constexpr",
+                                 "BLOCK_R": "constexpr", "GROUP": "constexpr"}, (EPS, 16, 128)),
+    "nvfp4": (tq._nvfp4_kernel, {"w_ptr": "*bf16", "s2_ptr": "*fp32", "s2_stride": "i32",
+                                 "codes_ptr": "*u8", "packed_ptr": "*u8", "scale_ptr": "*u8",
+                                 "amax_ptr": "*fp32", "n_rows": "i32", "k": "i32",
+                                 "stride_w": "i32", "SOFT": "constexpr", "BLOCK_R": "constexpr",
+                                 "NB": "constexpr", "BLOCK": "constexpr"}, (False, 16, 8, 16)),
+}
+
+
+def ptx_counts(name: str) -> dict[str, int]:
+    fn, sig, values = KERNELS[name]
+    first = list(sig).index(next(k for k, v in sig.items() if v == "constexpr"))
+    consts = {(first + i,): v for i, v in enumerate(values)}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ops = re.findall(r"\b((?:fma|div|rcp|cvt|mul|add)\.[a-z0-9.]+)", k.asm["ptx"])
+    return {op: ops.count(op) for op in sorted(set(ops))}
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: ptx_counts(name) for name in KERNELS}))

@@ -1,0 +1,46 @@
+"""The fused quantizers compiled for sm_90 (Hopper) without a GPU keep the reference's
+rounding: no fused multiply-add (an unrounded product would move rounding ties), IEEE
+division (``div.rn``, not ``div.full`` / ``rcp.approx``), the round-to-nearest-even
+saturating E4M3 cast and round-to-nearest bf16 cast. Needs Triton (skipped in CPU CI);
+compiled in a fresh process by tests/quant/fused_ptx.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:  # not imported here: the interpreter test's
+    pytest.skip("triton not installed (CPU CI): GPU test tests/gpu/test_fused_quant.py covers it",
+                allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/quant/fused_ptx.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_no_fma_and_ieee_division(ptx):
+    for name, ops in ptx.items():
+        bad = {op: n for op, n in ops.items()
+               if op.startswith(("fma.", "rcp.", "div.full", "div.approx"))}
+        assert not bad, f"{name}: {bad}"
+        assert ops.get("div.rn.f32", 0) > 0, f"{name}: no IEEE division in {ops}"
+
+
+def test_native_round_to_nearest_casts(ptx):
+    for name in ("fp8", "fp8_block", "nvfp4"):
+        assert ptx[name].get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0, (name, ptx[name])
+    assert any(op.startswith("cvt.rn.bf16") for op in ptx["w4a16"]), ptx["w4a16"]

@@ -1,0 +1,112 @@
+"""Which quantizer runs (megatron_qrl/quant/fused.py), on the CPU without Triton: a CUDA
+weight with Triton gets the format's fused kernel, everything else the torch reference;
+``torch`` forces the reference, ``triton`` the kernel or a clear error. The kernels module is
+replaced by a recorder here (the kernels' bits: tests/quant/test_fused_quant.py, GPU:
+tests/gpu/test_fused_quant.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_qrl.quant import fused, get_spec, list_specs
+from megatron_qrl.quant.fused import ENV, fused_kernel, quant_impl, set_quant_impl
+from tests.quant.fused_cases import bits
+
+ROOT = Path(__file__).resolve().parents[2]
+FUSED = {"int8": "quantize_channel", "fp8": "quantize_channel",
+         "fp8_block": "quantize_fp8_block", "w4a16": "quantize_w4a16", "nvfp4": "quantize_nvfp4"}
+
+
+@pytest.fixture(autouse=True)
+def _reset(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    yield
+    set_quant_impl(None)
+
+
+def _recorder(calls):
+    """A stand-in kernels module: each function records its call and returns the reference
+    quantization (of the weight's own amax) with a finite tile amax."""
+    def make(name):
+        def kernel(spec, w, *args):
+            calls.append((name, spec.name, args))
+            return spec._quantize(w, None), torch.zeros(1)
+        return kernel
+    return SimpleNamespace(**{n: make(n) for n in set(FUSED.values())})
+
+
+def test_registry_names_its_kernels():
+    """Every format declares its fused kernel (or none), and the name exists in triton_quant."""
+    tree = ast.parse((ROOT / "megatron_qrl/quant/triton_quant.py").read_text())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for name in list_specs():
+        assert get_spec(name).fused_kernel == FUSED.get(name), name
+        assert get_spec(name).fused_kernel in defined | {None}, name
+
+
+@pytest.mark.parametrize("fmt", list(FUSED))
+def test_cuda_with_triton_gets_the_kernel(monkeypatch, fmt):
+    monkeypatch.setattr(fused, "kernels", lambda: _recorder([]))
+    spec = get_spec(fmt)
+    assert fused_kernel(spec, torch.device("cuda", 0)).__name__ == "kernel"
+    assert fused_kernel(spec, torch.device("cpu")) is None  # auto: CPU weights stay on torch
+    set_quant_impl("torch")
+    assert fused_kernel(spec, torch.device("cuda", 0)) is None
+    monkeypatch.setattr(fused, "kernels", lambda: None)  # no Triton: torch
+    set_quant_impl(None)
+    assert fused_kernel(spec, torch.device("cuda", 0)) is None
+    assert fused_kernel(get_spec("bf16"), torch.device("cuda", 0)) is None
+
+
+def test_forced_triton_without_triton_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(fused, "kernels", lambda: None)
+    monkeypatch.setenv(ENV, "triton")
+    with pytest.raises(RuntimeError, match="QRL_QUANT_IMPL=triton.*Triton is not installed"):
+        get_spec("fp8").quantize_weight(torch.randn(8, 16))
+    monkeypatch.setattr(fused, "kernels", lambda: _recorder([]))
+    with pytest.raises(RuntimeError, match="the weight is on cpu"):
+        get_spec("fp8").quantize_weight(torch.randn(8, 16))
+
+
+def test_bad_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ENV, "cuda")
+    with pytest.raises(ValueError, match="QRL_QUANT_IMPL='cuda'.*auto, torch, triton"):
+        quant_impl()
+    with pytest.raises(ValueError, match="set_quant_impl='x'"):
+        set_quant_impl("x")
+    set_quant_impl("torch")  # the setter wins over the environment
+    assert quant_impl() == "torch"
+
+
+@pytest.mark.parametrize("fmt", list(FUSED))
+def test_quantize_weight_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
+    """quantize_weight hands a selected kernel the weight (and nvfp4 its tensor scale), checks
+    finiteness on the kernel's tile amax, and names the tensor when it is not finite."""
+    calls = []
+    monkeypatch.setattr(fused, "kernels", lambda: _recorder(calls))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors may take the kernel path
+    set_quant_impl("triton")
+    spec = get_spec(fmt)
+    w = torch.randn(128, 256)
+    q = spec.quantize_weight(w, name="layers.0.w")
+    assert [c[:2] for c in calls] == [(FUSED[fmt], fmt)]
+    if fmt == "nvfp4":  # its tensor scale, from the weight's amax
+        assert torch.equal(calls[0][2][0], spec._quantize(w, None).global_scale)
+    else:
+        assert calls[0][2] == ()
+    assert torch.equal(bits(q.codes), bits(spec._quantize(w, None).codes))
+    w[1, 2] = float("inf")  # the recorder's amax is finite: only a real check of w raises
+    monkeypatch.setattr(fused, "kernels", lambda: SimpleNamespace(
+        **{FUSED[fmt]: lambda spec, w, *a: (spec._quantize(w, None), torch.full((1,), 1e30)
+                                            / torch.zeros(1))}))
+    with pytest.raises(ValueError, match="layers.0.w"):
+        spec.quantize_weight(w, name="layers.0.w")
+    set_quant_impl("torch")
+    with pytest.raises(ValueError, match="layers.0.w"):
+        spec.quantize_weight(w, name="layers.0.w")
