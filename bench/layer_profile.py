@@ -150,6 +150,9 @@ def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
         if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
             # the device's own record of each kernel, once (the parts' charging goes through
             # the CPU ops that launched them): the top-kernel table and the busy time check
+            if getattr(ev, "is_user_annotation", False) or ev.name.startswith(
+                    ("qrl::", "Optimizer.", "ProfilerStep")):
+                continue  # a range's span on the GPU timeline, not a kernel
             us = ev.time_range.end - ev.time_range.start
             kernels[ev.name] = kernels.get(ev.name, 0.0) + us / 1e3
             continue
