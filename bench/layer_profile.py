@@ -15,8 +15,11 @@ charged to the nearest enclosing *part* on the CPU side —
 ``host_top_ms``: the CPU ops with the most own (self) CPU time — where the host spends a
 micro batch whose wall time is well above the GPU's busy time.
 Kernels under none of these are ``other`` (the loss, the log-prob pass, gradient clipping...).
-The table is per micro-batch-call milliseconds of GPU kernel time (streams summed), so the
-parts add up to the GPU's busy time, not to the wall time. Without CUDA each op's own CPU time
+The table is per micro-batch-call milliseconds of GPU kernel time (streams summed), meant to
+add up to the GPU's busy time, not to the wall time; on the H200 the parts still over-count
+(1,412 ms "busy" in a 404 ms call: some kernels reach more than one CPU event), so
+``kernels_top_ms`` / ``gpu_kernels_ms`` — the device's own record of each kernel, counted once —
+are the numbers to read there. Without CUDA each op's own CPU time
 is charged instead (checks the attribution on a CPU; not a speed measurement).
 """
 

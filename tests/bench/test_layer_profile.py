@@ -67,8 +67,8 @@ def test_breakdown_on_a_tiny_moe(tmp_path):
 
 def test_a_range_does_not_count_its_kernels_twice():
     """A ``record_function`` range's own CUDA span (listed by torch's profiler as a kernel named
-    like the range) and a user annotation's kernels are not the range's: counting them put the
-    whole step under ``optimizer`` (1,657 of 1,894 ms) on the H200."""
+    like the range) and a user annotation's kernels are not the range's: counting them charged
+    GPU time inside ``Optimizer.step`` and the ``qrl::`` ranges twice on the H200."""
     from types import SimpleNamespace as NS
 
     from bench.layer_profile import launched_kernels
