@@ -31,7 +31,7 @@ QRL=${QRL:-1}
 LOSS=${LOSS:-acr}
 LAYERS=${LAYERS:-8}
 ROLLOUTS=${ROLLOUTS:-3}
-SAVE=${SAVE:-/tmp/slime_qrl_run}
+SAVE=${SAVE:-}                  # a dir: save there every SAVE_INTERVAL rollouts (Megatron needs both)
 
 source "${HERE}/examples/models/qwen3_4b.sh"   # MODEL_ARGS (Qwen3-4B's shape)
 MODEL_ARGS+=(--num-layers "${LAYERS}")        # the checkpoint's layers (last value wins)
@@ -39,8 +39,8 @@ MODEL_ARGS+=(--num-layers "${LAYERS}")        # the checkpoint's layers (last va
 CKPT_ARGS=(
    --hf-checkpoint "${CKPT}"
    --load "${CKPT}"
-   --save "${SAVE}"
 )
+[ -n "${SAVE}" ] && CKPT_ARGS+=(--save "${SAVE}" --save-interval "${SAVE_INTERVAL:-20}")
 
 ROLLOUT_ARGS=(
    --prompt-data "${CKPT}/prompts.jsonl"
@@ -116,7 +116,8 @@ QRL_ARGS=(
 BASELINE_ARGS=(
    --eps-clip 0.2
    --eps-clip-high 0.28
-   --get-mismatch-metrics   # slime's train / rollout log-prob mismatch metrics
+   # no --get-mismatch-metrics: slime 0.3.1 asserts a --custom-tis-function-path with it; its
+   # train/train_rollout_logprob_abs_diff (|train - rollout| log-prob) is logged either way
 )
 
 if [ "${QRL}" = 1 ]; then
