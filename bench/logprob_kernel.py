@@ -112,7 +112,8 @@ def run(rows: int, vocab: int, dtype: str, temperature: float, impls: list[str],
 def _print(rec: dict, impls: list[str]) -> None:
     print(f"[logprob_kernel] [{rec['rows']}, {rec['vocab']}] {rec['dtype']} T={rec['temperature']} "
           f"+ entropy on {rec['device']} (commit {rec['commit']}, median of {rec['repeats']})")
-    print("| impl | fwd ms | bwd ms | total ms | fwd GB/s | bwd GB/s | total GB/s | peak extra GiB |")
+    print("| impl | fwd ms | bwd ms | total ms | fwd GB/s | bwd GB/s | total GB/s "
+          "| peak extra GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for impl in impls:
         r = rec[impl]

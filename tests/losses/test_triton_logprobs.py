@@ -5,28 +5,18 @@ vocabularies and row counts that are not multiples of the block, labels in other
 slices, strided rows, tensor parallelism over gloo. The compiled kernels' proof at the real size
 is tests/gpu/test_logprob_kernel.py.
 
-Run: ``PYTHONPATH=/tmp/triton_site:$PWD TRITON_INTERPRET=1 pytest tests/losses/test_triton_logprobs.py``
-(Triton installed aside; the shared venv has none, and there the module skips).
+Run: ``PYTHONPATH=/tmp/triton_site:$PWD pytest tests/losses/test_triton_logprobs.py`` (Triton
+installed aside; the shared venv has none, and there the module skips).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set (by another test "
-                "module, e.g. through ModelOpt): run this module in its own pytest process",
-                allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-except ImportError:
-    pytest.skip("triton not installed (CPU CI): GPU test tests/gpu/test_logprob_kernel.py "
-                "covers it", allow_module_level=True)
+from tests.helpers.triton_cpu import require_triton_interpreter
+
+require_triton_interpreter("tests/gpu/test_logprob_kernel.py")
 
 from megatron_qrl.losses import logprobs, triton_logprobs  # noqa: E402
 from megatron_qrl.losses.logprobs import chunked_log_probs, set_logprob_impl  # noqa: E402
