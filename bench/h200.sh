@@ -35,7 +35,8 @@
 #   logprob     the fused Triton log-prob kernels (megatron_qrl/losses/triton_logprobs.py):
 #               tests/gpu/test_logprob_kernel.py, then bench/logprob_kernel.py, torch vs triton
 #               forward + backward ms, GB/s and their ratio at [${ROWS:-16384}, 151936] BF16 with
-#               the entropy (TEMPERATURE, default 1) -> $OUT/logprob_kernel.jsonl; needs no
+#               the entropy (TEMPERATURE, default 1), the kernels also at CONFIGS (block x
+#               warps, default 2048x4,8192x16) -> $OUT/logprob_kernel.jsonl; needs no
 #               setup (torch + Triton only; carry .stage/recipe .stage/stub .commit; ~1.5 min)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
@@ -257,7 +258,8 @@ case $phase in
     python3 -m pytest -q -rs tests/gpu/test_logprob_kernel.py 2>&1 | tee "$OUT/logprob_test.log" \
       | tail -n 15
     python3 bench/logprob_kernel.py --rows "${ROWS:-16384}" --temperature "${TEMPERATURE:-1.0}" \
-      --out "$OUT/logprob_kernel.jsonl" 2>&1 | grep -E "^\||logprob_kernel\]|Error|error" ;;
+      --configs "${CONFIGS:-2048x4,8192x16}" --out "$OUT/logprob_kernel.jsonl" 2>&1 \
+      | grep -E "^\||logprob_kernel\]|Error|error" ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
       --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+packeach,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \

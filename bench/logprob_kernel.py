@@ -11,8 +11,10 @@ achieved GB/s (the least traffic a pass needs over its time: the forward reads t
 the backward reads them and writes their gradient, each in the logits' dtype), the peak memory
 above the inputs, and the torch / triton ratio of each time. The largest difference of the
 log-probs, entropy and gradient between the implementations is printed as a check. Each run
-appends one JSON record with the commit to ``--out``. ``--device cpu`` checks the script on a
-CPU (the kernels there only under ``TRITON_INTERPRET=1``).
+appends one JSON record with the commit to ``--out``. ``--configs 2048x4,8192x16`` times the
+kernels again per block size x warps (:data:`~megatron_qrl.losses.triton_logprobs.BLOCK`,
+``NUM_WARPS``), to choose them. ``--device cpu`` checks the script on a CPU (the kernels there
+only under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -82,9 +84,24 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 1024) -> float:
                 for i in range(0, a.shape[0], rows)), default=0.0)
 
 
+def time_configs(configs: list[str], *args) -> dict:
+    """``{"BLOCKxWARPS": times}`` of the kernels at each block size and warp count."""
+    from megatron_qrl.losses import triton_logprobs as kern
+
+    saved, out = (kern.BLOCK, kern.NUM_WARPS), {}
+    try:
+        for cfg in configs:
+            kern.BLOCK, kern.NUM_WARPS = map(int, cfg.split("x"))
+            out[cfg] = time_impl("triton", *args)[0]
+    finally:
+        kern.BLOCK, kern.NUM_WARPS = saved
+    return out
+
+
 def run(rows: int, vocab: int, dtype: str, temperature: float, impls: list[str], device: str,
-        repeats: int, warmup: int, seed: int = 0) -> dict:
-    """One record: each implementation's times on the same logits, and the ratios."""
+        repeats: int, warmup: int, seed: int = 0, configs: list[str] = ()) -> dict:
+    """One record: each implementation's times on the same logits, and the ratios; the
+    kernels' times per ``configs`` (block size x warps)."""
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     x = (torch.randn(rows, vocab, generator=gen, device=dev) * 3).to(DTYPES[dtype])
@@ -106,6 +123,10 @@ def run(rows: int, vocab: int, dtype: str, temperature: float, impls: list[str],
     if {"torch", "triton"} <= set(impls):
         for key in ("fwd_ms", "bwd_ms", "total_ms"):
             rec[f"ratio_{key[:-3]}"] = round(rec["torch"][key] / rec["triton"][key], 2)
+    del outs
+    if configs:
+        rec["configs"] = time_configs(list(configs), x, labels, g, temperature, repeats,
+                                      warmup)
     return rec
 
 
@@ -115,8 +136,9 @@ def _print(rec: dict, impls: list[str]) -> None:
     print("| impl | fwd ms | bwd ms | total ms | fwd GB/s | bwd GB/s | total GB/s "
           "| peak extra GiB |")
     print("|---|---|---|---|---|---|---|---|")
-    for impl in impls:
-        r = rec[impl]
+    rows = [(impl, rec[impl]) for impl in impls]
+    rows += [(f"triton {cfg}", r) for cfg, r in rec.get("configs", {}).items()]
+    for impl, r in rows:
         print(f"| {impl} | {r['fwd_ms']} | {r['bwd_ms']} | {r['total_ms']} | {r['fwd_gbs']} | "
               f"{r['bwd_gbs']} | {r['total_gbs']} | {r['peak_extra_gib']} |")
     if "ratio_total" in rec:
@@ -124,6 +146,17 @@ def _print(rec: dict, impls: list[str]) -> None:
               f"total x{rec['ratio_total']}")
     if "max_diff" in rec:
         print(f"[logprob_kernel] max |difference|: {rec['max_diff']}")
+
+
+def _configs(text: str) -> list[str]:
+    configs = [s.strip() for s in text.split(",") if s.strip()]
+    for cfg in configs:
+        block, _, warps = cfg.partition("x")
+        if not (block.isdigit() and warps.isdigit() and int(block) & (int(block) - 1) == 0
+                and int(block) > 0 and int(warps) in (1, 2, 4, 8, 16, 32)):
+            raise SystemExit(f"--configs {text!r}: each is BLOCKxWARPS, a power-of-two block "
+                             "and 1-32 warps (e.g. 4096x8,8192x16)")
+    return configs
 
 
 def _impls(text: str) -> list[str]:
@@ -141,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--impls", default="torch,triton")
+    p.add_argument("--configs", default="",
+                   help="kernel block size x warps to time as well, e.g. 2048x4,8192x16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="JSONL file the record is appended to")
     a = p.parse_args(argv)
-    impls = _impls(a.impls)
-    rec = run(a.rows, a.vocab, a.dtype, a.temperature, impls, a.device, a.repeats, a.warmup)
+    impls, configs = _impls(a.impls), _configs(a.configs)
+    rec = run(a.rows, a.vocab, a.dtype, a.temperature, impls, a.device, a.repeats, a.warmup,
+              configs=configs)
     _print(rec, impls)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,10 +30,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["BLOCK", "grad_logits", "row_stats"]
+__all__ = ["BLOCK", "NUM_WARPS", "grad_logits", "row_stats"]
 
 BLOCK = 4096
 """Vocabulary elements per block of both kernels (a power of two)."""
+NUM_WARPS = 8
+"""Warps per program of both kernels (``bench/logprob_kernel.py --configs`` compares others)."""
 
 _NEG_START = -3.0e38
 """The running max before the first block: finite, so ``(m_0 - m_1) S_0`` is ``0``, not NaN."""
@@ -98,7 +100,7 @@ def row_stats(x: Tensor, idx: Tensor, temperature: float, entropy: bool,
     if n:
         _row_stats_kernel[(n,)](x, idx.contiguous(), out[0], out[1], out[2], out[3],
                                 x.stride(0), v, 1.0 / temperature, NEG_START=_NEG_START,
-                                BLOCK=block, ENTROPY=entropy, num_warps=8)
+                                BLOCK=block, ENTROPY=entropy, num_warps=NUM_WARPS)
     return out[0], out[1], out[2], out[3]
 
 
@@ -115,5 +117,6 @@ def grad_logits(x: Tensor, lse: Tensor, g: Tensor, target: Tensor, temperature: 
     if n and v:
         grid = (n, triton.cdiv(v, block))
         _grad_kernel[grid](x, out, lse.contiguous(), g.contiguous(), target.contiguous(),
-                           x.stride(0), v, 1.0 / temperature, BLOCK=block, num_warps=8)
+                           x.stride(0), v, 1.0 / temperature, BLOCK=block,
+                           num_warps=NUM_WARPS)
     return out

@@ -40,9 +40,13 @@ def test_both_implementations_give_ratios_and_differences(monkeypatch, capsys):
     assert rec["max_diff"]["lp"] < 1e-5 and rec["max_diff"]["grad"] < 1e-2
 
 
-def test_bad_impls_are_one_line():
-    from bench.logprob_kernel import main
+def test_bad_impls_and_configs_are_one_line():
+    from bench.logprob_kernel import _configs, main
 
     for bad in ("cuda", "torch,torch", ""):
         with pytest.raises(SystemExit, match="--impls .*torch, triton"):
             main(["--device", "cpu", "--impls", bad])
+    assert _configs("2048x4, 8192x16") == ["2048x4", "8192x16"] and _configs("") == []
+    for bad in ("4096", "3000x8", "4096x3", "0x8", "ax8"):
+        with pytest.raises(SystemExit, match="--configs .*BLOCKxWARPS"):
+            main(["--device", "cpu", "--configs", bad])
