@@ -32,6 +32,12 @@
 #               GPU busy vs wall, top kernels, top host ops, once with the torch quantizers and
 #               once with the fused Triton ones (QUANT_IMPL, default torch,triton), their ratio
 #               (~35 s per format)
+#   logprob     the fused Triton log-prob kernels (megatron_qrl/losses/triton_logprobs.py):
+#               tests/gpu/test_logprob_kernel.py, then bench/logprob_kernel.py, torch vs triton
+#               forward + backward ms, GB/s and their ratio at [${ROWS:-16384}, 151936] BF16 with
+#               the entropy (TEMPERATURE, default 1), the kernels also at CONFIGS (block x
+#               warps, default 2048x4,8192x16) -> $OUT/logprob_kernel.jsonl; needs no
+#               setup (torch + Triton only; carry .stage/recipe .stage/stub .commit; ~1.5 min)
 #   restart     tests/gpu/test_sglang_restart.py (kill a scheduler; the supervisor recovers)
 #   dist        sync="distributed": the engine on GPU 1, buckets broadcast from GPU 0 (one GPU: gloo)
 #               over NCCL — tests/gpu/test_sglang_inplace.py -k distributed, then the 30B sync
@@ -133,7 +139,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|train|aligned|fp8train|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|logprob|train|aligned|fp8train|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -248,6 +254,12 @@ case $phase in
         --quant-impl "${QUANT_IMPL:-torch,triton}" --out "$OUT/pack_profile_$f.json" 2>&1 \
         | grep -v -i warn | head -n 100
     done ;;
+  logprob)  # torch + Triton only: no SGLang, no TE
+    python3 -m pytest -q -rs tests/gpu/test_logprob_kernel.py 2>&1 | tee "$OUT/logprob_test.log" \
+      | tail -n 15
+    python3 bench/logprob_kernel.py --rows "${ROWS:-16384}" --temperature "${TEMPERATURE:-1.0}" \
+      --configs "${CONFIGS:-2048x4,8192x16}" --out "$OUT/logprob_kernel.jsonl" 2>&1 \
+      | grep -E "^\||logprob_kernel\]|Error|error" ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
       --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+packeach,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \

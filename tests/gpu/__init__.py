@@ -17,6 +17,26 @@ def skip_unless_sglang_gpu(what: str) -> None:
         pytest.skip(f"SGLang not importable here ({why})", allow_module_level=True)
 
 
+def skip_unless_compiled_triton() -> None:
+    """Skip the calling test module unless a CUDA GPU and Triton's compiler are present (not
+    its interpreter: ``TRITON_INTERPRET=1`` would run the CPU tests' mode)."""
+    import os
+
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU", allow_module_level=True)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 runs the interpreter, not the compiled kernels",
+                    allow_module_level=True)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton does not import (torch's CUDA wheels ship it)",
+                    allow_module_level=True)
+
+
 def run_json_worker(script: str, args: list[str], out, done_key: str, what: str,
                     timeout: int = 900, tail: int = 40) -> dict:
     """Run ``script`` (a test file's ``__main__`` worker: one SGLang engine in its own process)

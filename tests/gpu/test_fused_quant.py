@@ -10,22 +10,14 @@ Run: ``pytest tests/gpu/test_fused_quant.py`` (bench/h200.sh ``gpu-tests FILES=.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.gpu import skip_unless_compiled_triton
+
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 runs the interpreter, not the compiled kernels",
-                allow_module_level=True)
-try:
-    import triton  # noqa: F401
-except ImportError:
-    pytest.skip("triton does not import (torch's CUDA wheels ship it)", allow_module_level=True)
+skip_unless_compiled_triton()
 
 from megatron_qrl.quant import get_spec, triton_quant  # noqa: E402
 from megatron_qrl.quant.fused import fused_kernel  # noqa: E402

@@ -6,13 +6,9 @@ Prints one JSON object ``{kernel: {instruction: count}}`` (tests/quant/test_fuse
 from __future__ import annotations
 
 import json
-import re
-
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from megatron_qrl.quant import triton_quant as tq
+from tests.helpers.triton_cpu import sm90_ptx_counts
 
 EPS = 2.0**-24
 _OUT = {"codes_ptr": "*u8", "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
@@ -41,12 +37,7 @@ KERNELS = {
 
 def ptx_counts(name: str) -> dict[str, int]:
     fn, sig, values = KERNELS[name]
-    first = list(sig).index(next(k for k, v in sig.items() if v == "constexpr"))
-    consts = {(first + i,): v for i, v in enumerate(values)}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ops = re.findall(r"\b((?:fma|div|rcp|cvt|mul|add)\.[a-z0-9.]+)", k.asm["ptx"])
-    return {op: ops.count(op) for op in sorted(set(ops))}
+    return sm90_ptx_counts(fn, sig, values, r"\b((?:fma|div|rcp|cvt|mul|add)\.[a-z0-9.]+)")
 
 
 if __name__ == "__main__":

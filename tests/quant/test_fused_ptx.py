@@ -7,29 +7,19 @@ compiled in a fresh process by tests/quant/fused_ptx.py."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.helpers.triton_cpu import run_ptx_script
 
 if importlib.util.find_spec("triton") is None:  # not imported here: the interpreter test's
     pytest.skip("triton not installed (CPU CI): GPU test tests/gpu/test_fused_quant.py covers it",
                 allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def ptx():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/quant/fused_ptx.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_ptx_script("tests/quant/fused_ptx.py")
 
 
 def test_no_fma_and_ieee_division(ptx):
