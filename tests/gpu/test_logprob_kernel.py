@@ -46,10 +46,18 @@ def _run(impl: str, x, labels, g, temperature: float):
         set_logprob_impl(None)
 
 
+LSE_ATOL = 2e-5  # the two paths' fp32 logsumexp may differ by this much (asserted below)
+
+
 def _assert_grads_close(a, b, rows: int = 512):
-    """BF16 gradients within one rounding step of each other, ``rows`` rows at a time."""
+    """BF16 gradients within one rounding step of each other, ``rows`` rows at a time, plus an
+    absolute term from the logsumexp: the gradient at a confident label is ``g (1 - p_y)`` with
+    ``p_y = exp(z_y - lse)`` near 1, so it inherits the paths' fp32 ``lse`` difference times
+    ``|g|`` (<= ~4.5 for these normal draws). Measured on the H200: 29 of 77.8M elements past
+    a 1e-7 bound, the largest 6.3e-6, all in peaked rows."""
     for i in range(0, a.shape[0], rows):
-        torch.testing.assert_close(a[i:i + rows], b[i:i + rows], rtol=BF16_STEP, atol=1e-7)
+        torch.testing.assert_close(a[i:i + rows], b[i:i + rows], rtol=BF16_STEP,
+                                   atol=5 * LSE_ATOL)
 
 
 def test_auto_picks_the_kernels_for_cuda_logits():
@@ -68,7 +76,7 @@ def test_kernels_equal_the_torch_path_at_qwen3_vocabulary(temperature):
     flat = x.reshape(-1, VOCAB)
     _, lse_t, _ = logprobs._forward(flat, labels, temperature, None, 2048, True, None)
     _, lse_k, _ = logprobs._forward(flat, labels, temperature, None, 2048, True, triton_logprobs)
-    torch.testing.assert_close(lse_k, lse_t, rtol=1e-6, atol=2e-5)
+    torch.testing.assert_close(lse_k, lse_t, rtol=1e-6, atol=LSE_ATOL)
 
 
 def test_rows_past_2_to_the_31_elements():
