@@ -54,6 +54,7 @@ from megatron_qrl.rl.ray_placement import (
     wait_for_placement,
 )
 from megatron_qrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_qrl.rollout.capacity import EngineCapacity
 from megatron_qrl.rollout.ray_actor import (
     WEIGHT_TRANSPORTS,
     EngineActor,
@@ -293,6 +294,9 @@ class RayRolloutEngine(RolloutEngine):
 
     def weight_version(self) -> int:
         return self.supervisor.weight_version()
+
+    def capacity(self) -> EngineCapacity | None:
+        return self.supervisor.capacity()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         if self.released:

@@ -35,7 +35,7 @@ from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.micro_forward import positions_run
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
-from megatron_qrl.rollout.capacity import decode_waves
+from megatron_qrl.rollout.capacity import capacity_record
 
 __all__ = ["StepContext", "micro_batches", "recompute_log_probs", "rl_step", "sample_indices",
            "set_old_log_probs", "sft_step", "step_seed"]
@@ -190,10 +190,9 @@ def _rollout(ctx: StepContext,
     batch = pack_samples(prompts, responses, lps, ctx.tokenizer.pad_id, out.routed_experts)
     groups = torch.arange(len(recs)).repeat_interleave(n)
     batch["advantages"] = grpo_advantages(rewards, groups)
-    capacity = ctx.engine.capacity()
-    waves = None if capacity is None else decode_waves(
-        capacity, [len(p) + len(r) for p, r in zip(prompts, responses)])
-    return batch, rewards, texts, sum(s.over_budget for s in scores), waves
+    concurrency = capacity_record(ctx.engine.capacity(),
+                                  [len(p) + len(r) for p, r in zip(prompts, responses)])
+    return batch, rewards, texts, sum(s.over_budget for s in scores), concurrency
 
 
 def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
@@ -208,7 +207,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     slept = ctx.sleep_trainer()  # the engine gets the GPU while it decodes
     asleep_gib = torch.cuda.memory_allocated() / 2**30 if cuda and ctx.sleeper else None
     t0 = time.perf_counter()
-    batch, rewards, texts, over_budget, waves = ctx.world.from_main(lambda: _rollout(ctx, step))
+    batch, rewards, texts, over_budget, concurrency = ctx.world.from_main(lambda: _rollout(ctx, step))
     batch = ctx.check_length(batch)
     ctx.engine_memory(release=True)  # the trainer's recompute + update run next
     t1 = time.perf_counter()
@@ -233,8 +232,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     if ctx.sleeper is not None:  # the trainer slept through the rollout (rl.trainer_sleep)
         rec.update(time_sleep_s=slept + slept_state, time_wake_s=woke,
                    trainer_gpu_gib_asleep=asleep_gib)
-    if waves is not None:  # the engine reports its capacity (rollout.capacity)
-        rec["rollout_waves"] = waves
+    rec.update(concurrency)  # the engine's limits and the waves (rollout.capacity), if reported
     if getattr(synced, "adapter_bytes", None) is not None:  # LoRA: adapters over the wire
         rec["sync_adapter_bytes"] = synced.adapter_bytes
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)

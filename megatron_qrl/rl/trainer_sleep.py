@@ -15,9 +15,17 @@ moves that state off the device and brings it back bit for bit:
   and come back as zeros: ``PolicyTrainer.train_step`` zeroes the grad buffer and the
   optimizer's grads before every forward / backward, so no step reads them across a sleep.
 
-Roles: ``params`` (the model's weights, which the weight sync reads) and ``state`` (gradients,
-fp32 main parameters, optimizer state). ``sleep(keep_params=True)`` puts the state to sleep
-and leaves the weights for the sync; a later ``sleep()`` puts the rest to sleep.
+What moves is what ``rl.trainer_state`` reaches from the model and the optimizer: the
+weights, module buffers and module-held tensors (a LoRA run's frozen base, RoPE's
+``inv_freq``, the aligned forward's cached quantized weights) in the role ``params``, which
+the weight sync reads; gradients in ``grads``; fp32 main parameters, Adam moments and every
+tensor of the megatron optimizer and its grad scaler in ``state``. ``sleep(keep_params=True)``
+puts grads and state to sleep and leaves the weights for the sync; a later ``sleep()`` puts
+the rest to sleep and drops megatron-core's RoPE ``lru_cache`` (recomputed on demand).
+:meth:`TrainerSleep.accounting` lists every reached storage with its bytes and whether it is
+asleep. Not the trainer's and left alone: the process's cuBLAS workspaces (one per handle and
+stream, 32 MiB each on Hopper, counted by ``torch.cuda.memory_allocated``) and class-level
+loss scales of megatron-core's auxiliary-loss autoscalers (one scalar each).
 
 The offload target is host memory; on a CPU-only job the device is the CPU too, and the same
 code path runs (a real copy into another host buffer and a real release of the storage), so
@@ -35,10 +43,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["SleepStats", "TrainerSleep", "optimizer_members", "sleep_line", "trainer_sleep_on",
-           "trainer_tensors"]
+from megatron_qrl.rl.trainer_state import (
+    ROLES,
+    clear_module_caches,
+    labelled_tensors,
+    optimizer_members,
+    trainer_tensors,
+)
 
-ROLES = ("params", "grads", "state")
+__all__ = ["SleepStats", "StorageRecord", "TrainerSleep", "bytes_awake", "optimizer_members",
+           "sleep_line", "trainer_sleep_on", "trainer_tensors"]
 
 
 @dataclass
@@ -60,60 +74,40 @@ class SleepStats:
     """Device bytes released (copied ones and dropped gradients)."""
 
 
-def optimizer_members(optimizer: Any) -> list[Any]:
-    """The megatron-core optimizers inside ``optimizer`` (a ChainedOptimizer's members)."""
-    members = getattr(optimizer, "chained_optimizers", None)
-    return list(members) if members else [optimizer]
+@dataclass(frozen=True)
+class StorageRecord:
+    """One storage the trainer reaches (:meth:`TrainerSleep.accounting`)."""
+
+    role: str
+    label: str
+    """Where it was first reached (``rl.trainer_state``'s labels: ``param``, ``module
+    tensor``, ``grad_data``, ``optimizer param``, ``optimizer tensor``, ...)."""
+    nbytes: int
+    """Its bytes when awake."""
+    device: str
+    asleep: bool
 
 
-def _param_tensors(ddp: Any) -> Iterator[torch.Tensor]:
-    for buf in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
-        if getattr(buf, "param_data", None) is not None:
-            yield buf.param_data
-    yield from ddp.module.parameters()
-
-
-def _grad_tensors(ddp: Any, optimizer: Any) -> Iterator[torch.Tensor]:
-    for buf in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
-        if getattr(buf, "grad_data", None) is not None:
-            yield buf.grad_data
-    for p in ddp.module.parameters():
-        for g in (getattr(p, "main_grad", None), p.grad):
-            if g is not None:
-                yield g
-    for member in optimizer_members(optimizer):
-        for group in getattr(member, "param_groups", []):
-            yield from (p.grad for p in group["params"] if p.grad is not None)
-
-
-def _state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
-    for member in optimizer_members(optimizer):
-        inner = getattr(member, "optimizer", None)
-        if inner is None:
-            continue
-        for group in inner.param_groups:  # fp32 main params (or the model's own in fp32)
-            yield from group["params"]
-        for state in inner.state.values():
-            yield from (v for v in state.values() if torch.is_tensor(v))
-
-
-def trainer_tensors(ddp: Any, optimizer: Any) -> dict[str, list[torch.Tensor]]:
-    """The trainer's tensors by role (``params``, ``grads``, ``state``); a storage shared
-    by several roles counts in the first (an fp32 model's optimizer params are its weights)."""
-    return {"params": list(_param_tensors(ddp)), "grads": list(_grad_tensors(ddp, optimizer)),
-            "state": list(_state_tensors(optimizer))}
+def bytes_awake(records: Iterable[StorageRecord], device: torch.device | str) -> int:
+    """Bytes of the ``records`` still held on ``device`` (not asleep)."""
+    dev = str(torch.device(device))
+    return sum(r.nbytes for r in records if r.device == dev and not r.asleep)
 
 
 class TrainerSleep:
     """Sleep / wake of one trainer's state (module docstring).
 
-    ``tensors``: a callable giving :func:`trainer_tensors`-style ``{role: tensors}`` (called
-    at each sleep: a new optimizer or its lazily made Adam moments are found). ``device``: the
-    trainer's device; only its storages move."""
+    ``tensors``: a callable giving ``(role, label, tensor)`` triples like
+    :func:`rl.trainer_state.labelled_tensors` (called at each sleep: a new optimizer or its
+    lazily made Adam moments are found). ``device``: the trainer's device; only its storages
+    move. ``drop_caches``: called when the weights fall asleep (caches out of reach of the
+    walk, recomputed on demand)."""
 
-    def __init__(self, tensors: Any, device: torch.device | str) -> None:
+    def __init__(self, tensors: Any, device: torch.device | str,
+                 drop_caches: Any = None) -> None:
         self._tensors = tensors
         self.device = torch.device(device)
+        self._drop_caches = drop_caches
         self._slots: dict[int, _Slot] = {}
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._cuda = self.device.type == "cuda"
@@ -124,7 +118,8 @@ class TrainerSleep:
         """For a ``rl.trainer.PolicyModel`` (its current optimizer at every sleep)."""
         if device is None:
             device = next(policy.ddp.module.parameters()).device
-        return cls(lambda: trainer_tensors(policy.ddp, policy.optimizer), device)
+        return cls(lambda: labelled_tensors(policy.ddp, policy.optimizer), device,
+                   lambda: clear_module_caches(policy.ddp.module))
 
     @property
     def asleep(self) -> bool:
@@ -134,19 +129,29 @@ class TrainerSleep:
     def asleep_roles(self) -> set[str]:
         return {s.role for s in self._slots.values()}
 
+    def _storages(self) -> Iterator[tuple[str, str, torch.UntypedStorage]]:
+        """``(role, label, storage)`` of every storage the walk reaches, each once (in the
+        first role that reaches it)."""
+        seen: set[int] = set()
+        for role, label, t in self._tensors():
+            st = t.untyped_storage()
+            if st._cdata not in seen:
+                seen.add(st._cdata)
+                yield role, label, st
+
     def _collect(self, roles: Iterable[str]) -> list[_Slot]:
-        by_role = self._tensors()
-        seen: set[int] = set(self._slots)
+        return [_Slot(st, st.nbytes(), role, None) for role, _, st in self._storages()
+                if role in roles and st._cdata not in self._slots
+                and st.device == self.device and st.nbytes() > 0]
+
+    def accounting(self) -> list[StorageRecord]:
+        """Every storage the trainer reaches, on any device: its role, where it was reached,
+        its bytes when awake and whether it is asleep now."""
         out = []
-        for role in ROLES:
-            for t in by_role.get(role, []):
-                st = t.untyped_storage()
-                key = st._cdata
-                if key in seen or t.device != self.device:
-                    continue
-                seen.add(key)
-                if role in roles and st.nbytes() > 0:
-                    out.append(_Slot(st, st.nbytes(), role, None))
+        for role, label, st in self._storages():
+            slot = self._slots.get(st._cdata)
+            out.append(StorageRecord(role, label, st.nbytes() if slot is None else slot.nbytes,
+                                     str(st.device), slot is not None))
         return out
 
     def _host(self, nbytes: int) -> torch.Tensor:
@@ -176,6 +181,8 @@ class TrainerSleep:
         already asleep are left as they are."""
         t0 = time.perf_counter()
         roles = ("grads", "state") if keep_params else ROLES
+        if not keep_params and self._drop_caches is not None:
+            self._drop_caches()
         slots = self._collect(roles)
         stats = SleepStats()
         with self._on_side_stream():

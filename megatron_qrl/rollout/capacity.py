@@ -8,7 +8,7 @@ is then what bounds the rollout, not the kernels.
 
 :func:`decode_waves` is a lower bound on the waves realised: a request holds the KV positions
 of its prompt and of every token it generated until it ends, and the engine admits requests
-while the pool has room.
+while the pool has room. :func:`capacity_record` is what each rollout's metrics record carries.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["EngineCapacity", "decode_waves"]
+__all__ = ["EngineCapacity", "capacity_record", "decode_waves"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,15 @@ def decode_waves(capacity: EngineCapacity, sample_tokens: Sequence[int]) -> int:
     by_requests = math.ceil(len(sample_tokens) / max(capacity.max_running_requests, 1))
     by_tokens = math.ceil(sum(sample_tokens) / max(capacity.kv_pool_tokens, 1))
     return max(by_requests, by_tokens, 1)
+
+
+def capacity_record(capacity: EngineCapacity | None, sample_tokens: Sequence[int]) -> dict[str, int]:
+    """A rollout's metrics fields: the engine's batch limit (``engine_max_running_requests``),
+    its KV pool (``engine_kv_pool_tokens``) and the waves its samples of ``sample_tokens``
+    positions each decoded in (``rollout_waves``, :func:`decode_waves`); empty when the engine
+    reports no capacity."""
+    if capacity is None:
+        return {}
+    return {"engine_max_running_requests": capacity.max_running_requests,
+            "engine_kv_pool_tokens": capacity.kv_pool_tokens,
+            "rollout_waves": decode_waves(capacity, sample_tokens)}

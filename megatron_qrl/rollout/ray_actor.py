@@ -37,6 +37,7 @@ from ..sync.protocol.wire import CutStream
 from ..sync.transport import WeightTransport, transport_class, transport_names
 from .base import GenerationOutput, RolloutEngine, SamplingParams
 from .broadcast import init_group, receive_stream
+from .capacity import EngineCapacity
 from .ipc import misplaced, receive_ipc_stream, visible_devices
 from .supervisor import EngineDiedError
 from .transports import ActorLink
@@ -189,6 +190,9 @@ class EngineActor:
 
     def weight_version(self) -> int:
         return self.engine.weight_version()
+
+    def capacity(self) -> EngineCapacity | None:
+        return self.engine.capacity()
 
     def release_memory(self) -> None:
         self.calls.append("release_memory")
@@ -353,6 +357,9 @@ class RayEngine(RolloutEngine):
 
     def weight_version(self) -> int:
         return self._call("weight_version")
+
+    def capacity(self) -> EngineCapacity | None:
+        return self._call("capacity")
 
     def release_memory(self) -> None:
         self._call("release_memory")

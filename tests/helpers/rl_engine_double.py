@@ -16,6 +16,7 @@ from megatron_qrl.quant.hf_reference import (
     load_packed_weights,
 )
 from megatron_qrl.rollout.base import GenerationOutput, RolloutEngine, tensor_checksum
+from megatron_qrl.rollout.capacity import EngineCapacity
 
 
 class TinyEngine(RolloutEngine):
@@ -103,3 +104,16 @@ class TinyEngine(RolloutEngine):
 
 def tiny_engine_factory(rollout_cfg, hf_config, seed):
     return TinyEngine(hf_config, rollout_cfg.format, seed)
+
+
+class PooledEngine(TinyEngine):
+    """:class:`TinyEngine` with an SGLang engine's limits: 3 requests at once, a 10,000-token
+    KV pool."""
+
+    def capacity(self) -> EngineCapacity:
+        return EngineCapacity(max_running_requests=3, kv_pool_tokens=10_000)
+
+
+def pooled_engine(spec) -> PooledEngine:
+    """An engine actor's builder (``rollout.ray_actor.EngineActor``) of a :class:`PooledEngine`."""
+    return PooledEngine(spec.hf_config, spec.format, spec.seed)

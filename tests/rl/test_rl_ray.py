@@ -195,6 +195,25 @@ def test_nvfp4_weights_reach_the_actor(cluster, transport):
         engine.shutdown()
 
 
+def test_engine_capacity_crosses_the_actor(ray, cluster):
+    """The engine's limits reach the driver through the actor proxy (the start line and each
+    rollout's record of the Ray modes need them); the reference engine reports none."""
+    from megatron_qrl.rollout.capacity import EngineCapacity
+    from megatron_qrl.rollout.ray_actor import EngineActor
+    from tests.helpers.rl_engine_double import pooled_engine
+
+    cfg, _ = _packed()
+    spec = EngineSpec("reference", cfg, "int8", seed=0, num_threads=1)
+    engine = RayRolloutEngine(lambda: RayEngine(ray.remote(EngineActor).options(
+        num_cpus=0).remote(spec, pooled_engine)), colocated=True)
+    assert engine.capacity() == EngineCapacity(max_running_requests=3, kv_pool_tokens=10_000)
+    engine.shutdown()
+    with RaySession("colocated") as session:
+        reference = RayRolloutEngine(lambda: session.new_actor(spec), colocated=True)
+        assert reference.capacity() is None
+        reference.shutdown()
+
+
 def test_broadcast_failures(ray, cluster):
     import time
 

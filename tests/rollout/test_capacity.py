@@ -1,12 +1,14 @@
 """How many samples an engine decodes at once (rollout.capacity), read from SGLang's server
-info (rollout_sglang.server_info), logged at start and recorded per rollout (``rollout_waves``)."""
+info (rollout_sglang.server_info), logged at start and recorded per rollout (the engine's
+limits and ``rollout_waves``); the engine actor of the Ray modes reports it through its proxy
+in tests/rl/test_rl_ray.py."""
 
 from __future__ import annotations
 
 from megatron_qrl.rl.cli import parse_configs
-from megatron_qrl.rollout.capacity import EngineCapacity, decode_waves
+from megatron_qrl.rollout.capacity import EngineCapacity, capacity_record, decode_waves
 from megatron_qrl.rollout_sglang.server_info import capacity_from_server_info
-from tests.helpers.rl_engine_double import TinyEngine
+from tests.helpers.rl_engine_double import PooledEngine
 
 
 def test_the_kv_pool_or_the_batch_limit_bounds_what_decodes_at_once():
@@ -43,13 +45,6 @@ def test_capacity_from_sglang_server_info():
     assert capacity_from_server_info({"internal_states": []}) is None
 
 
-class _PooledEngine(TinyEngine):
-    """The driver-test engine with SGLang's limits: 3 requests at once."""
-
-    def capacity(self) -> EngineCapacity:
-        return EngineCapacity(max_running_requests=3, kv_pool_tokens=10_000)
-
-
 def test_the_run_logs_the_capacity_and_records_the_waves_of_each_rollout(tmp_path):
     """4 samples per step on an engine of 3 requests at once: the start line says 2 waves and
     each RL record has ``rollout_waves`` 2. Fails without the engine's capacity read."""
@@ -65,9 +60,19 @@ def test_the_run_logs_the_capacity_and_records_the_waves_of_each_rollout(tmp_pat
     lines: list[str] = []
     with single_process_megatron():
         records = run_job(configs, flags, progress=False, log=lines.append,
-                          engine_factory=lambda ro, hf, seed: _PooledEngine(hf, ro.format, seed))
+                          engine_factory=lambda ro, hf, seed: PooledEngine(hf, ro.format, seed))
     said = [m for m in lines if "engine capacity" in m]
     assert len(said) == 1 and "up to 3 requests at once" in said[0], lines
     assert "4 samples per rollout: they decode in 2 waves" in said[0], said
     rl = [r for r in records if r.get("phase") == "rl"]
     assert len(rl) == 2 and all(r["rollout_waves"] == 2 for r in rl), rl
+    assert all(r["engine_max_running_requests"] == 3 and r["engine_kv_pool_tokens"] == 10_000
+               for r in rl), rl
+
+
+def test_a_rollout_record_carries_the_engine_limits_and_its_waves():
+    """Nothing without a reported capacity (the reference engine); else the two limits and
+    the waves of the samples as generated."""
+    assert capacity_record(None, [10] * 9) == {}
+    assert capacity_record(EngineCapacity(4, 1000), [10] * 9) == {
+        "engine_max_running_requests": 4, "engine_kv_pool_tokens": 1000, "rollout_waves": 3}
