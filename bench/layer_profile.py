@@ -15,12 +15,10 @@ charged to the nearest enclosing *part* on the CPU side —
 ``host_top_ms``: the CPU ops with the most own (self) CPU time — where the host spends a
 micro batch whose wall time is well above the GPU's busy time.
 Kernels under none of these are ``other`` (the loss, the log-prob pass, gradient clipping...).
-The table is per micro-batch-call milliseconds of GPU kernel time (streams summed), meant to
-add up to the GPU's busy time, not to the wall time; on the H200 the parts still over-count
-(1,412 ms "busy" in a 404 ms call: some kernels reach more than one CPU event), so
-``kernels_top_ms`` / ``gpu_kernels_ms`` — the device's own record of each kernel, counted once —
-are the numbers to read there. Without CUDA each op's own CPU time
-is charged instead (checks the attribution on a CPU; not a speed measurement).
+The table is per micro-batch-call milliseconds of GPU kernel time (streams summed): each
+device kernel record is charged once (:func:`charge`), so the parts add up to
+``gpu_kernels_ms``, the GPU's busy time, not to the wall time. Without CUDA each op's own CPU
+time is charged instead (checks the attribution on a CPU; not a speed measurement).
 """
 
 from __future__ import annotations
@@ -146,29 +144,7 @@ def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
     finally:
         for h in handles:
             h.remove()
-    parts: dict[str, float] = {}
-    host: dict[str, float] = {}
-    kernels: dict[str, float] = {}
-    for ev in prof.events():
-        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
-            # the device's own record of each kernel, once (the parts' charging goes through
-            # the CPU ops that launched them): the top-kernel table and the busy time check
-            if getattr(ev, "is_user_annotation", False) or ev.name.startswith(
-                    ("qrl::", "Optimizer.", "ProfilerStep")):
-                continue  # a range's span on the GPU timeline, not a kernel
-            us = ev.time_range.end - ev.time_range.start
-            kernels[ev.name] = kernels.get(ev.name, 0.0) + us / 1e3
-            continue
-        if ev.device_type == torch.autograd.DeviceType.CPU and not ev.name.startswith("qrl::"):
-            host[ev.name] = host.get(ev.name, 0.0) + ev.self_cpu_time_total / 1e3
-        # CUDA: the kernels each op launched; CPU (no kernels: a check of the attribution
-        # where there is no GPU): each op's own CPU time
-        ks = launched_kernels(ev) if cuda else []
-        us = sum(k.duration for k in ks) if cuda else ev.self_cpu_time_total
-        if us <= 0:
-            continue
-        part = _part_of(ev)
-        parts[part] = parts.get(part, 0.0) + us / 1e3
+    parts, host, kernels = charge(prof.events(), cuda)
     busy = sum(parts.values())
     top = sorted(host.items(), key=lambda kv: -kv[1])[:12]
     top_k = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
@@ -179,14 +155,56 @@ def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
             "kernels_top_ms": {f"{i:02d} {k[:100]}": round(v, 2) for i, (k, v) in enumerate(top_k)}}
 
 
-def launched_kernels(event: Any) -> list[Any]:
-    """The GPU kernels ``event`` itself launched. A profiler range (``record_function``: the
-    ``qrl::`` ranges, ``Optimizer.step#...``) launches none: torch's profiler still lists its
-    whole CUDA-side span as a "kernel" named like the range (its legacy CUDA time), which would
-    count every kernel inside the range a second time, so such entries are left out."""
-    if getattr(event, "is_user_annotation", False):
-        return []
-    return [k for k in (getattr(event, "kernels", None) or []) if k.name != event.name]
+def _is_range_span(ev: Any) -> bool:
+    """A ``record_function`` range's or annotation's span on the GPU timeline, not a kernel."""
+    return bool(getattr(ev, "is_user_annotation", False)) or ev.name.startswith(
+        ("qrl::", "Optimizer.", "ProfilerStep"))
+
+
+def _depth(ev: Any) -> int:
+    d = 0
+    while ev.cpu_parent is not None:
+        ev, d = ev.cpu_parent, d + 1
+    return d
+
+
+def charge(events: Any, cuda: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """``(ms per part, own CPU ms per host op, ms per kernel name)`` of a profile's events.
+
+    On CUDA each device kernel record is charged once, to the part of the CPU op that launched
+    it: the frontend event whose id is the kernel's ``linked_correlation_id`` (the link torch's
+    profiler itself uses to list an op's kernels), the deepest one if several share the id. The
+    parts then add up to the kernels' own total (``gpu_kernels_ms``). Charging each CPU event's
+    ``kernels`` list instead counted kernels more than once on the H200 (1,412 ms of parts for
+    290 ms of kernels). Without CUDA each op's own CPU time is charged (checks the attribution
+    on a CPU; not a speed measurement)."""
+    parts: dict[str, float] = {}
+    host: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    launchers: dict[int, Any] = {}
+    device = []
+    for ev in events:
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            if not _is_range_span(ev):
+                device.append(ev)
+            continue
+        if not ev.name.startswith("qrl::"):
+            host[ev.name] = host.get(ev.name, 0.0) + ev.self_cpu_time_total / 1e3
+        if cuda:
+            if not getattr(ev, "linked_correlation_id", 0):  # a frontend op / range
+                best = launchers.get(ev.id)
+                if best is None or _depth(ev) > _depth(best):
+                    launchers[ev.id] = ev
+        elif ev.self_cpu_time_total > 0:
+            part = _part_of(ev)
+            parts[part] = parts.get(part, 0.0) + ev.self_cpu_time_total / 1e3
+    for k in device:
+        ms = (k.time_range.end - k.time_range.start) / 1e3
+        kernels[k.name] = kernels.get(k.name, 0.0) + ms
+        op = launchers.get(getattr(k, "linked_correlation_id", 0) or -1)
+        part = _part_of(op) if op is not None else "other"
+        parts[part] = parts.get(part, 0.0) + ms
+    return parts, host, kernels
 
 
 def table(rows: list[dict[str, Any]], layers: int) -> str:
