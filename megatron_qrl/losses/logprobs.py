@@ -21,23 +21,21 @@ the fused Triton kernels of :mod:`.triton_logprobs`, which read the logits once 
 their own dtype and make no fp32 copy of them (their forward keeps online softmax statistics
 per row; the tensor-parallel combination below is the same for both). The choice:
 
-- ``auto`` (default): the kernels for CUDA logits when Triton imports, else torch;
-- ``torch``: always the reference (A/B benchmarks: ``bench/logprob_kernel.py``);
-- ``triton``: always the kernels; an error where Triton or a GPU is missing (CPU tensors go
-  through Triton's interpreter only under ``TRITON_INTERPRET=1``, the tests' mode).
-
-Set by the environment variable :data:`ENV` or :func:`set_logprob_impl` (which wins).
+``auto`` / ``torch`` / ``triton`` (:mod:`megatron_qrl.utils.kernel_choice`; A/B benchmarks:
+``bench/logprob_kernel.py``), set by the environment variable :data:`ENV` or
+:func:`set_logprob_impl` (which wins).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from megatron_qrl.utils import kernel_choice
 
 __all__ = ["CHUNK_ELEMENTS", "ENV", "IMPLS", "chunked_log_probs", "logprob_impl",
            "set_logprob_impl"]
@@ -46,55 +44,32 @@ CHUNK_ELEMENTS = 1 << 28
 """fp32 elements of one chunk (1 GiB); the rows per chunk are this over the vocabulary slice."""
 
 ENV = "QRL_LOGPROB_IMPL"
-IMPLS = ("auto", "torch", "triton")
+IMPLS = kernel_choice.IMPLS
 
-_forced: list[str] = []
+_SETTING = kernel_choice.ImplSetting(ENV, "log-prob")
 
 
 def set_logprob_impl(impl: str | None) -> None:
     """Choose the implementation for this process (None: back to :data:`ENV`, else auto)."""
-    _forced[:] = [] if impl is None else [_check(impl, "set_logprob_impl")]
+    _SETTING.set(impl, "set_logprob_impl")
 
 
 def logprob_impl() -> str:
     """The implementation in force: :func:`set_logprob_impl`'s, else :data:`ENV`'s, else auto."""
-    return _forced[0] if _forced else _check(os.environ.get(ENV, "auto"), ENV)
-
-
-def _check(impl: str, where: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"{where}={impl!r} is not a log-prob implementation; use one of "
-                         f"{', '.join(IMPLS)}")
-    return impl
+    return _SETTING.get()
 
 
 @functools.cache
 def _triton_module() -> ModuleType | None:
     """:mod:`.triton_logprobs`, or None where Triton does not import."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    from . import triton_logprobs
-
-    return triton_logprobs
+    return kernel_choice.import_kernels("megatron_qrl.losses.triton_logprobs")
 
 
 def _kernels(device: torch.device) -> ModuleType | None:
     """The Triton kernels for logits on ``device``, or None (the torch code). Raises, naming
     the fix, where ``triton`` is forced but cannot run."""
-    impl = logprob_impl()
-    if impl == "torch":
-        return None
-    mod = _triton_module()
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if mod is not None and (device.type == "cuda" or (impl == "triton" and interpreted)):
-        return mod
-    if impl == "triton":
-        why = "Triton is not installed" if mod is None else f"the logits are on {device}"
-        raise RuntimeError(f"{ENV}=triton: {why}; the fused log-prob kernels need Triton and "
-                           "CUDA logits (TRITON_INTERPRET=1 for CPU tensors); use auto or torch")
-    return None
+    return kernel_choice.select_kernels(logprob_impl(), _triton_module(), device, ENV,
+                                        "the logits are on {device}")
 
 
 def _tp(group) -> tuple[int, int]:

@@ -5,79 +5,49 @@ A format names its fused quantizer on its class (``fused_kernel``, a function of
 (:meth:`~megatron_qrl.quant.spec_core.SpecCore.quantize_weight` consults :func:`fused_kernel`
 first). Both give the same bits (``tests/gpu/test_fused_quant.py``). The choice:
 
-- ``auto`` (default): the kernel for a CUDA weight when Triton imports, else torch (CPU CI);
-- ``torch``: always the reference code (A/B benchmarks: ``bench/pack_profile.py --quant-impl``);
-- ``triton``: always the kernel; an error where Triton or a GPU is missing (CPU tensors go
-  through Triton's interpreter only under ``TRITON_INTERPRET=1``, the tests' mode).
-
-Set by the environment variable :data:`ENV` or :func:`set_quant_impl` (which wins).
+``auto`` / ``torch`` / ``triton`` (:mod:`megatron_qrl.utils.kernel_choice`; A/B benchmarks:
+``bench/pack_profile.py --quant-impl``), set by the environment variable :data:`ENV` or
+:func:`set_quant_impl` (which wins).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
-ENV = "QRL_QUANT_IMPL"
-IMPLS = ("auto", "torch", "triton")
+from megatron_qrl.utils import kernel_choice
 
-_forced: list[str] = []
+ENV = "QRL_QUANT_IMPL"
+IMPLS = kernel_choice.IMPLS
+
+_SETTING = kernel_choice.ImplSetting(ENV, "quantizer")
 
 
 def set_quant_impl(impl: str | None) -> None:
     """Choose the implementation for this process (None: back to :data:`ENV`, else auto)."""
-    if impl is not None:
-        _check(impl, "set_quant_impl")
-    _forced[:] = [] if impl is None else [impl]
+    _SETTING.set(impl, "set_quant_impl")
 
 
 def quant_impl() -> str:
     """The implementation in force: :func:`set_quant_impl`'s, else :data:`ENV`'s, else auto."""
-    if _forced:
-        return _forced[0]
-    return _check(os.environ.get(ENV, "auto"), ENV)
-
-
-def _check(impl: str, where: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"{where}={impl!r} is not a quantizer implementation; use one of "
-                         f"{', '.join(IMPLS)}")
-    return impl
+    return _SETTING.get()
 
 
 @functools.cache
 def kernels() -> ModuleType | None:
     """:mod:`.triton_quant`, or None where Triton does not import."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    from . import triton_quant
-
-    return triton_quant
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return kernel_choice.import_kernels("megatron_qrl.quant.triton_quant")
 
 
 def fused_kernel(spec, device: torch.device) -> Callable | None:
     """The fused quantizer of format ``spec`` for a weight on ``device``, or None (use the
     torch reference). Raises, naming the fix, where ``triton`` is forced but cannot run."""
     name = getattr(spec, "fused_kernel", None)
-    impl = quant_impl()
-    if name is None or impl == "torch":
+    if name is None:
         return None
-    mod = kernels()
-    runs_here = torch.device(device).type == "cuda" or (impl == "triton" and _interpreted())
-    if mod is not None and runs_here:
-        return getattr(mod, name)
-    if impl == "triton":
-        why = "Triton is not installed" if mod is None else f"the weight is on {device}"
-        raise RuntimeError(f"{ENV}=triton (--quant-impl triton): {why}; the fused {spec.name} "
-                           "quantizer needs Triton and a CUDA weight; use auto or torch")
-    return None
+    mod = kernel_choice.select_kernels(quant_impl(), kernels(), device, ENV,
+                                       "the weight is on {device}")
+    return None if mod is None else getattr(mod, name)
