@@ -13,14 +13,18 @@ nothing is materialised twice on the sender. Imported on both sides of the proce
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
-__all__ = ["Checksums", "WeightManifest", "WeightSyncError", "checksum_parts",
+from megatron_qrl.utils import kernel_choice
+
+__all__ = ["ENV", "Checksums", "WeightManifest", "WeightSyncError", "checksum_parts",
            "checksum_parts_many", "checksum_rows", "format_checksum", "once_each",
-           "tensor_checksum"]
+           "set_checksum_impl", "tensor_checksum"]
 
 
 class WeightSyncError(RuntimeError):
@@ -29,6 +33,29 @@ class WeightSyncError(RuntimeError):
 
 _CHUNK = 1 << 26
 _MOD = 1_000_003
+
+ENV = "QRL_CHECKSUM_IMPL"
+"""``auto`` / ``torch`` / ``triton`` (:mod:`megatron_qrl.utils.kernel_choice`): who takes the
+batched fingerprints (:func:`checksum_parts_many`, :func:`checksum_rows`) — the one-launch
+Triton kernel of :mod:`.triton_checksums` (auto: for CUDA tensors when Triton imports) or the
+torch code below. Both give the same bits. Read in each process (the SGLang scheduler's too)."""
+
+_SETTING = kernel_choice.ImplSetting(ENV, "fingerprint")
+
+
+def set_checksum_impl(impl: str | None) -> None:
+    """Choose the fingerprints' implementation for this process (None: back to :data:`ENV`)."""
+    _SETTING.set(impl, "set_checksum_impl")
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    return kernel_choice.import_kernels("megatron_qrl.sync.protocol.triton_checksums")
+
+
+def _kernels(device: torch.device) -> ModuleType | None:
+    return kernel_choice.select_kernels(_SETTING.get(), _triton_module(), device, ENV,
+                                        "the tensors are on {device}")
 
 
 def checksum_parts(t: torch.Tensor) -> torch.Tensor:
@@ -89,6 +116,12 @@ def checksum_parts_many(tensors: list[torch.Tensor], chunk_words: int = 1 << 22)
     if not total:
         return out
     words = torch.cat(raws).view(torch.int32)
+    kernels = _kernels(device)
+    if kernels is not None:
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        return kernels.segment_sums(words, starts, lengths, _MOD)
     lens = torch.tensor(lengths, dtype=torch.int64, device=device)
     ends = torch.cumsum(lens, 0)
     starts = ends - lens
@@ -128,6 +161,10 @@ def checksum_rows(stacked: torch.Tensor, chunk_words: int = 1 << 24) -> torch.Te
         return checksum_parts_many(list(t.unbind(0)))
     words = t.contiguous().view(torch.uint8).reshape(rows, row_bytes).view(torch.int32)
     width = words.shape[1]
+    kernels = _kernels(t.device)
+    if kernels is not None:
+        return kernels.segment_sums(words.reshape(-1), [r * width for r in range(rows)],
+                                    [width] * rows, _MOD)
     for c0 in range(0, width, chunk_words):  # word columns [c0, c1) of every row
         c1 = min(c0 + chunk_words, width)
         weight = torch.arange(c0, c1, device=t.device, dtype=torch.int64) % _MOD + 1

@@ -1,0 +1,74 @@
+"""The sync's content fingerprints as one Triton kernel: both wrapping sums of many segments
+of a flat 32-bit word buffer in one launch.
+
+:func:`~.checksums.checksum_parts` defines a tensor's fingerprint sums over its 32-bit words
+``w_i`` (zero-padded, sign-extended to int64), modulo 2^64:
+
+    a = sum_i w_i,    b = sum_i w_i * (i mod 1,000,003 + 1)
+
+The torch code takes them with ~12 kernels per chunk of words over int64 copies (a prefix sum
+per chunk and column); here every program reads ``BLOCK * ITERS`` words of one segment once,
+keeps both partial sums in registers and adds them to the segment's row with two integer
+atomics. Integer addition modulo 2^64 is exact and order-free, so the result equals the torch
+code bit for bit whatever order the atomics land in (``tests/sync/test_triton_checksums.py``
+under Triton's interpreter, ``tests/gpu/test_triton_checksums.py`` compiled).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK", "ITERS", "segment_sums"]
+
+BLOCK = 1024
+"""Words one program reads per step."""
+ITERS = 16
+"""Steps per program: a program covers ``BLOCK * ITERS`` words of one segment."""
+
+
+@triton.jit
+def _segment_sums_kernel(words_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr,
+                         BLOCK: tl.constexpr, ITERS: tl.constexpr, MOD: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    seg = tl.load(table_ptr + 2 * pid)
+    first = tl.load(table_ptr + 2 * pid + 1)  # this program's first word in the segment
+    start = tl.load(starts_ptr + seg)
+    n = tl.load(lens_ptr + seg)
+    a = tl.zeros([BLOCK], dtype=tl.int64)
+    b = tl.zeros([BLOCK], dtype=tl.int64)
+    for i in tl.static_range(ITERS):
+        pos = first + i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        inside = pos < n
+        w = tl.load(words_ptr + start + pos, mask=inside, other=0).to(tl.int64)
+        a += w
+        b += w * (pos % MOD + 1)
+    tl.atomic_add(out_ptr + 2 * seg, tl.sum(a, axis=0))
+    tl.atomic_add(out_ptr + 2 * seg + 1, tl.sum(b, axis=0))
+
+
+def segment_sums(words: torch.Tensor, starts: list[int], lengths: list[int],
+                 mod: int) -> torch.Tensor:
+    """``int64[n, 2]`` on ``words``' device: both fingerprint sums of each segment
+    ``words[starts[k] : starts[k] + lengths[k]]`` of the contiguous int32 buffer ``words``,
+    positions counted from each segment's start."""
+    if words.dtype != torch.int32 or words.dim() != 1 or not words.is_contiguous():
+        raise ValueError(f"segment_sums needs a contiguous 1-D int32 word buffer, got "
+                         f"{words.dtype} {tuple(words.shape)}")
+    n = len(lengths)
+    out = torch.zeros(n, 2, dtype=torch.int64, device=words.device)
+    chunk = BLOCK * ITERS
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    blocks = (lens + chunk - 1) // chunk
+    total = int(blocks.sum())
+    if not total:
+        return out
+    seg = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), blocks)
+    first_block = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+    table = torch.stack([seg, (torch.arange(total, dtype=torch.int64) - first_block) * chunk], 1)
+    dev = words.device
+    _segment_sums_kernel[(total,)](
+        words, table.to(dev), torch.tensor(starts, dtype=torch.int64).to(dev), lens.to(dev),
+        out, BLOCK=BLOCK, ITERS=ITERS, MOD=mod)
+    return out

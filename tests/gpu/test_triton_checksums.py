@@ -1,0 +1,80 @@
+"""H200: the compiled one-launch fingerprint kernel (megatron_qrl/sync/protocol/triton_checksums.py)
+equals the torch code bit for bit at a Qwen3-30B-A3B sync's sizes: one layer's stacked fp8
+experts (128 x [1536, 2048] bytes, 786,432 words a row), a bucket's worth of mixed tensors,
+and :class:`Checksums` strings; ``auto`` picks the kernel for CUDA tensors. Prints both
+implementations' seconds (no speed claim: the sync's ``fingerprint_s`` / engine ``receipt_s``
+with ``QRL_CHECKSUM_IMPL=torch`` vs the default are the A/B, ``bash bench/h200.sh sync``).
+
+Run: ``pytest tests/gpu/test_triton_checksums.py -s`` (< 1 min).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.gpu import skip_unless_compiled_triton
+
+pytestmark = pytest.mark.gpu
+
+skip_unless_compiled_triton()
+
+from megatron_qrl.sync.protocol import checksums, triton_checksums  # noqa: E402
+from megatron_qrl.sync.protocol.checksums import (  # noqa: E402
+    Checksums,
+    checksum_parts_many,
+    checksum_rows,
+    set_checksum_impl,
+)
+
+
+def _timed(impl: str, fn, *args):
+    set_checksum_impl(impl)
+    try:
+        fn(*args)  # warm-up (the kernel's compile)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args)
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t
+    finally:
+        set_checksum_impl(None)
+
+
+def test_auto_picks_the_kernel_for_cuda_tensors():
+    assert checksums._kernels(torch.device("cuda")) is triton_checksums
+    assert checksums._kernels(torch.device("cpu")) is None
+
+
+def test_stacked_experts_rows_equal_the_torch_code():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randint(0, 256, (128, 1536, 2048), generator=g, device="cuda", dtype=torch.uint8)
+    ref, t_ref = _timed("torch", checksum_rows, w13)
+    got, t_got = _timed("triton", checksum_rows, w13)
+    print(f"\n[checksums] 128 x 3 MiB rows: torch {t_ref * 1e3:.2f} ms, triton {t_got * 1e3:.2f} ms")
+    assert torch.equal(ref, got)
+
+
+def test_a_bucket_of_mixed_tensors_equals_the_torch_code():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ts = []
+    for i in range(48):
+        ts.append(torch.randn(2048, 4096 + i, generator=g, device="cuda").to(torch.bfloat16))
+        ts.append(torch.randn(2048, generator=g, device="cuda").to(torch.bfloat16))
+        ts.append(torch.randint(0, 256, (4 * i + 1,), generator=g, device="cuda",
+                                dtype=torch.uint8))
+    ref, t_ref = _timed("torch", checksum_parts_many, ts)
+    got, t_got = _timed("triton", checksum_parts_many, ts)
+    print(f"\n[checksums] {len(ts)} tensors, {sum(t.nbytes for t in ts) / 2**20:.0f} MiB: "
+          f"torch {t_ref * 1e3:.2f} ms, triton {t_got * 1e3:.2f} ms")
+    assert torch.equal(ref, got)
+
+    def strings():
+        sums = Checksums()
+        for k, t in enumerate(ts):
+            sums.add(f"t{k}", t)
+        return sums.result()
+
+    assert _timed("torch", strings)[0] == _timed("triton", strings)[0]

@@ -1,0 +1,112 @@
+"""The sync's fingerprints taken by the one-launch Triton kernel
+(megatron_qrl/sync/protocol/triton_checksums.py) equal the torch code's bit for bit, run by
+Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set here before Triton loads):
+many tensors of mixed dtypes and odd byte counts, empty ones, stacked rows, segments longer
+than one program, and words whose weighted sums wrap modulo 2^64 past position 1,000,003.
+The compiled kernel at a 30B sync's sizes: tests/gpu/test_triton_checksums.py.
+
+Run: ``PYTHONPATH=/tmp/triton_site:$PWD pytest tests/sync/test_triton_checksums.py`` (Triton
+installed aside; the shared venv has none, and there the module skips).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.triton_cpu import require_triton_interpreter
+
+require_triton_interpreter("tests/gpu/test_triton_checksums.py")
+
+from megatron_qrl.sync.protocol import triton_checksums  # noqa: E402
+from megatron_qrl.sync.protocol.checksums import (  # noqa: E402
+    Checksums,
+    checksum_parts,
+    checksum_parts_many,
+    checksum_rows,
+    set_checksum_impl,
+)
+
+
+@pytest.fixture(autouse=True)
+def _reset(monkeypatch):
+    monkeypatch.setattr(triton_checksums, "BLOCK", triton_checksums.BLOCK)
+    monkeypatch.setattr(triton_checksums, "ITERS", triton_checksums.ITERS)
+    yield
+    set_checksum_impl(None)
+
+
+def _both(fn, *args):
+    out = {}
+    for impl in ("torch", "triton"):
+        set_checksum_impl(impl)
+        out[impl] = fn(*args)
+    set_checksum_impl(None)
+    return out["torch"], out["triton"]
+
+
+def _mixed(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(37, 5, generator=g).to(torch.bfloat16),
+            torch.randint(0, 256, (7,), generator=g, dtype=torch.uint8),  # 7 bytes: padded
+            torch.empty(0),
+            torch.randn(3, 129, generator=g),
+            torch.randint(-2**62, 2**62, (11,), generator=g, dtype=torch.int64),
+            torch.randint(0, 256, (1,), generator=g, dtype=torch.uint8)]
+
+
+@pytest.mark.parametrize("block,iters", [(1024, 16), (16, 2)])
+def test_many_tensors_equal_the_torch_code(monkeypatch, block, iters):
+    """(16, 2): every tensor but the smallest spans several programs (atomics from each)."""
+    monkeypatch.setattr(triton_checksums, "BLOCK", block)
+    monkeypatch.setattr(triton_checksums, "ITERS", iters)
+    ts = _mixed(0)
+    ref, got = _both(checksum_parts_many, ts)
+    assert torch.equal(ref, got)
+    assert torch.equal(got, torch.stack([checksum_parts(t) for t in ts]))
+
+
+def test_wrapping_sums_past_the_position_modulus():
+    """1,000,010 words of 2^31 - 1: the weighted sum passes 2^63 (wraps) and the positions
+    pass the modulus 1,000,003 (the weight restarts at 1)."""
+    big = torch.full((1_000_010,), 2**31 - 1, dtype=torch.int32)
+    neg = torch.full((1_000_010,), -2**31, dtype=torch.int32)
+    ref, got = _both(checksum_parts_many, [big, neg])
+    assert torch.equal(ref, got)
+    exact = [sum(range(1, 1_000_004)) + sum(range(1, 8)), 1_000_010]
+    want_b = ((2**31 - 1) * exact[0] + 2**63) % 2**64 - 2**63
+    assert int(got[0, 1]) == want_b and int(got[0, 0]) == (2**31 - 1) * exact[1]
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 3, 7), torch.float32), ((4, 2050), torch.bfloat16),
+                                         ((3, 5), torch.uint8), ((6, 0), torch.float32)])
+def test_stacked_rows_equal_the_torch_code(monkeypatch, shape, dtype):
+    """Rows of a stack (experts), whole words per row or not (3 x 5 bytes: the fallback)."""
+    monkeypatch.setattr(triton_checksums, "BLOCK", 16)
+    monkeypatch.setattr(triton_checksums, "ITERS", 2)
+    t = (torch.randn(shape) * 100).to(dtype) if dtype != torch.uint8 else \
+        torch.randint(0, 256, shape, dtype=dtype)
+    ref, got = _both(checksum_rows, t)
+    assert torch.equal(ref, got)
+    if shape[0] and shape[1]:
+        assert torch.equal(got[1], checksum_parts(t[1]))
+
+
+def test_checksums_results_equal_the_torch_code():
+    """The batched fingerprints a sync's sender and the engine's receipt take
+    (:class:`Checksums`: queued tensors + stacked rows) are the same strings either way."""
+    def run():
+        sums = Checksums(batch_bytes=1 << 10, batch_host=True)
+        for i, t in enumerate(_mixed(1)):
+            sums.add(f"t{i}", t)
+        rows = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(2))
+        sums.add_rows(["e0", "e1", "e2"], rows.to(torch.bfloat16))
+        return sums.result()
+
+    ref, got = _both(run)
+    assert ref == got and len(got) == 9
+
+
+def test_the_kernel_refuses_a_buffer_that_is_not_words():
+    with pytest.raises(ValueError, match="contiguous 1-D int32 word buffer"):
+        triton_checksums.segment_sums(torch.zeros(4, dtype=torch.int64), [0], [4], 7)
