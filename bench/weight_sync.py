@@ -181,16 +181,18 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
 
 def _qcache(spec, cfg: dict, device: str):
     """``+qcache``: ``hf_name -> QuantizedWeight`` of the stream's weights, computed now (the
-    trainer's Q(W) cache; the stream repeats one layer, so one layer's codes serve all)."""
+    trainer's Q(W) cache: a fused group's members with their shared amax; the stream repeats
+    one layer, so the first layer's codes serve all)."""
     import re
 
-    one = {}
-    for name, t in trainer_stream(cfg, device):
-        key = re.sub(r"^model\.layers\.\d+\.", "", name)
-        if spec.is_quantized(name) and key not in one:
-            one[key] = spec.quantize_weight(t, name=name)
+    def key(name: str) -> str:
+        return re.sub(r"^model\.layers\.\d+\.", "model.layers.0.", name)
+
+    first = {n: t for n, t in trainer_stream(cfg, device) if key(n) == n}
+    one = {n: spec.quantize_weight(t, global_amax=spec.shared_amax(n, first), name=n)
+           for n, t in first.items() if spec.is_quantized(n)}
     _synchronize(device)
-    return lambda name: one.get(re.sub(r"^model\.layers\.\d+\.", "", name))
+    return lambda name: one.get(key(name))
 
 
 OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt", "qcache")
@@ -218,8 +220,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     if engine and (device != "cuda" or layers or experts):
         raise ValueError("--device / --layers / --experts apply to --pack-only and "
                          "--produce-only (an engine variant runs the whole 30B-A3B on the GPU)")
-    if engine and {"fpeach", "qcache"} & set(opts):
-        raise ValueError(f"variant {variant!r}: fpeach and qcache are --produce-only options")
+    for opt in sorted({"fpeach", "qcache"} & set(opts) if engine else ()):
+        raise ValueError(f"variant {variant!r}: {opt} is a --produce-only option")
     cfg = model_config(layers, experts)
     spec = get_spec(fmt)
     res: dict = {"variant": variant}

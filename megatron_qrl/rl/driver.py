@@ -230,8 +230,6 @@ def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
     sharded = world.world_size > 1 and world.broadcast(
         sharded_sync_applies(engine, trainer.policy.groups, plan.lora is not None))
     qcache = QCacheSync.plan(plan.aligned, spec, trainer.policy.groups)
-    if world.is_main:
-        print(f"[qrl-train] weight sync quantization: {qcache.describe()}", flush=True)
     syncs = SyncPlan(trainer, engine, spec, aqn, run.seed, run.sft_steps, run.steps, lora,
                      plan.lora, ShardedSync(trainer, spec, aqn, run.seed) if sharded else None,
                      qcache)
@@ -275,7 +273,8 @@ def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
                        make_loss_fn(configs), sync, world, mega.seq_length,
                        mega.tp if world.world_size > 1 and mega.sequence_parallel else 1,
                        release_engine_memory=release, sleeper=sleeper,
-                       engine_released=sleeper is not None and release)
+                       engine_released=sleeper is not None and release,
+                       sync_quantization=qcache.describe())
 
 
 def _start_engine(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,

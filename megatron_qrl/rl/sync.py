@@ -71,6 +71,9 @@ class SyncResult:
     aqn_sigma: float
     adapter_bytes: int | None = None
     """LoRA runs: bytes of the adapter tensors this sync sent (None: a full-weight sync)."""
+    cached: int | None = None
+    """Quantized weights packed from the aligned forward's Q(W) cache, not quantized again
+    (:mod:`megatron_qrl.rl.qcache_sync`; None: the sync quantized every weight)."""
 
 
 def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutEngine,

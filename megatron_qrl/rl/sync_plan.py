@@ -15,6 +15,7 @@ part in):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,11 @@ class SyncPlan:
             return self.sharded.send(self.engine, version, **self.aqn_at(version))
         quantized = None if self.qcache is None else self.qcache.lookup(
             self.trainer.module, self.trainer.policy.arch)
-        return sync_weights(self.trainer.hf_tensors(), self.engine, self.spec, version,
-                            self.aqn, self.seed, **self.aqn_at(version), quantized=quantized)
+        result = sync_weights(self.trainer.hf_tensors(), self.engine, self.spec, version,
+                              self.aqn, self.seed, **self.aqn_at(version), quantized=quantized)
+        if quantized is None:
+            return result
+        return dataclasses.replace(result, cached=self.qcache.reused)
 
     def serve(self, version: int = 0) -> None:
         """A rank > 0: its part of rank 0's sync (the stream's gathers need every rank)."""
