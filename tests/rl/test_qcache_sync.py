@@ -20,8 +20,9 @@ from megatron_qrl.quant.spec_core import SpecCore
 from megatron_qrl.rl.qcache_sync import QCacheSync, reuse_applies
 from tests.helpers.te_quant_fixtures import build, hf_state, ids, tiny_cfg, tiny_hf
 
-# (format, gemm, model kind, experts): every format whose aligned forward runs on the CPU,
-# on the fake GEMM, the real one where torch has it, and the MoE experts' three layouts
+# (format, gemm, model kind, experts): every quantized format (nvfp4's fake GEMM runs on the
+# CPU too: the fused group's shared amax), on the fake GEMM, the real one where torch has it,
+# and the MoE experts' three layouts
 CASES = [
     ("fp8", "fake", "dense", None), ("fp8", "real", "dense", None),
     ("int8", "fake", "dense", None), ("int8", "real", "dense", None),
@@ -29,6 +30,7 @@ CASES = [
     ("fp8", "real", "moe", "sequential"), ("w4a16", "fake", "moe", "sequential"),
     ("fp8", "real", "moe", "stacked"), ("fp8_block", "fake", "moe", "stacked"),
     ("int8", "fake", "moe", "grouped"),
+    ("nvfp4", "fake", "dense", None), ("nvfp4", "fake", "moe", "stacked"),
 ]
 
 
@@ -220,14 +222,6 @@ def test_fallback_quantizes_in_the_sync_and_says_why(megatron):
     assert plan.describe().startswith("quantized by the sync")
     ok = QCacheSync.plan(AlignedForwardState("fp8", gemm="real"), fp8)
     assert ok.reuses and ok.describe().startswith("reused from the aligned forward's Q(W) cache")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="nvfp4's aligned forward is exercised with CUDA only (FP4 E2M1 "
-                           "codes; tests/gpu)")
-def test_nvfp4_sent_bytes_are_the_cache(megatron):
-    job = Job("nvfp4", "fake", "dense", None)
-    test_sent_bytes_are_the_cache_and_the_old_path(job)
 
 
 @pytest.mark.slow
