@@ -10,14 +10,13 @@ the quantizer's calls.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from megatron_qrl.quant import get_spec
-from megatron_qrl.quant.spec_core import SpecCore
 from megatron_qrl.rl.qcache_sync import QCacheSync, reuse_applies
+from tests.helpers.quant_calls import counting_quantizer
+from tests.helpers.quant_calls import same_bytes as _same
 from tests.helpers.te_quant_fixtures import build, hf_state, ids, tiny_cfg, tiny_hf
 
 # (format, gemm, model kind, experts): every quantized format (nvfp4's fake GEMM runs on the
@@ -32,15 +31,6 @@ CASES = [
     ("int8", "fake", "moe", "grouped"),
     ("nvfp4", "fake", "dense", None), ("nvfp4", "fake", "moe", "stacked"),
 ]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
 
 
 class Job:
@@ -130,31 +120,6 @@ class Job:
 
     def recomputes(self) -> int:
         return sum(m.qrl_recomputes for m in self.model.modules() if hasattr(m, "qrl_codes"))
-
-
-@contextlib.contextmanager
-def counting_quantizer(calls: list[str]):
-    """Count every weight quantization (the reference quantizer and its fake-quant fast path)
-    while inside."""
-    saved = SpecCore.quantize_weight, SpecCore.quantize_dequantize
-
-    def quantize_weight(self, w, **kw):
-        calls.append("quantize_weight")
-        return saved[0](self, w, **kw)
-
-    def quantize_dequantize(self, w, **kw):
-        calls.append("quantize_dequantize")
-        return saved[1](self, w, **kw)
-
-    SpecCore.quantize_weight, SpecCore.quantize_dequantize = quantize_weight, quantize_dequantize
-    try:
-        yield calls
-    finally:
-        SpecCore.quantize_weight, SpecCore.quantize_dequantize = saved
-
-
-def _quantized_names(spec, sent) -> set[str]:
-    return {n.rsplit(".", 1)[0] for n in sent if spec.is_quantized(n.rsplit(".", 1)[0] + ".weight")}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(x for x in c if x))
