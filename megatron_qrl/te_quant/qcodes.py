@@ -37,11 +37,20 @@ def fused_dequantized(spec: QuantSpec, codes: list[QuantizedWeight], layout: Fus
     return layout.fuse([spec.dequantize(q) for q in codes])
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it owns its storage, else a compact copy (a pickled view of a fused or stacked
+    cache entry would carry the whole entry over the wire)."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _split_rows(t: torch.Tensor, layout: FusionLayout) -> list[torch.Tensor]:
-    """``layout.split`` of a per-row tensor (codes ``[N, K]`` or scales ``[N, 1]``) as compact
-    tensors; 1-byte floats are split as bytes (CPU float8 lacks the copy kernels)."""
+    """``layout.split`` of a per-row tensor (codes ``[N, K]`` or scales ``[N, 1]``) as tensors
+    owning their storage; 1-byte floats are split as bytes (CPU float8 lacks the copy
+    kernels)."""
     raw = t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
-    return [p.contiguous().view(t.dtype) for p in layout.split(raw)]
+    return [_own(p).view(t.dtype) for p in layout.split(raw)]
 
 
 def real_codes(spec: QuantSpec, qw: RealWeight, layout: FusionLayout, dtype: torch.dtype

@@ -147,6 +147,16 @@ def test_sent_bytes_are_the_cache_and_the_old_path(job):
     assert job.qcache.quantized == 0
 
 
+def test_every_sent_tensor_owns_its_storage(job):
+    """A packed tensor that is a view of a fused (gate_up) or stacked cache entry would carry
+    the whole entry when a transport pickles it."""
+    job.forward()
+    packed = job.spec.pack_state_dict(job.stream(), quantized=job.qcache.lookup(job.model,
+                                                                                job.arch))
+    for name, t in packed:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+
+
 def test_after_a_step_the_sync_sends_the_new_codes_quantized_once(job):
     job.forward()
     stale = job.cache()
