@@ -130,8 +130,8 @@ class AlignedLinearMixin:
                                           self.tp_group, name=f"{self.qrl_kind} "
                                           f"{type(self).__name__}"))
         elif self.qrl_stale() and self.qrl_state.keep_codes and _tp_size(self) == 1:
-            codes = component_codes(self.qrl_state.spec, self.weight, self.qrl_layout,
-                                    f"{self.qrl_kind} {type(self).__name__}")
+            codes = component_codes(self.qrl_state.spec, [self.weight], self.qrl_layout,
+                                    f"{self.qrl_kind} {type(self).__name__}")[0]
             self.qrl_store(fused_dequantized(self.qrl_state.spec, codes, self.qrl_layout), codes)
         elif self.qrl_stale():
             self.qrl_store(quantize_shard(

@@ -13,20 +13,37 @@ group's shared amax for two-level formats, as :func:`~.shard_quant.quantize_shar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_qrl.quant import QuantizedWeight, QuantSpec
+from megatron_qrl.quant.stacked import fused_amax, quantize_many
 from megatron_qrl.te_quant.real_gemm import RealWeight
-from megatron_qrl.te_quant.shard_quant import FusionLayout, _shared_amax
+from megatron_qrl.te_quant.shard_quant import FusionLayout
 
 
-def component_codes(spec: QuantSpec, w: torch.Tensor, layout: FusionLayout,
-                    name: str = "weight") -> list[QuantizedWeight]:
-    """``spec.quantize_weight`` of each HF component of an unsharded weight ``w`` (the
-    quantization :func:`~.shard_quant.quantize_shard` dequantizes, kept as codes)."""
-    parts = layout.split(w.detach())
-    amax = _shared_amax(spec, parts, None)
-    return [spec.quantize_weight(p, global_amax=amax, name=name) for p in parts]
+def component_codes(spec: QuantSpec, weights: list[torch.Tensor], layout: FusionLayout,
+                    name: str = "weight") -> list[list[QuantizedWeight]]:
+    """``spec.quantize_weight`` of each HF component of each unsharded weight (the
+    quantization :func:`~.shard_quant.quantize_shard` dequantizes, kept as codes), in few
+    stacked quantizer calls where bit-identical (:func:`~megatron_qrl.quant.stacked.
+    quantize_many`); each result owns its storage."""
+    splits = [layout.split(w.detach()) for w in weights]
+    parts = [p for split in splits for p in split]
+    amax = fused_amax(parts, [len(s) for s in splits]) if spec.shares_tensor_scale else None
+    flat = iter(quantize_many(spec, parts, global_amax=amax, name=name))
+    return [[_owned(next(flat)) for _ in split] for split in splits]
+
+
+def _owned(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` with every tensor owning its storage (a split of a stacked quantization holds
+    views of the stack)."""
+    return dataclasses.replace(q, **{f: _own(getattr(q, f)) for f in _TENSORS
+                                    if getattr(q, f) is not None})
+
+
+_TENSORS = ("codes", "scale", "global_scale", "packed")
 
 
 def fused_dequantized(spec: QuantSpec, codes: list[QuantizedWeight], layout: FusionLayout
@@ -39,9 +56,12 @@ def fused_dequantized(spec: QuantSpec, codes: list[QuantizedWeight], layout: Fus
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     """``t`` if it owns its storage, else a compact copy (a pickled view of a fused or stacked
-    cache entry would carry the whole entry over the wire)."""
+    cache entry would carry the whole entry over the wire); 1-byte floats are copied as bytes
+    (CPU float8 lacks the copy kernels)."""
     if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        return _own(t.view(torch.uint8)).view(t.dtype)
     return t.clone(memory_format=torch.contiguous_format)
 
 

@@ -100,7 +100,7 @@ class AlignedGroupedGemm:
             name = f"experts {type(self).__name__}"
             tp, _ = _pg_size_rank(self.tp_group)
             if tp == 1 and self.qrl_state.keep_codes:
-                codes = [component_codes(spec, w, self.qrl_layout, name) for w in weights]
+                codes = component_codes(spec, weights, self.qrl_layout, name)
                 deq = [fused_dequantized(spec, c, self.qrl_layout) for c in codes]
                 self._qrl_cache, self._qrl_codes = (key, torch.stack(deq)), codes
                 self.qrl_recomputes += 1

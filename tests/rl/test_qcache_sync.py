@@ -147,6 +147,24 @@ def test_sent_bytes_are_the_cache_and_the_old_path(job):
     assert job.qcache.quantized == 0
 
 
+def test_the_forward_computes_with_the_same_weights_when_codes_are_kept(job):
+    """The fake GEMM's cached weight, dequantized from the kept codes, is the one it caches
+    without them (``quantize_shard``), bit for bit."""
+    from megatron_qrl.te_quant.shard_quant import quantize_shard
+
+    job.forward()
+    seen = 0
+    for m in job.model.modules():
+        if getattr(m, "_qrl_codes", None) is None:
+            continue
+        weights = m.weights() if hasattr(m, "weights") else [m.weight]
+        held = m._qrl_cache[1] if hasattr(m, "weights") else [m._qrl_cache[1]]
+        for w, q in zip(weights, held):
+            assert torch.equal(q, quantize_shard(job.spec, w, m.qrl_layout)), type(m).__name__
+            seen += 1
+    assert seen or job.state.gemm == "real"
+
+
 def test_every_sent_tensor_owns_its_storage(job):
     """A packed tensor that is a view of a fused (gate_up) or stacked cache entry would carry
     the whole entry when a transport pickles it."""
