@@ -27,7 +27,9 @@
 #   produce     bench/weight_sync.py --produce-only: the trainer side of the 30B in-place sync
 #               without an engine (pack, fingerprints, expert stacking, flat buckets), stacked
 #               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min);
-#               +packeach: experts packed per expert and stacked in the sender (the older order)
+#               +packeach: experts packed per expert and stacked in the sender (the older order);
+#               +qcache: codes and scales from a Q(W) cache made before the clock (the sync
+#               without its quantization, as with --qrl-train-forward aligned)
 #   packprof    bench/pack_profile.py: a torch.profiler trace of the pack alone (FORMATS, LAYERS):
 #               GPU busy vs wall, top kernels, top host ops, once with the torch quantizers and
 #               once with the fused Triton ones (QUANT_IMPL, default torch,triton), their ratio
@@ -262,7 +264,7 @@ case $phase in
       | grep -E "^\||logprob_kernel\]|Error|error" ;;
   produce)  # no SGLang: pure torch on the GPU
     python3 bench/weight_sync.py --produce-only --out "$OUT/produce.jsonl" \
-      --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+packeach,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \
+      --variants "${VARIANTS:-fp8:inplace+flat+direct+stacked,fp8:inplace+flat+direct+stacked+qcache,fp8_block:inplace+flat+direct+stacked,fp8_block:inplace+flat+direct+stacked+qcache,fp8:inplace+flat+direct+stacked+packeach,fp8:inplace+flat+direct+stacked+fpeach,fp8:inplace+flat+direct,w4a16:inplace+flat+direct+stacked,w4a16:inplace+flat+direct+stacked+fpeach}" 2>&1 \
       | grep -E "^\||DIFFER|Error" ;;
   train)
     python3 -m megatron_qrl.rl.cli --qrl-preset tiny-cpu --qrl-rollout-engine sglang \

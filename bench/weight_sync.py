@@ -35,7 +35,10 @@ each expert before stacking (the older order) to time the rows of
 ``checksum_rows`` side by side. With ``+stacked`` the experts leave the pack stream stacked
 (``pack_state_dict(stack_experts=True)``, no per-expert copies, the default);
 ``+packeach`` packs them per expert and stacks them in the sender (the path before; ``fpeach``
-implies it), for the engine variants too. ``--device cpu --layers 1 --experts 8`` is a CPU
+implies it), for the engine variants too. ``+qcache`` (``--produce-only``) packs codes and
+scales quantized before the clock starts, as the trainer's aligned-forward Q(W) cache holds
+them (``pack_state_dict(quantized=...)``, :mod:`megatron_qrl.rl.qcache_sync`): the sync
+without its quantization, same fingerprints. ``--device cpu --layers 1 --experts 8`` is a CPU
 smoke run.
 
 Print a saved run with ``--table FILE.jsonl``; ``--plot FILE.png`` draws where each variant's
@@ -141,6 +144,7 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
     from megatron_qrl.rollout_sglang import SGLangOptions
     from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, packed_suffixes, requests
 
+    quantized = _qcache(spec, cfg, device) if "qcache" in opts else None
     o = SGLangOptions(sync="inplace", flat_buckets="flat" in opts, prefetch_buckets=0,
                       direct_expert_loads="direct" in opts,
                       stack_experts="stacked" in opts).resolve(spec.name)
@@ -152,7 +156,8 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
         t = time.perf_counter()
         wire = buckets = 0
         packed = spec.pack_state_dict(trainer_stream(cfg, device), stack_experts=o.stack_experts
-                                      and not {"fpeach", "packeach"} & set(opts))
+                                      and not {"fpeach", "packeach"} & set(opts),
+                                      quantized=quantized)
         for items, _, _ in requests(packed, sent, tracker, torch.device(device),
                                     bucket_bytes=bucket_mb * 2**20,
                                     flat=o.flat_buckets, stack=o.stack_experts,
@@ -174,7 +179,23 @@ def produce(spec, cfg: dict, opts: list[str], bucket_mb: int, device: str) -> di
     return res
 
 
-OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt")
+def _qcache(spec, cfg: dict, device: str):
+    """``+qcache``: ``hf_name -> QuantizedWeight`` of the stream's weights, computed now (the
+    trainer's Q(W) cache: a fused group's members with their shared amax; the stream repeats
+    one layer, so the first layer's codes serve all)."""
+    import re
+
+    def key(name: str) -> str:
+        return re.sub(r"^model\.layers\.\d+\.", "model.layers.0.", name)
+
+    first = {n: t for n, t in trainer_stream(cfg, device) if key(n) == n}
+    one = {n: spec.quantize_weight(t, global_amax=spec.shared_amax(n, first), name=n)
+           for n, t in first.items() if spec.is_quantized(n)}
+    _synchronize(device)
+    return lambda name: one.get(key(name))
+
+
+OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt", "qcache")
 
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
@@ -199,8 +220,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     if engine and (device != "cuda" or layers or experts):
         raise ValueError("--device / --layers / --experts apply to --pack-only and "
                          "--produce-only (an engine variant runs the whole 30B-A3B on the GPU)")
-    if engine and "fpeach" in opts:
-        raise ValueError(f"variant {variant!r}: fpeach is a --produce-only option")
+    for opt in sorted({"fpeach", "qcache"} & set(opts) if engine else ()):
+        raise ValueError(f"variant {variant!r}: {opt} is a --produce-only option")
     cfg = model_config(layers, experts)
     spec = get_spec(fmt)
     res: dict = {"variant": variant}

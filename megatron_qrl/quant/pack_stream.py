@@ -22,7 +22,7 @@ Each emitted tensor owns its storage (pickling a view would send the whole stack
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from .stacked import (
     quantize_stacks,
     split_stack,
 )
+from .weight import QuantizedWeight
 
 DEFAULT_WINDOW_BYTES = 1 << 30
 """Input bytes buffered at most before a window is packed (besides the end of a layer)."""
@@ -49,6 +50,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 Pairs = list[tuple[str, torch.Tensor]]
 Pending = dict[str, dict[str, torch.Tensor]]
+Quantized = Callable[[str], QuantizedWeight | None]
+"""``hf_name -> `` its :meth:`SpecCore.quantize_weight` computed elsewhere (the trainer's
+aligned-forward cache), or None: quantize it here."""
 
 __all__ = ["layer_prefix", "pack_one_at_a_time", "pack_state_dict", "pack_stream",
            "tensor_kind"]
@@ -58,7 +62,8 @@ __all__ = ["layer_prefix", "pack_one_at_a_time", "pack_state_dict", "pack_stream
 
 def pack_state_dict(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                     window_bytes: int = DEFAULT_WINDOW_BYTES, stacked: bool = True,
-                    stack_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                    stack_experts: bool = False, quantized: Quantized | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export): :meth:`SpecCore.pack`
     per tensor, in stream order (``QuantSpec.pack_state_dict``).
 
@@ -74,7 +79,14 @@ def pack_state_dict(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Ten
     ``[E, ...]`` named ``...experts.*.<proj>.<leaf>`` (the in-place SGLang sync's wire form,
     :mod:`megatron_qrl.quant.expert_stacks`), from the stacked quantization's rows without
     per-expert copies; with ``stacked=False`` the reference's tensors are stacked.
+
+    ``quantized``: where it gives a weight's quantization (the trainer's aligned-forward
+    cache), that is packed and the weight is not quantized again; the stream then goes one
+    tensor at a time (only the weights it lacks are quantized, there).
     """
+    if quantized is not None:
+        packed = pack_one_at_a_time(spec, named_tensors, quantized)
+        return stack_expert_stream(packed) if stack_experts else packed
     if not stacked:
         packed = pack_one_at_a_time(spec, named_tensors)
         return stack_expert_stream(packed) if stack_experts else packed
@@ -82,26 +94,37 @@ def pack_state_dict(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Ten
                        stack_experts=stack_experts)
 
 
-def pack_one_at_a_time(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def pack_one_at_a_time(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       quantized: Quantized | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The reference stream: :meth:`SpecCore.pack` per tensor, in stream order.
 
     For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are held
-    back until the group is complete and packed with one shared amax.
+    back until the group is complete and packed with one shared amax. ``quantized``: see
+    :func:`pack_state_dict` (:meth:`SpecCore.pack_quantized` of what it gives).
     """
     pending: Pending = {}
     group: Pairs = []
+    given = quantized or (lambda _name: None)
     for name, w, size in _fused_order(spec, named_tensors, pending):
         if not size:
-            yield from spec.pack(name, w)
+            yield from _pack_given(spec, name, w, given(name) if spec.is_quantized(name) else None)
             continue
         group.append((name, w))
         if len(group) == size:
-            shared = spec.shared_amax(name, dict(group))
-            for m, t in group:
-                yield from spec.pack(m, t, global_amax=shared)
+            qs = [given(m) for m, _ in group]
+            shared = spec.shared_amax(name, dict(group)) if any(q is None for q in qs) else None
+            for (m, t), q in zip(group, qs):
+                yield from _pack_given(spec, m, t, q, shared)
             group = []
     _check_complete(spec, pending)
+
+
+def _pack_given(spec: SpecCore, name: str, w: torch.Tensor, q: QuantizedWeight | None,
+                global_amax: torch.Tensor | float | None = None) -> Pairs:
+    """:meth:`SpecCore.pack_quantized` of a given quantization, else :meth:`SpecCore.pack`."""
+    if q is not None:
+        return spec.pack_quantized(name, q)
+    return spec.pack(name, w, global_amax=global_amax)
 
 
 def _fused_order(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -19,7 +19,7 @@ for bit, for every format.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -54,11 +54,13 @@ class QuantSpec(SpecCore):
         window_bytes: int = 1 << 30,
         stacked: bool = True,
         stack_experts: bool = False,
+        quantized: Callable[[str], QuantizedWeight | None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream-pack ``(hf_name, tensor)`` pairs (weight sync, export):
-        :func:`megatron_qrl.quant.pack_stream.pack_state_dict` of this format."""
+        :func:`megatron_qrl.quant.pack_stream.pack_state_dict` of this format (``quantized``:
+        the weights' quantizations where computed already)."""
         return pack_state_dict(self, named_tensors, window_bytes=window_bytes, stacked=stacked,
-                               stack_experts=stack_experts)
+                               stack_experts=stack_experts, quantized=quantized)
 
 
 _REGISTRY: dict[str, QuantSpec] = {}

@@ -47,6 +47,7 @@ from megatron_qrl.rl.ep_sync import ShardedSync, sharded_sync_applies
 from megatron_qrl.rl.forward import forward_plan
 from megatron_qrl.rl.guard import BadStepGuard
 from megatron_qrl.rl.lora_sync import LoraSync, enter_lora
+from megatron_qrl.rl.qcache_sync import QCacheSync
 from megatron_qrl.rl.rank_resync import ResyncWorld
 from megatron_qrl.rl.run_control import (
     check_resume_metrics,
@@ -228,8 +229,10 @@ def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
     # trainer EP > 1 with a fleet of reference engines: every EP rank sends its own experts
     sharded = world.world_size > 1 and world.broadcast(
         sharded_sync_applies(engine, trainer.policy.groups, plan.lora is not None))
+    qcache = QCacheSync.plan(plan.aligned, spec, trainer.policy.groups)
     syncs = SyncPlan(trainer, engine, spec, aqn, run.seed, run.sft_steps, run.steps, lora,
-                     plan.lora, ShardedSync(trainer, spec, aqn, run.seed) if sharded else None)
+                     plan.lora, ShardedSync(trainer, spec, aqn, run.seed) if sharded else None,
+                     qcache)
     gather, send = syncs.serve, syncs.send
 
     if ray_ranks:
@@ -270,7 +273,8 @@ def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
                        make_loss_fn(configs), sync, world, mega.seq_length,
                        mega.tp if world.world_size > 1 and mega.sequence_parallel else 1,
                        release_engine_memory=release, sleeper=sleeper,
-                       engine_released=sleeper is not None and release)
+                       engine_released=sleeper is not None and release,
+                       sync_quantization=qcache.describe())
 
 
 def _start_engine(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,

@@ -112,8 +112,9 @@ def _count(module: Any) -> tuple[int, int]:
 
 
 def describe_run(ctx: Any, configs: QrlConfigs, log: Callable[[str], None]) -> None:
-    """Log the LoRA setup, how the engine serves a step's requests and, where the engine
-    reports it, how many it decodes at once (rank 0's ``log``)."""
+    """Log the LoRA setup, how the weight sync quantizes, how the engine serves a step's
+    requests and, where the engine reports it, how many it decodes at once (rank 0's
+    ``log``)."""
     lora = configs.lora
     if lora.enabled:
         adapters, total = _count(ctx.trainer.module)
@@ -124,6 +125,8 @@ def describe_run(ctx: Any, configs: QrlConfigs, log: Callable[[str], None]) -> N
             f"parameters ({share:.3g}%) (SFT trains every parameter)")
     if ctx.engine is None:
         return
+    if ctx.sync_quantization:
+        log(f"[qrl-train] weight sync quantization: {ctx.sync_quantization}")
     run, ro = configs.run, configs.rollout
     requests = run.prompts_per_step * ro.n_samples_per_prompt
     members = getattr(ctx.engine, "members", None)

@@ -89,6 +89,9 @@ class StepContext:
     engine_released: bool = False
     """Whether the engine's memory is released now (``engine_memory``)."""
 
+    sync_quantization: str = ""
+    """How the weight sync quantizes (``rl.qcache_sync.QCacheSync.describe``), for the log."""
+
     def engine_memory(self, release: bool) -> None:
         """Release (or resume) the engine's GPU memory when ``release_engine_memory`` and it
         is not so already. Before a resume the trainer's cached free blocks go back to the
@@ -235,6 +238,8 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     rec.update(concurrency)  # the engine's limits and the waves (rollout.capacity), if reported
     if getattr(synced, "adapter_bytes", None) is not None:  # LoRA: adapters over the wire
         rec["sync_adapter_bytes"] = synced.adapter_bytes
+    if getattr(synced, "cached", None) is not None:  # quantized once, in the trainer's cache
+        rec["sync_cached_tensors"] = synced.cached
     # positions the trainer ran on this rank (padding included; bench/rl_step.py's MFU)
     pack = getattr(ctx.trainer, "pack_multiple", lambda: None)()  # --qrl-pack-sequences
     rec["trained_tokens"] = sum(positions_run(mb, pack) for mb in mbs)

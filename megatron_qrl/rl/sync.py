@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
+from megatron_qrl.quant.pack_stream import Quantized
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, once_each
 from megatron_qrl.rollout_sglang.factory import make_engine
@@ -70,17 +71,22 @@ class SyncResult:
     aqn_sigma: float
     adapter_bytes: int | None = None
     """LoRA runs: bytes of the adapter tensors this sync sent (None: a full-weight sync)."""
+    cached: int | None = None
+    """Quantized weights packed from the aligned forward's Q(W) cache, not quantized again
+    (:mod:`megatron_qrl.rl.qcache_sync`; None: the sync quantized every weight)."""
 
 
 def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutEngine,
                  spec: QuantSpec, version: int, aqn: AQNConfig | None = None, seed: int = 0,
-                 aqn_step: int = 0, total_steps: int = 1) -> SyncResult:
+                 aqn_step: int = 0, total_steps: int = 1,
+                 quantized: Quantized | None = None) -> SyncResult:
     """Send ``hf_stream`` (the trainer's HF-named weights) to ``engine`` as ``version``.
 
     AQN (if enabled) uses the sigma of ``aqn_step`` of ``total_steps`` (QeRL's staged decay)
     and the generator ``AQNConfig.generator(seed, version)``. Raises
     :class:`megatron_qrl.rollout.WeightSyncError` naming the tensor if the engine holds
-    something else afterwards.
+    something else afterwards. ``quantized``: the weights' quantizations computed already
+    (the aligned forward's cache, :mod:`megatron_qrl.rl.qcache_sync`), packed as they are.
     """
     sigma = aqn.sigma(aqn_step, total_steps) if aqn is not None else 0.0
     stream = hf_stream
@@ -88,12 +94,14 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
         stream = apply_aqn(stream, sigma, AQNConfig.generator(seed, version))
     if engine.verifies_own_update:
         rows: dict[str, int] = {}
-        packed = spec.pack_state_dict(stream, stack_experts=engine.stacked_experts)
+        packed = spec.pack_state_dict(stream, stack_experts=engine.stacked_experts,
+                                      quantized=quantized)
         engine.update_weights(_counted(once_each(packed), rows), version=version)
         sent = sum(rows.values())
     else:
         manifest = WeightManifest()
-        engine.update_weights(manifest.record(spec.pack_state_dict(stream)), version=version)
+        engine.update_weights(manifest.record(spec.pack_state_dict(stream, quantized=quantized)),
+                              version=version)
         engine.verify(manifest)
         sent = len(manifest.checksums)
     if engine.weight_version() != version:

@@ -15,6 +15,7 @@ part in):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from megatron_qrl.quant.aqn import AQNConfig
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rl.ep_sync import ShardedSync
 from megatron_qrl.rl.lora_sync import LoraSync
+from megatron_qrl.rl.qcache_sync import QCacheSync
 from megatron_qrl.rl.sync import SyncResult, sync_weights
 
 __all__ = ["SYNC_STRATEGIES", "SyncPlan"]
@@ -46,6 +48,8 @@ class SyncPlan:
     lora_plan: Any = None
     """The forward plan's LoRA part (``active`` once the base is frozen), with ``lora``."""
     sharded: ShardedSync | None = None
+    qcache: QCacheSync | None = None
+    """Whether the gathered sync packs the aligned forward's cached codes (None: never)."""
 
     def strategy(self) -> str:
         """The sync the next version takes: one of :data:`SYNC_STRATEGIES`."""
@@ -66,8 +70,13 @@ class SyncPlan:
                                   self.seed, **self.aqn_at(version))
         if how == "sharded":
             return self.sharded.send(self.engine, version, **self.aqn_at(version))
-        return sync_weights(self.trainer.hf_tensors(), self.engine, self.spec, version,
-                            self.aqn, self.seed, **self.aqn_at(version))
+        quantized = None if self.qcache is None else self.qcache.lookup(
+            self.trainer.module, self.trainer.policy.arch)
+        result = sync_weights(self.trainer.hf_tensors(), self.engine, self.spec, version,
+                              self.aqn, self.seed, **self.aqn_at(version), quantized=quantized)
+        if quantized is None:
+            return result
+        return dataclasses.replace(result, cached=self.qcache.reused)
 
     def serve(self, version: int = 0) -> None:
         """A rank > 0: its part of rank 0's sync (the stream's gathers need every rank)."""

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from megatron_qrl.te_quant.real_gemm import real_linear, weight_operand
+from megatron_qrl.quant import QuantizedWeight
+from megatron_qrl.te_quant.qcodes import component_codes, fused_dequantized, real_codes
+from megatron_qrl.te_quant.real_gemm import RealWeight, real_linear, weight_operand
 from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
 from megatron_qrl.te_quant.state import AlignedForwardState
 
@@ -87,6 +89,7 @@ class AlignedLinearMixin:
         self.qrl_layout = layout
         self.qrl_recomputes = 0
         self._qrl_cache: tuple[Any, torch.Tensor] | None = None
+        self._qrl_codes: list[QuantizedWeight] | None = None
         # wgrad goes through autograd (the STE), not into main_grad by the fused kernel
         self.gradient_accumulation_fusion = False
 
@@ -98,10 +101,26 @@ class AlignedLinearMixin:
         """True if the cached ``Q_w(W)`` is missing or older than the weights."""
         return self._qrl_cache is None or self._qrl_cache[0] != self._qrl_key()
 
-    def qrl_store(self, q: torch.Tensor) -> None:
-        """Cache ``q`` as ``Q_w(W)`` of the current weights (computed by the caller)."""
+    def qrl_store(self, q: torch.Tensor, codes: list[QuantizedWeight] | None = None) -> None:
+        """Cache ``q`` as ``Q_w(W)`` of the current weights (computed by the caller) and, for
+        the fake GEMM, ``codes``: the HF components' codes it was dequantized from."""
         self._qrl_cache = (self._qrl_key(), q)
+        self._qrl_codes = codes
         self.qrl_recomputes += 1
+
+    def qrl_codes(self) -> list[QuantizedWeight] | None:
+        """Codes and scales of each HF tensor of this weight from the cached ``Q_w(W)``
+        (refreshed first if stale: the step's one quantization), in HF order; None where
+        the cache holds a tensor-parallel shard (the sync sends whole tensors)."""
+        if _tp_size(self) > 1:
+            return None
+        state = self.qrl_state
+        if state.gemm == "fake" and state.keep_codes and self._qrl_codes is None:
+            self._qrl_cache = None  # cached before codes were kept
+        q = self.quantized_weight()
+        if isinstance(q, RealWeight):
+            return real_codes(state.spec, q, self.qrl_layout, self.weight.dtype)
+        return self._qrl_codes
 
     def quantized_weight(self) -> Any:
         """``Q_w(W)`` of this rank's shard, recomputed only after the weights changed: the
@@ -110,6 +129,10 @@ class AlignedLinearMixin:
             self.qrl_store(weight_operand(self.qrl_state.spec, self.weight, self._qrl_parallel_dim,
                                           self.tp_group, name=f"{self.qrl_kind} "
                                           f"{type(self).__name__}"))
+        elif self.qrl_stale() and self.qrl_state.keep_codes and _tp_size(self) == 1:
+            codes = component_codes(self.qrl_state.spec, [self.weight], self.qrl_layout,
+                                    f"{self.qrl_kind} {type(self).__name__}")[0]
+            self.qrl_store(fused_dequantized(self.qrl_state.spec, codes, self.qrl_layout), codes)
         elif self.qrl_stale():
             self.qrl_store(quantize_shard(
                 self.qrl_state.spec, self.weight, self.qrl_layout, self._qrl_parallel_dim,
@@ -224,8 +247,8 @@ class AlignedSequentialMLP(SequentialMLP):
     def refresh_quantized_weights(self) -> None:
         """Re-quantize the stale ``linear_fc1`` / ``linear_fc2`` of all local experts, one
         stacked call per projection (the per-expert lazy path remains the fallback)."""
-        if not self._stacked() or self.qrl_state.gemm == "real":
-            return  # the real GEMM's linears cache codes and scales, one expert at a time
+        if not self._stacked() or self.qrl_state.gemm == "real" or self.qrl_state.keep_codes:
+            return  # the linears cache codes and scales, one expert at a time
         for attr in ("linear_fc1", "linear_fc2"):
             linears = [getattr(e, attr) for e in self.local_experts]
             if not any(lin.qrl_stale() for lin in linears):

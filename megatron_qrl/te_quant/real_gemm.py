@@ -122,6 +122,8 @@ def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     kernel's only output type) cast to ``out_dtype``. ``cuda_shapes`` (default: on CUDA)
     forces the padding."""
     m, n = xq.shape[0], wq.shape[0]
+    if m == 0:  # an expert without tokens (the kernel refuses an empty scale's strides)
+        return xq.new_zeros((0, n), dtype=out_dtype)
     pad = xq.is_cuda if cuda_shapes is None else cuda_shapes
     dtype = torch.bfloat16 if xq.is_cuda else out_dtype
     if pad and (xq.shape[1] % 16 or n % 16):

@@ -39,6 +39,10 @@ class AlignedForwardState:
         the codes and scales, not a dequantized weight."""
         self.version: int = 0
         """Bumped after every optimizer step; part of each linear's cache key."""
+        self.keep_codes: bool = False
+        """The fake GEMM's cache also keeps each HF tensor's codes and scales (the weight sync
+        packs them instead of quantizing again, :mod:`megatron_qrl.te_quant.qcodes`); the
+        real GEMM's cache holds them anyway. Costs one code tensor per weight."""
         self.enabled_kinds: frozenset[str] = self._check_kinds(kinds)
         """Layer kinds (``attention``, ``mlp``, ``experts``) that run quantized now."""
         self.inputs_quantized: bool = False

@@ -39,8 +39,10 @@ from megatron_qrl.models.stacked_experts import (
     expert_groups,
     grouped_sharded_state_dict,
 )
+from megatron_qrl.quant import QuantizedWeight
 from megatron_qrl.te_quant.grouped_gemm import stacked_ste
 from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
+from megatron_qrl.te_quant.qcodes import component_codes, fused_dequantized, real_codes
 from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear, stacked_weight_operand
 from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
 from megatron_qrl.te_quant.state import AlignedForwardState
@@ -70,6 +72,7 @@ class AlignedGroupedGemm:
         self.qrl_state, self.qrl_kind, self.qrl_layout = qrl_state, qrl_kind, qrl_layout
         self.qrl_recomputes = 0
         self._qrl_cache: tuple[Any, torch.Tensor] | None = None
+        self._qrl_codes: list[list[QuantizedWeight]] | None = None
 
     def weights(self) -> list[torch.Tensor]:
         """Every local expert's master weight ``[out, in]``, in expert order."""
@@ -96,13 +99,19 @@ class AlignedGroupedGemm:
             spec, weights = self.qrl_state.spec, self.weights()
             name = f"experts {type(self).__name__}"
             tp, _ = _pg_size_rank(self.tp_group)
+            if tp == 1 and self.qrl_state.keep_codes:
+                codes = component_codes(spec, weights, self.qrl_layout, name)
+                deq = [fused_dequantized(spec, c, self.qrl_layout) for c in codes]
+                self._qrl_cache, self._qrl_codes = (key, torch.stack(deq)), codes
+                self.qrl_recomputes += 1
+                return self._qrl_cache[1]
             qs = (quantize_shards_stacked(spec, weights, [self.qrl_layout] * len(weights), name)
                   if tp == 1 and len(weights) > 1 else None)
             if qs is None:
                 dim = 1 if self.parallel_mode == "row" else 0
                 qs = [quantize_shard(spec, w, self.qrl_layout, dim, self.tp_group, name)
                       for w in weights]
-            self._qrl_cache = (key, torch.stack(qs))
+            self._qrl_cache, self._qrl_codes = (key, torch.stack(qs)), None
             self.qrl_recomputes += 1
         return self._qrl_cache[1]
 
@@ -117,6 +126,22 @@ class AlignedGroupedGemm:
                 f"experts {type(self).__name__}"))
             self.qrl_recomputes += 1
         return self._qrl_cache[1]
+
+    def qrl_codes(self) -> list[list[QuantizedWeight]] | None:
+        """Per local expert, the codes and scales of each of its HF tensors from the cached
+        ``Q_w`` (refreshed first if stale: the step's one quantization); None where the
+        experts are tensor-parallel shards (the sync sends whole tensors)."""
+        if _pg_size_rank(self.tp_group)[0] > 1:
+            return None
+        state, layout = self.qrl_state, self.qrl_layout
+        if state.gemm == "real":
+            rw, dtype = self.real_weights(), self.weights()[0].dtype
+            return [real_codes(state.spec, RealWeight(c, s), layout, dtype)
+                    for c, s in zip(rw.codes.unbind(0), rw.scale.unbind(0))]
+        if state.keep_codes and self._qrl_codes is None:
+            self._qrl_cache = None  # cached before codes were kept
+        self.quantized_weights()
+        return self._qrl_codes
 
     def forward(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, None]:
         """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` as ONE grouped GEMM

@@ -76,13 +76,15 @@ TINY = {"hidden_size": 64, "head_dim": 16, "num_attention_heads": 4, "num_key_va
 def test_produce_only_variants_leave_the_same_fingerprints(fmt):
     """The trainer side of an in-place sync without an engine: every variant sends the same
     weights, so the engine would hold the same fingerprints (the rows of each stack equal
-    each expert fingerprinted alone); stacking puts fewer items on the wire."""
+    each expert fingerprinted alone; +qcache packs codes quantized beforehand); stacking puts
+    fewer items on the wire."""
     from bench.weight_sync import produce, produce_table
     from megatron_qrl.quant import get_spec
 
     spec = get_spec(fmt)
     rows = {opts: produce(spec, TINY, opts.split("+"), 1, "cpu") for opts in
-            ("flat+direct+stacked", "flat+direct+stacked+fpeach", "flat", "direct")}
+            ("flat+direct+stacked", "flat+direct+stacked+fpeach", "flat", "direct",
+             "flat+direct+stacked+qcache")}
     assert len({r["fingerprints_sha256"] for r in rows.values()}) == 1
     assert len({r["fingerprints"] for r in rows.values()}) == 1
     assert rows["flat+direct+stacked"]["request_items"] == rows["flat+direct+stacked+fpeach"][
@@ -90,7 +92,7 @@ def test_produce_only_variants_leave_the_same_fingerprints(fmt):
     assert all(r["buckets_v2"] >= 1 and r["produce_s_v2"] >= 0 for r in rows.values())
     table = produce_table([r | {"variant": f"{fmt}:inplace+{o}", "device": "cpu",
                                 "packed_gb": 0.0} for o, r in rows.items()])
-    assert "DIFFER" not in table and table.count(f"| {fmt}:inplace+") == 4
+    assert "DIFFER" not in table and table.count(f"| {fmt}:inplace+") == len(rows)
     bad = produce_table([rows["flat"] | {"variant": "a", "device": "cpu", "packed_gb": 0},
                          rows["flat"] | {"variant": "b", "device": "cpu", "packed_gb": 0,
                                          "fingerprints_sha256": "0" * 16}])
@@ -117,6 +119,8 @@ def test_engine_variant_options_are_checked_before_any_work():
 
     with pytest.raises(ValueError, match="fpeach is a --produce-only option"):
         child("fp8:inplace+flat+direct+stacked+fpeach", 1)
+    with pytest.raises(ValueError, match="qcache is a --produce-only option"):
+        child("fp8:inplace+flat+direct+stacked+qcache", 1)
     with pytest.raises(ValueError, match="--device / --layers / --experts apply to"):
         child("fp8:inplace", 1, device="cpu")
 
