@@ -23,6 +23,7 @@ from megatron_qrl.sync.protocol.inplace import LOADER
 
 ROOT = Path(__file__).resolve().parents[2]
 PARSER = "megatron_qrl.utils.hf_names"
+KERNEL_CHOICE = "megatron_qrl.utils.kernel_choice"  # the fingerprints' auto/torch/triton switch
 TRAINER_SIDE = ("megatron_qrl.rollout_sglang.sync.sender", "megatron_qrl.rollout_sglang.engine",
                 "megatron_qrl.rollout_sglang.sync.transports",
                 "megatron_qrl.rollout_sglang.sync.session", "megatron_qrl.sync.transport",
@@ -61,7 +62,7 @@ def test_the_sglang_loader_loads_none_of_the_trainer_side():
     trainer = sorted(n for n in own if _under(n, TRAINER_SIDE))
     assert not trainer, f"importing {entry} (inside SGLang) loads the trainer's side: {trainer}"
     allowed = ("megatron_qrl.rollout_sglang.sync.loader", "megatron_qrl.rollout_sglang.sync.debug",
-               "megatron_qrl.sync.protocol", PARSER)
+               "megatron_qrl.sync.protocol", PARSER, KERNEL_CHOICE)
     extra = sorted(n for n in own if not _under(n, allowed) and n not in _parents(entry)
                    | _parents(PARSER) | _parents("megatron_qrl.sync.protocol.x"))
     assert not extra, f"importing {entry} loads more than the loader and the protocol: {extra}"
@@ -75,9 +76,10 @@ def test_the_sglang_loader_loads_none_of_the_trainer_side():
     "megatron_qrl.sync.transport",  # the transports' interface: on the protocol alone
 ])
 def test_the_protocol_imports_only_torch_and_the_name_parser(module):
+    """... and the fingerprints' kernel switch (which imports Triton only when it is chosen)."""
     own, others = _loaded(module)
     protocol = "megatron_qrl.sync.protocol"
-    extra = sorted(n for n in own if not _under(n, (module, protocol, PARSER))
+    extra = sorted(n for n in own if not _under(n, (module, protocol, PARSER, KERNEL_CHOICE))
                    and n not in _parents(module) | _parents(protocol) | _parents(PARSER))
     assert not extra, f"{module} loads more of the package than the name parser: {extra}"
     _, with_torch = _loaded("torch")
