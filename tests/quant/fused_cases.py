@@ -61,6 +61,48 @@ def ties(fmt: str, cols: int) -> torch.Tensor:
     return w
 
 
+def activations(fmt: str, device: str = "cpu", seed: int = 0):
+    """``(label, x)`` inputs of the per-token activation quantizer: bf16 and fp32 tokens over
+    12 decades, an all-zero token, one below the int8 floor 1e-10, extreme finite tokens,
+    tokens on rounding ties (scale 1: amax 448 / 127 with E4M3 midpoints / halves), a 3-D
+    input, a strided (non-contiguous) one, and for fp8 NaN and inf tokens (bit-exact there
+    too; int8's codes of non-finite tokens are undefined)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for k in (200, 1024):
+            x = torch.randn(67, k, generator=g) * torch.logspace(6, -6, 67)[:, None]
+            x[3] = 0.0
+            x[4] = 1e-11 * torch.sign(torch.randn(k, generator=g))
+            x[5] = torch.finfo(dtype).max / 8 * torch.sign(torch.randn(k, generator=g))
+            x[6] = torch.finfo(dtype).tiny * 4 * torch.randn(k, generator=g)
+            x[7] = ties(fmt, k)[0]
+            x[8, : k // 2] = -0.0
+            if fmt == "fp8":
+                x[9, 5] = float("nan")
+                x[10, 7] = float("-inf")
+            out.append((f"{dtype}-67x{k}", x.to(dtype).to(device)))
+    x = out[0][1]
+    out.append(("3d", x[:66].reshape(2, 33, -1)))
+    out.append(("strided", torch.randn(40, 400, generator=g).bfloat16().to(device)[:, ::2]))
+    return out
+
+
+def dequant_cases(device: str = "cpu", seed: int = 0):
+    """``(label, codes, scale)``: every E4M3 byte (subnormals, NaN) and every int8 code, rows
+    scaled from 2^-30 to 2^30 (bf16 subnormal and overflow-free), and a stacked ``[E, N, K]``
+    weight with ``[E, N, 1]`` scales."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-30, 30, 61, base=2.0)[:, None] * (1 + torch.rand(61, 1, generator=g))
+    fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    int8 = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    stacked = torch.randint(-127, 128, (3, 40, 72), generator=g).to(torch.int8)
+    cases = [("fp8 all bytes", fp8.expand(61, 256).contiguous(), scale),
+             ("int8 all codes", int8.expand(61, 256).contiguous(), scale),
+             ("int8 stacked", stacked, torch.rand(3, 40, 1, generator=g) * 1e-2)]
+    return [(label, c.to(device), s.to(device)) for label, c, s in cases]
+
+
 def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
     """``get_spec(fmt).quantize_weight(w)`` and its packed tensors, through ``impl``."""
     spec = get_spec(fmt)

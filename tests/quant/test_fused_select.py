@@ -52,25 +52,25 @@ def test_registry_names_its_kernels():
 
 @pytest.mark.parametrize("fmt", list(FUSED))
 def test_cuda_with_triton_gets_the_kernel(monkeypatch, fmt):
-    monkeypatch.setattr(fused, "kernels", lambda: _recorder([]))
+    monkeypatch.setattr(fused, "kernels", lambda *_: _recorder([]))
     spec = get_spec(fmt)
     assert fused_kernel(spec, torch.device("cuda", 0)).__name__ == "kernel"
     assert fused_kernel(spec, torch.device("cpu")) is None  # auto: CPU weights stay on torch
     set_quant_impl("torch")
     assert fused_kernel(spec, torch.device("cuda", 0)) is None
-    monkeypatch.setattr(fused, "kernels", lambda: None)  # no Triton: torch
+    monkeypatch.setattr(fused, "kernels", lambda *_: None)  # no Triton: torch
     set_quant_impl(None)
     assert fused_kernel(spec, torch.device("cuda", 0)) is None
     assert fused_kernel(get_spec("bf16"), torch.device("cuda", 0)) is None
 
 
 def test_forced_triton_without_triton_is_one_clear_error(monkeypatch):
-    monkeypatch.setattr(fused, "kernels", lambda: None)
+    monkeypatch.setattr(fused, "kernels", lambda *_: None)
     monkeypatch.setenv(ENV, "triton")
     with pytest.raises(RuntimeError, match="QRL_QUANT_IMPL=triton.*Triton is not installed"):
         get_spec("fp8").quantize_weight(torch.randn(8, 16))
-    monkeypatch.setattr(fused, "kernels", lambda: _recorder([]))
-    with pytest.raises(RuntimeError, match="the weight is on cpu"):
+    monkeypatch.setattr(fused, "kernels", lambda *_: _recorder([]))
+    with pytest.raises(RuntimeError, match="the tensor is on cpu"):
         get_spec("fp8").quantize_weight(torch.randn(8, 16))
 
 
@@ -89,7 +89,7 @@ def test_quantize_weight_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
     """quantize_weight hands a selected kernel the weight (and nvfp4 its tensor scale), checks
     finiteness on the kernel's tile amax, and names the tensor when it is not finite."""
     calls = []
-    monkeypatch.setattr(fused, "kernels", lambda: _recorder(calls))
+    monkeypatch.setattr(fused, "kernels", lambda *_: _recorder(calls))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors may take the kernel path
     set_quant_impl("triton")
     spec = get_spec(fmt)
@@ -102,7 +102,7 @@ def test_quantize_weight_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
         assert calls[0][2] == ()
     assert torch.equal(bits(q.codes), bits(spec._quantize(w, None).codes))
     w[1, 2] = float("inf")  # the recorder's amax is finite: only a real check of w raises
-    monkeypatch.setattr(fused, "kernels", lambda: SimpleNamespace(
+    monkeypatch.setattr(fused, "kernels", lambda *_: SimpleNamespace(
         **{FUSED[fmt]: lambda spec, w, *a: (spec._quantize(w, None), torch.full((1,), 1e30)
                                             / torch.zeros(1))}))
     with pytest.raises(ValueError, match="layers.0.w"):

@@ -1,0 +1,140 @@
+"""The fused operand kernels of the real low-bit GEMM (megatron_qrl/quant/triton_act.py) give
+the torch reference's bits, run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``,
+set here before Triton loads): per-token activation codes and scales
+(``QuantSpec.quantize_activation``) and the per-row dequantization of the straight-through
+backward (``QuantSpec.dequantize_rows``), and through them the real linear's forward and
+gradients. The compiled kernels' proof: tests/gpu/test_fused_quant.py.
+
+Run: ``PYTHONPATH=/tmp/triton_site:$PWD TRITON_INTERPRET=1 pytest tests/quant/test_fused_act.py``
+(Triton installed aside; the shared venv has none, and there the module skips).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set: run this module "
+                "in its own pytest process", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton  # noqa: F401
+except ImportError:
+    pytest.skip("triton not installed (CPU CI): GPU test tests/gpu/test_fused_quant.py covers it",
+                allow_module_level=True)
+
+from megatron_qrl.quant import get_spec, triton_act, triton_quant  # noqa: E402
+from megatron_qrl.quant.fused import set_quant_impl  # noqa: E402
+from megatron_qrl.quant.numerics import cast_e4m3  # noqa: E402
+from tests.quant.fused_cases import activations, bits, dequant_cases  # noqa: E402
+
+if not triton_quant._SOFT:
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set; run this module alone",
+                allow_module_level=True)
+
+FORMATS = ("fp8", "int8")
+
+
+def _act(fmt, x, impl):
+    set_quant_impl(impl)
+    try:
+        return get_spec(fmt).quantize_activation(x)
+    finally:
+        set_quant_impl(None)
+
+
+def _assert_bits(a, b, label):
+    """Bit-equal, except that NaNs need only be NaNs: an E4M3 NaN may carry either sign (the
+    sign of ``NaN * NaN`` is the operand order the compiler chose), a float NaN any payload."""
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: {a.dtype}{tuple(a.shape)} " \
+        f"!= {b.dtype}{tuple(b.shape)}"
+    ba, bb = bits(a), bits(b)
+    if a.dtype == torch.float8_e4m3fn:
+        ba, bb = (torch.where((t & 0x7F) == 0x7F, 0x7F, t) for t in (ba, bb))
+    elif a.is_floating_point():
+        ba, bb = (torch.where(t.isnan(), -1, u) for t, u in ((a, ba), (b, bb)))
+    diff = (ba != bb).sum().item()
+    assert diff == 0, f"{label}: {diff} of {a.numel()} differ"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_activation_codes_and_scales_equal_the_reference(fmt):
+    """Mutations caught: ``s = a * fl(1 / MAX)`` on the CPU (the CUDA numerics), round half to
+    even instead of half away (int8), no 1e-10 floor (int8's zero token), NaN left out of the
+    amax (fp8's NaN token)."""
+    for label, x in activations(fmt):
+        (cq, cs), (rq, rs) = _act(fmt, x, "triton"), _act(fmt, x, "torch")
+        _assert_bits(cq, rq, f"{fmt} {label} codes")
+        _assert_bits(cs, rs, f"{fmt} {label} scale")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_division_branch(fmt):
+    """On CUDA torch divides by a Python scalar as ``a * fl(1 / MAX)``: the kernel's CUDA
+    branch gives that scale (and the codes from it), and it is not the CPU's on every token
+    (so the device switch matters)."""
+    maxv = 127.0 if fmt == "int8" else 448.0
+    spec = get_spec(fmt)
+    x = activations(fmt)[0][1]
+    q, s = triton_act.quantize_act_per_token(spec, x, cuda_div=True)
+    a = x.float().abs().amax(-1, keepdim=True)
+    if fmt == "int8":
+        a = a.clamp(min=1e-10)
+    want = a * torch.tensor(np.float32(1.0) / np.float32(maxv))
+    _assert_bits(s, want, f"{fmt} CUDA scale")
+    if fmt == "fp8":
+        inv = torch.where(want == 0, 0.0, 1.0 / torch.where(want == 0, 1.0, want))
+        _assert_bits(q, cast_e4m3(x.float() * inv), "fp8 CUDA codes")
+    _, cpu = _act(fmt, x, "torch")
+    assert (bits(cpu) != bits(s)).any(), "the two divisions agree on every token here"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_rows_equals_the_reference(dtype):
+    """Mutations caught: the scale of the wrong row (``offs // k`` -> ``offs % rows``), a
+    truncating bf16 cast, subnormal E4M3 codes decoded as normals."""
+    for label, codes, scale in dequant_cases():
+        spec = get_spec("int8" if codes.dtype == torch.int8 else "fp8")
+        set_quant_impl("triton")
+        try:
+            fused = spec.dequantize_rows(codes, scale, dtype)
+        finally:
+            set_quant_impl(None)
+        _assert_bits(fused, (codes.float() * scale).to(dtype), f"{label} -> {dtype}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_real_linear_forward_and_gradients_through_the_kernels(fmt):
+    """The real linear (forced on the CPU) with the fused operands equals the torch operands'
+    output and gradients bit for bit, dense and grouped."""
+    from megatron_qrl.te_quant.real_gemm import grouped_real_linear, real_linear, weight_operand
+
+    spec = get_spec(fmt)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, 96, generator=g).bfloat16()
+    w = (torch.randn(3, 40, 96, generator=g) * 0.05).bfloat16()
+    gy = torch.randn(2, 24, 40, generator=g).bfloat16()
+    counts = [20, 0, 28]
+    out = {}
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        try:
+            xd, wd = x.clone().requires_grad_(), w[0].clone().requires_grad_()
+            y = real_linear(xd, wd, weight_operand(spec, w[0]), spec)
+            y.backward(gy)
+            xg, wg = x.reshape(48, 96).clone().requires_grad_(), w.clone().requires_grad_()
+            from megatron_qrl.te_quant.real_gemm import stacked_weight_operand
+
+            qw = stacked_weight_operand(spec, list(w), 0, None, "w")
+            yg = grouped_real_linear(xg, [wg], qw, spec, counts)
+            yg.backward(gy.reshape(48, 40))
+            out[impl] = [y, xd.grad, wd.grad, yg, xg.grad, wg.grad]
+        finally:
+            set_quant_impl(None)
+    for i, (a, b) in enumerate(zip(out["triton"], out["torch"])):
+        _assert_bits(a.detach(), b.detach(), f"{fmt} tensor {i}")
