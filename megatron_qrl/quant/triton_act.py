@@ -35,6 +35,7 @@ import triton.language as tl
 from .numerics import FP8_E4M3_MAX
 from .triton_quant import _SOFT, _bf16_rne, _e4m3, _on, _pow2, _rows_block
 
+
 @triton.jit
 def _load_f32(ptr, m, BF16_BITS: tl.constexpr):
     """fp32 values at ``ptr``: bf16 given as its int16 bits (widened exactly, subnormals kept:
@@ -87,8 +88,8 @@ def _act_token_kernel(x_ptr, codes_ptr, scale_ptr, n_rows, k, stride_x, inv_max,
             q = tl.minimum(tl.maximum(tl.where(v < 0, -r, r), -128.0), 127.0).to(tl.int8)
         else:
             q, _ = _e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0), SOFT)
-            nan = 0x7F | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)  # NaN keeps its sign
-            q = tl.where(v != v, nan, q.to(tl.int32)).to(tl.uint8)
+            nan_code = 0x7F | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)  # NaN keeps its sign
+            q = tl.where(v != v, nan_code, q.to(tl.int32)).to(tl.uint8)
         tl.store(dst + k0 + cols[None, :], q, mask=m)
     tl.store(scale_ptr + rows, s, mask=rmask)
 
@@ -109,17 +110,22 @@ def _e4m3_decode(byte, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_rows_kernel(codes_ptr, scale_ptr, out_ptr, total, k, FP8: tl.constexpr,
-                         BF16_SOFT: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = dtype(float(codes) * scale[row])`` over a contiguous ``[rows, k]`` block."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < total
-    c = tl.load(codes_ptr + offs, mask=m, other=0)
+def _dequant_rows_kernel(codes_ptr, scale_ptr, out_ptr, n_rows, k, FP8: tl.constexpr,
+                         BF16_SOFT: tl.constexpr, SOFT: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """``out = dtype(float(codes) * scale[row])`` of a ``BLOCK_R x BLOCK_K`` tile of a
+    contiguous ``[rows, k]`` block."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < n_rows
+    m = rmask[:, None] & (cols < k)[None, :]
+    at = rows[:, None].to(tl.int64) * k + cols[None, :]
+    c = tl.load(codes_ptr + at, mask=m, other=0)
     v = _e4m3_decode(c, SOFT) if FP8 else c.to(tl.float32)
-    v = v * tl.load(scale_ptr + offs // k, mask=m, other=1.0)
+    v = v * tl.load(scale_ptr + rows, mask=rmask, other=1.0)[:, None]
     if BF16_SOFT:  # the interpreter's own bf16 cast is not round-to-nearest-even
         v = tl.where(v != v, v, _bf16_rne(v))
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + at, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _inv_max(maxv: float) -> float:
@@ -159,13 +165,13 @@ def dequantize_rows(spec, codes: torch.Tensor, scale: torch.Tensor, dtype: torch
     codes = codes.contiguous()
     k = codes.shape[-1]
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    total = codes.numel()
-    if total:
+    rows = codes.numel() // max(k, 1)
+    if codes.numel():
         fp8 = codes.dtype == torch.float8_e4m3fn
-        block = 2048
+        br, bk = 16, min(256, triton.next_power_of_2(k))
         with _on(codes):
-            _dequant_rows_kernel[(triton.cdiv(total, block),)](
+            _dequant_rows_kernel[(triton.cdiv(rows, br), triton.cdiv(k, bk))](
                 codes.view(torch.uint8) if fp8 else codes, scale.float().contiguous(), out,
-                total, k, FP8=fp8, BF16_SOFT=_SOFT and dtype == torch.bfloat16, SOFT=_SOFT,
-                BLOCK=block, num_warps=4)
+                rows, k, FP8=fp8, BF16_SOFT=_SOFT and dtype == torch.bfloat16, SOFT=_SOFT,
+                BLOCK_R=br, BLOCK_K=bk, num_warps=4)
     return out

@@ -169,3 +169,51 @@ def e4m3_probe(device: str = "cpu") -> torch.Tensor:
     x = torch.cat([vals, mids, torch.nextafter(mids, mids * 2), torch.nextafter(mids, -mids),
                    torch.tensor([2.0**-10, 2.0**-20, 0.0])])
     return torch.cat([x, -x]).to(device)
+
+
+def assert_bits_equal(a, b, label):
+    """Bit-equal, except that NaNs need only be NaNs: an E4M3 NaN may carry either sign (the
+    sign of ``NaN * NaN`` is the operand order the compiler chose), a float NaN any payload."""
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: {a.dtype}{tuple(a.shape)} " \
+        f"!= {b.dtype}{tuple(b.shape)}"
+    ba, bb = bits(a), bits(b)
+    if a.dtype == torch.float8_e4m3fn:
+        ba, bb = (torch.where((t & 0x7F) == 0x7F, 0x7F, t) for t in (ba, bb))
+    elif a.is_floating_point():
+        ba, bb = (torch.where(t.isnan(), -1, u) for t, u in ((a, ba), (b, bb)))
+    diff = (ba != bb).sum().item()
+    assert diff == 0, f"{label}: {diff} of {a.numel()} differ"
+
+
+def act_through_real_linear(fmt: str, device: str) -> None:
+    """The real linear and the grouped real linear with the fused operand kernels equal the
+    torch operands' outputs and gradients (input and weight) bit for bit."""
+    from megatron_qrl.te_quant.real_gemm import (
+        grouped_real_linear,
+        real_linear,
+        stacked_weight_operand,
+        weight_operand,
+    )
+
+    spec = get_spec(fmt)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, 96, generator=g).bfloat16().to(device)
+    w = (torch.randn(3, 48, 96, generator=g) * 0.05).bfloat16().to(device)
+    gy = torch.randn(2, 24, 48, generator=g).bfloat16().to(device)
+    counts = [20, 0, 28]
+    out = {}
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        try:
+            xd, wd = x.clone().requires_grad_(), w[0].clone().requires_grad_()
+            y = real_linear(xd, wd, weight_operand(spec, w[0]), spec)
+            y.backward(gy)
+            xg, wg = x.reshape(48, 96).clone().requires_grad_(), w.clone().requires_grad_()
+            qw = stacked_weight_operand(spec, list(w), 0, None, "w")
+            yg = grouped_real_linear(xg, [wg], qw, spec, counts)
+            yg.backward(gy.reshape(48, 48))
+            out[impl] = [y, xd.grad, wd.grad, yg, xg.grad, wg.grad]
+        finally:
+            set_quant_impl(None)
+    for i, (a, b) in enumerate(zip(out["triton"], out["torch"])):
+        assert_bits_equal(a.detach(), b.detach(), f"{fmt} real linear tensor {i}")

@@ -31,7 +31,13 @@ except ImportError:
 from megatron_qrl.quant import get_spec, triton_act, triton_quant  # noqa: E402
 from megatron_qrl.quant.fused import set_quant_impl  # noqa: E402
 from megatron_qrl.quant.numerics import cast_e4m3  # noqa: E402
-from tests.quant.fused_cases import activations, bits, dequant_cases  # noqa: E402
+from tests.quant.fused_cases import (  # noqa: E402
+    act_through_real_linear,
+    activations,
+    assert_bits_equal,
+    bits,
+    dequant_cases,
+)
 
 if not triton_quant._SOFT:
     pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set; run this module alone",
@@ -48,20 +54,6 @@ def _act(fmt, x, impl):
         set_quant_impl(None)
 
 
-def _assert_bits(a, b, label):
-    """Bit-equal, except that NaNs need only be NaNs: an E4M3 NaN may carry either sign (the
-    sign of ``NaN * NaN`` is the operand order the compiler chose), a float NaN any payload."""
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: {a.dtype}{tuple(a.shape)} " \
-        f"!= {b.dtype}{tuple(b.shape)}"
-    ba, bb = bits(a), bits(b)
-    if a.dtype == torch.float8_e4m3fn:
-        ba, bb = (torch.where((t & 0x7F) == 0x7F, 0x7F, t) for t in (ba, bb))
-    elif a.is_floating_point():
-        ba, bb = (torch.where(t.isnan(), -1, u) for t, u in ((a, ba), (b, bb)))
-    diff = (ba != bb).sum().item()
-    assert diff == 0, f"{label}: {diff} of {a.numel()} differ"
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_activation_codes_and_scales_equal_the_reference(fmt):
     """Mutations caught: ``s = a * fl(1 / MAX)`` on the CPU (the CUDA numerics), round half to
@@ -69,8 +61,8 @@ def test_activation_codes_and_scales_equal_the_reference(fmt):
     amax (fp8's NaN token)."""
     for label, x in activations(fmt):
         (cq, cs), (rq, rs) = _act(fmt, x, "triton"), _act(fmt, x, "torch")
-        _assert_bits(cq, rq, f"{fmt} {label} codes")
-        _assert_bits(cs, rs, f"{fmt} {label} scale")
+        assert_bits_equal(cq, rq, f"{fmt} {label} codes")
+        assert_bits_equal(cs, rs, f"{fmt} {label} scale")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -86,17 +78,17 @@ def test_cuda_division_branch(fmt):
     if fmt == "int8":
         a = a.clamp(min=1e-10)
     want = a * torch.tensor(np.float32(1.0) / np.float32(maxv))
-    _assert_bits(s, want, f"{fmt} CUDA scale")
+    assert_bits_equal(s, want, f"{fmt} CUDA scale")
     if fmt == "fp8":
         inv = torch.where(want == 0, 0.0, 1.0 / torch.where(want == 0, 1.0, want))
-        _assert_bits(q, cast_e4m3(x.float() * inv), "fp8 CUDA codes")
+        assert_bits_equal(q, cast_e4m3(x.float() * inv), "fp8 CUDA codes")
     _, cpu = _act(fmt, x, "torch")
     assert (bits(cpu) != bits(s)).any(), "the two divisions agree on every token here"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dequantize_rows_equals_the_reference(dtype):
-    """Mutations caught: the scale of the wrong row (``offs // k`` -> ``offs % rows``), a
+    """Mutations caught: the scale of the wrong row (``scale[row // 2]``), a
     truncating bf16 cast, subnormal E4M3 codes decoded as normals."""
     for label, codes, scale in dequant_cases():
         spec = get_spec("int8" if codes.dtype == torch.int8 else "fp8")
@@ -105,36 +97,11 @@ def test_dequantize_rows_equals_the_reference(dtype):
             fused = spec.dequantize_rows(codes, scale, dtype)
         finally:
             set_quant_impl(None)
-        _assert_bits(fused, (codes.float() * scale).to(dtype), f"{label} -> {dtype}")
+        assert_bits_equal(fused, (codes.float() * scale).to(dtype), f"{label} -> {dtype}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_real_linear_forward_and_gradients_through_the_kernels(fmt):
     """The real linear (forced on the CPU) with the fused operands equals the torch operands'
     output and gradients bit for bit, dense and grouped."""
-    from megatron_qrl.te_quant.real_gemm import grouped_real_linear, real_linear, weight_operand
-
-    spec = get_spec(fmt)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 24, 96, generator=g).bfloat16()
-    w = (torch.randn(3, 40, 96, generator=g) * 0.05).bfloat16()
-    gy = torch.randn(2, 24, 40, generator=g).bfloat16()
-    counts = [20, 0, 28]
-    out = {}
-    for impl in ("torch", "triton"):
-        set_quant_impl(impl)
-        try:
-            xd, wd = x.clone().requires_grad_(), w[0].clone().requires_grad_()
-            y = real_linear(xd, wd, weight_operand(spec, w[0]), spec)
-            y.backward(gy)
-            xg, wg = x.reshape(48, 96).clone().requires_grad_(), w.clone().requires_grad_()
-            from megatron_qrl.te_quant.real_gemm import stacked_weight_operand
-
-            qw = stacked_weight_operand(spec, list(w), 0, None, "w")
-            yg = grouped_real_linear(xg, [wg], qw, spec, counts)
-            yg.backward(gy.reshape(48, 40))
-            out[impl] = [y, xd.grad, wd.grad, yg, xg.grad, wg.grad]
-        finally:
-            set_quant_impl(None)
-    for i, (a, b) in enumerate(zip(out["triton"], out["torch"])):
-        _assert_bits(a.detach(), b.detach(), f"{fmt} tensor {i}")
+    act_through_real_linear(fmt, "cpu")

@@ -110,3 +110,40 @@ def test_quantize_weight_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
     set_quant_impl("torch")
     with pytest.raises(ValueError, match="layers.0.w"):
         spec.quantize_weight(w, name="layers.0.w")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_activation_and_dequant_kernels_follow_the_same_switch(monkeypatch, fmt):
+    """``quantize_activation`` and ``dequantize_rows`` of the W8A8 per-token formats take
+    their :mod:`.triton_act` kernels by the same rule as the weight quantizer (x in its own
+    dtype, no fp32 copy), and the torch code under ``torch`` or on the CPU (auto)."""
+    calls = []
+    spec = get_spec(fmt)
+
+    def module(name="triton_quant"):
+        def act(spec, x):
+            calls.append(("act", name, x.dtype))
+            return spec._act_codes(x.float())
+
+        def deq(spec, codes, scale, dtype):
+            calls.append(("deq", name, dtype))
+            return (codes.float() * scale).to(dtype)
+        return SimpleNamespace(quantize_act_per_token=act, dequantize_rows=deq)
+
+    monkeypatch.setattr(fused, "kernels", module)
+    x = torch.randn(6, 32).bfloat16()
+    codes, scale = spec.quantize_activation(x)  # auto on the CPU: torch
+    spec.dequantize_rows(codes, scale, torch.bfloat16)
+    assert calls == []
+    assert spec.fused_act_kernel == "quantize_act_per_token"
+    assert fused_kernel(spec, torch.device("cuda", 0), "fused_act_kernel") is not None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    set_quant_impl("triton")
+    q2, s2 = spec.quantize_activation(x)
+    spec.dequantize_rows(q2, s2, torch.bfloat16)
+    assert calls == [("act", "triton_act", torch.bfloat16), ("deq", "triton_act", torch.bfloat16)]
+    assert torch.equal(bits(q2), bits(codes)) and torch.equal(s2, scale)
+    set_quant_impl("torch")
+    spec.quantize_activation(x)
+    assert len(calls) == 2
+    assert fused_kernel(get_spec("fp8_block"), torch.device("cuda", 0), "fused_act_kernel") is None
