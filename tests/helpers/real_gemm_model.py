@@ -61,6 +61,13 @@ def l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+FIRST_GEMM_BOUND = 2.0**-7
+"""Real vs fake on the first quantized GEMM, mean relative: twice one GEMM's BF16 operand
+rounding ``2^-8`` (measured ``2^-9``); a wrong scale moves it by ``>= 2^-4``."""
+RATIO = 0.5
+"""Real's distance to the engine GEMM over fake's, at most (measured 0 to 0.2)."""
+
+
 def build_bf16(kind: str, fmt: str, device: str):
     """(state, model, ids, positions): the tiny ``kind`` model in BF16 on ``device`` with the
     aligned forward for ``fmt`` (call inside a megatron job)."""
@@ -117,3 +124,26 @@ def report(kind: str, fmt: str, runs: dict[str, Run], ref: str) -> str:
         out.append(f"{kind} {fmt} {name} vs {ref}: rel by layer (.., logits) {per}, gradient "
                    f"|diff| / |ref| {l2(a.grads, r.grads):.2e}")
     return "\n".join(out)
+
+
+def check_model(kind: str, fmt: str, device: str, references: dict) -> None:
+    """Runs fake, real and each ``references`` kernel on one model and asserts: the first
+    quantized GEMM's real output within :data:`FIRST_GEMM_BOUND` (mean relative) of fake on
+    bit-equal inputs; logits and gradients of real at most :data:`RATIO` times as far from each
+    reference as fake's (why: tests/te_quant/test_real_gemm_model.py)."""
+    state, model, x, pos = build_bf16(kind, fmt, device)
+    runs = {"fake": run(state, model, x, pos, "fake"), "real": run(state, model, x, pos, "real")}
+    runs.update({name: run(state, model, x, pos, "real", fn) for name, fn in references.items()})
+    (xr, yr), (xf, yf) = runs["real"].first, runs["fake"].first
+    assert torch.equal(xr, xf), "the first quantized GEMM's input differs between the paths"
+    first = rel(yr, yf)
+    print(f"\n{kind} {fmt}: first GEMM real vs fake {first:.2e}")
+    assert first < FIRST_GEMM_BOUND
+    for name in references:
+        print(report(kind, fmt, runs, name))
+        ref = runs[name]
+        for what, dist in (("logits", rel), ("grads", l2)):
+            d_real = dist(getattr(runs["real"], what), getattr(ref, what))
+            d_fake = dist(getattr(runs["fake"], what), getattr(ref, what))
+            assert d_fake > 0 and d_real <= RATIO * d_fake, \
+                f"{kind} {fmt} {what}: real {d_real:.3g} vs fake {d_fake:.3g} from {name}"

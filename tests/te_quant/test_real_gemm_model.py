@@ -38,12 +38,8 @@ plumbing. The checks:
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.helpers.real_gemm_model import build_bf16, exact_gemm, l2, rel, report, run
-
-FIRST_GEMM_BOUND = 2.0**-7
-RATIO = 0.5
+from tests.helpers.real_gemm_model import check_model, exact_gemm
 
 
 @pytest.fixture(scope="module")
@@ -52,27 +48,6 @@ def megatron():
 
     with single_process_megatron():
         yield
-
-
-def check_model(kind: str, fmt: str, device: str, references: dict) -> None:
-    """Runs fake, real and each ``references`` kernel on one model and asserts 1. and 2. of
-    the module doc (the GPU test's too)."""
-    state, model, x, pos = build_bf16(kind, fmt, device)
-    runs = {"fake": run(state, model, x, pos, "fake"), "real": run(state, model, x, pos, "real")}
-    runs.update({name: run(state, model, x, pos, "real", fn) for name, fn in references.items()})
-    (xr, yr), (xf, yf) = runs["real"].first, runs["fake"].first
-    assert torch.equal(xr, xf), "the first quantized GEMM's input differs between the paths"
-    first = rel(yr, yf)
-    print(f"\n{kind} {fmt}: first GEMM real vs fake {first:.2e}")
-    assert first < FIRST_GEMM_BOUND
-    for name in references:
-        print(report(kind, fmt, runs, name))
-        ref = runs[name]
-        for what, dist in (("logits", rel), ("grads", l2)):
-            d_real = dist(getattr(runs["real"], what), getattr(ref, what))
-            d_fake = dist(getattr(runs["fake"], what), getattr(ref, what))
-            assert d_fake > 0 and d_real <= RATIO * d_fake, \
-                f"{kind} {fmt} {what}: real {d_real:.3g} vs fake {d_fake:.3g} from {name}"
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
