@@ -11,22 +11,13 @@ Run: ``PYTHONPATH=/tmp/triton_site:$PWD TRITON_INTERPRET=1 pytest tests/quant/te
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set: run this module "
-                "in its own pytest process", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401
-except ImportError:
-    pytest.skip("triton not installed (CPU CI): GPU test tests/gpu/test_fused_quant.py covers it",
-                allow_module_level=True)
+from tests.helpers.triton_cpu import require_triton_interpreter
+
+require_triton_interpreter("tests/gpu/test_fused_quant.py")
 
 from megatron_qrl.quant import get_spec, triton_act, triton_quant  # noqa: E402
 from megatron_qrl.quant.fused import set_quant_impl  # noqa: E402
