@@ -29,6 +29,7 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
   (``QRL_QUANT_IMPL`` auto: CUDA);
 - ``aligned:FMT:real:torch``: the same with ``QRL_QUANT_IMPL=torch`` for the step (the torch
   reference ops instead of the fused kernels; ``--real-torch-operands``), side by side;
+  (the fake-quant variants' per-token activations take the same kernels under auto);
 - ``te:FMT``: the Transformer Engine recipe path (``te_quant.te_recipes``), only when TE
   imports and a recipe reproduces FMT on this GPU, or differs only by rounding (path "te
   (rounding differs)": TE fp8_block, measured on the H200; its numerics are not the rollout's).

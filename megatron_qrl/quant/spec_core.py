@@ -152,7 +152,15 @@ class SpecCore:
         """Dynamic activation quantization of W8A8 formats (STE); identity for weight-only."""
         if not self.quantizes_activations:
             return x
-        return _StraightThrough.apply(x, lambda t: self._act(t.detach().float()).to(t.dtype))
+        return _StraightThrough.apply(x, self._fake_act)
+
+    def _fake_act(self, t: torch.Tensor) -> torch.Tensor:
+        """The activation's dequantized value in ``t``'s dtype. Per-token formats: codes and
+        scales, then ``(codes * scale).to(dtype)``, the fused kernels where they are picked (two
+        passes instead of ~10); the same bits as ``_act(t.float()).to(dtype)``, the others'."""
+        if self.fused_act_kernel is not None:
+            return self.dequantize_rows(*self.quantize_activation(t), t.dtype)
+        return self._act(t.detach().float()).to(t.dtype)
 
     def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, scale)`` of the rollout's dynamic per-token activation quantization of ``x``

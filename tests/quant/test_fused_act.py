@@ -57,6 +57,24 @@ def test_activation_codes_and_scales_equal_the_reference(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_fake_quant_activation_through_the_kernels(fmt):
+    """The fake path's activation (quantize, then dequantize to the input's dtype) is the same
+    bits through the kernels as through torch."""
+    spec = get_spec(fmt)
+    for label, x in activations(fmt):
+        out = {}
+        for impl in ("torch", "triton"):
+            set_quant_impl(impl)
+            try:
+                out[impl] = spec.fake_quant_activation(x)
+            finally:
+                set_quant_impl(None)
+        want = spec._act(x.float()).to(x.dtype)
+        assert_bits_equal(out["torch"], want, f"{fmt} {label} torch")
+        assert_bits_equal(out["triton"], want, f"{fmt} {label} triton")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_division_branch(fmt):
     """On CUDA torch divides by a Python scalar as ``a * fl(1 / MAX)``: the kernel's CUDA
     branch gives that scale (and the codes from it), and it is not the CPU's on every token
