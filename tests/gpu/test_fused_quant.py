@@ -116,6 +116,14 @@ def test_activation_kernel_equals_cuda_torch(fmt):
         (q, s), (rq, rs) = _act(fmt, x, "triton"), _act(fmt, x, "torch")
         assert_bits_equal(q, rq, f"{fmt} {label} codes")
         assert_bits_equal(s, rs, f"{fmt} {label} scale")
+        fake = {}
+        for impl in ("triton", "torch"):
+            set_quant_impl(impl)
+            try:
+                fake[impl] = get_spec(fmt).fake_quant_activation(x)
+            finally:
+                set_quant_impl(None)
+        assert_bits_equal(fake["triton"], fake["torch"], f"{fmt} {label} fake quant")
     _, cpu = _act(fmt, big.cpu(), "torch")
     print(f"\n{fmt}: CPU scale != CUDA scale on {(bits(cpu) != bits(s.cpu())).sum().item()} "
           f"of {s.numel()} tokens")
