@@ -14,7 +14,8 @@ Bit for bit the torch reference on the device the tensors are on, which is not t
 arithmetic everywhere: torch divides a CUDA tensor by a Python scalar as ``a * fl(1 / b)``
 (ATen ``div_true_kernel_cuda``: "compute a * reciprocal(b)", the reciprocal rounded to fp32
 on the host) and a CPU tensor by IEEE division, so the scale ``amax / 448`` (fp8) or
-``amax / 127`` (int8) is computed as that device's torch computes it (``CUDA_DIV``). Every
+``amax / 127`` (int8) is computed as that device's torch computes it (``CUDA_DIV``, asked of
+torch once per device type: :func:`torch_divides_by_reciprocal`). Every
 other step is the same on both: ``1 / s`` and ``127 / a`` are ``reciprocal`` (IEEE division,
 then the multiply), the E4M3 cast and the int8 round (``sign(v) * floor(|v| + 0.5)``, half
 away from zero) as in :mod:`.triton_quant`. ``tests/quant/test_fused_act.py`` (interpreter)
@@ -26,6 +27,8 @@ and here.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -133,11 +136,26 @@ def _inv_max(maxv: float) -> float:
     return float(np.float32(1.0) / np.float32(maxv))
 
 
+_PROBE = {448.0: 1.0 + 4 * 2.0**-23, 127.0: 1.0 + 60 * 2.0**-23}
+"""An fp32 value whose quotient by MAX differs between IEEE division and the multiply by
+``fl(1 / MAX)``."""
+
+
+@functools.cache
+def torch_divides_by_reciprocal(device_type: str, maxv: float) -> bool:
+    """Whether torch computes ``tensor / maxv`` on ``device_type`` as ``tensor * fl(1 / maxv)``
+    (ATen's CUDA kernel does) rather than by division (the CPU's): asked of torch once, on a
+    value where the two differ, so the kernel follows the torch it must equal."""
+    a = torch.tensor([_PROBE[maxv]], dtype=torch.float32, device=device_type)
+    return bool((a / maxv).item() == (a * _inv_max(maxv)).item())
+
+
 def quantize_act_per_token(spec, x: torch.Tensor, cuda_div: bool | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``spec.quantize_activation(x)`` (fp8 / int8 per token) of ``x`` ``[..., K]`` in its own
     dtype: codes ``[..., K]``, fp32 scale ``[..., 1]``. ``cuda_div`` (default: ``x`` on CUDA)
-    computes the scale with CUDA torch's scalar division (see the module doc)."""
+    computes the scale as ``amax * fl(1 / MAX)`` (CUDA torch's scalar division, see the module
+    doc) rather than by IEEE division; default: as torch does on ``x``'s device."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -150,11 +168,14 @@ def quantize_act_per_token(spec, x: torch.Tensor, cuda_div: bool | None = None
     if n:
         br, bk = _rows_block(k)
         bf16 = x2.dtype == torch.bfloat16
+        if cuda_div is None:
+            cuda_div = torch_divides_by_reciprocal(x.device.type, maxv)
         with _on(x2):
             _act_token_kernel[(triton.cdiv(n, br),)](
-                x2.view(torch.int16) if bf16 else x2, codes.view(torch.int8 if int8 else torch.uint8), scale, n, k, x2.stride(0),
-                _inv_max(maxv), INT8=int8, CUDA_DIV=x.is_cuda if cuda_div is None else cuda_div,
-                BF16_BITS=bf16, SOFT=_SOFT, BLOCK_R=br, BLOCK_K=bk, num_warps=8)
+                x2.view(torch.int16) if bf16 else x2,
+                codes.view(torch.int8 if int8 else torch.uint8), scale, n, k, x2.stride(0),
+                _inv_max(maxv), INT8=int8, CUDA_DIV=cuda_div, BF16_BITS=bf16, SOFT=_SOFT,
+                BLOCK_R=br, BLOCK_K=bk, num_warps=8)
     return codes.view(*shape), scale.view(*shape[:-1], 1)
 
 

@@ -124,6 +124,10 @@ def test_activation_kernel_equals_cuda_torch(fmt):
             finally:
                 set_quant_impl(None)
         assert_bits_equal(fake["triton"], fake["torch"], f"{fmt} {label} fake quant")
+    from megatron_qrl.quant.triton_act import torch_divides_by_reciprocal
+
+    print(f"\ntorch on CUDA divides by a scalar as a reciprocal multiply: "
+          f"{torch_divides_by_reciprocal('cuda', 127.0 if fmt == 'int8' else 448.0)}")
     _, cpu = _act(fmt, big.cpu(), "torch")
     print(f"\n{fmt}: CPU scale != CUDA scale on {(bits(cpu) != bits(s.cpu())).sum().item()} "
           f"of {s.numel()} tokens")

@@ -93,6 +93,7 @@ def test_cuda_division_branch(fmt):
         assert_bits_equal(q, cast_e4m3(x.float() * inv), "fp8 CUDA codes")
     _, cpu = _act(fmt, x, "torch")
     assert (bits(cpu) != bits(s)).any(), "the two divisions agree on every token here"
+    assert not triton_act.torch_divides_by_reciprocal("cpu", maxv)  # the CPU divides
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
