@@ -24,6 +24,12 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
 - ``aligned:FMT:real``: the same aligned model running the real low-bit GEMM on the spec's
   codes and scales (``--qrl-train-aligned-gemm real``, ``te_quant.real_gemm``: fp8
   ``torch._scaled_mm``, int8 ``torch._int_mm``; ``--real FMTS``), same forward up to rounding;
+  its operands (per-token activation codes, the backward's dequantized operands) and the
+  once-per-step weight codes come from the fused Triton kernels where they run
+  (``QRL_QUANT_IMPL`` auto: CUDA);
+- ``aligned:FMT:real:torch``: the same with ``QRL_QUANT_IMPL=torch`` for the step (the torch
+  reference ops instead of the fused kernels; ``--real-torch-operands``), side by side;
+  (the fake-quant variants' per-token activations take the same kernels under auto);
 - ``te:FMT``: the Transformer Engine recipe path (``te_quant.te_recipes``), only when TE
   imports and a recipe reproduces FMT on this GPU, or differs only by rounding (path "te
   (rounding differs)": TE fp8_block, measured on the H200; its numerics are not the rollout's).
@@ -83,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real", default="",
                    help="comma-separated formats (in --formats) also timed with the real low-bit "
                         "GEMM (aligned:FMT:real); fp8 needs CUDA sm >= 89, int8 CUDA (or the CPU)")
+    p.add_argument("--real-torch-operands", action="store_true",
+                   help="also time each --real format with the torch operand code instead of "
+                        "the fused Triton kernels (aligned:FMT:real:torch, QRL_QUANT_IMPL=torch)")
     p.add_argument("--no-te-variants", action="store_true",
                    help="skip the te:FMT recipe models (each is one more model in GPU memory)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per micro batch (4; tiny: 2)")
@@ -200,11 +209,26 @@ class Variant:
     """``AlignedSequentialMLP.batched`` during the step (aligned model only)."""
     gemm: str = "fake"
     """``AlignedForwardState.gemm`` during the step: fake or real (aligned model only)."""
+    quant_impl: str | None = None
+    """``QRL_QUANT_IMPL`` during the step (None: the process's setting)."""
     times: list[float] = field(default_factory=list)
     peaks: list[float] = field(default_factory=list)
     step_mem: list[float] = field(default_factory=list)
 
+    @contextlib.contextmanager
     def context(self) -> Any:
+        from megatron_qrl.quant.fused import set_quant_impl
+
+        if self.quant_impl is not None:
+            set_quant_impl(self.quant_impl)
+        try:
+            with self._switch():
+                yield
+        finally:
+            if self.quant_impl is not None:
+                set_quant_impl(None)
+
+    def _switch(self) -> Any:
         if self.state is None:
             return contextlib.nullcontext()
         from megatron_qrl.te_quant.linears import AlignedSequentialMLP
@@ -308,8 +332,12 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     variants += [Variant(f"aligned:{f}", "fake-quant", aligned, f, plan.aligned) for f in formats]
     variants += [Variant(f"aligned:{f}:per-expert", "fake-quant, per expert", aligned, f,
                          plan.aligned, batched=False) for f in args.per_expert if f in formats]
-    variants += [Variant(f"aligned:{f}:real", "real GEMM", aligned, f, plan.aligned, gemm="real")
-                 for f in args.real]
+    for f in args.real:
+        variants.append(Variant(f"aligned:{f}:real", "real GEMM", aligned, f, plan.aligned,
+                                gemm="real"))
+        if args.real_torch_operands:
+            variants.append(Variant(f"aligned:{f}:real:torch", "real GEMM, torch operands",
+                                    aligned, f, plan.aligned, gemm="real", quant_impl="torch"))
     if te_why:
         notes.append(te_why)
     for fmt in te_ok:
@@ -397,12 +425,15 @@ def records(variants: list[Variant], meta: dict[str, Any], flops: float = 0.0
     step over the peak), memory."""
     from rl_step import PEAK_FLOPS
 
+    from megatron_qrl.quant.fused import quant_impl
+
     base = next(v for v in variants if v.name in ("bf16", "bf16:off"))
     base_med = statistics.median(base.times)
     out = []
     for v in variants:
         med = statistics.median(v.times)
         out.append({**meta, "variant": v.name, "format": v.fmt, "path": v.path,
+                    "quant_impl": v.quant_impl or quant_impl(),
                     "median_step_s": med, "ratio_to_baseline": med / base_med,
                     "mfu": round(flops / med / PEAK_FLOPS, 4),
                     "baseline": base.name, "times_s": v.times,

@@ -1,13 +1,16 @@
-"""Which implementation quantizes a weight: the format's fused Triton kernel or its torch code.
+"""Which implementation quantizes: the format's fused Triton kernel or its torch code.
 
-A format names its fused quantizer on its class (``fused_kernel``, a function of
-:mod:`.triton_quant`; None where it has none), beside its reference quantizer
-(:meth:`~megatron_qrl.quant.spec_core.SpecCore.quantize_weight` consults :func:`fused_kernel`
-first). Both give the same bits (``tests/gpu/test_fused_quant.py``). The choice:
+A format names its fused kernels on its class, beside its reference code: ``fused_kernel``
+(the weight quantizer, a function of :mod:`.triton_quant`;
+:meth:`~megatron_qrl.quant.spec_core.SpecCore.quantize_weight` consults :func:`fused_kernel`
+first), and for the W8A8 per-token formats ``fused_act_kernel`` (``quantize_activation``) and
+``fused_dequant_kernel`` (the per-row dequantization of the aligned forward's operands),
+functions of :mod:`.triton_act`; None where it has none. Both give the same bits
+(``tests/gpu/test_fused_quant.py``). One choice covers all of them:
 
 ``auto`` / ``torch`` / ``triton`` (:mod:`megatron_qrl.utils.kernel_choice`; A/B benchmarks:
-``bench/pack_profile.py --quant-impl``), set by the environment variable :data:`ENV` or
-:func:`set_quant_impl` (which wins).
+``bench/pack_profile.py --quant-impl``, ``bench/aligned_step.py --real-torch-operands``), set
+by the environment variable :data:`ENV` or :func:`set_quant_impl` (which wins).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from megatron_qrl.utils import kernel_choice
 ENV = "QRL_QUANT_IMPL"
 IMPLS = kernel_choice.IMPLS
 
+KERNEL_MODULES = {"fused_kernel": "triton_quant", "fused_act_kernel": "triton_act",
+                  "fused_dequant_kernel": "triton_act"}
+"""A format's kernel attribute -> the module (in this package) holding the kernels it names."""
+
 _SETTING = kernel_choice.ImplSetting(ENV, "quantizer")
 
 
@@ -37,17 +44,18 @@ def quant_impl() -> str:
 
 
 @functools.cache
-def kernels() -> ModuleType | None:
-    """:mod:`.triton_quant`, or None where Triton does not import."""
-    return kernel_choice.import_kernels("megatron_qrl.quant.triton_quant")
+def kernels(module: str = "triton_quant") -> ModuleType | None:
+    """:mod:`.triton_quant` (or ``module``), or None where Triton does not import."""
+    return kernel_choice.import_kernels(f"megatron_qrl.quant.{module}")
 
 
-def fused_kernel(spec, device: torch.device) -> Callable | None:
-    """The fused quantizer of format ``spec`` for a weight on ``device``, or None (use the
-    torch reference). Raises, naming the fix, where ``triton`` is forced but cannot run."""
-    name = getattr(spec, "fused_kernel", None)
+def fused_kernel(spec, device: torch.device, attr: str = "fused_kernel") -> Callable | None:
+    """The fused kernel ``spec.<attr>`` (default: the weight quantizer) for a tensor on
+    ``device``, or None (use the torch reference). Raises, naming the fix, where ``triton`` is
+    forced but cannot run."""
+    name = getattr(spec, attr, None)
     if name is None:
         return None
-    mod = kernel_choice.select_kernels(quant_impl(), kernels(), device, ENV,
-                                       "the weight is on {device}")
+    mod = kernel_choice.select_kernels(quant_impl(), kernels(KERNEL_MODULES[attr]), device, ENV,
+                                       "the tensor is on {device}")
     return None if mod is None else getattr(mod, name)

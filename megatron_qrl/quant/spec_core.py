@@ -64,6 +64,11 @@ class SpecCore:
     shares_tensor_scale: bool = False
     """True if one per-tensor scale must be shared by a fused group (q/k/v, gate/up)."""
     bits_per_weight: float = 16.0
+    fused_act_kernel: ClassVar[str | None] = None
+    """The fused :meth:`quantize_activation`, a function of :mod:`.triton_act` (None: torch);
+    chosen by :func:`.fused.fused_kernel` as the weight quantizer is."""
+    fused_dequant_kernel: ClassVar[str | None] = None
+    """The fused per-row ``(codes * scale).to(dtype)`` of :meth:`dequantize_rows` (None: torch)."""
     fused_kernel: ClassVar[str | None] = None
     """The format's fused quantizer, a function of :mod:`.triton_quant` giving
     :meth:`_quantize`'s bits, or None; :meth:`quantize_weight` asks
@@ -147,7 +152,15 @@ class SpecCore:
         """Dynamic activation quantization of W8A8 formats (STE); identity for weight-only."""
         if not self.quantizes_activations:
             return x
-        return _StraightThrough.apply(x, lambda t: self._act(t.detach().float()).to(t.dtype))
+        return _StraightThrough.apply(x, self._fake_act)
+
+    def _fake_act(self, t: torch.Tensor) -> torch.Tensor:
+        """The activation's dequantized value in ``t``'s dtype. Per-token formats: codes and
+        scales, then ``(codes * scale).to(dtype)``, the fused kernels where they are picked (two
+        passes instead of ~10); the same bits as ``_act(t.float()).to(dtype)``, the others'."""
+        if self.fused_act_kernel is not None:
+            return self.dequantize_rows(*self.quantize_activation(t), t.dtype)
+        return self._act(t.detach().float()).to(t.dtype)
 
     def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, scale)`` of the rollout's dynamic per-token activation quantization of ``x``
@@ -157,8 +170,24 @@ class SpecCore:
         if self.activation != "per_token":
             raise ValueError(f"{self.name}: quantize_activation needs per-token activation "
                              f"quantization (activation={self.activation!r})")
+        kernel = select_fused_kernel(self, x.device, "fused_act_kernel") if x.numel() else None
         with torch.no_grad():
+            if kernel is not None:  # reads x in its own dtype: no fp32 copy
+                return kernel(self, x.detach())
             return self._act_codes(x.detach().float())
+
+    def dequantize_rows(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                        ) -> torch.Tensor:
+        """``(codes.float() * scale).to(dtype)`` for codes ``[..., K]`` with one fp32 scale per
+        row ``[..., 1]`` (per-channel weight codes, per-token activation codes): the operands
+        the straight-through backward multiplies, bit for bit the same from either
+        implementation (the fused kernel where :func:`.fused.fused_kernel` picks it)."""
+        kernel = (select_fused_kernel(self, codes.device, "fused_dequant_kernel")
+                  if codes.numel() else None)
+        with torch.no_grad():
+            if kernel is not None:
+                return kernel(self, codes, scale, dtype)
+            return (codes.float() * scale).to(dtype)
 
     def pack(
         self, hf_name: str, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None

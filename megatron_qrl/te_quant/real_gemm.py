@@ -182,9 +182,10 @@ class RealWeight:
     codes: torch.Tensor
     scale: torch.Tensor
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """``codes * scale`` in ``dtype``: ``spec.quantize_dequantize(W)``, bit for bit."""
-        return (self.codes.float() * self.scale).to(dtype)
+    def dequantize(self, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
+        """``codes * scale`` in ``dtype``: ``spec.quantize_dequantize(W)``, bit for bit (one
+        fused kernel where ``spec.dequantize_rows`` picks it)."""
+        return spec.dequantize_rows(self.codes, self.scale, dtype)
 
 
 def _gather_last(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -228,7 +229,13 @@ def activation_operand(spec: QuantSpec, x2d: torch.Tensor, parallel_dim: int = 0
 class RealLinearFn(torch.autograd.Function):
     """``y = gemm(Q_a(x), Q_w(W))`` with the real kernel; backward as the fake path's linear
     (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` without fusion):
-    ``dx = g @ deq(Q_w)``, ``dW = g^T @ deq(Q_a(x))`` (STE), from the saved codes."""
+    ``dx = g @ deq(Q_w)``, ``dW = g^T @ deq(Q_a(x))`` (STE), from the saved codes.
+
+    The straight-through estimator (Bengio et al. 2013; docs/ALGORITHMS.md) passes the gradient
+    through the quantizers, not through the GEMM: ``dy/dx`` of ``y = Q_a(x) Q_w(W)^T`` is
+    ``deq Q_w(W)``, the weight the forward multiplied, not the master ``W`` (the fake path's
+    autograd takes the same). So the weight is dequantized per backward call: one fused
+    kernel reading its codes (:meth:`QuantSpec.dequantize_rows`), no cached BF16 copy."""
 
     @staticmethod
     def forward(ctx, x, weight, qw, spec, parallel_dim, group):  # noqa: D401
@@ -236,7 +243,7 @@ class RealLinearFn(torch.autograd.Function):
         xq, xs = activation_operand(spec, x.reshape(-1, k), parallel_dim, group)
         y = kernel_for(spec)(xq, xs, qw.codes, qw.scale, x.dtype)
         ctx.save_for_backward(xq, xs)
-        ctx.qw, ctx.x_shape = qw, x.shape
+        ctx.qw, ctx.spec, ctx.x_shape = qw, spec, x.shape
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -244,10 +251,10 @@ class RealLinearFn(torch.autograd.Function):
         xq, xs = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(ctx.qw.dequantize(grad.dtype))
+            grad_x = grad.matmul(ctx.qw.dequantize(ctx.spec, grad.dtype))
         if ctx.needs_input_grad[1]:
             g2d = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2d.t().matmul((xq.float() * xs).to(grad.dtype))
+            grad_w = g2d.t().matmul(ctx.spec.dequantize_rows(xq, xs, grad.dtype))
         return grad_x, grad_w, None, None, None, None
 
 
@@ -298,7 +305,8 @@ class GroupedRealFn(torch.autograd.Function):
         xq, xs = activation_operand(spec, x, parallel_dim, group)
         y = grouped_real_mm(xq, xs, qw.codes, qw.scale, counts, kernel_for(spec), x.dtype)
         ctx.save_for_backward(xq, xs)
-        ctx.qw, ctx.counts, ctx.stacked = qw, counts, len(masters) == 1 and masters[0].dim() == 3
+        ctx.qw, ctx.spec, ctx.counts = qw, spec, counts
+        ctx.stacked = len(masters) == 1 and masters[0].dim() == 3
         return y
 
     @staticmethod
@@ -306,8 +314,8 @@ class GroupedRealFn(torch.autograd.Function):
         from megatron_qrl.models.grouped_gemm import grouped_mm
 
         xq, xs = ctx.saved_tensors
-        x = (xq.float() * xs).to(grad.dtype).requires_grad_(ctx.needs_input_grad[0])
-        w = ctx.qw.dequantize(grad.dtype).requires_grad_(any(ctx.needs_input_grad[6:]))
+        x = ctx.spec.dequantize_rows(xq, xs, grad.dtype).requires_grad_(ctx.needs_input_grad[0])
+        w = ctx.qw.dequantize(ctx.spec, grad.dtype).requires_grad_(any(ctx.needs_input_grad[6:]))
         with torch.enable_grad():
             y = grouped_mm(x, w, ctx.counts)
             want = [t for t in (x, w) if t.requires_grad]

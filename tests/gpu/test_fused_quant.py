@@ -5,6 +5,12 @@ Qwen3-30B-A3B-sized expert stacks, and through the whole pack stream. The CPU te
 (tests/quant/test_fused_quant.py) runs the same kernels in Triton's interpreter, whose float8
 cast and arithmetic are not the GPU's: this is the proof for the compiled kernels.
 
+The real GEMM's operand kernels (megatron_qrl/quant/triton_act.py): per-token activation codes
+and scales equal CUDA torch's ``quantize_activation`` (whose scalar division is a multiply by
+the fp32 reciprocal, unlike the CPU's: both compared), per-row dequantization equals
+``(codes.float() * scale).to(dtype)``, and the real linear's output and gradients are the same
+bits with and without them.
+
 Run: ``pytest tests/gpu/test_fused_quant.py`` (bench/h200.sh ``gpu-tests FILES=...``; < 1 min).
 """
 
@@ -20,13 +26,17 @@ pytestmark = pytest.mark.gpu
 skip_unless_compiled_triton()
 
 from megatron_qrl.quant import get_spec, triton_quant  # noqa: E402
-from megatron_qrl.quant.fused import fused_kernel  # noqa: E402
+from megatron_qrl.quant.fused import fused_kernel, set_quant_impl  # noqa: E402
 from tests.quant.e4m3_cast import e4m3_codes  # noqa: E402
 from tests.quant.fused_cases import (  # noqa: E402
     FORMATS,
+    act_through_real_linear,
+    activations,
+    assert_bits_equal,
     assert_pack_streams_equal,
     assert_same,
     bits,
+    dequant_cases,
     e4m3_probe,
     quantize,
     weights,
@@ -85,3 +95,55 @@ def test_pack_stream_fused_equals_torch(fmt):
     stream = [(n, t.to(CUDA)) for n, t in moe_stream(
         layers=2, experts=16, hidden=512, inter=256, with_down=fmt != "fp8_block")]
     assert_pack_streams_equal(fmt, stream)
+
+
+def _act(fmt, x, impl):
+    set_quant_impl(impl)
+    try:
+        return get_spec(fmt).quantize_activation(x)
+    finally:
+        set_quant_impl(None)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_activation_kernel_equals_cuda_torch(fmt):
+    """Edge tokens and a Qwen3-4B-sized input (4096 tokens x 9728, bf16); the CPU reference's
+    scales differ from CUDA's on some tokens (division vs reciprocal multiply: counted)."""
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    big = (torch.randn(4096, 9728, device=CUDA, generator=g) * 3).bfloat16()
+    cases = activations(fmt, CUDA) + [("4096x9728", big)]
+    for label, x in cases:
+        (q, s), (rq, rs) = _act(fmt, x, "triton"), _act(fmt, x, "torch")
+        assert_bits_equal(q, rq, f"{fmt} {label} codes")
+        assert_bits_equal(s, rs, f"{fmt} {label} scale")
+        fake = {}
+        for impl in ("triton", "torch"):
+            set_quant_impl(impl)
+            try:
+                fake[impl] = get_spec(fmt).fake_quant_activation(x)
+            finally:
+                set_quant_impl(None)
+        assert_bits_equal(fake["triton"], fake["torch"], f"{fmt} {label} fake quant")
+    from megatron_qrl.quant.triton_act import torch_divides_by_reciprocal
+
+    print(f"\ntorch on CUDA divides by a scalar as a reciprocal multiply: "
+          f"{torch_divides_by_reciprocal('cuda', 127.0 if fmt == 'int8' else 448.0)}")
+    _, cpu = _act(fmt, big.cpu(), "torch")
+    print(f"\n{fmt}: CPU scale != CUDA scale on {(bits(cpu) != bits(s.cpu())).sum().item()} "
+          f"of {s.numel()} tokens")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_rows_kernel_equals_torch(dtype):
+    from megatron_qrl.quant.fused import fused_kernel as pick
+
+    for label, codes, scale in dequant_cases(CUDA):
+        spec = get_spec("int8" if codes.dtype == torch.int8 else "fp8")
+        assert pick(spec, codes.device, "fused_dequant_kernel") is not None
+        assert_bits_equal(spec.dequantize_rows(codes, scale, dtype),
+                          (codes.float() * scale).to(dtype), f"{label} -> {dtype}")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_real_linear_same_bits_with_the_kernels(fmt):
+    act_through_real_linear(fmt, CUDA)

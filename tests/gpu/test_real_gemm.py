@@ -10,11 +10,13 @@
    int32 sums, the scales' product order); fp8 within the kernel-vs-fake bound (summation
    order of the FP8 accumulation); bit-equal fraction and ulps printed.
 3. Models (BF16, local spec): a tiny dense Qwen3 and a tiny Qwen3-MoE with stacked experts
-   (fp8: one ``torch._scaled_grouped_mm`` per expert GEMM, counted), real vs fake logits and
-   gradients; agreement numbers printed. The BF16 model's paths differ by more than one
-   GEMM's rounding: a rounding difference moves later activation codes (one int8 code is
-   1/127 of the token's amax) and can flip a top-k expert, so the check is a mean relative
-   logit difference < 5e-2 and a gradient cosine > 0.99 (a wrong scale gives O(1)).
+   (fp8: one ``torch._scaled_grouped_mm`` per expert GEMM, counted). Real and fake logits of
+   a BF16 model drift apart layer by layer (each activation quantizer turns a small dense
+   difference into larger sparse code flips: measured 0.055 -> 0.077 over the two layers for
+   fp8, on the CPU as on the H200), so the check is what alignment needs: the first quantized
+   GEMM within one GEMM's rounding of fake, and logits / gradients at most half as far as
+   fake's from the engine's GEMM on the same codes (exact, and sgl_kernel's). Reasoning,
+   numbers and the mutations caught: tests/te_quant/test_real_gemm_model.py.
 
 Run: ``pytest tests/gpu/test_real_gemm.py -s -rs`` (< 1 min).
 """
@@ -136,46 +138,50 @@ def megatron():
         yield
 
 
+def _engine_gemm(fmt):
+    """The engine's kernel as a real GEMM ``fn(xq, xs, wq, ws, out_dtype)``, rows padded to 16."""
+    from megatron_qrl.te_quant.real_gemm import _pad
+
+    mm = _engine(fmt)
+    kw = {"bias": None} if fmt == "int8" else {}
+
+    def gemm(xq, xs, wq, ws, out_dtype, cuda_shapes=None):
+        m = xq.shape[0]
+        y = mm(_pad(xq, 0, 16), wq.t(), _pad(xs, 0, 16), ws, out_dtype=torch.bfloat16, **kw)
+        return y[:m].to(out_dtype)
+    return gemm
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_model_real_vs_fake(megatron, kind, fmt):
-    from megatron_qrl.models.runtime import build_model
-    from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
-    from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
-    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook, compose_hooks
-    from tests.helpers.te_quant_fixtures import hf_state, ids, tiny_hf
+def test_model_real_closer_to_the_engine_than_fake(megatron, kind, fmt):
+    """BF16 tiny model: the first quantized GEMM within one GEMM's rounding of fake; logits and
+    gradients at most half as far as fake's from the engine's GEMM on the same codes (exact,
+    and sgl_kernel's own when it imports). Why not a real-vs-fake bound, and the mutations
+    each check catches: tests/te_quant/test_real_gemm_model.py."""
+    from tests.helpers.real_gemm_model import check_model, exact_gemm
 
-    hf, arch = tiny_hf(kind)
-    state = AlignedForwardState(fmt)
-    hook = compose_hooks(stacked_experts_spec_hook if kind == "moe" else None,
-                         aligned_spec_hook(state))
-    model = build_model(arch, None, torch.bfloat16, spec_hook=hook, use_te=False,
-                        use_cpu_initialization=False)
-    load_hf_weights(model, arch, hf_state(hf).__getitem__, groups_from_parallel_state())
-    model = model.cuda()
-    x = ids(batch=4, seq=64).cuda()
-    pos = torch.arange(x.shape[1], device="cuda")[None].expand_as(x)
+    refs = {"exact": exact_gemm}
+    try:
+        refs["sgl_kernel"] = _engine_gemm(fmt)
+    except pytest.skip.Exception as exc:
+        print(f"\nno sgl_kernel reference: {exc}")
+    check_model(kind, fmt, "cuda", refs)
 
-    def run(gemm):
-        state.gemm = gemm
-        state.mark_weights_updated()
-        model.zero_grad()
-        ops = _Ops()
-        with ops:
-            logits = model(x, pos, attention_mask=None).float()
-        logits.log_softmax(-1)[..., 0].sum().backward()
-        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()
-                           if p.grad is not None])
-        return logits.detach(), grads, ops.names
 
-    fake, g_fake, _ = run("fake")
-    real, g_real, names = run("real")
-    rel = ((real - fake).abs().mean() / fake.abs().mean()).item()
-    cos = torch.nn.functional.cosine_similarity(g_real, g_fake, dim=0).item()
-    print(f"\n{kind} {fmt}: logits mean |real - fake| / mean |fake| {rel:.4f}, max "
-          f"{(real - fake).abs().max().item():.3f}; gradient cosine {cos:.5f}; ops "
-          f"{sorted({n for n in names if 'mm' in n})}")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_model_real_runs_the_low_bit_kernels(megatron, kind, fmt):
+    """The real model's forward runs ``_scaled_mm`` (fp8; MoE on sm 9.x:
+    ``_scaled_grouped_mm``) / ``_int_mm`` (int8)."""
+    from tests.helpers.real_gemm_model import build_bf16, run
+
+    state, model, x, pos = build_bf16(kind, fmt, "cuda")
+    ops = _Ops()
+    with ops:
+        run(state, model, x, pos, "real")
+    names = ops.names
+    print(f"\n{kind} {fmt}: {sorted({n for n in names if 'mm' in n})}")
     assert "_scaled_mm" in names if fmt == "fp8" else "_int_mm" in names
     if kind == "moe" and fmt == "fp8" and torch.cuda.get_device_capability()[0] == 9:
         assert "_scaled_grouped_mm" in names
-    assert rel < 5e-2 and cos > 0.99

@@ -61,6 +61,48 @@ def ties(fmt: str, cols: int) -> torch.Tensor:
     return w
 
 
+def activations(fmt: str, device: str = "cpu", seed: int = 0):
+    """``(label, x)`` inputs of the per-token activation quantizer: bf16 and fp32 tokens over
+    12 decades, an all-zero token, one below the int8 floor 1e-10, extreme finite tokens,
+    tokens on rounding ties (scale 1: amax 448 / 127 with E4M3 midpoints / halves), a 3-D
+    input, a strided (non-contiguous) one, and for fp8 NaN and inf tokens (bit-exact there
+    too; int8's codes of non-finite tokens are undefined)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for k in (200, 1024):
+            x = torch.randn(67, k, generator=g) * torch.logspace(6, -6, 67)[:, None]
+            x[3] = 0.0
+            x[4] = 1e-11 * torch.sign(torch.randn(k, generator=g))
+            x[5] = torch.finfo(dtype).max / 8 * torch.sign(torch.randn(k, generator=g))
+            x[6] = torch.finfo(dtype).tiny * 4 * torch.randn(k, generator=g)
+            x[7] = ties(fmt, k)[0]
+            x[8, : k // 2] = -0.0
+            if fmt == "fp8":
+                x[9, 5] = float("nan")
+                x[10, 7] = float("-inf")
+            out.append((f"{dtype}-67x{k}", x.to(dtype).to(device)))
+    x = out[0][1]
+    out.append(("3d", x[:66].reshape(2, 33, -1)))
+    out.append(("strided", torch.randn(40, 400, generator=g).bfloat16().to(device)[:, ::2]))
+    return out
+
+
+def dequant_cases(device: str = "cpu", seed: int = 0):
+    """``(label, codes, scale)``: every E4M3 byte (subnormals, NaN) and every int8 code, rows
+    scaled from 2^-30 to 2^30 (bf16 subnormal and overflow-free), and a stacked ``[E, N, K]``
+    weight with ``[E, N, 1]`` scales."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-30, 30, 61, base=2.0)[:, None] * (1 + torch.rand(61, 1, generator=g))
+    fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    int8 = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    stacked = torch.randint(-127, 128, (3, 40, 72), generator=g).to(torch.int8)
+    cases = [("fp8 all bytes", fp8.expand(61, 256).contiguous(), scale),
+             ("int8 all codes", int8.expand(61, 256).contiguous(), scale),
+             ("int8 stacked", stacked, torch.rand(3, 40, 1, generator=g) * 1e-2)]
+    return [(label, c.to(device), s.to(device)) for label, c, s in cases]
+
+
 def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
     """``get_spec(fmt).quantize_weight(w)`` and its packed tensors, through ``impl``."""
     spec = get_spec(fmt)
@@ -127,3 +169,51 @@ def e4m3_probe(device: str = "cpu") -> torch.Tensor:
     x = torch.cat([vals, mids, torch.nextafter(mids, mids * 2), torch.nextafter(mids, -mids),
                    torch.tensor([2.0**-10, 2.0**-20, 0.0])])
     return torch.cat([x, -x]).to(device)
+
+
+def assert_bits_equal(a, b, label):
+    """Bit-equal, except that NaNs need only be NaNs: an E4M3 NaN may carry either sign (the
+    sign of ``NaN * NaN`` is the operand order the compiler chose), a float NaN any payload."""
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{label}: {a.dtype}{tuple(a.shape)} " \
+        f"!= {b.dtype}{tuple(b.shape)}"
+    ba, bb = bits(a), bits(b)
+    if a.dtype == torch.float8_e4m3fn:
+        ba, bb = (torch.where((t & 0x7F) == 0x7F, 0x7F, t) for t in (ba, bb))
+    elif a.is_floating_point():
+        ba, bb = (torch.where(t.isnan(), -1, u) for t, u in ((a, ba), (b, bb)))
+    diff = (ba != bb).sum().item()
+    assert diff == 0, f"{label}: {diff} of {a.numel()} differ"
+
+
+def act_through_real_linear(fmt: str, device: str) -> None:
+    """The real linear and the grouped real linear with the fused operand kernels equal the
+    torch operands' outputs and gradients (input and weight) bit for bit."""
+    from megatron_qrl.te_quant.real_gemm import (
+        grouped_real_linear,
+        real_linear,
+        stacked_weight_operand,
+        weight_operand,
+    )
+
+    spec = get_spec(fmt)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, 96, generator=g).bfloat16().to(device)
+    w = (torch.randn(3, 48, 96, generator=g) * 0.05).bfloat16().to(device)
+    gy = torch.randn(2, 24, 48, generator=g).bfloat16().to(device)
+    counts = [20, 0, 28]
+    out = {}
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        try:
+            xd, wd = x.clone().requires_grad_(), w[0].clone().requires_grad_()
+            y = real_linear(xd, wd, weight_operand(spec, w[0]), spec)
+            y.backward(gy)
+            xg, wg = x.reshape(48, 96).clone().requires_grad_(), w.clone().requires_grad_()
+            qw = stacked_weight_operand(spec, list(w), 0, None, "w")
+            yg = grouped_real_linear(xg, [wg], qw, spec, counts)
+            yg.backward(gy.reshape(48, 48))
+            out[impl] = [y, xd.grad, wd.grad, yg, xg.grad, wg.grad]
+        finally:
+            set_quant_impl(None)
+    for i, (a, b) in enumerate(zip(out["triton"], out["torch"])):
+        assert_bits_equal(a.detach(), b.detach(), f"{fmt} real linear tensor {i}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from megatron_qrl.quant import triton_act as ta
 from megatron_qrl.quant import triton_quant as tq
 from tests.helpers.triton_cpu import sm90_ptx_counts
 
@@ -33,6 +34,21 @@ KERNELS = {
                                  "stride_w": "i32", "SOFT": "constexpr", "BLOCK_R": "constexpr",
                                  "NB": "constexpr", "BLOCK": "constexpr"}, (False, 16, 8, 16)),
 }
+_ACT = {"x_ptr": "*i16", "codes_ptr": "*u8", "scale_ptr": "*fp32", "n_rows": "i32", "k": "i32",
+        "stride_x": "i32", "inv_max": "fp32", "INT8": "constexpr", "CUDA_DIV": "constexpr",
+        "BF16_BITS": "constexpr", "SOFT": "constexpr", "BLOCK_R": "constexpr",
+        "BLOCK_K": "constexpr"}
+_DEQ = {"codes_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*bf16", "n_rows": "i32",
+        "k": "i32", "FP8": "constexpr", "BF16_SOFT": "constexpr", "SOFT": "constexpr",
+        "BLOCK_R": "constexpr", "BLOCK_K": "constexpr"}
+KERNELS.update({  # the real GEMM's operand kernels (triton_act), as CUDA runs them
+    "act_fp8": (ta._act_token_kernel, _ACT, (False, True, True, False, 2, 4096)),
+    "act_int8": (ta._act_token_kernel, {**_ACT, "codes_ptr": "*i8"},
+                 (True, True, True, False, 2, 4096)),
+    "dequant_fp8": (ta._dequant_rows_kernel, _DEQ, (True, False, False, 16, 256)),
+    "dequant_int8": (ta._dequant_rows_kernel, {**_DEQ, "codes_ptr": "*i8"},
+                     (False, False, False, 16, 256)),
+})
 
 
 def ptx_counts(name: str) -> dict[str, int]:

@@ -52,25 +52,25 @@ def test_registry_names_its_kernels():
 
 @pytest.mark.parametrize("fmt", list(FUSED))
 def test_cuda_with_triton_gets_the_kernel(monkeypatch, fmt):
-    monkeypatch.setattr(fused, "kernels", lambda: _recorder([]))
+    monkeypatch.setattr(fused, "kernels", lambda *_: _recorder([]))
     spec = get_spec(fmt)
     assert fused_kernel(spec, torch.device("cuda", 0)).__name__ == "kernel"
     assert fused_kernel(spec, torch.device("cpu")) is None  # auto: CPU weights stay on torch
     set_quant_impl("torch")
     assert fused_kernel(spec, torch.device("cuda", 0)) is None
-    monkeypatch.setattr(fused, "kernels", lambda: None)  # no Triton: torch
+    monkeypatch.setattr(fused, "kernels", lambda *_: None)  # no Triton: torch
     set_quant_impl(None)
     assert fused_kernel(spec, torch.device("cuda", 0)) is None
     assert fused_kernel(get_spec("bf16"), torch.device("cuda", 0)) is None
 
 
 def test_forced_triton_without_triton_is_one_clear_error(monkeypatch):
-    monkeypatch.setattr(fused, "kernels", lambda: None)
+    monkeypatch.setattr(fused, "kernels", lambda *_: None)
     monkeypatch.setenv(ENV, "triton")
     with pytest.raises(RuntimeError, match="QRL_QUANT_IMPL=triton.*Triton is not installed"):
         get_spec("fp8").quantize_weight(torch.randn(8, 16))
-    monkeypatch.setattr(fused, "kernels", lambda: _recorder([]))
-    with pytest.raises(RuntimeError, match="the weight is on cpu"):
+    monkeypatch.setattr(fused, "kernels", lambda *_: _recorder([]))
+    with pytest.raises(RuntimeError, match="the tensor is on cpu"):
         get_spec("fp8").quantize_weight(torch.randn(8, 16))
 
 
@@ -89,7 +89,7 @@ def test_quantize_weight_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
     """quantize_weight hands a selected kernel the weight (and nvfp4 its tensor scale), checks
     finiteness on the kernel's tile amax, and names the tensor when it is not finite."""
     calls = []
-    monkeypatch.setattr(fused, "kernels", lambda: _recorder(calls))
+    monkeypatch.setattr(fused, "kernels", lambda *_: _recorder(calls))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors may take the kernel path
     set_quant_impl("triton")
     spec = get_spec(fmt)
@@ -102,7 +102,7 @@ def test_quantize_weight_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
         assert calls[0][2] == ()
     assert torch.equal(bits(q.codes), bits(spec._quantize(w, None).codes))
     w[1, 2] = float("inf")  # the recorder's amax is finite: only a real check of w raises
-    monkeypatch.setattr(fused, "kernels", lambda: SimpleNamespace(
+    monkeypatch.setattr(fused, "kernels", lambda *_: SimpleNamespace(
         **{FUSED[fmt]: lambda spec, w, *a: (spec._quantize(w, None), torch.full((1,), 1e30)
                                             / torch.zeros(1))}))
     with pytest.raises(ValueError, match="layers.0.w"):
@@ -110,3 +110,40 @@ def test_quantize_weight_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
     set_quant_impl("torch")
     with pytest.raises(ValueError, match="layers.0.w"):
         spec.quantize_weight(w, name="layers.0.w")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_activation_and_dequant_kernels_follow_the_same_switch(monkeypatch, fmt):
+    """``quantize_activation`` and ``dequantize_rows`` of the W8A8 per-token formats take
+    their :mod:`.triton_act` kernels by the same rule as the weight quantizer (x in its own
+    dtype, no fp32 copy), and the torch code under ``torch`` or on the CPU (auto)."""
+    calls = []
+    spec = get_spec(fmt)
+
+    def module(name="triton_quant"):
+        def act(spec, x):
+            calls.append(("act", name, x.dtype))
+            return spec._act_codes(x.float())
+
+        def deq(spec, codes, scale, dtype):
+            calls.append(("deq", name, dtype))
+            return (codes.float() * scale).to(dtype)
+        return SimpleNamespace(quantize_act_per_token=act, dequantize_rows=deq)
+
+    monkeypatch.setattr(fused, "kernels", module)
+    x = torch.randn(6, 32).bfloat16()
+    codes, scale = spec.quantize_activation(x)  # auto on the CPU: torch
+    spec.dequantize_rows(codes, scale, torch.bfloat16)
+    assert calls == []
+    assert spec.fused_act_kernel == "quantize_act_per_token"
+    assert fused_kernel(spec, torch.device("cuda", 0), "fused_act_kernel") is not None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    set_quant_impl("triton")
+    q2, s2 = spec.quantize_activation(x)
+    spec.dequantize_rows(q2, s2, torch.bfloat16)
+    assert calls == [("act", "triton_act", torch.bfloat16), ("deq", "triton_act", torch.bfloat16)]
+    assert torch.equal(bits(q2), bits(codes)) and torch.equal(s2, scale)
+    set_quant_impl("torch")
+    spec.quantize_activation(x)
+    assert len(calls) == 2
+    assert fused_kernel(get_spec("fp8_block"), torch.device("cuda", 0), "fused_act_kernel") is None

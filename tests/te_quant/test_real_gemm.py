@@ -105,7 +105,7 @@ def test_codes_and_scales_equal_the_spec(fmt):
     assert qw.codes.dtype == q.codes.dtype and torch.equal(qw.codes.view(torch.int8),
                                                            q.codes.view(torch.int8))
     assert torch.equal(qw.scale, q.scale) and qw.scale.shape == (w.shape[0], 1)
-    assert torch.equal(qw.dequantize(w.dtype), spec.quantize_dequantize(w))
+    assert torch.equal(qw.dequantize(spec, w.dtype), spec.quantize_dequantize(w))
     xq, xs = activation_operand(spec, x)
     assert xs.shape == (x.shape[0], 1) and xq.dtype == q.codes.dtype
     assert torch.equal((xq.float() * xs).to(x.dtype), spec.fake_quant_activation(x))
