@@ -134,8 +134,10 @@
 #               in a Ray actor, needs ray-install), 3 RL steps on the random Qwen3-4B, no checkpoint
 #               written; SLEEP=on: the trainer asleep during rollout (engine mem fraction 0.6
 #               unless MEM_FRACTION); the metrics go to $OUT/example4b_${MODE}_sleep${SLEEP}_metrics.jsonl
-#   slime-part N, slime-install, slime-ckpt, slime-run   slime 0.3.1 staged and run with and
-#               without our flags on one GPU: bench/slime.sh, sourced here, lists what each does
+#   slime-part N, slime-sg-part N, slime-sg-install, slime-install, slime-env, slime-ckpt,
+#               slime-run   slime 0.3.1 (on SGLang 0.5.15.post1 with slime's patches) staged and
+#               run with and without our flags on one GPU: bench/slime.sh, sourced here, lists
+#               what each does
 #   mg-parity, mg-engine, mg-fleet, mg-dist-test, mg-sync, mg-30b   the multi-GPU runs
 #               (nvidia-h200-x2 / -x8): bench/multigpu.sh, sourced here, lists what each does
 #   bash bench/h200.sh run PHASE[:SECONDS] ...   several phases in one device call, each under

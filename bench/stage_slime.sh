@@ -3,7 +3,7 @@
 #   .stage/slime1  slime's repository at its 0.3.1 commit (slime/, train.py, scripts/models,
 #                  docker/patch/latest), the Megatron-LM tree at the commit slime's Dockerfile
 #                  pins with slime's two Megatron patches applied, and the small py3.12 wheels
-#                  slime imports that the SGLang site (.stage/s1) lacks       (22.3 MiB)
+#                  slime imports that the SGLang site (.stage/s1) lacks, and soundfile (23.8 MiB)
 #   .stage/slime2  the two large wheels: wandb (slime imports it at start) and sglang-router
 #                  0.3.2 (slime's parse_args imports its RouterArgs)              (48.7 MiB)
 # bench/slime.sh (the slime-* phases of bench/h200.sh) unpacks them on the device.
@@ -12,7 +12,7 @@
 #
 # SLIME_GIT / MEGATRON_GIT: git directories holding slime's commit below and Megatron-LM's
 # pinned commit (e.g. the snapshots of THUDM/slime and NVIDIA/Megatron-LM the session's fetch
-# tool brings under /work/.mirror/). Measured: .stage/slime1 22.3 MiB, .stage/slime2 48.7 MiB.
+# tool brings under /work/.mirror/). Measured: .stage/slime1 23.8 MiB, .stage/slime2 48.7 MiB.
 set -euo pipefail
 SLIME_COMMIT=624b824a8        # slime 0.3.1 (setup.py version), shared/third_party/slime-0.3.1
 MEGATRON_COMMIT=1dcf0dafa884ad52ffb243625717a3471643e087  # slime's docker/Dockerfile ARG
@@ -30,11 +30,12 @@ git --git-dir "$MEGATRON_GIT" archive "$MEGATRON_COMMIT" megatron setup.py pypro
  done && rm -rf .git)
 P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64"
-# slime's imports (requirements.txt, the ones its train / rollout / reward paths reach) and
-# Megatron-LM training's that neither the H200 image nor the SGLang site has
+# slime's imports (requirements.txt, the ones its train / rollout / reward paths reach),
+# Megatron-LM training's, and soundfile (+ cffi, pycparser), which SGLang's http_server imports
+# (0.5.15.post1 and 0.5.17 both pin 0.13.1), that neither the H200 image nor the SGLang site has
 SMALL="pylatexenc aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache sympy
    mpmath pillow platformdirs gitpython gitdb smmap sentry-sdk protobuf six einops typer rich
-   shellingham markdown-it-py mdurl pygments pyyaml xxhash blake3"
+   shellingham markdown-it-py mdurl pygments pyyaml xxhash blake3 soundfile==0.13.1 cffi pycparser"
 mkdir -p "$work/w1" "$work/w2"
 # shellcheck disable=SC2086
 python3 -m pip download -q $P --no-deps -d "$work/w1" $SMALL
