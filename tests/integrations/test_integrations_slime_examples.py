@@ -87,11 +87,16 @@ def test_1gpu_example_qrl_block_is_valid(loss):
 
 
 def test_1gpu_example_baseline_has_no_qrl_flags():
-    """QRL=0 is slime unchanged: none of our flags or hooks but the shared reward."""
+    """QRL=0 is slime unchanged: none of our flags or hooks but the shared reward; no flag
+    slime's or Megatron's argument checks refuse without its partner."""
     text = (EXAMPLES / "run_qwen3_4b_qrl_1gpu.sh").read_text()
     base = bash_array(text, "BASELINE_ARGS", {})
     assert not [t for t in base if t.startswith("--qrl") or "megatron_qrl" in t]
-    assert "--get-mismatch-metrics" in base
+    # found on the H200: slime 0.3.1 asserts a --custom-tis-function-path with
+    # --get-mismatch-metrics, and Megatron a --save-interval with --save
+    assert "--get-mismatch-metrics" not in base or "--custom-tis-function-path" in base
+    assert "--save" not in bash_array(text, "CKPT_ARGS", {"CKPT": "/ckpt"})
+    assert '--save "${SAVE}" --save-interval' in text
     for script in EXAMPLES.glob("*.sh"):
         proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert proc.returncode == 0, (script, proc.stderr)
