@@ -39,6 +39,7 @@ from tests.quant.fused_cases import (  # noqa: E402
     dequant_cases,
     e4m3_probe,
     quantize,
+    quantize_act,
     weights,
 )
 from tests.quant.test_quant_pack_stream import moe_stream  # noqa: E402
@@ -97,14 +98,6 @@ def test_pack_stream_fused_equals_torch(fmt):
     assert_pack_streams_equal(fmt, stream)
 
 
-def _act(fmt, x, impl):
-    set_quant_impl(impl)
-    try:
-        return get_spec(fmt).quantize_activation(x)
-    finally:
-        set_quant_impl(None)
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_activation_kernel_equals_cuda_torch(fmt):
     """Edge tokens and a Qwen3-4B-sized input (4096 tokens x 9728, bf16); the CPU reference's
@@ -113,7 +106,7 @@ def test_activation_kernel_equals_cuda_torch(fmt):
     big = (torch.randn(4096, 9728, device=CUDA, generator=g) * 3).bfloat16()
     cases = activations(fmt, CUDA) + [("4096x9728", big)]
     for label, x in cases:
-        (q, s), (rq, rs) = _act(fmt, x, "triton"), _act(fmt, x, "torch")
+        (q, s), (rq, rs) = quantize_act(fmt, x, "triton"), quantize_act(fmt, x, "torch")
         assert_bits_equal(q, rq, f"{fmt} {label} codes")
         assert_bits_equal(s, rs, f"{fmt} {label} scale")
         fake = {}
@@ -128,7 +121,7 @@ def test_activation_kernel_equals_cuda_torch(fmt):
 
     print(f"\ntorch on CUDA divides by a scalar as a reciprocal multiply: "
           f"{torch_divides_by_reciprocal('cuda', 127.0 if fmt == 'int8' else 448.0)}")
-    _, cpu = _act(fmt, big.cpu(), "torch")
+    _, cpu = quantize_act(fmt, big.cpu(), "torch")
     print(f"\n{fmt}: CPU scale != CUDA scale on {(bits(cpu) != bits(s.cpu())).sum().item()} "
           f"of {s.numel()} tokens")
 

@@ -103,6 +103,15 @@ def dequant_cases(device: str = "cpu", seed: int = 0):
     return [(label, c.to(device), s.to(device)) for label, c, s in cases]
 
 
+def quantize_act(fmt: str, x: torch.Tensor, impl: str):
+    """``get_spec(fmt).quantize_activation(x)`` (codes, scales) through ``impl``."""
+    set_quant_impl(impl)
+    try:
+        return get_spec(fmt).quantize_activation(x)
+    finally:
+        set_quant_impl(None)
+
+
 def quantize(fmt: str, w: torch.Tensor, impl: str, global_amax=None):
     """``get_spec(fmt).quantize_weight(w)`` and its packed tensors, through ``impl``."""
     spec = get_spec(fmt)

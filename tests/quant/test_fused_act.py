@@ -28,6 +28,7 @@ from tests.quant.fused_cases import (  # noqa: E402
     assert_bits_equal,
     bits,
     dequant_cases,
+    quantize_act,
 )
 
 if not triton_quant._SOFT:
@@ -37,21 +38,13 @@ if not triton_quant._SOFT:
 FORMATS = ("fp8", "int8")
 
 
-def _act(fmt, x, impl):
-    set_quant_impl(impl)
-    try:
-        return get_spec(fmt).quantize_activation(x)
-    finally:
-        set_quant_impl(None)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_activation_codes_and_scales_equal_the_reference(fmt):
     """Mutations caught: ``s = a * fl(1 / MAX)`` on the CPU (the CUDA numerics), round half to
     even instead of half away (int8), no 1e-10 floor (int8's zero token), NaN left out of the
     amax (fp8's NaN token)."""
     for label, x in activations(fmt):
-        (cq, cs), (rq, rs) = _act(fmt, x, "triton"), _act(fmt, x, "torch")
+        (cq, cs), (rq, rs) = quantize_act(fmt, x, "triton"), quantize_act(fmt, x, "torch")
         assert_bits_equal(cq, rq, f"{fmt} {label} codes")
         assert_bits_equal(cs, rs, f"{fmt} {label} scale")
 
@@ -91,7 +84,7 @@ def test_cuda_division_branch(fmt):
     if fmt == "fp8":
         inv = torch.where(want == 0, 0.0, 1.0 / torch.where(want == 0, 1.0, want))
         assert_bits_equal(q, cast_e4m3(x.float() * inv), "fp8 CUDA codes")
-    _, cpu = _act(fmt, x, "torch")
+    _, cpu = quantize_act(fmt, x, "torch")
     assert (bits(cpu) != bits(s)).any(), "the two divisions agree on every token here"
     assert not triton_act.torch_divides_by_reciprocal("cpu", maxv)  # the CPU divides
 
