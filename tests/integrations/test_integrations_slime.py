@@ -303,47 +303,43 @@ def test_launcher_fills_hooks_and_refuses_clashes():
         fill_hooks(args)
 
 
+@pytest.mark.slow
 def test_launcher_parses_a_real_slime_command_line(tmp_path):
-    """GPU image (slime's parse_args imports sglang, sglang_router, wandb and Megatron-LM's
-    megatron.training; bench/h200.sh slime-install runs it): slime's own parse_args with
-    add_qrl_args parses a full command line (sglang's server args too) for a tiny random
-    Qwen3-MoE checkpoint, with our flags; the launcher fills the hooks and validates."""
-    for mod in ("sglang", "sglang_router", "wandb", "megatron.training"):
-        try:
-            ok = importlib.util.find_spec(mod) is not None
-        except ModuleNotFoundError:
-            ok = False
-        if not ok:
-            pytest.skip(f"slime's parse_args needs {mod}, not installed here (H200 image)")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    from make_random_checkpoint import make_random_checkpoint
+    """slime's own parse_args with add_qrl_args parses a full command line (Megatron-LM's and
+    sglang's server args too) for a tiny random Qwen3-MoE checkpoint, with our flags; the
+    launcher fills the hooks and validates. In this process where slime's imports (sglang,
+    sglang_router, wandb, megatron.training) are installed (the GPU image); on a CPU machine in
+    a subprocess over the site tools/slime_cpu_site.sh builds."""
+    import json
+    import subprocess
 
     from megatron_qrl.integrations.slime import options as o
-    from megatron_qrl.integrations.slime.launch import parse
+    from tests.helpers import slime_cli
 
-    tiny = Path(__file__).resolve().parents[2] / "megatron_qrl/data/configs/tiny_qwen3_moe.json"
-    ckpt = str(make_random_checkpoint(str(tiny), tmp_path / "ckpt", layers=1, prompts=16))
-    model = ["--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "96",
-             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-             "--kv-channels", "16", "--num-experts", "8", "--moe-router-topk", "2",
-             "--moe-ffn-hidden-size", "32", "--vocab-size", "128", "--qk-layernorm",
-             "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-             "--untie-embeddings-and-output-weights", "--seq-length", "64",
-             "--max-position-embeddings", "64", "--rotary-base", "1000000"]
-    argv = ["--hf-checkpoint", ckpt, "--load", ckpt, "--prompt-data", f"{ckpt}/prompts.jsonl",
-            "--input-key", "prompt", "--label-key", "answer", "--custom-rm-path",
-            "megatron_qrl.integrations.slime.reward.qrl_math_reward", "--num-rollout", "2",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--colocate",
-            "--rollout-num-gpus-per-engine", "1", "--sglang-mem-fraction-static", "0.3",
-            "--loss-type", "custom_loss", "--custom-loss-function-path", LOSS,
-            "--calculate-per-token-loss", "--qrl-loss-kind", "acr", "--qrl-loss-tis-cap", "3",
-            "--qrl-error-tokens-action", "mask", "--qrl-aqn-enabled", *model]
-    args = parse(argv)
-    assert (args.qrl_loss_kind, args.qrl_loss_tis_cap, args.loss_type) == ("acr", 3.0, "custom_loss")
-    assert args.sglang_mem_fraction_static == 0.3 and args.colocate
-    assert args.custom_megatron_init_path == o.INIT_PATH
-    assert args.rollout_data_postprocess_path == o.POSTPROCESS_PATH
+    if slime_cli.missing_in_process() is None:
+        got = slime_cli.parse_command_line(tmp_path)
+    else:
+        site = slime_cli.cpu_site()
+        if site is None:
+            pytest.skip(f"slime's parse_args needs {slime_cli.missing_in_process()}: build its "
+                        "CPU site with `bash tools/slime_cpu_site.sh` (6 GB; the script says "
+                        "what it needs)")
+        path = os.pathsep.join([str(site), str(slime_cli.REPO), str(find_slime_src())])
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+        run = subprocess.run([sys.executable, "-m", "tests.helpers.slime_cli", str(tmp_path)],
+                             cwd=slime_cli.REPO, env=env, capture_output=True, text=True,
+                             timeout=600)
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("SLIME_CLI ")]
+        assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
+        got = json.loads(lines[-1].removeprefix("SLIME_CLI "))
+    assert (got["qrl_loss_kind"], got["qrl_loss_tis_cap"], got["loss_type"]) == (
+        "acr", 3.0, "custom_loss")
+    assert got["qrl_aqn_enabled"] and got["qrl_error_tokens_action"] == "mask"
+    assert got["sglang_mem_fraction_static"] == 0.3 and got["colocate"]
+    assert (got["num_layers"], got["num_experts"], got["layernorm_epsilon"]) == (1, 8, 1e-6)
+    assert got["custom_megatron_init_path"] == o.INIT_PATH
+    assert got["custom_megatron_before_train_step_hook_path"] == o.BEFORE_TRAIN_STEP_PATH
+    assert got["rollout_data_postprocess_path"] == o.POSTPROCESS_PATH
 
 
 def _cp2_body(rank, world_size, port, kinds):
