@@ -22,8 +22,9 @@
 # kind; slime's policy_loss_function with the custom TIS applies our tis / acr / decoupled
 # weight; slime's convert_to_hf (Qwen3-MoE converter) with the installed quantizer returns
 # exactly QuantSpec.pack_state_dict for every format; the options, hooks, error-token
-# post-process and the launcher's hook filling. Not run: slime's parse_args with these flags
-# (needs sglang + Megatron-LM: tests skip it on CPU), Ray / SGLang / NCCL, whether SGLang
+# post-process and the launcher's hook filling; slime's own parse_args with our flags (the
+# launcher test, on CPU in tools/slime_cpu_site.sh's site). Not run: Ray / SGLang / NCCL
+# (the 1-GPU example's first H200 start: examples/slime/run_qwen3_4b_qrl_1gpu.sh), whether SGLang
 # 0.5.15's update_weights_from_tensor re-processes fp8_block packs as expected, and R3 with the
 # custom loss. --qrl-train-forward aligned (add it with --spec, or use the launcher) is tested on
 # CPU only: the aligned model keeps TE's parameter names and slime's converter accepts them.
