@@ -115,7 +115,7 @@ class AlignedLinearMixin:
         if _tp_size(self) > 1:
             return None
         state = self.qrl_state
-        if state.gemm == "fake" and state.keep_codes and self._qrl_codes is None:
+        if state.gemm_for(self.qrl_kind) == "fake" and state.keep_codes and self._qrl_codes is None:
             self._qrl_cache = None  # cached before codes were kept
         q = self.quantized_weight()
         if isinstance(q, RealWeight):
@@ -125,10 +125,10 @@ class AlignedLinearMixin:
     def quantized_weight(self) -> Any:
         """``Q_w(W)`` of this rank's shard, recomputed only after the weights changed: the
         dequantized weight (fake GEMM) or its codes and scales (:class:`RealWeight`)."""
-        if self.qrl_stale() and self.qrl_state.gemm == "real":
+        if self.qrl_stale() and self.qrl_state.gemm_for(self.qrl_kind) == "real":
             self.qrl_store(weight_operand(self.qrl_state.spec, self.weight, self._qrl_parallel_dim,
                                           self.tp_group, name=f"{self.qrl_kind} "
-                                          f"{type(self).__name__}"))
+                                          f"{type(self).__name__}", layout=self.qrl_layout))
         elif self.qrl_stale() and self.qrl_state.keep_codes and _tp_size(self) == 1:
             codes = component_codes(self.qrl_state.spec, [self.weight], self.qrl_layout,
                                     f"{self.qrl_kind} {type(self).__name__}")[0]
@@ -148,7 +148,7 @@ class AlignedLinearMixin:
         if weight is not self.weight:
             raise RuntimeError(f"{type(self).__name__}: an external weight was passed to forward; "
                                "the aligned forward only quantizes its own parameter")
-        if self.qrl_state.gemm == "real":
+        if self.qrl_state.gemm_for(self.qrl_kind) == "real":
             return self._qrl_real_forward(input, **kwargs)
         q = _UseQuantized.apply(weight, self.quantized_weight())
         return super()._forward_impl(self._qrl_input(input), q, *args, **kwargs)
@@ -247,7 +247,8 @@ class AlignedSequentialMLP(SequentialMLP):
     def refresh_quantized_weights(self) -> None:
         """Re-quantize the stale ``linear_fc1`` / ``linear_fc2`` of all local experts, one
         stacked call per projection (the per-expert lazy path remains the fallback)."""
-        if not self._stacked() or self.qrl_state.gemm == "real" or self.qrl_state.keep_codes:
+        if (not self._stacked() or self.qrl_state.gemm_for("experts") == "real"
+                or self.qrl_state.keep_codes):
             return  # the linears cache codes and scales, one expert at a time
         for attr in ("linear_fc1", "linear_fc2"):
             linears = [getattr(e, attr) for e in self.local_experts]
@@ -269,7 +270,7 @@ class AlignedSequentialMLP(SequentialMLP):
         if self.config.add_bias_linear or self.config.moe_apply_probs_on_input:
             raise ValueError("aligned W8A8 experts support add_bias_linear=False and "
                              "moe_apply_probs_on_input=False (Qwen3-MoE)")
-        if self._stacked() and state.gemm == "fake":
+        if self._stacked() and state.gemm_for("experts") == "fake":
             out = self._w8a8_stacked(permuted_local_hidden_states, tokens_per_expert)
             return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
         ones = torch.ones_like(permuted_probs)

@@ -78,8 +78,13 @@ def real_codes(spec: QuantSpec, qw: RealWeight, layout: FusionLayout, dtype: tor
     """The real GEMM's cached operand of one weight, split into its HF components.
 
     Per-channel scales are row-local, so the rows of the fused weight's quantization are the
-    quantization of each component (what the engine quantizes separately)."""
+    quantization of each component (what the engine quantizes separately); 128-row block
+    scales split the same way in units of a block (every fused segment spans whole blocks,
+    :func:`~.real_gemm.check_block_layout`)."""
+    scale_layout = layout
+    if spec.granularity == "block" and layout.kind == "qkv":
+        scale_layout = dataclasses.replace(layout, head_dim=layout.head_dim // spec.block[0])
     out = []
-    for codes, scale in zip(_split_rows(qw.codes, layout), _split_rows(qw.scale, layout)):
+    for codes, scale in zip(_split_rows(qw.codes, layout), _split_rows(qw.scale, scale_layout)):
         out.append(QuantizedWeight(spec.name, codes, scale, None, tuple(codes.shape), dtype))
     return out

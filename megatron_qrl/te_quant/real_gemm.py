@@ -10,7 +10,9 @@ and applies the scales after the integer / FP8 accumulation, as the engine's W8A
 with ``qx, sx = spec.quantize_activation(x)`` (per token) and ``qw, sw`` the spec's
 ``quantize_weight`` (per output channel). The two paths differ only by the BF16 rounding
 of the dequantized operands in the fake path (unit roundoff ``2^-9`` each) and of the
-output. The backward is the fake path's straight-through BF16 backward (Bengio et al. 2013)
+output. fp8_block runs SGLang's own kernels on the same codes (:mod:`.block_gemm`: 128x128
+weight blocks, 1x128 activation groups), so its forward is the rollout's GEMM by
+construction. The backward is the fake path's straight-through BF16 backward (Bengio et al. 2013)
 on the same dequantized operands, recomputed from the codes, so gradients are bit-equal.
 
 Which GEMM runs is decided once, by :func:`select_gemm` (format fields x device x
@@ -21,7 +23,9 @@ format             real GEMM                     device
 =================  ============================  =====================================
 fp8 (channel)      ``torch._scaled_mm`` rowwise  CUDA sm >= 89 (CPU when forced)
 int8 (channel)     ``torch._int_mm`` + scales    CUDA (CPU when forced)
-fp8_block          none yet: fake                blockwise scales need a block GEMM
+fp8_block          SGLang's own block-FP8 GEMM   CUDA sm >= 89 with SGLang importable
+                   (``block_gemm``; experts:     (its Triton kernels); experts keep
+                   fake)                         the fake path
 w4a16, nvfp4       none yet: fake                weight-only / FP4: dequantize + BF16
 =================  ============================  =====================================
 """
@@ -30,11 +34,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron_qrl.quant import QuantSpec
+from megatron_qrl.quant import QuantizedWeight, QuantSpec
+from megatron_qrl.te_quant.block_gemm import (
+    block_scaled_mm,
+    dequantize_groups,
+    quantize_act_groups,
+    sglang_available,
+)
 
 GEMM_MODES = ("auto", "fake", "real")
 FLAG = "--qrl-train-aligned-gemm"
@@ -63,23 +74,45 @@ class GemmChoice:
     reason: str
 
 
-def _real_support(spec: QuantSpec, device: DeviceInfo) -> tuple[str | None, str]:
-    """(kernel name or None, reason) for ``spec`` on ``device``; pure."""
+def _kernel_key(spec: QuantSpec) -> tuple[str | None, str]:
+    """(key of :data:`KERNELS` or None, reason) by the format's fields; pure."""
     if not spec.quantizes_weights:
         return None, f"{spec.name} holds BF16 weights"
-    if spec.granularity != "channel" or spec.activation != "per_token":
-        if spec.granularity == "block":  # one line why: no blockwise scaled GEMM wired in yet
-            return None, f"{spec.name}: blockwise scales need a block-scaled GEMM (not wired yet)"
-        # weight-only (w4a16) / FP4 (nvfp4): Hopper has no such tensor-core GEMM from torch
+    if spec.granularity == "block" and spec.activation == "per_token_group":
+        key = f"{spec.weight_format}:block"
+    elif spec.granularity == "channel" and spec.activation == "per_token":
+        key = spec.weight_format
+    else:  # weight-only (w4a16) / FP4 (nvfp4): Hopper has no such tensor-core GEMM from torch
         return None, f"{spec.name}: weight-only / FP4 formats dequantize into a BF16 GEMM"
-    kernel = KERNELS.get(spec.weight_format)
-    if kernel is None:
-        return None, f"{spec.name}: no real GEMM for weight format {spec.weight_format}"
-    if device.kind == "cuda" and (device.capability or (0, 0)) < kernel.min_capability:
+    if key not in KERNELS:
+        return None, f"{spec.name}: no real GEMM for weight format {key}"
+    return key, KERNELS[key].what
+
+
+def engine_kernels() -> tuple[bool, str]:
+    """(SGLang's block-FP8 kernels import in this process, which module or why not)."""
+    return sglang_available()
+
+
+def _real_support(spec: QuantSpec, device: DeviceInfo | None) -> tuple[str | None, str]:
+    """(kernel name or None, reason) for ``spec`` on ``device`` (None: any device, only
+    whether the kernel exists here); pure but for the SGLang import check."""
+    key, reason = _kernel_key(spec)
+    if key is None:
+        return None, reason
+    kernel = KERNELS[key]
+    if kernel.engine:
+        ok, why = engine_kernels()
+        if not ok:
+            return None, f"{spec.name}: needs SGLang's block-FP8 kernels, not importable ({why})"
+        if device is not None and device.kind != "cuda":
+            return None, f"{spec.name}: SGLang's block-FP8 GEMM is a CUDA Triton kernel (CPU)"
+    if (device is not None and device.kind == "cuda"
+            and (device.capability or (0, 0)) < kernel.min_capability):
         return None, (f"{spec.weight_format} GEMMs need CUDA sm >= "
                       f"{''.join(map(str, kernel.min_capability))}, this GPU is sm "
                       f"{device.capability}")
-    return spec.weight_format, kernel.what
+    return key, reason
 
 
 def select_gemm(spec: QuantSpec, device: DeviceInfo, mode: str = "auto") -> GemmChoice:
@@ -153,13 +186,20 @@ class Kernel:
 
     fn: Callable[..., torch.Tensor]
     min_capability: tuple[int, int]
-    """Lowest CUDA compute capability with the kernel (the CPU has both)."""
+    """Lowest CUDA compute capability with the kernel (the CPU has torch's)."""
     what: str
+    engine: bool = False
+    """The rollout engine's own kernel (SGLang's, CUDA only): block scales, activation
+    groups quantized by the engine's kernel, no grouped-experts form (experts stay fake)."""
 
 
 KERNELS: dict[str, Kernel] = {
     "float8_e4m3fn": Kernel(scaled_mm, (8, 9), "torch._scaled_mm (row-wise scales)"),
     "int8": Kernel(int_mm, (0, 0), "torch._int_mm (int32 accumulate) + fp32 scales"),
+    "float8_e4m3fn:block": Kernel(
+        block_scaled_mm, (8, 9), "SGLang per_token_group_quant_fp8 + "
+        "w8a8_block_fp8_matmul_triton (the engine's kernels; experts: fake, SGLang runs them "
+        "through its fused-MoE kernel)", engine=True),
 }
 """Code element type (``QuantSpec.weight_format``) -> its real GEMM: a fact of the hardware
 and torch, shared by every per-channel / per-token format of that element type."""
@@ -167,25 +207,51 @@ and torch, shared by every per-channel / per-token format of that element type."
 
 def kernel_for(spec: QuantSpec) -> Callable[..., torch.Tensor]:
     """The real GEMM of ``spec``'s codes (by its fields, not its name)."""
-    key, reason = _real_support(spec, DeviceInfo("cpu"))
+    key, reason = _real_support(spec, None)
     if key is None:
         raise ValueError(f"{FLAG} real: {reason}")
+    if KERNELS[key].engine:
+        return partial(KERNELS[key].fn, block=tuple(spec.block))
     return KERNELS[key].fn
+
+
+def experts_gemm(spec: QuantSpec, gemm: str) -> tuple[str, str]:
+    """(GEMM of the experts' linears, why) when the dense linears run ``gemm``: the engine's
+    block kernels have no grouped form here (SGLang runs experts through its fused-MoE
+    Triton kernel, another API), so block formats keep the fake path for experts."""
+    if gemm == "real" and _kernel_key(spec)[0] is not None and \
+            KERNELS[_kernel_key(spec)[0]].engine:
+        return "fake", (f"{spec.name} experts: SGLang's fused-MoE block-FP8 kernel is not "
+                        "wired in; experts keep the fake path")
+    return gemm, f"experts follow the linears ({gemm})"
 
 
 # ---- operands --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RealWeight:
     """The cached GEMM operand of one weight: ``codes`` ``[N, K]`` and fp32 ``scale`` ``[N, 1]``
-    exactly as ``spec.quantize_weight`` gives them (the rollout's tensors)."""
+    (per channel) or ``[ceil(N/128), ceil(K/128)]`` (fp8_block's ``weight_scale_inv``) exactly
+    as ``spec.quantize_weight`` gives them (the rollout's tensors)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
 
     def dequantize(self, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
         """``codes * scale`` in ``dtype``: ``spec.quantize_dequantize(W)``, bit for bit (one
-        fused kernel where ``spec.dequantize_rows`` picks it)."""
+        fused kernel where ``spec.dequantize_rows`` picks it; blocks: ``spec.dequantize``)."""
+        if spec.granularity == "block":
+            q = QuantizedWeight(spec.name, self.codes, self.scale, None,
+                                tuple(self.codes.shape), dtype)
+            return spec.dequantize(q, dtype)
         return spec.dequantize_rows(self.codes, self.scale, dtype)
+
+
+def dequantize_activation(spec: QuantSpec, codes: torch.Tensor, scale: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """The saved activation codes times their scales (per token, or per 1x128 group)."""
+    if spec.activation == "per_token_group":
+        return dequantize_groups(codes, scale, dtype)
+    return spec.dequantize_rows(codes, scale, dtype)
 
 
 def _gather_last(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -194,17 +260,38 @@ def _gather_last(t: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     return torch.cat(parts, dim=-1), dist.get_rank(group)
 
 
-def _split_dim(group, parallel_dim: int) -> bool:
-    """True if the operand's input features are split over a tensor-parallel group of > 1."""
+def _split_dim(group, parallel_dim: int, spec: QuantSpec | None = None) -> bool:
+    """True if the operand's input features are split over a tensor-parallel group of > 1
+    and its scales span the whole row (per channel / per token; a 128-column block or group
+    lies inside one shard, the shard's width being a multiple of 128)."""
+    if spec is not None and spec.granularity == "block":
+        return False
     return (parallel_dim == 1 and group is not None and dist.is_initialized()
             and dist.get_world_size(group) > 1)
 
 
+def check_block_layout(spec: QuantSpec, n: int, layout, name: str) -> None:
+    """Raise unless quantizing the fused ``[n, K]`` weight in 128-row blocks equals
+    quantizing each HF component (what the engine holds): every fused segment (q/k/v heads of
+    a query group, gate / up halves) must span whole blocks."""
+    if spec.granularity != "block" or layout is None or layout.kind == "plain":
+        return
+    rows = spec.block[0]
+    seg = layout.head_dim if layout.kind == "qkv" else n // 2
+    if seg % rows:
+        raise ValueError(
+            f"{FLAG} real: {spec.name} {name}: a fused {layout.kind} segment of {seg} rows "
+            f"is not a multiple of the {rows}-row blocks, so the fused GEMM's blocks are not "
+            f"the engine's; use {FLAG} fake")
+
+
 def weight_operand(spec: QuantSpec, w: torch.Tensor, parallel_dim: int = 0, group=None,
-                   name: str = "weight") -> RealWeight:
-    """Codes and per-channel scales of this rank's shard: rows are whole on a column-parallel
-    shard; a row-parallel shard's scale spans all ranks (gathered once, codes narrowed)."""
-    if _split_dim(group, parallel_dim):
+                   name: str = "weight", layout=None) -> RealWeight:
+    """Codes and scales of this rank's shard: rows are whole on a column-parallel shard; a
+    row-parallel shard's per-channel scale spans all ranks (gathered once, codes narrowed);
+    blocks lie inside a shard (``layout``: the fused HF components, checked for blocks)."""
+    check_block_layout(spec, w.shape[0], layout, name)
+    if _split_dim(group, parallel_dim, spec):
         full, rank = _gather_last(w.detach(), group)
         q = spec.quantize_weight(full, name=name)
         k = w.shape[1]
@@ -216,7 +303,10 @@ def weight_operand(spec: QuantSpec, w: torch.Tensor, parallel_dim: int = 0, grou
 def activation_operand(spec: QuantSpec, x2d: torch.Tensor, parallel_dim: int = 0, group=None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token codes and scales of a ``[M, K]`` input; a row-parallel input's token scale
-    spans all ranks' features (gathered, codes narrowed), as the fake path's."""
+    spans all ranks' features (gathered, codes narrowed), as the fake path's. Per-token-group
+    formats: SGLang's own quantizer (:func:`.block_gemm.quantize_act_groups`), groups local."""
+    if spec.activation == "per_token_group":
+        return quantize_act_groups(spec, x2d)
     if _split_dim(group, parallel_dim):
         full, rank = _gather_last(x2d.detach(), group)
         codes, scale = spec.quantize_activation(full)
@@ -254,7 +344,7 @@ class RealLinearFn(torch.autograd.Function):
             grad_x = grad.matmul(ctx.qw.dequantize(ctx.spec, grad.dtype))
         if ctx.needs_input_grad[1]:
             g2d = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2d.t().matmul(ctx.spec.dequantize_rows(xq, xs, grad.dtype))
+            grad_w = g2d.t().matmul(dequantize_activation(ctx.spec, xq, xs, grad.dtype))
         return grad_x, grad_w, None, None, None, None
 
 
@@ -314,7 +404,8 @@ class GroupedRealFn(torch.autograd.Function):
         from megatron_qrl.models.grouped_gemm import grouped_mm
 
         xq, xs = ctx.saved_tensors
-        x = ctx.spec.dequantize_rows(xq, xs, grad.dtype).requires_grad_(ctx.needs_input_grad[0])
+        x = dequantize_activation(ctx.spec, xq, xs, grad.dtype).requires_grad_(
+            ctx.needs_input_grad[0])
         w = ctx.qw.dequantize(ctx.spec, grad.dtype).requires_grad_(any(ctx.needs_input_grad[6:]))
         with torch.enable_grad():
             y = grouped_mm(x, w, ctx.counts)
@@ -334,6 +425,9 @@ def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWe
     ``[E, N, K]`` weight or one weight per expert) receive the straight-through gradient
     (:class:`GroupedRealFn`); ``parallel_dim`` 1 with an expert-TP ``group``: the input's
     features are split, token scales taken over the gathered row."""
+    gemm, why = experts_gemm(spec, "real")
+    if gemm != "real":
+        raise ValueError(f"{FLAG} real: {why}")
     return GroupedRealFn.apply(x, qw, spec, [int(c) for c in counts], parallel_dim, group,
                                *masters)
 

@@ -58,6 +58,16 @@ class AlignedForwardState:
             raise ValueError(f"unknown layer kinds {bad}; choose from {list(LAYER_KINDS)}")
         return kinds
 
+    def gemm_for(self, kind: str) -> str:
+        """The GEMM linears of layer kind ``kind`` run: :attr:`gemm`, but ``fake`` for the
+        experts of a format whose real GEMM has no experts form
+        (:func:`~megatron_qrl.te_quant.real_gemm.experts_gemm`)."""
+        if kind != "experts" or self.gemm == "fake":
+            return self.gemm
+        from megatron_qrl.te_quant.real_gemm import experts_gemm
+
+        return experts_gemm(self.spec, self.gemm)[0]
+
     def mark_weights_updated(self) -> None:
         """Invalidate every cached quantized weight (call after ``optimizer.step()``)."""
         self.version += 1

@@ -134,7 +134,7 @@ class AlignedGroupedGemm:
         if _pg_size_rank(self.tp_group)[0] > 1:
             return None
         state, layout = self.qrl_state, self.qrl_layout
-        if state.gemm == "real":
+        if state.gemm_for(self.qrl_kind) == "real":
             rw, dtype = self.real_weights(), self.weights()[0].dtype
             return [real_codes(state.spec, RealWeight(c, s), layout, dtype)
                     for c, s in zip(rw.codes.unbind(0), rw.scale.unbind(0))]
@@ -147,7 +147,8 @@ class AlignedGroupedGemm:
         """``cat_e(x_e @ W_e^T)`` over the experts' token groups ``m_splits`` as ONE grouped GEMM
         (:func:`~megatron_qrl.models.grouped_gemm.grouped_mm`); aligned: the stacked cached
         ``Q_w(W)`` and ``Q_a`` of all rows in one call (per-token scales: equal per expert)."""
-        if self.qrl_state.is_enabled(self.qrl_kind) and self.qrl_state.gemm == "real":
+        if (self.qrl_state.is_enabled(self.qrl_kind)
+                and self.qrl_state.gemm_for(self.qrl_kind) == "real"):
             return grouped_real_linear(x, self._real_masters(), self.real_weights(),
                                        self.qrl_state.spec, m_splits,
                                        1 if self.parallel_mode == "row" else 0,
