@@ -1,0 +1,202 @@
+"""fp8_block's real GEMM (SGLang's own block-FP8 kernels) on the CPU: selection, call, maths.
+
+SGLang's kernels are CUDA Triton kernels and SGLang is not installed here, so a stand-in
+module takes the place of ``sglang.kernels.ops.quantization.fp8_kernel``: it records every
+call and computes what SGLang's kernels compute, in torch (``per_token_group_quant_fp8``:
+``a = max(amax_group, 1e-10)``, ``e4m3(x * (448 / a))``, scale ``a * (1 / 448)``;
+``w8a8_block_fp8_matmul_triton``: fp32 ``sum_kb (qx_kb @ qw_kb^T) * sx[:, kb] * sw[nb, kb]``,
+one rounding to the output dtype; DeepSeek-V3 report sec. 3.3.2). The real kernels on the
+H200 against the same checks and against SGLang's own linear: tests/gpu/test_real_gemm.py.
+
+Mutations these tests catch (each run, then restored):
+- ``column_major_scales=True`` in ``quantize_act_groups`` -> test_calls_are_sglangs_linear;
+- the GEMM called with ``(xq, wq, ws, xs)`` (scales swapped) -> test_calls_are_sglangs_linear;
+- ``_real_support`` skipping the SGLang import check -> test_selection_follows_the_import;
+- ``dequantize_activation`` using per-row ``dequantize_rows`` -> test_forward_and_gradients;
+- ``real_codes`` splitting block scales with the codes' layout -> test_sync_codes_are_the_engines;
+- ``gemm_for`` returning ``gemm`` for experts -> test_experts_keep_the_fake_path.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_qrl.quant import get_spec
+from megatron_qrl.quant.numerics import FP8_E4M3_MAX, cast_e4m3
+from megatron_qrl.te_quant import block_gemm
+from megatron_qrl.te_quant.real_gemm import (
+    FLAG,
+    DeviceInfo,
+    check_block_layout,
+    grouped_real_linear,
+    kernel_for,
+    real_linear,
+    select_gemm,
+    weight_operand,
+)
+
+SPEC = get_spec("fp8_block")
+CPU, H200, A100 = DeviceInfo("cpu"), DeviceInfo("cuda", (9, 0)), DeviceInfo("cuda", (8, 0))
+
+
+def _act(x, group_size, column_major_scales=False, **_):
+    m, k = x.shape
+    g = x.float().view(m, k // group_size, group_size)
+    a = g.abs().amax(-1, keepdim=True).clamp_min(1e-10)
+    q = cast_e4m3(g * (FP8_E4M3_MAX / a)).view(m, k)
+    s = (a * (1.0 / FP8_E4M3_MAX)).view(m, k // group_size)
+    return q, (s.t().contiguous().t() if column_major_scales else s)
+
+
+def _gemm(a, b, a_s, b_s, block_size, output_dtype=torch.float16):
+    bn, bk = block_size
+    (m, k), n = a.shape, b.shape[0]
+    acc = torch.zeros(m, n)
+    sw = b_s.repeat_interleave(bn, 0)[:n]  # [N, K/bk]
+    for kb in range(k // bk):
+        cols = slice(kb * bk, (kb + 1) * bk)
+        acc += (a[:, cols].float() @ b[:, cols].float().t()) * a_s[:, kb:kb + 1] * sw[:, kb]
+    return acc.to(output_dtype)
+
+
+@pytest.fixture
+def sglang(monkeypatch):
+    """The stand-in SGLang module (records ``calls``), found by ``block_gemm``'s import."""
+    mod = types.ModuleType(block_gemm.MODULES[0])
+    mod.calls = []
+
+    def quant(x, group_size, **kw):
+        mod.calls.append(("quant", x, group_size, kw))
+        return _act(x, group_size, **kw)
+
+    def matmul(a, b, a_s, b_s, block_size, output_dtype=torch.float16):
+        mod.calls.append(("gemm", a, b, a_s, b_s, list(block_size), output_dtype))
+        return _gemm(a, b, a_s, b_s, block_size, output_dtype)
+
+    mod.per_token_group_quant_fp8, mod.w8a8_block_fp8_matmul_triton = quant, matmul
+    monkeypatch.setitem(sys.modules, block_gemm.MODULES[0], mod)
+    block_gemm._load.cache_clear()
+    yield mod
+    block_gemm._load.cache_clear()
+
+
+@pytest.fixture
+def no_sglang(monkeypatch):
+    for name in block_gemm.MODULES:
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    block_gemm._load.cache_clear()
+    yield
+    block_gemm._load.cache_clear()
+
+
+def _operands(m=12, k=384, n=200, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * (1 + 4 * torch.rand(m, 1, generator=g))).to(dtype)
+    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1).to(dtype)
+    x[3] = 0  # an all-zero token
+    return x, w
+
+
+def test_selection_follows_the_import(sglang):
+    assert select_gemm(SPEC, H200, "auto").gemm == "real"
+    assert select_gemm(SPEC, H200, "real").gemm == "real"
+    assert "SGLang" in select_gemm(SPEC, H200, "auto").reason
+    assert select_gemm(SPEC, A100, "auto").gemm == "fake"  # no FP8 tensor cores
+    assert select_gemm(SPEC, CPU, "auto").gemm == "fake"
+    assert select_gemm(SPEC, H200, "fake").gemm == "fake"
+    with pytest.raises(ValueError, match=f"{FLAG} real: fp8_block: .*CUDA"):
+        select_gemm(SPEC, CPU, "real")
+
+
+def test_selection_without_sglang(no_sglang):
+    choice = select_gemm(SPEC, H200, "auto")
+    assert choice.gemm == "fake" and "not importable" in choice.reason
+    with pytest.raises(ValueError, match=f"^{FLAG} real: fp8_block: needs SGLang's block-FP8 "
+                                         "kernels, not importable .*; use"):
+        select_gemm(SPEC, H200, "real")
+    from megatron_qrl.te_quant import AlignedForwardState
+
+    with pytest.raises(ValueError, match=f"{FLAG} real: .*not importable"):
+        AlignedForwardState("fp8_block", gemm="real")
+
+
+def test_calls_are_sglangs_linear(sglang):
+    """The two calls of SGLang's ``triton_w8a8_block_fp8_linear``: the activation quantizer on
+    the contiguous 2-D input, groups of 128, row-major scales; the GEMM on the spec's weight
+    codes and ``weight_scale_inv`` (what the sync sends), block [128, 128], output in x's dtype."""
+    x, w = _operands()
+    q = SPEC.quantize_weight(w)
+    x3 = x.view(3, 4, -1).transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous 3-D
+    y = real_linear(x3, w, weight_operand(SPEC, w), SPEC)
+    assert y.shape == (3, 4, w.shape[0]) and y.dtype == x.dtype
+    (_, xa, group, kw), (_, a, b, a_s, b_s, block, out) = sglang.calls
+    assert xa.shape == (12, 384) and xa.is_contiguous() and group == 128
+    assert kw == {"column_major_scales": False}
+    assert torch.equal(xa, x3.reshape(12, 384))
+    assert a.dtype == torch.float8_e4m3fn and a_s.shape == (12, 3) and a_s.stride() == (3, 1)
+    assert torch.equal(b.view(torch.uint8), q.codes.view(torch.uint8)) and b.is_contiguous()
+    assert b_s.shape == (2, 3) and torch.equal(b_s, q.scale)  # [ceil(N/128), K/128]
+    assert block == [128, 128] and out == torch.bfloat16
+
+
+def test_forward_and_gradients(sglang):
+    """Forward: the fake path's value up to BF16 rounding of its operands and output (the
+    bound of tests/te_quant/test_real_gemm.py); backward: dx, dW bit-equal the fake path's
+    straight-through gradients."""
+    x, w = _operands(seed=1)
+    g = torch.randn(x.shape[0], w.shape[0]).to(x.dtype)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    real = real_linear(xr, wr, weight_operand(SPEC, w), SPEC)
+    real.backward(g)
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fake = SPEC.fake_quant_activation(xf) @ SPEC.fake_quant_weight(wf).t()
+    fake.backward(g)
+    a = SPEC.fake_quant_activation(x).float().abs() @ SPEC.quantize_dequantize(w).float().abs().t()
+    bound = 2.0 ** -8 * (1 + 2.0 ** -8) * a + 2.0 ** -8 * fake.detach().float().abs() \
+        + x.shape[1] * 2.0 ** -24 * a
+    assert ((real.detach().float() - fake.detach().float()).abs() <= bound).all()
+    assert torch.equal(xr.grad, xf.grad) and torch.equal(wr.grad, wf.grad)
+
+
+def test_sync_codes_are_the_engines(sglang):
+    """A fused q/k/v weight (head_dim 128): the real GEMM's cached operand, split into its HF
+    components, is each component's own quantization (codes and ``weight_scale_inv``)."""
+    from megatron_qrl.te_quant.qcodes import real_codes
+    from megatron_qrl.te_quant.shard_quant import FusionLayout
+
+    layout = FusionLayout("qkv", heads_per_group=2, head_dim=128)
+    _, w = _operands(n=2 * 4 * 128, k=256, seed=2)
+    got = real_codes(SPEC, weight_operand(SPEC, w, layout=layout), layout, w.dtype)
+    want = [SPEC.quantize_weight(p) for p in layout.split(w)]
+    assert [tuple(q.scale.shape) for q in got] == [(4, 2), (2, 2), (2, 2)]
+    for a, b in zip(got, want):
+        assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+        assert torch.equal(a.scale, b.scale)
+
+
+def test_blocks_straddling_fused_components_refused():
+    from megatron_qrl.te_quant.shard_quant import FusionLayout
+
+    with pytest.raises(ValueError, match=f"{FLAG} real: fp8_block linear_qkv: .*64 rows"):
+        check_block_layout(SPEC, 4 * 64, FusionLayout("qkv", 2, 64), "linear_qkv")
+    with pytest.raises(ValueError, match="gate_up segment of 192 rows"):
+        check_block_layout(SPEC, 384, FusionLayout("gate_up"), "linear_fc1")
+    check_block_layout(SPEC, 512, FusionLayout("gate_up"), "linear_fc1")
+    check_block_layout(get_spec("fp8"), 384, FusionLayout("gate_up"), "linear_fc1")
+
+
+def test_experts_keep_the_fake_path(sglang):
+    from megatron_qrl.te_quant import AlignedForwardState
+
+    state = AlignedForwardState("fp8_block", gemm="real")
+    assert [state.gemm_for(k) for k in ("attention", "mlp", "experts")] == \
+        ["real", "real", "fake"]
+    assert AlignedForwardState("fp8", gemm="real").gemm_for("experts") == "real"
+    x, w = _operands()
+    with pytest.raises(ValueError, match="fused-MoE block-FP8 kernel is not wired"):
+        grouped_real_linear(x, [w.unsqueeze(0)], weight_operand(SPEC, w), SPEC, [12])
+    assert kernel_for(SPEC).keywords == {"block": (128, 128)}
