@@ -185,3 +185,94 @@ def test_model_real_runs_the_low_bit_kernels(megatron, kind, fmt):
     assert "_scaled_mm" in names if fmt == "fp8" else "_int_mm" in names
     if kind == "moe" and fmt == "fp8" and torch.cuda.get_device_capability()[0] == 9:
         assert "_scaled_grouped_mm" in names
+
+
+# ---- fp8_block: SGLang's own block-FP8 kernels (te_quant.block_gemm) --------------------------
+BLOCK = get_spec("fp8_block")
+
+
+def _block_or_skip():
+    choice = select_gemm(BLOCK, device_info(), "auto")
+    if choice.gemm != "real":
+        pytest.skip(f"fp8_block real GEMM not here: {choice.reason}")
+
+
+def _same_codes_fake(xq, xs, qw):
+    """The fake path's BF16 GEMM of the same codes (dequantized operands, fp32 reductions)."""
+    from megatron_qrl.te_quant.block_gemm import dequantize_groups
+
+    return dequantize_groups(xq, xs, torch.bfloat16) @ qw.dequantize(BLOCK, torch.bfloat16).t()
+
+
+@pytest.mark.parametrize("shape", [(512, 2560, 1024), (16, 384, 200), (1, 2048, 6144)])
+def test_block_kernel_vs_fake_on_the_same_codes(shape):
+    """SGLang's Triton block GEMM vs the fake path's BF16 GEMM of the same codes: within the
+    bound of the per-channel kernels (BF16 rounding of the dequantized operands and of the
+    output, fp32 sums); weight codes / ``weight_scale_inv`` equal the CPU quantizer's."""
+    _block_or_skip()
+    x, w = _operands(*shape)
+    qw = weight_operand(BLOCK, w)
+    cpu = BLOCK.quantize_weight(w.cpu())
+    assert torch.equal(qw.codes.cpu().view(torch.int8), cpu.codes.view(torch.int8))
+    assert torch.equal(qw.scale.cpu(), cpu.scale)
+    assert qw.scale.shape == (-(-shape[2] // 128), shape[1] // 128)
+    xq, xs = activation_operand(BLOCK, x)
+    real = kernel_for(BLOCK)(xq, xs, qw.codes, qw.scale, torch.bfloat16)
+    fake = _same_codes_fake(xq, xs, qw)
+    a = (xq.double() * xs.double().repeat_interleave(128, 1)).abs() @ \
+        qw.dequantize(BLOCK, torch.float32).double().abs().t()
+    bound = (2.0 ** -8 * (1 + 2.0 ** -8) + shape[1] * 2.0 ** -24) * a \
+        + 2.0 ** -8 * fake.double().abs()
+    err = (real.double() - fake.double()).abs()
+    print(f"\nfp8_block {shape}: max |real - fake| {err.max().item():.3g}, max err / bound "
+          f"{(err / bound.clamp_min(1e-30)).max().item():.3f}, bit-equal "
+          f"{(err == 0).double().mean().item():.4f}")
+    assert (err <= bound).all()
+
+
+def test_block_activation_codes_equal_the_spec():
+    """SGLang's ``per_token_group_quant_fp8`` equals fp8_block's fake activation quantizer
+    (the format's docstring: ``e4m3(x * (448 / a))``, scale ``a * (1 / 448)``) bit for bit;
+    the fraction of differing codes is printed where not."""
+    _block_or_skip()
+    x, _ = _operands(4096, 2048, 128, seed=3)
+    x[5] = 0
+    xq, xs = activation_operand(BLOCK, x)
+    want = BLOCK.fake_quant_activation(x)
+    from megatron_qrl.te_quant.block_gemm import dequantize_groups
+
+    got = dequantize_groups(xq, xs, x.dtype)
+    print(f"\nfp8_block activations: SGLang vs spec differ in "
+          f"{(got != want).double().mean().item():.2e} of elements")
+    assert torch.equal(got, want)
+
+
+def test_block_gradients_equal_the_fake_path():
+    """dx and dW bit-equal the fake path's straight-through gradients (the dequantized
+    operands of the same codes)."""
+    _block_or_skip()
+    x, w = _operands(256, 1024, 512, seed=1)
+    g = torch.randn(256, 512, device="cuda").bfloat16()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    real_linear(xr, wr, weight_operand(BLOCK, w), BLOCK).backward(g)
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (BLOCK.fake_quant_activation(xf) @ BLOCK.fake_quant_weight(wf).t()).backward(g)
+    assert torch.equal(xr.grad, xf.grad) and torch.equal(wr.grad, wf.grad)
+
+
+@pytest.mark.parametrize("shape", [(512, 2560, 1024), (3, 384, 200)])
+def test_block_equals_sglangs_own_linear(shape):
+    """The real forward vs SGLang's ``triton_w8a8_block_fp8_linear`` (its FP8 block linear with
+    DeepGEMM off) on the same weight codes and ``weight_scale_inv``: bit-equal, the same two
+    kernels on the same inputs."""
+    _block_or_skip()
+    from sglang.srt.layers.quantization.fp8_utils import triton_w8a8_block_fp8_linear
+
+    m, k, n = shape
+    x, w = _operands(2 * m, k, n, seed=4)
+    x = x.view(2, m, k)
+    qw = weight_operand(BLOCK, w)
+    ours = real_linear(x, w, qw, BLOCK)
+    theirs = triton_w8a8_block_fp8_linear(x, qw.codes, [128, 128], qw.scale)
+    assert ours.shape == theirs.shape == (2, m, n) and ours.dtype == theirs.dtype
+    assert torch.equal(ours, theirs)

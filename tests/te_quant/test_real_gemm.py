@@ -43,6 +43,15 @@ REAL = ("fp8", "int8")
 CPU, H200, A100 = DeviceInfo("cpu"), DeviceInfo("cuda", (9, 0)), DeviceInfo("cuda", (8, 0))
 
 
+@pytest.fixture
+def no_engine_kernels(monkeypatch):
+    """This process without SGLang (fp8_block's real GEMM is SGLang's; with it:
+    tests/te_quant/test_block_gemm.py)."""
+    from megatron_qrl.te_quant import real_gemm
+
+    monkeypatch.setattr(real_gemm, "engine_kernels", lambda: (False, "not installed"))
+
+
 @pytest.mark.parametrize("fmt,device,mode,want", [
     ("fp8", CPU, "auto", "fake"), ("int8", CPU, "auto", "fake"),
     ("fp8", H200, "auto", "real"), ("int8", H200, "auto", "real"),
@@ -51,13 +60,13 @@ CPU, H200, A100 = DeviceInfo("cpu"), DeviceInfo("cuda", (9, 0)), DeviceInfo("cud
     ("nvfp4", H200, "auto", "fake"), ("bf16", H200, "auto", "fake"),
     ("fp8", H200, "fake", "fake"), ("fp8", CPU, "real", "real"), ("int8", CPU, "real", "real"),
 ])
-def test_selection_table(fmt, device, mode, want):
+def test_selection_table(no_engine_kernels, fmt, device, mode, want):
     assert select_gemm(get_spec(fmt), device, mode).gemm == want
 
 
 @pytest.mark.parametrize("fmt,device", [("fp8_block", H200), ("w4a16", H200), ("nvfp4", H200),
                                         ("fp8", A100), ("bf16", CPU)])
-def test_real_refused_where_no_kernel_names_the_flag(fmt, device):
+def test_real_refused_where_no_kernel_names_the_flag(no_engine_kernels, fmt, device):
     with pytest.raises(ValueError, match="--qrl-train-aligned-gemm real"):
         select_gemm(get_spec(fmt), device, "real")
 
