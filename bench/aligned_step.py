@@ -23,7 +23,8 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
   quantization's gain, measured side by side;
 - ``aligned:FMT:real``: the same aligned model running the real low-bit GEMM on the spec's
   codes and scales (``--qrl-train-aligned-gemm real``, ``te_quant.real_gemm``: fp8
-  ``torch._scaled_mm``, int8 ``torch._int_mm``; ``--real FMTS``), same forward up to rounding;
+  ``torch._scaled_mm``, int8 ``torch._int_mm``, fp8_block SGLang's own Triton block GEMM, its
+  experts fake; ``--real FMTS``), same forward up to rounding;
   its operands (per-token activation codes, the backward's dequantized operands) and the
   once-per-step weight codes come from the fused Triton kernels where they run
   (``QRL_QUANT_IMPL`` auto: CUDA);
@@ -88,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the path before stacking (comma separated)")
     p.add_argument("--real", default="",
                    help="comma-separated formats (in --formats) also timed with the real low-bit "
-                        "GEMM (aligned:FMT:real); fp8 needs CUDA sm >= 89, int8 CUDA (or the CPU)")
+                        "GEMM (aligned:FMT:real); fp8 needs CUDA sm >= 89, int8 CUDA (or the CPU), "
+                        "fp8_block CUDA sm >= 89 with SGLang importable")
     p.add_argument("--real-torch-operands", action="store_true",
                    help="also time each --real format with the torch operand code instead of "
                         "the fused Triton kernels (aligned:FMT:real:torch, QRL_QUANT_IMPL=torch)")

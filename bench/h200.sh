@@ -305,7 +305,12 @@ case $phase in
     [ "${TE:-0}" = 1 ] && te_env
     python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
       ${LAYERS:+--layers $LAYERS} --formats fp8,int8 --real fp8,int8 --real-torch-operands --plain-model no --no-te-variants \
-      --warmup 2 --rounds 5 --out "$OUT/fp8_trainer.jsonl" 2>&1 | grep -E "^\||note|device|Error" ;;
+      --warmup 2 --rounds 5 --out "$OUT/fp8_trainer.jsonl" 2>&1 | grep -E "^\||note|device|Error"
+    # fp8_block's real GEMM is SGLang's own (its site must import): its own run, so that a
+    # missing SGLang costs only these rows
+    python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
+      ${LAYERS:+--layers $LAYERS} --formats fp8_block --real fp8_block --plain-model no --no-te-variants \
+      --warmup 2 --rounds 5 --out "$OUT/fp8_trainer_block.jsonl" 2>&1 | grep -E "^\||note|device|Error" ;;
   te-part)
     mkdir -p /tmp/te && cp .stage/te${2:?part number}/part* /tmp/te/ && ls -la /tmp/te ;;
   te-build)
