@@ -14,7 +14,9 @@ Mutations these tests catch (each run, then restored):
 - ``_real_support`` skipping the SGLang import check -> test_selection_follows_the_import;
 - ``dequantize_activation`` using per-row ``dequantize_rows`` -> test_forward_and_gradients;
 - ``real_codes`` splitting block scales with the codes' layout -> test_sync_codes_are_the_engines;
-- ``gemm_for`` returning ``gemm`` for experts -> test_experts_keep_the_fake_path.
+- ``gemm_for`` returning ``gemm`` for experts -> test_experts_keep_the_fake_path;
+- the dense linears' forward testing ``state.gemm`` instead of ``gemm_for`` ->
+  test_model_real_equals_fake[moe] (the experts' linears run the block GEMM).
 """
 
 from __future__ import annotations
@@ -200,3 +202,29 @@ def test_experts_keep_the_fake_path(sglang):
     with pytest.raises(ValueError, match="fused-MoE block-FP8 kernel is not wired"):
         grouped_real_linear(x, [w.unsqueeze(0)], weight_operand(SPEC, w), SPEC, [12])
     assert kernel_for(SPEC).keywords == {"block": (128, 128)}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "te-dense", "te-moe"])
+def test_model_real_equals_fake(sglang, megatron, kind):
+    """FP32 tiny Qwen3 / Qwen3-MoE (head_dim 128, hidden 256: whole blocks; local and TE
+    spec): real == fake logits to 1e-4 up to rounding-boundary flips, the dense linears'
+    caches hold the codes and ran SGLang's GEMM, the experts' stay on the fake path."""
+    from megatron_qrl.te_quant.real_gemm import RealWeight
+    from tests.helpers.te_quant_fixtures import FLIP_BATCH, assert_close_up_to_flips, ids
+    from tests.te_quant.test_real_gemm import _logits, _model
+
+    state, model = _model(kind, "fp8_block")
+    x = ids(**FLIP_BATCH)
+    fake = _logits(model, x)
+    state.gemm = "real"
+    state.mark_weights_updated()
+    real = _logits(model, x)
+    assert_close_up_to_flips(real, fake, f"{kind} fp8_block real vs fake", 1e-4)
+    caches = {n: m._qrl_cache[1] for n, m in model.named_modules()
+              if getattr(m, "_qrl_cache", None)}
+    on_real = {n for n, c in caches.items() if isinstance(c, RealWeight)}
+    assert on_real and not any("experts" in n for n in on_real)
+    assert any("linear_qkv" in n for n in on_real) and any("linear_proj" in n for n in on_real)
+    assert any(c[0] == "gemm" for c in sglang.calls)
+    if kind.endswith("moe"):
+        assert any("experts" in n for n in caches.keys() - on_real)
