@@ -16,7 +16,7 @@ Mutations these tests catch (each run, then restored):
 - ``real_codes`` splitting block scales with the codes' layout -> test_sync_codes_are_the_engines;
 - ``gemm_for`` returning ``gemm`` for experts -> test_experts_keep_the_fake_path;
 - the dense linears' forward testing ``state.gemm`` instead of ``gemm_for`` ->
-  test_model_real_equals_fake[moe] (the experts' linears run the block GEMM).
+  test_model_real_equals_fake[moe-sequential] (the experts' linears run the block GEMM).
 """
 
 from __future__ import annotations
@@ -204,7 +204,17 @@ def test_experts_keep_the_fake_path(sglang):
     assert kernel_for(SPEC).keywords == {"block": (128, 128)}
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "te-dense", "te-moe"])
+def _sequential_moe():
+    """The local spec's MoE without the stacked-experts hook: one aligned linear per expert."""
+    from megatron_qrl.te_quant import AlignedForwardState, aligned_spec_hook
+    from tests.helpers.te_quant_fixtures import build, hf_state, tiny_hf
+
+    hf, arch = tiny_hf("moe")
+    state = AlignedForwardState("fp8_block")
+    return state, build(arch, hf_state(hf), aligned_spec_hook(state))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe-sequential", "te-dense", "te-moe"])
 def test_model_real_equals_fake(sglang, megatron, kind):
     """FP32 tiny Qwen3 / Qwen3-MoE (head_dim 128, hidden 256: whole blocks; local and TE
     spec): real == fake logits to 1e-4 up to rounding-boundary flips, the dense linears'
@@ -213,7 +223,7 @@ def test_model_real_equals_fake(sglang, megatron, kind):
     from tests.helpers.te_quant_fixtures import FLIP_BATCH, assert_close_up_to_flips, ids
     from tests.te_quant.test_real_gemm import _logits, _model
 
-    state, model = _model(kind, "fp8_block")
+    state, model = _sequential_moe() if kind == "moe-sequential" else _model(kind, "fp8_block")
     x = ids(**FLIP_BATCH)
     fake = _logits(model, x)
     state.gemm = "real"
@@ -226,5 +236,5 @@ def test_model_real_equals_fake(sglang, megatron, kind):
     assert on_real and not any("experts" in n for n in on_real)
     assert any("linear_qkv" in n for n in on_real) and any("linear_proj" in n for n in on_real)
     assert any(c[0] == "gemm" for c in sglang.calls)
-    if kind.endswith("moe"):
+    if "moe" in kind:
         assert any("experts" in n for n in caches.keys() - on_real)
