@@ -30,7 +30,19 @@ CASES = [
     ("fp8", "real", "moe", "stacked"), ("fp8_block", "fake", "moe", "stacked"),
     ("int8", "fake", "moe", "grouped"),
     ("nvfp4", "fake", "dense", None), ("nvfp4", "fake", "moe", "stacked"),
+    # fp8_block's real GEMM (SGLang's kernels, the CPU stand-in): dense linears hold codes,
+    # the experts stay on the fake path with kept codes
+    ("fp8_block", "real", "dense", None), ("fp8_block", "real", "moe", "stacked"),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_block_kernels():
+    """fp8_block's real GEMM needs SGLang's kernels: the CPU stand-in for this module."""
+    from tests.helpers.sglang_block_standin import sglang_standin
+
+    with sglang_standin() as mod:
+        yield mod
 
 
 class Job:

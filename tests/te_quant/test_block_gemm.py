@@ -1,12 +1,9 @@
 """fp8_block's real GEMM (SGLang's own block-FP8 kernels) on the CPU: selection, call, maths.
 
 SGLang's kernels are CUDA Triton kernels and SGLang is not installed here, so a stand-in
-module takes the place of ``sglang.kernels.ops.quantization.fp8_kernel``: it records every
-call and computes what SGLang's kernels compute, in torch (``per_token_group_quant_fp8``:
-``a = max(amax_group, 1e-10)``, ``e4m3(x * (448 / a))``, scale ``a * (1 / 448)``;
-``w8a8_block_fp8_matmul_triton``: fp32 ``sum_kb (qx_kb @ qw_kb^T) * sx[:, kb] * sw[nb, kb]``,
-one rounding to the output dtype; DeepSeek-V3 report sec. 3.3.2). The real kernels on the
-H200 against the same checks and against SGLang's own linear: tests/gpu/test_real_gemm.py.
+module (:mod:`tests.helpers.sglang_block_standin`) records every call and computes what
+SGLang's kernels compute, in torch. The real kernels on the H200 against the same checks and
+against SGLang's own linear: tests/gpu/test_real_gemm.py.
 
 Mutations these tests catch (each run, then restored):
 - ``column_major_scales=True`` in ``quantize_act_groups`` -> test_calls_are_sglangs_linear;
@@ -22,13 +19,11 @@ Mutations these tests catch (each run, then restored):
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 
 from megatron_qrl.quant import get_spec
-from megatron_qrl.quant.numerics import FP8_E4M3_MAX, cast_e4m3
 from megatron_qrl.te_quant import block_gemm
 from megatron_qrl.te_quant.real_gemm import (
     FLAG,
@@ -40,50 +35,17 @@ from megatron_qrl.te_quant.real_gemm import (
     select_gemm,
     weight_operand,
 )
+from tests.helpers.sglang_block_standin import sglang_standin
 
 SPEC = get_spec("fp8_block")
 CPU, H200, A100 = DeviceInfo("cpu"), DeviceInfo("cuda", (9, 0)), DeviceInfo("cuda", (8, 0))
 
 
-def _act(x, group_size, column_major_scales=False, **_):
-    m, k = x.shape
-    g = x.float().view(m, k // group_size, group_size)
-    a = g.abs().amax(-1, keepdim=True).clamp_min(1e-10)
-    q = cast_e4m3(g * (FP8_E4M3_MAX / a)).view(m, k)
-    s = (a * (1.0 / FP8_E4M3_MAX)).view(m, k // group_size)
-    return q, (s.t().contiguous().t() if column_major_scales else s)
-
-
-def _gemm(a, b, a_s, b_s, block_size, output_dtype=torch.float16):
-    bn, bk = block_size
-    (m, k), n = a.shape, b.shape[0]
-    acc = torch.zeros(m, n)
-    sw = b_s.repeat_interleave(bn, 0)[:n]  # [N, K/bk]
-    for kb in range(k // bk):
-        cols = slice(kb * bk, (kb + 1) * bk)
-        acc += (a[:, cols].float() @ b[:, cols].float().t()) * a_s[:, kb:kb + 1] * sw[:, kb]
-    return acc.to(output_dtype)
-
-
 @pytest.fixture
-def sglang(monkeypatch):
-    """The stand-in SGLang module (records ``calls``), found by ``block_gemm``'s import."""
-    mod = types.ModuleType(block_gemm.MODULES[0])
-    mod.calls = []
-
-    def quant(x, group_size, **kw):
-        mod.calls.append(("quant", x, group_size, kw))
-        return _act(x, group_size, **kw)
-
-    def matmul(a, b, a_s, b_s, block_size, output_dtype=torch.float16):
-        mod.calls.append(("gemm", a, b, a_s, b_s, list(block_size), output_dtype))
-        return _gemm(a, b, a_s, b_s, block_size, output_dtype)
-
-    mod.per_token_group_quant_fp8, mod.w8a8_block_fp8_matmul_triton = quant, matmul
-    monkeypatch.setitem(sys.modules, block_gemm.MODULES[0], mod)
-    block_gemm._load.cache_clear()
-    yield mod
-    block_gemm._load.cache_clear()
+def sglang():
+    """The stand-in SGLang module (records ``calls``)."""
+    with sglang_standin() as mod:
+        yield mod
 
 
 @pytest.fixture
