@@ -90,11 +90,20 @@ class RoutingReplay:
         self.recorded = {}
 
     def _check(self, ids: torch.Tensor) -> None:
+        """Shape and dtype; the values too where that costs no device sync (host ids). The
+        trainer checks a batch's ids on the host before they move to the GPU
+        (:meth:`check_values`, ``PolicyTrainer``), so a micro batch's forward never waits."""
         if ids.dim() != 3 or (self.top_k and ids.shape[2] != self.top_k):
             raise ValueError(f"routing replay: expert ids must be [tokens, num_moe_layers, top_k="
                              f"{self.top_k}], got {tuple(ids.shape)}")
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise TypeError(f"routing replay: expert ids must be integers, got {ids.dtype}")
+        if ids.device.type == "cpu":
+            self.check_values(ids)
+
+    def check_values(self, ids: torch.Tensor) -> None:
+        """Raise if an expert id is outside ``[0, num_experts)`` (reads ``ids``: on a device
+        tensor this waits for the device)."""
         if self.num_experts and bool(((ids < 0) | (ids >= self.num_experts)).any()):
             raise ValueError(f"routing replay: expert ids outside [0, {self.num_experts})")
 

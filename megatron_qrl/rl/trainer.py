@@ -236,6 +236,10 @@ class PolicyTrainer:
         b, s = microbatches[0]["tokens"].shape if self.stage is None else \
             uniform_shape(microbatches)  # the schedule's one activation shape
         replay, pack = self.policy.plan.replay, self.pack_multiple()
+        if replay is not None:  # on the host, before the micro batches move to the device
+            for mb in microbatches:
+                if mb.get("routed_experts") is not None:  # -1: never routed (replay_ids)
+                    replay.check_values(mb["routed_experts"].clamp_min(0))
         ctx = replay.use(None, "recompute" if forward_only else "update") \
             if replay is not None else contextlib.nullcontext()
         with ctx:

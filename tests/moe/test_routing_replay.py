@@ -192,3 +192,28 @@ def test_fused_router_replays_unfused_and_runs_fused_otherwise():
             arch, replay, model = _replay_model("all", moe_router_fusion=True)
             with pytest.raises(ValueError, match="fused_topk_with_score_function"):
                 model(x, pos, attention_mask=None)
+
+
+def test_replay_ids_are_range_checked_on_the_host_only():
+    """Host ids are range-checked where they are set; device ids are not read there (a check
+    of their values would wait for the device once per micro batch): the trainer checks a
+    batch's ids on the host before its micro batches move (``PolicyTrainer._run``). A meta
+    tensor stands in for device ids: reading its values raises."""
+    from types import SimpleNamespace as NS
+
+    from megatron_qrl.moe import RoutingReplay
+    from megatron_qrl.rl.trainer import PolicyTrainer
+
+    replay = RoutingReplay("all", num_experts=4, top_k=2)
+    bad = torch.tensor([[[0, 4]], [[1, 2]]])
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"), replay.use(bad, "update"):
+        pass
+    with replay.use(torch.empty(2, 1, 2, dtype=torch.long, device="meta"), "update"):
+        assert replay.active  # set without reading the values
+    trainer = NS(stage=None, pack_multiple=lambda: None,
+                 policy=NS(plan=NS(replay=replay, kv=None), config=None))
+    mb = {"tokens": torch.zeros(1, 2, dtype=torch.long),
+          "routed_experts": torch.tensor([[[[0, 1]], [[-1, -1]]]])}  # -1: never routed
+    bad_mb = {**mb, "routed_experts": torch.tensor([[[[0, 1]], [[5, 1]]]])}
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        PolicyTrainer._run(trainer, [mb, bad_mb], loss_fn=None, forward_only=True)
