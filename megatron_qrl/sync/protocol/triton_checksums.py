@@ -67,8 +67,10 @@ def segment_sums(words: torch.Tensor, starts: list[int], lengths: list[int],
     seg = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), blocks)
     first_block = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
     table = torch.stack([seg, (torch.arange(total, dtype=torch.int64) - first_block) * chunk], 1)
-    dev = words.device
+    # one host-to-device copy (each waits for the device) for the table, starts and lengths
+    meta = torch.cat([table.reshape(-1), torch.tensor(starts, dtype=torch.int64), lens])
+    meta = meta.to(words.device)
     _segment_sums_kernel[(total,)](
-        words, table.to(dev), torch.tensor(starts, dtype=torch.int64).to(dev), lens.to(dev),
+        words, meta[:2 * total], meta[2 * total:2 * total + n], meta[2 * total + n:],
         out, BLOCK=BLOCK, ITERS=ITERS, MOD=mod)
     return out
