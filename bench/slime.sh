@@ -5,14 +5,15 @@
 # bench/stage_slime_sglang.sh (.stage/slime_sg1 26.4 MiB: SGLang 0.5.15.post1 with slime's
 # patches, the SGLang slime 0.3.1's image runs); TE (te-part 1..5 + te-load) and Ray
 # (ray-part 1..2 + ray-install) as bench/README.md says.
-#   slime-part N     copy .stage/slimeN (N = 1, 2) to /tmp/slime_stage (carry .stage/slimeN
+#   slime-part N     copy .stage/slimeN (N = 1, 2, 3) to /tmp/slime_stage (carry .stage/slimeN
 #                    with .stage/recipe .stage/stub)
 #   slime-sg-part N  copy .stage/slime_sgN (N = 1.. as many parts as the staging printed) to
 #                    /tmp/slime_stage/sg
 #   slime-sg-install join and check the parts (SHA256SUMS), unpack to /tmp/sg515_site, check
 #                    that SGLang 0.5.15.post1 is the one imported and its engine modules import
 #   slime-install    check the sums, unpack slime's repository to /tmp/slime and the patched
-#                    Megatron-LM tree to /tmp/mlm, the wheels to /tmp/slime_site; then slime's
+#                    Megatron-LM tree to /tmp/mlm, the wheels to /tmp/slime_site, the pins of
+#                    slime's image (numpy 1.26.4, scipy 1.17.1) to /tmp/slime_pins; then slime's
 #                    own parse_args with our flags (the launcher test that skips on CPU)
 #   slime-env        which SGLang and Megatron the slime phases import, and the PYTHONPATH
 #   slime-ckpt       the random Qwen3-4B shape (${LAYERS:-8} layers) + prompts, and its
@@ -21,15 +22,18 @@
 #                    -> $OUT/slime_<tag>.log (its header names the SGLang) and the per-rollout
 #                    lines (times, reward, mismatch)
 # Every slime phase puts the patched Megatron-LM tree first (its megatron.core replaces the
-# 0.16.1 wheel for slime, as in slime's image), then /tmp/sg515_site when slime-sg-install has
+# 0.16.1 wheel for slime, as in slime's image), then slime's pins (its Megatron init asserts
+# numpy 1.x; the image's numpy 2.5 would fail it), then /tmp/sg515_site when slime-sg-install has
 # made it (SG515=0: the 0.5.17 site alone, where slime's SGLang engine fails on the read-only
 # ServerArgs), then the 0.5.17 site, slime's repository, and the wheels last (the image's own
 # packages win).
 SLIME_SITE=/tmp/slime_site SG515_SITE=${SG515_SITE:-/tmp/sg515_site}
+SLIME_PINS=${SLIME_PINS:-/tmp/slime_pins}
 slime_path() {  # the slime phases' PYTHONPATH (again after slime-sg-install made the site)
-  local sg=""
+  local sg="" pins=""
+  [ -f "$SLIME_PINS/.ok" ] && pins=$SLIME_PINS:
   [ "${SG515:-1}" = 1 ] && [ -f "$SG515_SITE/.ok" ] && sg=$SG515_SITE:
-  export PYTHONPATH=/tmp/mlm:$sg$BASE_PYTHONPATH:/tmp/slime:$SLIME_SITE SLIME_SRC=/tmp/slime
+  export PYTHONPATH=/tmp/mlm:$pins$sg$BASE_PYTHONPATH:/tmp/slime:$SLIME_SITE SLIME_SRC=/tmp/slime
 }
 sglang_used() {  # "SGLang VERSION from DIR": what slime's processes import, without importing it
   python3 -c "import importlib.metadata as m, importlib.util as u
@@ -66,7 +70,12 @@ print('megatron from', list(s.submodule_search_locations) if s else None)" ;;
     tar xJf /tmp/slime_stage/slime1/src.tar.xz -C /tmp   # -> /tmp/slime, /tmp/mlm
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SLIME_SITE" \
       /tmp/slime_stage/slime1/*.whl /tmp/slime_stage/slime2/*.whl
-    du -sh /tmp/slime /tmp/mlm "$SLIME_SITE"
+    rm -rf "$SLIME_PINS" && python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target "$SLIME_PINS" /tmp/slime_stage/slime3/*.whl && touch "$SLIME_PINS/.ok" || exit 1
+    du -sh /tmp/slime /tmp/mlm "$SLIME_SITE" "$SLIME_PINS"
+    slime_path
+    python3 -c "import numpy, scipy; assert numpy.__version__.startswith('1.'), numpy.__file__
+print('numpy', numpy.__version__, 'scipy', scipy.__version__, 'from', numpy.__file__)" || exit 1
     te_env
     sglang_used
     python3 -c "import slime.utils.arguments, megatron.training.arguments, sglang_router, wandb, torch_memory_saver, sglang.srt.entrypoints.http_server; print('slime imports')" || exit 1

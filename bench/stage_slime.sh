@@ -6,13 +6,16 @@
 #                  slime imports that the SGLang site (.stage/s1) lacks, and soundfile (23.8 MiB)
 #   .stage/slime2  the two large wheels: wandb (slime imports it at start) and sglang-router
 #                  0.3.2 (slime's parse_args imports its RouterArgs)              (48.7 MiB)
+#   .stage/slime3  the pins slime's image installs over its base (docker/Dockerfile:
+#                  numpy 1.26.4, scipy 1.17.1): slime's Megatron init asserts numpy 1.x, the
+#                  H200 image has numpy 2.5; they go first on slime's path     (50.7 MiB)
 # bench/slime.sh (the slime-* phases of bench/h200.sh) unpacks them on the device.
 #
 #   SLIME_GIT=DIR MEGATRON_GIT=DIR bash bench/stage_slime.sh     (from the repo root)
 #
 # SLIME_GIT / MEGATRON_GIT: git directories holding slime's commit below and Megatron-LM's
 # pinned commit (e.g. the snapshots of THUDM/slime and NVIDIA/Megatron-LM the session's fetch
-# tool brings under /work/.mirror/). Measured: .stage/slime1 23.8 MiB, .stage/slime2 48.7 MiB.
+# tool brings under /work/.mirror/). Measured: .stage/slime1 23.8 MiB, .stage/slime2 48.7 MiB, .stage/slime3 50.7 MiB.
 set -euo pipefail
 SLIME_COMMIT=624b824a8        # slime 0.3.1 (setup.py version), shared/third_party/slime-0.3.1
 MEGATRON_COMMIT=1dcf0dafa884ad52ffb243625717a3471643e087  # slime's docker/Dockerfile ARG
@@ -36,13 +39,20 @@ P="--only-binary=:all: --python-version 3.12 --implementation cp --platform many
 SMALL="pylatexenc aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache sympy
    mpmath pillow platformdirs gitpython gitdb smmap sentry-sdk protobuf six einops typer rich
    shellingham markdown-it-py mdurl pygments pyyaml xxhash blake3 soundfile==0.13.1 cffi pycparser"
-mkdir -p "$work/w1" "$work/w2"
+# slime's docker/Dockerfile: `pip install "numpy==1.26.4" "scipy==1.17.1"` over the base image
+PINS="numpy==1.26.4 scipy==1.17.1"
+mkdir -p "$work/w1" "$work/w2" "$work/w3"
 # shellcheck disable=SC2086
 python3 -m pip download -q $P --no-deps -d "$work/w1" $SMALL
 # shellcheck disable=SC2086
 python3 -m pip download -q $P --no-deps -d "$work/w2" wandb sglang-router==0.3.2
-rm -rf "$STAGE/slime1" "$STAGE/slime2" && mkdir -p "$STAGE/slime1" "$STAGE/slime2"
+# shellcheck disable=SC2086
+python3 -m pip download -q $P --no-deps -d "$work/w3" $PINS
+rm -rf "$STAGE/slime1" "$STAGE/slime2" "$STAGE/slime3"
+mkdir -p "$STAGE/slime1" "$STAGE/slime2" "$STAGE/slime3"
 tar cf - -C "$work" slime mlm | xz -T0 -9 > "$STAGE/slime1/src.tar.xz"
 cp "$work"/w1/*.whl "$STAGE/slime1/" && cp "$work"/w2/*.whl "$STAGE/slime2/"
-(cd "$STAGE" && sha256sum slime1/* slime2/* > "$work/sums" && mv "$work/sums" slime1/SHA256SUMS)
-du -sh "$STAGE/slime1" "$STAGE/slime2"
+cp "$work"/w3/*.whl "$STAGE/slime3/"
+(cd "$STAGE" && sha256sum slime1/* slime2/* slime3/* > "$work/sums" \
+  && mv "$work/sums" slime1/SHA256SUMS)
+du -sh "$STAGE/slime1" "$STAGE/slime2" "$STAGE/slime3"
