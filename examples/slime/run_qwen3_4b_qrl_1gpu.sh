@@ -69,6 +69,10 @@ PERF_ARGS=(
    --use-dynamic-batch-size
    --max-tokens-per-gpu 8192
 )
+# Megatron fuses the weight-gradient accumulation with apex's CUDA extension by default;
+# without apex (the H200 image has none) it refuses to start, so turn the fusion off there.
+python3 -c "import fused_weight_gradient_mlp_cuda" 2>/dev/null \
+   || PERF_ARGS+=(--no-gradient-accumulation-fusion)
 
 GRPO_ARGS=(
    --advantage-estimator grpo
