@@ -4,11 +4,10 @@
 # rollouts: slime as its users run it, with megatron_qrl's flags (QRL=1, the default) or
 # without them (QRL=0: the baseline, slime's own PPO loss on the BF16 checkpoint).
 #
-# STATUS: NO RL STEP YET. On one H200 (2026-12-03, bench/h200.sh slime-*) the QRL=0 baseline
-# started (Ray, slime's Megatron init and HF load) and stopped when slime's SGLangEngine actor
-# assigned server_args.host, which SGLang 0.5.17 refuses (read-only ServerArgs); slime's own
-# SGLang 0.5.15.post1 + its patches is staged now (bench/stage_slime_sglang.sh) and not yet
-# run. On CPU its QRL_ARGS parse and pass the options' checks against the slime flags beside
+# STATUS: the QRL=0 baseline RAN as shipped on one H200 (2026-12-03, commit 1a18f9e, slime
+# 0.3.1 on SGLang 0.5.15.post1 with slime's patches, bench/h200.sh slime-*): 3 rollouts + 3
+# train steps, rc 0 (docs/SLIME.md has the step table). QRL=1 (our flags) has NOT run on a GPU
+# yet; on CPU its QRL_ARGS parse and pass the options' checks against the slime flags beside
 # them (tests/integrations/test_integrations_slime_examples.py).
 #
 # QRL=1 adds (docs/SLIME.md): fp8_block rollouts (--hf-checkpoint is the fp8_block export:

@@ -132,6 +132,24 @@ def test_slime_phases_import_the_0515_site_first_when_installed(tmp_path, sg515,
         assert entries.index(str(site515)) < entries.index(str(site517))
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_slime_pins_come_right_after_megatron_once_installed(tmp_path, pinned):
+    """slime's Megatron init asserts numpy 1.x: the pins of slime's image (numpy 1.26.4) must
+    come before every site holding the image's numpy 2, and only once slime-install made them."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    if pinned:
+        (pins / ".ok").write_text("")
+    site517 = _fake_site(tmp_path / "site", "0.5.17")
+    env = {**os.environ, "PYTHONPATH": str(site517), "SLIME_PINS": str(pins),
+           "SG515_SITE": str(tmp_path / "none"), "OUT": str(tmp_path / "out")}
+    r = _bash("phase=slime-env; source bench/slime.sh", env=env)
+    assert r.returncode == 0, r.stderr
+    path = next(line for line in r.stdout.splitlines() if line.startswith("PYTHONPATH="))
+    entries = path.removeprefix("PYTHONPATH=").split(":")
+    assert (entries[1] == str(pins)) == pinned and (str(pins) in entries) == pinned
+
+
 @pytest.mark.parametrize("script", ["parts.sh", "slime.sh", "stage_slime.sh", "stage_slime_sglang.sh"])
 def test_bench_slime_scripts_parse(script):
     r = subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], capture_output=True, text=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import shlex
 import subprocess
@@ -100,3 +101,19 @@ def test_1gpu_example_baseline_has_no_qrl_flags():
     for script in EXAMPLES.glob("*.sh"):
         proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert proc.returncode == 0, (script, proc.stderr)
+
+
+@pytest.mark.parametrize("apex", [False, True])
+def test_1gpu_example_turns_off_gradient_accumulation_fusion_without_apex(tmp_path, apex):
+    """Megatron refuses `gradient_accumulation_fusion` (its default) without apex's CUDA
+    extension, as slime's Megatron did on the H200 image; with apex the fusion stays on."""
+    text = (EXAMPLES / "run_qwen3_4b_qrl_1gpu.sh").read_text()
+    start = text.index("PERF_ARGS=(")
+    end = text.index("\n", text.index("|| PERF_ARGS+=", start))
+    if apex:
+        (tmp_path / "fused_weight_gradient_mlp_cuda.py").write_text("")
+    script = text[start:end] + '\nprintf "%s\\n" "${PERF_ARGS[@]}"\n'
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ("--no-gradient-accumulation-fusion" in r.stdout.split()) == (not apex)
