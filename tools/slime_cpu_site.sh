@@ -21,6 +21,9 @@
 # slime's two Megatron patches applied, comes from (first found):
 #   $MEGATRON_TRAINING_SRC, a folder holding megatron/training
 #   shared/third_party/megatron-lm-1dcf0da above this checkout (the project's shared folder)
+#   third_party/megatron-lm-1dcf0da.tar.xz in this checkout (232 KB: the same tree, written by
+#   --stage-megatron; no package index ships megatron.training, and CI cannot reach GitHub),
+#   unpacked once beside the site
 #   MEGATRON_GIT / SLIME_GIT: git dirs of NVIDIA/Megatron-LM and THUDM/slime
 # The site: $QRL_SLIME_CPU_SITE, else ${XDG_CACHE_HOME:-~/.cache}/megatron_qrl/slime-cpu-site.
 # Exit 0 with the site ready; 3 when a prerequisite cannot be had here (the message says which;
@@ -56,6 +59,15 @@ find_tree() {  # a folder holding megatron/training, patched; empty when none
       { echo "$d/shared/third_party/$TREE_NAME"; return; }
     d=$(dirname "$d")
   done
+  local archive=$HERE/third_party/$TREE_NAME.tar.xz unpacked
+  unpacked=$(dirname "$SITE")/$TREE_NAME
+  if [ -f "$archive" ]; then
+    if [ ! -f "$unpacked/megatron/training/arguments.py" ]; then
+      rm -rf "$unpacked.tmp" && mkdir -p "$unpacked.tmp" && tar xJf "$archive" -C "$unpacked.tmp" \
+        && rm -rf "$unpacked" && mv "$unpacked.tmp" "$unpacked" >&2
+    fi
+    echo "$unpacked"
+  fi
 }
 
 need_git() {
