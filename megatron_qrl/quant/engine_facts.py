@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["EXPERT_LORA_PATHS", "SYNC_MODES", "EngineFacts", "KernelFlags", "TERecipe"]
 
-SYNC_MODES = ("inplace", "tensor", "disk", "distributed")
+SYNC_MODES = ("inplace", "tensor", "disk", "distributed", "direct")
 """SGLang's weight-sync paths (``--qrl-rollout-sglang-sync``, besides ``auto``)."""
 EXPERT_LORA_PATHS = ("adapter", "merge")
 """How routed-expert LoRA adapters reach SGLang: served as adapters, or merged into the base."""
@@ -82,6 +82,11 @@ class EngineFacts:
     lora_experts: str
     """Routed-expert LoRA adapters on the H200: ``adapter`` (SGLang serves them) or ``merge``
     (SGLang's MoE runner for this format has no LoRA)."""
+    direct_write: bool = False
+    """SGLang's live tensors of this format are its packed tensors (up to a transpose, in
+    fused / expert-stacked parameters): the colocated direct writer copies the packed stream
+    straight into them (``--qrl-rollout-sglang-sync direct``). Read from SGLang 0.5.17's
+    source (``w8a8_fp8.py``, ``fp8.py`` with ``weight_block_size``), not yet measured."""
     lora_marlin: bool = False
     """Served expert adapters run SGLang's Marlin LoRA MoE runner (``MarlinLoraRunnerCore``:
     compute capability >= 9.0, merged below; CUDA graphs off, :attr:`LoraServing.eager_reason`)."""

@@ -48,6 +48,7 @@ from ..rollout.base import (
 from ..rollout.groups import group_seed
 from ..rollout.sampling import row_seeds
 from ..rollout.supervisor import EngineDiedError
+from ..sync.protocol.engine_layout import STORAGE
 from ..sync.protocol.inplace import LOADER
 from ..sync.transport import WeightTransport, transport_class
 from ..utils.optional import require
@@ -101,7 +102,8 @@ class SGLangEngine(RolloutEngine):
     @property
     def stacked_experts(self) -> bool:
         """The in-place sync with ``stack_experts`` takes expert stacks (RolloutEngine)."""
-        return self.options.sync == "inplace" and bool(self.options.stack_experts)
+        return self.options.sync == "direct" or (self.options.sync == "inplace"
+                                                 and bool(self.options.stack_experts))
 
     def __init__(self, model_path: str | Path, spec_name: str,
                  options: SGLangOptions | None = None, *, bucket_bytes: int = 512 * 2**20,
@@ -118,10 +120,13 @@ class SGLangEngine(RolloutEngine):
         placement = {"tp_size": 1} | self._placement() | engine_kwargs
         self.processes = int(placement["tp_size"])
         """Scheduler processes (TP ranks): each loads every bucket and writes a receipt."""
+        if self.options.sync == "direct":
+            _check_direct_layout(self.trainer_device, self.processes)
         if self.options.sync == "distributed":
             _check_distributed_layout(self.trainer_device, group_backend,
                                       int(placement.get("base_gpu_id", 0)), self.processes)
         self._group = None
+        self._transport_state: dict = {}
         sglang = require("sglang", FEATURE)
         self.spec = get_spec(spec_name)
         self.model_path = Path(model_path)
@@ -135,8 +140,8 @@ class SGLangEngine(RolloutEngine):
             args["enable_memory_saver"] = True
         if engine_kwargs.get("disable_cuda_graph"):
             args.pop("cuda_graph_bs_decode", None)
-        if self.uses_loader:
-            args["custom_weight_loader"] = [LOADER]
+        if self.uses_loader or self.options.sync == "direct":
+            args["custom_weight_loader"] = [LOADER, STORAGE]
         args |= engine_kwargs
         moe_dir = config_dir_for_engine()  # shipped tuned fused-MoE configs (kernels/)
         if moe_dir is not None:
@@ -197,7 +202,8 @@ class SGLangEngine(RolloutEngine):
                                   f"{version}; the engine did not apply the update")
         self._sent, self._version = sent.result(), version
         self._received = transport.verify(self._sent)
-        self.last_sync["verified"] = "receipt" if receipt else "version"
+        self.last_sync["verified"] = ("digest" if self.options.sync == "direct"
+                                      else "receipt" if receipt else "version")
         t2 = time.perf_counter()
         self.last_sync["finish_s"] = t2 - t1
         self.last_sync["seconds"] = t2 - t0
@@ -208,7 +214,8 @@ class SGLangEngine(RolloutEngine):
             self.options, self.spec, self.trainer_device, self.bucket_bytes, self.processes,
             self.model_path, sent, receipt, self.last_sync,
             serialize=lambda items: self.engine._serialize_tensors_per_rank(items, None),
-            request=self.request, call=self._call, weight_group=self.weight_group)
+            request=self.request, call=self._call, weight_group=self.weight_group,
+            storage=self._storage_call, state=self._transport_state)
         return transport_class("sglang", self.options.sync, "--qrl-rollout-sglang-sync")(session)
 
     def _receipt_prefix(self, version: int) -> str:
@@ -239,6 +246,19 @@ class SGLangEngine(RolloutEngine):
         """``(ok, message)`` of the tokenizer manager's ``method(req)``."""
         coro = getattr(self.engine.tokenizer_manager, method)(req, None)
         return tuple(self.engine.loop.run_until_complete(coro)[:2])
+
+    def _storage_call(self, msg: dict) -> dict:
+        """One request to the engine's storage service (``sync="direct"``)."""
+        from .sync.storage_client import storage_request
+
+        msg = dict(msg)
+        version = msg.pop("version", None)
+        if self._receipts is None:
+            self._receipts = tempfile.mkdtemp(prefix="qrl-sglang-receipts-")
+        return storage_request(self.request,
+                               lambda items: self.engine._serialize_tensors_per_rank(items, None),
+                               self.trainer_device, str(Path(self._receipts) / "storage"), msg,
+                               version)
 
     def weight_group(self):
         """The weight-update group of ``sync="distributed"`` (created on first use)."""
@@ -363,6 +383,17 @@ class SGLangEngine(RolloutEngine):
         if self._receipts is not None:
             shutil.rmtree(self._receipts, ignore_errors=True)
         self.engine.shutdown()
+
+
+def _check_direct_layout(trainer: torch.device, processes: int) -> None:
+    """``sync="direct"`` writes through CUDA IPC handles into one engine process."""
+    if trainer.type != "cuda":
+        raise ValueError(f"--qrl-rollout-sglang-sync direct writes into the engine's GPU "
+                         f"memory from the trainer's; got trainer_device={trainer}")
+    if processes != 1:
+        raise ValueError(f"--qrl-rollout-sglang-sync direct serves one engine process (tensor "
+                         f"parallel 1), this engine has tp_size={processes}; use "
+                         "--qrl-rollout-sglang-sync inplace")
 
 
 def _check_distributed_layout(trainer: torch.device, backend: str, first: int, tp: int) -> None:

@@ -44,14 +44,16 @@ def _flag(field: str) -> str:
 class SGLangOptions:
     """SGLang rollout engine: weight-sync path and speed options, placement, memory."""
 
-    sync: Literal["auto", "tensor", "disk", "inplace", "distributed"] = field(default="auto",
+    sync: Literal["auto", "tensor", "disk", "inplace", "distributed", "direct"] = field(
+        default="auto",
         metadata={"on_resume": "may change"})
     """SGLang weight-sync path: tensor (update_weights_from_tensor, colocated), disk
     (safetensors in --qrl-rollout-sglang-sync-dir + update_weights_from_disk), inplace
     (tensor buckets re-processed into the engine's live quantized layout), distributed
     (--qrl-mode single, engine on other GPUs of the node: every bucket broadcast from the
-    trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), auto (the engine's choice per
-    format)."""
+    trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), direct (colocated, one engine
+    process: the packed weights are copied straight into the engine's own tensors through
+    CUDA IPC handles; fp8 and fp8_block), auto (the engine's choice per format)."""
 
     base_gpu: int = field(default=0, metadata={"on_resume": "may change"})
     """First GPU of the in-process SGLang engine (its TP ranks take the next ones); with
@@ -182,6 +184,11 @@ class SGLangOptions:
             return (f"{_flag('stack_experts')} needs direct expert loads (stacked expert "
                     "tensors are loaded straight into the FusedMoE parameters); drop "
                     f"--no-{_flag('direct_expert_loads')[2:]} or the first")
+        if resolved == "direct" and not get_spec(spec_name).engine.direct_write:
+            ok = [n for n in list_specs() if get_spec(n).engine.direct_write]
+            return (f"{_flag('sync')} direct writes the packed tensors straight into the "
+                    f"engine's live ones, which SGLang re-processes for {spec_name!r}; direct "
+                    f"serves {ok}; use {_flag('sync')} inplace")
         return _unsupported(spec_name, resolved)
 
     def resolve(self, spec_name: str) -> SGLangOptions:

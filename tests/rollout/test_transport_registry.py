@@ -34,7 +34,7 @@ def test_each_transport_is_named_once_and_the_names_are_the_flags_choices():
     assert set(names["ray"]) == {"broadcast", "objectstore", "ipc"}
     assert set(names["fleet"]) == {"broadcast", "sharded"}
     assert set(names["sglang"]) == set(SYNC_MODES) == {"tensor", "inplace", "distributed",
-                                                        "disk"}
+                                                        "disk", "direct"}
     for side, side_names in names.items():
         assert len(side_names) == len(set(side_names)), side
         assert "auto" not in side_names

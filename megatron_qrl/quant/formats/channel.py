@@ -150,7 +150,7 @@ class FP8Spec(_PerChannelSpec):
             False, "one scale per tensor; the rollout uses per-channel weight and per-token "
             "activation scales"),
         moe_kernel=KernelFlags(use_fp8_w8a8=True, per_channel_quant=True),
-        lora_experts="adapter")
+        lora_experts="adapter", direct_write=True)
 
     def _quantize(self, w, global_amax):
         s, _ = self._row_scale(w.float())

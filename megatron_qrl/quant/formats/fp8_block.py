@@ -54,7 +54,7 @@ class FP8BlockSpec(QuantSpec):
             "land one E4M3 step away (H200, TE 2.20.2, bench/te_block_codes.py)",
             {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, within_rounding=True),
         moe_kernel=KernelFlags(use_fp8_w8a8=True, block_shape=(128, 128)),
-        lora_experts="merge")
+        lora_experts="merge", direct_write=True)
 
     def _check_shape(self, shape, name):
         # SGLang quantizes activations in groups of 128 along the input dim, so the input

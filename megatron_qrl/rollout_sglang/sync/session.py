@@ -5,7 +5,7 @@ engine.SGLangEngine` itself). Runs in the trainer's process."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +49,8 @@ class SGLangSession:
     """The same call without the request bookkeeping (the disk sync's load)."""
     weight_group: Callable[[], WeightGroup]
     """The engine's weight-update group (formed on first use)."""
+    storage: Callable[[dict], dict] | None = None
+    """A request to the engine's storage service (``{"what": ..., "version": ...}`` ->
+    answer; :func:`~.storage_client.storage_request`), None where the engine has none."""
+    state: dict = field(default_factory=dict)
+    """What a transport keeps for this engine across syncs (the direct sync's open storage)."""

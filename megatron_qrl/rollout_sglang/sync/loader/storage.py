@@ -1,0 +1,189 @@
+"""The engine's parameter storage as a service: describe it, hand it out, read it back.
+
+Runs inside SGLang's scheduler process, reached like the in-place loader: an
+``update_weights_from_tensor`` call whose ``load_format`` is
+:data:`~megatron_qrl.sync.protocol.engine_layout.STORAGE` (registered with
+``custom_weight_loader``) and whose one tensor is the control message
+(:mod:`megatron_qrl.sync.protocol.engine_layout`). Three requests:
+
+* ``export``: :func:`describe` the live parameters and write ``{"layout", "handles"}`` to
+  ``out`` (pickle, temp + rename) — each parameter's CUDA IPC handle
+  (``torch.multiprocessing.reductions.reduce_tensor``, as SGLang's own
+  ``MultiprocessingSerializer`` shares tensors), so the trainer writes into them;
+* ``fingerprint``: the storage addresses now (:func:`storage_fingerprint`), to see whether
+  SGLang moved a parameter since the handles were taken;
+* ``digest``: the fingerprints of the regions the trainer wrote (``names``: packed name ->
+  shape), read back from the live tensors, and the storage fingerprint.
+
+Which layouts are plain copies of the checkpoint's was read from SGLang 0.5.17's
+``layers/quantization/w8a8_fp8.py`` (linear: ``weight.t()`` of the checkpoint, scale
+unchanged; MoE: unchanged) and ``fp8.py`` with ``weight_block_size`` (linear and MoE
+unchanged on Hopper's Triton / CUTLASS path; refused where a UE8M0 requantization, Marlin or
+MXFP8 path rewrites them). Any other quantized method is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+
+import torch
+
+from megatron_qrl.sync.protocol.checksums import Checksums
+from megatron_qrl.sync.protocol.engine_layout import (
+    EngineLayout,
+    EngineLayoutError,
+    ParamLayout,
+    locate,
+    view,
+)
+from megatron_qrl.sync.protocol.inplace import CONTROL, decode_control, expert_names
+from megatron_qrl.sync.protocol.wire import dtype_name
+from megatron_qrl.utils.hf_names import FUSION_MEMBERS, STACKED
+
+__all__ = ["LINEAR_T", "METHODS", "describe", "handle", "serve", "storage_fingerprint"]
+
+METHODS = {"W8A8Fp8LinearMethod": "linear", "Fp8LinearMethod": "linear",
+           "W8A8FP8MoEMethod": "moe", "Fp8MoEMethod": "moe"}
+"""Quantized SGLang methods whose live tensors are the checkpoint's (up to a transpose)."""
+LINEAR_T = frozenset({"W8A8Fp8LinearMethod"})
+"""Methods that keep ``weight.t()`` of the checkpoint weight."""
+_REWRITES = ("use_marlin", "use_mxfp8", "convert_mxfp8_to_block")
+"""Method flags of paths that rewrite the loaded tensors."""
+
+
+def _method_kind(module: torch.nn.Module, name: str) -> str | None:
+    """``linear`` / ``moe`` / None (unquantized); raises for a method this writer cannot feed."""
+    qm = getattr(module, "quant_method", None)
+    if qm is None:
+        return None
+    cls = type(qm).__name__
+    if cls.startswith("Unquantized"):
+        return "moe" if hasattr(module, "num_local_experts") else "linear"
+    kind = METHODS.get(cls)
+    bad = [f for f in _REWRITES if getattr(qm, f, False)]
+    if cls == "Fp8LinearMethod" and not getattr(qm, "block_quant", False):
+        bad.append("per-tensor scales (requantized after loading)")
+    if kind is None or bad:
+        why = f"flags {bad}" if kind else "its post-load processing is not a copy"
+        raise EngineLayoutError(
+            f"direct weight sync: {name} runs {cls} ({why}); the direct writer feeds fp8 "
+            "(w8a8_fp8) and fp8_block (fp8 with 128x128 blocks) on the Triton / CUTLASS "
+            "path; use --qrl-rollout-sglang-sync inplace")
+    return kind
+
+
+def _linear_shards(name: str, module, leaf: str, rows: int) -> dict[str, tuple[int, int]]:
+    members = FUSION_MEMBERS.get(name.rpartition(".")[2])
+    sizes = list(getattr(module, "output_partition_sizes", None) or [])
+    if members is None or len(sizes) != len(members):
+        return {}
+    total = sum(sizes)
+    if rows == total:
+        unit = 1
+    else:  # a block-scale tensor: one row per block of output rows
+        cfg = getattr(getattr(module, "quant_method", None), "quant_config", None)
+        unit = int((getattr(cfg, "weight_block_size", None) or [0])[0])
+        if not unit or rows != -(-total // unit) or any(s % unit for s in sizes[:-1]):
+            return {}
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return {m: (s // unit, -(-(s + n) // unit)) for m, s, n in zip(members, starts, sizes)}
+
+
+def _moe_shards(leaf: str, rows: int) -> dict[str, tuple[int, int]]:
+    if not leaf.startswith("w13_") or rows % 2:
+        return {}
+    return {"gate_proj": (0, rows // 2), "up_proj": (rows // 2, rows)}
+
+
+def describe(model: torch.nn.Module) -> tuple[EngineLayout, dict[str, torch.Tensor]]:
+    """The layout of every live parameter of ``model`` and the tensors themselves
+    (checkpoint views: ``live.t()`` where the engine keeps the transpose)."""
+    params: dict[str, ParamLayout] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        kind = _method_kind(module, mod_name)
+        for leaf, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{mod_name}.{leaf}" if mod_name else leaf
+            if getattr(p, "format_ue8m0", False):
+                raise EngineLayoutError(f"direct weight sync: {full} holds UE8M0 scales "
+                                        "(DeepGEMM requantized them); use "
+                                        "--qrl-rollout-sglang-sync inplace")
+            t = p.detach()
+            transposed = (kind == "linear" and leaf == "weight" and t.dim() == 2
+                          and type(module.quant_method).__name__ in LINEAR_T)
+            ck = t.t() if transposed else t
+            shards = ((_moe_shards(leaf, ck.shape[1]) if kind == "moe" and ck.dim() > 1
+                       else _linear_shards(mod_name, module, leaf, ck.shape[0]))
+                      if kind and ck.dim() else {})
+            params[full] = ParamLayout(tuple(ck.shape), dtype_name(ck.dtype), transposed,
+                                       kind == "moe", shards)
+            tensors[full] = ck
+    return EngineLayout(params, storage_fingerprint(tensors)), tensors
+
+
+def storage_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of every tensor's name, address, shape and strides: equal while SGLang keeps
+    the storage where it was."""
+    h = hashlib.sha1()
+    for name, t in tensors.items():
+        h.update(f"{name}:{t.data_ptr()}:{tuple(t.shape)}:{t.stride()};".encode())
+    return h.hexdigest()[:16]
+
+
+def read_digest(layout: EngineLayout, tensors: dict[str, torch.Tensor],
+                names: dict[str, list[int]]) -> dict[str, str]:
+    """Fingerprints of the regions ``names`` (packed name -> shape) as held now, under the
+    names the writer took them (an expert stack's experts under their own names)."""
+    sums = Checksums()
+    for name, shape in names.items():
+        target = locate(layout, name)
+        v = view(tensors[target.param], layout.params[target.param], target, tuple(shape))
+        if target.expert == STACKED:
+            sums.add_rows(expert_names(name, v.shape[0]), v.contiguous())
+        else:
+            sums.add(name, v.contiguous())
+    return sums.result()
+
+
+def handle(model: torch.nn.Module, msg: dict) -> dict:
+    """One storage request (module docstring), answered in this process; ``export`` gives the
+    tensors themselves (``serve`` turns them into handles)."""
+    layout, tensors = describe(model)
+    what = msg["what"]
+    if what == "export":
+        return {"layout": layout, "tensors": tensors}
+    if what == "fingerprint":
+        return {"fingerprint": layout.fingerprint}
+    if what == "digest":
+        return {"fingerprint": layout.fingerprint,
+                "digest": read_digest(layout, tensors, msg["names"])}
+    raise ValueError(f"engine storage request {what!r}: expected export, fingerprint or digest")
+
+
+def serve(model: torch.nn.Module, named_tensors) -> None:
+    """SGLang custom weight loader: answer the control message's request into its ``out``
+    file (pickle for ``export``, JSON otherwise; temp + rename)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    msgs = [decode_control(t) for n, t in named_tensors if n == CONTROL]
+    if len(msgs) != 1:
+        raise EngineLayoutError(f"engine storage request carries {len(msgs)} control tensors, "
+                                "expected 1")
+    msg = msgs[0]
+    out = handle(model, msg)
+    if msg["what"] == "export":
+        data = pickle.dumps({"layout": out["layout"].to_json(),
+                             "handles": {n: reduce_tensor(t) for n, t in out["tensors"].items()}})
+    else:
+        data = json.dumps(out).encode()
+    path = f"{msg['out']}.{os.getpid()}"
+    with open(f"{path}.tmp", "wb") as f:
+        f.write(data)
+    os.replace(f"{path}.tmp", path)

@@ -1,0 +1,63 @@
+"""Transport ``direct`` (colocated, one engine process; fp8 and fp8_block): the packed
+stream is copied straight into the engine's own tensors (:mod:`..writer`) through the
+handles of :class:`~..storage_client.EngineStorage` — no buckets, no per-tensor requests, no
+post-load processing. Two small requests per sync: the storage fingerprint before writing
+(handles re-taken where SGLang moved a parameter) and the engine's read-back digest after,
+which also sets the weight version; :meth:`DirectTransport.verify` compares the digest with
+the fingerprints taken while writing, naming the layer of the first region that differs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from megatron_qrl.sync.protocol.checksums import WeightSyncError
+from megatron_qrl.sync.transport import WeightTransport, register_transport
+
+from ..session import SGLangSession
+from ..storage_client import EngineStorage
+from ..writer import check_digest, writer_for
+
+__all__ = ["DirectTransport"]
+
+
+@register_transport("sglang", "direct")
+class DirectTransport(WeightTransport):
+    """Packed tensors written into the engine's storage (module docstring)."""
+
+    def __init__(self, session: SGLangSession):
+        self.s = session
+        self.held: dict[str, str] | None = None
+
+    def send(self, stream: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        s = self.s
+        if s.storage is None:
+            raise WeightSyncError("sync='direct' needs the engine's storage service "
+                                  "(SGLangSession.storage)")
+        t0 = time.perf_counter()
+        store = s.state.setdefault("storage", EngineStorage(s.storage))
+        layout, tensors = store.current()
+        t1 = time.perf_counter()
+        writer = writer_for(s.spec, layout, tensors, s.sent)
+        writer.write_all(stream)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)  # the engine reads what this stream wrote
+        t2 = time.perf_counter()
+        out = s.storage({"what": "digest", "names": writer.shapes, "version": version})
+        if out["fingerprint"] != layout.fingerprint:
+            s.state.pop("storage", None)
+            raise WeightSyncError("direct weight sync: the engine moved its parameters while "
+                                  "they were written; the next sync takes new handles")
+        self.held = out["digest"]
+        s.lap.update(buckets=1, storage_s=t1 - t0, write_s=t2 - t1,
+                     digest_s=time.perf_counter() - t2, handles_taken=store.taken)
+        return 1
+
+    def send_bucket(self, item) -> int:  # the writer has no buckets (send is overridden)
+        raise NotImplementedError
+
+    def verify(self, sent: dict[str, str]) -> dict[str, str]:
+        check_digest(sent, self.held or {})
+        return dict(self.held or {})

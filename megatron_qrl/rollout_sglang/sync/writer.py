@@ -1,0 +1,132 @@
+"""The direct writer: the packed stream copied straight into the engine's own tensors.
+
+Runs in the trainer's process. The engine's storage (:mod:`.loader.storage`: its live
+parameters in their checkpoint views, in this process or through CUDA IPC handles) and its
+layout (:mod:`megatron_qrl.sync.protocol.engine_layout`) say where each packed tensor of
+``QuantSpec.pack_state_dict`` goes: q/k/v into their rows of ``qkv_proj``, gate/up into
+``gate_up_proj`` and into the halves of ``w13_*``, experts (one by one or stacked
+``[E, ...]``) into their index of the stacked parameter, block scales into their block rows.
+Each packed tensor is one device copy into its region — no bucket, no flat buffer, no request —
+and its fingerprint is taken in the same pass (:class:`~megatron_qrl.sync.protocol.checksums.
+Checksums`, an expert stack's experts under their own names as the in-place sender takes
+them), so the engine's read-back (:func:`check_digest`) names the first region that differs.
+
+Which formats: those whose :attr:`~megatron_qrl.quant.engine_facts.EngineFacts.direct_write`
+says the engine's live layout is the packed one (:func:`writer_for`). Where the aligned
+forward's Q(W) cache holds the codes, the stream already carries them
+(``pack_state_dict(quantized=...)``, :mod:`megatron_qrl.rl.qcache_sync`): they are copied, not
+quantized again.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable
+
+import torch
+
+from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
+from megatron_qrl.sync.protocol.engine_layout import EngineLayout, EngineLayoutError, locate, view
+from megatron_qrl.sync.protocol.inplace import expert_names
+from megatron_qrl.utils.hf_names import STACKED
+
+from ...quant.spec import QuantSpec
+
+__all__ = ["EngineWriter", "check_digest", "writer_for"]
+
+FLAG = "--qrl-rollout-sglang-sync direct"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def writer_for(spec: QuantSpec, layout: EngineLayout, tensors: dict[str, torch.Tensor],
+               sent: Checksums | None = None) -> EngineWriter:
+    """The direct writer of format ``spec`` into one engine's storage; a format whose engine
+    layout is not its packed layout is one error naming the flag."""
+    if not spec.engine.direct_write:
+        ok = sorted(_direct_formats())
+        raise ValueError(f"{FLAG}: format {spec.name!r} is re-processed by the engine after "
+                         f"loading (its live layout is not the packed one); direct writes "
+                         f"serve {ok}; use --qrl-rollout-sglang-sync inplace")
+    return EngineWriter(layout, tensors, Checksums() if sent is None else sent)
+
+
+def _direct_formats() -> list[str]:
+    from ...quant import get_spec, list_specs
+
+    return [n for n in list_specs() if get_spec(n).engine.direct_write]
+
+
+class EngineWriter:
+    """Copies packed tensors into an engine's storage and fingerprints them (module doc)."""
+
+    def __init__(self, layout: EngineLayout, tensors: dict[str, torch.Tensor], sent: Checksums):
+        self.layout, self.tensors, self.sent = layout, tensors, sent
+        self.shapes: dict[str, list[int]] = {}
+        """Packed name -> shape of every tensor written (the read-back's request)."""
+        self.written: dict[str, int] = {}
+        """Engine parameter -> elements written this sync."""
+        self.seconds = 0.0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Copy packed tensor ``name`` into its engine region."""
+        if name in self.shapes:
+            raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
+        target = locate(self.layout, name)
+        pl = self.layout.params[target.param]
+        dst = view(self.tensors[target.param], pl, target, tuple(t.shape))
+        if dst.dtype != t.dtype:
+            raise EngineLayoutError(f"direct weight sync: {name} is {t.dtype}, the engine holds "
+                                    f"{target.param} as {dst.dtype}; the engine was started "
+                                    "for another format")
+        src = t.detach().to(dst.device, non_blocking=True).contiguous()
+        dst.copy_(src, non_blocking=True)
+        if target.expert == STACKED:
+            self.sent.add_rows(expert_names(name, src.shape[0]), src)
+        else:
+            self.sent.add(name, src)
+        self.shapes[name] = list(t.shape)
+        self.written[target.param] = self.written.get(target.param, 0) + dst.numel()
+
+    def write_all(self, stream: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write every tensor of ``stream``; then every engine parameter must have been
+        written (all of it, but a plain parameter's padding). Returns the tensors written."""
+        t0 = time.perf_counter()
+        n = 0
+        for name, t in stream:
+            self.write(name, t)
+            n += 1
+        self.check_complete()
+        self.seconds += time.perf_counter() - t0
+        return n
+
+    def check_complete(self) -> None:
+        for param, pl in self.layout.params.items():
+            got, full = self.written.get(param, 0), _numel(pl.shape)
+            fused = pl.experts or pl.shards
+            if got == 0 or (fused and got != full):
+                raise WeightSyncError(
+                    f"direct weight sync: engine parameter {param} got {got} of {full} "
+                    "elements (a tensor of the model is missing from the stream); the engine "
+                    "now holds a partial update — sync again")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def check_digest(sent: dict[str, str], held: dict[str, str]) -> None:
+    """Raise :class:`WeightSyncError` on the first written region the engine holds
+    differently (naming its decoder layer), or that it did not read back."""
+    for name, want in sent.items():
+        got = held.get(name)
+        if got == want:
+            continue
+        m = _LAYER.search(name)
+        where = f"layer {m[1]}" if m else "outside the decoder layers"
+        raise WeightSyncError(
+            f"direct weight sync: the engine holds a different {name!r} ({where}) than "
+            f"written: wrote {want}, engine read back {got}")

@@ -1,0 +1,140 @@
+"""The engine's parameter storage in its own layout, as the trainer's direct writer and the
+engine's read-back agree on it. Imported on both sides of the process boundary; runs nothing
+but name and view arithmetic.
+
+The engine (:mod:`megatron_qrl.rollout_sglang.sync.loader.storage`) describes each live
+parameter it holds — fused ``qkv_proj`` / ``gate_up_proj`` weights and scales, stacked
+``w13_*`` / ``w2_*`` experts, norms, embeddings — as a :class:`ParamLayout`: its checkpoint
+view (the live tensor, or its transpose where the engine keeps ``weight.t()``) and the rows
+each fused member owns. :func:`locate` maps a packed HF tensor name (what
+``QuantSpec.pack_state_dict`` emits, per expert or expert-stacked) to its engine parameter
+and rows; :func:`view` cuts that region out of the parameter. Both sides call the same two
+functions, so what the trainer writes and what the engine reads back are the same bytes.
+
+Requests to the engine's storage service travel as the control tensor of an
+``update_weights_from_tensor`` call with ``load_format`` = :data:`STORAGE`:
+``{"what": "export" | "fingerprint" | "digest", "out": path, "names": {name: shape}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ...utils import hf_names
+from ...utils.hf_names import FUSED, STACKED
+
+__all__ = ["STORAGE", "EngineLayout", "EngineLayoutError", "ParamLayout", "Target", "locate",
+           "view"]
+
+STORAGE = "megatron_qrl.rollout_sglang.sync.loader.storage.serve"
+"""The ``custom_weight_loader`` / ``load_format`` entry of the engine's storage service."""
+
+_MOE = {"gate_proj": "w13_", "up_proj": "w13_", "down_proj": "w2_"}
+"""An expert projection -> the prefix of its ``FusedMoE`` parameter (``make_expert_params_mapping``)."""
+
+
+class EngineLayoutError(ValueError):
+    """A packed tensor has no place in the engine's storage (names the tensor and the fix)."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One live engine parameter, seen in its checkpoint layout."""
+
+    shape: tuple[int, ...]
+    """Shape of the checkpoint view (``[out, in]``; ``[E, rows, cols]`` for experts)."""
+    dtype: str
+    transposed: bool = False
+    """The live tensor is the transpose of the checkpoint view (SGLang's w8a8 linears keep
+    ``weight.t()``); writes go through ``live.t()``."""
+    experts: bool = False
+    """Dim 0 indexes experts; member rows are along dim 1."""
+    shards: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Fused member (``q_proj``, ``gate_proj``, ...) -> its rows ``[start, stop)`` of the
+    checkpoint view (in blocks for a block-scale tensor); empty: not fused."""
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Every live parameter of one engine process, and where its storage was."""
+
+    params: dict[str, ParamLayout]
+    fingerprint: str
+    """Storage addresses of the parameters (:func:`~megatron_qrl.rollout_sglang.sync.
+    loader.storage.storage_fingerprint`): a change means the handles are stale."""
+
+    def to_json(self) -> str:
+        return json.dumps({"fingerprint": self.fingerprint,
+                           "params": {n: asdict(p) for n, p in self.params.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineLayout:
+        d = json.loads(text)
+        params = {n: ParamLayout(tuple(p["shape"]), p["dtype"], p["transposed"], p["experts"],
+                                 {k: tuple(v) for k, v in p["shards"].items()})
+                  for n, p in d["params"].items()}
+        return cls(params, d["fingerprint"])
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one packed tensor goes: engine parameter, expert (int, ``"*"`` or None), rows."""
+
+    param: str
+    expert: int | str | None
+    rows: tuple[int, int] | None
+
+
+def locate(layout: EngineLayout, name: str) -> Target:
+    """The engine region of packed tensor ``name`` (module docstring); raises
+    :class:`EngineLayoutError` naming the tensor where the engine has no such region."""
+    p = hf_names.parse(name)
+    if p is None:
+        param, member, expert = name, None, None
+    elif p.expert is not None:
+        param, member, expert = f"{p.experts_module}.{_MOE[p.proj]}{p.leaf}", p.proj, p.expert
+        if p.proj == "down_proj":
+            member = None
+    else:
+        param, expert = f"{p.engine_module}.{p.leaf}", None
+        member = p.proj if p.proj in FUSED else None
+    pl = layout.params.get(param)
+    if pl is None:
+        raise EngineLayoutError(
+            f"direct weight sync: tensor {name!r} has no engine parameter {param!r} (the engine "
+            "was started from another model or format); use --qrl-rollout-sglang-sync inplace")
+    rows = None
+    if member is not None:
+        rows = pl.shards.get(member)
+        if rows is None:
+            raise EngineLayoutError(
+                f"direct weight sync: engine parameter {param!r} has no rows for {member} "
+                f"(its fused members: {sorted(pl.shards)}); tensor {name!r} cannot be placed")
+    return Target(param, expert, rows)
+
+
+def view(checkpoint: torch.Tensor, pl: ParamLayout, target: Target,
+         shape: tuple[int, ...]) -> torch.Tensor:
+    """The region of ``checkpoint`` (a parameter's checkpoint view) that a tensor of
+    ``shape`` at ``target`` occupies; a plain parameter longer than the tensor (a padded
+    vocabulary) gives its leading rows. Raises :class:`EngineLayoutError` on a shape mismatch."""
+    v = checkpoint
+    dim = 0
+    if pl.experts:
+        if target.expert == STACKED:
+            dim = 1
+        elif target.expert is not None:
+            v = v[int(target.expert)]
+    if target.rows is not None:
+        v = v.narrow(dim, target.rows[0], target.rows[1] - target.rows[0])
+    elif not pl.experts and v.dim() and len(shape) == v.dim() and shape[0] < v.shape[0]:
+        v = v.narrow(0, 0, shape[0])
+    if tuple(v.shape) != tuple(shape):
+        raise EngineLayoutError(
+            f"direct weight sync: {target.param} region {target.rows or 'whole'} is "
+            f"{tuple(v.shape)} in the engine, the trainer sends {tuple(shape)}; the engine was "
+            "started from another model shape")
+    return v

@@ -1,0 +1,341 @@
+"""CPU tests of the direct sync (``sync="direct"``): the engine's storage described in its own
+layout (megatron_qrl.rollout_sglang.sync.loader.storage), the trainer's writer into it
+(sync.writer), the read-back digest, re-taking moved storage, and the refusals.
+
+SGLang cannot be imported here. The engine-like model follows SGLang 0.5.17 for the two
+formats the writer serves: fused linears whose shard loader writes q/k/v (gate/up) rows and,
+for block scales, block rows (``BlockQuantScaleParameter``), with ``W8A8Fp8LinearMethod``
+(post-load: ``weight.t()``) and block ``Fp8LinearMethod`` (post-load: unchanged); the
+``FusedMoE`` stand-in of sglang_fused_moe_fake.py with ``W8A8FP8MoEMethod`` / block
+``Fp8MoEMethod``; a padded vocabulary; norms and the router as plain parameters. The
+reference is the in-place loader (``load_packed``) fed the same packed stream in buckets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_qrl.quant import get_spec
+from megatron_qrl.rollout_sglang.options import SGLangOptions
+from megatron_qrl.rollout_sglang.sync.loader import load_packed
+from megatron_qrl.rollout_sglang.sync.loader.storage import describe, handle
+from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, packed_suffixes
+from megatron_qrl.rollout_sglang.sync.storage_client import EngineStorage
+from megatron_qrl.rollout_sglang.sync.writer import check_digest, writer_for
+from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
+from megatron_qrl.sync.protocol.engine_layout import EngineLayoutError
+from megatron_qrl.sync.protocol.inplace import CONTROL
+from megatron_qrl.utils.hf_names import parse
+from tests.rollout_sglang import sglang_fused_moe_fake as fake
+
+F8 = torch.float8_e4m3fn
+H, Q, KV, I, E, V, LAYERS, BLOCK = 128, 256, 128, 128, 2, 60, 2, 128
+SHARD = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
+MOE = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_proj": ("w2_", "w2")}
+
+
+def _param(t, loader, **attrs):
+    p = nn.Parameter(t, requires_grad=False)
+    p.weight_loader = loader
+    vars(p).update(attrs)
+    return p
+
+
+class W8A8Fp8LinearMethod:
+    """w8a8_fp8.py: checkpoint fp8 weight [out, in] + fp32 scale [out, 1]; live weight.t()."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                       input_size, output_size, params_dtype, weight_loader, **_):
+        out = sum(output_partition_sizes)
+        layer.register_parameter("weight", _param(
+            torch.empty(out, input_size_per_partition, dtype=F8), weight_loader))
+        layer.register_parameter("weight_scale", _param(torch.empty(out, 1, dtype=torch.float32), weight_loader))
+
+    def process_weights_after_loading(self, layer):
+        layer.weight = nn.Parameter(layer.weight.t(), requires_grad=False)
+        layer.weight_scale = nn.Parameter(layer.weight_scale.detach(), requires_grad=False)
+
+
+class Fp8LinearMethod:
+    """fp8.py with weight_block_size: fp8 weight + fp32 weight_scale_inv per 128x128 block."""
+
+    block_quant = True
+
+    def __init__(self):
+        self.quant_config = type("Cfg", (), {"weight_block_size": [BLOCK, BLOCK]})()
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                       input_size, output_size, params_dtype, weight_loader, **_):
+        out, k = sum(output_partition_sizes), input_size_per_partition
+        layer.register_parameter("weight", _param(torch.empty(out, k, dtype=F8), weight_loader))
+        layer.register_parameter("weight_scale_inv", _param(
+            torch.empty(-(-out // BLOCK), -(-k // BLOCK), dtype=torch.float32), weight_loader, block=BLOCK))
+
+    def process_weights_after_loading(self, layer):
+        layer.weight.data = layer.weight.data  # Hopper, Triton path: kept as loaded
+
+
+class W8A8FP8MoEMethod(fake._Method):
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra):
+        i, e = intermediate_size_per_partition, num_experts
+        fake._reg(layer, "w13_weight", torch.empty(e, 2 * i, hidden_size, dtype=F8), extra)
+        fake._reg(layer, "w2_weight", torch.empty(e, hidden_size, i, dtype=F8), extra)
+        extra = {**extra, "quant_method": "channel"}
+        fake._reg(layer, "w13_weight_scale", torch.ones(e, 2 * i, 1, dtype=torch.float32), extra)
+        fake._reg(layer, "w2_weight_scale", torch.ones(e, hidden_size, 1, dtype=torch.float32), extra)
+
+
+class Fp8MoEMethod(fake.Fp8MoEMethod):
+    block_quant = True
+
+
+class Linear(nn.Module):
+    """``MergedColumnParallelLinear`` / ``QKVParallelLinear`` / ``RowParallelLinear`` at TP 1."""
+
+    def __init__(self, in_size, out_sizes, method, shards=None):
+        super().__init__()
+        self.input_size = self.input_size_per_partition = in_size
+        self.output_partition_sizes, self.output_size = list(out_sizes), sum(out_sizes)
+        self.shards, self.params_dtype, self.quant_method = shards, torch.bfloat16, method
+        method.create_weights(self, in_size, out_sizes, in_size, sum(out_sizes), torch.bfloat16,
+                              weight_loader=self.weight_loader)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:
+            param.data.copy_(loaded)
+            return
+        i = self.shards.index(shard_id)
+        start, size = sum(self.output_partition_sizes[:i]), self.output_partition_sizes[i]
+        block = getattr(param, "block", None)
+        if block:  # BlockQuantScaleParameter: shard offsets and sizes in blocks
+            start, size = start // block, -(-size // block)
+        param.data.narrow(0, start, size).copy_(loaded)
+
+
+def _plain(shape, pad_rows=0):
+    def load(p, x):  # VocabParallelEmbedding.weight_loader: the padding is zeroed
+        p.data[: x.shape[0]].copy_(x)
+        p.data[x.shape[0]:].fill_(0)
+    return _param(torch.zeros(shape[0] + pad_rows, *shape[1:], dtype=torch.bfloat16), load)
+
+
+class EngineModel(nn.Module):
+    """Qwen3-MoE-shaped layers as SGLang builds them for ``fmt``."""
+
+    def __init__(self, fmt):
+        super().__init__()
+        lin = W8A8Fp8LinearMethod if fmt == "fp8" else Fp8LinearMethod
+        moe = W8A8FP8MoEMethod if fmt == "fp8" else (lambda: Fp8MoEMethod((BLOCK, BLOCK)))
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = _plain((V, H), pad_rows=4)
+        self.model.layers = nn.ModuleList()
+        for _ in range(LAYERS):
+            layer = nn.Module()
+            layer.self_attn = nn.Module()
+            layer.self_attn.qkv_proj = Linear(H, [Q, KV, KV], lin(), ["q", "k", "v"])
+            layer.self_attn.o_proj = Linear(Q, [H], lin())
+            layer.mlp = nn.Module()
+            layer.mlp.gate = nn.Module()
+            layer.mlp.gate.weight = _plain((E, H))
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                layer.mlp.experts = fake.FusedMoE(moe(), E, H, I)
+            finally:
+                torch.set_default_dtype(old)
+            layer.input_layernorm = nn.Module()
+            layer.input_layernorm.weight = _plain((H,))
+            self.model.layers.append(layer)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            p = parse(name)
+            if p is not None and p.expert is not None:
+                prefix, shard = MOE[p.proj]
+                pname = f"{p.experts_module}.{prefix}{p.leaf}"
+                params[pname].weight_loader(params[pname], w, pname, shard, p.expert)
+            elif p is not None:
+                pname = f"{p.engine_module}.{p.leaf}"
+                params[pname].weight_loader(params[pname], w, SHARD.get(p.proj))
+            else:
+                params[name].weight_loader(params[name], w)
+
+    def initial_load(self, weights):
+        self.load_weights(weights)
+        for m in self.modules():
+            if hasattr(m, "quant_method") and not isinstance(m, nn.ModuleList):
+                m.quant_method.process_weights_after_loading(m)
+
+
+def hf_weights(seed):
+    """A bf16 HF checkpoint of the model (each module's tensors together)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (0.05 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+
+    out = [("model.embed_tokens.weight", r(V, H))]
+    for i in range(LAYERS):
+        pre = f"model.layers.{i}."
+        out += [(f"{pre}self_attn.q_proj.weight", r(Q, H)), (f"{pre}self_attn.k_proj.weight", r(KV, H)),
+                (f"{pre}self_attn.v_proj.weight", r(KV, H)), (f"{pre}self_attn.o_proj.weight", r(H, Q)),
+                (f"{pre}mlp.gate.weight", r(E, H))]
+        for e in range(E):
+            out += [(f"{pre}mlp.experts.{e}.gate_proj.weight", r(I, H)),
+                    (f"{pre}mlp.experts.{e}.up_proj.weight", r(I, H)),
+                    (f"{pre}mlp.experts.{e}.down_proj.weight", r(H, I))]
+        out.append((f"{pre}input_layernorm.weight", 1 + r(H)))
+    return out
+
+
+def packed(fmt, seed, stack=False):
+    return list(get_spec(fmt).pack_state_dict(hf_weights(seed), stack_experts=stack))
+
+
+def engine(fmt, seed=0):
+    m = EngineModel(fmt)
+    m.initial_load(packed(fmt, seed))
+    return m
+
+
+def inplace_sync(model, fmt, stream, per_bucket=5):
+    tracker, bucket = StreamTracker(packed_suffixes(get_spec(fmt))), []
+    for i, (name, t) in enumerate(stream):
+        tracker.add(name)
+        bucket.append((name, tracker.send_as(name, t)))
+        last = i == len(stream) - 1
+        if len(bucket) == per_bucket or last:
+            load_packed(model, bucket + [(CONTROL, tracker.control(final=last))])
+            bucket = []
+
+
+def state(model):
+    return {n: p.detach().contiguous().view(torch.uint8).clone()
+            for n, p in model.named_parameters()}
+
+
+def direct_sync(model, fmt, stream):
+    layout, tensors = describe(model)
+    writer = writer_for(get_spec(fmt), layout, tensors)
+    writer.write_all(stream)
+    sent = writer.sent.result()
+    held = handle(model, {"what": "digest", "names": writer.shapes})["digest"]
+    check_digest(sent, held)
+    return sent
+
+
+# ---- the writer against the in-place loader -------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_block"])
+@pytest.mark.parametrize("stack", [False, True], ids=["per_expert", "stacked"])
+def test_direct_writes_the_bits_the_inplace_loader_leaves(fmt, stack):
+    """Catches: a wrong fused-member row offset (q/k/v, gate/up, block rows), a transpose
+    missed for w8a8_fp8's ``weight.t()``, an expert written to the wrong index, the padded
+    vocabulary overwritten."""
+    ref, got = engine(fmt, seed=0), engine(fmt, seed=0)
+    inplace_sync(ref, fmt, packed(fmt, 1, stack=False))
+    direct_sync(got, fmt, packed(fmt, 1, stack=stack))
+    a, b = state(ref), state(got)
+    assert a.keys() == b.keys()
+    changed = [n for n in a if not torch.equal(a[n], state(engine(fmt, 0))[n])]
+    assert len(changed) > len(a) // 2  # the sync changed the engine (seed 1 != seed 0)
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def test_live_storage_is_written_in_place():
+    """Catches: a writer that rebinds parameters (CUDA graphs would keep reading the old)."""
+    m = engine("fp8")
+    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+    direct_sync(m, "fp8", packed("fp8", 3))
+    assert {n: p.data_ptr() for n, p in m.named_parameters()} == ptrs
+
+
+def test_layout_of_fused_and_stacked_parameters():
+    layout, tensors = describe(engine("fp8_block"))
+    qkv = layout.params["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]
+    assert qkv.shards == {"q_proj": (0, 2), "k_proj": (2, 3), "v_proj": (3, 4)}
+    w13 = layout.params["model.layers.1.mlp.experts.w13_weight"]
+    assert w13.experts and w13.shards == {"gate_proj": (0, I), "up_proj": (I, 2 * I)}
+    t = describe(engine("fp8"))[0].params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert t.transposed and t.shape == (Q + 2 * KV, H)
+
+
+# ---- the digest -----------------------------------------------------------------------
+def test_digest_catches_a_flipped_byte_and_names_the_layer():
+    """Catches: a read-back that re-reads the trainer's copy (or nothing) instead of the
+    engine's tensors; a digest without the layer in its message."""
+    m = engine("fp8_block")
+    layout, tensors = describe(m)
+    writer = writer_for(get_spec("fp8_block"), layout, tensors)
+    writer.write_all(packed("fp8_block", 2, stack=True))
+    sent = writer.sent.result()
+    w13 = m.model.layers[1].mlp.experts.w13_weight
+    w13.data.view(torch.uint8)[1, I + 5, 7] ^= 1  # expert 1's up_proj, layer 1
+    held = handle(m, {"what": "digest", "names": writer.shapes})["digest"]
+    with pytest.raises(WeightSyncError, match=r"experts\.1\.up_proj\.weight.*\(layer 1\)"):
+        check_digest(sent, held)
+
+
+def test_missing_tensor_is_refused_naming_the_parameter():
+    """Catches: a sync that leaves half a fused parameter stale without a word."""
+    m = engine("fp8")
+    layout, tensors = describe(m)
+    stream = [(n, t) for n, t in packed("fp8", 2) if n != "model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(WeightSyncError, match=r"layers\.1\.self_attn\.qkv_proj\.weight got"):
+        writer_for(get_spec("fp8"), layout, tensors).write_all(stream)
+
+
+# ---- moved storage --------------------------------------------------------------------
+def test_moved_storage_is_taken_again():
+    """Catches: handles kept after SGLang re-created a parameter (writes would land in freed
+    memory and the engine would keep its old weights)."""
+    m = engine("fp8")
+    calls = []
+
+    def call(msg):
+        calls.append(msg["what"])
+        return handle(m, msg)
+
+    store = EngineStorage(call)
+    layout, tensors = store.current()
+    assert store.current()[0] is layout and store.taken == 1
+    o = m.model.layers[0].self_attn.o_proj  # re-created, as a re-processed module would be
+    o.weight_scale = nn.Parameter(o.weight_scale.detach().clone(), requires_grad=False)
+    layout2, tensors2 = store.current()
+    assert store.taken == 2 and layout2.fingerprint != layout.fingerprint
+    assert calls == ["export", "fingerprint", "fingerprint", "export"]
+    writer = writer_for(get_spec("fp8"), layout2, tensors2)
+    writer.write_all(packed("fp8", 4))
+    assert torch.equal(o.weight_scale, dict(packed("fp8", 4))[
+        "model.layers.0.self_attn.o_proj.weight_scale"])
+
+
+# ---- refusals -------------------------------------------------------------------------
+def test_formats_the_writer_does_not_serve_are_refused_naming_the_flag():
+    layout, tensors = describe(engine("fp8"))
+    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct: format 'int8'"):
+        writer_for(get_spec("int8"), layout, tensors)
+    with pytest.raises(ValueError, match=r"sync direct .*'w4a16'.*sync inplace"):
+        SGLangOptions(sync="direct").resolve("w4a16")
+    assert SGLangOptions(sync="direct").resolve("fp8_block").sync == "direct"
+
+
+def test_engine_methods_that_rewrite_weights_are_refused():
+    m = engine("fp8_block")
+    m.model.layers[0].self_attn.o_proj.quant_method.use_marlin = True
+    with pytest.raises(EngineLayoutError, match=r"o_proj runs Fp8LinearMethod .*use_marlin"):
+        describe(m)
+
+
+def test_a_tensor_of_another_model_is_refused():
+    layout, tensors = describe(engine("fp8"))
+    w = writer_for(get_spec("fp8"), layout, tensors, Checksums())
+    with pytest.raises(EngineLayoutError, match=r"model\.layers\.7\.self_attn.*no engine parameter"):
+        w.write("model.layers.7.self_attn.q_proj.weight", torch.zeros(Q, H, dtype=F8))
+    with pytest.raises(EngineLayoutError, match=r"is \(256, 128\) in the engine, the trainer sends"):
+        w.write("model.layers.0.self_attn.q_proj.weight", torch.zeros(Q + 1, H, dtype=F8))
