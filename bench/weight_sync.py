@@ -25,7 +25,11 @@ experts of one kind as one stacked tensor (``stack_experts``); ``+noreceipt`` sk
 engine's receipt (its fingerprints of what it received, compared with what was sent: on by
 default, ``SGLangOptions.receipt``); options combine:
 ``fp8:inplace+flat+prefetch+direct+stacked`` is the engine's default in place. A variant runs
-exactly the options it names.
+exactly the options it names. ``fp8:direct`` / ``fp8_block:direct`` is the direct sync
+(``SGLangOptions(sync="direct")``: the packed stream copied straight into the engine's own
+tensors through CUDA IPC handles, one read-back digest; its parts ``storage`` (fingerprint /
+handles), ``write`` and ``digest``); ``+resident`` starts any engine without its memory saver
+(``release_memory=False``).
 
 ``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
 (pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:
@@ -195,7 +199,8 @@ def _qcache(spec, cfg: dict, device: str):
     return lambda name: one.get(key(name))
 
 
-OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt", "qcache")
+OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt", "qcache",
+           "resident")
 
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
@@ -249,7 +254,7 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         flat_buckets=("flat" in opts) if inplace else None,
         direct_expert_loads=("direct" in opts) if inplace else None,
         stack_experts=("stacked" in opts) if inplace else None,  # refused without +direct
-        receipt="noreceipt" not in opts)
+        receipt="noreceipt" not in opts, release_memory="resident" not in opts)
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
@@ -266,10 +271,12 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
         res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
         for part in ("produce_s", "stream_s", "fingerprint_s", "flatten_s", "wait_s",
-                     "serialize_s", "finish_s"):  # where the rest went
+                     "serialize_s", "finish_s", "storage_s", "write_s", "digest_s"):
             if part in eng.last_sync:
                 res[f"{part.removesuffix('_s')}_s_v{version}"] = round(eng.last_sync[part], 2)
         res[f"buckets_v{version}"] = eng.last_sync.get("buckets")
+        if "handles_taken" in eng.last_sync:
+            res[f"handles_taken_v{version}"] = eng.last_sync["handles_taken"]
     from megatron_qrl.rollout.base import SamplingParams
 
     out = eng.generate([[1000 + i for i in range(16)]], SamplingParams(

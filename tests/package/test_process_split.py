@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_qrl.sync.protocol.engine_layout import STORAGE
 from megatron_qrl.sync.protocol.inplace import LOADER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,8 +57,9 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_the_sglang_loader_loads_none_of_the_trainer_side():
-    entry = LOADER.rpartition(".")[0]
+@pytest.mark.parametrize("loader", [LOADER, STORAGE])
+def test_the_sglang_loader_loads_none_of_the_trainer_side(loader):
+    entry = loader.rpartition(".")[0]
     own, _ = _loaded(entry)
     trainer = sorted(n for n in own if _under(n, TRAINER_SIDE))
     assert not trainer, f"importing {entry} (inside SGLang) loads the trainer's side: {trainer}"
@@ -72,6 +74,7 @@ def test_the_sglang_loader_loads_none_of_the_trainer_side():
     "megatron_qrl.sync.protocol.wire",
     "megatron_qrl.sync.protocol.checksums",
     "megatron_qrl.sync.protocol.inplace",
+    "megatron_qrl.sync.protocol.engine_layout",
     "megatron_qrl.rollout_sglang.sync.protocol",  # the re-export both sides used to import
     "megatron_qrl.sync.transport",  # the transports' interface: on the protocol alone
 ])

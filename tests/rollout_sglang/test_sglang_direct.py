@@ -31,7 +31,7 @@ from megatron_qrl.utils.hf_names import parse
 from tests.rollout_sglang import sglang_fused_moe_fake as fake
 
 F8 = torch.float8_e4m3fn
-H, Q, KV, I, E, V, LAYERS, BLOCK = 128, 256, 128, 128, 2, 60, 2, 128
+H, Q, KV, FFN, E, V, LAYERS, BLOCK = 128, 256, 128, 128, 2, 60, 2, 128
 SHARD = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
 MOE = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_proj": ("w2_", "w2")}
 
@@ -144,7 +144,7 @@ class EngineModel(nn.Module):
             old = torch.get_default_dtype()
             torch.set_default_dtype(torch.bfloat16)
             try:
-                layer.mlp.experts = fake.FusedMoE(moe(), E, H, I)
+                layer.mlp.experts = fake.FusedMoE(moe(), E, H, FFN)
             finally:
                 torch.set_default_dtype(old)
             layer.input_layernorm = nn.Module()
@@ -186,9 +186,9 @@ def hf_weights(seed):
                 (f"{pre}self_attn.v_proj.weight", r(KV, H)), (f"{pre}self_attn.o_proj.weight", r(H, Q)),
                 (f"{pre}mlp.gate.weight", r(E, H))]
         for e in range(E):
-            out += [(f"{pre}mlp.experts.{e}.gate_proj.weight", r(I, H)),
-                    (f"{pre}mlp.experts.{e}.up_proj.weight", r(I, H)),
-                    (f"{pre}mlp.experts.{e}.down_proj.weight", r(H, I))]
+            out += [(f"{pre}mlp.experts.{e}.gate_proj.weight", r(FFN, H)),
+                    (f"{pre}mlp.experts.{e}.up_proj.weight", r(FFN, H)),
+                    (f"{pre}mlp.experts.{e}.down_proj.weight", r(H, FFN))]
         out.append((f"{pre}input_layernorm.weight", 1 + r(H)))
     return out
 
@@ -260,7 +260,7 @@ def test_layout_of_fused_and_stacked_parameters():
     qkv = layout.params["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]
     assert qkv.shards == {"q_proj": (0, 2), "k_proj": (2, 3), "v_proj": (3, 4)}
     w13 = layout.params["model.layers.1.mlp.experts.w13_weight"]
-    assert w13.experts and w13.shards == {"gate_proj": (0, I), "up_proj": (I, 2 * I)}
+    assert w13.experts and w13.shards == {"gate_proj": (0, FFN), "up_proj": (FFN, 2 * FFN)}
     t = describe(engine("fp8"))[0].params["model.layers.0.self_attn.qkv_proj.weight"]
     assert t.transposed and t.shape == (Q + 2 * KV, H)
 
@@ -275,7 +275,7 @@ def test_digest_catches_a_flipped_byte_and_names_the_layer():
     writer.write_all(packed("fp8_block", 2, stack=True))
     sent = writer.sent.result()
     w13 = m.model.layers[1].mlp.experts.w13_weight
-    w13.data.view(torch.uint8)[1, I + 5, 7] ^= 1  # expert 1's up_proj, layer 1
+    w13.data.view(torch.uint8)[1, FFN + 5, 7] ^= 1  # expert 1's up_proj, layer 1
     held = handle(m, {"what": "digest", "names": writer.shapes})["digest"]
     with pytest.raises(WeightSyncError, match=r"experts\.1\.up_proj\.weight.*\(layer 1\)"):
         check_digest(sent, held)

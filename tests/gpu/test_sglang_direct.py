@@ -1,0 +1,103 @@
+"""H200: the direct sync (``sync="direct"``: the packed stream copied straight into the
+engine's own tensors through CUDA IPC handles) against the in-place sync, fp8 and fp8_block.
+
+    source .stage/recipe/setup.sh
+    PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_direct.py -x -s
+
+Per format and sync, in its own process (``python tests/gpu/test_sglang_direct.py FMT SYNC
+OUT.json``): export the tiny Qwen3-MoE of test_sglang_inplace with weights A, start the engine
+on it (CUDA graphs on, memory saver off), sync A (version 0) then B (version 1), generate
+greedily, and save every engine parameter as the storage service exports it (the tensors
+the kernels read, through their IPC handles). The parent requires the direct engine's
+parameters bit-equal to the in-place engine's, the same greedy tokens, the second direct sync
+reusing the handles of the first (one export), and the read-back digest as its check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+FORMATS = ["fp8", "fp8_block"]
+
+
+def worker(fmt: str, sync: str, out: Path) -> None:
+    from megatron_qrl.models.export import export_quantized
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.quant.hf_reference import hf_tensors
+    from megatron_qrl.rollout import SamplingParams
+    from megatron_qrl.rollout_sglang import SGLangEngine, SGLangOptions
+    from tests.gpu.test_sglang_inplace import prompts, source_model
+
+    work = out.parent / f"work-{fmt}-{sync}"
+    a, b = source_model(0), source_model(1)
+    a.save_pretrained(work / "hf-a")
+    export_quantized(work / "hf-a", fmt, work / fmt, overwrite=True, progress=False)
+    spec = get_spec(fmt)
+    res: dict = {"fmt": fmt, "sync": sync}
+    t0 = time.time()
+    engine = SGLangEngine(work / fmt, fmt, SGLangOptions(sync=sync, release_memory=False),
+                          mem_fraction_static=0.3, random_seed=0)
+    res["startup_s"] = round(time.time() - t0, 1)
+    try:
+        for tag, model, version in (("a", a, 0), ("b", b, 1)):
+            packed = spec.pack_state_dict(hf_tensors(model), stack_experts=engine.stacked_experts)
+            engine.update_weights(packed, version)
+            res[f"sync_{tag}"] = dict(engine.last_sync, version=engine.weight_version())
+        o = engine.generate(prompts(), SamplingParams(max_new_tokens=16, temperature=0))
+        res["ids"], res["mask"] = o.output_ids.tolist(), o.mask.tolist()
+        held = engine._storage_call({"what": "export"})["tensors"]
+        torch.save({n: t.detach().cpu().clone() for n, t in held.items()},
+                   out.with_suffix(".pt"))
+    finally:
+        out.write_text(json.dumps(res))
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    raise SystemExit(0)
+
+import pytest  # noqa: E402
+
+from tests.gpu import run_json_worker, skip_unless_sglang_gpu  # noqa: E402
+
+skip_unless_sglang_gpu("SGLang direct sync tests")
+
+
+def _run(fmt: str, sync: str, tmp: Path) -> tuple[dict, dict]:
+    out = tmp / f"{fmt}-{sync}.json"
+    res = run_json_worker(__file__, [fmt, sync, str(out)], out, "ids",
+                          f"{fmt}: the {sync} sync worker")
+    return res, torch.load(out.with_suffix(".pt"))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_direct_sync_equals_inplace(tmp_path, fmt):
+    """Catches: a region written at the wrong offset / transpose on the real engine, a
+    kernel reading storage the writer does not reach (tokens differ), handles re-taken on
+    every sync."""
+    ref, ref_t = _run(fmt, "inplace", tmp_path)
+    got, got_t = _run(fmt, "direct", tmp_path)
+    sb = got["sync_b"]
+    print(f"\n[direct] {fmt}: sync B {sb['seconds']:.3f} s (storage {sb['storage_s']:.3f}, "
+          f"write {sb['write_s']:.3f}, digest {sb['digest_s']:.3f}); in place "
+          f"{ref['sync_b']['seconds']:.3f} s", flush=True)
+    assert sb["verified"] == "digest" and sb["version"] == 1, sb
+    assert sb["handles_taken"] == 1, f"{fmt}: the second sync took the handles again: {sb}"
+    assert ref_t.keys() == got_t.keys()
+    differ = [n for n in ref_t if not torch.equal(_bits(ref_t[n]), _bits(got_t[n]))]
+    assert not differ, f"{fmt}: the direct sync left {len(differ)} parameters unlike in place: {differ[:5]}"
+    assert got["ids"] == ref["ids"] and got["mask"] == ref["mask"], (
+        f"{fmt}: greedy tokens differ between the direct and the in-place engine")
