@@ -126,7 +126,6 @@ class SGLangEngine(RolloutEngine):
             _check_distributed_layout(self.trainer_device, group_backend,
                                       int(placement.get("base_gpu_id", 0)), self.processes)
         self._group = None
-        self._transport_state: dict = {}
         sglang = require("sglang", FEATURE)
         self.spec = get_spec(spec_name)
         self.model_path = Path(model_path)
@@ -164,6 +163,8 @@ class SGLangEngine(RolloutEngine):
         return {"base_gpu_id": o.base_gpu} if o.base_gpu or o.sync == "distributed" else {}
 
     def _reset_sync_state(self) -> None:
+        self._transport_state: dict = {}
+        """What a transport keeps across syncs (the direct sync's opened storage)."""
         self._sent: dict[str, str] = {}
         self._received: dict[str, str] | None = None
         self._version = -1

@@ -13,6 +13,8 @@ reference is the in-place loader (``load_packed``) fed the same packed stream in
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -29,6 +31,7 @@ from megatron_qrl.sync.protocol.engine_layout import EngineLayoutError
 from megatron_qrl.sync.protocol.inplace import CONTROL
 from megatron_qrl.utils.hf_names import parse
 from tests.rollout_sglang import sglang_fused_moe_fake as fake
+from tests.rollout_sglang.test_sglang_engine_sync import fake_io_struct  # noqa: F401  (io_struct stub)
 
 F8 = torch.float8_e4m3fn
 H, Q, KV, FFN, E, V, LAYERS, BLOCK = 128, 256, 128, 128, 2, 60, 2, 128
@@ -339,3 +342,101 @@ def test_a_tensor_of_another_model_is_refused():
         w.write("model.layers.7.self_attn.q_proj.weight", torch.zeros(Q, H, dtype=F8))
     with pytest.raises(EngineLayoutError, match=r"is \(256, 128\) in the engine, the trainer sends"):
         w.write("model.layers.0.self_attn.q_proj.weight", torch.zeros(Q + 1, H, dtype=F8))
+
+
+# ---- the engine's direct sync end to end (the storage service in process) --------------
+def _direct_engine(model, fmt="fp8"):
+    """SGLangEngine without sglang.Engine: its storage requests answered in this process
+    (what the scheduler's ``serve`` computes, without the answer file and the IPC hop)."""
+    from megatron_qrl.rollout_sglang import SGLangEngine
+
+    eng = object.__new__(SGLangEngine)
+    eng.options = SGLangOptions(sync="direct").resolve(fmt)
+    eng.spec, eng.trainer_device = get_spec(fmt), torch.device("cpu")
+    eng.bucket_bytes, eng.processes, eng.model_path = 1 << 20, 1, None
+    version = [None]
+    eng.engine = SimpleNamespace(get_server_info=lambda: {"weight_version": version[0]})
+    eng.requests = []
+
+    def call(msg):
+        msg = dict(msg)
+        v = msg.pop("version", None)
+        eng.requests.append(msg["what"])
+        out = handle(model, msg)
+        if v is not None:
+            version[0] = str(v)
+        return out
+
+    eng._storage_call = call
+    eng._reset_sync_state()
+    return eng
+
+
+def test_engine_direct_sync_end_to_end():
+    """Catches: the engine not verifying the read-back digest, the version not set by the
+    digest request, handles taken again on every sync, a stream not expert-stacked."""
+    ref, m = engine("fp8"), engine("fp8")
+    eng = _direct_engine(m)
+    assert eng.stacked_experts
+    for v in (1, 2):
+        stream = get_spec("fp8").pack_state_dict(hf_weights(v), stack_experts=eng.stacked_experts)
+        eng.update_weights(stream, version=v)
+    inplace_sync(ref, "fp8", packed("fp8", 2))
+    assert eng.weight_version() == 2 and eng.last_sync["verified"] == "digest"
+    assert eng.last_sync["handles_taken"] == 1
+    assert eng.requests == ["export", "digest", "fingerprint", "digest"]
+    assert eng.held_checksums() == eng.sent_checksums()
+    assert "model.layers.1.mlp.experts.1.down_proj.weight" in eng.sent_checksums()
+    a, b = state(ref), state(m)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_engine_direct_sync_fails_when_the_engine_holds_other_bytes():
+    """Catches: an engine-side write that is lost (e.g. a stale handle) passing as synced."""
+    m = engine("fp8_block")
+    eng = _direct_engine(m, "fp8_block")
+    call = eng._storage_call
+
+    def corrupting(msg):
+        if msg["what"] == "digest":
+            m.model.layers[0].self_attn.qkv_proj.weight_scale_inv.data[3, 0] += 1
+        return call(msg)
+
+    eng._storage_call = corrupting
+    with pytest.raises(WeightSyncError, match=r"v_proj\.weight_scale_inv.*\(layer 0\)"):
+        eng.update_weights(get_spec("fp8_block").pack_state_dict(hf_weights(5)), version=1)
+
+
+def test_direct_sync_is_refused_off_the_gpu_and_over_tensor_parallel_ranks():
+    from megatron_qrl.rollout_sglang.engine import _check_direct_layout
+
+    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct writes .*cpu"):
+        _check_direct_layout(torch.device("cpu"), 1)
+    with pytest.raises(ValueError, match=r"tp_size=2; use --qrl-rollout-sglang-sync inplace"):
+        _check_direct_layout(torch.device("cuda:0"), 2)
+
+
+def test_storage_answers_travel_through_the_answer_file(tmp_path):
+    """The scheduler side (``serve``: control tensor in, answer file out) and the trainer
+    side (``storage_request``) of the fingerprint and digest requests. Catches: an answer
+    file left from an earlier request read as this one's."""
+    from megatron_qrl.rollout_sglang.sync.loader.storage import serve
+    from megatron_qrl.rollout_sglang.sync.storage_client import storage_request
+
+    m = engine("fp8")
+    sent = []
+
+    def request(method, req, first):
+        assert method == "update_weights_from_tensor" and req.load_format.endswith(".serve")
+        sent.append((req.flush_cache, req.weight_version))
+        serve(m, req.serialized_named_tensors)
+        return True, "ok"
+
+    out = str(tmp_path / "storage")
+    (tmp_path / "storage.999").write_text('{"fingerprint": "stale"}')  # an earlier answer
+    fp = storage_request(request, list, torch.device("cpu"), out, {"what": "fingerprint"})
+    assert fp["fingerprint"] == describe(m)[0].fingerprint
+    names = {"model.layers.0.self_attn.q_proj.weight": [Q, H]}
+    got = storage_request(request, list, torch.device("cpu"), out,
+                          {"what": "digest", "names": names}, version=7)
+    assert list(got["digest"]) == list(names) and sent == [(False, None), (True, "7")]
