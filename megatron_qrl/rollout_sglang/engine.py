@@ -383,6 +383,7 @@ class SGLangEngine(RolloutEngine):
             self._group = None
         if self._receipts is not None:
             shutil.rmtree(self._receipts, ignore_errors=True)
+        self._transport_state.clear()  # the direct sync's opened engine memory goes first
         self.engine.shutdown()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import glob
 import json
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,6 +72,7 @@ def storage_request(request: Callable[[str, object, str], tuple[bool, str]],
     Path(files[0]).unlink()
     if msg["what"] != "export":
         return json.loads(data)
-    got = pickle.loads(data)  # our own file, written by the engine we started
-    return {"layout": EngineLayout.from_json(got["layout"]),
-            "tensors": {n: fn(*args) for n, (fn, args) in got["handles"].items()}}
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    got = MultiprocessingSerializer.deserialize(data)  # the engine we started wrote it
+    return {"layout": EngineLayout.from_json(got["layout"]), "tensors": got["tensors"]}

@@ -4,7 +4,9 @@
 (:data:`~megatron_qrl.rollout_sglang.sync.protocol.LOADER`); :mod:`.packed` applies one
 bucket, :mod:`.module_state` swaps a module between its live and checkpoint layouts,
 :mod:`.experts` and :mod:`.expert_batch` load expert tensors, :mod:`.receipt` fingerprints
-what arrived.
+what arrived. :mod:`.storage` is the direct sync's storage service (``load_format`` =
+:data:`~megatron_qrl.sync.protocol.engine_layout.STORAGE`): the live parameters described
+in the engine's layout, handed out as CUDA IPC handles, read back as a digest.
 """
 
 from .packed import load_packed

@@ -6,10 +6,9 @@ Runs inside SGLang's scheduler process, reached like the in-place loader: an
 ``custom_weight_loader``) and whose one tensor is the control message
 (:mod:`megatron_qrl.sync.protocol.engine_layout`). Three requests:
 
-* ``export``: :func:`describe` the live parameters and write ``{"layout", "handles"}`` to
-  ``out`` (pickle, temp + rename) — each parameter's CUDA IPC handle
-  (``torch.multiprocessing.reductions.reduce_tensor``, as SGLang's own
-  ``MultiprocessingSerializer`` shares tensors), so the trainer writes into them;
+* ``export``: :func:`describe` the live parameters and write ``{"layout", "tensors"}`` to
+  ``out`` through SGLang's own ``MultiprocessingSerializer`` (each parameter as its CUDA IPC
+  handle), so the trainer writes into them;
 * ``fingerprint``: the storage addresses now (:func:`storage_fingerprint`), to see whether
   SGLang moved a parameter since the handles were taken;
 * ``digest``: the fingerprints of the regions the trainer wrote (``names``: packed name ->
@@ -27,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 
 import torch
 
@@ -167,11 +165,23 @@ def handle(model: torch.nn.Module, msg: dict) -> dict:
     raise ValueError(f"engine storage request {what!r}: expected export, fingerprint or digest")
 
 
+def _share(obj: dict) -> bytes:
+    """``obj`` serialized as SGLang shares tensors between its processes."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    try:
+        return MultiprocessingSerializer.serialize(obj)
+    except RuntimeError as exc:  # e.g. memory the memory saver maps (no IPC handle)
+        raise EngineLayoutError(
+            f"direct weight sync: the engine's parameters cannot be shared by CUDA IPC ({exc}); "
+            "start the engine without its memory saver (--no-qrl-rollout-sglang-release-memory) "
+            "or use --qrl-rollout-sglang-sync inplace") from exc
+
+
 def serve(model: torch.nn.Module, named_tensors) -> None:
     """SGLang custom weight loader: answer the control message's request into its ``out``
-    file (pickle for ``export``, JSON otherwise; temp + rename)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
+    file (``export``: SGLang's ``MultiprocessingSerializer``, whose CUDA tensors travel as IPC
+    handles with the device named by UUID; JSON otherwise; temp + rename)."""
     msgs = [decode_control(t) for n, t in named_tensors if n == CONTROL]
     if len(msgs) != 1:
         raise EngineLayoutError(f"engine storage request carries {len(msgs)} control tensors, "
@@ -179,8 +189,7 @@ def serve(model: torch.nn.Module, named_tensors) -> None:
     msg = msgs[0]
     out = handle(model, msg)
     if msg["what"] == "export":
-        data = pickle.dumps({"layout": out["layout"].to_json(),
-                             "handles": {n: reduce_tensor(t) for n, t in out["tensors"].items()}})
+        data = _share({"layout": out["layout"].to_json(), "tensors": out["tensors"]})
     else:
         data = json.dumps(out).encode()
     path = f"{msg['out']}.{os.getpid()}"
