@@ -105,6 +105,10 @@ class JobConfig:
                     f"other GPUs of this process's node); in --qrl-mode {mode} the weights reach "
                     "the engine actor by --qrl-ray-weight-transport broadcast, and the actor "
                     "loads them on its own GPU: use --qrl-rollout-sglang-sync auto")
+        if ro.sglang.sync == "direct":
+            text = _direct_problem(mode, megatron_argv)
+            if text:
+                return text
         if run.trainer_sleep == "on" and mode == "disaggregated":
             return ("--qrl-trainer-sleep on with --qrl-mode disaggregated: the engine has GPUs "
                     "of its own, the trainer's sleep frees nothing it can use; drop the flag (or "
@@ -147,6 +151,24 @@ class JobConfig:
         if world_size > 1 and self.compare:
             raise QrlArgumentError("--qrl-compare runs in one process; launch it without "
                                    "torchrun")
+
+
+def _direct_problem(mode: str, megatron_argv: Sequence[str]) -> str | None:
+    """Where ``--qrl-rollout-sglang-sync direct`` does not apply: it writes whole tensors from
+    one trainer process into the in-process engine on the same GPU."""
+    if mode != "single":
+        return (f"--qrl-rollout-sglang-sync direct writes into the in-process engine of "
+                f"--qrl-mode single; in --qrl-mode {mode} the weights reach the engine actor by "
+                "--qrl-ray-weight-transport: use --qrl-rollout-sglang-sync auto")
+    if megatron_argv:
+        from .megatron_flags import parse_megatron_flags
+
+        mega = parse_megatron_flags(megatron_argv)[0]
+        if mega.model_parallel_size > 1:
+            return (f"--qrl-rollout-sglang-sync direct needs one unsharded trainer (tensor, "
+                    f"expert and pipeline parallel 1), this run has {mega.describe()}: use "
+                    "--qrl-rollout-sglang-sync inplace")
+    return None
 
 
 def job_group() -> ConfigGroup:

@@ -121,7 +121,7 @@ class SGLangEngine(RolloutEngine):
         self.processes = int(placement["tp_size"])
         """Scheduler processes (TP ranks): each loads every bucket and writes a receipt."""
         if self.options.sync == "direct":
-            _check_direct_layout(self.trainer_device, self.processes)
+            _check_direct_layout(self.trainer_device, placement)
         if self.options.sync == "distributed":
             _check_distributed_layout(self.trainer_device, group_backend,
                                       int(placement.get("base_gpu_id", 0)), self.processes)
@@ -387,14 +387,19 @@ class SGLangEngine(RolloutEngine):
         self.engine.shutdown()
 
 
-def _check_direct_layout(trainer: torch.device, processes: int) -> None:
-    """``sync="direct"`` writes through CUDA IPC handles into one engine process."""
+def _check_direct_layout(trainer: torch.device, placement: dict) -> None:
+    """``sync="direct"`` writes through CUDA IPC handles into one engine process holding
+    the whole model (``placement``: the engine's ``tp_size`` / ``ep_size`` / ``pp_size`` /
+    ``dp_size`` arguments)."""
     if trainer.type != "cuda":
         raise ValueError(f"--qrl-rollout-sglang-sync direct writes into the engine's GPU "
                          f"memory from the trainer's; got trainer_device={trainer}")
-    if processes != 1:
-        raise ValueError(f"--qrl-rollout-sglang-sync direct serves one engine process (tensor "
-                         f"parallel 1), this engine has tp_size={processes}; use "
+    split = {k: int(placement.get(k, 1)) for k in ("tp_size", "ep_size", "pp_size", "dp_size")}
+    split = {k: v for k, v in split.items() if v != 1}
+    if split:
+        said = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ValueError(f"--qrl-rollout-sglang-sync direct serves one engine process holding "
+                         f"the whole model, this engine has {said}; use "
                          "--qrl-rollout-sglang-sync inplace")
 
 

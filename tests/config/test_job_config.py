@@ -57,6 +57,12 @@ def test_parse_configs_builds_the_job(argv, want):
     assert not {"qrl_mode", "qrl_compare", "qrl_seeds"} & set(flags)  # not a stored run flag
 
 
+def _direct():
+    from megatron_qrl.rollout_sglang.options import SGLangOptions
+
+    return RolloutConfig(sglang=SGLangOptions(sync="direct"))
+
+
 def _configs(**over):
     base = {"run": RunConfig(), "rollout": RolloutConfig(), "lora": LoraConfig()}
     return base | over
@@ -73,6 +79,8 @@ def _configs(**over):
     (JobConfig(compare="papers"), {"run": RunConfig(steps=0, sft_steps=3)},
      "--qrl-steps 0: nothing to run"),
     (JobConfig(), {"run": RunConfig(steps=0)}, "--qrl-steps 0 with --qrl-sft-steps 0"),
+    (JobConfig(mode="colocated"), {"rollout": _direct()},
+     "--qrl-rollout-sglang-sync direct writes into the in-process engine of --qrl-mode single"),
 ])
 def test_the_job_checks_its_combinations_without_argparse(job, over, needle):
     with pytest.raises(QrlArgumentError) as info:
@@ -97,6 +105,9 @@ def test_the_job_checks_its_own_fields_and_the_world():
     with pytest.raises(QrlArgumentError, match="--qrl-compare runs in one process"):
         JobConfig(compare="papers").check_world(2, mega)
     JobConfig().check_world(1, mega)  # single mode: the layout's own check says the rest
+    with pytest.raises(QrlArgumentError, match="sync direct needs one unsharded trainer .*tp=2"):
+        JobConfig().check(_configs(rollout=_direct()), ["--tensor-model-parallel-size", "2"])
+    JobConfig().check(_configs(rollout=_direct()), ["--tensor-model-parallel-size", "1"])
 
 
 def test_the_job_configs_are_one_typed_object():

@@ -411,9 +411,10 @@ def test_direct_sync_is_refused_off_the_gpu_and_over_tensor_parallel_ranks():
     from megatron_qrl.rollout_sglang.engine import _check_direct_layout
 
     with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct writes .*cpu"):
-        _check_direct_layout(torch.device("cpu"), 1)
-    with pytest.raises(ValueError, match=r"tp_size=2; use --qrl-rollout-sglang-sync inplace"):
-        _check_direct_layout(torch.device("cuda:0"), 2)
+        _check_direct_layout(torch.device("cpu"), {"tp_size": 1})
+    with pytest.raises(ValueError, match=r"has tp_size=2, ep_size=2; use --qrl-rollout-sglang"):
+        _check_direct_layout(torch.device("cuda:0"), {"tp_size": 2, "ep_size": 2})
+    _check_direct_layout(torch.device("cuda:0"), {"tp_size": 1, "base_gpu_id": 3})
 
 
 def test_storage_answers_travel_through_the_answer_file(tmp_path):
