@@ -10,7 +10,8 @@ on it (CUDA graphs on, memory saver off), sync A (version 0) then B (version 1),
 greedily, and save every engine parameter as the storage service exports it (the tensors
 the kernels read, through their IPC handles). The parent requires the direct engine's
 parameters bit-equal to the in-place engine's, the same greedy tokens, the second direct sync
-reusing the handles of the first (one export), and the read-back digest as its check.
+reusing the handles of the first (one export), and the read-back digest as its check; then
+the same with the memory saver and a release / resume between the syncs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ FORMATS = ["fp8", "fp8_block"]
 
 
 def worker(fmt: str, sync: str, out: Path) -> None:
+    """``sync``: ``inplace``, ``direct``, or ``direct+saver`` (the engine with its memory
+    saver, its memory released and resumed between the two syncs, as the RL loop does)."""
     from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.hf_reference import hf_tensors
@@ -41,12 +44,17 @@ def worker(fmt: str, sync: str, out: Path) -> None:
     export_quantized(work / "hf-a", fmt, work / fmt, overwrite=True, progress=False)
     spec = get_spec(fmt)
     res: dict = {"fmt": fmt, "sync": sync}
+    sync, _, option = sync.partition("+")
+    saver = option == "saver"
     t0 = time.time()
-    engine = SGLangEngine(work / fmt, fmt, SGLangOptions(sync=sync, release_memory=False),
+    engine = SGLangEngine(work / fmt, fmt, SGLangOptions(sync=sync, release_memory=saver),
                           mem_fraction_static=0.3, random_seed=0)
     res["startup_s"] = round(time.time() - t0, 1)
     try:
         for tag, model, version in (("a", a, 0), ("b", b, 1)):
+            if saver and version:
+                engine.release_memory()
+                engine.resume_memory()
             packed = spec.pack_state_dict(hf_tensors(model), stack_experts=engine.stacked_experts)
             engine.update_weights(packed, version)
             res[f"sync_{tag}"] = dict(engine.last_sync, version=engine.weight_version())
@@ -72,7 +80,7 @@ skip_unless_sglang_gpu("SGLang direct sync tests")
 
 
 def _run(fmt: str, sync: str, tmp: Path) -> tuple[dict, dict]:
-    out = tmp / f"{fmt}-{sync}.json"
+    out = tmp / f"{fmt}-{sync.replace('+', '-')}.json"
     res = run_json_worker(__file__, [fmt, sync, str(out)], out, "ids",
                           f"{fmt}: the {sync} sync worker")
     return res, torch.load(out.with_suffix(".pt"))
@@ -101,3 +109,19 @@ def test_direct_sync_equals_inplace(tmp_path, fmt):
     assert not differ, f"{fmt}: the direct sync left {len(differ)} parameters unlike in place: {differ[:5]}"
     assert got["ids"] == ref["ids"] and got["mask"] == ref["mask"], (
         f"{fmt}: greedy tokens differ between the direct and the in-place engine")
+
+
+@pytest.mark.gpu
+def test_direct_sync_across_a_memory_release(tmp_path):
+    """The RL loop's order with the memory saver (release after rollouts, resume before the
+    sync): the handles stay valid or are taken again, and the engine ends bit-equal to the
+    in-place one. Catches: handles that point at memory the saver unmapped and re-mapped
+    elsewhere (the engine would keep A). A failure naming
+    --no-qrl-rollout-sglang-release-memory means CUDA IPC cannot share the saver's memory:
+    then the options must refuse direct with release_memory."""
+    ref, ref_t = _run("fp8", "inplace", tmp_path)
+    got, got_t = _run("fp8", "direct+saver", tmp_path)
+    print(f"\n[direct+saver] fp8: handles taken {got['sync_b']['handles_taken']}", flush=True)
+    differ = [n for n in ref_t if not torch.equal(_bits(ref_t[n]), _bits(got_t[n]))]
+    assert not differ, f"direct + memory saver left {len(differ)} parameters unlike in place"
+    assert got["ids"] == ref["ids"]
