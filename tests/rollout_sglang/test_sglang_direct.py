@@ -95,6 +95,19 @@ class Fp8MoEMethod(fake.Fp8MoEMethod):
     block_quant = True
 
 
+class Fp8KVCacheMethod:
+    """fp8.py's KV-cache method (``BaseKVCacheMethod``): k/v scales on the attention module,
+    from the checkpoint's KV scales (none here: -1, then 1.0), never in a weight sync."""
+
+    def create_weights(self, layer):
+        layer.k_scale = nn.Parameter(torch.tensor(-1.0), requires_grad=False)
+        layer.v_scale = nn.Parameter(torch.tensor(-1.0), requires_grad=False)
+
+    def process_weights_after_loading(self, layer):
+        layer.k_scale.data.fill_(1.0)
+        layer.v_scale.data.fill_(1.0)
+
+
 class Linear(nn.Module):
     """``MergedColumnParallelLinear`` / ``QKVParallelLinear`` / ``RowParallelLinear`` at TP 1."""
 
@@ -141,6 +154,10 @@ class EngineModel(nn.Module):
             layer.self_attn = nn.Module()
             layer.self_attn.qkv_proj = Linear(H, [Q, KV, KV], lin(), ["q", "k", "v"])
             layer.self_attn.o_proj = Linear(Q, [H], lin())
+            if fmt == "fp8_block":  # Fp8Config gives the attention a KV-cache method
+                layer.self_attn.attn = nn.Module()
+                layer.self_attn.attn.quant_method = Fp8KVCacheMethod()
+                layer.self_attn.attn.quant_method.create_weights(layer.self_attn.attn)
             layer.mlp = nn.Module()
             layer.mlp.gate = nn.Module()
             layer.mlp.gate.weight = _plain((E, H))
@@ -218,7 +235,7 @@ def inplace_sync(model, fmt, stream, per_bucket=5):
 
 
 def state(model):
-    return {n: p.detach().contiguous().view(torch.uint8).clone()
+    return {n: p.detach().reshape(-1).contiguous().view(torch.uint8).clone()
             for n, p in model.named_parameters()}
 
 

@@ -53,11 +53,15 @@ _REWRITES = ("use_marlin", "use_mxfp8", "convert_mxfp8_to_block")
 
 
 def _method_kind(module: torch.nn.Module, name: str) -> str | None:
-    """``linear`` / ``moe`` / None (unquantized); raises for a method this writer cannot feed."""
+    """``linear`` / ``moe`` / None (unquantized) / ``kv`` (a KV-cache scale method: its
+    ``k_scale`` / ``v_scale`` come from the checkpoint's KV scales, which no weight sync
+    sends); raises for a method this writer cannot feed."""
     qm = getattr(module, "quant_method", None)
     if qm is None:
         return None
     cls = type(qm).__name__
+    if cls.endswith("KVCacheMethod"):
+        return "kv"
     if cls.startswith("Unquantized"):
         return "moe" if hasattr(module, "num_local_experts") else "linear"
     kind = METHODS.get(cls)
@@ -104,6 +108,8 @@ def describe(model: torch.nn.Module) -> tuple[EngineLayout, dict[str, torch.Tens
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
         kind = _method_kind(module, mod_name)
+        if kind == "kv":  # not synced: the engine keeps them
+            continue
         for leaf, p in module._parameters.items():
             if p is None or id(p) in seen:
                 continue
