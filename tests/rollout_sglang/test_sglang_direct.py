@@ -350,6 +350,11 @@ def test_engine_methods_that_rewrite_weights_are_refused():
     m.model.layers[0].self_attn.o_proj.quant_method.use_marlin = True
     with pytest.raises(EngineLayoutError, match=r"o_proj runs Fp8LinearMethod .*use_marlin"):
         describe(m)
+    m = engine("fp8_block")
+    m.model.layers[1].mlp.experts.quant_method.block_quant = False  # per-tensor fp8 experts
+    with pytest.raises(EngineLayoutError, match=r"layers\.1\.mlp\.experts runs Fp8MoEMethod "
+                       r"\(flags \['per-tensor scales"):
+        describe(m)
 
 
 def test_a_tensor_of_another_model_is_refused():

@@ -66,7 +66,7 @@ def _method_kind(module: torch.nn.Module, name: str) -> str | None:
         return "moe" if hasattr(module, "num_local_experts") else "linear"
     kind = METHODS.get(cls)
     bad = [f for f in _REWRITES if getattr(qm, f, False)]
-    if cls == "Fp8LinearMethod" and not getattr(qm, "block_quant", False):
+    if cls in ("Fp8LinearMethod", "Fp8MoEMethod") and not getattr(qm, "block_quant", False):
         bad.append("per-tensor scales (requantized after loading)")
     if kind is None or bad:
         why = f"flags {bad}" if kind else "its post-load processing is not a copy"
