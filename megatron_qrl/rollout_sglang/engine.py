@@ -394,6 +394,12 @@ def _check_direct_layout(trainer: torch.device, placement: dict) -> None:
     if trainer.type != "cuda":
         raise ValueError(f"--qrl-rollout-sglang-sync direct writes into the engine's GPU "
                          f"memory from the trainer's; got trainer_device={trainer}")
+    gpu = int(placement.get("base_gpu_id", 0))
+    if trainer.index is not None and trainer.index != gpu:
+        raise ValueError(f"--qrl-rollout-sglang-sync direct writes into an engine on the "
+                         f"trainer's GPU ({trainer}), this engine starts on cuda:{gpu} "
+                         "(--qrl-rollout-sglang-base-gpu); use --qrl-rollout-sglang-sync "
+                         "distributed for an engine on other GPUs")
     split = {k: int(placement.get(k, 1)) for k in ("tp_size", "ep_size", "pp_size", "dp_size")}
     split = {k: v for k, v in split.items() if v != 1}
     if split:
