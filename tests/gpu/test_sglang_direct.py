@@ -87,7 +87,7 @@ def _run(fmt: str, sync: str, tmp: Path) -> tuple[dict, dict]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    return t.reshape(-1).contiguous().view(torch.uint8)
 
 
 @pytest.mark.gpu
