@@ -57,6 +57,7 @@ from .kernels.moe_configs import config_dir_for_engine
 from .options import SGLangOptions
 from .sync import transports as _transports  # noqa: F401  (registers the sync paths)
 from .sync.session import SGLangSession
+from .sync.transports.direct import check_placement
 
 FEATURE = "--qrl-rollout-engine sglang"
 UNSEEDED_WARNING = (
@@ -121,7 +122,7 @@ class SGLangEngine(RolloutEngine):
         self.processes = int(placement["tp_size"])
         """Scheduler processes (TP ranks): each loads every bucket and writes a receipt."""
         if self.options.sync == "direct":
-            _check_direct_layout(self.trainer_device, placement)
+            check_placement(self.trainer_device, placement)
         if self.options.sync == "distributed":
             _check_distributed_layout(self.trainer_device, group_backend,
                                       int(placement.get("base_gpu_id", 0)), self.processes)
@@ -385,28 +386,6 @@ class SGLangEngine(RolloutEngine):
             shutil.rmtree(self._receipts, ignore_errors=True)
         self._transport_state.clear()  # the direct sync's opened engine memory goes first
         self.engine.shutdown()
-
-
-def _check_direct_layout(trainer: torch.device, placement: dict) -> None:
-    """``sync="direct"`` writes through CUDA IPC handles into one engine process holding
-    the whole model (``placement``: the engine's ``tp_size`` / ``ep_size`` / ``pp_size`` /
-    ``dp_size`` arguments)."""
-    if trainer.type != "cuda":
-        raise ValueError(f"--qrl-rollout-sglang-sync direct writes into the engine's GPU "
-                         f"memory from the trainer's; got trainer_device={trainer}")
-    gpu = int(placement.get("base_gpu_id", 0))
-    if trainer.index is not None and trainer.index != gpu:
-        raise ValueError(f"--qrl-rollout-sglang-sync direct writes into an engine on the "
-                         f"trainer's GPU ({trainer}), this engine starts on cuda:{gpu} "
-                         "(--qrl-rollout-sglang-base-gpu); use --qrl-rollout-sglang-sync "
-                         "distributed for an engine on other GPUs")
-    split = {k: int(placement.get(k, 1)) for k in ("tp_size", "ep_size", "pp_size", "dp_size")}
-    split = {k: v for k, v in split.items() if v != 1}
-    if split:
-        said = ", ".join(f"{k}={v}" for k, v in split.items())
-        raise ValueError(f"--qrl-rollout-sglang-sync direct serves one engine process holding "
-                         f"the whole model, this engine has {said}; use "
-                         "--qrl-rollout-sglang-sync inplace")
 
 
 def _check_distributed_layout(trainer: torch.device, backend: str, first: int, tp: int) -> None:

@@ -430,15 +430,15 @@ def test_engine_direct_sync_fails_when_the_engine_holds_other_bytes():
 
 
 def test_direct_sync_is_refused_off_the_gpu_and_over_tensor_parallel_ranks():
-    from megatron_qrl.rollout_sglang.engine import _check_direct_layout
+    from megatron_qrl.rollout_sglang.sync.transports.direct import check_placement
 
     with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct writes .*cpu"):
-        _check_direct_layout(torch.device("cpu"), {"tp_size": 1})
+        check_placement(torch.device("cpu"), {"tp_size": 1})
     with pytest.raises(ValueError, match=r"has tp_size=2, ep_size=2; use --qrl-rollout-sglang"):
-        _check_direct_layout(torch.device("cuda:0"), {"tp_size": 2, "ep_size": 2})
+        check_placement(torch.device("cuda:0"), {"tp_size": 2, "ep_size": 2})
     with pytest.raises(ValueError, match=r"starts on cuda:3 \(--qrl-rollout-sglang-base-gpu\)"):
-        _check_direct_layout(torch.device("cuda:0"), {"tp_size": 1, "base_gpu_id": 3})
-    _check_direct_layout(torch.device("cuda:3"), {"tp_size": 1, "base_gpu_id": 3})
+        check_placement(torch.device("cuda:0"), {"tp_size": 1, "base_gpu_id": 3})
+    check_placement(torch.device("cuda:3"), {"tp_size": 1, "base_gpu_id": 3})
 
 
 def test_storage_answers_travel_through_the_answer_file(tmp_path):

@@ -20,7 +20,7 @@ from ..session import SGLangSession
 from ..storage_client import EngineStorage
 from ..writer import check_digest, writer_for
 
-__all__ = ["DirectTransport"]
+__all__ = ["DirectTransport", "check_placement"]
 
 
 @register_transport("sglang", "direct")
@@ -61,3 +61,25 @@ class DirectTransport(WeightTransport):
     def verify(self, sent: dict[str, str]) -> dict[str, str]:
         check_digest(sent, self.held or {})
         return dict(self.held or {})
+
+
+def check_placement(trainer: torch.device, placement: dict) -> None:
+    """``sync="direct"`` writes through CUDA IPC handles into one engine process holding
+    the whole model (``placement``: the engine's ``tp_size`` / ``ep_size`` / ``pp_size`` /
+    ``dp_size`` arguments)."""
+    if trainer.type != "cuda":
+        raise ValueError(f"--qrl-rollout-sglang-sync direct writes into the engine's GPU "
+                         f"memory from the trainer's; got trainer_device={trainer}")
+    gpu = int(placement.get("base_gpu_id", 0))
+    if trainer.index is not None and trainer.index != gpu:
+        raise ValueError(f"--qrl-rollout-sglang-sync direct writes into an engine on the "
+                         f"trainer's GPU ({trainer}), this engine starts on cuda:{gpu} "
+                         "(--qrl-rollout-sglang-base-gpu); use --qrl-rollout-sglang-sync "
+                         "distributed for an engine on other GPUs")
+    split = {k: int(placement.get(k, 1)) for k in ("tp_size", "ep_size", "pp_size", "dp_size")}
+    split = {k: v for k, v in split.items() if v != 1}
+    if split:
+        said = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ValueError(f"--qrl-rollout-sglang-sync direct serves one engine process holding "
+                         f"the whole model, this engine has {said}; use "
+                         "--qrl-rollout-sglang-sync inplace")
