@@ -465,3 +465,23 @@ def test_storage_answers_travel_through_the_answer_file(tmp_path):
     got = storage_request(request, list, torch.device("cpu"), out,
                           {"what": "digest", "names": names}, version=7)
     assert list(got["digest"]) == list(names) and sent == [(False, None), (True, "7")]
+
+
+def test_cached_codes_reach_the_engine_as_they_are():
+    """Quantize once per step: the aligned forward's Q(W) codes (``pack_state_dict``'s
+    ``quantized``, rl.qcache_sync) are what the engine ends up holding, not a second
+    quantization of the weights. The cache here holds another weight's codes for one
+    projection, so only a copy of the cache gives them. Catches: a direct path that
+    quantizes the HF weights itself."""
+    spec = get_spec("fp8_block")
+    other = dict(hf_weights(9))["model.layers.1.self_attn.v_proj.weight"]
+    cached = spec.quantize_weight(other)
+    m = engine("fp8_block")
+    eng = _direct_engine(m, "fp8_block")
+    stream = spec.pack_state_dict(hf_weights(4), stack_experts=eng.stacked_experts,
+                                  quantized=lambda n: cached if n.endswith("1.self_attn.v_proj.weight")
+                                  else None)
+    eng.update_weights(stream, version=1)
+    qkv = m.model.layers[1].self_attn.qkv_proj
+    assert torch.equal(qkv.weight[Q + KV:].view(torch.uint8), cached.codes.view(torch.uint8))
+    assert torch.equal(qkv.weight_scale_inv[3:], cached.scale)
