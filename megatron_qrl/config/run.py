@@ -143,6 +143,8 @@ class RolloutConfig:
 MOE_EXPERTS = ("megatron", "stacked")
 ALIGNED_GEMMS = ("auto", "fake", "real")
 """``--qrl-train-moe-experts`` choices (``TrainForwardConfig.moe_experts``)."""
+ALIGNED_BACKWARDS = ("bf16", "fp8")
+"""``--qrl-train-aligned-backward`` choices (``te_quant.fp8_backward.BACKWARDS``)."""
 
 
 @dataclass
@@ -171,12 +173,27 @@ class TrainForwardConfig:
     real: the rollout's codes and scales in a low-bit GEMM (fp8: torch._scaled_mm, CUDA
     sm >= 89; int8: torch._int_mm, CUDA); an error where this device or format has none.
     auto: real where supported, else fake (CPU: fake). Same forward up to rounding; the
-    backward stays BF16 straight-through."""
+    backward is BF16 straight-through unless --qrl-train-aligned-backward fp8."""
+
+    aligned_backward: Literal["bf16", "fp8"] = field(
+        default="bf16", metadata={"on_resume": "may change"})
+    """Input-gradient GEMM of the aligned linears on the real GEMM. bf16: straight-through
+    BF16 (dx = g @ deq Q(W)). fp8: the gradient quantized per token to E4M3 (the weight's
+    per-channel scale folded in) times the cached FP8 weight codes in torch._scaled_mm; the
+    weight gradient stays BF16. Needs the real GEMM (--qrl-train-aligned-gemm real, or auto on
+    a GPU) of a per-channel FP8 format (fp8); effect on the gradient: docs/BENCHMARKS.md."""
 
     def __post_init__(self) -> None:
         _choice("--qrl-train-forward", self.forward, ("bf16", "aligned"))
         _choice("--qrl-train-moe-experts", self.moe_experts, MOE_EXPERTS)
         _choice("--qrl-train-aligned-gemm", self.aligned_gemm, ALIGNED_GEMMS)
+        _choice("--qrl-train-aligned-backward", self.aligned_backward, ALIGNED_BACKWARDS)
+        if self.aligned_backward != "bf16" and (self.forward != "aligned"
+                                                or self.aligned_gemm == "fake"):
+            raise ValueError(
+                f"--qrl-train-aligned-backward {self.aligned_backward} needs "
+                "--qrl-train-forward aligned with --qrl-train-aligned-gemm real or auto (got "
+                f"{self.forward} / {self.aligned_gemm}); use --qrl-train-aligned-backward bf16")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.kv_cache import get_kv_format
+from megatron_qrl.te_quant.fp8_backward import BACKWARD_FLAG
 from megatron_qrl.te_quant.kv_core_attention import KVAlignState, kv_spec_hook
 from megatron_qrl.te_quant.real_gemm import FLAG, DeviceInfo, device_info, select_gemm
 from megatron_qrl.te_quant.spec_hook import SpecHook, aligned_spec_hook, compose_hooks
@@ -78,7 +79,11 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
                          "fake-quant linears (no TE recipe) or use --qrl-train-moe-experts megatron")
     if train.forward == "aligned":
         gemm = aligned_gemm(rollout_format, train.aligned_gemm, te_recipe)
-        state = AlignedForwardState(rollout_format, gemm=gemm)
+        backward = train.aligned_backward
+        if backward != "bf16" and te_recipe:
+            raise ValueError(f"{BACKWARD_FLAG} {backward}: a Transformer Engine recipe runs its "
+                             f"own backward GEMMs; drop the recipe or use {BACKWARD_FLAG} bf16")
+        state = AlignedForwardState(rollout_format, gemm=gemm, backward=backward)
         kv = KVAlignState(kv_cache) if get_kv_format(kv_cache).quantizes else None
         if not state.spec.quantizes_weights and kv is None:
             raise ValueError(f"--qrl-train-forward aligned needs a quantized --qrl-rollout-format"

@@ -24,7 +24,7 @@ class AlignedForwardState:
     """What the aligned linears of one model read at forward time."""
 
     def __init__(self, spec: QuantSpec | str, kinds: Iterable[str] = LAYER_KINDS,
-                 gemm: str = "fake") -> None:
+                 gemm: str = "fake", backward: str = "bf16") -> None:
         self.spec: QuantSpec = get_spec(spec) if isinstance(spec, str) else spec
         """The rollout format the forward is aligned to."""
         if gemm not in ("fake", "real"):
@@ -37,6 +37,15 @@ class AlignedForwardState:
         """``fake``: dequantized operands in a BF16 GEMM; ``real``: the codes and scales in the
         format's low-bit GEMM (:mod:`megatron_qrl.te_quant.real_gemm`); the cache then holds
         the codes and scales, not a dequantized weight."""
+        self.backward: str = backward
+        """Input-gradient GEMM of the real linears: ``bf16`` (straight-through, the fake
+        path's) or ``fp8`` (:mod:`megatron_qrl.te_quant.fp8_backward`; needs ``gemm`` real)."""
+        if backward != "bf16":
+            from megatron_qrl.te_quant.fp8_backward import BACKWARD_FLAG, BACKWARDS, check_fp8_backward
+
+            if backward not in BACKWARDS:
+                raise ValueError(f"{BACKWARD_FLAG} must be one of {BACKWARDS}, got {backward!r}")
+            check_fp8_backward(self.spec, gemm)
         self.version: int = 0
         """Bumped after every optimizer step; part of each linear's cache key."""
         self.keep_codes: bool = False

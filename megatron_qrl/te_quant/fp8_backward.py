@@ -1,0 +1,109 @@
+"""FP8 input gradient of the aligned linears (``--qrl-train-aligned-backward fp8``).
+
+The straight-through backward of ``y = Q_a(x) @ Q_w(W)^T`` (Bengio et al. 2013; QaRL, Fan et
+al. 2025) is ``dx = g @ deq Q_w(W)`` and ``dW = g^T @ deq Q_a(x)``. ``bf16`` (the default)
+computes both in BF16. ``fp8`` computes the input gradient (dgrad) as an FP8 GEMM on the
+weight's cached E4M3 codes, as DeepSeek-V3 (2024, sec. 3.3, "fine-grained quantization":
+E4M3 for all GEMM operands, fine-grained scales) and Transformer Engine do; the weight
+gradient stays BF16.
+
+With per-channel weight scales ``deq Q_w(W)[n, k] = qw[n, k] * sw[n]``, the scale lies on
+the dgrad's contraction index ``n``, so it cannot be an output scale of the GEMM; it folds
+into the gradient before the gradient's quantization:
+
+    dx[m, k] = sum_n g[m, n] * sw[n] * qw[n, k]
+             ~ (sum_n qg[m, n] * qw[n, k]) * sg[m],   qg, sg = Q_row(g * sw^T)
+
+with ``Q_row`` the per-row (per-token) FP8 quantizer: ``sg[m] = amax_n |g[m, n] sw[n]| / MAX``
+(``MAX`` 448 for E4M3, 57344 for E5M2; an all-zero row takes scale 1), ``qg = cast(g sw / sg)``
+round-to-nearest-even, saturating. The GEMM is ``torch._scaled_mm`` (row-wise scales
+``sg`` and ones) with ``B = qw`` column-major, i.e. the transposed codes ``qw^T`` ``[K, N]``
+contiguous (:attr:`~.real_gemm.RealWeight.codes_t`, made once per cached weight). The
+only rounding beyond the BF16 path is ``Q_row``'s (relative ``2^-4`` per element for E4M3,
+``2^-3`` for E5M2) and the FP8 GEMM's fp32 accumulation.
+
+Which FP8 element type: :data:`GRAD_FORMAT` (E4M3), measured by ``bench/fp8_backward.py``
+against E5M2 (docs/BENCHMARKS.md): with one scale per row, E5M2's wider range is not needed
+and its one fewer mantissa bit doubles the error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_qrl.quant import QuantSpec
+
+BACKWARDS = ("bf16", "fp8")
+BACKWARD_FLAG = "--qrl-train-aligned-backward"
+
+GRAD_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+"""FP8 element types of the quantized gradient."""
+GRAD_FORMAT = "e4m3"
+"""The element type ``fp8`` uses (see the module doc)."""
+
+
+def check_fp8_backward(spec: QuantSpec, gemm: str, what: str = "") -> None:
+    """Raise one clear error unless the FP8 dgrad applies: the real GEMM (the cache holds the
+    codes) of a format with per-channel E4M3 weight codes."""
+    where = f" ({what})" if what else ""
+    if gemm != "real":
+        raise ValueError(f"{BACKWARD_FLAG} fp8 multiplies the real GEMM's cached FP8 codes, but "
+                         f"the aligned forward runs the {gemm} GEMM{where}; use "
+                         "--qrl-train-aligned-gemm real (or auto on a GPU) or "
+                         f"{BACKWARD_FLAG} bf16")
+    if not (spec.weight_format == "float8_e4m3fn" and spec.granularity == "channel"):
+        raise ValueError(f"{BACKWARD_FLAG} fp8 needs per-channel E4M3 weight codes; "
+                         f"{spec.name} has {spec.granularity} {spec.weight_format} codes{where}; "
+                         f"use {BACKWARD_FLAG} bf16")
+
+
+def quantize_grad_rows(g: torch.Tensor, fmt: str = GRAD_FORMAT
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Q_row(g)``: FP8 codes ``[M, N]`` and fp32 scales ``[M, 1]`` of ``g`` (fp32), one
+    scale per row, ``amax / MAX`` (1 for an all-zero row); round to nearest even, saturating."""
+    dtype = GRAD_DTYPES[fmt]
+    maxv = torch.finfo(dtype).max
+    scale = g.abs().amax(dim=-1, keepdim=True) / maxv
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (g / scale).clamp(-maxv, maxv).to(dtype), scale
+
+
+def folded_grad(grad2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``g * sw^T`` in fp32: the weight's per-channel scale ``[N, 1]`` folded into the
+    gradient's columns (the dgrad's contraction index)."""
+    return grad2d.float() * scale.reshape(1, -1)
+
+
+def dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor,
+              out_dtype: torch.dtype, fmt: str = GRAD_FORMAT) -> torch.Tensor:
+    """``dx = g @ deq Q_w(W)`` ``[M, K]`` as one FP8 GEMM: ``Q_row(g * sw^T)`` times the codes
+    (``codes_t``: ``qw^T`` ``[K, N]`` contiguous, ``scale``: ``sw`` ``[N, 1]``), see the
+    module doc; ``torch._scaled_mm`` on the device (CUDA and CPU torch both have it)."""
+    from megatron_qrl.te_quant.real_gemm import scaled_mm
+
+    qg, sg = quantize_grad_rows(folded_grad(grad2d, scale), fmt)
+    ones = torch.ones(codes_t.shape[0], 1, dtype=torch.float32, device=codes_t.device)
+    return scaled_mm(qg, sg, codes_t, ones, out_dtype)
+
+
+def dgrad_fp8_reference(grad2d: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                        out_dtype: torch.dtype, fmt: str = GRAD_FORMAT) -> torch.Tensor:
+    """The exact maths of :func:`dgrad_fp8` (tests, CPU emulation): quantize, dequantize in
+    fp64, multiply (FP8 code products and their sums are exact there), round once."""
+    qg, sg = quantize_grad_rows(folded_grad(grad2d, scale), fmt)
+    return ((qg.double() @ codes.double()) * sg.double()).to(out_dtype)
+
+
+def grouped_dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor,
+                      counts: list[int], out_dtype: torch.dtype, fmt: str = GRAD_FORMAT
+                      ) -> torch.Tensor:
+    """:func:`dgrad_fp8` of every expert's rows: ``codes_t`` ``[E, K, N]``, ``scale``
+    ``[E, N, 1]``; each row's gradient takes its expert's weight scale, then one
+    ``torch._scaled_grouped_mm`` where it runs (else one ``_scaled_mm`` per expert)."""
+    from megatron_qrl.te_quant.real_gemm import grouped_real_mm, scaled_mm
+
+    rows = torch.tensor(counts, device=scale.device)
+    sw = scale.reshape(scale.shape[0], -1).repeat_interleave(rows, dim=0, output_size=sum(counts))
+    qg, sg = quantize_grad_rows(grad2d.float() * sw, fmt)
+    ones = torch.ones(*codes_t.shape[:2], 1, dtype=torch.float32, device=codes_t.device)
+    return grouped_real_mm(qg, sg, codes_t, ones, counts, scaled_mm, out_dtype)
