@@ -336,26 +336,26 @@ class RealLinearFn(torch.autograd.Function):
     ``deq Q_w(W)``, the weight the forward multiplied, not the master ``W`` (the fake path's
     autograd takes the same). So the weight is dequantized per backward call: one fused
     kernel reading its codes (:meth:`QuantSpec.dequantize_rows`), no cached BF16 copy.
-    ``backward`` ``fp8``: ``dx`` is the FP8 GEMM of :func:`.fp8_backward.dgrad_fp8` on the
-    cached codes instead; ``dW`` stays BF16."""
+    ``grad_fp8`` (an FP8 element type of :data:`.fp8_backward.GRAD_DTYPES`): ``dx`` is the FP8
+    GEMM of :func:`.fp8_backward.dgrad_fp8` on the cached codes instead; ``dW`` stays BF16."""
 
     @staticmethod
-    def forward(ctx, x, weight, qw, spec, parallel_dim, group, backward="bf16"):  # noqa: D401
+    def forward(ctx, x, weight, qw, spec, parallel_dim, group, grad_fp8=None):  # noqa: D401
         k = x.shape[-1]
         xq, xs = activation_operand(spec, x.reshape(-1, k), parallel_dim, group)
         y = kernel_for(spec)(xq, xs, qw.codes, qw.scale, x.dtype)
         ctx.save_for_backward(xq, xs)
-        ctx.qw, ctx.spec, ctx.x_shape, ctx.backward = qw, spec, x.shape, backward
+        ctx.qw, ctx.spec, ctx.x_shape, ctx.grad_fp8 = qw, spec, x.shape, grad_fp8
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         xq, xs = ctx.saved_tensors
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0] and ctx.backward == "fp8":
+        if ctx.needs_input_grad[0] and ctx.grad_fp8:
             g2d = grad.reshape(-1, grad.shape[-1])
-            grad_x = fp8_backward.dgrad_fp8(g2d, ctx.qw.codes_t, ctx.qw.scale, grad.dtype
-                                            ).view(*grad.shape[:-1], -1)
+            grad_x = fp8_backward.dgrad_fp8(g2d, ctx.qw.codes_t, ctx.qw.scale, grad.dtype,
+                                            ctx.grad_fp8).view(*grad.shape[:-1], -1)
         elif ctx.needs_input_grad[0]:
             grad_x = grad.matmul(ctx.qw.dequantize(ctx.spec, grad.dtype))
         if ctx.needs_input_grad[1]:
@@ -365,13 +365,13 @@ class RealLinearFn(torch.autograd.Function):
 
 
 def real_linear(x: torch.Tensor, weight: torch.Tensor, qw: RealWeight, spec: QuantSpec,
-                parallel_dim: int = 0, group=None, backward: str = "bf16") -> torch.Tensor:
+                parallel_dim: int = 0, group=None, grad_fp8: str | None = None) -> torch.Tensor:
     """``x @ W^T`` of the aligned forward through the real low-bit GEMM (see
-    :class:`RealLinearFn`); ``backward`` ``fp8``: the input gradient as an FP8 GEMM
-    (:mod:`.fp8_backward`)."""
-    if backward != "bf16":
+    :class:`RealLinearFn`); ``grad_fp8`` (``e4m3`` / ``e5m2``; None: BF16): the input gradient
+    as an FP8 GEMM (:mod:`.fp8_backward`)."""
+    if grad_fp8:
         fp8_backward.check_fp8_backward(spec, "real")
-    return RealLinearFn.apply(x, weight, qw, spec, parallel_dim, group, backward)
+    return RealLinearFn.apply(x, weight, qw, spec, parallel_dim, group, grad_fp8)
 
 
 def _scaled_grouped_ok(xq: torch.Tensor, wq: torch.Tensor) -> bool:
@@ -408,15 +408,15 @@ class GroupedRealFn(torch.autograd.Function):
     (:func:`megatron_qrl.models.grouped_gemm.grouped_mm`) differentiated on the dequantized
     operands (the same ops as the fake path, recomputed: one BF16 grouped GEMM more). The
     masters are one stacked ``[E, N, K]`` weight or one ``[N, K]`` weight per expert (the
-    gradient is unbound into them, no stacked copy of the masters). ``backward`` ``fp8``: the
-    input gradient from :func:`.fp8_backward.grouped_dgrad_fp8` instead."""
+    gradient is unbound into them, no stacked copy of the masters). ``grad_fp8``: the input
+    gradient from :func:`.fp8_backward.grouped_dgrad_fp8` instead."""
 
     @staticmethod
-    def forward(ctx, x, qw, spec, counts, parallel_dim, group, backward, *masters):  # noqa: D401
+    def forward(ctx, x, qw, spec, counts, parallel_dim, group, grad_fp8, *masters):  # noqa: D401
         xq, xs = activation_operand(spec, x, parallel_dim, group)
         y = grouped_real_mm(xq, xs, qw.codes, qw.scale, counts, kernel_for(spec), x.dtype)
         ctx.save_for_backward(xq, xs)
-        ctx.qw, ctx.spec, ctx.counts, ctx.backward = qw, spec, counts, backward
+        ctx.qw, ctx.spec, ctx.counts, ctx.grad_fp8 = qw, spec, counts, grad_fp8
         ctx.stacked = len(masters) == 1 and masters[0].dim() == 3
         return y
 
@@ -425,7 +425,7 @@ class GroupedRealFn(torch.autograd.Function):
         from megatron_qrl.models.grouped_gemm import grouped_mm
 
         xq, xs = ctx.saved_tensors
-        fp8_dx = ctx.backward == "fp8" and ctx.needs_input_grad[0]
+        fp8_dx = bool(ctx.grad_fp8) and ctx.needs_input_grad[0]
         x = dequantize_activation(ctx.spec, xq, xs, grad.dtype).requires_grad_(
             ctx.needs_input_grad[0] and not fp8_dx)
         w = ctx.qw.dequantize(ctx.spec, grad.dtype).requires_grad_(any(ctx.needs_input_grad[7:]))
@@ -437,7 +437,7 @@ class GroupedRealFn(torch.autograd.Function):
         gw = next(grads) if w.requires_grad else None
         if fp8_dx:
             gx = fp8_backward.grouped_dgrad_fp8(grad, ctx.qw.codes_t, ctx.qw.scale, ctx.counts,
-                                                grad.dtype)
+                                                grad.dtype, ctx.grad_fp8)
         n = len(ctx.needs_input_grad) - 7
         gws = (gw,) if ctx.stacked else (gw.unbind(0) if gw is not None else (None,) * n)
         return (gx, None, None, None, None, None, None, *gws)
@@ -445,19 +445,19 @@ class GroupedRealFn(torch.autograd.Function):
 
 def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWeight,
                         spec: QuantSpec, counts: list[int], parallel_dim: int = 0,
-                        group=None, backward: str = "bf16") -> torch.Tensor:
+                        group=None, grad_fp8: str | None = None) -> torch.Tensor:
     """``cat_e(Q_a(x_e) @ Q_w(W_e)^T)`` through the real GEMM; ``masters`` (one stacked
     ``[E, N, K]`` weight or one weight per expert) receive the straight-through gradient
     (:class:`GroupedRealFn`); ``parallel_dim`` 1 with an expert-TP ``group``: the input's
-    features are split, token scales taken over the gathered row; ``backward`` ``fp8``: the
-    input gradient as FP8 GEMMs (:func:`.fp8_backward.grouped_dgrad_fp8`)."""
+    features are split, token scales taken over the gathered row; ``grad_fp8``: the input
+    gradient as FP8 GEMMs (:func:`.fp8_backward.grouped_dgrad_fp8`)."""
     gemm, why = experts_gemm(spec, "real")
     if gemm != "real":
         raise ValueError(f"{FLAG} real: {why}")
-    if backward != "bf16":
+    if grad_fp8:
         fp8_backward.check_fp8_backward(spec, "real", "experts")
     return GroupedRealFn.apply(x, qw, spec, [int(c) for c in counts], parallel_dim, group,
-                               backward, *masters)
+                               grad_fp8, *masters)
 
 
 def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor], parallel_dim: int,

@@ -18,6 +18,12 @@ from typing import Any
 
 from megatron_qrl.quant import QuantSpec, get_spec
 from megatron_qrl.quant.targets import LAYER_KINDS
+from megatron_qrl.te_quant.fp8_backward import (
+    BACKWARD_FLAG,
+    BACKWARDS,
+    GRAD_FORMAT,
+    check_fp8_backward,
+)
 
 
 class AlignedForwardState:
@@ -37,15 +43,16 @@ class AlignedForwardState:
         """``fake``: dequantized operands in a BF16 GEMM; ``real``: the codes and scales in the
         format's low-bit GEMM (:mod:`megatron_qrl.te_quant.real_gemm`); the cache then holds
         the codes and scales, not a dequantized weight."""
+        if backward not in BACKWARDS:
+            raise ValueError(f"{BACKWARD_FLAG} must be one of {BACKWARDS}, got {backward!r}")
+        if backward != "bf16":
+            check_fp8_backward(self.spec, gemm)
         self.backward: str = backward
         """Input-gradient GEMM of the real linears: ``bf16`` (straight-through, the fake
         path's) or ``fp8`` (:mod:`megatron_qrl.te_quant.fp8_backward`; needs ``gemm`` real)."""
-        if backward != "bf16":
-            from megatron_qrl.te_quant.fp8_backward import BACKWARD_FLAG, BACKWARDS, check_fp8_backward
-
-            if backward not in BACKWARDS:
-                raise ValueError(f"{BACKWARD_FLAG} must be one of {BACKWARDS}, got {backward!r}")
-            check_fp8_backward(self.spec, gemm)
+        self.grad_format: str = GRAD_FORMAT
+        """FP8 element type of the quantized gradient under ``fp8`` (a key of
+        :data:`~megatron_qrl.te_quant.fp8_backward.GRAD_DTYPES`; ``e4m3``, measured)."""
         self.version: int = 0
         """Bumped after every optimizer step; part of each linear's cache key."""
         self.keep_codes: bool = False
@@ -76,6 +83,10 @@ class AlignedForwardState:
         from megatron_qrl.te_quant.real_gemm import experts_gemm
 
         return experts_gemm(self.spec, self.gemm)[0]
+
+    def grad_fp8(self) -> str | None:
+        """The FP8 element type of the real linears' input-gradient GEMM, None for BF16."""
+        return self.grad_format if self.backward == "fp8" else None
 
     def mark_weights_updated(self) -> None:
         """Invalidate every cached quantized weight (call after ``optimizer.step()``)."""
