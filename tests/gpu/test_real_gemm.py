@@ -273,3 +273,84 @@ def test_block_equals_sglangs_own_linear(shape):
     theirs = triton_w8a8_block_fp8_linear(x, qw.codes, [128, 128], qw.scale)
     assert ours.shape == theirs.shape == (2, m, n) and ours.dtype == theirs.dtype
     assert torch.equal(ours, theirs)
+
+
+# ---- --qrl-train-aligned-backward fp8: the input gradient as a torch._scaled_mm ---------------
+def _fp8_dgrad_operands(m, k, n, seed):
+    x, w = _operands(m, k, n, seed=seed)
+    g = torch.randn(m, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    g = g.bfloat16()
+    g[1] = 0  # an all-zero gradient row
+    return x, w, g
+
+
+def _dgrad_bound(grad, codes, scale, fmt, ref):
+    """fp32 accumulation over N of the FP8 products (relative 2^-24 per term) and one BF16
+    rounding of the output (2^-8)."""
+    from megatron_qrl.te_quant.fp8_backward import folded_grad, quantize_grad_rows
+
+    qg, sg = quantize_grad_rows(folded_grad(grad, scale), fmt)
+    a = (qg.double().abs() @ codes.double().abs()) * sg.double()
+    return grad.shape[1] * 2.0 ** -24 * a + 2.0 ** -8 * ref.double().abs()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(512, 2560, 1024), (10, 72, 40)])
+def test_fp8_dgrad_scaled_mm_equals_the_emulation(fmt, shape):
+    """``torch._scaled_mm`` on the weight's transposed codes (``RealWeight.codes_t``,
+    column-major B; unaligned shapes zero-padded) vs the exact emulation
+    (:func:`~megatron_qrl.te_quant.fp8_backward.dgrad_fp8_reference`): within fp32 summation
+    order and the BF16 output rounding. Mutations caught: the weight scale not folded into the
+    gradient, ``codes`` for ``codes_t`` (the wrong transpose), E4M3 / E5M2 swapped."""
+    if "fp8" not in FORMATS:
+        pytest.skip("no fp8 real GEMM on this GPU")
+    from megatron_qrl.te_quant.fp8_backward import dgrad_fp8_reference
+
+    spec = get_spec("fp8")
+    x, w, g = _fp8_dgrad_operands(*shape, seed=5)
+    qw = weight_operand(spec, w)
+    xr = x.clone().requires_grad_()
+    try:
+        real_linear(xr, w, qw, spec, grad_fp8=fmt).backward(g)
+    except RuntimeError as exc:  # torch's row-wise FP8 kernel refusing the operand types
+        if fmt == "e5m2":
+            pytest.skip(f"torch._scaled_mm refuses an E5M2 gradient with E4M3 codes: {exc}")
+        raise
+    ref = dgrad_fp8_reference(g, qw.codes, qw.scale, torch.bfloat16, fmt)
+    err = (xr.grad.double() - ref.double()).abs()
+    ratio = (err / _dgrad_bound(g, qw.codes, qw.scale, fmt, ref).clamp_min(1e-30)).max().item()
+    bf16 = (g @ qw.dequantize(spec, torch.bfloat16)).double()
+    rel = ((xr.grad.double() - bf16).norm() / bf16.norm()).item()
+    print(f"\nfp8 dgrad {fmt} {shape}: max err / bound {ratio:.3f}, bit-equal "
+          f"{(err == 0).double().mean().item():.4f}, rel L2 to the BF16 dgrad {rel:.3e}")
+    assert ratio <= 1.0 and xr.grad[1].eq(0).all()
+
+
+def test_fp8_dgrad_grouped_equals_per_expert_emulation():
+    """Stacked experts: the FP8 dgrad (``torch._scaled_grouped_mm`` on sm 9.x, else one
+    ``_scaled_mm`` per expert) vs each expert's emulation with its own weight scale."""
+    if "fp8" not in FORMATS:
+        pytest.skip("no fp8 real GEMM on this GPU")
+    from megatron_qrl.te_quant.fp8_backward import dgrad_fp8_reference
+    from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear
+
+    spec, counts = get_spec("fp8"), [96, 0, 160, 32]
+    x, _, g = _fp8_dgrad_operands(sum(counts), 512, 256, seed=6)
+    ws = [_operands(8, 512, 256, seed=20 + e)[1] * 2.0 ** e for e in range(len(counts))]
+    qws = [weight_operand(spec, w) for w in ws]
+    qw = RealWeight(torch.stack([q.codes for q in qws]), torch.stack([q.scale for q in qws]))
+    xr, master = x.clone().requires_grad_(), torch.stack(ws).requires_grad_()
+    ops = _Ops()
+    with ops:
+        grouped_real_linear(xr, [master], qw, spec, counts, grad_fp8="e4m3").backward(g)
+    start = 0
+    for e, c in enumerate(counts):
+        rows = slice(start, start + c)
+        start += c
+        if not c:
+            continue
+        ref = dgrad_fp8_reference(g[rows], qws[e].codes, qws[e].scale, torch.bfloat16)
+        err = (xr.grad[rows].double() - ref.double()).abs()
+        assert (err <= _dgrad_bound(g[rows], qws[e].codes, qws[e].scale, "e4m3", ref)).all(), e
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert ops.names.count("_scaled_grouped_mm") == 2  # the forward's and the dgrad's

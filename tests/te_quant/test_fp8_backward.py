@@ -7,14 +7,14 @@ runs ``torch._scaled_mm`` on the CPU, so the same code path as the GPU is checke
 kernel itself: ``tests/gpu/test_real_gemm.py``).
 
 Mutations caught (each checked by hand: mutate, run, restore):
-- default path no longer the BF16 backward (``RealLinearFn`` taking the FP8 branch by
-  default) -> ``test_default_backward_is_the_bf16_straight_through``;
+- default path no longer the BF16 backward (``real_linear``'s default ``grad_fp8="e4m3"``, or
+  ``AlignedForwardState.grad_fp8`` ignoring ``backward``) ->
+  ``test_default_backward_is_the_bf16_straight_through``;
 - the weight scale not folded / applied as an output column scale instead, the codes not
   transposed (``codes`` for ``codes_t``), E4M3 / E5M2 swapped in ``GRAD_DTYPES``, per-tensor
   instead of per-row gradient scale -> ``test_fp8_dgrad_equals_the_closed_form``;
 - each expert's rows taking expert 0's weight scale -> ``test_grouped_fp8_dgrad_per_expert``;
-- ``GRAD_FORMAT = "e5m2"`` (min cosine 0.9954 < bound), the weight gradient computed from the
-  quantized gradient -> ``test_model_gradients_cosine_bound``;
+- ``GRAD_FORMAT = "e5m2"`` (min cosine 0.9954 < bound) -> ``test_model_gradients_cosine_bound``;
 - a missing refusal -> ``test_refusals_name_the_flag``.
 """
 
@@ -68,7 +68,9 @@ def test_default_backward_is_the_bf16_straight_through():
     assert TrainForwardConfig().aligned_backward == "bf16"
     assert AlignedForwardState("fp8", gemm="real").grad_fp8() is None
     x, w, grad = _operands(0)
-    dx, dw = _grads(x, w, grad, None)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    real_linear(xr, wr, weight_operand(FP8, w), FP8).backward(grad)  # the default arguments
+    dx, dw = xr.grad, wr.grad
     xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
     (FP8.fake_quant_activation(xf) @ FP8.fake_quant_weight(wf).t()).backward(grad)
     assert torch.equal(dx, xf.grad) and torch.equal(dw, wf.grad)
