@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny models")
     p.add_argument("--tokens", type=int, default=8192, help="speed A/B: rows of x (tokens)")
     p.add_argument("--reps", type=int, default=20, help="speed A/B: timed repetitions")
     p.add_argument("--speed-only", action="store_true", help="skip the gradient comparison")
@@ -62,20 +63,21 @@ def commit() -> str:
         return "unknown"
 
 
-def tiny_arch(kind: str):
-    """The format-friendly tiny Qwen3-MoE of ``data/configs`` (hidden 256, 2 layers, 8
-    experts top-2) or its dense twin (FFN 512)."""
+def tiny_arch(kind: str, layers: int = 2):
+    """The format-friendly tiny Qwen3-MoE of ``data/configs`` (hidden 256, 8 experts top-2)
+    or its dense twin (FFN 512), with ``layers`` decoder layers."""
     from megatron_qrl.models import CONFIG_DIR
     from megatron_qrl.models.hf_config import arch_from_dict
 
     cfg = json.loads((CONFIG_DIR / "quant_report_qwen3_moe.json").read_text())
+    cfg["num_hidden_layers"] = layers
     if kind == "dense":
         cfg = {k: v for k, v in cfg.items() if k not in _MOE_ONLY}
         cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
     return arch_from_dict(cfg)
 
 
-def build(kind: str, device: str, seed: int):
+def build(kind: str, device: str, seed: int, layers: int = 2):
     """(state, model) with the aligned fp8 forward on the real GEMM (inside a megatron job)."""
     from megatron_qrl.models.runtime import build_model
     from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
@@ -86,7 +88,7 @@ def build(kind: str, device: str, seed: int):
     hook = compose_hooks(stacked_experts_spec_hook if kind == "moe" else None,
                          aligned_spec_hook(state))
     extra = {"use_cpu_initialization": False} if device != "cpu" else {}
-    model = build_model(tiny_arch(kind), None, torch.bfloat16, spec_hook=hook, use_te=False,
+    model = build_model(tiny_arch(kind, layers), None, torch.bfloat16, spec_hook=hook, use_te=False,
                         **extra)
     return state, model.to(device)
 
@@ -125,7 +127,7 @@ def compare(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def gradient_rows(kind: str, args: argparse.Namespace, device: str) -> list[dict]:
     from megatron_qrl.te_quant.fp8_backward import GRAD_DTYPES
 
-    state, model = build(kind, device, args.seed)
+    state, model = build(kind, device, args.seed, args.layers)
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, model.vocab_size, (args.batch, args.seq), generator=g).to(device)
     ref = gradients(state, model, ids, "bf16", "e4m3")
@@ -134,7 +136,7 @@ def gradient_rows(kind: str, args: argparse.Namespace, device: str) -> list[dict
         got = gradients(state, model, ids, "fp8", fmt)
         for name, r in ref.items():
             cos, rel = compare(got[name], r)
-            rows.append({"model": kind, "grad_fp8": fmt, "param": name, "cosine": cos,
+            rows.append({"model": kind, "layers": args.layers, "grad_fp8": fmt, "param": name, "cosine": cos,
                          "rel_l2": rel})
     return rows
 

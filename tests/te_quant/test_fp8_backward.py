@@ -25,7 +25,12 @@ import torch
 
 from megatron_qrl.quant import get_spec
 from megatron_qrl.te_quant import fp8_backward
-from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear, real_linear, weight_operand
+from megatron_qrl.te_quant.real_gemm import (
+    RealWeight,
+    grouped_real_linear,
+    real_linear,
+    weight_operand,
+)
 
 FP8 = get_spec("fp8")
 MAX = {"e4m3": 448.0, "e5m2": 57344.0}
