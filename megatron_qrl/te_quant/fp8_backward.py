@@ -29,6 +29,8 @@ and its one fewer mantissa bit doubles the error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_qrl.quant import QuantSpec
@@ -75,15 +77,14 @@ def folded_grad(grad2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor,
-              out_dtype: torch.dtype, fmt: str = GRAD_FORMAT) -> torch.Tensor:
+              out_dtype: torch.dtype, fmt: str, mm: Callable[..., torch.Tensor]) -> torch.Tensor:
     """``dx = g @ deq Q_w(W)`` ``[M, K]`` as one FP8 GEMM: ``Q_row(g * sw^T)`` times the codes
     (``codes_t``: ``qw^T`` ``[K, N]`` contiguous, ``scale``: ``sw`` ``[N, 1]``), see the
-    module doc; ``torch._scaled_mm`` on the device (CUDA and CPU torch both have it)."""
-    from megatron_qrl.te_quant.real_gemm import scaled_mm
-
+    module doc; ``mm(xq, xs, wq, ws, out_dtype)`` = ``(xq @ wq^T) * xs * ws^T``
+    (:func:`.real_gemm.scaled_mm`: ``torch._scaled_mm``, on CUDA and on the CPU)."""
     qg, sg = quantize_grad_rows(folded_grad(grad2d, scale), fmt)
     ones = torch.ones(codes_t.shape[0], 1, dtype=torch.float32, device=codes_t.device)
-    return scaled_mm(qg, sg, codes_t, ones, out_dtype)
+    return mm(qg, sg, codes_t, ones, out_dtype)
 
 
 def dgrad_fp8_reference(grad2d: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -95,15 +96,14 @@ def dgrad_fp8_reference(grad2d: torch.Tensor, codes: torch.Tensor, scale: torch.
 
 
 def grouped_dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor,
-                      counts: list[int], out_dtype: torch.dtype, fmt: str = GRAD_FORMAT
-                      ) -> torch.Tensor:
+                      counts: list[int], out_dtype: torch.dtype, fmt: str,
+                      mm: Callable[..., torch.Tensor]) -> torch.Tensor:
     """:func:`dgrad_fp8` of every expert's rows: ``codes_t`` ``[E, K, N]``, ``scale``
-    ``[E, N, 1]``; each row's gradient takes its expert's weight scale, then one
-    ``torch._scaled_grouped_mm`` where it runs (else one ``_scaled_mm`` per expert)."""
-    from megatron_qrl.te_quant.real_gemm import grouped_real_mm, scaled_mm
-
+    ``[E, N, 1]``; each row's gradient takes its expert's weight scale, then
+    ``mm(xq, xs, wq, ws, counts, out_dtype=)`` (:func:`.real_gemm.grouped_real_mm`: one
+    ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert)."""
     rows = torch.tensor(counts, device=scale.device)
     sw = scale.reshape(scale.shape[0], -1).repeat_interleave(rows, dim=0, output_size=sum(counts))
     qg, sg = quantize_grad_rows(grad2d.float() * sw, fmt)
     ones = torch.ones(*codes_t.shape[:2], 1, dtype=torch.float32, device=codes_t.device)
-    return grouped_real_mm(qg, sg, codes_t, ones, counts, scaled_mm, out_dtype)
+    return mm(qg, sg, codes_t, ones, counts, out_dtype=out_dtype)

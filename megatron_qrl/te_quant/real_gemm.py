@@ -355,7 +355,7 @@ class RealLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0] and ctx.grad_fp8:
             g2d = grad.reshape(-1, grad.shape[-1])
             grad_x = fp8_backward.dgrad_fp8(g2d, ctx.qw.codes_t, ctx.qw.scale, grad.dtype,
-                                            ctx.grad_fp8).view(*grad.shape[:-1], -1)
+                                            ctx.grad_fp8, scaled_mm).view(*grad.shape[:-1], -1)
         elif ctx.needs_input_grad[0]:
             grad_x = grad.matmul(ctx.qw.dequantize(ctx.spec, grad.dtype))
         if ctx.needs_input_grad[1]:
@@ -437,7 +437,8 @@ class GroupedRealFn(torch.autograd.Function):
         gw = next(grads) if w.requires_grad else None
         if fp8_dx:
             gx = fp8_backward.grouped_dgrad_fp8(grad, ctx.qw.codes_t, ctx.qw.scale, ctx.counts,
-                                                grad.dtype, ctx.grad_fp8)
+                                                grad.dtype, ctx.grad_fp8,
+                                                partial(grouped_real_mm, fn=scaled_mm))
         n = len(ctx.needs_input_grad) - 7
         gws = (gw,) if ctx.stacked else (gw.unbind(0) if gw is not None else (None,) * n)
         return (gx, None, None, None, None, None, None, *gws)
