@@ -3,9 +3,9 @@
 The straight-through backward of ``y = Q_a(x) @ Q_w(W)^T`` (Bengio et al. 2013; QaRL, Fan et
 al. 2025) is ``dx = g @ deq Q_w(W)`` and ``dW = g^T @ deq Q_a(x)``. ``bf16`` (the default)
 computes both in BF16. ``fp8`` computes the input gradient (dgrad) as an FP8 GEMM on the
-weight's cached E4M3 codes, as DeepSeek-V3 (2024, sec. 3.3, "fine-grained quantization":
-E4M3 for all GEMM operands, fine-grained scales) and Transformer Engine do; the weight
-gradient stays BF16.
+weight's cached E4M3 codes, as DeepSeek-V3 does (2024, sec. 3.3, "fine-grained
+quantization": E4M3 for all GEMM operands, fine-grained scales; Transformer Engine's HYBRID
+format takes E5M2 for gradients instead); the weight gradient stays BF16.
 
 With per-channel weight scales ``deq Q_w(W)[n, k] = qw[n, k] * sw[n]``, the scale lies on
 the dgrad's contraction index ``n``, so it cannot be an output scale of the GEMM; it folds
@@ -20,7 +20,10 @@ round-to-nearest-even, saturating. The GEMM is ``torch._scaled_mm`` (row-wise sc
 ``sg`` and ones) with ``B = qw`` column-major, i.e. the transposed codes ``qw^T`` ``[K, N]``
 contiguous (:attr:`~.real_gemm.RealWeight.codes_t`, made once per cached weight). The
 only rounding beyond the BF16 path is ``Q_row``'s (relative ``2^-4`` per element for E4M3,
-``2^-3`` for E5M2) and the FP8 GEMM's fp32 accumulation.
+``2^-3`` for E5M2) and the FP8 GEMM's fp32 accumulation. Stacked experts: each row folds its
+own expert's ``sw``, then one ``torch._scaled_grouped_mm`` (:func:`grouped_dgrad_fp8`). Under
+tensor parallelism a column-parallel shard quantizes the gradient over its own output
+columns (the dgrad's partial sums are all-reduced after, by Megatron's mappings).
 
 Which FP8 element type: :data:`GRAD_FORMAT` (E4M3), measured by ``bench/fp8_backward.py``
 against E5M2 (docs/BENCHMARKS.md): with one scale per row, E5M2's wider range is not needed
