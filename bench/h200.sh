@@ -34,6 +34,8 @@
 #               GPU busy vs wall, top kernels, top host ops, once with the torch quantizers and
 #               once with the fused Triton ones (QUANT_IMPL, default torch,triton), their ratio
 #               (~35 s per format)
+#   fp8bwd      --qrl-train-aligned-backward fp8 vs bf16: its GPU tests (tests/gpu/test_real_gemm.py
+#               -k dgrad) and bench/fp8_backward.py --speed-only (4B shapes) -> fp8_backward.jsonl
 #   logprob     the fused Triton log-prob kernels (megatron_qrl/losses/triton_logprobs.py):
 #               tests/gpu/test_logprob_kernel.py, then bench/logprob_kernel.py, torch vs triton
 #               forward + backward ms, GB/s and their ratio at [${ROWS:-16384}, 151936] BF16 with
@@ -144,7 +146,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|logprob|train|aligned|fp8train|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|logprob|fp8bwd|train|aligned|fp8train|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -259,6 +261,10 @@ case $phase in
         --quant-impl "${QUANT_IMPL:-torch,triton}" --out "$OUT/pack_profile_$f.json" 2>&1 \
         | grep -v -i warn | head -n 100
     done ;;
+  fp8bwd)  # the FP8 input gradient of the aligned linears vs BF16 (torch only): GPU test + speed
+    python3 -m pytest -q -rs tests/gpu/test_real_gemm.py -k "dgrad or fp8_backward" 2>&1 \
+      | tee "$OUT/fp8bwd_test.log" | tail -n 8
+    python3 bench/fp8_backward.py --speed-only --out "$OUT/fp8_backward.jsonl" 2>&1 | tail -n 20 ;;
   logprob)  # torch + Triton only: no SGLang, no TE
     python3 -m pytest -q -rs tests/gpu/test_logprob_kernel.py 2>&1 | tee "$OUT/logprob_test.log" \
       | tail -n 15
