@@ -13,6 +13,8 @@ Builds the policy through the trainer's own path (``rl.cli.parse_configs`` ->
   megatron-core schedule, the policy loss) right after an optimizer step, so the aligned
   forward's once-per-step Q(W) refresh is in it;
 - ``fwd+bwd again``: the next micro batch of the same step (the steady state);
+- ``fwd+bwd +agreement``: a micro batch of the first update of an RL step, which also
+  measures the routing agreement (``train_step(..., routing=True)``), and its total;
 - ``optimizer``: the optimizer step (``rl.guard.guarded_step``; torch's Adam on the CPU, not
   the fused Adam a GPU runs).
 
@@ -53,13 +55,16 @@ VARIANTS: dict[str, list[str]] = {
 """Variant -> ``--qrl-*`` flags. LoRA runs on the sequential experts (megatron's
 ``SequentialMLP``): ``--qrl-train-moe-experts stacked`` with LoRA is refused
 (``config.moe_path``)."""
-PHASES = ("fwd+bwd", "fwd+bwd again", "optimizer")
+PHASES = ("fwd+bwd", "fwd+bwd again", "fwd+bwd +agreement", "optimizer")
 
 
 def model_config(layers: int, experts: int, top_k: int) -> dict:
-    """The tiny Qwen3-MoE of ``megatron_qrl/data/configs`` with these layers / experts / top-k."""
+    """The tiny Qwen3-MoE of ``megatron_qrl/data/configs`` with these layers / experts / top-k,
+    its widths 128 (fp8_block's 128-wide blocks divide every linear)."""
     cfg = json.loads((ROOT / "megatron_qrl/data/configs/tiny_qwen3_moe.json").read_text())
-    cfg.update(num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=top_k)
+    cfg.update(num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=top_k,
+               hidden_size=128, head_dim=32, num_key_value_heads=4, moe_intermediate_size=128,
+               intermediate_size=256)
     return cfg
 
 
@@ -137,7 +142,7 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     trainer = PolicyTrainer(build_policy(arch, 1e-4, plan,
                                          options=TrainerOptions(transformer_impl="local")))
     loss_fn = PolicyLossFunc(configs["loss"], configs["error_tokens"])
-    mbs = [micro_batch(cfg, samples, seq, seed) for seed in range(3)]
+    mbs = [micro_batch(cfg, samples, seq, seed) for seed in range(4)]
     trainer.train_step([mbs[0]], loss_fn)  # warm-up: lazy state, one optimizer step
     census = OpCensus()
     _mark_trainer(census, trainer)
@@ -148,6 +153,10 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     for name, mb in (("fwd+bwd", mbs[1]), ("fwd+bwd again", mbs[2])):
         with census.phase(name):
             store += trainer._run(_DeviceBatches([mb], census), loss_fn, False)
+    with census.phase("fwd+bwd +agreement"):  # the first update's micro batches in an RL step
+        sink: list = []
+        store += trainer._run(_DeviceBatches([mbs[3]], census), loss_fn, False, sink)
+        trainer._routing_totals(sink)
     _mark_trainer(census, trainer)
     with census.phase("optimizer"):
         guarded_step(optimizer, store, trainer.guard, model_params=ddp.module.parameters())
@@ -176,22 +185,23 @@ def run_variant(name: str, layers: int, experts: int, top_k: int, samples: int,
     return rec
 
 
-def tables(records: list[dict]) -> str:
-    """The counts table and the sync table (markdown)."""
-    lines = ["| variant | ops fwd+bwd (per layer) | ops again (per layer) | ops optimizer | "
-             "syncs fwd+bwd ours / upstream | syncs again ours / upstream | syncs optimizer "
-             "ours / upstream | H2D copies fwd+bwd |", "|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        def sy(p, r=r):
-            s = r["syncs"][p]
-            return f"{sum(x['owner'] == 'ours' for x in s)} / {sum(x['owner'] != 'ours' for x in s)}"
+def _syncs(r: dict, phase: str) -> str:
+    s = r["syncs"][phase]
+    return f"{sum(x['owner'] == 'ours' for x in s)} / {sum(x['owner'] != 'ours' for x in s)}"
 
-        o, pl = r["ops"], r["ops_per_layer"]
-        lines.append(f"| {r['variant']} | {o['fwd+bwd']} ({pl['fwd+bwd']:.0f}) | "
-                     f"{o['fwd+bwd again']} ({pl['fwd+bwd again']:.0f}) | {o['optimizer']} | "
-                     f"{sy('fwd+bwd')} | {sy('fwd+bwd again')} | {sy('optimizer')} | "
-                     f"{r['h2d']['fwd+bwd']} |")
-    lines += ["", "| variant | phase | op | count | frame | our caller |", "|---|---|---|---|---|---|"]
+
+def tables(records: list[dict]) -> str:
+    """The counts table (ops, ops per decoder layer, host syncs ours / upstream per phase) and
+    the table of every sync with its frame (markdown)."""
+    head = " | ".join(f"{p}: ops (per layer), syncs ours / upstream" for p in PHASES)
+    lines = [f"| variant | {head} | H2D copies per micro batch |",
+             "|---|" + "---|" * (len(PHASES) + 1)]
+    for r in records:
+        cells = " | ".join(f"{r['ops'][p]} ({r['ops_per_layer'][p]:.0f}), {_syncs(r, p)}"
+                           for p in PHASES)
+        lines.append(f"| {r['variant']} | {cells} | {r['h2d']['fwd+bwd again']} |")
+    lines += ["", "| variant | phase | op | count | frame | our caller |",
+              "|---|---|---|---|---|---|"]
     for r in records:
         for p in PHASES:
             seen: dict[tuple, int] = {}

@@ -19,6 +19,7 @@ experts (:mod:`megatron_qrl.models.stacked_experts`) and the aligned grouped lin
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -51,7 +52,9 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -
 
 def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """``torch._grouped_mm`` with ``offs`` = the groups' cumulative ends (module docstring)."""
-    offs = torch.tensor(list(counts), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ends = list(itertools.accumulate(counts))
+    # pinned on CUDA: the copy is queued like a kernel (pageable memory may wait for the stream)
+    offs = torch.tensor(ends, dtype=torch.int32, pin_memory=x.is_cuda)
     y = torch._grouped_mm(x.contiguous(), w.contiguous().transpose(1, 2),
                           offs=offs.to(x.device, non_blocking=True))
     if y.requires_grad:  # its backward needs a dense gradient (a broadcast one has stride 0)

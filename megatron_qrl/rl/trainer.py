@@ -269,24 +269,27 @@ class PolicyTrainer:
             return log_probs_from_last(self.stage, store, microbatches)
         return [d["log_probs"].float() for d in store]
 
-    def _routing_totals(self, sink: list[tuple[float, int]]) -> None:
-        """Sum the per-micro-batch routing counts of ``sink`` over ranks (multi-rank: over the
-        TP token slices under sequence parallelism and the data-parallel shares) into
-        :attr:`last_routing_counts` (None when no forward measured any token)."""
-        agree, tokens = sum(a for a, _ in sink), sum(n for _, n in sink)
+    def _routing_totals(self, sink: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Sum the per-micro-batch routing counts of ``sink`` (device tensors,
+        ``rl.micro_forward.routing_counts``) and over ranks (multi-rank: over the TP token
+        slices under sequence parallelism and the data-parallel shares) into
+        :attr:`last_routing_counts` (None when no forward measured any token): one host read
+        per call, not one per micro batch."""
+        both = torch.zeros(3, dtype=torch.float64)
+        if sink:  # summed where the counts are, read once
+            sums = torch.stack([torch.stack([a.double(), n.double()]) for a, n in sink]).sum(0)
+            both = torch.cat([sums.cpu(), both.new_ones(1)])
         if self.policy.groups is not None:  # multi-rank: sum over token slices / DP shares
             import torch.distributed as dist
             from megatron.core import parallel_state as ps
 
-            both = torch.tensor([float(agree), float(tokens), float(bool(sink))],
-                                dtype=torch.float64)
             if self.stage is not None:  # each stage measured its own MoE layers
                 both = layer_weighted_sum(self.stage, both,
                                           len(self.module.decoder.layers) if sink else 0)
             if self.policy.config.sequence_parallel:  # each TP rank saw its token slice
                 dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
             dist.all_reduce(both, group=ps.get_data_parallel_group())
-            agree, tokens = float(both[0]), int(both[1])
+        agree, tokens = float(both[0]), int(both[1])
         self.last_routing_counts = (agree, tokens) if tokens else None
 
     def train_step(self, microbatches: Sequence[dict], loss_fn: Callable,
