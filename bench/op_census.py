@@ -124,6 +124,8 @@ def _mark_trainer(census, trainer) -> None:
 
 def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     """``(OpCensus, PolicyTrainer)`` of one variant (module docstring)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
     from megatron_qrl.models.hf_config import arch_from_dict
     from megatron_qrl.rl.cli import parse_configs
@@ -131,8 +133,6 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     from megatron_qrl.rl.guard import guarded_step
     from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
     from megatron_qrl.utils.op_census import OpCensus
-
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     get_moe_layer_wise_logging_tracker().clear()  # sized by the first model's layer count
     configs = parse_configs([*BASE, *flags])[0]

@@ -99,10 +99,9 @@ def test_census_leaves_the_numbers_alone(megatron):
     """The loss and every gradient of a census run equal a plain run's, bit for bit
     (compared after one warm-up run: the first run after ``census_of``'s optimizer step
     differs from later ones in the last bits, census or not)."""
+    from bench.op_census import micro_batch
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
     from megatron_qrl.utils.op_census import OpCensus
-
-    from bench.op_census import micro_batch
 
     cfg = model_config(1, 8, 2)
     _, trainer = census_of(VARIANTS["replay"], cfg, samples=2, seq=16)
