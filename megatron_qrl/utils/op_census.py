@@ -133,6 +133,8 @@ def _short(path: str) -> str:
 @dataclass
 class _Counts:
     ops: Counter = field(default_factory=Counter)
+    where: Counter | None = None
+    """``file:line`` -> ops issued there (innermost frame outside torch); with ``frames``."""
     syncs: list[SyncOp] = field(default_factory=list)
     h2d: list[SyncOp] = field(default_factory=list)
 
@@ -147,6 +149,8 @@ class _Dispatch(TorchDispatchMode):
         dev = _on_device((args, kwargs))
         c = self.census
         c.current.ops[str(func.overloadpacket.__name__)] += 1
+        if c.current.where is not None:
+            c.current.where[_frames()[0]] += 1
         if dev:
             reason = sync_reason(func, args, kwargs)
             if reason is not None:
@@ -194,7 +198,9 @@ class OpCensus:
         census.phases["fwd+bwd"].syncs
     """
 
-    def __init__(self) -> None:
+    def __init__(self, frames: bool = False) -> None:
+        self.frames = frames
+        """Also count each op's frame (``phases[name].where``; slow: a stack walk per op)."""
         self.phases: dict[str, _Counts] = {}
         self.current = _Counts()
         self._name = ""
@@ -229,7 +235,7 @@ class _PhaseContext:
 
     def __enter__(self) -> OpCensus:
         c = self.census
-        c.current = c.phases.setdefault(self.name, _Counts())
+        c.current = c.phases.setdefault(self.name, _Counts(where=Counter() if c.frames else None))
         c._name = self.name
         self._modes = (_Function(c), _Dispatch(c))
         for m in self._modes:
