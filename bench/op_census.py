@@ -16,7 +16,7 @@ Builds the policy through the trainer's own path (``rl.cli.parse_configs`` ->
 - ``fwd+bwd +agreement``: a micro batch of the first update of an RL step, which also
   measures the routing agreement (``train_step(..., routing=True)``), and its total;
 - ``optimizer``: the optimizer step (``rl.guard.guarded_step``; torch's Adam on the CPU, not
-  the fused Adam a GPU runs).
+  the fused Adam a GPU runs) and the step's metrics (``rl.trainer.average_metrics``).
 
 A micro batch's tensors count as device tensors from the moment ``forward_step`` takes them
 (the GPU trainer moves them there); the model's parameters, gradient buffers and optimizer
@@ -131,7 +131,12 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     from megatron_qrl.rl.cli import parse_configs
     from megatron_qrl.rl.forward import forward_plan
     from megatron_qrl.rl.guard import guarded_step
-    from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
+    from megatron_qrl.rl.trainer import (
+        PolicyTrainer,
+        TrainerOptions,
+        average_metrics,
+        build_policy,
+    )
     from megatron_qrl.utils.op_census import OpCensus
 
     get_moe_layer_wise_logging_tracker().clear()  # sized by the first model's layer count
@@ -158,8 +163,9 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
         store += trainer._run(_DeviceBatches([mbs[3]], census), loss_fn, False, sink)
         trainer._routing_totals(sink)
     _mark_trainer(census, trainer)
-    with census.phase("optimizer"):
+    with census.phase("optimizer"):  # and the step's metrics, as train_step ends
         guarded_step(optimizer, store, trainer.guard, model_params=ddp.module.parameters())
+        average_metrics(store)
     return census, trainer
 
 

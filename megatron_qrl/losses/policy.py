@@ -188,6 +188,7 @@ def compute_policy_loss(
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach().float(), mask)
     metrics["num_tokens"] = mask.sum().float()
-    metrics["loss"] = loss.detach()
     # Clone: Megatron's schedule scales the returned loss IN PLACE; a detached view would follow.
-    return loss, {k: v.detach().float().clone() for k, v in metrics.items()}
+    # The other metrics are this function's own tensors (no copy kernel per metric).
+    metrics["loss"] = loss.detach().clone()
+    return loss, {k: v.detach().float() for k, v in metrics.items()}

@@ -27,7 +27,7 @@ import torch
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.rl.forward import ForwardPlan
-from megatron_qrl.rl.guard import BadStepGuard, guarded_step
+from megatron_qrl.rl.guard import BadStepGuard, guarded_step, host_scalars
 from megatron_qrl.rl.micro_forward import forward_step as _forward_step
 from megatron_qrl.rl.micro_forward import pack_group, pack_multiple
 from megatron_qrl.rl.micro_forward import routing_counts as _routing_counts  # noqa: F401
@@ -408,14 +408,15 @@ def _members(optimizer: Any) -> list:
 
 
 def average_metrics(store: Sequence[dict]) -> dict[str, float]:
-    """Mean (max for ``*_max`` keys) over micro batches of each scalar metric."""
+    """Mean (max for ``*_max`` keys) over micro batches of each scalar metric. The tensors
+    are read in one host copy per device (not one wait per metric and micro batch)."""
+    pairs = [(k, v) for d in store for k, v in d.items()
+             if (torch.is_tensor(v) and v.numel() == 1) or isinstance(v, (int, float))]
+    keys = [k for k, _ in pairs]
+    values = host_scalars([v for _, v in pairs])
     sums: dict[str, list[float]] = {}
-    for d in store:
-        for k, v in d.items():
-            if torch.is_tensor(v) and v.numel() == 1:
-                sums.setdefault(k, []).append(float(v))
-            elif isinstance(v, (int, float)):
-                sums.setdefault(k, []).append(float(v))
+    for k, v in zip(keys, values):
+        sums.setdefault(k, []).append(float(v))
     return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in sums.items()}
 
 
