@@ -188,7 +188,10 @@ def compute_policy_loss(
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach().float(), mask)
     metrics["num_tokens"] = mask.sum().float()
-    # Clone: Megatron's schedule scales the returned loss IN PLACE; a detached view would follow.
-    # The other metrics are this function's own tensors (no copy kernel per metric).
-    metrics["loss"] = loss.detach().clone()
-    return loss, {k: v.detach().float() for k, v in metrics.items()}
+    metrics["loss"] = loss.detach()
+    # A copy: Megatron's schedule scales the returned loss IN PLACE, and a metric that is the
+    # loss itself (or a view of it) would follow. One stacked copy, not one kernel per metric.
+    vals = [v.detach().float() for v in metrics.values()]
+    if all(v.dim() == 0 for v in vals):
+        return loss, dict(zip(metrics, torch.stack(vals).unbind(0)))
+    return loss, {k: v.clone() for k, v in zip(metrics, vals)}
