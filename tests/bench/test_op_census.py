@@ -3,7 +3,7 @@
 The census (``megatron_qrl.utils.op_census``) runs the trainer's own path on the CPU and counts
 the ops that would make a GPU's host wait. Per path (plain stacked experts, routing replay,
 the aligned forward's fake fp8 / fp8_block) our code issues no host sync in a micro batch; the
-routing-agreement metric of an RL step's first update reads the device once per
+routing-agreement metric of an RL step's first update and the step's metrics are read once per
 ``train_step``; the only per-micro-batch syncs left are megatron-core's own (its all-gather
 dispatcher and unfused permute, three per MoE layer); replay and the aligned forward add at
 most a fixed number of ops per layer over the plain path. Counts, not times.
@@ -62,24 +62,29 @@ def _census(variant: str, layers: int):
 
 @pytest.fixture(scope="module")
 def censuses(megatron):
-    return {(v, n): _census(v, n) for v in ("plain", *EXTRA_OPS_PER_LAYER) for n in (1, 2)}
+    out = {(v, n): _census(v, n) for v in ("plain", *EXTRA_OPS_PER_LAYER) for n in (1, 2)}
+    out[("lora-sequential", 2)] = _census("lora-sequential", 2)
+    return out
 
 
 def _ours(census, phase):
     return [f"{s.what} at {s.frame}" for s in census.syncs(phase, "ours")]
 
 
-@pytest.mark.parametrize("variant", ["plain", *EXTRA_OPS_PER_LAYER])
+@pytest.mark.parametrize("variant", ["plain", *EXTRA_OPS_PER_LAYER, "lora-sequential"])
 def test_no_host_sync_of_ours_in_a_micro_batch(censuses, variant):
     """Fails on the old code (1a18f9e: ``int(keep.sum())``, two boolean-mask indexings and
-    ``float(...)`` in ``rl.micro_forward.routing_counts`` per micro batch) and on the value
-    check put back in ``RoutingReplay.set_micro_batch`` (one per micro batch on the CPU)."""
+    ``float(...)`` in ``rl.micro_forward.routing_counts`` per micro batch; one ``float()`` per
+    metric and micro batch in ``rl.trainer.average_metrics``) and on the value check put back
+    in ``RoutingReplay.set_micro_batch`` (one per micro batch on the CPU)."""
     census = censuses[(variant, 2)]
     assert _ours(census, "fwd+bwd again") == []
     reads = _ours(census, "fwd+bwd +agreement")  # one read per train_step, not per micro batch
     assert len(reads) == 1 and "rl/trainer.py" in reads[0], reads
     for phase in ("fwd+bwd again", "fwd+bwd +agreement"):
         assert len(census.syncs(phase, "upstream")) == 2 * UPSTREAM_PER_LAYER, phase
+    step = _ours(census, "optimizer")  # the guard-free step and its metrics: one read
+    assert len(step) == 1 and "rl/guard.py" in step[0], step
     refresh = _ours(census, "fwd+bwd")
     want = 2 * Q_W_CHECKS_PER_LAYER if variant.startswith("aligned") else 0
     assert len(refresh) == want and all("quant/spec_core.py" in r for r in refresh), refresh
