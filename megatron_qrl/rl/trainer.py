@@ -239,7 +239,8 @@ class PolicyTrainer:
         if replay is not None:  # on the host, before the micro batches move to the device
             for mb in microbatches:
                 if mb.get("routed_experts") is not None:  # -1: never routed (replay_ids)
-                    replay.check_values(mb["routed_experts"].clamp_min(0))
+                    # the largest id decides (ids below 0 become expert 0): one pass, no copy
+                    replay.check_values(mb["routed_experts"].amax().clamp_min(0))
         ctx = replay.use(None, "recompute" if forward_only else "update") \
             if replay is not None else contextlib.nullcontext()
         with ctx:
