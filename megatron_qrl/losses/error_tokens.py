@@ -82,16 +82,27 @@ def repetition_mask(
     For period n, ``eq[t] = tok[t] == tok[t+n]``; a run of ``L`` such matches starting at a
     covers the periodic span ``a .. a+L+n-1`` (``(L+n)/n`` repeats). It is flagged when
     ``L >= (min_repeats-1) n`` and ``L + n >= min_span_tokens``. Invalid tokens break runs.
+    All periods at once, ``[batch, periods, seq]`` (``eq`` is False past ``seq - n``, which
+    ends a run where the row of period n ends): a fixed number of ops, not one set per period.
     """
-    flagged = torch.zeros_like(valid)
     seq = token_ids.shape[-1]
-    for n in range(1, min(max_ngram, seq - 1) + 1):
-        eq = (token_ids[:, n:] == token_ids[:, :-n]) & valid[:, n:] & valid[:, :-n]
-        run = _run_lengths(eq)
-        hit = (run >= (min_repeats - 1) * n) & (run + n >= min_span_tokens) & eq
-        flagged[:, :-n] |= hit
-        flagged[:, n:] |= hit
-    return flagged & valid
+    top = min(max_ngram, seq - 1)
+    if top < 1:
+        return torch.zeros_like(valid) & valid
+    dev = token_ids.device
+    n = torch.arange(1, top + 1, device=dev).unsqueeze(1)  # [N, 1]
+    pos = torch.arange(seq, device=dev)
+    ahead = pos + n  # [N, S]: t + n
+    inside = ahead < seq
+    ahead = ahead.clamp_max(seq - 1)
+    b = token_ids.shape[0]
+    eq = ((token_ids.unsqueeze(1) == token_ids[:, ahead]) & valid.unsqueeze(1)
+          & valid[:, ahead] & inside)  # [B, N, S]
+    run = _run_lengths(eq)
+    hit = (run >= (min_repeats - 1) * n) & (run + n >= min_span_tokens) & eq
+    behind = pos - n  # flagged[t + n] |= hit[t]: read hit at t - n
+    shifted = hit.gather(-1, behind.clamp_min(0).expand(b, -1, -1)) & (behind >= 0)
+    return (hit | shifted).any(1) & valid
 
 
 def improbable_token_mask(

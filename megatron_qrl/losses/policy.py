@@ -189,5 +189,9 @@ def compute_policy_loss(
         metrics["entropy"] = masked_mean(entropy.detach().float(), mask)
     metrics["num_tokens"] = mask.sum().float()
     metrics["loss"] = loss.detach()
-    # Clone: Megatron's schedule scales the returned loss IN PLACE; a detached view would follow.
-    return loss, {k: v.detach().float().clone() for k, v in metrics.items()}
+    # A copy: Megatron's schedule scales the returned loss IN PLACE, and a metric that is the
+    # loss itself (or a view of it) would follow. One stacked copy, not one kernel per metric.
+    vals = [v.detach().float() for v in metrics.values()]
+    if all(v.dim() == 0 for v in vals):
+        return loss, dict(zip(metrics, torch.stack(vals).unbind(0)))
+    return loss, {k: v.clone() for k, v in zip(metrics, vals)}

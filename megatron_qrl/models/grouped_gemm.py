@@ -19,6 +19,7 @@ experts (:mod:`megatron_qrl.models.stacked_experts`) and the aligned grouped lin
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -49,11 +50,19 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -
     return torch.bmm(padded, w.transpose(1, 2))[expert, pos]
 
 
+def group_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The groups' cumulative ends as int32 on ``device`` (``offs`` of torch's grouped GEMMs),
+    copied from pinned memory on CUDA: the copy is queued like a kernel, where one from
+    pageable memory may wait for the stream's earlier work."""
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
+                        pin_memory=device.type == "cuda")
+    return ends.to(device, non_blocking=True)
+
+
 def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """``torch._grouped_mm`` with ``offs`` = the groups' cumulative ends (module docstring)."""
-    offs = torch.tensor(list(counts), dtype=torch.int32).cumsum(0, dtype=torch.int32)
     y = torch._grouped_mm(x.contiguous(), w.contiguous().transpose(1, 2),
-                          offs=offs.to(x.device, non_blocking=True))
+                          offs=group_offsets(counts, x.device))
     if y.requires_grad:  # its backward needs a dense gradient (a broadcast one has stride 0)
         y.register_hook(torch.Tensor.contiguous)
     return y

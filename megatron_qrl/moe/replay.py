@@ -83,22 +83,25 @@ class RoutingReplay:
         With activation recompute of MoE layers the router runs again in the backward and
         reads the ids current THEN; with pipeline parallelism (interleaved micro-batches)
         that is another micro-batch's, so keep MoE layers out of recompute when replaying.
+        Checks shape and dtype only: the trainer checked the values on the host before the
+        micro batches moved (:meth:`check_values`), so the same code runs on every device
+        without reading ``expert_ids`` back.
         """
-        if expert_ids is not None:
-            self._check(expert_ids)
+        if expert_ids is not None:  # values: checked by the trainer on the host
+            self._check(expert_ids, values=False)
         self.expert_ids = expert_ids
         self.recorded = {}
 
-    def _check(self, ids: torch.Tensor) -> None:
-        """Shape and dtype; the values too where that costs no device sync (host ids). The
-        trainer checks a batch's ids on the host before they move to the GPU
+    def _check(self, ids: torch.Tensor, values: bool = True) -> None:
+        """Shape and dtype; the values too (``values``) where that costs no device sync (host
+        ids). The trainer checks a batch's ids on the host before they move to the GPU
         (:meth:`check_values`, ``PolicyTrainer``), so a micro batch's forward never waits."""
         if ids.dim() != 3 or (self.top_k and ids.shape[2] != self.top_k):
             raise ValueError(f"routing replay: expert ids must be [tokens, num_moe_layers, top_k="
                              f"{self.top_k}], got {tuple(ids.shape)}")
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise TypeError(f"routing replay: expert ids must be integers, got {ids.dtype}")
-        if ids.device.type == "cpu":
+        if values and ids.device.type == "cpu":
             self.check_values(ids)
 
     def check_values(self, ids: torch.Tensor) -> None:

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BadStepGuard", "BadStepsError", "PreStepState", "guarded_step", "non_finite_loss"]
+__all__ = ["BadStepGuard", "BadStepsError", "PreStepState", "guarded_step", "host_scalars",
+           "non_finite_loss"]
 
 
 class BadStepsError(RuntimeError):
@@ -80,15 +81,29 @@ class BadStepGuard:
         return out
 
 
+def host_scalars(values: Sequence[Any]) -> list[Any]:
+    """``values`` with every one-element tensor as a Python float, read in one host copy per
+    device (one wait, not one per tensor); float64 holds every float32 / integer value
+    exactly, NaN and inf included. Other values are returned as they are."""
+    out = list(values)
+    on: dict[Any, list[int]] = {}
+    for i, v in enumerate(out):
+        if torch.is_tensor(v) and v.numel() == 1:
+            on.setdefault(v.device, []).append(i)
+    for idx in on.values():
+        read = torch.stack([out[i].detach().reshape(()).double() for i in idx]).tolist()
+        for i, x in zip(idx, read):
+            out[i] = x
+    return out
+
+
 def non_finite_loss(store: Sequence[dict]) -> tuple[str, float] | None:
     """``(metric, value)`` of the first NaN / inf loss metric (``loss`` / ``*_loss``) of the
-    micro batches' metrics, or None."""
-    for d in store:
-        for k, v in d.items():
-            if k == "loss" or k.endswith("_loss"):
-                x = float(v) if torch.is_tensor(v) and v.numel() == 1 else v
-                if isinstance(x, float) and not math.isfinite(x):
-                    return k, x
+    micro batches' metrics, or None. The tensors are read in one host copy per device."""
+    found = [(k, v) for d in store for k, v in d.items() if k == "loss" or k.endswith("_loss")]
+    for (k, _), x in zip(found, host_scalars([v for _, v in found])):
+        if isinstance(x, float) and not math.isfinite(x):
+            return k, x
     return None
 
 

@@ -94,14 +94,16 @@ def replay_ids(batch: dict) -> torch.Tensor | None:
     return None if ids is None else tokens_from_batch(ids.clamp_min(0))
 
 
-def routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
+def routing_counts(replay: Any, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(sum of per-token agreement, tokens)`` of the last forward against the engine's
-    routing (moe.routing_agreement averaged over MoE layers; tokens the engine never routed,
-    marked -1, are left out; under pipeline parallelism: over this stage's MoE layers). None
-    when the rollout carries no routing. Under sequence
-    parallelism this rank's routers saw its TP rank's slice of the (sequence-major) tokens:
-    the counts are of that slice (``PolicyTrainer.log_probs`` sums them over TP)."""
-    from megatron_qrl.moe import recorded_ids, routing_agreement, tokens_from_batch
+    routing, as two 0-dim device tensors (no host read: the trainer sums them over the step's
+    micro batches and reads them once, ``PolicyTrainer._routing_totals``). A token's agreement
+    is ``moe.routing_agreement``'s fraction averaged over the MoE layers (under pipeline
+    parallelism: over this stage's); tokens the engine never routed, marked -1, are left out.
+    None when the rollout carries no routing. Under sequence parallelism this rank's routers
+    saw its TP rank's slice of the (sequence-major) tokens: the counts are of that slice
+    (``PolicyTrainer.log_probs`` sums them over TP)."""
+    from megatron_qrl.moe import recorded_ids, tokens_from_batch
 
     ids = batch.get("routed_experts")
     if ids is None:
@@ -122,10 +124,9 @@ def routing_counts(replay: Any, batch: dict) -> tuple[float, int] | None:
     if own.shape != rollout.shape:
         return None
     keep = (rollout >= 0).flatten(1).all(1)
-    n = int(keep.sum())
-    if n == 0:
-        return 0.0, 0
-    return float(routing_agreement(own[keep], rollout[keep]).mean()) * n, n
+    match = (own.unsqueeze(-1) == rollout.unsqueeze(-2)).any(-1)  # [tokens, layers, top_k]
+    per_token = match.float().mean(dim=(1, 2))
+    return (per_token * keep).sum(), keep.sum()
 
 
 def forward_step(data_iterator, model, *, loss_fn: Callable, replay: Any,

@@ -27,7 +27,7 @@ import torch
 
 from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.rl.forward import ForwardPlan
-from megatron_qrl.rl.guard import BadStepGuard, guarded_step
+from megatron_qrl.rl.guard import BadStepGuard, guarded_step, host_scalars
 from megatron_qrl.rl.micro_forward import forward_step as _forward_step
 from megatron_qrl.rl.micro_forward import pack_group, pack_multiple
 from megatron_qrl.rl.micro_forward import routing_counts as _routing_counts  # noqa: F401
@@ -239,7 +239,8 @@ class PolicyTrainer:
         if replay is not None:  # on the host, before the micro batches move to the device
             for mb in microbatches:
                 if mb.get("routed_experts") is not None:  # -1: never routed (replay_ids)
-                    replay.check_values(mb["routed_experts"].clamp_min(0))
+                    # the largest id decides (ids below 0 become expert 0): one pass, no copy
+                    replay.check_values(mb["routed_experts"].amax().clamp_min(0))
         ctx = replay.use(None, "recompute" if forward_only else "update") \
             if replay is not None else contextlib.nullcontext()
         with ctx:
@@ -269,24 +270,27 @@ class PolicyTrainer:
             return log_probs_from_last(self.stage, store, microbatches)
         return [d["log_probs"].float() for d in store]
 
-    def _routing_totals(self, sink: list[tuple[float, int]]) -> None:
-        """Sum the per-micro-batch routing counts of ``sink`` over ranks (multi-rank: over the
-        TP token slices under sequence parallelism and the data-parallel shares) into
-        :attr:`last_routing_counts` (None when no forward measured any token)."""
-        agree, tokens = sum(a for a, _ in sink), sum(n for _, n in sink)
+    def _routing_totals(self, sink: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Sum the per-micro-batch routing counts of ``sink`` (device tensors,
+        ``rl.micro_forward.routing_counts``) and over ranks (multi-rank: over the TP token
+        slices under sequence parallelism and the data-parallel shares) into
+        :attr:`last_routing_counts` (None when no forward measured any token): one host read
+        per call, not one per micro batch."""
+        both = torch.zeros(3, dtype=torch.float64)
+        if sink:  # summed where the counts are, read once
+            sums = torch.stack([torch.stack([a.double(), n.double()]) for a, n in sink]).sum(0)
+            both = torch.cat([sums.cpu(), both.new_ones(1)])
         if self.policy.groups is not None:  # multi-rank: sum over token slices / DP shares
             import torch.distributed as dist
             from megatron.core import parallel_state as ps
 
-            both = torch.tensor([float(agree), float(tokens), float(bool(sink))],
-                                dtype=torch.float64)
             if self.stage is not None:  # each stage measured its own MoE layers
                 both = layer_weighted_sum(self.stage, both,
                                           len(self.module.decoder.layers) if sink else 0)
             if self.policy.config.sequence_parallel:  # each TP rank saw its token slice
                 dist.all_reduce(both, group=ps.get_tensor_model_parallel_group())
             dist.all_reduce(both, group=ps.get_data_parallel_group())
-            agree, tokens = float(both[0]), int(both[1])
+        agree, tokens = float(both[0]), int(both[1])
         self.last_routing_counts = (agree, tokens) if tokens else None
 
     def train_step(self, microbatches: Sequence[dict], loss_fn: Callable,
@@ -405,14 +409,15 @@ def _members(optimizer: Any) -> list:
 
 
 def average_metrics(store: Sequence[dict]) -> dict[str, float]:
-    """Mean (max for ``*_max`` keys) over micro batches of each scalar metric."""
+    """Mean (max for ``*_max`` keys) over micro batches of each scalar metric. The tensors
+    are read in one host copy per device (not one wait per metric and micro batch)."""
+    pairs = [(k, v) for d in store for k, v in d.items()
+             if (torch.is_tensor(v) and v.numel() == 1) or isinstance(v, (int, float))]
+    keys = [k for k, _ in pairs]
+    values = host_scalars([v for _, v in pairs])
     sums: dict[str, list[float]] = {}
-    for d in store:
-        for k, v in d.items():
-            if torch.is_tensor(v) and v.numel() == 1:
-                sums.setdefault(k, []).append(float(v))
-            elif isinstance(v, (int, float)):
-                sums.setdefault(k, []).append(float(v))
+    for k, v in zip(keys, values):
+        sums.setdefault(k, []).append(float(v))
     return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in sums.items()}
 
 

@@ -388,11 +388,12 @@ def grouped_real_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
     """``cat_e(fn(xq_e, wq[e]))`` over the experts' row groups: one
     ``torch._scaled_grouped_mm`` for FP8 where it runs, else one real GEMM ``fn`` per expert."""
     if _scaled_grouped_ok(xq, wq):
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        from megatron_qrl.models.grouped_gemm import group_offsets
+
         return torch._scaled_grouped_mm(
             xq, wq.transpose(1, 2), scale_a=xs.reshape(-1).contiguous(),
             scale_b=ws.reshape(wq.shape[0], -1).contiguous(),
-            offs=offs.to(xq.device, non_blocking=True), out_dtype=out_dtype)
+            offs=group_offsets(counts, xq.device), out_dtype=out_dtype)
     out, start = [], 0
     for e, c in enumerate(counts):
         if c:

@@ -77,3 +77,48 @@ def test_config_errors():
         ErrorTokenConfig(action="skip")
     with pytest.raises(ValueError, match="min_repeats"):
         ErrorTokenConfig(min_repeats=1)
+
+
+def _loop_repetition_mask(token_ids, valid, max_ngram, min_repeats, min_span_tokens):
+    """The per-period loop (the earlier implementation) as the reference."""
+    from megatron_qrl.losses.error_tokens import _run_lengths
+
+    flagged = torch.zeros_like(valid)
+    seq = token_ids.shape[-1]
+    for n in range(1, min(max_ngram, seq - 1) + 1):
+        eq = (token_ids[:, n:] == token_ids[:, :-n]) & valid[:, n:] & valid[:, :-n]
+        run = _run_lengths(eq)
+        hit = (run >= (min_repeats - 1) * n) & (run + n >= min_span_tokens) & eq
+        flagged[:, :-n] |= hit
+        flagged[:, n:] |= hit
+    return flagged & valid
+
+
+def test_repetition_mask_all_periods_at_once_equals_the_loop():
+    g = torch.Generator().manual_seed(0)
+    flagged = 0
+    for _ in range(150):
+        b, s, v = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in
+                   ((1, 4), (1, 60), (1, 4)))
+        ids = torch.randint(0, v, (b, s), generator=g)
+        valid = torch.rand(b, s, generator=g) < 0.9
+        for args in ((16, 3, 12), (4, 3, 6), (2, 2, 1), (8, 4, 3)):
+            want = _loop_repetition_mask(ids, valid, *args)
+            assert torch.equal(repetition_mask(ids, valid, *args), want), (b, s, args)
+            flagged += int(want.any())
+    assert flagged > 100  # the cases flag something
+
+
+def test_repetition_mask_ops_do_not_grow_with_the_periods():
+    """A fixed number of torch ops for any ``max_ngram`` (the loop issued ~50 per period: ~800
+    kernel launches per micro batch at the default 16)."""
+    from megatron_qrl.utils.op_census import OpCensus
+
+    ids = torch.randint(0, 3, (2, 64), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for max_ngram in (2, 16):
+        census = OpCensus()
+        with census.phase("p"):
+            repetition_mask(ids, torch.ones_like(ids, dtype=torch.bool), max_ngram, 3, 12)
+        counts.append(census.total_ops("p"))
+    assert counts[0] == counts[1] <= 50, counts

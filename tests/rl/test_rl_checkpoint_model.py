@@ -126,8 +126,8 @@ def test_routing_counts_closed_form():
     replay = RoutingReplay("off", 8, 2)
     replay.recorded = {0: torch.tensor([[1, 0], [4, 6], [0, 0]]),   # 2/2, 1/2, (unrouted)
                        1: torch.tensor([[2, 5], [0, 1], [3, 3]])}   # 1/2, 0/2, (unrouted)
-    total, n = _routing_counts(replay, {"routed_experts": rollout})
-    assert n == 2 and total == pytest.approx((1.0 + 0.5 + 0.5 + 0.0) / 4 * 2)
+    total, n = _routing_counts(replay, {"routed_experts": rollout})  # device tensors
+    assert int(n) == 2 and float(total) == pytest.approx((1.0 + 0.5 + 0.5 + 0.0) / 4 * 2)
     assert _routing_counts(replay, {}) is None
 
 
