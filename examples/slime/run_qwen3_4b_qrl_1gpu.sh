@@ -7,8 +7,11 @@
 # STATUS: the QRL=0 baseline RAN as shipped on one H200 (2026-12-03, commit 1a18f9e, slime
 # 0.3.1 on SGLang 0.5.15.post1 with slime's patches, bench/h200.sh slime-*): 3 rollouts + 3
 # train steps, rc 0 (docs/SLIME.md has the step table). QRL=1 (our flags) has NOT run on a GPU
-# yet; on CPU its QRL_ARGS parse and pass the options' checks against the slime flags beside
-# them (tests/integrations/test_integrations_slime_examples.py).
+# yet; on CPU its full argument list goes through the launcher's parse, the init hook, slime's
+# model provider with --spec, the hooks, slime's loss with LOSS=acr|tbpo, slime's weight-sync
+# conversion into the fp8_block export's tensors and the error-token post-process, against
+# Megatron-LM 1dcf0da (tests/integrations/test_integrations_slime_walk.py; docs/SLIME.md says
+# what only the GPU run shows).
 #
 # QRL=1 adds (docs/SLIME.md): fp8_block rollouts (--hf-checkpoint is the fp8_block export:
 # SGLang starts from it; every weight sync sends QuantSpec.pack of the trainer's weights), the
