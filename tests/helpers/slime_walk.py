@@ -11,7 +11,8 @@ Megatron-LM 1dcf0da (megatron.core 0.16.0rc0 + megatron.training, slime's patche
    the launcher (slime's ``parse_args`` + ``add_qrl_args``, hooks filled, options validated);
 2. ``--custom-megatron-init-path`` (slime's ``initialize.init`` calls it before the model), then
    slime's ``model_provider`` with ``--spec ... qrl_layer_spec`` on Megatron's TE spec tree
-   (CPU provider: TE does not import here), the HF weights, megatron's ``Float16Module``;
+   (CPU provider: TE does not import here) in megatron's ``Float16Module``, loaded from
+   ``--load`` (an HF directory, as in the example) by slime's own ``hf_to_megatron`` loader;
 3. the before-log-prob / before-train-step hooks, one forward on packed samples and slime's
    ``loss_function`` (custom loss) with a backward;
 4. slime's weight sync conversion: ``named_params_and_buffers`` + ``all_gather_param`` +
@@ -75,21 +76,25 @@ def example_argv(workdir: Path, ckpt: Path, loss: str) -> list[str]:
     return argv[2:] + TINY_FLAGS
 
 
-def build_model(args: Any, ckpt: Path) -> Any:
-    """slime's ``model_provider`` (``--spec`` = ours) with the HF weights, in Float16Module."""
+def build_model(args: Any) -> Any:
+    """slime's ``model_provider`` (``--spec`` = ours) in megatron's Float16Module, loaded by
+    slime's own HF loader from ``--load`` (an HF directory, as in the example)."""
+    from megatron.core.tensor_parallel import (
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+    )
     from megatron.core.transformer.module import Float16Module
-    from safetensors.torch import load_file
+    from slime.backends.megatron_utils.hf_to_megatron import load_hf_weights
     from slime.backends.megatron_utils.model_provider import _get_model_provider_func
 
-    from megatron_qrl.models.hf_config import arch_from_dict
-    from megatron_qrl.models.streaming import load_hf_weights
     from tests.helpers.te_spec_cpu import te_spec_on_cpu
 
     with te_spec_on_cpu():
         model = _get_model_provider_func(args)(pre_process=True, post_process=True)
-    arch = arch_from_dict(json.loads((ckpt / "config.json").read_text()))
-    load_hf_weights(model, arch, load_file(str(ckpt / "model.safetensors")).__getitem__)
-    return Float16Module(model.config, model)
+    for p in model.parameters():  # megatron.training's get_model does this
+        set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    model = Float16Module(model.config, model)
+    load_hf_weights(args, [model], args.load)
+    return model
 
 
 def packed_batch() -> tuple[Any, dict[str, Any]]:
@@ -143,9 +148,6 @@ def _bits(t: Any) -> Any:
 def weight_sync(args: Any, model: Any) -> dict[str, Any]:
     """slime's conversion of every parameter as its weight update runs it, against the export."""
     import torch
-    from megatron.core.tensor_parallel import (
-        set_defaults_if_not_set_tensor_model_parallel_attributes,
-    )
     from safetensors.torch import load_file
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.update_weight.common import (
@@ -156,8 +158,6 @@ def weight_sync(args: Any, model: Any) -> dict[str, Any]:
 
     from megatron_qrl.integrations.slime.quantizer import installed_quantizer
 
-    for p in model.parameters():  # megatron.training's get_model does this
-        set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)  # what slime's actor reads
     qc = getattr(hf_config, "quantization_config", None)
     sent: dict[str, Any] = {}
@@ -215,7 +215,7 @@ def walk(workdir: Path, loss: str) -> dict[str, Any]:
                            str(args.params_dtype), "hf_checkpoint": args.hf_checkpoint}
     with single_process_megatron():
         qrl_megatron_init(args)
-        model = build_model(args, ckpt)
+        model = build_model(args)
         out["model_dtype"] = str(next(model.parameters()).dtype)
         out.update(train_step(args, model))
         out["sync"] = weight_sync(args, model)
