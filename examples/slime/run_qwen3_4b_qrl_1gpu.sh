@@ -131,6 +131,10 @@ BASELINE_ARGS=(
 
 if [ "${QRL}" = 1 ]; then
    entry=(-m megatron_qrl.integrations.slime.launch); EXTRA=("${QRL_ARGS[@]}")
+   # fp8_block rollouts: SGLang's Triton block-FP8 GEMM, not DeepGEMM's JIT kernels (slime turns
+   # their precompile off, so they would compile at first use inside the engine); the ray head
+   # started below passes the environment on to slime's engines. =1 to try DeepGEMM.
+   export SGLANG_ENABLE_JIT_DEEPGEMM=${SGLANG_ENABLE_JIT_DEEPGEMM:-0}
 else
    entry=(train.py); EXTRA=("${BASELINE_ARGS[@]}")
 fi

@@ -58,20 +58,28 @@ def checkpoints(workdir: Path) -> Path:
     return ckpt
 
 
-def example_argv(workdir: Path, ckpt: Path, loss: str) -> list[str]:
-    """The slime flags the example passes with QRL=1 (its own bash, ``python3``/``ray`` stood in)."""
+def run_example(workdir: Path, base: dict[str, str] | None = None, **env: str
+                ) -> tuple[list[str], dict[str, str]]:
+    """The example script run with ``python3`` / ``ray`` stood in: the arguments its ``python3``
+    got and the environment it ran in (``base``, default ours, plus ``env``: CKPT, QRL, ...)."""
     fake = workdir / "bin"
     fake.mkdir(exist_ok=True)
-    out = workdir / f"argv_{loss}"
+    argv_out, env_out = workdir / "argv", workdir / "env"
     (fake / "python3").write_text('#!/bin/bash\n[ "$1" = -c ] && exit 1\n'
-                                  f'printf "%s\\0" "$@" > {out}\n')
+                                  f'printf "%s\\0" "$@" > {argv_out}\nenv -0 > {env_out}\n')
     (fake / "ray").write_text("#!/bin/bash\nexit 0\n")
     for f in fake.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SLIME_DIR=str(workdir),
-               CKPT=str(ckpt), LOSS=loss, QRL="1")
-    subprocess.run(["bash", str(EXAMPLE)], env=env, check=True, capture_output=True)
-    argv = out.read_bytes().decode().split("\0")[:-1]
+    base = dict(os.environ if base is None else base)
+    full = dict(base, PATH=f"{fake}:{base['PATH']}", SLIME_DIR=str(workdir), **env)
+    subprocess.run(["bash", str(EXAMPLE)], env=full, check=True, capture_output=True)
+    ran = dict(line.split("=", 1) for line in env_out.read_text().split("\0") if "=" in line)
+    return argv_out.read_bytes().decode().split("\0")[:-1], ran
+
+
+def example_argv(workdir: Path, ckpt: Path, loss: str) -> list[str]:
+    """The slime flags the example passes with QRL=1, the model flags made tiny."""
+    argv, _ = run_example(workdir, CKPT=str(ckpt), LOSS=loss, QRL="1")
     assert argv[:2] == ["-m", "megatron_qrl.integrations.slime.launch"], argv[:2]
     return argv[2:] + TINY_FLAGS
 
