@@ -5,6 +5,10 @@
 #   bash tools/slime_cpu_site.sh                     build or check the site (idempotent)
 #   bash tools/slime_cpu_site.sh --stage-megatron D  write Megatron-LM's patched training tree to
 #                                                    D (needs MEGATRON_GIT and SLIME_GIT)
+#   bash tools/slime_cpu_site.sh --stage-megatron-core D   the same plus that commit's
+#                                                    megatron/core (0.16.0rc0, 6 MB): the walk
+#                                                    test's $QRL_MEGATRON_LM_TREE (slime's model
+#                                                    provider needs its TransformerConfig)
 #
 # slime's parse_args imports sglang.srt.server_args, sglang_router, wandb and Megatron-LM's
 # megatron.training. On the project's CPU torch (2.13.0+cpu) sglang does not import: its
@@ -77,8 +81,9 @@ need_git() {
   fi
 }
 
-stage_megatron() {  # DEST: megatron/{training,legacy,rl} at the pinned commit, slime's patches on
-  local dest=$1 work
+stage_megatron() {  # DEST [core]: megatron/{training,legacy,rl} (+ core) at the pinned commit, patched
+  local dest=$1 folders="training legacy rl" work
+  [ "${2:-}" = core ] && folders="core $folders"
   need_git
   work=$(mktemp -d)
   git --git-dir "$SLIME_GIT" archive "$SLIME_COMMIT" docker/patch/latest | tar x -C "$work"
@@ -89,13 +94,13 @@ stage_megatron() {  # DEST: megatron/{training,legacy,rl} at the pinned commit, 
      git apply "$work/docker/patch/latest/$p" || { echo "slime's $p does not apply" >&2; exit 1; }
    done)
   rm -rf "$dest.tmp" && mkdir -p "$dest.tmp/megatron"
-  cp -r "$work/mlm/megatron/training" "$work/mlm/megatron/legacy" "$work/mlm/megatron/rl" \
-    "$dest.tmp/megatron/" && cp "$work/mlm/LICENSE" "$dest.tmp/"
+  for f in $folders; do cp -r "$work/mlm/megatron/$f" "$dest.tmp/megatron/"; done
+  cp "$work/mlm/LICENSE" "$dest.tmp/"
   cat > "$dest.tmp/PROVENANCE.md" <<EOF
 # Megatron-LM training tree for slime 0.3.1 (BSD-3 / Apache-2.0 parts, LICENSE beside this file)
 
 Upstream: NVIDIA/Megatron-LM commit $MEGATRON_COMMIT (the commit slime 0.3.1's
-docker/Dockerfile checks out), folders megatron/training, megatron/legacy, megatron/rl, with
+docker/Dockerfile checks out), folders megatron/{${folders// /,}}, with
 slime's docker/patch/latest/megatron.patch and megatron-sglang-aligned.patch applied (slime
 commit $SLIME_COMMIT), as slime's image has them. No megatron/__init__.py: megatron is a
 namespace package, so this tree joins megatron-core's megatron.core when on PYTHONPATH.
@@ -107,6 +112,9 @@ EOF
 
 if [ "${1:-}" = --stage-megatron ]; then
   stage_megatron "${2:?--stage-megatron DEST}"; du -sh "$2"; exit 0
+fi
+if [ "${1:-}" = --stage-megatron-core ]; then
+  stage_megatron "${2:?--stage-megatron-core DEST}" core; du -sh "$2"; exit 0
 fi
 if [ -f "$SITE/READY" ] && [ "$(cat "$SITE/READY")" = "$SPEC" ]; then
   echo "slime_cpu_site: ready at $SITE"; exit 0

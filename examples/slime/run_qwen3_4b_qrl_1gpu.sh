@@ -7,8 +7,11 @@
 # STATUS: the QRL=0 baseline RAN as shipped on one H200 (2026-12-03, commit 1a18f9e, slime
 # 0.3.1 on SGLang 0.5.15.post1 with slime's patches, bench/h200.sh slime-*): 3 rollouts + 3
 # train steps, rc 0 (docs/SLIME.md has the step table). QRL=1 (our flags) has NOT run on a GPU
-# yet; on CPU its QRL_ARGS parse and pass the options' checks against the slime flags beside
-# them (tests/integrations/test_integrations_slime_examples.py).
+# yet; on CPU its full argument list goes through the launcher's parse, the init hook, slime's
+# model provider with --spec, the hooks, slime's loss with LOSS=acr|tbpo, slime's weight-sync
+# conversion into the fp8_block export's tensors and the error-token post-process, against
+# Megatron-LM 1dcf0da (tests/integrations/test_integrations_slime_walk.py; docs/SLIME.md says
+# what only the GPU run shows).
 #
 # QRL=1 adds (docs/SLIME.md): fp8_block rollouts (--hf-checkpoint is the fp8_block export:
 # SGLang starts from it; every weight sync sends QuantSpec.pack of the trainer's weights), the
@@ -128,6 +131,10 @@ BASELINE_ARGS=(
 
 if [ "${QRL}" = 1 ]; then
    entry=(-m megatron_qrl.integrations.slime.launch); EXTRA=("${QRL_ARGS[@]}")
+   # fp8_block rollouts: SGLang's Triton block-FP8 GEMM, not DeepGEMM's JIT kernels (slime turns
+   # their precompile off, so they would compile at first use inside the engine); the ray head
+   # started below passes the environment on to slime's engines. =1 to try DeepGEMM.
+   export SGLANG_ENABLE_JIT_DEEPGEMM=${SGLANG_ENABLE_JIT_DEEPGEMM:-0}
 else
    entry=(train.py); EXTRA=("${BASELINE_ARGS[@]}")
 fi

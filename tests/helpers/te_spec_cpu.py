@@ -30,7 +30,14 @@ def cpu_te_provider() -> type:
     from megatron_qrl.models.sdpa_attention import SDPACoreAttention
 
     class CpuTESpecProvider(BackendSpecProvider):
-        """``TESpecProvider`` of megatron-core 0.16.1 with CPU norms / core attention."""
+        """``TESpecProvider`` of megatron-core 0.16.1 with CPU norms / core attention.
+
+        Megatron-LM 1dcf0da's (0.16.0rc0, slime 0.3.1's pin) spec functions construct it as
+        ``TESpecProvider(fallback_to_eager_attn=...)``; the CPU core attention is eager already.
+        """
+
+        def __init__(self, fallback_to_eager_attn: bool = False) -> None:
+            self.fallback_to_eager_attn = fallback_to_eager_attn
 
         def linear(self) -> type:
             return te_ext.TELinear

@@ -117,3 +117,17 @@ def test_1gpu_example_turns_off_gradient_accumulation_fusion_without_apex(tmp_pa
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert ("--no-gradient-accumulation-fusion" in r.stdout.split()) == (not apex)
+
+
+def test_1gpu_example_fp8_block_engines_skip_deepgemm_jit(tmp_path):
+    """QRL=1 (fp8_block rollouts) exports SGLANG_ENABLE_JIT_DEEPGEMM=0 before its Ray head
+    unless the caller set it; QRL=0 leaves the environment as it was."""
+    from tests.helpers.slime_walk import run_example
+
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_JIT_DEEPGEMM"}
+    cases = [("1", None, "0"), ("1", "1", "1"), ("0", None, None)]
+    for qrl, given, want in cases:
+        base = dict(env, **({"SGLANG_ENABLE_JIT_DEEPGEMM": given} if given else {}))
+        argv, ran = run_example(tmp_path, base, CKPT="/ckpt", QRL=qrl)
+        assert ran.get("SGLANG_ENABLE_JIT_DEEPGEMM") == want, (qrl, given)
+        assert ("train.py" in argv) == (qrl == "0")

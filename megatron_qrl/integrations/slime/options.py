@@ -149,6 +149,9 @@ def slime_problems(opts: SlimeQrlOptions, args: Any) -> list[str]:
                    "converters read one parameter per expert (mlp.experts.linear_fc1.weight<i>), "
                    "the stacked experts hold one per GEMM; use --qrl-train-moe-experts megatron "
                    "(slime's --moe-grouped-gemm)")
+    if opts.train.forward == "aligned" and opts.train.aligned_gemm == "real":
+        out.append("--qrl-train-aligned-gemm real: inside slime the aligned linears run the "
+                   "fake-quant GEMM (dequantized codes in a BF16 GEMM); use auto or fake")
     if opts.train.forward == "aligned" and list(getattr(args, "spec", None) or []) != SPEC:
         out.append(f"--qrl-train-forward aligned swaps the quantized linears through the layer "
                    f"spec: add --spec {' '.join(SPEC)}")
