@@ -13,6 +13,7 @@ weights changed (see :mod:`megatron_qrl.te_quant.state`), never per micro-batch.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -126,9 +127,10 @@ class AlignedLinearMixin:
         """``Q_w(W)`` of this rank's shard, recomputed only after the weights changed: the
         dequantized weight (fake GEMM) or its codes and scales (:class:`RealWeight`)."""
         if self.qrl_stale() and self.qrl_state.gemm_for(self.qrl_kind) == "real":
-            self.qrl_store(weight_operand(self.qrl_state.spec, self.weight, self._qrl_parallel_dim,
-                                          self.tp_group, name=f"{self.qrl_kind} "
-                                          f"{type(self).__name__}", layout=self.qrl_layout))
+            rw = weight_operand(self.qrl_state.spec, self.weight, self._qrl_parallel_dim,
+                                self.tp_group, name=f"{self.qrl_kind} {type(self).__name__}",
+                                layout=self.qrl_layout)
+            self.qrl_store(replace(rw, keep_dequantized=self.qrl_state.keep_dequantized))
         elif self.qrl_stale() and self.qrl_state.keep_codes and _tp_size(self) == 1:
             codes = component_codes(self.qrl_state.spec, [self.weight], self.qrl_layout,
                                     f"{self.qrl_kind} {type(self).__name__}")[0]

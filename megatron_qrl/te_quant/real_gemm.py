@@ -13,7 +13,9 @@ of the dequantized operands in the fake path (unit roundoff ``2^-9`` each) and o
 output. fp8_block runs SGLang's own kernels on the same codes (:mod:`.block_gemm`: 128x128
 weight blocks, 1x128 activation groups), so its forward is the rollout's GEMM by
 construction. The backward is the fake path's straight-through BF16 backward (Bengio et al. 2013)
-on the same dequantized operands, recomputed from the codes, so gradients are bit-equal.
+on the same dequantized operands, recomputed from the codes, so gradients are bit-equal: two
+GEMMs per linear (dgrad, wgrad), the weight dequantized per micro batch or kept once per
+optimizer step (``keep_dequantized``, :class:`RealWeight`).
 
 Which GEMM runs is decided once, by :func:`select_gemm` (format fields x device x
 ``--qrl-train-aligned-gemm``):
@@ -236,6 +238,20 @@ class RealWeight:
 
     codes: torch.Tensor
     scale: torch.Tensor
+    keep_dequantized: bool = False
+    """The backward keeps ``deq Q_w(W)`` (:meth:`grad_weight`) for the rest of this cached
+    weight's life, one optimizer step: 2 bytes per weight element more, no dequantization
+    per micro batch (:attr:`~.state.AlignedForwardState.keep_dequantized`)."""
+
+    def grad_weight(self, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
+        """``deq Q_w(W)`` in ``dtype``, the straight-through input gradient's operand: made per
+        call, or once and kept with this cached weight where :attr:`keep_dequantized`."""
+        if not self.keep_dequantized:
+            return self.dequantize(spec, dtype)
+        kept = self.__dict__.setdefault("_dequantized", {})
+        if dtype not in kept:
+            kept[dtype] = self.dequantize(spec, dtype)
+        return kept[dtype]
 
     def dequantize(self, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
         """``codes * scale`` in ``dtype``: ``spec.quantize_dequantize(W)``, bit for bit (one
@@ -334,8 +350,9 @@ class RealLinearFn(torch.autograd.Function):
     The straight-through estimator (Bengio et al. 2013; docs/ALGORITHMS.md) passes the gradient
     through the quantizers, not through the GEMM: ``dy/dx`` of ``y = Q_a(x) Q_w(W)^T`` is
     ``deq Q_w(W)``, the weight the forward multiplied, not the master ``W`` (the fake path's
-    autograd takes the same). So the weight is dequantized per backward call: one fused
-    kernel reading its codes (:meth:`QuantSpec.dequantize_rows`), no cached BF16 copy.
+    autograd takes the same). So the weight is dequantized per backward call (one fused kernel
+    reading its codes, :meth:`QuantSpec.dequantize_rows`) or once per optimizer step where the
+    cache keeps it (:meth:`RealWeight.grad_weight`).
     ``grad_fp8`` (an FP8 element type of :data:`.fp8_backward.GRAD_DTYPES`): ``dx`` is the FP8
     GEMM of :func:`.fp8_backward.dgrad_fp8` on the cached codes instead; ``dW`` stays BF16."""
 
@@ -357,7 +374,7 @@ class RealLinearFn(torch.autograd.Function):
             grad_x = fp8_backward.dgrad_fp8(g2d, ctx.qw.codes_t, ctx.qw.scale, grad.dtype,
                                             ctx.grad_fp8, scaled_mm).view(*grad.shape[:-1], -1)
         elif ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(ctx.qw.dequantize(ctx.spec, grad.dtype))
+            grad_x = grad.matmul(ctx.qw.grad_weight(ctx.spec, grad.dtype))
         if ctx.needs_input_grad[1]:
             g2d = grad.reshape(-1, grad.shape[-1])
             grad_w = g2d.t().matmul(dequantize_activation(ctx.spec, xq, xs, grad.dtype))
@@ -405,12 +422,14 @@ def grouped_real_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: to
 
 
 class GroupedRealFn(torch.autograd.Function):
-    """Grouped experts through the real GEMM; backward: the fake path's grouped GEMM
-    (:func:`megatron_qrl.models.grouped_gemm.grouped_mm`) differentiated on the dequantized
-    operands (the same ops as the fake path, recomputed: one BF16 grouped GEMM more). The
-    masters are one stacked ``[E, N, K]`` weight or one ``[N, K]`` weight per expert (the
-    gradient is unbound into them, no stacked copy of the masters). ``grad_fp8``: the input
-    gradient from :func:`.fp8_backward.grouped_dgrad_fp8` instead."""
+    """Grouped experts through the real GEMM; backward: the gradients of the fake path's grouped
+    GEMM (:func:`megatron_qrl.models.grouped_gemm.grouped_mm`) on the dequantized operands,
+    bit for bit, as its two GEMMs only (:func:`.grouped_gemm.grouped_mm_grads`: no forward GEMM
+    run again): ``dx`` from ``deq Q_w(W)`` (:meth:`RealWeight.grad_weight`), ``dW`` from the
+    saved activation codes dequantized. The masters are one stacked ``[E, N, K]`` weight or
+    one ``[N, K]`` weight per expert (the gradient is unbound into them, no stacked copy of the
+    masters). ``grad_fp8``: the input gradient from :func:`.fp8_backward.grouped_dgrad_fp8`
+    instead (the weight is then not dequantized)."""
 
     @staticmethod
     def forward(ctx, x, qw, spec, counts, parallel_dim, group, grad_fp8, *masters):  # noqa: D401
@@ -423,19 +442,15 @@ class GroupedRealFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from megatron_qrl.models.grouped_gemm import grouped_mm
+        from megatron_qrl.te_quant.grouped_gemm import grouped_mm_grads
 
         xq, xs = ctx.saved_tensors
-        fp8_dx = bool(ctx.grad_fp8) and ctx.needs_input_grad[0]
-        x = dequantize_activation(ctx.spec, xq, xs, grad.dtype).requires_grad_(
-            ctx.needs_input_grad[0] and not fp8_dx)
-        w = ctx.qw.dequantize(ctx.spec, grad.dtype).requires_grad_(any(ctx.needs_input_grad[7:]))
-        with torch.enable_grad():
-            y = grouped_mm(x, w, ctx.counts)
-            want = [t for t in (x, w) if t.requires_grad]
-            grads = iter(torch.autograd.grad(y, want, grad) if want else ())
-        gx = next(grads) if x.requires_grad else None
-        gw = next(grads) if w.requires_grad else None
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
+        fp8_dx = bool(ctx.grad_fp8) and need_x
+        x = dequantize_activation(ctx.spec, xq, xs, grad.dtype) if need_w else None
+        w = ctx.qw.grad_weight(ctx.spec, grad.dtype) if need_x and not fp8_dx else None
+        gx, gw = grouped_mm_grads(x, w, grad, ctx.counts) if x is not None or w is not None \
+            else (None, None)
         if fp8_dx:
             gx = fp8_backward.grouped_dgrad_fp8(grad, ctx.qw.codes_t, ctx.qw.scale, ctx.counts,
                                                 grad.dtype, ctx.grad_fp8,

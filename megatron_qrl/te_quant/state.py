@@ -59,6 +59,13 @@ class AlignedForwardState:
         """The fake GEMM's cache also keeps each HF tensor's codes and scales (the weight sync
         packs them instead of quantizing again, :mod:`megatron_qrl.te_quant.qcodes`); the
         real GEMM's cache holds them anyway. Costs one code tensor per weight."""
+        self.keep_dequantized: bool = False
+        """The real GEMM's cache also keeps ``deq Q_w(W)`` in BF16 once the first backward of
+        an optimizer step made it (:meth:`~.real_gemm.RealWeight.grad_weight`), instead of
+        dequantizing every weight again in each micro batch's backward. Costs 2 bytes per
+        weight element (all local experts: 4.8 GB for 4 layers of Qwen3-30B-A3B, 58 GB for
+        its 48 layers, divided by the expert-parallel size); gradients are the same bits.
+        Off by default; set before the step's first forward."""
         self.enabled_kinds: frozenset[str] = self._check_kinds(kinds)
         """Layer kinds (``attention``, ``mlp``, ``experts``) that run quantized now."""
         self.inputs_quantized: bool = False

@@ -26,6 +26,7 @@ straight-through gradient goes into that stack whole.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -121,9 +122,9 @@ class AlignedGroupedGemm:
         key = self._qrl_key()
         if self._qrl_cache is None or self._qrl_cache[0] != key:
             dim = 1 if self.parallel_mode == "row" else 0
-            self._qrl_cache = (key, stacked_weight_operand(
-                self.qrl_state.spec, self.weights(), dim, self.tp_group,
-                f"experts {type(self).__name__}"))
+            rw = stacked_weight_operand(self.qrl_state.spec, self.weights(), dim, self.tp_group,
+                                        f"experts {type(self).__name__}")
+            self._qrl_cache = (key, replace(rw, keep_dequantized=self.qrl_state.keep_dequantized))
             self.qrl_recomputes += 1
         return self._qrl_cache[1]
 
