@@ -21,6 +21,8 @@
    ``torch._scaled_mm`` (dense; stacked experts: ``_scaled_grouped_mm``) vs its fp64
    emulation, within fp32 summation and one BF16 rounding, and its distance to the BF16 dgrad
    in the band of its element type.
+5. BF16 backward of the stacked experts: two GEMMs, gradients bit-equal autograd of the fake
+   path's grouped GEMM (torch's CUDA ``_grouped_mm`` derivative formulas, and the padded path).
 
 Run: ``pytest tests/gpu/test_real_gemm.py -s -rs`` (< 1 min).
 """
@@ -371,3 +373,33 @@ def test_fp8_dgrad_grouped_equals_per_expert_emulation():
         assert (err <= _dgrad_bound(g[rows], qws[e].codes, qws[e].scale, "e4m3", ref)).all(), e
     if torch.cuda.get_device_capability()[0] == 9:
         assert ops.names.count("_scaled_grouped_mm") == 2  # the forward's and the dgrad's
+
+
+@pytest.mark.parametrize("k,n", [(512, 256), (196, 72)], ids=["grouped_mm", "padded"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_bf16_backward_two_gemms_bit_equal(fmt, k, n):
+    """Stacked experts, BF16 backward: gradients bit-equal autograd of the fake path's grouped
+    GEMM on the same dequantized operands (torch's CUDA ``_grouped_mm`` derivative formulas,
+    or the padded ``bmm``'s where rows are not 16-byte aligned), from exactly two GEMMs (no
+    forward GEMM run again)."""
+    from megatron_qrl.models.grouped_gemm import grouped_mm
+    from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear
+
+    spec, counts = get_spec(fmt), [96, 0, 160, 32]
+    x, _ = _operands(sum(counts), k, n, seed=8)
+    ws = torch.stack([_operands(8, k, n, seed=30 + e)[1] for e in range(len(counts))])
+    qws = [weight_operand(spec, w) for w in ws]
+    qw = RealWeight(torch.stack([q.codes for q in qws]), torch.stack([q.scale for q in qws]))
+    g = _operands(sum(counts), n, 8, seed=9)[0]
+    xr, master = x.clone().requires_grad_(), ws.clone().requires_grad_()
+    y = grouped_real_linear(xr, [master], qw, spec, counts)
+    ops = _Ops()
+    with ops:
+        y.backward(g)
+    gemms = [o for o in ops.names if o in ("mm", "bmm", "_grouped_mm", "_scaled_mm",
+                                           "_scaled_grouped_mm", "_int_mm")]
+    assert len(gemms) == 2, gemms
+    xf = spec.fake_quant_activation(x).requires_grad_()
+    wf = torch.stack([qw.dequantize(spec, torch.bfloat16) for qw in qws]).requires_grad_()
+    grouped_mm(xf, wf, counts).backward(g)
+    assert torch.equal(xr.grad, xf.grad) and torch.equal(master.grad, wf.grad)
