@@ -439,16 +439,18 @@ def _direct_engine(model, fmt="fp8"):
     return eng
 
 
-def test_engine_direct_sync_end_to_end():
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_engine_direct_sync_end_to_end(fmt):
     """Catches: the engine not verifying the read-back digest, the version not set by the
-    digest request, handles taken again on every sync, a stream not expert-stacked."""
-    ref, m = engine("fp8"), engine("fp8")
-    eng = _direct_engine(m)
+    digest request, handles taken again on every sync, a stream not expert-stacked; int8:
+    the options refusing it (``EngineFacts.direct_write`` unset)."""
+    ref, m = engine(fmt), engine(fmt)
+    eng = _direct_engine(m, fmt)
     assert eng.stacked_experts
     for v in (1, 2):
-        stream = get_spec("fp8").pack_state_dict(hf_weights(v), stack_experts=eng.stacked_experts)
+        stream = get_spec(fmt).pack_state_dict(hf_weights(v), stack_experts=eng.stacked_experts)
         eng.update_weights(stream, version=v)
-    inplace_sync(ref, "fp8", packed("fp8", 2))
+    inplace_sync(ref, fmt, packed(fmt, 2))
     assert eng.weight_version() == 2 and eng.last_sync["verified"] == "digest"
     assert eng.last_sync["handles_taken"] == 1
     assert eng.requests == ["export", "digest", "fingerprint", "digest"]
