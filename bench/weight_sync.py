@@ -25,11 +25,11 @@ experts of one kind as one stacked tensor (``stack_experts``); ``+noreceipt`` sk
 engine's receipt (its fingerprints of what it received, compared with what was sent: on by
 default, ``SGLangOptions.receipt``); options combine:
 ``fp8:inplace+flat+prefetch+direct+stacked`` is the engine's default in place. A variant runs
-exactly the options it names. ``fp8:direct`` / ``fp8_block:direct`` is the direct sync
-(``SGLangOptions(sync="direct")``: the packed stream copied straight into the engine's own
-tensors through CUDA IPC handles, one read-back digest; its parts ``storage`` (fingerprint /
-handles), ``write`` and ``digest``); ``+resident`` starts any engine without its memory saver
-(``release_memory=False``).
+exactly the options it names. ``fp8:direct`` / ``fp8_block:direct`` / ``int8:direct`` is the
+direct sync (``SGLangOptions(sync="direct")``: the packed stream copied straight into the
+engine's own tensors through CUDA IPC handles, one read-back digest; its parts ``storage``
+(fingerprint / handles), ``write`` and ``digest``); ``+resident`` starts any engine without its
+memory saver (``release_memory=False``).
 
 ``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
 (pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:

@@ -53,7 +53,8 @@ class SGLangOptions:
     (--qrl-mode single, engine on other GPUs of the node: every bucket broadcast from the
     trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), direct (colocated, one engine
     process: the packed weights are copied straight into the engine's own tensors through
-    CUDA IPC handles; fp8 and fp8_block), auto (the engine's choice per format)."""
+    CUDA IPC handles; the formats whose EngineFacts.direct_write is set), auto (the engine's
+    choice per format)."""
 
     base_gpu: int = field(default=0, metadata={"on_resume": "may change"})
     """First GPU of the in-process SGLang engine (its TP ranks take the next ones); with

@@ -1,5 +1,6 @@
 """H200: the direct sync (``sync="direct"``: the packed stream copied straight into the
-engine's own tensors through CUDA IPC handles) against the in-place sync, fp8 and fp8_block.
+engine's own tensors through CUDA IPC handles) against the in-place sync, fp8, fp8_block and
+int8.
 
     source .stage/recipe/setup.sh
     PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_direct.py -x -s
@@ -25,7 +26,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-FORMATS = ["fp8", "fp8_block"]
+FORMATS = ["fp8", "fp8_block", "int8"]
 
 
 def worker(fmt: str, sync: str, out: Path) -> None:

@@ -2,12 +2,13 @@
 layout (megatron_qrl.rollout_sglang.sync.loader.storage), the trainer's writer into it
 (sync.writer), the read-back digest, re-taking moved storage, and the refusals.
 
-SGLang cannot be imported here. The engine-like model follows SGLang 0.5.17 for the two
+SGLang cannot be imported here. The engine-like model follows SGLang 0.5.17 for the three
 formats the writer serves: fused linears whose shard loader writes q/k/v (gate/up) rows and,
-for block scales, block rows (``BlockQuantScaleParameter``), with ``W8A8Fp8LinearMethod``
-(post-load: ``weight.t()``) and block ``Fp8LinearMethod`` (post-load: unchanged); the
-``FusedMoE`` stand-in of sglang_fused_moe_fake.py with ``W8A8FP8MoEMethod`` / block
-``Fp8MoEMethod``; a padded vocabulary; norms and the router as plain parameters. The
+for block scales, block rows (``BlockQuantScaleParameter``), with ``W8A8Fp8LinearMethod`` /
+``W8A8Int8LinearMethod`` (post-load: ``weight.t()``) and block ``Fp8LinearMethod``
+(post-load: unchanged); the ``FusedMoE`` stand-in of sglang_fused_moe_fake.py with
+``W8A8FP8MoEMethod`` / ``W8A8Int8MoEMethod`` / block ``Fp8MoEMethod``; a padded vocabulary;
+norms and the router as plain parameters. The
 reference is the in-place loader (``load_packed``) fed the same packed stream in buckets.
 """
 
@@ -49,16 +50,24 @@ def _param(t, loader, **attrs):
 class W8A8Fp8LinearMethod:
     """w8a8_fp8.py: checkpoint fp8 weight [out, in] + fp32 scale [out, 1]; live weight.t()."""
 
+    codes = F8
+
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, weight_loader, **_):
         out = sum(output_partition_sizes)
         layer.register_parameter("weight", _param(
-            torch.empty(out, input_size_per_partition, dtype=F8), weight_loader))
+            torch.empty(out, input_size_per_partition, dtype=self.codes), weight_loader))
         layer.register_parameter("weight_scale", _param(torch.empty(out, 1, dtype=torch.float32), weight_loader))
 
     def process_weights_after_loading(self, layer):
         layer.weight = nn.Parameter(layer.weight.t(), requires_grad=False)
         layer.weight_scale = nn.Parameter(layer.weight_scale.detach(), requires_grad=False)
+
+
+class W8A8Int8LinearMethod(W8A8Fp8LinearMethod):
+    """w8a8_int8.py on CUDA: int8 weight [out, in] + fp32 scale [out, 1]; live weight.t()."""
+
+    codes = torch.int8
 
 
 class Fp8LinearMethod:
@@ -143,8 +152,9 @@ class EngineModel(nn.Module):
 
     def __init__(self, fmt):
         super().__init__()
-        lin = W8A8Fp8LinearMethod if fmt == "fp8" else Fp8LinearMethod
-        moe = W8A8FP8MoEMethod if fmt == "fp8" else (lambda: Fp8MoEMethod((BLOCK, BLOCK)))
+        lin = {"fp8": W8A8Fp8LinearMethod, "int8": W8A8Int8LinearMethod}.get(fmt, Fp8LinearMethod)
+        moe = {"fp8": W8A8FP8MoEMethod, "int8": fake.W8A8Int8MoEMethod}.get(
+            fmt, lambda: Fp8MoEMethod((BLOCK, BLOCK)))
         self.model = nn.Module()
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = _plain((V, H), pad_rows=4)
@@ -250,12 +260,13 @@ def direct_sync(model, fmt, stream):
 
 
 # ---- the writer against the in-place loader -------------------------------------------
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_block", "int8"])
 @pytest.mark.parametrize("stack", [False, True], ids=["per_expert", "stacked"])
 def test_direct_writes_the_bits_the_inplace_loader_leaves(fmt, stack):
     """Catches: a wrong fused-member row offset (q/k/v, gate/up, block rows), a transpose
-    missed for w8a8_fp8's ``weight.t()``, an expert written to the wrong index, the padded
-    vocabulary overwritten."""
+    missed for w8a8_fp8's / w8a8_int8's ``weight.t()`` (int8: ``W8A8Int8LinearMethod``
+    missing from ``LINEAR_T``), an expert written to the wrong index, the padded vocabulary
+    overwritten."""
     ref, got = engine(fmt, seed=0), engine(fmt, seed=0)
     inplace_sync(ref, fmt, packed(fmt, 1, stack=False))
     direct_sync(got, fmt, packed(fmt, 1, stack=stack))
@@ -281,8 +292,14 @@ def test_layout_of_fused_and_stacked_parameters():
     assert qkv.shards == {"q_proj": (0, 2), "k_proj": (2, 3), "v_proj": (3, 4)}
     w13 = layout.params["model.layers.1.mlp.experts.w13_weight"]
     assert w13.experts and w13.shards == {"gate_proj": (0, FFN), "up_proj": (FFN, 2 * FFN)}
-    t = describe(engine("fp8"))[0].params["model.layers.0.self_attn.qkv_proj.weight"]
-    assert t.transposed and t.shape == (Q + 2 * KV, H)
+    for fmt in ("fp8", "int8"):
+        t = describe(engine(fmt))[0].params["model.layers.0.self_attn.qkv_proj.weight"]
+        assert t.transposed and t.shape == (Q + 2 * KV, H), fmt
+    int8 = describe(engine("int8"))[0].params
+    assert int8["model.layers.0.self_attn.qkv_proj.weight_scale"].shape == (Q + 2 * KV, 1)
+    assert int8["model.layers.0.self_attn.qkv_proj.weight_scale"].dtype == "float32"
+    w13 = int8["model.layers.1.mlp.experts.w13_weight_scale"]
+    assert w13.experts and w13.shape == (E, 2 * FFN, 1) and not w13.transposed
 
 
 # ---- the digest -----------------------------------------------------------------------
@@ -298,6 +315,33 @@ def test_digest_catches_a_flipped_byte_and_names_the_layer():
     w13.data.view(torch.uint8)[1, FFN + 5, 7] ^= 1  # expert 1's up_proj, layer 1
     held = handle(m, {"what": "digest", "names": writer.shapes})["digest"]
     with pytest.raises(WeightSyncError, match=r"experts\.1\.up_proj\.weight.*\(layer 1\)"):
+        check_digest(sent, held)
+
+
+@pytest.mark.parametrize("where", ["dense", "expert_scale"])
+def test_int8_digest_catches_a_flipped_byte_in_the_live_tensors(where):
+    """int8 (w8a8_int8): one bit flipped in the engine's live storage after the write — in the
+    transposed ``qkv_proj.weight`` the GEMM reads (``[in, out]``: column ``Q + 3`` is k_proj's
+    row 3), or in an expert's per-channel ``w2_weight_scale`` — fails the check naming the
+    tensor and layer. Catches: a read-back of the checkpoint view's copy instead of the live
+    storage, a digest that skips scales, a member's rows mapped to the wrong fused member."""
+    m = engine("int8")
+    layout, tensors = describe(m)
+    writer = writer_for(get_spec("int8"), layout, tensors)
+    writer.write_all(packed("int8", 2, stack=True))
+    sent = writer.sent.result()
+    held = handle(m, {"what": "digest", "names": writer.shapes})["digest"]
+    check_digest(sent, held)
+    if where == "dense":
+        live = m.model.layers[0].self_attn.qkv_proj.weight  # weight.t(): [in, out]
+        assert live.shape == (H, Q + 2 * KV)
+        live.data.view(torch.uint8)[5, Q + 3] ^= 4
+        match = r"layers\.0\.self_attn\.k_proj\.weight' \(layer 0\)"
+    else:
+        m.model.layers[1].mlp.experts.w2_weight_scale.data.view(torch.uint8)[1, 9, 2] ^= 1  # [E, H, 1] fp32 -> [E, H, 4] bytes
+        match = r"layers\.1\.mlp\.experts\.1\.down_proj\.weight_scale' \(layer 1\)"
+    held = handle(m, {"what": "digest", "names": writer.shapes})["digest"]
+    with pytest.raises(WeightSyncError, match=match):
         check_digest(sent, held)
 
 
@@ -338,8 +382,9 @@ def test_moved_storage_is_taken_again():
 # ---- refusals -------------------------------------------------------------------------
 def test_formats_the_writer_does_not_serve_are_refused_naming_the_flag():
     layout, tensors = describe(engine("fp8"))
-    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct: format 'int8'"):
-        writer_for(get_spec("int8"), layout, tensors)
+    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct: format 'w4a16'"
+                       r".*serve \['fp8', 'fp8_block', 'int8'\]"):
+        writer_for(get_spec("w4a16"), layout, tensors)
     with pytest.raises(ValueError, match=r"sync direct .*'w4a16'.*sync inplace"):
         SGLangOptions(sync="direct").resolve("w4a16")
     assert SGLangOptions(sync="direct").resolve("fp8_block").sync == "direct"
@@ -394,16 +439,18 @@ def _direct_engine(model, fmt="fp8"):
     return eng
 
 
-def test_engine_direct_sync_end_to_end():
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_engine_direct_sync_end_to_end(fmt):
     """Catches: the engine not verifying the read-back digest, the version not set by the
-    digest request, handles taken again on every sync, a stream not expert-stacked."""
-    ref, m = engine("fp8"), engine("fp8")
-    eng = _direct_engine(m)
+    digest request, handles taken again on every sync, a stream not expert-stacked; int8:
+    the options refusing it (``EngineFacts.direct_write`` unset)."""
+    ref, m = engine(fmt), engine(fmt)
+    eng = _direct_engine(m, fmt)
     assert eng.stacked_experts
     for v in (1, 2):
-        stream = get_spec("fp8").pack_state_dict(hf_weights(v), stack_experts=eng.stacked_experts)
+        stream = get_spec(fmt).pack_state_dict(hf_weights(v), stack_experts=eng.stacked_experts)
         eng.update_weights(stream, version=v)
-    inplace_sync(ref, "fp8", packed("fp8", 2))
+    inplace_sync(ref, fmt, packed(fmt, 2))
     assert eng.weight_version() == 2 and eng.last_sync["verified"] == "digest"
     assert eng.last_sync["handles_taken"] == 1
     assert eng.requests == ["export", "digest", "fingerprint", "digest"]

@@ -87,12 +87,13 @@ class Int8Spec(_PerChannelSpec):
     sglang_quantization: str | None = "w8a8_int8"
     _max: ClassVar[float] = 127.0
     # w8a8_int8 replaces its parameters after loading: SGLang's load_weights ('tensor', 'disk')
-    # fails ('Parameter' object has no attribute 'weight_loader'); expert adapters: Triton runner
+    # fails ('Parameter' object has no attribute 'weight_loader'); expert adapters: Triton runner;
+    # its live tensors are the packed ones (linear: weight.t(), MoE: as loaded): direct writes
     engine = EngineFacts(
         sglang_syncs={"tensor": False, "disk": False, "inplace": True, "distributed": True},
         te_recipe=None,
         moe_kernel=KernelFlags(use_int8_w8a8=True, per_channel_quant=True),
-        lora_experts="adapter")
+        lora_experts="adapter", direct_write=True)
 
     def _quantize(self, w, global_amax):
         w32 = w.float()

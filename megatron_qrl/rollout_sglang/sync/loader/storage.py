@@ -15,10 +15,14 @@ Runs inside SGLang's scheduler process, reached like the in-place loader: an
   shape), read back from the live tensors, and the storage fingerprint.
 
 Which layouts are plain copies of the checkpoint's was read from SGLang 0.5.17's
-``layers/quantization/w8a8_fp8.py`` (linear: ``weight.t()`` of the checkpoint, scale
-unchanged; MoE: unchanged) and ``fp8.py`` with ``weight_block_size`` (linear and MoE
-unchanged on Hopper's Triton / CUTLASS path; refused where a UE8M0 requantization, Marlin or
-MXFP8 path rewrites them). Any other quantized method is refused with the fix.
+``layers/quantization/w8a8_fp8.py`` and ``w8a8_int8.py`` (linear on CUDA: ``weight.t()`` of
+the checkpoint's ``[out, in]`` codes, a view of the same storage, and the fp32 ``[out, 1]``
+``weight_scale`` unchanged; MoE: ``w13_*`` / ``w2_*`` codes and their ``[E, rows, 1]`` scales
+unchanged, run by the Triton fused-MoE kernel) and ``fp8.py`` with ``weight_block_size``
+(linear and MoE unchanged on Hopper's Triton / CUTLASS path; refused where a UE8M0
+requantization, Marlin or MXFP8 path rewrites them). ``w8a8_int8``'s CPU paths (AMX / Arm64
+VNNI repacks) never hold a CUDA engine's weights. Any other quantized method is refused with
+the fix.
 """
 
 from __future__ import annotations
@@ -43,10 +47,11 @@ from megatron_qrl.utils.hf_names import FUSION_MEMBERS, STACKED
 
 __all__ = ["LINEAR_T", "METHODS", "describe", "handle", "serve", "storage_fingerprint"]
 
-METHODS = {"W8A8Fp8LinearMethod": "linear", "Fp8LinearMethod": "linear",
-           "W8A8FP8MoEMethod": "moe", "Fp8MoEMethod": "moe"}
+METHODS = {"W8A8Fp8LinearMethod": "linear", "W8A8Int8LinearMethod": "linear",
+           "Fp8LinearMethod": "linear",
+           "W8A8FP8MoEMethod": "moe", "W8A8Int8MoEMethod": "moe", "Fp8MoEMethod": "moe"}
 """Quantized SGLang methods whose live tensors are the checkpoint's (up to a transpose)."""
-LINEAR_T = frozenset({"W8A8Fp8LinearMethod"})
+LINEAR_T = frozenset({"W8A8Fp8LinearMethod", "W8A8Int8LinearMethod"})
 """Methods that keep ``weight.t()`` of the checkpoint weight."""
 _REWRITES = ("use_marlin", "use_mxfp8", "convert_mxfp8_to_block")
 """Method flags of paths that rewrite the loaded tensors."""
@@ -71,9 +76,9 @@ def _method_kind(module: torch.nn.Module, name: str) -> str | None:
     if kind is None or bad:
         why = f"flags {bad}" if kind else "its post-load processing is not a copy"
         raise EngineLayoutError(
-            f"direct weight sync: {name} runs {cls} ({why}); the direct writer feeds fp8 "
-            "(w8a8_fp8) and fp8_block (fp8 with 128x128 blocks) on the Triton / CUTLASS "
-            "path; use --qrl-rollout-sglang-sync inplace")
+            f"direct weight sync: {name} runs {cls} ({why}); the direct writer feeds "
+            f"{sorted(METHODS)} on the Triton / CUTLASS path; use "
+            "--qrl-rollout-sglang-sync inplace")
     return kind
 
 

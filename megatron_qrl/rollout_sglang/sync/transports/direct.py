@@ -1,4 +1,5 @@
-"""Transport ``direct`` (colocated, one engine process; fp8 and fp8_block): the packed
+"""Transport ``direct`` (colocated, one engine process; the formats whose
+:attr:`~megatron_qrl.quant.engine_facts.EngineFacts.direct_write` is set): the packed
 stream is copied straight into the engine's own tensors (:mod:`..writer`) through the
 handles of :class:`~..storage_client.EngineStorage` — no buckets, no per-tensor requests, no
 post-load processing. Two small requests per sync: the storage fingerprint before writing

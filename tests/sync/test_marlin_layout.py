@@ -1,0 +1,97 @@
+"""CPU tests of the Marlin layout functions (megatron_qrl.sync.protocol.marlin) against a
+line-by-line transcription of SGLang 0.5.17's ``gptq_marlin_repack_kernel`` (4 bits, no
+perm) and ``marlin_permute_scales``; the GPU test (tests/gpu/test_marlin_layout.py) compares
+them with SGLang's own kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_qrl.sync.protocol.marlin import (
+    marlin_repack,
+    marlin_scales,
+    marlin_unpack,
+    marlin_unscales,
+)
+
+
+def _kernel(b_q: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+    """``gptq_marlin_repack_kernel<.., 4, false>`` as written: ``b_q`` GPTQ words [K/8, N]."""
+    b = b_q.view(-1).tolist()
+    out = [0] * (size_k // 16 * size_n * 2)
+    n_tiles = size_n // 64
+    for kt in range(size_k // 16):
+        for nt in range(n_tiles):
+            sh = [[b[(kt * 2 + i) * size_n + nt * 64 + c] & 0xFFFFFFFF for c in range(64)]
+                  for i in range(2)]  # the stage in shared memory: tile_ints rows x 64
+            for tid in range(128):
+                warp, th = tid // 32, tid % 32
+                tc_col, tc_row = th // 4, (th % 4) * 2
+                cur_n = warp * 16 + tc_col
+                vals = [0] * 8
+                for i, off in enumerate((0, 1, 8, 9)):
+                    elem = tc_row + off
+                    vals[i] = (sh[elem // 8][cur_n] >> (elem % 8 * 4)) & 0xF
+                    vals[4 + i] = (sh[elem // 8][cur_n + 8] >> (elem % 8 * 4)) & 0xF
+                res = 0
+                for i, p in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+                    res |= vals[p] << (i * 4)
+                out[(kt * n_tiles + nt) * 128 + th * 4 + warp] = res
+    w = torch.tensor(out, dtype=torch.int64)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).view(size_k // 16, 2 * size_n)
+
+
+def _permute_scales(s: torch.Tensor, size_k: int, size_n: int, group_size: int) -> torch.Tensor:
+    """``marlin_utils.marlin_permute_scales`` / ``get_scale_perms`` as written."""
+    scale_perm = [i + 8 * j for i in range(8) for j in range(8)]
+    single = [2 * i + j for i in range(4) for j in [0, 1, 8, 9, 16, 17, 24, 25]]
+    if group_size < size_k and group_size != -1:
+        s = s.reshape((-1, len(scale_perm)))[:, scale_perm]
+    else:
+        s = s.reshape((-1, len(single)))[:, single]
+    return s.reshape((-1, size_n)).contiguous()
+
+
+def _words(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31, shape, generator=g, dtype=torch.int64).to(torch.int32)
+
+
+@pytest.mark.parametrize("n,k", [(64, 16), (128, 32), (192, 48)])
+def test_repack_equals_the_kernel(n, k):
+    """Catches: a wrong nibble order in a word (``pack_idx``), a wrong k offset
+    (``{0, 1, 8, 9}``) or n offset (+8), tiles placed in the wrong output words, a missed
+    transpose of the checkpoint's [N, K/8] words."""
+    packed = _words(n, k // 8, seed=n + k)
+    want = _kernel(packed.t().contiguous(), k, n)
+    assert torch.equal(marlin_repack(packed), want)
+
+
+def test_experts_repack_one_by_one_and_round_trip():
+    """``gptq_marlin_moe_repack`` is the per-expert loop; the inverse gives the checkpoint
+    words back. Catches: the expert dim mixed into the tiles, an inverse that is not one."""
+    packed = _words(3, 128, 4, seed=7)
+    got = marlin_repack(packed)
+    for e in range(3):
+        assert torch.equal(got[e], _kernel(packed[e].t().contiguous(), 32, 128))
+    assert torch.equal(marlin_unpack(got), packed)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_scales_equal_marlin_permute_scales_and_round_trip(grouped):
+    """Catches: the grouped / single permutation swapped, the permutation applied before the
+    transpose (columns of the checkpoint's [N, K/group] instead of [K/group, N])."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(2, 128, 4, generator=g).to(torch.bfloat16)  # [E, N, K/group]
+    size_k, group = (512, 128) if grouped else (128, 128)
+    got = marlin_scales(s, grouped)
+    for e in range(2):
+        want = _permute_scales(s[e].t().contiguous(), size_k, 128, group)
+        assert torch.equal(got[e], want)
+    assert torch.equal(marlin_unscales(got, grouped), s)
+
+
+def test_shapes_off_the_tiles_are_refused():
+    with pytest.raises(ValueError, match=r"N=96, K=16; Marlin tiles need N % 64 == 0"):
+        marlin_repack(_words(96, 2))
