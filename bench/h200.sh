@@ -110,7 +110,8 @@
 #               micro batch 4 and the qwen3-30b-a3b preset's fast MoE path (no full recompute);
 #               MOE_EXPERTS=stacked: the stacked experts (--qrl-train-moe-experts stacked);
 #               VARIANTS may name FMT@aligned, FMT@replay, FMT@alignedreplay (the aligned forward,
-#               routing replay of every layer, both); NO_TE=1: the local spec even with TE staged
+#               routing replay of every layer, both), FMT@alignedkeep (aligned, the real GEMM's
+#               dequantized weights kept per optimizer step); NO_TE=1: the local spec even with TE staged
 #   moe30b      bench/train_mfu.py on the Qwen3-30B-A3B slice (${LAYERS_30B:-4} layers, no engine):
 #               ROWS of MoE build settings (gg grouped GEMM, pf permute fusion, rf router fusion,
 #               ag allgather dispatcher, st stacked experts: one torch grouped GEMM per expert
@@ -451,6 +452,7 @@ case $phase in
       --variant-flags "aligned=--qrl-train-forward aligned" \
       --variant-flags "replay=--qrl-routing-replay all" \
       --variant-flags "alignedreplay=--qrl-train-forward aligned --qrl-routing-replay all" \
+      --variant-flags "alignedkeep=--qrl-train-forward aligned --qrl-train-aligned-keep-dequantized" \
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       ${MOE_EXPERTS:+--moe-experts "$MOE_EXPERTS"} \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \

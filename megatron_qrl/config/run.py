@@ -183,6 +183,13 @@ class TrainForwardConfig:
     weight gradient stays BF16. Needs the real GEMM (--qrl-train-aligned-gemm real, or auto on
     a GPU) of a per-channel FP8 format (fp8); effect on the gradient: docs/BENCHMARKS.md."""
 
+    aligned_keep_dequantized: bool = field(default=False, metadata={"on_resume": "may change"})
+    """The real GEMM's Q(W) cache also keeps each weight dequantized to BF16 from the first
+    backward of an optimizer step to the next step, instead of dequantizing every weight again
+    in each micro batch's backward (same gradient bits). Costs 2 bytes per weight element: all
+    local experts of Qwen3-30B-A3B are 1.21 GB per layer (58 GB for 48 layers, divided by the
+    expert-parallel size). Needs --qrl-train-forward aligned on the real GEMM."""
+
     def __post_init__(self) -> None:
         _choice("--qrl-train-forward", self.forward, ("bf16", "aligned"))
         _choice("--qrl-train-moe-experts", self.moe_experts, MOE_EXPERTS)
@@ -194,6 +201,12 @@ class TrainForwardConfig:
                 f"--qrl-train-aligned-backward {self.aligned_backward} needs "
                 "--qrl-train-forward aligned with --qrl-train-aligned-gemm real or auto (got "
                 f"{self.forward} / {self.aligned_gemm}); use --qrl-train-aligned-backward bf16")
+        if self.aligned_keep_dequantized and (self.forward != "aligned"
+                                              or self.aligned_gemm == "fake"):
+            raise ValueError(
+                "--qrl-train-aligned-keep-dequantized keeps the real GEMM's dequantized weights: "
+                "it needs --qrl-train-forward aligned with --qrl-train-aligned-gemm real or auto "
+                f"(got {self.forward} / {self.aligned_gemm}); drop the flag")
 
 
 @dataclass

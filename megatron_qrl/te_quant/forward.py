@@ -84,6 +84,7 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
             raise ValueError(f"{BACKWARD_FLAG} {backward}: a Transformer Engine recipe runs its "
                              f"own backward GEMMs; drop the recipe or use {BACKWARD_FLAG} bf16")
         state = AlignedForwardState(rollout_format, gemm=gemm, backward=backward)
+        state.keep_dequantized = train.aligned_keep_dequantized and gemm == "real"
         kv = KVAlignState(kv_cache) if get_kv_format(kv_cache).quantizes else None
         if not state.spec.quantizes_weights and kv is None:
             raise ValueError(f"--qrl-train-forward aligned needs a quantized --qrl-rollout-format"

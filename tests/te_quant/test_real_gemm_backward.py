@@ -190,3 +190,28 @@ def test_model_keeps_dequantized_weights_per_step(megatron, dequantizations):
     assert any(len(shape) == 3 for shape in calls[True])  # the stacked experts are in it
     assert len(grads[True]) == len(grads[False]) and all(
         torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+def test_keep_dequantized_flag_reaches_the_state_and_is_refused_without_the_real_gemm():
+    """--qrl-train-aligned-keep-dequantized: parsed, set on the aligned state only where the GEMM
+    resolved to real, refused without the aligned real GEMM (mutation: forward.py not setting
+    the state -> the first assert fails)."""
+    from megatron_qrl.config.run import RoutingReplayConfig, TrainForwardConfig
+    from megatron_qrl.rl.cli import parse_configs
+    from megatron_qrl.te_quant import trainer_forward
+    from tests.helpers.te_quant_fixtures import tiny_hf
+
+    flag = "--qrl-train-aligned-keep-dequantized"
+    configs = parse_configs(["--qrl-preset", "tiny-cpu", "--qrl-train-forward", "aligned",
+                             "--qrl-train-aligned-gemm", "real", flag])[0]
+    assert configs["train"].aligned_keep_dequantized is True
+    _, dense = tiny_hf("dense")
+    off = RoutingReplayConfig("off")
+    fwd = trainer_forward(configs["train"], "fp8", off, dense)
+    assert fwd.aligned.keep_dequantized is True
+    plain = trainer_forward(TrainForwardConfig("aligned", aligned_gemm="real"), "fp8", off, dense)
+    assert plain.aligned.keep_dequantized is False
+    for bad in ({"aligned_keep_dequantized": True},
+                {"forward": "aligned", "aligned_gemm": "fake", "aligned_keep_dequantized": True}):
+        with pytest.raises(ValueError, match=flag):
+            TrainForwardConfig(**bad)
