@@ -20,6 +20,7 @@ quantized again.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -102,20 +103,13 @@ class EngineWriter:
 
     def check_complete(self) -> None:
         for param, pl in self.layout.params.items():
-            got, full = self.written.get(param, 0), _numel(pl.shape)
+            got, full = self.written.get(param, 0), math.prod(pl.shape)
             fused = pl.experts or pl.shards
             if got == 0 or (fused and got != full):
                 raise WeightSyncError(
                     f"direct weight sync: engine parameter {param} got {got} of {full} "
                     "elements (a tensor of the model is missing from the stream); the engine "
                     "now holds a partial update — sync again")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def check_digest(sent: dict[str, str], held: dict[str, str]) -> None:
