@@ -37,16 +37,21 @@ def _use_torch_grouped(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (x.shape[-1] * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
 
 
+def padded_index(counts: Sequence[int], tokens: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(expert, pos)`` of each of the ``tokens`` grouped rows in the padded ``[experts,
+    max(counts), ...]`` layout of the padded-``bmm`` grouped GEMM."""
+    sizes = torch.tensor(list(counts), device=device, dtype=torch.long)
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes,
+                                     output_size=tokens)
+    start = torch.cumsum(sizes, 0) - sizes
+    return expert, torch.arange(tokens, device=device) - start[expert]
+
+
 def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """The padded-``bmm`` grouped GEMM (module docstring); ``x`` ``[sum(counts), in]``."""
-    n_exp, rows = len(counts), max(counts, default=0)
-    dev = x.device
-    sizes = torch.tensor(list(counts), device=dev, dtype=torch.long)
-    expert = torch.repeat_interleave(torch.arange(n_exp, device=dev), sizes,
-                                     output_size=x.shape[0])
-    start = torch.cumsum(sizes, 0) - sizes
-    pos = torch.arange(x.shape[0], device=dev) - start[expert]
-    padded = x.new_zeros(n_exp, rows, x.shape[1]).index_put((expert, pos), x)
+    expert, pos = padded_index(counts, x.shape[0], x.device)
+    padded = x.new_zeros(len(counts), max(counts, default=0), x.shape[1]).index_put((expert, pos), x)
     return torch.bmm(padded, w.transpose(1, 2))[expert, pos]
 
 

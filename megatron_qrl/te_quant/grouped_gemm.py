@@ -56,7 +56,7 @@ def grouped_mm_grads(x: torch.Tensor | None, w: torch.Tensor | None, grad: torch
     2017): ``torch._grouped_mm`` as torch's derivative formulas call it (``_grouped_mm_mat1/2
     _backward``; ``mat2`` = ``w^T`` is column-major, so ``dW = _grouped_mm(g^T, x)``), else the
     padded batched GEMM's ``bmm`` backward (``g_pad @ W``, ``x_pad^T @ g_pad``)."""
-    from megatron_qrl.models.grouped_gemm import _use_torch_grouped, group_offsets
+    from megatron_qrl.models.grouped_gemm import _use_torch_grouped, group_offsets, padded_index
 
     counts = [int(c) for c in counts]
     grad = grad.contiguous()
@@ -67,10 +67,8 @@ def grouped_mm_grads(x: torch.Tensor | None, w: torch.Tensor | None, grad: torch
         dx = torch._grouped_mm(grad, w.contiguous(), offs=offs) if w is not None else None
         dw = torch._grouped_mm(grad.t(), x.contiguous(), offs=offs) if x is not None else None
         return dx, dw
-    n_exp, rows, dev = len(counts), max(counts, default=0), grad.device
-    sizes = torch.tensor(counts, device=dev, dtype=torch.long)
-    expert = torch.repeat_interleave(torch.arange(n_exp, device=dev), sizes, output_size=m)
-    pos = torch.arange(m, device=dev) - (torch.cumsum(sizes, 0) - sizes)[expert]
+    n_exp, rows = len(counts), max(counts, default=0)
+    expert, pos = padded_index(counts, m, grad.device)
     gpad = grad.new_zeros(n_exp, rows, n).index_put((expert, pos), grad)
     dx = torch.bmm(gpad, w)[expert, pos] if w is not None else None
     dw = None
