@@ -182,16 +182,10 @@ def test_model_real_equals_fake(sglang, megatron, kind):
     spec): real == fake logits to 1e-4 up to rounding-boundary flips, the dense linears'
     caches hold the codes and ran SGLang's GEMM, the experts' stay on the fake path."""
     from megatron_qrl.te_quant.real_gemm import RealWeight
-    from tests.helpers.te_quant_fixtures import FLIP_BATCH, assert_close_up_to_flips, ids
-    from tests.te_quant.test_real_gemm import _logits, _model
+    from tests.te_quant.test_real_gemm import _fake_then_real, _model
 
     state, model = _sequential_moe() if kind == "moe-sequential" else _model(kind, "fp8_block")
-    x = ids(**FLIP_BATCH)
-    fake = _logits(model, x)
-    state.gemm = "real"
-    state.mark_weights_updated()
-    real = _logits(model, x)
-    assert_close_up_to_flips(real, fake, f"{kind} fp8_block real vs fake", 1e-4)
+    _fake_then_real(state, model, f"{kind} fp8_block real vs fake")
     caches = {n: m._qrl_cache[1] for n, m in model.named_modules()
               if getattr(m, "_qrl_cache", None)}
     on_real = {n for n, c in caches.items() if isinstance(c, RealWeight)}

@@ -211,6 +211,18 @@ def _logits(model, x):
     return megatron_logits(model, x)
 
 
+def _fake_then_real(state, model, label):
+    """Logits on the flip batch through the fake GEMM, then the real GEMM (cache refreshed);
+    asserts they agree to 1e-4 up to rounding-boundary flips. Returns ``(x, fake, real)``."""
+    x = ids(**FLIP_BATCH)
+    fake = _logits(model, x)
+    state.gemm = "real"
+    state.mark_weights_updated()
+    real = _logits(model, x)
+    assert_close_up_to_flips(real, fake, label, 1e-4)
+    return x, fake, real
+
+
 def _model(kind, fmt):
     from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
     from megatron_qrl.models.streaming import groups_from_parallel_state, load_hf_weights
@@ -234,12 +246,7 @@ def test_model_real_equals_fake(megatron, kind, fmt):
     """FP32 tiny model (local spec, MoE: stacked experts; TE spec, MoE: TEGroupedMLP): real ==
     fake logits to 1e-4 up to rounding-boundary flips; the cache holds codes, once per step."""
     state, model = _model(kind, fmt)
-    x = ids(**FLIP_BATCH)
-    fake = _logits(model, x)
-    state.gemm = "real"
-    state.mark_weights_updated()
-    real = _logits(model, x)
-    assert_close_up_to_flips(real, fake, f"{kind} {fmt} real vs fake", 1e-4)
+    x, fake, real = _fake_then_real(state, model, f"{kind} {fmt} real vs fake")
     with state.only(()):
         plain = _logits(model, x)
     assert (plain - fake).abs().max() > 1e-2  # the check can fail: quantization shows
