@@ -38,18 +38,23 @@ FIELDS = (
     ("response_len", "rollout_perf", "rollout/response_len/mean"),
     ("raw_reward", "rollout", "rollout/raw_reward"),
     ("train_s", "train_perf", "perf/train_time"),
+    ("log_probs_s", "train_perf", "perf/log_probs_time"),
+    ("actor_train_s", "train_perf", "perf/actor_train_time"),
     ("update_weights_s", "train_perf", "perf/update_weights_time"),
     ("sleep_s", "train_perf", "perf/sleep_time"),
     ("wake_up_s", "train_perf", "perf/wake_up_time"),
     ("step_s", "train_perf", "perf/step_time"),
     ("train_tflops", "train_perf", "perf/actor_train_tflops"),
     ("logprob_abs_diff", "step", "train/train_rollout_logprob_abs_diff"),
+    # the same |log pi_train - log pi_rollout| token mean, as megatron_qrl's custom loss logs it
+    # (slime's own key is computed only by its built-in loss)
+    ("logprob_abs_diff", "step", "train/logp_abs_diff_mean"),
     ("kl_behav_prox_k3", "step", "train/kl_behav_prox_k3"),
     ("pg_loss", "step", "train/pg_loss"),
     ("entropy", "step", "train/entropy_loss"),
     ("grad_norm", "step", "train/grad_norm"),
 )
-TABLE = ("rollout_s", "train_s", "update_weights_s", "sleep_s", "wake_up_s", "step_s",
+TABLE = ("rollout_s", "train_s", "log_probs_s", "actor_train_s", "update_weights_s", "sleep_s", "wake_up_s", "step_s",
          "train_tflops", "logprob_abs_diff", "kl_behav_prox_k3")
 
 

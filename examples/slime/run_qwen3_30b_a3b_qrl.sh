@@ -16,18 +16,21 @@
 # Run from slime's repository root (train.py is found beside the slime package) with
 # megatron_qrl installed: SLIME_DIR=/root/slime bash examples/slime/run_qwen3_30b_a3b_qrl.sh
 #
-# STATUS: NEVER RUN end to end (no multi-GPU slime image here). What ran, on CPU against slime
+# STATUS: NEVER RUN end to end (one GPU at most on our machines; this script needs 8). What ran:
+# the same integration in slime 0.3.1 on ONE H200 with a random Qwen3-4B shape
+# (examples/slime/run_qwen3_4b_qrl_1gpu.sh, QRL=1 LOSS=acr and the QRL=0 baseline, commit 38ae4bb,
+# 3 RL steps each, rc 0: launcher, hooks, aligned --spec forward, ACR loss, error tokens, AQN,
+# fp8_block weight updates into SGLang 0.5.15.post1; docs/SLIME.md). On CPU against slime
 # 0.3.1's unmodified code (tests/integrations/test_integrations_slime*.py): slime's loss_function with the
 # custom loss equals megatron_qrl's compute_policy_loss (loss and gradients) for every loss
 # kind; slime's policy_loss_function with the custom TIS applies our tis / acr / decoupled
 # weight; slime's convert_to_hf (Qwen3-MoE converter) with the installed quantizer returns
 # exactly QuantSpec.pack_state_dict for every format; the options, hooks, error-token
 # post-process and the launcher's hook filling; slime's own parse_args with our flags (the
-# launcher test, on CPU in tools/slime_cpu_site.sh's site). Not run: Ray / SGLang / NCCL
-# (the 1-GPU example's first H200 start: examples/slime/run_qwen3_4b_qrl_1gpu.sh), whether SGLang
-# 0.5.15's update_weights_from_tensor re-processes fp8_block packs as expected, and R3 with the
-# custom loss. --qrl-train-forward aligned (add it with --spec, or use the launcher) is tested on
-# CPU only: the aligned model keeps TE's parameter names and slime's converter accepts them.
+# launcher test, on CPU in tools/slime_cpu_site.sh's site). Not run: the MoE model, TP / EP,
+# several GPUs or nodes, R3 with the custom loss, a read-back of the engine's weights after an
+# update. --qrl-train-forward aligned (add it with --spec, or use the launcher) keeps TE's
+# parameter names so slime's converter accepts them (CPU tests; the 1-GPU run above used it).
 set -euo pipefail
 
 export PYTHONUNBUFFERED=1

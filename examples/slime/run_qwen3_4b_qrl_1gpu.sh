@@ -4,14 +4,12 @@
 # rollouts: slime as its users run it, with megatron_qrl's flags (QRL=1, the default) or
 # without them (QRL=0: the baseline, slime's own PPO loss on the BF16 checkpoint).
 #
-# STATUS: the QRL=0 baseline RAN as shipped on one H200 (2026-12-03, commit 1a18f9e, slime
-# 0.3.1 on SGLang 0.5.15.post1 with slime's patches, bench/h200.sh slime-*): 3 rollouts + 3
-# train steps, rc 0 (docs/SLIME.md has the step table). QRL=1 (our flags) has NOT run on a GPU
-# yet; on CPU its full argument list goes through the launcher's parse, the init hook, slime's
-# model provider with --spec, the hooks, slime's loss with LOSS=acr|tbpo, slime's weight-sync
-# conversion into the fp8_block export's tensors and the error-token post-process, against
-# Megatron-LM 1dcf0da (tests/integrations/test_integrations_slime_walk.py; docs/SLIME.md says
-# what only the GPU run shows).
+# STATUS: both variants RAN as shipped on one H200 (2026-12-03, commit 38ae4bb, slime 0.3.1 on
+# SGLang 0.5.15.post1 with slime's patches, Megatron-LM 1dcf0da, TE 2.20.2, through
+# bench/h200.sh slime-*): QRL=1 LOSS=acr and QRL=0, 3 rollouts + 3 train steps each, rc 0;
+# docs/SLIME.md has the step table (step ~17 s either way, bound by slime's colocated offload).
+# Open: with QRL=1 the |train - rollout| log-prob gap is 9x the baseline's (docs/SLIME.md).
+# LOSS=tbpo has run on CPU only (tests/integrations/test_integrations_slime_walk.py).
 #
 # QRL=1 adds (docs/SLIME.md): fp8_block rollouts (--hf-checkpoint is the fp8_block export:
 # SGLang starts from it; every weight sync sends QuantSpec.pack of the trainer's weights), the

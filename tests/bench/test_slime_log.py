@@ -80,3 +80,14 @@ def test_the_committed_baseline_log_parses_to_three_steps():
     recs = slime_log.records(log)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert all(r["variant"] == "baseline" and "logprob_abs_diff" in r for r in recs)
+
+
+def test_the_committed_qrl_log_reports_the_mismatch_from_our_loss_metrics():
+    """With megatron_qrl's custom loss slime logs no ``train_rollout_logprob_abs_diff``; the
+    table's |train - rollout| column then comes from our ``train/logp_abs_diff_mean`` (the
+    same token mean). Fails if that key is not read (the QRL row's cell stays empty)."""
+    log = ROOT / "bench" / "results" / "slime_qrl_acr_38ae4bb.log"
+    recs = slime_log.records(log)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert all(r["variant"] == "qrl_acr" and r["commit"] == "38ae4bb" for r in recs)
+    assert all(0 < r["logprob_abs_diff"] < 1 and r["kl_behav_prox_k3"] > 0 for r in recs)
