@@ -88,6 +88,11 @@ class AlignedGroupedGemm:
         """The parameters the real path's straight-through gradient goes into."""
         return self.weights()
 
+    def _stack(self) -> list[torch.Tensor] | torch.Tensor:
+        """The masters as the real path's quantizer reads them: one weight per expert, or the
+        stacked ``[E, out, in]`` parameter where the module holds one."""
+        return self.weights()
+
     def _qrl_key(self) -> tuple:
         return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
 
@@ -122,7 +127,7 @@ class AlignedGroupedGemm:
         key = self._qrl_key()
         if self._qrl_cache is None or self._qrl_cache[0] != key:
             dim = 1 if self.parallel_mode == "row" else 0
-            rw = stacked_weight_operand(self.qrl_state.spec, self.weights(), dim, self.tp_group,
+            rw = stacked_weight_operand(self.qrl_state.spec, self._stack(), dim, self.tp_group,
                                         f"experts {type(self).__name__}")
             self._qrl_cache = (key, replace(rw, keep_dequantized=self.qrl_state.keep_dequantized))
             self.qrl_recomputes += 1
@@ -304,6 +309,9 @@ class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
 
     def _real_masters(self) -> list[torch.Tensor]:
         return [self.weight]
+
+    def _stack(self) -> torch.Tensor:
+        return self.weight
 
     def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
         return self.weight if quantized is None else _UseQuantized.apply(self.weight, quantized)
