@@ -185,7 +185,7 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     trainer = PolicyTrainer(build_policy(arch, 1e-4, plan,
                                          options=TrainerOptions(transformer_impl="local")))
     loss_fn = PolicyLossFunc(configs["loss"], configs["error_tokens"])
-    mbs = [micro_batch(cfg, samples, seq, seed) for seed in range(4)]
+    mbs = [micro_batch(cfg, samples, seq, seed) for seed in range(6)]
     trainer.train_step([mbs[0]], loss_fn)  # warm-up: lazy state, one optimizer step
     census = OpCensus(kinds=tensor_kinds(cfg, samples, seq))
     census.refreshes = {}
@@ -205,17 +205,19 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     for name, mb in (("fwd+bwd", mbs[1]), ("fwd+bwd again", mbs[2])):
         store += phase(name, lambda mb=mb: trainer._run(_DeviceBatches([mb], census), loss_fn,
                                                         False))
-    sink: list = []  # the first update's micro batches in an RL step
-    store += phase("fwd+bwd +agreement", lambda: trainer._run(
-        _DeviceBatches([mbs[3]], census), loss_fn, False, sink))
-    trainer._routing_totals(sink)
+    def agreement():  # the first update's micro batches in an RL step, and their total
+        sink: list = []
+        out = trainer._run(_DeviceBatches([mbs[3]], census), loss_fn, False, sink)
+        trainer._routing_totals(sink)
+        return out
+
+    store += phase("fwd+bwd +agreement", agreement)
     _mark_trainer(census, trainer)
     phase("optimizer", lambda: (  # and the step's metrics, as train_step ends
         guarded_step(optimizer, store, trainer.guard, model_params=ddp.module.parameters()),
         average_metrics(store)))
-    for name, mb in (("recompute", mbs[1]), ("recompute again", mbs[2])):
-        phase(name, lambda mb=mb: trainer.log_probs(_DeviceBatches([dict(mb)], census),
-                                                    loss_fn))
+    for name, mb in (("recompute", mbs[4]), ("recompute again", mbs[5])):
+        phase(name, lambda mb=mb: trainer.log_probs(_DeviceBatches([mb], census), loss_fn))
     return census, trainer
 
 
@@ -238,6 +240,7 @@ def run_variant(name: str, layers: int, experts: int, top_k: int, samples: int,
     rec["syncs"] = {p: [vars(s) | {"owner": s.owner} for s in census.syncs(p)] for p in PHASES}
     rec["h2d"] = {p: len(census.phases[p].h2d) for p in PHASES}
     rec["qw_refreshes"] = dict(census.refreshes)
+    rec["topk"] = {p: census.phases[p].ops["topk"] for p in PHASES}
     rec["passes"] = {p: {k: census.phases[p].passes[k] for k in KINDS} for p in PHASES}
     rec["h2d_frames"] = {p: sorted({s.frame for s in census.phases[p].h2d}) for p in PHASES}
     return rec
