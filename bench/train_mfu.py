@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         done = [r for r in records if "breakdown" in r]
         if done:
             print(table(done, done[0]["layers"]))
-            print("log-prob recompute (one micro batch, no grad):")
+            print("[train_mfu] the log-prob recompute of one micro batch (no grad), by part:")
             print(table(done, done[0]["layers"], key="breakdown_recompute"))
     return 1 if all("error" in r for r in records) else 0
 
