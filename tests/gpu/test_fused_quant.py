@@ -42,6 +42,7 @@ from tests.quant.fused_cases import (  # noqa: E402
     bits,
     dequant_cases,
     e4m3_probe,
+    fake_act,
     group_activations,
     group_reference,
     quantize,
@@ -163,11 +164,5 @@ def test_activation_group_kernel_equals_cuda_torch():
         rq, rs = group_reference(x)
         assert_bits_equal(q, rq, f"{label} codes")
         assert_bits_equal(s, rs, f"{label} scale")
-        fake = {}
-        for impl in ("triton", "torch"):
-            set_quant_impl(impl)
-            try:
-                fake[impl] = spec.fake_quant_activation(x)
-            finally:
-                set_quant_impl(None)
-        assert_bits_equal(fake["triton"], fake["torch"], f"{label} fake quant")
+        assert_bits_equal(fake_act(spec, x, "triton"), fake_act(spec, x, "torch"),
+                          f"{label} fake quant")

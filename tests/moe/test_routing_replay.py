@@ -223,18 +223,8 @@ def test_replay_without_recording_runs_no_topk_and_same_bits():
     """``use(..., record=False)`` (the trainer's forwards that measure no routing agreement):
     a replaying router runs no top-k of its own, and the logits and every gradient are the
     same bits as with recording. Mutation caught: the own top-k computed regardless."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from megatron_qrl.models.runtime import single_process_megatron
-
-    class TopK(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.overloadpacket.__name__ == "topk"
-            return func(*args, **(kwargs or {}))
+    from megatron_qrl.utils.op_census import OpCensus
 
     with quiet_torch_trace(), single_process_megatron():
         arch, replay, model = _replay_model("all")
@@ -245,11 +235,13 @@ def test_replay_without_recording_runs_no_topk_and_same_bits():
         out = {}
         for record in (True, False):
             model.zero_grad()
-            with replay.use(route, "update", record=record), TopK() as ops:
+            census = OpCensus()
+            with replay.use(route, "update", record=record), census.phase("step"):
                 logits = model(x, pos, attention_mask=None)
                 logits.float().square().mean().backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            out[record] = (logits.detach(), grads, ops.n, dict(replay.recorded))
+            out[record] = (logits.detach(), grads, census.phases["step"].ops["topk"],
+                           dict(replay.recorded))
         assert torch.equal(out[True][0], out[False][0])
         assert out[True][1].keys() == out[False][1].keys() and out[True][1]
         for name, g in out[True][1].items():

@@ -134,6 +134,15 @@ def dequant_cases(device: str = "cpu", seed: int = 0):
     return [(label, c.to(device), s.to(device)) for label, c, s in cases]
 
 
+def fake_act(spec, x: torch.Tensor, impl: str) -> torch.Tensor:
+    """``spec.fake_quant_activation(x)`` through ``impl`` (``torch`` / ``triton``)."""
+    set_quant_impl(impl)
+    try:
+        return spec.fake_quant_activation(x)
+    finally:
+        set_quant_impl(None)
+
+
 def quantize_act(fmt: str, x: torch.Tensor, impl: str):
     """``get_spec(fmt).quantize_activation(x)`` (codes, scales) through ``impl``."""
     set_quant_impl(impl)

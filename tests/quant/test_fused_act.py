@@ -28,6 +28,7 @@ from tests.quant.fused_cases import (  # noqa: E402
     assert_bits_equal,
     bits,
     dequant_cases,
+    fake_act,
     group_activations,
     group_reference,
     quantize_act,
@@ -132,12 +133,7 @@ def test_fake_quant_activation_groups_through_the_kernels():
     a multiple of 128 is refused in one line on both paths."""
     spec = get_spec("fp8_block")
     for label, x in group_activations():
-        set_quant_impl("triton")
-        try:
-            fused = spec.fake_quant_activation(x)
-        finally:
-            set_quant_impl(None)
-        assert_bits_equal(fused, spec._act(x.float()).to(x.dtype), label)
+        assert_bits_equal(fake_act(spec, x, "triton"), spec._act(x.float()).to(x.dtype), label)
     for impl in ("torch", "triton"):
         set_quant_impl(impl)
         try:

@@ -223,25 +223,16 @@ def test_stacked_operand_reads_the_stack_in_place(fmt):
     parameter's rows where they lie: the same codes and scales as the per-expert list's
     concatenation, without its copy of every expert weight (no ``cat``). Mutation caught:
     ``torch.cat`` of the unbound experts put back for a stacked tensor."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from megatron_qrl.quant import get_spec
     from megatron_qrl.te_quant.real_gemm import stacked_weight_operand
-
-    class Cats(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.overloadpacket.__name__ == "cat"
-            return func(*args, **(kwargs or {}))
+    from megatron_qrl.utils.op_census import OpCensus
 
     spec = get_spec(fmt)
     w = torch.randn(4, 24, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
     want = stacked_weight_operand(spec, list(w.unbind(0)), 0, None, "w")
-    with Cats() as cats:
+    census = OpCensus()
+    with census.phase("q"):
         got = stacked_weight_operand(spec, w, 0, None, "w")
-    assert cats.n == 0
+    assert census.phases["q"].ops["cat"] == 0
     assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
     assert torch.equal(got.scale, want.scale) and got.codes.shape == (4, 24, 32)
