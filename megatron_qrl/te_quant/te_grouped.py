@@ -45,7 +45,12 @@ from megatron_qrl.te_quant.grouped_gemm import stacked_ste
 from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
 from megatron_qrl.te_quant.qcodes import component_codes, fused_dequantized, real_codes
 from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear, stacked_weight_operand
-from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
+from megatron_qrl.te_quant.shard_quant import (
+    FusionLayout,
+    fake_quant_stack_in_place,
+    quantize_shard,
+    quantize_shards_stacked,
+)
 from megatron_qrl.te_quant.state import AlignedForwardState
 from megatron_qrl.te_quant.te_names import TEExtraState, set_te_parallel_attributes
 
@@ -312,6 +317,20 @@ class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
 
     def _stack(self) -> torch.Tensor:
         return self.weight
+
+    def quantized_weights(self) -> torch.Tensor:
+        """:meth:`AlignedGroupedGemm.quantized_weights`, the stack's rows quantized where they
+        lie where that is bit-identical (:func:`~.shard_quant.fake_quant_stack_in_place`: no
+        copy of the stack per optimizer step)."""
+        key = self._qrl_key()
+        if ((self._qrl_cache is None or self._qrl_cache[0] != key)
+                and not self.qrl_state.keep_codes and _pg_size_rank(self.tp_group)[0] == 1):
+            q = fake_quant_stack_in_place(self.qrl_state.spec, self.weight, self.qrl_layout,
+                                          f"experts {type(self).__name__}")
+            if q is not None:
+                self._qrl_cache, self._qrl_codes = (key, q), None
+                self.qrl_recomputes += 1
+        return super().quantized_weights()
 
     def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
         return self.weight if quantized is None else _UseQuantized.apply(self.weight, quantized)
