@@ -115,8 +115,12 @@
 #   moe30b      bench/train_mfu.py on the Qwen3-30B-A3B slice (${LAYERS_30B:-4} layers, no engine):
 #               ROWS of MoE build settings (gg grouped GEMM, pf permute fusion, rf router fusion,
 #               ag allgather dispatcher, st stacked experts: one torch grouped GEMM per expert
-#               linear) with --breakdown: GPU ms per model part per micro batch; IMPL=local
-#               builds the local spec (no TE: st rows without pf / rf)
+#               linear; al aligned fp8 forward (real FP8 GEMMs), alk + kept dequantized weights,
+#               alb aligned fp8_block, rp routing replay) with --breakdown: GPU ms per model part
+#               per train micro batch and per log-prob recompute micro batch (two tables);
+#               IMPL=local builds the local spec (no TE: st rows without pf / rf). The stacked
+#               profile rows: ROWS=none-mb16-st,none-mb16-st-al,none-mb16-st-alk,none-mb16-st-rp
+#               IMPL=local (bench/README.md)
 #   teblock     bench/te_block_codes.py: TE Float8BlockQuantizer vs the fp8_block spec, codes and
 #               scales element by element, and the recipe's power-of-two setting (~1 min)
 #   rlstep-mfu  trainer MFU: bench/train_mfu.py runs the recompute + train phases of
@@ -465,7 +469,7 @@ case $phase in
       --transformer-impl "${IMPL:-auto}" \
       --prompts "${PROMPTS:-16}" --new-tokens "${NEW_TOKENS:-1024}" --updates 1 --breakdown \
       --no-profile --out "$OUT/moe30b${TAG:-}.jsonl" 2>&1 \
-      | grep -E "^\||train_mfu\]|Error|error" | grep -v '"breakdown"' | tail -n 60 ;;
+      | grep -E "^\||train_mfu\]|Error|error" | grep -v '"breakdown"' | tail -n 100 ;;
   teblock)  # TE's FP8 block quantizer vs the fp8_block spec, codes and scales element by element
     te_env
     python3 bench/te_block_codes.py --out "$OUT/te_block_codes.jsonl" 2>&1 \

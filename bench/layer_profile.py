@@ -15,6 +15,10 @@ charged to the nearest enclosing *part* on the CPU side —
 ``host_top_ms``: the CPU ops with the most own (self) CPU time — where the host spends a
 micro batch whose wall time is well above the GPU's busy time.
 Kernels under none of these are ``other`` (the loss, the log-prob pass, gradient clipping...).
+The aligned forward's quantizer kernels are split out of the part that launched them by their
+name (:data:`KERNEL_PARTS`): ``<part>/quantize activations``, ``<part>/dequantize`` (the
+straight-through backward's operands), ``<part>/Q(W)`` (the weight refresh, once per optimizer
+step: the first micro batch after a step carries it).
 The table is per micro-batch-call milliseconds of GPU kernel time (streams summed): each
 device kernel record is charged once (:func:`charge`), so the parts add up to
 ``gpu_kernels_ms``, the GPU's busy time, not to the wall time. Without CUDA each op's own CPU
@@ -44,7 +48,7 @@ FORWARD_PARTS: tuple[tuple[str, str], ...] = (
 only what its router and experts do not: dispatch, permutation, combine, aux loss."""
 
 BACKWARD_PARTS: tuple[tuple[str, str], ...] = (
-    (r"GroupedLinear|GroupedGemm|GroupedMLP|grouped", "experts"),
+    (r"GroupedLinear|GroupedGemm|GroupedMLP|grouped|GroupedReal|StackSTE", "experts"),
     (r"[Pp]ermute|[Uu]npermute|Sort|IndexSelect|IndexAdd|Scatter|Gather|Index|AllToAll"
      r"|_AllToAll|MaskedScatter|Combine|Dispatch", "mlp_or_moe"),
     (r"Topk|TopK|Softmax|Router|Sigmoid|AuxLoss|fused_topk|ScoreFunction", "router"),
@@ -57,6 +61,15 @@ BACKWARD_PARTS: tuple[tuple[str, str], ...] = (
 """``evaluate_function: <Node>`` -> part, first match wins. Dense linears (qkv, proj, dense
 MLP, output layer) share ``linear`` in the backward: their forward parts say which is which."""
 
+
+KERNEL_PARTS: tuple[tuple[str, str], ...] = (
+    (r"_act_token_kernel|_act_group_kernel|per_token_group_quant|per_token_quant",
+     "quantize activations"),
+    (r"_dequant_rows_kernel", "dequantize"),
+    (r"_channel_kernel|_fp8_block_kernel|_w4a16_kernel|_nvfp4_kernel", "Q(W)"),
+)
+"""GPU kernel name -> aligned-forward sub-part (our Triton quantizers, SGLang's activation
+quantizers), charged as ``<part>/<sub-part>``."""
 
 _FORWARD = frozenset(p for _, p in FORWARD_PARTS)
 """The forward part names (a recompute charges these, run again inside a backward)."""
@@ -203,16 +216,27 @@ def charge(events: Any, cuda: bool) -> tuple[dict[str, float], dict[str, float],
         kernels[k.name] = kernels.get(k.name, 0.0) + ms
         op = launchers.get(getattr(k, "linked_correlation_id", 0) or -1)
         part = _part_of(op) if op is not None else "other"
+        sub = kernel_part(k.name)
+        part = f"{part}/{sub}" if sub else part
         parts[part] = parts.get(part, 0.0) + ms
     return parts, host, kernels
 
 
-def table(rows: list[dict[str, Any]], layers: int) -> str:
-    """Markdown: one column per row's ``breakdown`` (``row`` names it), one line per part,
+def kernel_part(name: str) -> str | None:
+    """The aligned-forward sub-part of GPU kernel ``name`` (:data:`KERNEL_PARTS`), or None."""
+    for pattern, part in KERNEL_PARTS:
+        if re.search(pattern, name):
+            return part
+    return None
+
+
+def table(rows: list[dict[str, Any]], layers: int, key: str = "breakdown") -> str:
+    """Markdown: one column per row's ``key`` breakdown (``row`` names it), one line per part,
     ms per micro batch and, for the layer parts, ms per layer in brackets."""
+    rows = [r for r in rows if key in r]
     parts: list[str] = []
     for r in rows:
-        for p in r["breakdown"]["parts_ms"]:
+        for p in r[key]["parts_ms"]:
             if p not in parts:
                 parts.append(p)
     per_layer = _FORWARD | {p for _, p in BACKWARD_PARTS}
@@ -221,12 +245,12 @@ def table(rows: list[dict[str, Any]], layers: int) -> str:
     for p in parts:
         cells = []
         for r in rows:
-            ms = r["breakdown"]["parts_ms"].get(p)
-            base = p.split(":")[-1]
+            ms = r[key]["parts_ms"].get(p)
+            base = p.split(":")[-1].split("/")[0]
             cells.append("" if ms is None else (
                 f"{ms:.1f} ({ms / layers:.2f}/layer)" if base in per_layer
                 and base not in ("lm_head", "embedding", "optimizer", "other") else f"{ms:.1f}"))
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    for key in ("gpu_busy_ms", "wall_ms"):
-        lines.append(f"| **{key}** | " + " | ".join(str(r["breakdown"][key]) for r in rows) + " |")
+    for stat in ("gpu_busy_ms", "wall_ms"):
+        lines.append(f"| **{stat}** | " + " | ".join(str(r[key][stat]) for r in rows) + " |")
     return "\n".join(lines)

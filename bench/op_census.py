@@ -16,7 +16,17 @@ Builds the policy through the trainer's own path (``rl.cli.parse_configs`` ->
 - ``fwd+bwd +agreement``: a micro batch of the first update of an RL step, which also
   measures the routing agreement (``train_step(..., routing=True)``), and its total;
 - ``optimizer``: the optimizer step (``rl.guard.guarded_step``; torch's Adam on the CPU, not
-  the fused Adam a GPU runs) and the step's metrics (``rl.trainer.average_metrics``).
+  the fused Adam a GPU runs) and the step's metrics (``rl.trainer.average_metrics``);
+- ``recompute``: the log-prob (pi_prox) forward of one micro batch right after that optimizer
+  step (``PolicyTrainer.log_probs``, no grad), and ``recompute again`` the next one.
+
+Besides ops and syncs, per phase: the aligned forward's Q(W) refreshes (every aligned linear's
+``qrl_recomputes``: once per optimizer step means in ``fwd+bwd`` / ``recompute`` only) and the
+passes over the stacked expert weights (ops reading or writing a ``[experts, out, in]`` stack or
+its ``[experts * out, in]`` row view) and over the permuted tokens (ops on a ``[tokens * top_k,
+...]`` tensor), :class:`megatron_qrl.utils.op_census.OpCensus` ``kinds``. On the CPU the
+quantizers run their torch reference (several ops, each a pass); a GPU runs each fused Triton
+quantizer (``quant/triton_act.py``) as one.
 
 A micro batch's tensors count as device tensors from the moment ``forward_step`` takes them
 (the GPU trainer moves them there); the model's parameters, gradient buffers and optimizer
@@ -50,12 +60,23 @@ VARIANTS: dict[str, list[str]] = {
                     "--qrl-train-aligned-gemm", "fake"],
     "aligned-fp8_block": [*STACKED, "--qrl-train-forward", "aligned", "--qrl-rollout-format",
                           "fp8_block", "--qrl-train-aligned-gemm", "fake"],
+    "aligned-fp8-real": [*STACKED, "--qrl-train-forward", "aligned", "--qrl-rollout-format",
+                         "fp8", "--qrl-train-aligned-gemm", "real"],
+    "aligned-fp8-real-keep": [*STACKED, "--qrl-train-forward", "aligned", "--qrl-rollout-format",
+                              "fp8", "--qrl-train-aligned-gemm", "real",
+                              "--qrl-train-aligned-keep-dequantized"],
     "lora-sequential": [*PLAIN, "--qrl-lora-rank", "4", "--qrl-sft-steps", "0"],
 }
 """Variant -> ``--qrl-*`` flags. LoRA runs on the sequential experts (megatron's
 ``SequentialMLP``): ``--qrl-train-moe-experts stacked`` with LoRA is refused
-(``config.moe_path``)."""
-PHASES = ("fwd+bwd", "fwd+bwd again", "fwd+bwd +agreement", "optimizer")
+(``config.moe_path``). ``aligned-fp8-real``: the real FP8 GEMM forced on the CPU (torch's
+``_scaled_mm``; the grouped experts then run one per expert: ``_scaled_grouped_mm`` is CUDA
+only), to count its operand passes."""
+PHASES = ("fwd+bwd", "fwd+bwd again", "fwd+bwd +agreement", "optimizer", "recompute",
+          "recompute again")
+MICRO_PHASES = ("fwd+bwd", "fwd+bwd again", "recompute", "recompute again")
+"""The phases of one micro batch each (the passes table)."""
+KINDS = ("expert weights", "permuted tokens")
 
 
 def model_config(layers: int, experts: int, top_k: int) -> dict:
@@ -122,8 +143,25 @@ def _mark_trainer(census, trainer) -> None:
             census.mark_device(list(group["params"]))
 
 
+def tensor_kinds(cfg: dict, samples: int, seq: int) -> dict:
+    """:data:`KINDS` as predicates on a tensor for ``cfg``'s MoE and a micro batch of
+    ``samples`` x ``seq`` tokens: a stacked expert weight ``[E, out, in]`` (or its
+    ``[E * out, in]`` rows), a permuted-token tensor ``[tokens * top_k, ...]`` (2-D or more)."""
+    e, h, f = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    stacks = {(e, 2 * f, h), (e, h, f), (e * 2 * f, h), (e * h, f)}
+    rows = samples * seq * cfg["num_experts_per_tok"]
+    return {"expert weights": lambda t: tuple(t.shape) in stacks,
+            "permuted tokens": lambda t: t.dim() >= 2 and t.shape[0] == rows}
+
+
+def _refreshes(trainer) -> int:
+    """Q(W) refreshes so far of every aligned linear (``qrl_recomputes``)."""
+    return sum(getattr(m, "qrl_recomputes", 0) for m in trainer.module.modules())
+
+
 def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
-    """``(OpCensus, PolicyTrainer)`` of one variant (module docstring)."""
+    """``(OpCensus, PolicyTrainer)`` of one variant (module docstring); the census's
+    ``refreshes`` holds the Q(W) refreshes per phase."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     from megatron_qrl.losses.megatron_adapter import PolicyLossFunc
@@ -147,25 +185,39 @@ def census_of(flags: list[str], cfg: dict, samples: int, seq: int):
     trainer = PolicyTrainer(build_policy(arch, 1e-4, plan,
                                          options=TrainerOptions(transformer_impl="local")))
     loss_fn = PolicyLossFunc(configs["loss"], configs["error_tokens"])
-    mbs = [micro_batch(cfg, samples, seq, seed) for seed in range(4)]
+    mbs = [micro_batch(cfg, samples, seq, seed) for seed in range(6)]
     trainer.train_step([mbs[0]], loss_fn)  # warm-up: lazy state, one optimizer step
-    census = OpCensus()
+    census = OpCensus(kinds=tensor_kinds(cfg, samples, seq))
+    census.refreshes = {}
     _mark_trainer(census, trainer)
     ddp, optimizer = trainer.policy.ddp, trainer.policy.optimizer
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     store = []
-    for name, mb in (("fwd+bwd", mbs[1]), ("fwd+bwd again", mbs[2])):
+
+    def phase(name, fn):
+        before = _refreshes(trainer)
         with census.phase(name):
-            store += trainer._run(_DeviceBatches([mb], census), loss_fn, False)
-    with census.phase("fwd+bwd +agreement"):  # the first update's micro batches in an RL step
+            out = fn()
+        census.refreshes[name] = _refreshes(trainer) - before
+        return out
+
+    for name, mb in (("fwd+bwd", mbs[1]), ("fwd+bwd again", mbs[2])):
+        store += phase(name, lambda mb=mb: trainer._run(_DeviceBatches([mb], census), loss_fn,
+                                                        False))
+    def agreement():  # the first update's micro batches in an RL step, and their total
         sink: list = []
-        store += trainer._run(_DeviceBatches([mbs[3]], census), loss_fn, False, sink)
+        out = trainer._run(_DeviceBatches([mbs[3]], census), loss_fn, False, sink)
         trainer._routing_totals(sink)
+        return out
+
+    store += phase("fwd+bwd +agreement", agreement)
     _mark_trainer(census, trainer)
-    with census.phase("optimizer"):  # and the step's metrics, as train_step ends
-        guarded_step(optimizer, store, trainer.guard, model_params=ddp.module.parameters())
-        average_metrics(store)
+    phase("optimizer", lambda: (  # and the step's metrics, as train_step ends
+        guarded_step(optimizer, store, trainer.guard, model_params=ddp.module.parameters()),
+        average_metrics(store)))
+    for name, mb in (("recompute", mbs[4]), ("recompute again", mbs[5])):
+        phase(name, lambda mb=mb: trainer.log_probs(_DeviceBatches([mb], census), loss_fn))
     return census, trainer
 
 
@@ -187,6 +239,9 @@ def run_variant(name: str, layers: int, experts: int, top_k: int, samples: int,
                             for p in PHASES}
     rec["syncs"] = {p: [vars(s) | {"owner": s.owner} for s in census.syncs(p)] for p in PHASES}
     rec["h2d"] = {p: len(census.phases[p].h2d) for p in PHASES}
+    rec["qw_refreshes"] = dict(census.refreshes)
+    rec["topk"] = {p: census.phases[p].ops["topk"] for p in PHASES}
+    rec["passes"] = {p: {k: census.phases[p].passes[k] for k in KINDS} for p in PHASES}
     rec["h2d_frames"] = {p: sorted({s.frame for s in census.phases[p].h2d}) for p in PHASES}
     return rec
 
@@ -206,6 +261,7 @@ def tables(records: list[dict]) -> str:
         cells = " | ".join(f"{r['ops'][p]} ({r['ops_per_layer'][p]:.0f}), {_syncs(r, p)}"
                            for p in PHASES)
         lines.append(f"| {r['variant']} | {cells} | {r['h2d']['fwd+bwd again']} |")
+    lines += ["", passes_table(records)]
     lines += ["", "| variant | phase | op | count | frame | our caller |",
               "|---|---|---|---|---|---|"]
     for r in records:
@@ -217,6 +273,19 @@ def tables(records: list[dict]) -> str:
             for (what, frame, ours), n in seen.items():
                 lines.append(f"| {r['variant']} | {p} | {what} | {n} | {frame} | "
                              f"{'(same)' if ours == frame else ours} |")
+    return "\n".join(lines)
+
+
+def passes_table(records: list[dict]) -> str:
+    """Markdown: per variant, the Q(W) refreshes and the passes over the expert weights and
+    over the permuted tokens in each micro-batch phase (:data:`MICRO_PHASES`) and the step."""
+    head = " / ".join(MICRO_PHASES)
+    lines = [f"| variant | Q(W) refreshes: {head} / optimizer | expert-weight passes: {head} "
+             f"| permuted-token passes: {head} |", "|---|---|---|---|"]
+    for r in records:
+        q = " / ".join(str(r["qw_refreshes"].get(p, 0)) for p in (*MICRO_PHASES, "optimizer"))
+        cells = [" / ".join(str(r["passes"][p][k]) for p in MICRO_PHASES) for k in KINDS]
+        lines.append(f"| {r['variant']} | {q} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 

@@ -32,8 +32,15 @@ micro batches whose pi_prox is recomputed (``rl.steps.set_old_log_probs``), then
                      (the default without TE is allgather)
     st               MoE: stacked experts (--qrl-train-moe-experts stacked: one [experts,
                      out, in] weight per GEMM, one torch._grouped_mm per GEMM; TE not needed).
-                     The MoE words are build-time settings: rows are built once per distinct
-                     set (in the order given)
+    al | alk | alb   the rollout-aligned forward (--qrl-train-forward aligned,
+                     --qrl-train-aligned-gemm auto: the real FP8 GEMMs on a GPU) for fp8
+                     rollouts; alk: also --qrl-train-aligned-keep-dequantized; alb: for
+                     fp8_block rollouts (dense linears on SGLang's block GEMM, experts fake)
+    rp               routing replay (--qrl-routing-replay all) of random engine experts (each
+                     token's top-k drawn at random, the batch carries them as a rollout does)
+                     The MoE, aligned and replay words are build-time settings: rows are built
+                     once per distinct set (in the order given), through qrl-train's own
+                     ``rl.forward.forward_plan``
     oldlp            the earlier log-prob path (megatron-core's cross entropy on a fp32 copy +
                      a separate entropy pass; ``PolicyLossFunc(chunked=False)``)
     norope           --no-rope-fusion
@@ -81,6 +88,13 @@ MOE_WORDS: dict[str, tuple[str, object]] = {
     "gg": ("moe_grouped_gemm", True), "pf": ("moe_permute_fusion", True),
     "rf": ("moe_router_fusion", True), "ag": ("moe_token_dispatcher_type", "allgather"),
     "a2a": ("moe_token_dispatcher_type", "alltoall"), "st": (STACKED, True)}
+QRL_WORDS: dict[str, tuple[str, ...]] = {
+    "al": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8"),
+    "alk": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8",
+            "--qrl-train-aligned-keep-dequantized"),
+    "alb": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8_block"),
+    "rp": ("--qrl-routing-replay", "all")}
+"""Build-time ``--qrl-*`` words (aligned forward, routing replay) -> their flags."""
 MOE_FLAGS = {("moe_grouped_gemm", True): "--moe-grouped-gemm",
              ("moe_permute_fusion", True): "--moe-permute-fusion",
              ("moe_router_fusion", True): "--moe-router-fusion",
@@ -105,6 +119,17 @@ class Row:
     moe: tuple[tuple[str, object], ...] = ()
     """Build-time settings of the MoE words: ``TransformerConfig`` overrides (gg, pf, rf, ag,
     a2a) and :data:`STACKED` (st)."""
+    qrl: tuple[str, ...] = ()
+    """Build-time ``--qrl-*`` words (:data:`QRL_WORDS`: al, alk, alb, rp), in the order given."""
+
+    @property
+    def build(self) -> tuple:
+        """What a built policy fixes: the MoE settings and the ``--qrl-*`` words."""
+        return self.moe, self.qrl
+
+    @property
+    def replays(self) -> bool:
+        return "rp" in self.qrl
 
     @classmethod
     def parse(cls, name: str) -> Row:
@@ -113,9 +138,13 @@ class Row:
             raise ValueError(f"row {name!r}: starts with full or none (activation recompute)")
         kw: dict = {"recompute": words[0] == "full"}
         moe: list[tuple[str, object]] = []
+        qrl: list[str] = []
         for w in words[1:]:
             if w in MOE_WORDS:
                 moe.append(MOE_WORDS[w])
+                continue
+            if w in QRL_WORDS:
+                qrl.append(w)
                 continue
             if w.startswith("mb") and w[2:].isdigit():
                 kw["micro_batch"] = int(w[2:])
@@ -131,10 +160,14 @@ class Row:
                 kw["thd"] = True
             else:
                 raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
-                                 "prox0, thd, oldlp, norope, gg, pf, rf, ag, a2a, st)")
+                                 "prox0, thd, oldlp, norope, gg, pf, rf, ag, a2a, st, al, "
+                                 "alk, alb, rp)")
         if len({k for k, _ in moe}) < len(moe):
             raise ValueError(f"row {name!r}: ag and a2a exclude each other")
+        if sum(w.startswith("al") for w in qrl) > 1:
+            raise ValueError(f"row {name!r}: al, alk and alb exclude each other")
         kw["moe"] = tuple(sorted(moe))
+        kw["qrl"] = tuple(qrl)
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
             raise ValueError(f"row {name!r}: give exactly one of mbN / tokN")
         return cls(name, **kw)
@@ -152,12 +185,24 @@ class Row:
                           False: ["--no-qrl-prox-from-first-update"]}[self.prox_first]
                        + (["--qrl-pack-sequences"] if self.thd else [])
                        + (["--qrl-train-moe-experts stacked"] if dict(self.moe).get(STACKED)
-                          else []))
+                          else [])
+                       + [" ".join(QRL_WORDS[w]) for w in self.qrl])
         return mb, meg, qrl
 
+    def qrl_flags(self) -> list[str]:
+        """The ``--qrl-*`` flags the row's policy is built with (stacked experts, aligned
+        forward, routing replay)."""
+        out = ["--qrl-train-moe-experts", "stacked"] if dict(self.moe).get(STACKED) else []
+        for w in self.qrl:
+            out += QRL_WORDS[w]
+        return out
 
-def rollout_batch(args: argparse.Namespace, vocab: int) -> dict:
-    """A packed rollout batch (``rl.batch.pack_samples``) with GRPO advantages."""
+
+def rollout_batch(args: argparse.Namespace, vocab: int,
+                  routing: tuple[int, int, int] | None = None) -> dict:
+    """A packed rollout batch (``rl.batch.pack_samples``) with GRPO advantages; ``routing``
+    ``(MoE layers, experts, top-k)``: also the engine's experts of every token
+    (``routed_experts``, distinct random ids), as a rollout for routing replay carries them."""
     from megatron_qrl.losses import grpo_advantages
     from megatron_qrl.rl.batch import pack_samples
 
@@ -170,7 +215,12 @@ def rollout_batch(args: argparse.Namespace, vocab: int) -> dict:
                for _ in range(b)]
     responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in lengths]
     lps = [-torch.rand(int(n), generator=g) * 3 for n in lengths]
-    batch = pack_samples(prompts, responses, lps, pad_id=0)
+    routed = None
+    if routing is not None:
+        layers, experts, k = routing
+        width = args.prompt_len + args.new_tokens
+        routed = torch.rand(b, width, layers, experts, generator=g).topk(k, dim=-1).indices
+    batch = pack_samples(prompts, responses, lps, 0, routed)
     rewards = (torch.rand(b, generator=g) < 0.3).float()
     batch["advantages"] = grpo_advantages(rewards, torch.arange(args.prompts).repeat_interleave(
         args.n))
@@ -314,7 +364,11 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
     pack = trainer.pack_multiple()
     tokens = sum(positions_run(mb, pack) for mb in mbs)
     again = sum(positions_run(mb, pack) for mb in recompute)
-    rec = {"row": row.name, "micro_batches": len(mbs), "trained_tokens": tokens,
+    plan = trainer.policy.plan
+    rec = {"row": row.name, "qrl_flags": " ".join(row.qrl_flags()),
+           "aligned_gemm": plan.aligned.gemm if plan.aligned is not None else None,
+           "routing_agreement": trainer.last_routing_agreement,
+           "micro_batches": len(mbs), "trained_tokens": tokens,
            "recomputed_tokens": again, "real_tokens": int(batch["loss_mask"].sum()),
            "time_recompute_s": round(t1 - t0, 3), "time_train_s": round(t2 - t1, 3),
            "trainer_mfu": round(6 * n_active * tokens / (t2 - t1) / PEAK_FLOPS, 4),
@@ -332,26 +386,36 @@ def run_row(trainer, row: Row, batch: dict, configs: dict, n_active: int, update
         rec["breakdown"] = parts(lambda: trainer.train_step(one, loss_fn,
                                                             per_token_loss=per_token),
                                  trainer.module)
+        rec["breakdown_recompute"] = parts(lambda: trainer.log_probs([dict(one[0])], loss_fn),
+                                           trainer.module)
     return rec
+
+
+BASE_FLAGS = ("--qrl-loss-kind", "tis", "--qrl-rollout-engine", "reference",
+              "--qrl-no-progress")
+PLAIN_FLAGS = ("--qrl-train-forward", "bf16", "--qrl-routing-replay", "off")
+"""The plain trainer (a row's words add to it): BF16 forward, no replay."""
 
 
 def _configs() -> dict:
     from megatron_qrl.rl.cli import parse_configs
 
-    return parse_configs(["--qrl-loss-kind", "tis", "--qrl-rollout-engine", "reference",
-                          "--qrl-no-progress"])[0]
+    return parse_configs(list(BASE_FLAGS))[0]
 
 
-def _build(arch, moe: tuple, bf16: bool, impl: str = "auto"):
-    """One policy (``rl.trainer.build_policy``) with the MoE build-time settings ``moe``
-    (``st``: the stacked-experts spec hook) and layer implementation ``impl``."""
-    from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
-    from megatron_qrl.rl.forward import ForwardPlan
+def _build(arch, row: Row, bf16: bool, impl: str = "auto"):
+    """One policy (``rl.trainer.build_policy``) with ``row``'s build-time settings: the plan of
+    its ``--qrl-*`` flags (:meth:`Row.qrl_flags`: stacked experts, aligned forward, routing
+    replay) from qrl-train's ``rl.forward.forward_plan``, plus its MoE config overrides, and
+    layer implementation ``impl``."""
+    from megatron_qrl.rl.cli import parse_configs
+    from megatron_qrl.rl.forward import forward_plan
     from megatron_qrl.rl.trainer import PolicyTrainer, TrainerOptions, build_policy
 
-    overrides = dict(moe)
-    hook = stacked_experts_spec_hook if overrides.pop(STACKED, False) else None
-    plan = ForwardPlan(spec_hook=hook, config_overrides=overrides)
+    overrides = {k: v for k, v in row.moe if k != STACKED}
+    configs = parse_configs([*BASE_FLAGS, *PLAIN_FLAGS, *row.qrl_flags()])[0]
+    plan = forward_plan(configs, arch)
+    plan.config_overrides.update(overrides)
     return PolicyTrainer(build_policy(arch, 1e-6, plan, bf16=bf16,
                                       options=TrainerOptions(transformer_impl=impl)))
 
@@ -392,20 +456,23 @@ def measure(args: argparse.Namespace, rows: list[Row]) -> list[dict]:
         cfg["num_hidden_layers"] = args.layers
     arch = arch_from_dict(cfg, source=str(path))
     n_active, configs, out = active_params(cfg), _configs(), []
-    builds = list(dict.fromkeys(r.moe for r in rows))  # build-time settings, in order
+    builds = list(dict.fromkeys(r.build for r in rows))  # build-time settings, in order
     with single_process_megatron():
-        for i, moe in enumerate(builds):
+        for i, build in enumerate(builds):
+            first = next(r for r in rows if r.build == build)
             t = time.perf_counter()
-            trainer = _build(arch, moe, bf16=args.device == "cuda", impl=args.transformer_impl)
+            trainer = _build(arch, first, bf16=args.device == "cuda", impl=args.transformer_impl)
             fused_rope = bool(trainer.policy.config.apply_rope_fusion)
             print(f"[train_mfu] built {args.model} ({cfg['num_hidden_layers']} layers, "
                   f"{n_active / 1e9:.2f} B active, TE spec: {fused_rope or 'no/unknown'}, "
-                  f"build {dict(moe) or 'default'}) in {time.perf_counter() - t:.1f} s",
-                  flush=True)
-            batch = rollout_batch(args, arch.vocab_size)
+                  f"build {dict(build[0]) or 'default'} {' '.join(first.qrl_flags())}) in "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
+            routing = ((arch.num_layers, arch.num_experts, arch.moe_top_k) if first.replays
+                       else None)
+            batch = rollout_batch(args, arch.vocab_size, routing)
             if i == 0:
                 _emit(args, check_log_probs(trainer, {k: v[:4] for k, v in batch.items()}))
-            for row in [r for r in rows if r.moe == moe]:
+            for row in [r for r in rows if r.build == build]:
                 try:
                     rec = run_row(trainer, row, batch, configs, n_active, args.updates,
                                   fused_rope, profile=args.profile, breakdown=args.breakdown)
@@ -515,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
         done = [r for r in records if "breakdown" in r]
         if done:
             print(table(done, done[0]["layers"]))
+            print("[train_mfu] the log-prob recompute of one micro batch (no grad), by part:")
+            print(table(done, done[0]["layers"], key="breakdown_recompute"))
     return 1 if all("error" in r for r in records) else 0
 
 

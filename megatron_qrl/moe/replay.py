@@ -53,6 +53,11 @@ class RoutingReplay:
         self.phase: str | None = None
         self.recorded: dict[int, torch.Tensor] = {}
         """MoE layer index -> the trainer's own top-k ids ``[local tokens, top_k]`` (last forward)."""
+        self.record: bool = True
+        """Record the trainer's own top-k in :attr:`recorded`. Off (:meth:`use`'s ``record``),
+        a replaying router computes no top-k of its own and a fused router no top-k of its
+        routing map: nothing reads them then (the trainer measures the routing agreement only
+        in the forwards it asks for)."""
 
     @property
     def active(self) -> bool:
@@ -62,19 +67,21 @@ class RoutingReplay:
         return self.mode == "all" or self.phase == "recompute"
 
     @contextmanager
-    def use(self, expert_ids: torch.Tensor | None, phase: str) -> Iterator[None]:
-        """Run a forward (and its backward) of ``phase`` with the rollout's ``expert_ids``."""
+    def use(self, expert_ids: torch.Tensor | None, phase: str,
+            record: bool = True) -> Iterator[None]:
+        """Run a forward (and its backward) of ``phase`` with the rollout's ``expert_ids``;
+        ``record``: keep the trainer's own top-k per layer (:attr:`record`)."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         if expert_ids is not None:
             self._check(expert_ids)
-        saved = (self.expert_ids, self.phase)
-        self.expert_ids, self.phase = expert_ids, phase
+        saved = (self.expert_ids, self.phase, self.record)
+        self.expert_ids, self.phase, self.record = expert_ids, phase, record
         self.recorded = {}
         try:
             yield
         finally:
-            self.expert_ids, self.phase = saved
+            self.expert_ids, self.phase, self.record = saved
 
     def set_micro_batch(self, expert_ids: torch.Tensor | None) -> None:
         """Replace the replay ids inside a ``use(...)`` block (call from ``forward_step_func``
@@ -132,12 +139,17 @@ class _LayerReplay:
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Any, group_topk: Any,
                         default_compute_topk: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.router
+        replay = r.replay
+        if replay.active and not replay.record:  # the rollout's experts, no top-k of our own
+            idx = replay.layer_ids(r.moe_layer_index, scores.shape[0], r.token_shard())
+            return scores.gather(1, idx.to(scores.device)), idx.to(scores.device)
         own_vals, own_idx = default_compute_topk(scores, topk, num_groups=num_groups,
                                                  group_topk=group_topk)
-        r.replay.recorded[r.moe_layer_index] = own_idx.detach()
-        if not r.replay.active:
+        if replay.record:
+            replay.recorded[r.moe_layer_index] = own_idx.detach()
+        if not replay.active:
             return own_vals, own_idx
-        idx = r.replay.layer_ids(r.moe_layer_index, scores.shape[0], r.token_shard()).to(scores.device)
+        idx = replay.layer_ids(r.moe_layer_index, scores.shape[0], r.token_shard()).to(scores.device)
         return scores.gather(1, idx), idx
 
 
@@ -175,7 +187,7 @@ class ReplayTopKRouter(TopKRouter):
         replaying = self.replay.active
         self.config.moe_router_fusion = not replaying
         probs, routing_map = super().routing(logits, padding_mask)
-        if not replaying:  # the fused kernel skipped _LayerReplay: record from the map
+        if not replaying and self.replay.record:  # the fused kernel skipped _LayerReplay
             own = routing_map.to(torch.int8).topk(self.topk, dim=1).indices
             self.replay.recorded[self.moe_layer_index] = own.detach()
         return probs, routing_map

@@ -5,6 +5,7 @@ A format names its fused kernels on its class, beside its reference code: ``fuse
 :meth:`~megatron_qrl.quant.spec_core.SpecCore.quantize_weight` consults :func:`fused_kernel`
 first), and for the W8A8 per-token formats ``fused_act_kernel`` (``quantize_activation``) and
 ``fused_dequant_kernel`` (the per-row dequantization of the aligned forward's operands),
+for per-token-group formats ``fused_group_act_kernel`` (the fake path's activation groups),
 functions of :mod:`.triton_act`; None where it has none. Both give the same bits
 (``tests/gpu/test_fused_quant.py``). One choice covers all of them:
 
@@ -27,7 +28,7 @@ ENV = "QRL_QUANT_IMPL"
 IMPLS = kernel_choice.IMPLS
 
 KERNEL_MODULES = {"fused_kernel": "triton_quant", "fused_act_kernel": "triton_act",
-                  "fused_dequant_kernel": "triton_act"}
+                  "fused_dequant_kernel": "triton_act", "fused_group_act_kernel": "triton_act"}
 """A format's kernel attribute -> the module (in this package) holding the kernels it names."""
 
 _SETTING = kernel_choice.ImplSetting(ENV, "quantizer")

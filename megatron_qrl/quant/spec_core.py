@@ -69,6 +69,10 @@ class SpecCore:
     chosen by :func:`.fused.fused_kernel` as the weight quantizer is."""
     fused_dequant_kernel: ClassVar[str | None] = None
     """The fused per-row ``(codes * scale).to(dtype)`` of :meth:`dequantize_rows` (None: torch)."""
+    fused_group_act_kernel: ClassVar[str | None] = None
+    """Per-token-group formats: the fused ``(codes [..., K], scales [..., K / act_group])`` of
+    the activation quantizer, a function of :mod:`.triton_act` (None: torch), which the fake
+    path's :meth:`fake_quant_activation` dequantizes through :meth:`dequantize_rows`."""
     fused_kernel: ClassVar[str | None] = None
     """The format's fused quantizer, a function of :mod:`.triton_quant` giving
     :meth:`_quantize`'s bits, or None; :meth:`quantize_weight` asks
@@ -157,9 +161,17 @@ class SpecCore:
     def _fake_act(self, t: torch.Tensor) -> torch.Tensor:
         """The activation's dequantized value in ``t``'s dtype. Per-token formats: codes and
         scales, then ``(codes * scale).to(dtype)``, the fused kernels where they are picked (two
-        passes instead of ~10); the same bits as ``_act(t.float()).to(dtype)``, the others'."""
+        passes instead of ~10; per-token-group formats through ``fused_group_act_kernel`` alike);
+        the same bits as ``_act(t.float()).to(dtype)``, the others'."""
         if self.fused_act_kernel is not None:
             return self.dequantize_rows(*self.quantize_activation(t), t.dtype)
+        kernel = (select_fused_kernel(self, t.device, "fused_group_act_kernel")
+                  if self.fused_group_act_kernel is not None and t.numel() else None)
+        if kernel is not None:  # per-token groups: one scale per group, as rows of the group
+            with torch.no_grad():
+                codes, scale = kernel(self, t.detach())
+            rows = codes.view(-1, self.act_group)
+            return self.dequantize_rows(rows, scale.reshape(-1, 1), t.dtype).view(t.shape)
         return self._act(t.detach().float()).to(t.dtype)
 
     def quantize_activation(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

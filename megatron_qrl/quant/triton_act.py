@@ -6,6 +6,10 @@ and per-row dequantization, each one kernel where the torch reference runs five 
   ``sgl_per_token_quant_fp8`` / ``per_token_quant_int8`` numerics, see
   :mod:`megatron_qrl.quant.formats.channel`), reading ``x`` in its own dtype (BF16) instead of
   an fp32 copy: one pass for the token's amax, one (from L2) for the codes.
+- :func:`quantize_act_per_token_group`: the same for fp8_block's 1x128 activation groups
+  (SGLang's ``per_token_group_quant_fp8`` numerics), the fake path's activation quantizer of
+  the experts (fp8_block's real GEMM has no grouped-experts form) in one kernel instead of ten
+  torch passes over an fp32 copy.
 - :func:`dequantize_rows`: ``(codes.float() * scale).to(dtype)`` for a per-row fp32 scale
   (the straight-through backward's ``deq Q_w(W)`` and ``deq Q_a(x)``): reads one byte per
   element and writes the output, no fp32 intermediates.
@@ -98,6 +102,33 @@ def _act_token_kernel(x_ptr, codes_ptr, scale_ptr, n_rows, k, stride_x, inv_max,
 
 
 @triton.jit
+def _act_group_kernel(x_ptr, codes_ptr, scale_ptr, n_rows, inv_max, BF16_BITS: tl.constexpr,
+                      SOFT: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr):
+    """``BLOCK_R`` groups of ``GROUP`` contiguous elements (fp8_block's 1x128 activation groups,
+    SGLang's ``per_token_group_quant_fp8``): ``a = max(amax, 1e-10)``, codes
+    ``e4m3(clamp(x * (reciprocal(a) * 448)))``, scale ``a * fl(1 / 448)`` (a multiply on every
+    device: the reference multiplies by the constant, it does not divide)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    cols = tl.arange(0, GROUP)
+    at = rows[:, None].to(tl.int64) * GROUP + cols[None, :]
+    m = rmask[:, None] & (cols < GROUP)[None, :]
+    x = _load_f32(x_ptr + at, m, BF16_BITS)
+    a = tl.max(tl.abs(x), axis=1)
+    nan = tl.max((x != x).to(tl.int32), axis=1)
+    a = tl.where(nan > 0, float("nan"), a)  # torch's amax propagates NaN
+    a = tl.where(a < 1e-10, 1e-10, a)  # clamp(min=1e-10); NaN stays NaN
+    s = a * inv_max
+    mult = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), a) * 448.0
+    v = x * mult[:, None]
+    q, _ = _e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0), SOFT)
+    nan_code = 0x7F | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)  # NaN keeps its sign
+    q = tl.where(v != v, nan_code, q.to(tl.int32)).to(tl.uint8)
+    tl.store(codes_ptr + at, q, mask=m)
+    tl.store(scale_ptr + rows, s, mask=rmask)
+
+
+@triton.jit
 def _e4m3_decode(byte, SOFT: tl.constexpr):
     """fp32 value of E4M3 bytes (uint8): OCP FP8 E4M3, bias 7, 0x7F / 0xFF NaN."""
     if SOFT:
@@ -177,6 +208,30 @@ def quantize_act_per_token(spec, x: torch.Tensor, cuda_div: bool | None = None
                 _inv_max(maxv), INT8=int8, CUDA_DIV=cuda_div, BF16_BITS=bf16, SOFT=_SOFT,
                 BLOCK_R=br, BLOCK_K=bk, num_warps=8)
     return codes.view(*shape), scale.view(*shape[:-1], 1)
+
+
+def quantize_act_per_token_group(spec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_block's dynamic 1 x ``spec.act_group`` activation quantization of ``x`` ``[..., K]``
+    (``K`` a multiple of the group) in its own dtype, one kernel: codes ``[..., K]`` E4M3 and
+    fp32 scales ``[..., K / group]`` (SGLang's ``per_token_group_quant_fp8`` layout), bit for
+    bit the codes and scales of the format's torch reference (``FP8BlockSpec._act``)."""
+    group = spec.act_group
+    shape = x.shape
+    if shape[-1] % group:
+        raise ValueError(f"{spec.name}: activation dim {shape[-1]} is not a multiple of {group}")
+    x2 = x.contiguous().view(-1, group)
+    n = x2.shape[0]
+    codes = torch.empty((n, group), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((n, 1), dtype=torch.float32, device=x.device)
+    if n:
+        br = max(1, 8192 // group)
+        bf16 = x2.dtype == torch.bfloat16
+        with _on(x2):
+            _act_group_kernel[(triton.cdiv(n, br),)](
+                x2.view(torch.int16) if bf16 else x2, codes.view(torch.uint8), scale, n,
+                _inv_max(FP8_E4M3_MAX), BF16_BITS=bf16, SOFT=_SOFT, BLOCK_R=br, GROUP=group,
+                num_warps=8)
+    return codes.view(shape), scale.view(*shape[:-1], shape[-1] // group)
 
 
 def dequantize_rows(spec, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype

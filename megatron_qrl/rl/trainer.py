@@ -241,7 +241,8 @@ class PolicyTrainer:
                 if mb.get("routed_experts") is not None:  # -1: never routed (replay_ids)
                     # the largest id decides (ids below 0 become expert 0): one pass, no copy
                     replay.check_values(mb["routed_experts"].amax().clamp_min(0))
-        ctx = replay.use(None, "recompute" if forward_only else "update") \
+        ctx = replay.use(None, "recompute" if forward_only else "update",
+                         record=routing_sink is not None) \
             if replay is not None else contextlib.nullcontext()
         with ctx:
             return get_forward_backward_func()(

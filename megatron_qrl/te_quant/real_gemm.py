@@ -477,13 +477,17 @@ def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWe
                                grad_fp8, *masters)
 
 
-def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor], parallel_dim: int,
-                           group, name: str) -> RealWeight:
+def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor] | torch.Tensor,
+                           parallel_dim: int, group, name: str) -> RealWeight:
     """:func:`weight_operand` of every expert, stacked ``[E, N, K]`` / ``[E, N, 1]`` (one
-    quantizer call over the row stack without tensor parallelism: per-row scales)."""
+    quantizer call over the row stack without tensor parallelism: per-row scales).
+    ``weights``: one weight per expert, or the stacked ``[E, N, K]`` weight itself, whose rows
+    the quantizer then reads in place (no concatenated copy)."""
     if not _split_dim(group, parallel_dim):
         e, (n, k) = len(weights), weights[0].shape
-        q = weight_operand(spec, torch.cat([w.detach() for w in weights]), name=name)
+        rows = (weights.detach().reshape(e * n, k) if isinstance(weights, torch.Tensor)
+                else torch.cat([w.detach() for w in weights]))
+        q = weight_operand(spec, rows, name=name)
         return RealWeight(q.codes.view(e, n, k), q.scale.view(e, n, 1))
     qs = [weight_operand(spec, w, parallel_dim, group, name) for w in weights]
     return RealWeight(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]))

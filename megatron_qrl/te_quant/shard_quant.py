@@ -149,3 +149,32 @@ def quantize_shards_stacked(spec: QuantSpec, weights: list[torch.Tensor],
     amax = fused_amax(parts, [len(s) for s in splits]) if spec.shares_tensor_scale else None
     flat = iter(fake_quant_many(spec, parts, global_amax=amax, name=name))
     return [layout.fuse([next(flat) for _ in split]) for split, layout in zip(splits, layouts)]
+
+
+def fake_quant_stack_in_place(spec: QuantSpec, stack: torch.Tensor, layout: FusionLayout,
+                              name: str = "experts") -> torch.Tensor | None:
+    """``Q_w`` of every expert of a stacked ``[E, out, in]`` weight (tensor-parallel size 1),
+    read where its rows lie: :func:`quantize_shards_stacked` of the unbound experts then
+    stacked, bit for bit, without its three copies of the stack (the components' concatenation,
+    the experts' re-fusion, the stack). Quantizing the rows of ``E`` experts at once equals
+    quantizing each HF component alone when no component shares a per-tensor scale (NVFP4)
+    and every component spans whole blocks (``quant.stacked.can_stack``); the components of a
+    ``gate_up`` / ``plain`` layout lie in the weight's own row order. None where that does not
+    hold (the caller takes :func:`quantize_shards_stacked`). Quantized in runs of whole experts
+    of at most ``quant.stacked.MAX_STACK_ELEMENTS`` (the quantizer's fp32 temporaries)."""
+    from megatron_qrl.quant.stacked import MAX_STACK_ELEMENTS, can_stack
+
+    e, n, k = stack.shape
+    if (e < 2 or spec.shares_tensor_scale or layout.kind not in ("plain", "gate_up")
+            or not can_stack(spec, layout.split(stack[0]) + layout.split(stack[1]))):
+        return None
+    w = stack.detach()
+    per = max(1, MAX_STACK_ELEMENTS // max(n * k, 1))
+    if per >= e:
+        return spec.quantize_dequantize(w.reshape(e * n, k), name=f"{name} (stacked)").view(e, n, k)
+    out = torch.empty_like(w)
+    for s in range(0, e, per):
+        rows = w[s:s + per].reshape(-1, k)
+        out[s:s + per] = spec.quantize_dequantize(rows, name=f"{name}[{s}..] (stacked)").view(
+            -1, n, k)
+    return out

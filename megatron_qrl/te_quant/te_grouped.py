@@ -45,7 +45,12 @@ from megatron_qrl.te_quant.grouped_gemm import stacked_ste
 from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
 from megatron_qrl.te_quant.qcodes import component_codes, fused_dequantized, real_codes
 from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear, stacked_weight_operand
-from megatron_qrl.te_quant.shard_quant import FusionLayout, quantize_shard, quantize_shards_stacked
+from megatron_qrl.te_quant.shard_quant import (
+    FusionLayout,
+    fake_quant_stack_in_place,
+    quantize_shard,
+    quantize_shards_stacked,
+)
 from megatron_qrl.te_quant.state import AlignedForwardState
 from megatron_qrl.te_quant.te_names import TEExtraState, set_te_parallel_attributes
 
@@ -88,6 +93,11 @@ class AlignedGroupedGemm:
         """The parameters the real path's straight-through gradient goes into."""
         return self.weights()
 
+    def _stack(self) -> list[torch.Tensor] | torch.Tensor:
+        """The masters as the real path's quantizer reads them: one weight per expert, or the
+        stacked ``[E, out, in]`` parameter where the module holds one."""
+        return self.weights()
+
     def _qrl_key(self) -> tuple:
         return (self.qrl_state.version, *((w._version, w.data_ptr()) for w in self.weights()))
 
@@ -122,7 +132,7 @@ class AlignedGroupedGemm:
         key = self._qrl_key()
         if self._qrl_cache is None or self._qrl_cache[0] != key:
             dim = 1 if self.parallel_mode == "row" else 0
-            rw = stacked_weight_operand(self.qrl_state.spec, self.weights(), dim, self.tp_group,
+            rw = stacked_weight_operand(self.qrl_state.spec, self._stack(), dim, self.tp_group,
                                         f"experts {type(self).__name__}")
             self._qrl_cache = (key, replace(rw, keep_dequantized=self.qrl_state.keep_dequantized))
             self.qrl_recomputes += 1
@@ -304,6 +314,23 @@ class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
 
     def _real_masters(self) -> list[torch.Tensor]:
         return [self.weight]
+
+    def _stack(self) -> torch.Tensor:
+        return self.weight
+
+    def quantized_weights(self) -> torch.Tensor:
+        """:meth:`AlignedGroupedGemm.quantized_weights`, the stack's rows quantized where they
+        lie where that is bit-identical (:func:`~.shard_quant.fake_quant_stack_in_place`: no
+        copy of the stack per optimizer step)."""
+        key = self._qrl_key()
+        if ((self._qrl_cache is None or self._qrl_cache[0] != key)
+                and not self.qrl_state.keep_codes and _pg_size_rank(self.tp_group)[0] == 1):
+            q = fake_quant_stack_in_place(self.qrl_state.spec, self.weight, self.qrl_layout,
+                                          f"experts {type(self).__name__}")
+            if q is not None:
+                self._qrl_cache, self._qrl_codes = (key, q), None
+                self.qrl_recomputes += 1
+        return super().quantized_weights()
 
     def _masters(self, quantized: torch.Tensor | None) -> torch.Tensor:
         return self.weight if quantized is None else _UseQuantized.apply(self.weight, quantized)

@@ -19,6 +19,12 @@ their device argument cannot be told from ``"cpu"``; reads of such tensors are m
 Each sync is recorded with the innermost Python frame outside torch (``file:line``) and the
 first frame in this package, so a sync inside megatron-core is attributed to upstream with the
 line of ours that called it.
+
+Passes: given ``kinds`` (a name -> predicate on a tensor, e.g. "an expert weight stack"), every
+aten op that reads or writes such a tensor counts as one pass over that kind — views, reshapes
+and other metadata ops excepted — so a variant's extra passes over the expert weights or the
+permuted tokens can be counted on the CPU (a GPU's fused kernel is one pass where the CPU's
+torch reference runs several).
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ _ALWAYS_SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_u
 """aten ops (overload packet names) that read a device input on the host."""
 _HOST_METHODS = {"tolist", "numpy", "cpu"}
 """Tensor methods that copy a device tensor to the host (no aten op on a CPU tensor)."""
+_NO_PASS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "slice", "select",
+            "expand", "as_strided", "detach", "unsqueeze", "squeeze", "split", "split_with_sizes",
+            "unbind", "alias", "view_as", "empty", "empty_like", "empty_strided", "narrow",
+            "chunk", "lift_fresh", "_to_copy_noop", "set_", "resize_", "diagonal", "unflatten",
+            "flatten", "movedim", "numpy_T", "_reshape_alias"}
+"""aten ops that move no element (metadata, allocation): never a pass."""
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _TORCH = str(Path(torch.__file__).resolve().parent)
 _SKIP = (_TORCH, __file__, "<frozen ", "/contextlib.py", "/functools.py",
@@ -137,6 +149,8 @@ class _Counts:
     """``file:line`` -> ops issued there (innermost frame outside torch); with ``frames``."""
     syncs: list[SyncOp] = field(default_factory=list)
     h2d: list[SyncOp] = field(default_factory=list)
+    passes: Counter = field(default_factory=Counter)
+    """kind -> ops that read or wrote a tensor of that kind (:class:`OpCensus` ``kinds``)."""
 
 
 class _Dispatch(TorchDispatchMode):
@@ -156,6 +170,8 @@ class _Dispatch(TorchDispatchMode):
             if reason is not None:
                 c.record(reason)
         out = func(*args, **kwargs)
+        if c.kinds and func.overloadpacket.__name__ not in _NO_PASS:
+            c.count_passes((args, kwargs, out))
         if dev and func.overloadpacket.__name__ != "_local_scalar_dense":
             _mark(out)
         return out
@@ -198,9 +214,12 @@ class OpCensus:
         census.phases["fwd+bwd"].syncs
     """
 
-    def __init__(self, frames: bool = False) -> None:
+    def __init__(self, frames: bool = False, kinds: dict[str, Any] | None = None) -> None:
         self.frames = frames
         """Also count each op's frame (``phases[name].where``; slow: a stack walk per op)."""
+        self.kinds: dict[str, Any] = dict(kinds or {})
+        """name -> ``predicate(tensor) -> bool``: ops touching such a tensor count as passes
+        over it (``phases[name].passes``; module docstring)."""
         self.phases: dict[str, _Counts] = {}
         self.current = _Counts()
         self._name = ""
@@ -210,6 +229,13 @@ class OpCensus:
         """Treat ``tensors`` (any nesting of lists / dicts / tuples) as device tensors."""
         _mark(list(tensors) if not isinstance(tensors, (dict, list, tuple, torch.Tensor))
               else tensors)
+
+    def count_passes(self, operands: Any) -> None:
+        """One pass per kind of which an op's ``operands`` (inputs and outputs) hold a tensor."""
+        ts = _tensors(operands)
+        for kind, pred in self.kinds.items():
+            if any(pred(t) for t in ts):
+                self.current.passes[kind] += 1
 
     def record(self, what: str, h2d: bool = False) -> None:
         inner, ours = _frames()

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from bench.layer_profile import backward_part, forward_part, table  # noqa: E402
@@ -40,6 +41,39 @@ def test_moe_row_words():
     assert dict(Row.parse("none-mb2-ag").moe) == {"moe_token_dispatcher_type": "allgather"}
 
 
+def test_aligned_and_replay_row_words():
+    """``al`` / ``alk`` / ``alb`` / ``rp``: build-time ``--qrl-*`` words (a policy per distinct
+    set, with the MoE words), passed on to rl_step.py; two aligned formats in one row refused."""
+    r = Row.parse("none-mb16-st-al-rp")
+    assert r.qrl == ("al", "rp") and r.replays and dict(r.moe) == {"qrl_stacked_experts": True}
+    assert r.qrl_flags() == ["--qrl-train-moe-experts", "stacked", "--qrl-train-forward",
+                             "aligned", "--qrl-rollout-format", "fp8", "--qrl-routing-replay",
+                             "all"]
+    assert r.build != Row.parse("none-mb16-st").build
+    assert Row.parse("none-mb8-st-al").build == Row.parse("none-mb16-st-al").build
+    assert "--qrl-train-aligned-keep-dequantized" in Row.parse("none-mb4-st-alk").rl_step_args()[2]
+    assert not Row.parse("none-mb4-st-alb").replays
+    with pytest.raises(ValueError, match="exclude each other"):
+        Row.parse("none-mb4-al-alb")
+
+
+def test_quantizer_kernels_are_their_own_sub_parts():
+    """The aligned forward's Triton / SGLang quantizer kernels are split out of the part whose
+    op launched them (``experts/quantize activations``, ``attention/Q(W)``...)."""
+    from bench.layer_profile import kernel_part
+
+    assert kernel_part("_act_token_kernel") == "quantize activations"
+    assert kernel_part("_act_group_kernel") == "quantize activations"
+    assert kernel_part("_per_token_group_quant_fp8") == "quantize activations"
+    assert kernel_part("_dequant_rows_kernel") == "dequantize"
+    assert kernel_part("_channel_kernel") == "Q(W)"
+    assert kernel_part("void cutlass::Kernel2<sm90_gemm>") is None
+    assert backward_part("GroupedRealFnBackward") == "experts"
+    rows = [{"row": "a", "breakdown": {"parts_ms": {"experts/quantize activations": 1.0},
+                                       "gpu_busy_ms": 1.0, "wall_ms": 2.0}}]
+    assert "| experts/quantize activations | 1.0 (0.25/layer) |" in table(rows, layers=4)
+
+
 def test_table_lines():
     rows = [{"row": "a", "breakdown": {"parts_ms": {"experts": 8.0, "optimizer": 2.0},
                                        "gpu_busy_ms": 10.0, "wall_ms": 12.0}}]
@@ -65,6 +99,31 @@ def test_breakdown_on_a_tiny_moe(tmp_path):
     assert full.get("recompute:experts", 0) > 0, full
     assert rows["none-mb4"]["commit"]
     assert "| part |" in proc.stdout
+
+
+def test_aligned_and_replay_rows_on_a_tiny_moe(tmp_path):
+    """Stacked rows plain, aligned (fp8; the CPU runs the fake GEMM) and with routing replay
+    in one call: each builds its own policy, the replay row's batch carries the engine's
+    experts (its routing agreement is measured), and a second table breaks down the log-prob
+    recompute."""
+    out = tmp_path / "t.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/train_mfu.py"), "--device", "cpu", "--model",
+         "tiny_qwen3_moe", "--prompts", "2", "--n", "4", "--new-tokens", "12", "--updates", "1",
+         "--rows", "none-mb4-st,none-mb4-st-al,none-mb4-st-rp", "--breakdown", "--no-profile",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["row"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["none-mb4-st"]["aligned_gemm"] is None
+    assert rows["none-mb4-st-al"]["aligned_gemm"] == "fake"
+    assert rows["none-mb4-st-rp"]["routing_agreement"] is not None
+    assert rows["none-mb4-st"]["routing_agreement"] is None  # no engine experts: not measured
+    for r in ("none-mb4-st", "none-mb4-st-al", "none-mb4-st-rp"):
+        assert rows[r]["breakdown_recompute"]["parts_ms"].get("experts", 0) > 0, r
+        assert rows[r]["experts"] == ("AlignedStackedGroupedMLP" if r.endswith("al")
+                                      else "StackedGroupedMLP")
+    assert "the log-prob recompute of one micro batch" in proc.stdout
 
 
 def test_each_kernel_is_charged_once_to_the_op_that_launched_it():

@@ -130,3 +130,44 @@ def test_census_leaves_the_numbers_alone(megatron):
     assert torch.equal(l0, l1)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert any(a.abs().max() > 0 for a in g0)
+
+
+ALIGNED = [v for v in EXTRA_OPS_PER_LAYER if v.startswith("aligned")]
+LINEARS_PER_LAYER = 4
+"""Aligned linears of a Qwen3-MoE layer: attention qkv and proj, experts fc1 and fc2."""
+
+
+@pytest.mark.parametrize("variant", ALIGNED)
+def test_q_w_refreshed_once_per_optimizer_step(censuses, variant):
+    """Q(W) of every aligned linear (the stacked experts' included) is refreshed by the first
+    forward after an optimizer step — the update's or the log-prob recompute's, whichever runs
+    first — and by no other micro batch, recompute or step. Mutation caught: the cache key
+    without the state's version (``_qrl_key``) — never refreshed after a step; with a fresh
+    object per call — refreshed every micro batch."""
+    r = censuses[(variant, 2)].refreshes
+    assert r["fwd+bwd"] == r["recompute"] == 2 * LINEARS_PER_LAYER, r
+    assert all(r[p] == 0 for p in ("fwd+bwd again", "fwd+bwd +agreement", "optimizer",
+                                   "recompute again")), r
+
+
+@pytest.mark.parametrize("variant", ALIGNED)
+def test_aligned_micro_batch_reads_the_expert_weights_as_plain(censuses, variant):
+    """Between refreshes the fake aligned forward reads the cached stacked Q(W) exactly as the
+    plain forward reads its weights: no pass over the expert weights per micro batch or
+    recompute beyond the plain path's."""
+    for phase in ("fwd+bwd again", "recompute again"):
+        got = censuses[(variant, 2)].phases[phase].passes["expert weights"]
+        assert got == censuses[("plain", 2)].phases[phase].passes["expert weights"], phase
+
+
+def test_replaying_update_runs_no_own_topk(censuses):
+    """An update that replays and measures no routing agreement runs one top-k per MoE layer
+    fewer than the plain path (the router's own, not needed: the rollout's experts are
+    used); one that measures it (an RL step's first update, the recompute) records as before.
+    Fails on the code before ``RoutingReplay.use(record=...)``."""
+    def topk(variant, phase):
+        return censuses[(variant, 2)].phases[phase].ops["topk"]
+
+    assert topk("replay", "fwd+bwd again") == topk("plain", "fwd+bwd again") - 2
+    assert topk("replay", "fwd+bwd +agreement") == topk("plain", "fwd+bwd +agreement")
+    assert topk("replay", "recompute again") == topk("plain", "recompute again")

@@ -11,6 +11,10 @@ the fp32 reciprocal, unlike the CPU's: both compared), per-row dequantization eq
 ``(codes.float() * scale).to(dtype)``, and the real linear's output and gradients are the same
 bits with and without them.
 
+fp8_block's 1x128 activation groups (the aligned experts' fake-path input quantizer): the group
+kernel's codes and scales equal CUDA torch's reference and the fake activation through the
+kernels equals ``_act`` on edge groups and a Qwen3-30B-A3B-sized permuted input.
+
 Run: ``pytest tests/gpu/test_fused_quant.py`` (bench/h200.sh ``gpu-tests FILES=...``; < 1 min).
 """
 
@@ -38,6 +42,9 @@ from tests.quant.fused_cases import (  # noqa: E402
     bits,
     dequant_cases,
     e4m3_probe,
+    fake_act,
+    group_activations,
+    group_reference,
     quantize,
     quantize_act,
     weights,
@@ -140,3 +147,22 @@ def test_dequantize_rows_kernel_equals_torch(dtype):
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_real_linear_same_bits_with_the_kernels(fmt):
     act_through_real_linear(fmt, CUDA)
+
+
+def test_activation_group_kernel_equals_cuda_torch():
+    """fp8_block's groups on CUDA: edge groups and a 30B-A3B micro batch's permuted expert
+    input (4 x 1,032 tokens x top-8 rows x 2,048, bf16), codes, scales and the fake
+    activation; ``auto`` picks the kernel on CUDA."""
+    from megatron_qrl.quant import triton_act
+
+    spec = get_spec("fp8_block")
+    assert fused_kernel(spec, torch.device(CUDA), "fused_group_act_kernel") is not None
+    g = torch.Generator(device=CUDA).manual_seed(6)
+    big = (torch.randn(33024, 2048, device=CUDA, generator=g) * 3).bfloat16()
+    for label, x in group_activations(CUDA) + [("33024x2048", big)]:
+        q, s = triton_act.quantize_act_per_token_group(spec, x)
+        rq, rs = group_reference(x)
+        assert_bits_equal(q, rq, f"{label} codes")
+        assert_bits_equal(s, rs, f"{label} scale")
+        assert_bits_equal(fake_act(spec, x, "triton"), fake_act(spec, x, "torch"),
+                          f"{label} fake quant")

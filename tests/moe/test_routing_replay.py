@@ -217,3 +217,35 @@ def test_replay_ids_are_range_checked_on_the_host_only():
     bad_mb = {**mb, "routed_experts": torch.tensor([[[[0, 1]], [[5, 1]]]])}
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
         PolicyTrainer._run(trainer, [mb, bad_mb], loss_fn=None, forward_only=True)
+
+
+def test_replay_without_recording_runs_no_topk_and_same_bits():
+    """``use(..., record=False)`` (the trainer's forwards that measure no routing agreement):
+    a replaying router runs no top-k of its own, and the logits and every gradient are the
+    same bits as with recording. Mutation caught: the own top-k computed regardless."""
+    from megatron_qrl.models.runtime import single_process_megatron
+    from megatron_qrl.utils.op_census import OpCensus
+
+    with quiet_torch_trace(), single_process_megatron():
+        arch, replay, model = _replay_model("all")
+        x = ids()
+        pos = torch.arange(x.shape[1])[None].expand_as(x)
+        route = torch.rand(x.numel(), arch.num_layers, arch.num_experts,
+                           generator=torch.Generator().manual_seed(2)).argsort(-1)[..., :arch.moe_top_k]
+        out = {}
+        for record in (True, False):
+            model.zero_grad()
+            census = OpCensus()
+            with replay.use(route, "update", record=record), census.phase("step"):
+                logits = model(x, pos, attention_mask=None)
+                logits.float().square().mean().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            out[record] = (logits.detach(), grads, census.phases["step"].ops["topk"],
+                           dict(replay.recorded))
+        assert torch.equal(out[True][0], out[False][0])
+        assert out[True][1].keys() == out[False][1].keys() and out[True][1]
+        for name, g in out[True][1].items():
+            assert torch.equal(g, out[False][1][name]), name
+        assert out[True][2] >= arch.num_layers and out[False][2] == 0
+        assert len(out[True][3]) == arch.num_layers and out[False][3] == {}
+        assert replay.record  # restored after the block

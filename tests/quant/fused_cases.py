@@ -88,6 +88,37 @@ def activations(fmt: str, device: str = "cpu", seed: int = 0):
     return out
 
 
+def group_activations(device: str = "cpu", seed: int = 0):
+    """``(label, x)`` inputs of fp8_block's 1x128 activation groups: the per-token cases whose
+    width is a multiple of 128, and groups (not tokens) zero, below the 1e-10 floor, at the
+    E4M3 ties (amax 448: scale 1), NaN, -inf; a 3-D and a strided input."""
+    g = torch.Generator().manual_seed(seed)
+    out = [(label, x) for label, x in activations("fp8", device, seed)
+           if x.shape[-1] % 128 == 0 and x.dim() == 2 and x.is_contiguous()]
+    x = torch.randn(9, 512, generator=g) * torch.logspace(4, -4, 9)[:, None]
+    x[0, 128:256] = 0.0
+    x[1, :128] = 1e-11
+    x[2, 256:384] = ties("fp8", 128)[0]
+    x[3, 5] = float("nan")
+    x[4, 300] = float("-inf")
+    for dtype in (torch.bfloat16, torch.float32):
+        out.append((f"groups {dtype}", x.to(dtype).to(device)))
+    out.append(("3d", out[-2][1].reshape(3, 3, 512)))
+    out.append(("strided", torch.randn(16, 512, generator=g).bfloat16().to(device)[::2]))
+    return out
+
+
+def group_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_block's activation codes and scales in torch (``FP8BlockSpec._act`` before its
+    dequantization): ``a = max(amax, 1e-10)``, ``e4m3(x * (448 / a))``, ``a * (1 / 448)``."""
+    from megatron_qrl.quant.numerics import cast_e4m3
+
+    gx = x.float().reshape(*x.shape[:-1], x.shape[-1] // 128, 128)
+    a = torch.clamp(gx.abs().amax(dim=-1, keepdim=True), min=1e-10)
+    codes = cast_e4m3(gx * (448.0 / a)).reshape(x.shape)
+    return codes, (a * (1.0 / 448.0)).squeeze(-1)
+
+
 def dequant_cases(device: str = "cpu", seed: int = 0):
     """``(label, codes, scale)``: every E4M3 byte (subnormals, NaN) and every int8 code, rows
     scaled from 2^-30 to 2^30 (bf16 subnormal and overflow-free), and a stacked ``[E, N, K]``
@@ -101,6 +132,15 @@ def dequant_cases(device: str = "cpu", seed: int = 0):
              ("int8 all codes", int8.expand(61, 256).contiguous(), scale),
              ("int8 stacked", stacked, torch.rand(3, 40, 1, generator=g) * 1e-2)]
     return [(label, c.to(device), s.to(device)) for label, c, s in cases]
+
+
+def fake_act(spec, x: torch.Tensor, impl: str) -> torch.Tensor:
+    """``spec.fake_quant_activation(x)`` through ``impl`` (``torch`` / ``triton``)."""
+    set_quant_impl(impl)
+    try:
+        return spec.fake_quant_activation(x)
+    finally:
+        set_quant_impl(None)
 
 
 def quantize_act(fmt: str, x: torch.Tensor, impl: str):

@@ -28,6 +28,9 @@ from tests.quant.fused_cases import (  # noqa: E402
     assert_bits_equal,
     bits,
     dequant_cases,
+    fake_act,
+    group_activations,
+    group_reference,
     quantize_act,
 )
 
@@ -108,3 +111,33 @@ def test_real_linear_forward_and_gradients_through_the_kernels(fmt):
     """The real linear (forced on the CPU) with the fused operands equals the torch operands'
     output and gradients bit for bit, dense and grouped."""
     act_through_real_linear(fmt, "cpu")
+
+
+def test_activation_groups_equal_the_reference():
+    """fp8_block's 1x128 groups in one kernel: codes and scales as the torch reference.
+    Mutations caught: the floor left out (a zero group's codes NaN), the scale as a division
+    ``a / 448`` (the CPU's IEEE division differs from the reference's multiply), the
+    multiplier ``448 / a`` divided directly instead of ``reciprocal(a) * 448``, the amax over
+    the token instead of the group."""
+    spec = get_spec("fp8_block")
+    for label, x in group_activations():
+        q, s = triton_act.quantize_act_per_token_group(spec, x)
+        rq, rs = group_reference(x)
+        assert_bits_equal(q, rq, f"{label} codes")
+        assert_bits_equal(s, rs, f"{label} scale")
+
+
+def test_fake_quant_activation_groups_through_the_kernels():
+    """fp8_block's fake-path activation (the aligned experts' input) is the same bits through
+    the group kernel + the row dequantization as through ``_act``; an input width that is not
+    a multiple of 128 is refused in one line on both paths."""
+    spec = get_spec("fp8_block")
+    for label, x in group_activations():
+        assert_bits_equal(fake_act(spec, x, "triton"), spec._act(x.float()).to(x.dtype), label)
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        try:
+            with pytest.raises(ValueError, match="not a multiple"):
+                spec.fake_quant_activation(torch.ones(2, 200))
+        finally:
+            set_quant_impl(None)

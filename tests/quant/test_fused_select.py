@@ -128,7 +128,8 @@ def test_activation_and_dequant_kernels_follow_the_same_switch(monkeypatch, fmt)
         def deq(spec, codes, scale, dtype):
             calls.append(("deq", name, dtype))
             return (codes.float() * scale).to(dtype)
-        return SimpleNamespace(quantize_act_per_token=act, dequantize_rows=deq)
+        return SimpleNamespace(quantize_act_per_token=act, dequantize_rows=deq,
+                               quantize_act_per_token_group=act)
 
     monkeypatch.setattr(fused, "kernels", module)
     x = torch.randn(6, 32).bfloat16()
@@ -147,3 +148,9 @@ def test_activation_and_dequant_kernels_follow_the_same_switch(monkeypatch, fmt)
     spec.quantize_activation(x)
     assert len(calls) == 2
     assert fused_kernel(get_spec("fp8_block"), torch.device("cuda", 0), "fused_act_kernel") is None
+    # fp8_block's fake-path groups: their own kernel, chosen by the same rule
+    set_quant_impl(None)
+    block = get_spec("fp8_block")
+    assert block.fused_group_act_kernel == "quantize_act_per_token_group"
+    assert fused_kernel(block, torch.device("cuda", 0), "fused_group_act_kernel") is not None
+    assert fused_kernel(block, torch.device("cpu"), "fused_group_act_kernel") is None

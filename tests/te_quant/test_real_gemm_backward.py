@@ -215,3 +215,24 @@ def test_keep_dequantized_flag_reaches_the_state_and_is_refused_without_the_real
                 {"forward": "aligned", "aligned_gemm": "fake", "aligned_keep_dequantized": True}):
         with pytest.raises(ValueError, match=flag):
             TrainForwardConfig(**bad)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_stacked_operand_reads_the_stack_in_place(fmt):
+    """The stacked experts' Q(W) (once per optimizer step) quantizes the ``[E, N, K]``
+    parameter's rows where they lie: the same codes and scales as the per-expert list's
+    concatenation, without its copy of every expert weight (no ``cat``). Mutation caught:
+    ``torch.cat`` of the unbound experts put back for a stacked tensor."""
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.te_quant.real_gemm import stacked_weight_operand
+    from megatron_qrl.utils.op_census import OpCensus
+
+    spec = get_spec(fmt)
+    w = torch.randn(4, 24, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = stacked_weight_operand(spec, list(w.unbind(0)), 0, None, "w")
+    census = OpCensus()
+    with census.phase("q"):
+        got = stacked_weight_operand(spec, w, 0, None, "w")
+    assert census.phases["q"].ops["cat"] == 0
+    assert torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale) and got.codes.shape == (4, 24, 32)

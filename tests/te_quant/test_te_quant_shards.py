@@ -189,3 +189,36 @@ def test_block_recipe_scales_fixed_at_te_import():
     assert scales_fixed_too_early(recipe, te_module(pow2=False)) is None
     assert scales_fixed_too_early(recipe) is None  # TE not imported here: read in time
     assert scales_fixed_too_early(RECIPES["fp8"], te_module(pow2=True)) is None  # no such env
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "fp8_block", "w4a16", "nvfp4"])
+@pytest.mark.parametrize("chunk", [None, 2 * 256 * 128])
+def test_stacked_experts_fake_q_w_in_place(monkeypatch, fmt, chunk):
+    """The stacked experts' fake Q(W) (once per optimizer step) read where the stack's rows
+    lie equals the per-expert component path (``quantize_shards_stacked`` then ``stack``) bit
+    for bit, in one call or in runs of whole experts, without copying the stack (no ``cat`` /
+    ``stack``); NVFP4 (a per-tensor scale per gate / up component) keeps the component path.
+    Mutations caught: the per-tensor-scale guard dropped (NVFP4 stacked in place); a
+    ``torch.cat`` of the unbound experts put back."""
+    from megatron_qrl.quant import get_spec
+    from megatron_qrl.quant import stacked as stacked_mod
+    from megatron_qrl.te_quant.shard_quant import (
+        FusionLayout,
+        fake_quant_stack_in_place,
+        quantize_shards_stacked,
+    )
+    from megatron_qrl.utils.op_census import OpCensus
+
+    if chunk is not None:
+        monkeypatch.setattr(stacked_mod, "MAX_STACK_ELEMENTS", chunk)
+    spec, layout = get_spec(fmt), FusionLayout("gate_up")
+    w = torch.randn(5, 256, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    census = OpCensus()
+    with census.phase("q"):
+        got = fake_quant_stack_in_place(spec, w, layout, "fc1")
+    if fmt == "nvfp4":
+        assert got is None
+        return
+    want = torch.stack(quantize_shards_stacked(spec, list(w.unbind(0)), [layout] * 5, "fc1"))
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert census.phases["q"].ops["cat"] == census.phases["q"].ops["stack"] == 0
