@@ -55,7 +55,7 @@ Quantized = Callable[[str], QuantizedWeight | None]
 aligned-forward cache), or None: quantize it here."""
 
 __all__ = ["layer_prefix", "pack_one_at_a_time", "pack_state_dict", "pack_stream",
-           "tensor_kind"]
+           "tensor_kind", "writer_stream"]
 """``layer_prefix`` and ``tensor_kind`` (:func:`.hf_names.stacked_name`) come from
 :mod:`.hf_names`; they are re-exported for the callers that import them from here."""
 
@@ -92,6 +92,34 @@ def pack_state_dict(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Ten
         return stack_expert_stream(packed) if stack_experts else packed
     return pack_stream(spec, named_tensors, window_bytes=window_bytes,
                        stack_experts=stack_experts)
+
+
+def writer_stream(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                  quantized: Quantized | None = None, stack_experts: bool = True
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream of an engine that quantizes the weights into its own memory itself
+    (``RolloutEngine.quantizes_into``: the SGLang direct writer, ``QuantSpec.quantize_into``):
+    the HF tensors as they are, except the weights whose quantization ``quantized`` gives
+    (the trainer's aligned-forward cache), which come packed from it
+    (:meth:`SpecCore.pack_quantized`: the cache's own tensors, not copied) and are not
+    quantized again. With ``stack_experts`` each decoder layer's experts of one kind — weights
+    and cached codes and scales alike — come as one ``[E, ...]`` stack
+    (:func:`.expert_stacks.stack_experts`: a view where they lie one after another in one
+    storage, as a stacked-experts trainer streams them)."""
+    if spec.shares_tensor_scale:
+        raise ValueError(f"{spec.name}: the members of a fused group share one tensor scale, "
+                         "which a per-weight writer cannot compute; pack with pack_state_dict")
+    given = quantized or (lambda _name: None)
+
+    def items() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors:
+            q = given(name) if spec.is_quantized(name) else None
+            if q is None:
+                yield name, t
+            else:
+                yield from spec.pack_quantized(name, q)
+
+    return stack_expert_stream(items()) if stack_experts else items()
 
 
 def pack_one_at_a_time(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],

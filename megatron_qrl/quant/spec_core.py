@@ -18,6 +18,8 @@ import torch
 from ..utils.finite import require_finite
 from . import targets
 from .fused import fused_kernel as select_fused_kernel
+from .into import Region
+from .into import quantize_into as _quantize_into_regions
 from .weight import QuantizedWeight
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -213,6 +215,15 @@ class SpecCore:
         return self.pack_quantized(hf_name, self.quantize_weight(w, global_amax=global_amax,
                                                                  name=hf_name))
 
+    def quantize_into(self, hf_name: str, w: torch.Tensor, region: Region
+                      ) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`pack`'s codes and scales of weight ``hf_name`` (``[out, in]``, or an expert
+        stack ``[E, out, in]`` under its stacked name) written straight into the tensors
+        ``region(packed_name, shape, dtype)`` gives (views of an engine's storage, any
+        strides), bit for bit, without a packed copy (:mod:`.into`); returns ``(packed name,
+        tensor written)``. Formats without ``_quantize_into`` raise NotImplementedError."""
+        return _quantize_into_regions(self, hf_name, w, region)
+
     def pack_quantized(self, hf_name: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
         """The tensors :meth:`pack` emits for quantized weight ``hf_name`` from ``q``, its
         :meth:`quantize_weight` (or its split of a stacked one, :mod:`.stacked`)."""
@@ -297,6 +308,22 @@ class SpecCore:
 
     def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def _quantize_into(self, w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                       name: str) -> None:
+        """Write ``_quantize``'s codes and scales of the expert stack ``w`` ``[E, out, in]``
+        into ``codes`` ``[E, out, in]`` and ``scale`` ``[E, *_scale_shape(out, in)]``
+        (:meth:`quantize_into`; checks finiteness on an amax it reduces)."""
+        raise self._no_into()
+
+    def _scale_shape(self, out: int, k: int) -> tuple[int, ...]:
+        """Shape of the packed scale tensor of an ``[out, k]`` weight (:meth:`quantize_into`)."""
+        raise self._no_into()
+
+    def _no_into(self) -> NotImplementedError:
+        return NotImplementedError(
+            f"{self.name}: quantizing straight into an engine's tensors is not implemented "
+            "for this format (its engine layout is not its packed one)")
 
     def _pack_rows(self, modules: list[str], q: QuantizedWeight, rows: list[int]
                    ) -> list[list[tuple[str, torch.Tensor]]] | None:

@@ -6,6 +6,11 @@ The one sync path, identical for every engine::
     iter_hf_tensors -> apply_aqn (engine copy only) -> spec.pack_state_dict
         -> manifest.record -> engine.update_weights -> engine.verify
 
+An engine that quantizes into its own memory (``RolloutEngine.quantizes_into``: the SGLang
+direct sync) takes :func:`~megatron_qrl.quant.pack_stream.writer_stream` instead of the
+packed stream: the weights as they are (it quantizes each into its storage), the aligned
+forward's cached codes packed as they are.
+
 An engine that checks its own updates (``RolloutEngine.verifies_own_update``: the in-process
 SGLang engine compares its scheduler's receipt with the fingerprints of the stream it was
 handed) gets the stream without the manifest, a second per-tensor pass over the same stream
@@ -32,7 +37,7 @@ from typing import Any
 import torch
 
 from megatron_qrl.quant.aqn import AQNConfig, apply_aqn
-from megatron_qrl.quant.pack_stream import Quantized
+from megatron_qrl.quant.pack_stream import Quantized, writer_stream
 from megatron_qrl.quant.spec import QuantSpec
 from megatron_qrl.rollout.base import RolloutEngine, WeightManifest, once_each
 from megatron_qrl.rollout_sglang.factory import make_engine
@@ -94,9 +99,13 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
         stream = apply_aqn(stream, sigma, AQNConfig.generator(seed, version))
     if engine.verifies_own_update:
         rows: dict[str, int] = {}
-        packed = spec.pack_state_dict(stream, stack_experts=engine.stacked_experts,
-                                      quantized=quantized)
-        engine.update_weights(_counted(once_each(packed), rows), version=version)
+        if getattr(engine, "quantizes_into", False):  # RolloutEngine.quantizes_into
+            packed = writer_stream(spec, stream, quantized=quantized,
+                                   stack_experts=engine.stacked_experts)
+        else:
+            packed = spec.pack_state_dict(stream, stack_experts=engine.stacked_experts,
+                                          quantized=quantized)
+        engine.update_weights(_counted(once_each(packed), rows, spec), version=version)
         sent = sum(rows.values())
     else:
         manifest = WeightManifest()
@@ -110,11 +119,15 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
     return SyncResult(version, sent, sigma)
 
 
-def _counted(stream: Iterable[tuple[str, torch.Tensor]], rows: dict[str, int]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``stream`` unchanged; ``rows[name]``: the tensors ``name`` stands for (an expert
-    stack's experts, else 1)."""
+def _counted(stream: Iterable[tuple[str, torch.Tensor]], rows: dict[str, int],
+             spec: QuantSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream`` unchanged; ``rows[name]``: the packed tensors ``name`` stands for (an expert
+    stack's experts; a weight still to be quantized by the engine, its packed tensors)."""
     for name, t in stream:
         p = hf_names.parse(name)
-        rows[name] = t.shape[0] if p is not None and p.is_stacked else 1
+        stacked = p is not None and p.is_stacked
+        unit = hf_names.expert_name(name, 0) if stacked else name
+        per = (len(spec.packed_names(unit)) if t.dtype.is_floating_point
+               and t.element_size() > 1 and spec.is_quantized(unit) else 1)
+        rows[name] = per * (t.shape[0] if stacked else 1)
         yield name, t

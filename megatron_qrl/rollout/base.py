@@ -106,6 +106,13 @@ class RolloutEngine(ABC):
     (``QuantSpec.pack_state_dict(stack_experts=True)``, no per-expert copies). Only read
     where :attr:`verifies_own_update` (a manifest holds per-expert names)."""
 
+    quantizes_into: bool = False
+    """True for an engine that quantizes the trainer's high-precision weights straight into
+    its own memory (the SGLang direct sync, ``QuantSpec.quantize_into``): the driver's sync
+    then hands it :func:`~megatron_qrl.quant.pack_stream.writer_stream` (weights as they are,
+    cached quantizations packed, experts stacked with :attr:`stacked_experts`) instead of
+    the packed stream. Only read where :attr:`verifies_own_update`."""
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the packed ``(hf_name, tensor)`` stream; afterwards ``weight_version() == version``."""

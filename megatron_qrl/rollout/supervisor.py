@@ -119,6 +119,10 @@ class EngineSupervisor(RolloutEngine):
     def stacked_experts(self) -> bool:  # the inner engine's (see RolloutEngine)
         return self.engine.stacked_experts
 
+    @property
+    def quantizes_into(self) -> bool:  # the inner engine's (see RolloutEngine)
+        return self.engine.quantizes_into
+
     def held_checksums(self) -> dict[str, str]:
         return self._supervised("held_checksums", lambda: self.engine.held_checksums())
 

@@ -106,6 +106,11 @@ class SGLangEngine(RolloutEngine):
         return self.options.sync == "direct" or (self.options.sync == "inplace"
                                                  and bool(self.options.stack_experts))
 
+    @property
+    def quantizes_into(self) -> bool:
+        """The direct sync quantizes the weights into the engine's tensors (RolloutEngine)."""
+        return self.options.sync == "direct"
+
     def __init__(self, model_path: str | Path, spec_name: str,
                  options: SGLangOptions | None = None, *, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",

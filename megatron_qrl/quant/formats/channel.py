@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from ..engine_facts import EngineFacts, KernelFlags, TERecipe
+from ..into import row_chunks
 from ..numerics import (
     FP8_E4M3_MAX,
     ZERO_AMAX_EPS,
@@ -52,6 +53,26 @@ class _PerChannelSpec(QuantSpec):
         a = amax(w32, dim=1) if a is None else a
         zero = a <= ZERO_AMAX_EPS
         return self._max / torch.where(zero, torch.ones_like(a), a), zero
+
+    def _inv_scale(self, s: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """The packed ``weight_scale`` (``1 / s``) of multipliers ``s`` and zero-row mask."""
+        return 1.0 / s
+
+    def _codes_into(self, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _scale_shape(self, out, k):
+        return (out, 1)
+
+    def _quantize_into(self, w, codes, scale, name):
+        """Row amaxes (one read of ``w``, an exact inf-norm in its dtype), the scales as
+        ``_quantize`` computes them, then the codes written into ``codes``
+        (:meth:`_codes_into`)."""
+        a = torch.linalg.vector_norm(w, float("inf"), dim=-1, keepdim=True).float()
+        self._check_finite_amax(a, w, name)
+        s, zero = self._row_scale(w, a)
+        scale.copy_(self._inv_scale(s, zero))
+        self._codes_into(w, s, codes)
 
     def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         return q.codes.float() * q.scale
@@ -100,8 +121,19 @@ class Int8Spec(_PerChannelSpec):
         s, zero = self._row_scale(w32)
         codes = torch.clamp(torch.round(w32 * s), -127, 127)
         codes = torch.where(zero, 0.0, codes).to(torch.int8)  # ModelOpt: amax ~0 -> codes 0
-        scale = torch.where(zero, 1.0, 1.0 / s)
+        scale = self._inv_scale(s, zero)
         return QuantizedWeight(self.name, codes, scale, None, tuple(w.shape), w.dtype)
+
+    def _inv_scale(self, s, zero):
+        return torch.where(zero, 1.0, 1.0 / s)
+
+    def _codes_into(self, w, s, out):
+        """``round(w * s)`` per fp32 chunk (:func:`~megatron_qrl.quant.into.row_chunks`),
+        cast on the copy into ``out``: ``_quantize``'s codes, as ``_fake_quant``'s docstring
+        shows (the clamp never binds, a zero row rounds to 0 anyway)."""
+        for e, r in row_chunks(w.shape):
+            t = torch.mul(w[e, r], s[e, r])
+            out[e, r].copy_(t.round_())
 
     def _fake_quant(self, w, global_amax, name):
         """``0 + round(w * s) * (1 / s)`` per row: three passes over the weight (multiply,
@@ -157,6 +189,14 @@ class FP8Spec(_PerChannelSpec):
         s, _ = self._row_scale(w.float())
         codes = cast_e4m3(w.float() * s)
         return QuantizedWeight(self.name, codes, 1.0 / s, None, tuple(w.shape), w.dtype)
+
+    def _codes_into(self, w, s, out):
+        """``e4m3(w * s)`` in one kernel: the fp32 product (``w * s`` promotes) cast to E4M3
+        as it is stored into ``out``. ``cast_e4m3``'s clamp never binds: ``|w| <= amax`` and
+        ``s = fl(448 / amax)`` give ``|fl(w s)| <= 448 (1 + 2^-23)^2``, which rounds to 448
+        (the next E4M3 step, 480, is past the format's max), so the unclamped cast is the same
+        code."""
+        torch.mul(w, s, out=out)
 
     def _fake_quant(self, w, global_amax, name):
         """``e4m3(w * s) * (1 / s)`` per row, the same ops as ``_dequantize(_quantize(w))``

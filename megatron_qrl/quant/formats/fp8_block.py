@@ -70,7 +70,7 @@ class FP8BlockSpec(QuantSpec):
     def _quantize(self, w, global_amax):
         blocks, shape = to_blocks_2d(w.float(), BLOCK, BLOCK)
         a = amax(blocks, dim=(1, 3))  # [nb, 1, kb, 1]
-        s = FP8_E4M3_MAX / torch.where(a <= ZERO_AMAX_EPS, torch.ones_like(a), a)
+        s = _block_scale(a)
         codes = from_blocks_2d(cast_e4m3(blocks * s), shape)
         scale_inv = (1.0 / s)[:, 0, :, 0].contiguous()
         return QuantizedWeight(self.name, codes, scale_inv, None, shape, w.dtype)
@@ -87,8 +87,39 @@ class FP8BlockSpec(QuantSpec):
         blocks, shape = to_blocks_2d(w, BLOCK, BLOCK)
         a = torch.linalg.vector_norm(blocks, float("inf"), dim=(1, 3), keepdim=True).float()
         self._check_finite_amax(a, w, name)
-        s = FP8_E4M3_MAX / torch.where(a <= ZERO_AMAX_EPS, torch.ones_like(a), a)
+        s = _block_scale(a)
         return from_blocks_2d(cast_e4m3(blocks * s).float().mul_(1.0 / s), shape)
+
+    def _scale_shape(self, out, k):
+        return (-(-out // BLOCK), -(-k // BLOCK))
+
+    def _quantize_into(self, w, codes, scale, name):
+        """Per expert, the whole 128-row blocks and the partial last block (zero padding
+        never changes an amax, so a partial block's amax is its rows'): block amaxes (one read
+        of ``w``, an exact inf-norm in its dtype), ``weight_scale_inv = 1 / s`` as
+        ``_quantize`` computes it, then ``e4m3(w * s)`` in one kernel per part, the fp32
+        product cast to E4M3 as it is stored into ``codes`` (viewed as blocks: a view of the
+        region, any strides). The clamp never binds (FP8Spec's ``_codes_into``)."""
+        e, n, k = w.shape
+        kb, full = k // BLOCK, n // BLOCK * BLOCK
+        parts = [(r0, r1) for r0, r1 in ((0, full), (full, n)) if r1 > r0]
+
+        def blocks(t, r0, r1, out=False):  # [E, blocks, rows per block, kb, 128]
+            rows = min(r1 - r0, BLOCK)
+            shape = (e, (r1 - r0) // rows, rows, kb, BLOCK)
+            return t[:, r0:r1].view(shape) if out else t[:, r0:r1].reshape(shape)
+
+        a = torch.cat([torch.linalg.vector_norm(blocks(w, *p), float("inf"), dim=(2, 4))
+                       for p in parts], dim=1).float()
+        self._check_finite_amax(a, w, name)
+        s = _block_scale(a)
+        scale.copy_(1.0 / s)
+        b0 = 0
+        for r0, r1 in parts:
+            part = blocks(w, r0, r1)
+            sp = s[:, b0:b0 + part.shape[1], None, :, None]
+            torch.mul(part, sp, out=blocks(codes, r0, r1, out=True))
+            b0 += part.shape[1]
 
     def _packed_suffixes(self):
         return ("weight", "weight_scale_inv")
@@ -129,3 +160,9 @@ class FP8BlockSpec(QuantSpec):
                     "block_sizes": {-1: BLOCK, "type": "dynamic"},
                 }
         return cfg
+
+
+def _block_scale(a: torch.Tensor) -> torch.Tensor:
+    """The quantize multiplier ``s = 448 / amax`` of each block's fp32 amax (ModelOpt
+    ``_fp8_eager``; an amax at or below ``ZERO_AMAX_EPS`` counts as 1)."""
+    return FP8_E4M3_MAX / torch.where(a <= ZERO_AMAX_EPS, torch.ones_like(a), a)

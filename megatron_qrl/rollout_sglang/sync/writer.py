@@ -1,4 +1,4 @@
-"""The direct writer: the packed stream copied straight into the engine's own tensors.
+"""The direct writer: the trainer's weights quantized straight into the engine's own tensors.
 
 Runs in the trainer's process. The engine's storage (:mod:`.loader.storage`: its live
 parameters in their checkpoint views, in this process or through CUDA IPC handles) and its
@@ -6,16 +6,27 @@ layout (:mod:`megatron_qrl.sync.protocol.engine_layout`) say where each packed t
 ``QuantSpec.pack_state_dict`` goes: q/k/v into their rows of ``qkv_proj``, gate/up into
 ``gate_up_proj`` and into the halves of ``w13_*``, experts (one by one or stacked
 ``[E, ...]``) into their index of the stacked parameter, block scales into their block rows.
-Each packed tensor is one device copy into its region — no bucket, no flat buffer, no request —
-and its fingerprint is taken in the same pass (:class:`~megatron_qrl.sync.protocol.checksums.
+
+The writer takes the stream :func:`~megatron_qrl.quant.pack_stream.writer_stream` makes (the
+driver's, where the engine :attr:`~megatron_qrl.rollout.base.RolloutEngine.quantizes_into`):
+
+* a weight the format quantizes, still in high precision (``[out, in]``, or a layer's expert
+  stack ``[E, out, in]``): ``QuantSpec.quantize_into`` computes its scales and writes scales
+  and codes straight into their engine regions — no packed tensor of the weight, no second
+  copy, no bucket, no request;
+* a packed tensor (codes and scales the aligned forward's Q(W) cache already holds,
+  :mod:`megatron_qrl.rl.qcache_sync`; or a whole packed stream, ``pack_state_dict``): one
+  device copy into its region, no quantization;
+* a tensor the format leaves in high precision (norms, embeddings, the router): one copy.
+
+Fingerprints are taken in the same pass (:class:`~megatron_qrl.sync.protocol.checksums.
 Checksums`, an expert stack's experts under their own names as the in-place sender takes
-them), so the engine's read-back (:func:`check_digest`) names the first region that differs.
+them): of the packed tensor copied (the cache's own tensors, where it held them), or of the
+region a quantization wrote; the engine's
+read-back (:func:`check_digest`) names the first region that differs.
 
 Which formats: those whose :attr:`~megatron_qrl.quant.engine_facts.EngineFacts.direct_write`
-says the engine's live layout is the packed one (:func:`writer_for`). Where the aligned
-forward's Q(W) cache holds the codes, the stream already carries them
-(``pack_state_dict(quantized=...)``, :mod:`megatron_qrl.rl.qcache_sync`): they are copied, not
-quantized again.
+says the engine's live layout is the packed one (:func:`writer_for`).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import torch
 from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import EngineLayout, EngineLayoutError, locate, view
 from megatron_qrl.sync.protocol.inplace import expert_names
+from megatron_qrl.utils import hf_names
 from megatron_qrl.utils.hf_names import STACKED
 
 from ...quant.spec import QuantSpec
@@ -49,7 +61,7 @@ def writer_for(spec: QuantSpec, layout: EngineLayout, tensors: dict[str, torch.T
         raise ValueError(f"{FLAG}: format {spec.name!r} is re-processed by the engine after "
                          f"loading (its live layout is not the packed one); direct writes "
                          f"serve {ok}; use --qrl-rollout-sglang-sync inplace")
-    return EngineWriter(layout, tensors, Checksums() if sent is None else sent)
+    return EngineWriter(spec, layout, tensors, Checksums() if sent is None else sent)
 
 
 def _direct_formats() -> list[str]:
@@ -59,35 +71,60 @@ def _direct_formats() -> list[str]:
 
 
 class EngineWriter:
-    """Copies packed tensors into an engine's storage and fingerprints them (module doc)."""
+    """Quantizes or copies a stream into an engine's storage and fingerprints what it wrote
+    (module doc)."""
 
-    def __init__(self, layout: EngineLayout, tensors: dict[str, torch.Tensor], sent: Checksums):
-        self.layout, self.tensors, self.sent = layout, tensors, sent
+    def __init__(self, spec: QuantSpec, layout: EngineLayout, tensors: dict[str, torch.Tensor],
+                 sent: Checksums):
+        self.spec, self.layout, self.tensors, self.sent = spec, layout, tensors, sent
+        self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         self.shapes: dict[str, list[int]] = {}
         """Packed name -> shape of every tensor written (the read-back's request)."""
         self.written: dict[str, int] = {}
         """Engine parameter -> elements written this sync."""
+        self.quantized = self.copied = 0
+        """Weights (or expert stacks) quantized into the engine / tensors copied, this sync."""
         self.seconds = 0.0
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        """Copy packed tensor ``name`` into its engine region."""
+        """Quantize weight ``name`` into its engine regions, or copy tensor ``name`` into its
+        region (module doc)."""
+        t = t.detach().to(self.device, non_blocking=True)
+        if _high_precision_weight(self.spec, name, t):
+            written = self.spec.quantize_into(name, t, self._region)
+            self.quantized += 1
+        else:
+            dst = self._region(name, tuple(t.shape), t.dtype)
+            src = t.contiguous()
+            dst.copy_(src, non_blocking=True)
+            written = [(name, src)]  # the fingerprint of what was sent (a cached code: the cache's)
+            self.copied += 1
+        for packed, dst in written:
+            self._record(packed, dst)
+
+    def _region(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The engine region packed tensor ``name`` of ``shape`` occupies; it must hold
+        ``dtype`` and must not have been written before in this sync."""
         if name in self.shapes:
             raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
         target = locate(self.layout, name)
         pl = self.layout.params[target.param]
-        dst = view(self.tensors[target.param], pl, target, tuple(t.shape))
-        if dst.dtype != t.dtype:
-            raise EngineLayoutError(f"direct weight sync: {name} is {t.dtype}, the engine holds "
+        dst = view(self.tensors[target.param], pl, target, shape)
+        if dst.dtype != dtype:
+            raise EngineLayoutError(f"direct weight sync: {name} is {dtype}, the engine holds "
                                     f"{target.param} as {dst.dtype}; the engine was started "
                                     "for another format")
-        src = t.detach().to(dst.device, non_blocking=True).contiguous()
-        dst.copy_(src, non_blocking=True)
-        if target.expert == STACKED:
-            self.sent.add_rows(expert_names(name, src.shape[0]), src)
-        else:
-            self.sent.add(name, src)
-        self.shapes[name] = list(t.shape)
+        self.shapes[name] = list(shape)
         self.written[target.param] = self.written.get(target.param, 0) + dst.numel()
+        return dst
+
+    def _record(self, name: str, dst: torch.Tensor) -> None:
+        """Fingerprint ``dst`` (an expert stack per expert)."""
+        p = hf_names.parse(name)
+        if p is not None and p.is_stacked:
+            self.sent.add_rows(expert_names(name, dst.shape[0]), dst)
+        else:
+            self.sent.add(name, dst)
 
     def write_all(self, stream: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Write every tensor of ``stream``; then every engine parameter must have been
@@ -110,6 +147,15 @@ class EngineWriter:
                     f"direct weight sync: engine parameter {param} got {got} of {full} "
                     "elements (a tensor of the model is missing from the stream); the engine "
                     "now holds a partial update — sync again")
+
+
+def _high_precision_weight(spec: QuantSpec, name: str, t: torch.Tensor) -> bool:
+    """``name`` is a weight (or expert stack) the format quantizes, sent unquantized."""
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    p = hf_names.parse(name)
+    return spec.is_quantized(hf_names.expert_name(name, 0) if p is not None and p.is_stacked
+                             else name)
 
 
 def check_digest(sent: dict[str, str], held: dict[str, str]) -> None:

@@ -159,12 +159,12 @@ def checksum_rows(stacked: torch.Tensor, chunk_words: int = 1 << 24) -> torch.Te
         return out
     if row_bytes % 4:
         return checksum_parts_many(list(t.unbind(0)))
-    words = t.contiguous().view(torch.uint8).reshape(rows, row_bytes).view(torch.int32)
-    width = words.shape[1]
+    words = _row_words(t, rows, row_bytes)
+    width, step = words.shape[1], words.stride(0)
     kernels = _kernels(t.device)
-    if kernels is not None:
-        return kernels.segment_sums(words.reshape(-1), [r * width for r in range(rows)],
-                                    [width] * rows, _MOD)
+    if kernels is not None:  # the rows' span of the buffer, gaps between rows unread
+        flat = words.as_strided(((rows - 1) * step + width,), (1,))
+        return kernels.segment_sums(flat, [r * step for r in range(rows)], [width] * rows, _MOD)
     for c0 in range(0, width, chunk_words):  # word columns [c0, c1) of every row
         c1 = min(c0 + chunk_words, width)
         weight = torch.arange(c0, c1, device=t.device, dtype=torch.int64) % _MOD + 1
@@ -174,6 +174,18 @@ def checksum_rows(stacked: torch.Tensor, chunk_words: int = 1 << 24) -> torch.Te
             out[r0:r0 + per, 0] += w.sum(1)
             out[r0:r0 + per, 1] += (w * weight).sum(1)
     return out
+
+
+def _row_words(t: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
+    """``int32 [rows, row_bytes / 4]``: each row's words; a view of ``t`` (rows strided, no
+    copy) where each row is contiguous and 4-byte aligned (an expert stack's region of a
+    fused engine parameter: one half of every expert's ``w13``), else of a contiguous copy."""
+    try:
+        words = t.view(torch.uint8).view(rows, row_bytes).view(torch.int32)
+    except RuntimeError:
+        return t.contiguous().view(torch.uint8).reshape(rows, row_bytes).view(torch.int32)
+    return words if words.stride(1) == 1 else \
+        t.contiguous().view(torch.uint8).reshape(rows, row_bytes).view(torch.int32)
 
 
 class Checksums:
