@@ -70,8 +70,8 @@ def test_quantized_into_the_engine_is_the_inplace_loaders_bits(fmt, stack):
     in-place loader fed the packed stream, with no tensor of codes made along the way and
     the same fingerprints as the packed stream's. Catches: a scale not from the format's
     expressions (``1 / s``, int8's zero rows), an E4M3 cast that saturates differently, a
-    block amax over the wrong rows, codes written to a copy of the region (``reshape``
-    instead of ``view``), a writer that packs and copies (a codes tensor per weight)."""
+    block amax over the wrong rows, a writer that packs and copies (a codes tensor per
+    weight: ``quantize_weight`` then ``copy_``)."""
     ref, got = engine(fmt, seed=0), engine(fmt, seed=0)
     inplace_sync(ref, fmt, packed(fmt, 1, stack=False))
     fresh = FreshCodes()
@@ -121,6 +121,7 @@ def test_sync_weights_hands_the_direct_engine_its_weights(fmt):
     a, b = state(ref), state(m)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert eng.last_sync["verified"] == "digest" and eng.weight_version() == 1
+    assert eng.last_sync["quantized"] == 2 * 4 + 2 * 3  # per layer: q k v o, 3 expert stacks
     assert res.num_tensors == len(packed(fmt, 5)) == len(eng.sent_checksums())
 
 
@@ -146,6 +147,7 @@ def test_cached_codes_are_what_the_engine_holds(fmt):
     eng = _direct_engine(m, fmt)
     sync_weights(iter(master.items()), eng, spec, version=1, quantized=quantized)
     assert sorted(looked) == sorted(cache)
+    assert eng.last_sync["quantized"] == 0  # every quantized weight came from the cache
     layout, tensors = describe(m)
     for name, q in cache.items():
         for leaf, want in spec.pack_quantized(name, q):

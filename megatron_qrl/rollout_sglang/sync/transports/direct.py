@@ -1,11 +1,13 @@
 """Transport ``direct`` (colocated, one engine process; the formats whose
-:attr:`~megatron_qrl.quant.engine_facts.EngineFacts.direct_write` is set): the packed
-stream is copied straight into the engine's own tensors (:mod:`..writer`) through the
-handles of :class:`~..storage_client.EngineStorage` — no buckets, no per-tensor requests, no
-post-load processing. Two small requests per sync: the storage fingerprint before writing
-(handles re-taken where SGLang moved a parameter) and the engine's read-back digest after,
-which also sets the weight version; :meth:`DirectTransport.verify` compares the digest with
-the fingerprints taken while writing, naming the layer of the first region that differs."""
+:attr:`~megatron_qrl.quant.engine_facts.EngineFacts.direct_write` is set): the trainer's
+weights are quantized straight into the engine's own tensors, cached codes and packed
+tensors copied (:mod:`..writer`), through the handles of
+:class:`~..storage_client.EngineStorage` — no buckets, no per-tensor requests, no post-load
+processing; ``last_sync`` counts the weights ``quantized`` and the tensors ``copied``. Two
+small requests per sync: the storage fingerprint before writing (handles re-taken where
+SGLang moved a parameter) and the engine's read-back digest after, which also sets the
+weight version; :meth:`DirectTransport.verify` compares the digest with the fingerprints
+taken while writing, naming the layer of the first region that differs."""
 
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ class DirectTransport(WeightTransport):
                                   "they were written; the next sync takes new handles")
         self.held = out["digest"]
         s.lap.update(buckets=1, storage_s=t1 - t0, write_s=t2 - t1,
-                     digest_s=time.perf_counter() - t2, handles_taken=store.taken)
+                     digest_s=time.perf_counter() - t2, handles_taken=store.taken,
+                     quantized=writer.quantized, copied=writer.copied)
         return 1
 
     def send_bucket(self, item) -> int:  # the writer has no buckets (send is overridden)
