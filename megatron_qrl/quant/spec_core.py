@@ -215,14 +215,16 @@ class SpecCore:
         return self.pack_quantized(hf_name, self.quantize_weight(w, global_amax=global_amax,
                                                                  name=hf_name))
 
-    def quantize_into(self, hf_name: str, w: torch.Tensor, region: Region
-                      ) -> list[tuple[str, torch.Tensor]]:
+    def quantize_into(self, hf_name: str, w: torch.Tensor, region: Region,
+                      finite: list | None = None) -> list[tuple[str, torch.Tensor]]:
         """:meth:`pack`'s codes and scales of weight ``hf_name`` (``[out, in]``, or an expert
         stack ``[E, out, in]`` under its stacked name) written straight into the tensors
         ``region(packed_name, shape, dtype)`` gives (views of an engine's storage, any
         strides), bit for bit, without a packed copy (:mod:`.into`); returns ``(packed name,
-        tensor written)``. Formats without ``_quantize_into`` raise NotImplementedError."""
-        return _quantize_into_regions(self, hf_name, w, region)
+        tensor written)``. ``finite``: a list the weight's finiteness goes to (checked later,
+        :func:`.into.check_finite`) instead of a host sync now. Formats without
+        ``_quantize_into`` raise NotImplementedError."""
+        return _quantize_into_regions(self, hf_name, w, region, finite)
 
     def pack_quantized(self, hf_name: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
         """The tensors :meth:`pack` emits for quantized weight ``hf_name`` from ``q``, its
@@ -309,11 +311,12 @@ class SpecCore:
     def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
-    def _quantize_into(self, w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                       name: str) -> None:
+    def _quantize_into(self, w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
+                       ) -> torch.Tensor:
         """Write ``_quantize``'s codes and scales of the expert stack ``w`` ``[E, out, in]``
-        into ``codes`` ``[E, out, in]`` and ``scale`` ``[E, *_scale_shape(out, in)]``
-        (:meth:`quantize_into`; checks finiteness on an amax it reduces)."""
+        into ``codes`` ``[E, out, in]`` and ``scale`` ``[E, *_scale_shape(out, in)]``;
+        returns the amaxes it reduced over all of ``w`` (NaN and Inf propagate: the caller's
+        finiteness check, :meth:`quantize_into`)."""
         raise self._no_into()
 
     def _scale_shape(self, out: int, k: int) -> tuple[int, ...]:

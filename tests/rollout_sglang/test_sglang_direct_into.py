@@ -168,3 +168,18 @@ def test_formats_a_writer_cannot_serve_are_refused():
         get_spec("w4a16").quantize_into("model.layers.0.self_attn.o_proj.weight",
                                         torch.zeros(128, 256, dtype=torch.bfloat16),
                                         lambda n, s, d: torch.empty(s, dtype=d))
+
+
+def test_a_non_finite_weight_fails_the_write_naming_it_with_one_check():
+    """The writer checks every quantized weight's finiteness once, after writing (no host
+    sync per weight), and names the first bad one; the engine's version does not move.
+    Catches: a deferred check that is never made."""
+    m = engine("fp8_block")
+    eng = _direct_engine(m, "fp8_block")
+    weights = dict(hf_weights(8))
+    bad = "model.layers.1.mlp.experts.1.down_proj.weight"
+    weights[bad] = weights[bad].clone()
+    weights[bad][3, 4] = float("inf")
+    with pytest.raises(ValueError, match=r"experts\.\*\.down_proj\.weight holds NaN / Inf"):
+        sync_weights(iter(weights.items()), eng, get_spec("fp8_block"), version=1)
+    assert eng.weight_version() != 1 and "digest" not in eng.requests

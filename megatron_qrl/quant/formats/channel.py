@@ -64,15 +64,15 @@ class _PerChannelSpec(QuantSpec):
     def _scale_shape(self, out, k):
         return (out, 1)
 
-    def _quantize_into(self, w, codes, scale, name):
+    def _quantize_into(self, w, codes, scale):
         """Row amaxes (one read of ``w``, an exact inf-norm in its dtype), the scales as
         ``_quantize`` computes them, then the codes written into ``codes``
         (:meth:`_codes_into`)."""
         a = torch.linalg.vector_norm(w, float("inf"), dim=-1, keepdim=True).float()
-        self._check_finite_amax(a, w, name)
         s, zero = self._row_scale(w, a)
         scale.copy_(self._inv_scale(s, zero))
         self._codes_into(w, s, codes)
+        return a
 
     def _dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         return q.codes.float() * q.scale

@@ -44,6 +44,7 @@ from megatron_qrl.sync.protocol.inplace import expert_names
 from megatron_qrl.utils import hf_names
 from megatron_qrl.utils.hf_names import STACKED
 
+from ...quant.into import check_finite
 from ...quant.spec import QuantSpec
 
 __all__ = ["EngineWriter", "check_digest", "writer_for"]
@@ -82,6 +83,8 @@ class EngineWriter:
         """Packed name -> shape of every tensor written (the read-back's request)."""
         self.written: dict[str, int] = {}
         """Engine parameter -> elements written this sync."""
+        self.finite: list[tuple[str, torch.Tensor]] = []
+        """(weight, device bool) of every weight quantized: checked once (:meth:`write_all`)."""
         self.quantized = self.copied = 0
         """Weights (or expert stacks) quantized into the engine / tensors copied, this sync."""
         self.seconds = 0.0
@@ -91,7 +94,7 @@ class EngineWriter:
         region (module doc)."""
         t = t.detach().to(self.device, non_blocking=True)
         if _high_precision_weight(self.spec, name, t):
-            written = self.spec.quantize_into(name, t, self._region)
+            written = self.spec.quantize_into(name, t, self._region, self.finite)
             self.quantized += 1
         else:
             dst = self._region(name, tuple(t.shape), t.dtype)
@@ -128,12 +131,15 @@ class EngineWriter:
 
     def write_all(self, stream: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Write every tensor of ``stream``; then every engine parameter must have been
-        written (all of it, but a plain parameter's padding). Returns the tensors written."""
+        written (all of it, but a plain parameter's padding), and every weight quantized
+        finite (one host sync; a non-finite one raises naming it, the engine then holds a
+        partial update and keeps its old weight version). Returns the tensors written."""
         t0 = time.perf_counter()
         n = 0
         for name, t in stream:
             self.write(name, t)
             n += 1
+        check_finite(self.spec, self.finite)  # (the driver refused non-finite weights before)
         self.check_complete()
         self.seconds += time.perf_counter() - t0
         return n
