@@ -26,10 +26,14 @@ engine's receipt (its fingerprints of what it received, compared with what was s
 default, ``SGLangOptions.receipt``); options combine:
 ``fp8:inplace+flat+prefetch+direct+stacked`` is the engine's default in place. A variant runs
 exactly the options it names. ``fp8:direct`` / ``fp8_block:direct`` / ``int8:direct`` is the
-direct sync (``SGLangOptions(sync="direct")``: the packed stream copied straight into the
-engine's own tensors through CUDA IPC handles, one read-back digest; its parts ``storage``
-(fingerprint / handles), ``write`` and ``digest``); ``+resident`` starts any engine without its
-memory saver (``release_memory=False``).
+direct sync (``SGLangOptions(sync="direct")``: the trainer's BF16 weights quantized straight
+into the engine's own tensors through CUDA IPC handles, ``QuantSpec.quantize_into``, one
+read-back digest; its parts ``storage`` (fingerprint / handles), ``write`` and ``digest``,
+and the weights ``quantized`` / tensors ``copied``); ``+packed`` hands it the packed stream
+instead, copied into its tensors (the direct sync before it quantized in place), side by
+side; ``+qcache`` (any engine variant) sends codes and scales quantized before the clock, as
+the aligned forward's Q(W) cache holds them (copied, not quantized, by ``direct``);
+``+resident`` starts any engine without its memory saver (``release_memory=False``).
 
 ``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
 (pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:
@@ -88,12 +92,22 @@ def layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]:
-    """Every HF tensor of the model, BF16 on ``device`` (one layer's random values reused)."""
+    """Every HF tensor of the model, BF16 on ``device`` (one layer's random values reused;
+    each expert projection a row of one ``[E, out, in]`` tensor, as a stacked-experts trainer
+    streams them)."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(0)
-    layer = {k: (torch.randn(s, generator=g, device=device) * (0.02 if len(s) > 1 else 1.0)
-                 + (0 if len(s) > 1 else 1.0)).bfloat16() for k, s in layer_shapes(cfg).items()}
+
+    def rand(shape):
+        return (torch.randn(shape, generator=g, device=device) * (0.02 if len(shape) > 1 else 1.0)
+                + (0 if len(shape) > 1 else 1.0)).bfloat16()
+
+    shapes = layer_shapes(cfg)
+    stacks = {proj: rand((cfg["num_experts"], *shapes[f"mlp.experts.0.{proj}.weight"]))
+              for proj in ("gate_proj", "up_proj", "down_proj")}
+    layer = {k: stacks[k.split(".")[3]][int(k.split(".")[2])] if k.startswith("mlp.experts.")
+             else rand(s) for k, s in shapes.items()}
     v, h = cfg["vocab_size"], cfg["hidden_size"]
     emb = (torch.randn(v, h, generator=g, device=device) * 0.02).bfloat16()
     yield "model.embed_tokens.weight", emb
@@ -200,7 +214,21 @@ def _qcache(spec, cfg: dict, device: str):
 
 
 OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt", "qcache",
-           "resident")
+           "resident", "packed")
+
+
+def engine_stream(eng, spec, cfg: dict, opts: list[str], quantized=None):
+    """What the driver's sync (:func:`megatron_qrl.rl.sync.sync_weights`) hands engine
+    ``eng``: the weights for an engine that quantizes them into its storage (``direct``;
+    ``+packed``: the packed stream, copied), else the packed stream (``+packeach``: experts
+    packed one by one and stacked in the sender); ``quantized``: the ``+qcache`` codes."""
+    from megatron_qrl.quant.pack_stream import writer_stream
+
+    stacked = eng.stacked_experts and "packeach" not in opts
+    if eng.quantizes_into and "packed" not in opts:
+        return writer_stream(spec, trainer_stream(cfg), quantized=quantized,
+                             stack_experts=stacked)
+    return spec.pack_state_dict(trainer_stream(cfg), stack_experts=stacked, quantized=quantized)
 
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
@@ -225,8 +253,11 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     if engine and (device != "cuda" or layers or experts):
         raise ValueError("--device / --layers / --experts apply to --pack-only and "
                          "--produce-only (an engine variant runs the whole 30B-A3B on the GPU)")
-    for opt in sorted({"fpeach", "qcache"} & set(opts) if engine else ()):
+    for opt in sorted({"fpeach"} & set(opts) if engine else ()):
         raise ValueError(f"variant {variant!r}: {opt} is a --produce-only option")
+    if "packed" in opts and sync != "direct":
+        raise ValueError(f"variant {variant!r}: +packed (the packed stream copied) is an "
+                         "option of FMT:direct")
     cfg = model_config(layers, experts)
     spec = get_spec(fmt)
     res: dict = {"variant": variant}
@@ -262,12 +293,11 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     t = time.perf_counter()
     eng = SGLangEngine(d, fmt, options, **kw)
     res["startup_s"] = round(time.perf_counter() - t, 1)
+    quantized = _qcache(spec, cfg, "cuda") if "qcache" in opts else None
     for version in (1, 2):  # the first sync also pays one-time costs (IPC setup, allocations)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        stacked = eng.stacked_experts and "packeach" not in opts  # as rl.sync.sync_weights
-        eng.update_weights(spec.pack_state_dict(trainer_stream(cfg), stack_experts=stacked),
-                           version=version)
+        eng.update_weights(engine_stream(eng, spec, cfg, opts, quantized), version=version)
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
         res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
         for part in ("produce_s", "stream_s", "fingerprint_s", "flatten_s", "wait_s",
@@ -275,8 +305,9 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
             if part in eng.last_sync:
                 res[f"{part.removesuffix('_s')}_s_v{version}"] = round(eng.last_sync[part], 2)
         res[f"buckets_v{version}"] = eng.last_sync.get("buckets")
-        if "handles_taken" in eng.last_sync:
-            res[f"handles_taken_v{version}"] = eng.last_sync["handles_taken"]
+        for key in ("handles_taken", "quantized", "copied"):
+            if key in eng.last_sync:
+                res[f"{key}_v{version}"] = eng.last_sync[key]
     from megatron_qrl.rollout.base import SamplingParams
 
     out = eng.generate([[1000 + i for i in range(16)]], SamplingParams(
@@ -353,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-PARTS = ("engine", "produce", "stream", "fingerprint", "flatten", "wait", "serialize", "finish")
+PARTS = ("engine", "produce", "stream", "fingerprint", "flatten", "wait", "serialize", "finish",
+         "storage", "write", "digest")
 
 
 def sync_table(rows: list[dict]) -> str:

@@ -113,14 +113,15 @@ def test_produce_only_refuses_what_it_cannot_time():
 
 
 def test_engine_variant_options_are_checked_before_any_work():
-    """Options of --produce-only / --pack-only are refused for an engine variant at once
-    (before the 30B pack is timed), naming the option."""
+    """Options of --produce-only / --pack-only, and +packed outside the direct sync, are
+    refused for an engine variant at once (before the 30B pack is timed), naming the option."""
     from bench.weight_sync import child
 
     with pytest.raises(ValueError, match="fpeach is a --produce-only option"):
         child("fp8:inplace+flat+direct+stacked+fpeach", 1)
-    with pytest.raises(ValueError, match="qcache is a --produce-only option"):
-        child("fp8:inplace+flat+direct+stacked+qcache", 1)
+    with pytest.raises(ValueError, match=r"\+packed \(the packed stream copied\) is an option "
+                       "of FMT:direct"):
+        child("fp8:inplace+flat+direct+stacked+packed", 1)
     with pytest.raises(ValueError, match="--device / --layers / --experts apply to"):
         child("fp8:inplace", 1, device="cpu")
 

@@ -42,7 +42,6 @@ from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import EngineLayout, EngineLayoutError, locate, view
 from megatron_qrl.sync.protocol.inplace import expert_names
 from megatron_qrl.utils import hf_names
-from megatron_qrl.utils.hf_names import STACKED
 
 from ...quant.into import check_finite
 from ...quant.spec import QuantSpec
