@@ -1,4 +1,4 @@
-"""H200: the direct sync (``sync="direct"``: the packed stream copied straight into the
+"""H200: the direct sync (``sync="direct"``: the trainer's weights quantized straight into the
 engine's own tensors through CUDA IPC handles) against the in-place sync, fp8, fp8_block and
 int8.
 
@@ -7,12 +7,17 @@ int8.
 
 Per format and sync, in its own process (``python tests/gpu/test_sglang_direct.py FMT SYNC
 OUT.json``): export the tiny Qwen3-MoE of test_sglang_inplace with weights A, start the engine
-on it (CUDA graphs on, memory saver off), sync A (version 0) then B (version 1), generate
-greedily, and save every engine parameter as the storage service exports it (the tensors
-the kernels read, through their IPC handles). The parent requires the direct engine's
-parameters bit-equal to the in-place engine's, the same greedy tokens, the second direct sync
-reusing the handles of the first (one export), and the read-back digest as its check; then
-the same with the memory saver and a release / resume between the syncs.
+on it (CUDA graphs on, memory saver off), sync A (version 0) then B (version 1) through the
+driver's ``rl.sync.sync_weights`` with the weights on the GPU (the in-place engine gets them
+packed by the fused Triton quantizers, the direct engine quantizes them into its tensors with
+``QuantSpec.quantize_into``'s torch ops), generate greedily, and save every engine parameter
+as the storage service exports it (the tensors the kernels read, through their IPC handles).
+The parent requires the direct engine's parameters bit-equal to the in-place engine's, the
+same greedy tokens, the second direct sync reusing the handles of the first (one export), and
+the read-back digest as its check; ``direct+packed`` (the packed stream copied) and
+``direct+qcache`` (codes and scales quantized before the sync, as the aligned forward's Q(W)
+cache holds them: copied, none quantized) the same; then the same with the memory saver and a
+release / resume between the syncs.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ FORMATS = ["fp8", "fp8_block", "int8"]
 
 
 def worker(fmt: str, sync: str, out: Path) -> None:
-    """``sync``: ``inplace``, ``direct``, or ``direct+saver`` (the engine with its memory
+    """``sync``: ``inplace``, ``direct``, ``direct+packed`` (the packed stream copied),
+    ``direct+qcache`` (cached codes copied), or ``direct+saver`` (the engine with its memory
     saver, its memory released and resumed between the two syncs, as the RL loop does)."""
     from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.hf_reference import hf_tensors
+    from megatron_qrl.rl.sync import sync_weights
     from megatron_qrl.rollout import SamplingParams
     from megatron_qrl.rollout_sglang import SGLangEngine, SGLangOptions
     from tests.gpu.test_sglang_inplace import prompts, source_model
@@ -56,8 +63,15 @@ def worker(fmt: str, sync: str, out: Path) -> None:
             if saver and version:
                 engine.release_memory()
                 engine.resume_memory()
-            packed = spec.pack_state_dict(hf_tensors(model), stack_experts=engine.stacked_experts)
-            engine.update_weights(packed, version)
+            stream = [(n, t.cuda()) for n, t in hf_tensors(model)]
+            if option == "packed":  # the packed stream, copied into the engine
+                engine.update_weights(spec.pack_state_dict(
+                    iter(stream), stack_experts=engine.stacked_experts), version)
+            else:
+                cache = ({n: spec.quantize_weight(t, name=n) for n, t in stream
+                          if spec.is_quantized(n)} if option == "qcache" else {})
+                sync_weights(iter(stream), engine, spec, version,
+                             quantized=cache.get if cache else None)
             res[f"sync_{tag}"] = dict(engine.last_sync, version=engine.weight_version())
         o = engine.generate(prompts(), SamplingParams(max_new_tokens=16, temperature=0))
         res["ids"], res["mask"] = o.output_ids.tolist(), o.mask.tolist()
@@ -80,11 +94,17 @@ from tests.gpu import run_json_worker, skip_unless_sglang_gpu  # noqa: E402
 skip_unless_sglang_gpu("SGLang direct sync tests")
 
 
+_DONE: dict[tuple[str, str], Path] = {}
+"""(format, sync) -> the result file of a worker already run (the in-place references)."""
+
+
 def _run(fmt: str, sync: str, tmp: Path) -> tuple[dict, dict]:
-    out = tmp / f"{fmt}-{sync.replace('+', '-')}.json"
-    res = run_json_worker(__file__, [fmt, sync, str(out)], out, "ids",
-                          f"{fmt}: the {sync} sync worker")
-    return res, torch.load(out.with_suffix(".pt"))
+    out = _DONE.get((fmt, sync)) or tmp / f"{fmt}-{sync.replace('+', '-')}.json"
+    if (fmt, sync) not in _DONE:
+        run_json_worker(__file__, [fmt, sync, str(out)], out, "ids",
+                        f"{fmt}: the {sync} sync worker")
+        _DONE[fmt, sync] = out
+    return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -92,19 +112,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_direct_sync_equals_inplace(tmp_path, fmt):
+@pytest.mark.parametrize("fmt,sync", [(f, "direct") for f in FORMATS]
+                         + [("fp8", "direct+packed"), ("fp8_block", "direct+qcache")])
+def test_direct_sync_equals_inplace(tmp_path, fmt, sync):
     """Catches: a region written at the wrong offset / transpose on the real engine, a
     kernel reading storage the writer does not reach (tokens differ), handles re-taken on
-    every sync."""
+    every sync; the torch ops of ``quantize_into`` on CUDA (``torch.mul(..., out=fp8)``, the
+    int8 rounding) not giving the fused Triton quantizers' bits; cached codes quantized
+    again."""
     ref, ref_t = _run(fmt, "inplace", tmp_path)
-    got, got_t = _run(fmt, "direct", tmp_path)
+    got, got_t = _run(fmt, sync, tmp_path)
     sb = got["sync_b"]
-    print(f"\n[direct] {fmt}: sync B {sb['seconds']:.3f} s (storage {sb['storage_s']:.3f}, "
-          f"write {sb['write_s']:.3f}, digest {sb['digest_s']:.3f}); in place "
+    print(f"\n[{sync}] {fmt}: sync B {sb['seconds']:.3f} s (storage {sb['storage_s']:.3f}, "
+          f"write {sb['write_s']:.3f}, digest {sb['digest_s']:.3f}; quantized "
+          f"{sb['quantized']}, copied {sb['copied']}); in place "
           f"{ref['sync_b']['seconds']:.3f} s", flush=True)
     assert sb["verified"] == "digest" and sb["version"] == 1, sb
     assert sb["handles_taken"] == 1, f"{fmt}: the second sync took the handles again: {sb}"
+    assert (sb["quantized"] > 0) == (sync == "direct") and sb["copied"] > 0, sb
     assert ref_t.keys() == got_t.keys()
     differ = [n for n in ref_t if not torch.equal(_bits(ref_t[n]), _bits(got_t[n]))]
     assert not differ, f"{fmt}: the direct sync left {len(differ)} parameters unlike in place: {differ[:5]}"

@@ -34,14 +34,14 @@ class Engine:
     """Regions of larger tensors: ``rows`` of dim -2 of a buffer twice as tall, filled with a
     sentinel (a fused parameter's member rows, one half of every expert's ``w13``)."""
 
-    def __init__(self, start):
-        self.start, self.held = start, {}
+    def __init__(self, start, device="cpu"):
+        self.start, self.device, self.held = start, device, {}
 
     def region(self, name, shape, dtype):
         full = list(shape)
         full[-2] = 2 * shape[-2] + self.start
-        buf = torch.full(full, 7, dtype=torch.int8).view(dtype) if dtype.itemsize == 1 \
-            else torch.full(full, 7.0, dtype=dtype)
+        buf = torch.full(full, 7, dtype=torch.int8, device=self.device).view(dtype) \
+            if dtype.itemsize == 1 else torch.full(full, 7.0, dtype=dtype, device=self.device)
         self.held[name] = buf
         return buf.narrow(-2, self.start, shape[-2])
 
@@ -53,25 +53,31 @@ class Engine:
         return bool((_bits(rest).float() == (7 if buf.element_size() == 1 else 7.0)).all())
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (the fused Triton quantizers pack there)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("experts,rows", [(0, 384), (3, 200), (2, 256)],
                          ids=["weight", "stack_partial_block", "stack"])
-def test_quantize_into_is_pack_bit_for_bit(fmt, experts, rows):
+def test_quantize_into_is_pack_bit_for_bit(fmt, experts, rows, device):
     """Catches: a block amax that spans two experts or the partial last block's padding,
-    a scale from other expressions than
-    ``_quantize``'s, an E4M3 cast that is not saturated where ``fl(w s)`` exceeds 448, int8
-    zero rows, writes outside the region."""
+    a scale from other expressions than ``_quantize``'s, an E4M3 cast that is not saturated
+    where ``fl(w s)`` exceeds 448, int8 zero rows, writes outside the region; on a GPU, torch's
+    CUDA ops (``torch.mul(..., out=fp8)``: the cast on store) not giving the bits of the fused
+    Triton quantizer ``pack`` runs there."""
     spec = get_spec(fmt)
     k = 256
     if experts:
         name = "model.layers.4.mlp.experts.*.up_proj.weight"
-        w = _weights((experts, rows, k))
+        w = _weights((experts, rows, k)).to(device)
         units = [(f"model.layers.4.mlp.experts.{e}.up_proj.weight", w[e]) for e in range(experts)]
     else:
         name = "model.layers.4.self_attn.k_proj.weight"
-        w = _weights((rows, k))
+        w = _weights((rows, k)).to(device)
         units = [(name, w)]
-    eng = Engine(start=128)
+    eng = Engine(start=128, device=device)
     written = dict(spec.quantize_into(name, w, eng.region))
     for e, (unit, we) in enumerate(units):
         for leaf, want in spec.pack(unit, we):
