@@ -23,7 +23,9 @@
 #   inplace     tests/gpu/test_sglang_inplace.py (waits for the Marlin prewarm)
 #   sync        bench/weight_sync.py, Qwen3-30B-A3B shape in place: per-expert loads (flat +
 #               prefetch, the older default) vs the defaults (+ direct loads of the
-#               expert-stacked wire) for fp8, w4a16, nvfp4 (~90 s per variant: each starts a 30B engine)
+#               expert-stacked wire) for fp8, w4a16, nvfp4 (~90 s per variant: each starts a 30B engine);
+#               the direct sync: VARIANTS=fp8:direct+resident,fp8:direct+resident+packed,... (quantized
+#               into the engine's tensors vs the packed stream copied; +qcache: cached codes copied)
 #   produce     bench/weight_sync.py --produce-only: the trainer side of the 30B in-place sync
 #               without an engine (pack, fingerprints, expert stacking, flat buckets), stacked
 #               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min);

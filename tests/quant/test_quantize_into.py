@@ -53,8 +53,8 @@ class Engine:
         return bool((_bits(rest).float() == (7 if buf.element_size() == 1 else 7.0)).all())
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a GPU (the fused Triton quantizers pack there)"))
+NO_GPU = "needs a GPU (the fused Triton quantizers pack there)"
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU))
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
