@@ -73,17 +73,18 @@ class FreshTensors(TorchDispatchMode):
     """Counts the tensors of more than one element that aten ops create with storage of their
     own (not a view of, nor written into, an input): allocations, copies, results. Scalars
     aside: nvfp4's per-weight amaxes (one ``_foreach_norm`` for a window) are numbers, not
-    copies of expert data."""
+    copies of expert data. ``dtypes``: only tensors of these dtypes count."""
 
-    def __init__(self):
+    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
         super().__init__()
-        self.count = 0
+        self.count, self.dtypes = 0, dtypes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor)}
         self.count += sum(isinstance(t, torch.Tensor) and t.numel() > 1
+                          and (self.dtypes is None or t.dtype in self.dtypes)
                           and t.untyped_storage().data_ptr() not in inputs
                           for t in tree_flatten(out)[0])
         return out

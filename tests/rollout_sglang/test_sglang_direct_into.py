@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.pack_stream import writer_stream
@@ -19,6 +17,7 @@ from megatron_qrl.rollout_sglang.sync.loader.storage import describe, handle
 from megatron_qrl.rollout_sglang.sync.writer import check_digest, writer_for
 from megatron_qrl.sync.protocol.checksums import WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import locate, view
+from tests.quant.test_quant_expert_stacks import FreshTensors
 from tests.rollout_sglang.test_sglang_direct import (
     FFN,
     Q,
@@ -31,26 +30,12 @@ from tests.rollout_sglang.test_sglang_direct import (
 )
 
 FORMATS = ["fp8", "fp8_block", "int8"]
-CODES = {"fp8": torch.float8_e4m3fn, "fp8_block": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-class FreshCodes(TorchDispatchMode):
-    """Counts the tensors of a code dtype (float8 / int8) that aten ops create with storage
-    of their own (not written into an input): a packed intermediate of a weight."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        self.count += sum(isinstance(t, torch.Tensor) and t.numel() > 1
-                          and t.dtype in (torch.float8_e4m3fn, torch.int8)
-                          and t.untyped_storage().data_ptr() not in inputs
-                          for t in tree_flatten(out)[0])
-        return out
+def fresh_codes() -> FreshTensors:
+    """Counts the tensors of a code dtype (float8 / int8) that aten ops create with storage of
+    their own: a packed intermediate of a weight."""
+    return FreshTensors(dtypes=(torch.float8_e4m3fn, torch.int8))
 
 
 def _write(model, fmt, stream, fresh=None):
@@ -74,7 +59,7 @@ def test_quantized_into_the_engine_is_the_inplace_loaders_bits(fmt, stack):
     weight: ``quantize_weight`` then ``copy_``)."""
     ref, got = engine(fmt, seed=0), engine(fmt, seed=0)
     inplace_sync(ref, fmt, packed(fmt, 1, stack=False))
-    fresh = FreshCodes()
+    fresh = fresh_codes()
     writer, sent = _write(got, fmt, writer_stream(get_spec(fmt), hf_weights(1),
                                                   stack_experts=stack), fresh)
     assert writer.quantized > 0 and fresh.count == 0, (writer.quantized, fresh.count)
