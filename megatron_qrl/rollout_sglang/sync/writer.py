@@ -22,8 +22,8 @@ driver's, where the engine :attr:`~megatron_qrl.rollout.base.RolloutEngine.quant
 Fingerprints are taken in the same pass (:class:`~megatron_qrl.sync.protocol.checksums.
 Checksums`, an expert stack's experts under their own names as the in-place sender takes
 them): of the packed tensor copied (the cache's own tensors, where it held them), or of the
-region a quantization wrote; the engine's
-read-back (:func:`check_digest`) names the first region that differs.
+region a quantization wrote; the engine's read-back (:func:`check_digest`) names the first
+region that differs.
 
 Which formats: those whose :attr:`~megatron_qrl.quant.engine_facts.EngineFacts.direct_write`
 says the engine's live layout is the packed one (:func:`writer_for`).
