@@ -43,11 +43,13 @@ each expert before stacking (the older order) to time the rows of
 ``checksum_rows`` side by side. With ``+stacked`` the experts leave the pack stream stacked
 (``pack_state_dict(stack_experts=True)``, no per-expert copies, the default);
 ``+packeach`` packs them per expert and stacks them in the sender (the path before; ``fpeach``
-implies it), for the engine variants too. ``+qcache`` (``--produce-only``) packs codes and
-scales quantized before the clock starts, as the trainer's aligned-forward Q(W) cache holds
-them (``pack_state_dict(quantized=...)``, :mod:`megatron_qrl.rl.qcache_sync`): the sync
-without its quantization, same fingerprints. ``--device cpu --layers 1 --experts 8`` is a CPU
-smoke run.
+implies it), for the engine variants too. ``+qcache`` (here as in the engine variants) packs
+codes and scales quantized before the clock starts, as the trainer's aligned-forward Q(W)
+cache holds them (``pack_state_dict(quantized=...)``, :mod:`megatron_qrl.rl.qcache_sync`):
+the sync without its quantization, same fingerprints. ``--device cpu --layers 1 --experts 8``
+is a CPU smoke run. What the direct sync does per weight, counted on the CPU:
+bench/sync_census.py. The trainer's experts are rows of one ``[E, out, in]`` tensor per kind
+(as a stacked-experts trainer holds them), so stacking them again is a view.
 
 Print a saved run with ``--table FILE.jsonl``; ``--plot FILE.png`` draws where each variant's
 second sync went (after a run, or with ``--table``):
