@@ -240,28 +240,48 @@ def test_block_kernel_vs_fake_on_the_same_codes(shape):
     assert (err <= bound).all()
 
 
-def test_block_activation_codes_equal_the_spec():
-    """SGLang's ``per_token_group_quant_fp8`` equals fp8_block's fake activation quantizer
-    (the format's docstring: ``e4m3(x * (448 / a))``, scale ``a * (1 / 448)``) bit for bit;
-    the fraction of differing codes is printed where not."""
+def test_block_activation_codes_within_the_fast_division():
+    """SGLang's ``per_token_group_quant_fp8`` vs fp8_block's activation quantizer
+    (``e4m3(x * (448 / a))``, scale ``a * (1 / 448)``): scales bit-equal; codes equal but where
+    the kernel's approximate ``448 / a`` (built with ``--use_fast_math``) moves ``x * 448 / a``
+    across an E4M3 rounding midpoint, to the adjacent code
+    (:func:`tests.helpers.group_codes.mismatches`; bit-equality failed on the H200 with SGLang
+    0.5.17). The fraction of differing codes is printed."""
+    from tests.helpers.group_codes import mismatches
+
     _block_or_skip()
     x, _ = _operands(4096, 2048, 128, seed=3)
     x[5] = 0
     xq, xs = activation_operand(BLOCK, x)
-    want = BLOCK.fake_quant_activation(x)
-    from megatron_qrl.te_quant.block_gemm import dequantize_groups
-
-    got = dequantize_groups(xq, xs, x.dtype)
-    print(f"\nfp8_block activations: SGLang vs spec differ in "
-          f"{(got != want).double().mean().item():.2e} of elements")
-    assert torch.equal(got, want)
+    n, bad = mismatches(x, xq, xs)
+    print(f"\nfp8_block activations: SGLang vs spec differ in {n / x.numel():.2e} of codes")
+    assert not bad, bad
 
 
 def test_block_gradients_equal_the_fake_path():
-    """dx and dW bit-equal the fake path's straight-through gradients (the dequantized
-    operands of the same codes)."""
+    """dx bit-equal the fake path's straight-through gradient; dW bit-equal the fake path's
+    GEMM on the real forward's activation operand (SGLang's codes dequantized), i.e. today's
+    gradients up to the forward's rounding: the activation codes, which differ from the
+    spec's at rounding midpoints only (:func:`test_block_activation_codes_within_the_fast_division`);
+    every dW column whose activation codes all equal the spec's is bit-equal to the fake
+    path's."""
+    from megatron_qrl.te_quant.block_gemm import dequantize_groups
+
     _block_or_skip()
-    _gradients_equal_the_fake_path(BLOCK)
+    x, w = _operands(256, 1024, 512, seed=1)
+    g = torch.randn(256, 512, device="cuda").bfloat16()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    real_linear(xr, wr, weight_operand(BLOCK, w), BLOCK).backward(g)
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (BLOCK.fake_quant_activation(xf) @ BLOCK.fake_quant_weight(wf).t()).backward(g)
+    assert torch.equal(xr.grad, xf.grad)
+    engine_x = dequantize_groups(*activation_operand(BLOCK, x), x.dtype)
+    we = w.clone().requires_grad_()
+    (engine_x @ BLOCK.fake_quant_weight(we).t()).backward(g)
+    assert torch.equal(wr.grad, we.grad)
+    same = (engine_x == BLOCK.fake_quant_activation(x)).all(dim=0)
+    print(f"\nfp8_block dW: {int((~same).sum())} of {same.numel()} columns take a differing code")
+    assert torch.equal(wr.grad[:, same], wf.grad[:, same])
 
 
 @pytest.mark.parametrize("shape", [(512, 2560, 1024), (3, 384, 200)])
