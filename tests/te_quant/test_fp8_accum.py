@@ -8,7 +8,8 @@ The bound the GPU tests held before assumed fp32 accumulation (``(N + 2) 2^-24``
 ``test_fp32_bound_misses_the_fp8_accumulator`` shows the same on the emulation, so it fails on
 that old bound; the new bound holds the emulation (fused blocks of 32 products and one
 product per step) and still refuses the named mutation (the weight scale not folded into the
-gradient: the output ``sw`` times too small).
+gradient: the output ``sw`` times too small). Mutation of the bound caught: fp32's 23
+fraction bits for ``ACC_FRACTION_BITS`` (1.48x over on the 10 x 72 x 40 dgrad).
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ def _dgrad_operands(m, k, n, fmt, seed):
     return qg.double(), qw.codes.double(), sg.double(), qw.scale
 
 
+HARDWARE_BITS = 13
+"""The H100's FP8 accumulator (Khattak and Mikaitis 2025), fixed here, not the bound's
+constant: the emulation stands for the hardware the bound is derived for."""
+
+
 def _emulated(qg, codes, sg, block):
     """bf16(fp32(acc) * sg): the epilogue of the row-scaled FP8 GEMM on the emulated acc."""
-    return (truncating_gemm(qg, codes, block).float() * sg.float()).bfloat16().double()
+    acc = truncating_gemm(qg, codes, block, bits=HARDWARE_BITS)
+    return (acc.float() * sg.float()).bfloat16().double()
 
 
 def _fp32_bound(qg, codes, sg, exact):
@@ -62,10 +69,13 @@ def test_fp32_bound_misses_the_fp8_accumulator():
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["10x72x40", "64x256x512"])
 def test_bound_holds_the_emulated_accumulator(shape, fmt, block):
-    qg, codes, sg, _ = _dgrad_operands(*shape, fmt, seed=1)
-    exact = (qg @ codes) * sg
-    err = (_emulated(qg, codes, sg, block) - exact).abs()
-    ratio = (err / fp8_gemm_bound(qg, codes, sg, exact).clamp_min(1e-300)).max().item()
+    ratio = 0.0
+    for seed in range(4):
+        qg, codes, sg, _ = _dgrad_operands(*shape, fmt, seed)
+        exact = (qg @ codes) * sg
+        err = (_emulated(qg, codes, sg, block) - exact).abs()
+        bound = fp8_gemm_bound(qg, codes, sg, exact).clamp_min(1e-300)
+        ratio = max(ratio, (err / bound).max().item())
     print(f"\n{shape} {fmt} block {block}: max err / bound {ratio:.3f}")
     assert ratio <= 1.0
 
