@@ -16,7 +16,8 @@ def _run(tmp_path: Path, env_value: str | None) -> subprocess.CompletedProcess:
     test = tmp_path / "test_cut.py"
     test.write_text("def test_fails():\n    print('measured 1.5')\n    assert 1 == 2\n\n"
                     "def test_passes():\n    pass\n")
-    env = {k: v for k, v in os.environ.items() if k != "QRL_PRINT_FAILURES"}
+    env = {k: v for k, v in os.environ.items()  # (run from an xdist worker: not one itself)
+           if k != "QRL_PRINT_FAILURES" and not k.startswith("PYTEST_XDIST")}
     if env_value is not None:
         env["QRL_PRINT_FAILURES"] = env_value
     return subprocess.run(
