@@ -382,12 +382,21 @@ case $phase in
     # keep <= ~0.6 of engines beside a TE / trainer stream.
     te_env
     commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)  # .commit first: the device copy's git HEAD can be stale
+    # no -s: under xdist (pyproject's addopts) a test's prints reach the log only as captured
+    # output: -rP shows them for passed tests (stdout only), a failure shows them with its
+    # report, written as it happens (QRL_PRINT_FAILURES, tests/conftest.py) so a run cut short
+    # keeps what failed; faulthandler dumps every thread's stack of a test running past
+    # FAULT_S seconds; PYTEST_ARGS adds options (e.g. "--maxfail=1", "-n 0", "-x")
+    read -ra extra <<< "${PYTEST_ARGS:-}"
+    pytest_opts=(-q -rfEsP --tb=short --show-capture=stdout
+                 -o "faulthandler_timeout=${FAULT_S:-300}" "${extra[@]}")
     run_tests() {  # $1: the log; the rest: pytest targets, run one after another
       local log=$1; shift
       case "$*" in *w4a16*|*nvfp4*|*test_sglang_inplace.py|*test_sglang_load.py|*test_sglang_lora.py) marlin_wait ;; esac
       for f in "$@"; do
-        echo "# nvidia-h200 $(date -u +%F), commit $commit: python3 -m pytest -q -rs $f" >> "$log"
-        python3 -m pytest -q -rs -s "$f" ${PYTEST_K:+-k "$PYTEST_K"} >> "$log" 2>&1
+        echo "# nvidia-h200 $(date -u +%F), commit $commit: python3 -m pytest ${pytest_opts[*]} $f" >> "$log"
+        QRL_PRINT_FAILURES=1 python3 -m pytest "${pytest_opts[@]}" "$f" ${PYTEST_K:+-k "$PYTEST_K"} \
+          >> "$log" 2>&1
         echo "$f: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 1)"
       done
     }

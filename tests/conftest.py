@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,29 @@ class ModuleSeconds:
             kept = self.config.cache.get(MODULE_SECONDS, {})
             kept.update({path: round(s, 1) for path, s in self.seconds.items()})
             self.config.cache.set(MODULE_SECONDS, kept)
+
+
+PRINT_FAILURES = "QRL_PRINT_FAILURES"
+"""Environment variable: when set (``bench/h200.sh gpu-tests`` sets it), each failure's report
+is written to stderr as it happens, by the controlling process (xdist's or the only one), so
+a run cut short by its time limit keeps the evidence of what already failed."""
+
+
+def failure_text(report) -> str | None:
+    """The lines :data:`PRINT_FAILURES` writes for one test report (None unless it failed)."""
+    if not report.failed:
+        return None
+    out = f"-- its stdout --\n{report.capstdout}" if report.capstdout else ""
+    return f"\n== FAILED {report.nodeid} ({report.when}) ==\n{report.longreprtext}\n{out}"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if os.environ.get(PRINT_FAILURES) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        text = failure_text(report)
+        if text:
+            sys.stderr.write(text)
+            sys.stderr.flush()
 
 
 def pytest_configure(config):

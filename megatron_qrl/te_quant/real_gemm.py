@@ -150,13 +150,25 @@ def _pad(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Te
     return torch.nn.functional.pad(t, pad)
 
 
+FAST_ACCUM = True
+"""The forward's FP8 GEMMs on CUDA accumulate as the engine's do: SGLang's ``fp8_scaled_mm`` on
+sm90 runs CUTLASS's ``FP8FastAccum`` schedules (the whole K in the tensor core's accumulator,
+13 fraction bits, truncating: ``tests/helpers/fp8_accum.py``), so ``torch._scaled_mm`` runs
+with ``use_fast_accum`` (its default adds the accumulator into fp32 every 128 K elements:
+another sum, which on the H200 left the real forward's logits 0.067 from the exact GEMM's where
+the fake path's were 0.077). The FP8 input gradient (:mod:`.fp8_backward`) keeps the
+promoted, more accurate sum (``fast_accum=False``)."""
+
+
 def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-              out_dtype: torch.dtype, cuda_shapes: bool | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype, cuda_shapes: bool | None = None,
+              fast_accum: bool = FAST_ACCUM) -> torch.Tensor:
     """``(xq @ wq^T) * xs * ws^T`` of FP8 E4M3 codes: ``torch._scaled_mm`` with row-wise fp32
     scales ``xs`` ``[M, 1]``, ``ws`` ``[N, 1]``. On CUDA K and N are zero-padded to multiples
-    of 16 (the kernel's alignment) where needed, and the output is BF16 (the row-wise
-    kernel's only output type) cast to ``out_dtype``. ``cuda_shapes`` (default: on CUDA)
-    forces the padding."""
+    of 16 (the kernel's alignment) where needed, the accumulation is the engine's
+    (``fast_accum``, :data:`FAST_ACCUM`), and the output is BF16 (the row-wise kernel's only
+    output type) cast to ``out_dtype``. ``cuda_shapes`` (default: on CUDA) forces the
+    padding."""
     m, n = xq.shape[0], wq.shape[0]
     if m == 0:  # an expert without tokens (the kernel refuses an empty scale's strides)
         return xq.new_zeros((0, n), dtype=out_dtype)
@@ -166,7 +178,7 @@ def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
         xq, wq = _pad(xq, 1, 16), _pad(_pad(wq, 1, 16), 0, 16)
         ws = _pad(ws, 0, 16)
     y = torch._scaled_mm(xq, wq.t(), scale_a=xs.contiguous(), scale_b=ws.reshape(1, -1),
-                         out_dtype=dtype)
+                         out_dtype=dtype, use_fast_accum=fast_accum and xq.is_cuda)
     return y[:m, :n].to(out_dtype)
 
 
@@ -372,7 +384,8 @@ class RealLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0] and ctx.grad_fp8:
             g2d = grad.reshape(-1, grad.shape[-1])
             grad_x = fp8_backward.dgrad_fp8(g2d, ctx.qw.codes_t, ctx.qw.scale, grad.dtype,
-                                            ctx.grad_fp8, scaled_mm).view(*grad.shape[:-1], -1)
+                                            ctx.grad_fp8, partial(scaled_mm, fast_accum=False)
+                                            ).view(*grad.shape[:-1], -1)
         elif ctx.needs_input_grad[0]:
             grad_x = grad.matmul(ctx.qw.grad_weight(ctx.spec, grad.dtype))
         if ctx.needs_input_grad[1]:
@@ -400,17 +413,19 @@ def _scaled_grouped_ok(xq: torch.Tensor, wq: torch.Tensor) -> bool:
 
 
 def grouped_real_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-                    counts: list[int], fn: Callable[..., torch.Tensor], out_dtype: torch.dtype
-                    ) -> torch.Tensor:
+                    counts: list[int], fn: Callable[..., torch.Tensor], out_dtype: torch.dtype,
+                    fast_accum: bool = FAST_ACCUM) -> torch.Tensor:
     """``cat_e(fn(xq_e, wq[e]))`` over the experts' row groups: one
-    ``torch._scaled_grouped_mm`` for FP8 where it runs, else one real GEMM ``fn`` per expert."""
+    ``torch._scaled_grouped_mm`` for FP8 where it runs (``fast_accum``: :data:`FAST_ACCUM`),
+    else one real GEMM ``fn`` per expert."""
     if _scaled_grouped_ok(xq, wq):
         from megatron_qrl.models.grouped_gemm import group_offsets
 
         return torch._scaled_grouped_mm(
             xq, wq.transpose(1, 2), scale_a=xs.reshape(-1).contiguous(),
             scale_b=ws.reshape(wq.shape[0], -1).contiguous(),
-            offs=group_offsets(counts, xq.device), out_dtype=out_dtype)
+            offs=group_offsets(counts, xq.device), out_dtype=out_dtype,
+            use_fast_accum=fast_accum)
     out, start = [], 0
     for e, c in enumerate(counts):
         if c:
@@ -454,7 +469,8 @@ class GroupedRealFn(torch.autograd.Function):
         if fp8_dx:
             gx = fp8_backward.grouped_dgrad_fp8(grad, ctx.qw.codes_t, ctx.qw.scale, ctx.counts,
                                                 grad.dtype, ctx.grad_fp8,
-                                                partial(grouped_real_mm, fn=scaled_mm))
+                                                partial(grouped_real_mm, fast_accum=False,
+                                                        fn=partial(scaled_mm, fast_accum=False)))
         n = len(ctx.needs_input_grad) - 7
         gws = (gw,) if ctx.stacked else (gw.unbind(0) if gw is not None else (None,) * n)
         return (gx, None, None, None, None, None, None, *gws)

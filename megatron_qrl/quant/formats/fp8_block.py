@@ -7,7 +7,11 @@ applied at dequantization (``w = codes * weight_scale_inv``). Per block, codes f
 ModelOpt's FP8 fake quantizer (``_fp8_eager``): ``s = 448 / amax_block``,
 ``codes = e4m3(w * s)``, ``weight_scale_inv = 1 / s``. Activations follow SGLang's
 ``per_token_group_quant_fp8``: ``a = max(amax_group, 1e-10)``,
-``x_q = e4m3(clamp(x * (448 / a)))``, dequantization scale ``a * (1 / 448)``.
+``x_q = e4m3(clamp(x * (448 / a)))``, dequantization scale ``a * (1 / 448)``. SGLang 0.5.17's
+CUDA kernel is built with ``--use_fast_math``: its ``448 / a`` is the approximate division
+(at most 2 ulp off), so a code whose ``x * 448 / a`` sits at an E4M3 rounding midpoint can
+land one step away from this quantizer's (scales bit-equal); the real GEMM
+(``te_quant.block_gemm``) multiplies SGLang's own codes.
 """
 
 from __future__ import annotations
