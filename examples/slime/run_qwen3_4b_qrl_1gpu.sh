@@ -34,6 +34,8 @@ QRL=${QRL:-1}
 LOSS=${LOSS:-acr}
 LAYERS=${LAYERS:-8}
 ROLLOUTS=${ROLLOUTS:-3}
+AQN=${AQN:-1}                   # QRL=1: 0 drops --qrl-aqn-enabled (rollouts without AQN noise)
+TRAIN_FORWARD=${TRAIN_FORWARD:-aligned}   # QRL=1: off = the BF16 training forward, no --spec swap
 SAVE=${SAVE:-}                  # a dir: save there every SAVE_INTERVAL rollouts (Megatron needs both)
 
 source "${HERE}/examples/models/qwen3_4b.sh"   # MODEL_ARGS (Qwen3-4B's shape)
@@ -111,15 +113,17 @@ QRL_ARGS=(
    --qrl-loss-tis-cap 2.0
    --qrl-loss-aggregation seq_mean_token_mean   # slime's per-sample mean (TBPO needs it)
    --qrl-rollout-format fp8_block
-   --qrl-train-forward aligned
-   --spec megatron_qrl.integrations.slime.model qrl_layer_spec
+   --qrl-train-forward "${TRAIN_FORWARD}"
    --custom-megatron-init-path megatron_qrl.integrations.slime.hooks.qrl_megatron_init
    --custom-megatron-before-log-prob-hook-path megatron_qrl.integrations.slime.hooks.qrl_before_log_prob
    --custom-megatron-before-train-step-hook-path megatron_qrl.integrations.slime.hooks.qrl_before_train_step
    --qrl-error-tokens-action mask
    --rollout-data-postprocess-path megatron_qrl.integrations.slime.postprocess.qrl_rollout_data_postprocess
-   --qrl-aqn-enabled
 )
+if [ "${TRAIN_FORWARD}" = aligned ]; then
+   QRL_ARGS+=(--spec megatron_qrl.integrations.slime.model qrl_layer_spec)
+fi
+if [ "${AQN}" = 1 ]; then QRL_ARGS+=(--qrl-aqn-enabled); fi
 BASELINE_ARGS=(
    --eps-clip 0.2
    --eps-clip-high 0.28

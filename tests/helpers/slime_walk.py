@@ -13,7 +13,9 @@ Megatron-LM 1dcf0da (megatron.core 0.16.0rc0 + megatron.training, slime's patche
    slime's ``model_provider`` with ``--spec ... qrl_layer_spec`` on Megatron's TE spec tree
    (CPU provider: TE does not import here) in megatron's ``Float16Module``, loaded from
    ``--load`` (an HF directory, as in the example) by slime's own ``hf_to_megatron`` loader;
-3. the before-log-prob / before-train-step hooks, one forward on packed samples and slime's
+3. slime's log-prob forward against the rollout's reference forward on the fp8_block export,
+   and the before-log-prob hook's timing (:mod:`tests.helpers.slime_walk_logprobs`); the
+   before-log-prob / before-train-step hooks, one forward on packed samples and slime's
    ``loss_function`` (custom loss) with a backward;
 4. slime's weight sync conversion: ``named_params_and_buffers`` + ``all_gather_param`` +
    ``convert_to_hf`` with the rollout checkpoint's ``quantization_config`` (our quantizer is
@@ -34,11 +36,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "slime" / "run_qwen3_4b_qrl_1gpu.sh"
 TINY_QWEN3 = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 128,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
               "tie_word_embeddings": True}
-"""Qwen3-4B's structure (tied embeddings, q/k norms) at fp8_block's smallest block-aligned size."""
+"""Qwen3-4B's structure (tied embeddings, q/k norms, grouped-query attention: Megatron's fused
+qkv interleaves the groups) at fp8_block's smallest block-aligned size."""
 TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "384",
-              "--num-attention-heads", "2", "--num-query-groups", "1", "--vocab-size", "256"]
+              "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256"]
 CPU_FLAGS = {"apply_rope_fusion": False, "no_persist_layer_norm": True,
              "use_cpu_initialization": True}
 """What differs on a CPU only: TE's RoPE fusion and apex's persistent norm are GPU kernels."""
@@ -214,6 +217,8 @@ def walk(workdir: Path, loss: str) -> dict[str, Any]:
     from megatron_qrl.integrations.slime.launch import parse
     from megatron_qrl.models.runtime import single_process_megatron
 
+    from tests.helpers.slime_walk_logprobs import hook_timing, logprob_alignment
+
     ckpt = checkpoints(workdir)
     ARGS = args = parse(example_argv(workdir, ckpt, loss))
     for key, value in CPU_FLAGS.items():
@@ -225,6 +230,9 @@ def walk(workdir: Path, loss: str) -> dict[str, Any]:
         qrl_megatron_init(args)
         model = build_model(args)
         out["model_dtype"] = str(next(model.parameters()).dtype)
+        _, batch = packed_batch()
+        out["logprobs"] = logprob_alignment(args, model, batch)
+        out["hook_timing"] = hook_timing(args, model, batch)
         out.update(train_step(args, model))
         out["sync"] = weight_sync(args, model)
         out["postprocess"] = postprocess()

@@ -75,6 +75,22 @@ def test_qrl_example_walks_slimes_trainer_path(tmp_path, loss):
     assert got["aligned_states"] == 1
     assert got["aligned_linears"] == ["AlignedTELayerNormColumnParallelLinear",
                                       "AlignedTERowParallelLinear"]
+    # the 8 linears (qkv, proj, fc1, fc2 of 2 layers) of the TE spec were swapped
+    assert got["hook_timing"]["linears"] == 8
+    # weights written as Megatron's optimizer writes them (.data.copy_: same storage, no
+    # version bump), then slime's before-log-prob hook: every Q(W) is recomputed and the
+    # log-prob forward equals one with the caches rebuilt from scratch
+    timing = got["hook_timing"]
+    assert timing["recomputed"] == 8 and timing["changed"] > 0.01
+    assert timing["after_vs_rebuilt"] == 0.0
+    # slime's log-prob forward vs transformers Qwen3 references on the same tokens: with
+    # quantization off it is the BF16 checkpoint's forward (implementation floor), aligned it
+    # is closer to the fp8_block export's forward (weights, per-token-group activations) than
+    # the BF16 forward is
+    lp = got["logprobs"]
+    assert lp["tokens"] == 10 and lp["off_vs_hf_bf16"] < 0.01
+    assert lp["aligned_vs_off"] > 5 * lp["off_vs_hf_bf16"]
+    assert lp["aligned_vs_ref"] < lp["off_vs_ref"]
     # slime's loss_function ran our loss; every parameter got a finite gradient
     assert {"pg_loss", "ratio_mean", "kl_behav_prox_k3", "entropy"} <= set(got["metrics"])
     assert ("tbpo_seq_mask_frac" in got["metrics"]) and got["grad_params"] == 18

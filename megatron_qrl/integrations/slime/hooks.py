@@ -5,7 +5,8 @@ before-train-step (drive the rollout-aligned forward and the AQN step).
   ``(args)``, once per trainer process after Megatron's initialisation. Validates the qrl
   options (:func:`~megatron_qrl.integrations.slime.options.slime_options`), checks that UAQ was
   applied exactly once, and installs the QuantSpec weight-sync quantizer
-  (:mod:`megatron_qrl.integrations.slime.quantizer`) for quantized formats or AQN.
+  (:mod:`megatron_qrl.integrations.slime.quantizer`) for quantized formats or AQN; says what
+  it installed in one ``[megatron_qrl]`` line on rank 0 (:mod:`~.report`).
 - ``--custom-megatron-before-log-prob-hook-path ...hooks.qrl_before_log_prob``:
   ``(args, model, store_prefix)`` before each log-prob forward (actor, ref, teacher).
   With ``--qrl-train-forward aligned`` (the layer spec of
@@ -31,6 +32,7 @@ from typing import Any
 from megatron_qrl.config import QrlArgumentError
 from megatron_qrl.integrations.slime.model import aligned_states
 from megatron_qrl.integrations.slime.options import SPEC, SlimeQrlOptions, slime_options
+from megatron_qrl.integrations.slime.report import aligned_line, install_line, say
 
 
 def check_uaq_once(opts: SlimeQrlOptions, hf_checkpoint: str | None) -> None:
@@ -62,18 +64,24 @@ def qrl_megatron_init(args: Any) -> None:
     if opts.aqn.enabled and not total:
         raise QrlArgumentError("--qrl-aqn-enabled: the noise schedule spans slime's rollouts, "
                                f"but args.num_rollout is {total!r}; set --num-rollout")
+    quantizer = None
     if opts.rollout.spec.quantizes_weights or opts.aqn.enabled:
-        install_quantizer(opts.rollout.format, opts.aqn, opts.run.seed, total_steps=total or 1)
+        quantizer = install_quantizer(opts.rollout.format, opts.aqn, opts.run.seed,
+                                      total_steps=total or 1)
+    say(install_line(opts, quantizer, total or 1))
 
 
 def _drive_aligned(args: Any, model: Any) -> None:
     """Every aligned linear recomputes Q(W) at its next forward (weights were switched or
-    stepped since); a run that asked for the aligned forward without the spec fails here."""
+    stepped since); a run that asked for the aligned forward without the spec fails here.
+    The first call on a model (no state marked yet) says what was swapped, on rank 0."""
     opts = slime_options(args)
     states = aligned_states(model)
     if opts.train.forward == "aligned" and not states:
         raise QrlArgumentError("--qrl-train-forward aligned, but slime's model has no aligned "
                                f"linears: add --spec {' '.join(SPEC)}")
+    if states and all(state.version == 0 for state in states):
+        say(aligned_line(model, states))
     for state in states:
         state.mark_weights_updated()
 
