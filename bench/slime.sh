@@ -19,7 +19,7 @@
 #   slime-ckpt       the random Qwen3-4B shape (${LAYERS:-8} layers) + prompts, and its
 #                    fp8_block export, under /tmp/qrl_random_ckpt (~1 min)
 #   slime-run        examples/slime/run_qwen3_4b_qrl_1gpu.sh with QRL=${QRL:-1} LOSS=${LOSS:-acr}
-#                    (QRL=1 diagnostics: AQN=0, TRAIN_FORWARD=off; the log's name says which)
+#                    (QRL=1 diagnostics: AQN=0, TRAIN_FORWARD=bf16; the log's name says which)
 #                    -> $OUT/slime_<tag>.log (its header names the SGLang) and the per-rollout
 #                    lines (times, reward, mismatch)
 # Every slime phase puts the patched Megatron-LM tree first (its megatron.core replaces the
@@ -94,7 +94,7 @@ print('numpy', numpy.__version__, 'scipy', scipy.__version__, 'from', numpy.__fi
     te_env; tag=${QRL:-1}; [ "$tag" = 1 ] && tag=qrl_${LOSS:-acr} || tag=baseline
     # diagnostic variants of QRL=1 (the example's AQN=0 / TRAIN_FORWARD=off) get their own log
     [ "${AQN:-1}" = 0 ] && tag=${tag}_noaqn
-    [ "${TRAIN_FORWARD:-aligned}" = off ] && tag=${tag}_bf16fwd
+    [ "${TRAIN_FORWARD:-aligned}" = bf16 ] && tag=${tag}_bf16fwd
     commit=$(cat .commit 2>/dev/null || echo unknown)
     echo "# nvidia-h200 $(date -u +%F), commit $commit: QRL=${QRL:-1} LOSS=${LOSS:-acr} AQN=${AQN:-1} TRAIN_FORWARD=${TRAIN_FORWARD:-aligned} LAYERS=${LAYERS:-8}, $(sglang_used)" \
       > "$OUT/slime_$tag.log"

@@ -20,7 +20,9 @@
 # Before the first run (from the megatron_qrl checkout; ~1 min on the GPU):
 #   python3 tools/make_random_checkpoint.py --config qwen3_4b --layers 8 --out $CKPT
 #   python3 tools/export_quantized.py --hf-dir $CKPT --format fp8_block --out $CKPT-fp8_block
-# Then: SLIME_DIR=/root/slime CKPT=... [QRL=0] [LOSS=tbpo] bash examples/slime/run_qwen3_4b_qrl_1gpu.sh
+# Then: SLIME_DIR=/root/slime CKPT=... [QRL=0] [LOSS=tbpo] [AQN=0] [TRAIN_FORWARD=bf16] bash examples/slime/run_qwen3_4b_qrl_1gpu.sh
+# (AQN=0 / TRAIN_FORWARD=bf16: QRL=1 without AQN noise / with the BF16 training forward, the
+# mismatch diagnostics of docs/SLIME.md)
 # slime loads the HF weights itself (--load is an HF directory: slime 0.3.1's hf_to_megatron).
 # The driver runs here against a local Ray head (no `ray job submit`: no dashboard needed); the
 # trainer and rollout actors inherit PYTHONPATH, so export Megatron-LM's tree there first.
@@ -35,7 +37,7 @@ LOSS=${LOSS:-acr}
 LAYERS=${LAYERS:-8}
 ROLLOUTS=${ROLLOUTS:-3}
 AQN=${AQN:-1}                   # QRL=1: 0 drops --qrl-aqn-enabled (rollouts without AQN noise)
-TRAIN_FORWARD=${TRAIN_FORWARD:-aligned}   # QRL=1: off = the BF16 training forward, no --spec swap
+TRAIN_FORWARD=${TRAIN_FORWARD:-aligned}   # QRL=1: bf16 = the BF16 training forward, no --spec swap
 SAVE=${SAVE:-}                  # a dir: save there every SAVE_INTERVAL rollouts (Megatron needs both)
 
 source "${HERE}/examples/models/qwen3_4b.sh"   # MODEL_ARGS (Qwen3-4B's shape)

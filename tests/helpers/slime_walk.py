@@ -216,8 +216,7 @@ def walk(workdir: Path, loss: str) -> dict[str, Any]:
     from megatron_qrl.integrations.slime.hooks import qrl_megatron_init
     from megatron_qrl.integrations.slime.launch import parse
     from megatron_qrl.models.runtime import single_process_megatron
-
-    from tests.helpers.slime_walk_logprobs import hook_timing, logprob_alignment
+    from tests.helpers.slime_walk_logprobs import fp32_alignment, hook_timing, logprob_alignment
 
     ckpt = checkpoints(workdir)
     ARGS = args = parse(example_argv(workdir, ckpt, loss))
@@ -236,6 +235,7 @@ def walk(workdir: Path, loss: str) -> dict[str, Any]:
         out.update(train_step(args, model))
         out["sync"] = weight_sync(args, model)
         out["postprocess"] = postprocess()
+        out["logprobs_fp32"] = fp32_alignment(args, model, batch)
     assert torch.is_grad_enabled()
     return out
 

@@ -48,7 +48,7 @@ def _hf_logprobs(hf: Any, batch: dict[str, Any]) -> Any:
     return torch.cat(out)
 
 
-def hf_models(args: Any) -> tuple[Any, Any]:
+def hf_models(args: Any, dtype: Any = None) -> tuple[Any, Any]:
     """transformers models of the fp8_block export (with activation quant) and of ``--load``."""
     import torch
     from safetensors.torch import load_file
@@ -64,12 +64,13 @@ def hf_models(args: Any) -> tuple[Any, Any]:
     export = Path(args.hf_checkpoint)
     cfg = json.loads((export / "config.json").read_text())
     spec = get_spec(args.qrl_rollout_format)
-    ref = build_hf_model(cfg, torch.bfloat16)
+    dtype = dtype or torch.bfloat16
+    ref = build_hf_model(cfg, dtype)
     bad = load_packed_weights(ref, spec, load_file(export / "model.safetensors"),
                               hf_tensor_names(ref))
     assert not bad, bad
     attach_activation_quant(ref, spec)
-    bf16 = build_hf_model(cfg, torch.bfloat16)
+    bf16 = build_hf_model(cfg, dtype)
     missing, unexpected = bf16.load_state_dict(
         load_file(Path(args.load) / "model.safetensors"), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -81,8 +82,10 @@ def _dist(a: Any, b: Any) -> float:
     return float((a - b).abs().mean())
 
 
-def logprob_alignment(args: Any, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
-    """Mean |log-prob differences| between slime's forward (aligned / off) and the references."""
+def logprob_alignment(args: Any, model: Any, batch: dict[str, Any],
+                      dtype: Any = None) -> dict[str, Any]:
+    """Mean |log-prob differences| between slime's forward (aligned / off) and the references
+    (``dtype``: the transformers models', BF16 by default as slime's model)."""
     from megatron_qrl.integrations.slime.hooks import qrl_before_log_prob
     from megatron_qrl.integrations.slime.model import aligned_states
 
@@ -92,12 +95,23 @@ def logprob_alignment(args: Any, model: Any, batch: dict[str, Any]) -> dict[str,
     aligned = _megatron_logprobs(args, model, batch)
     with states[0].only(()):
         off = _megatron_logprobs(args, model, batch)
-    ref, bf16 = hf_models(args)
+    ref, bf16 = hf_models(args, dtype)
     ref_lp, bf16_lp = _hf_logprobs(ref, batch), _hf_logprobs(bf16, batch)
     model.train()
     return {"aligned_vs_ref": _dist(aligned, ref_lp), "off_vs_ref": _dist(off, ref_lp),
             "off_vs_hf_bf16": _dist(off, bf16_lp), "aligned_vs_off": _dist(aligned, off),
             "ref_vs_hf_bf16": _dist(ref_lp, bf16_lp), "tokens": int(aligned.numel())}
+
+
+def fp32_alignment(args: Any, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """:func:`logprob_alignment` with slime's GPT model and the references in FP32 (changes
+    ``model``: the walk's last step). Without BF16 rounding upstream of each per-token-group
+    activation quantization, no E4M3 code lands on the other side of a rounding boundary, so
+    the aligned forward must equal the export's forward to FP32 rounding."""
+    import torch
+
+    gpt = model.module.float()  # out of megatron's Float16Module, which casts to BF16
+    return logprob_alignment(args, gpt, batch, torch.float32)
 
 
 def hook_timing(args: Any, model: Any, batch: dict[str, Any]) -> dict[str, Any]:

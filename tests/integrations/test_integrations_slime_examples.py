@@ -70,13 +70,16 @@ def test_30b_example_qrl_block_is_valid():
 
 
 @pytest.mark.parametrize("loss", ["acr", "tbpo"])
-def test_1gpu_example_qrl_block_is_valid(loss):
+def test_1gpu_example_qrl_block_is_valid(tmp_path, loss):
     """examples/slime/run_qwen3_4b_qrl_1gpu.sh, QRL=1: fp8_block, the aligned forward through
-    --spec, the loss kind, error tokens and AQN, with every hook the options need named."""
+    --spec, the loss kind, error tokens and AQN, with every hook the options need named (the
+    arguments the script passes, run with ``python3`` / ``ray`` stood in)."""
     from megatron_qrl.integrations.slime.options import SPEC
+    from tests.helpers.slime_walk import run_example
 
     text = (EXAMPLES / "run_qwen3_4b_qrl_1gpu.sh").read_text()
-    tokens = bash_array(text, "QRL_ARGS", {"LOSS": loss, "CKPT": "/ckpt"})
+    argv, _ = run_example(tmp_path, CKPT="/ckpt", LOSS=loss, QRL="1")
+    tokens = argv[argv.index("--hf-checkpoint", argv.index("--seed")):]
     opts = block_options(tokens, custom_megatron_init_path=None, spec=None)
     assert (opts.loss.kind, opts.rollout.format, opts.train.forward) == (loss, "fp8_block", "aligned")
     assert opts.aqn.enabled and opts.error_tokens.action == "mask"
@@ -85,6 +88,19 @@ def test_1gpu_example_qrl_block_is_valid(loss):
     assert len(dotted_paths_resolve(text)) == 6  # loss, 4 hooks, the reward (--spec: SPEC)
     rollout = bash_array(text, "ROLLOUT_ARGS", {"CKPT": "/ckpt", "ROLLOUTS": "3"})
     assert rollout[rollout.index("--label-key") + 1] == "answer"  # the prompts file's column
+
+
+def test_1gpu_example_mismatch_diagnostics(tmp_path):
+    """AQN=0 drops AQN, TRAIN_FORWARD=bf16 the aligned forward and its --spec; the rest of the
+    QRL=1 run stays (the diagnostic runs of docs/SLIME.md)."""
+    from tests.helpers.slime_walk import run_example
+
+    argv, _ = run_example(tmp_path, CKPT="/ckpt", QRL="1", AQN="0", TRAIN_FORWARD="bf16")
+    tokens = argv[argv.index("--hf-checkpoint", argv.index("--seed")):]
+    opts = block_options(tokens, custom_megatron_init_path=None, spec=None)
+    assert (opts.rollout.format, opts.train.forward, opts.aqn.enabled) == ("fp8_block", "bf16", False)
+    assert "--spec" not in tokens and "--qrl-aqn-enabled" not in tokens
+    assert opts.loss.kind == "acr" and opts.error_tokens.action == "mask"
 
 
 def test_1gpu_example_baseline_has_no_qrl_flags():
