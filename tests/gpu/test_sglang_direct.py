@@ -31,7 +31,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-FORMATS = ["fp8", "fp8_block", "int8"]
+FORMATS = ["fp8", "fp8_block", "int8", "w4a16"]
 
 
 def worker(fmt: str, sync: str, out: Path) -> None:
@@ -113,7 +113,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,sync", [(f, "direct") for f in FORMATS]
-                         + [("fp8", "direct+packed"), ("fp8_block", "direct+qcache")])
+                         + [("fp8", "direct+packed"), ("fp8_block", "direct+qcache"),
+                            ("w4a16", "direct+packed")])
 def test_direct_sync_equals_inplace(tmp_path, fmt, sync):
     """Catches: a region written at the wrong offset / transpose on the real engine, a
     kernel reading storage the writer does not reach (tokens differ), handles re-taken on

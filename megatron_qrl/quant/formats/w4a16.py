@@ -65,7 +65,7 @@ class W4A16Spec(QuantSpec):
         te_recipe=None,
         moe_kernel=None,
         lora_experts="adapter", lora_marlin=True,
-        lora_moe_runner="marlin")
+        lora_moe_runner="marlin", direct_write=True)
 
     def _check_shape(self, shape, name):
         if shape[1] % GROUP:

@@ -25,8 +25,16 @@ them): of the packed tensor copied (the cache's own tensors, where it held them)
 region a quantization wrote; the engine's read-back (:func:`check_digest`) names the first
 region that differs.
 
+Where the engine keeps a parameter in SGLang's Marlin layout (``w4a16``:
+:attr:`~megatron_qrl.sync.protocol.engine_layout.ParamLayout.marlin`), a weight is quantized
+by the format's reference quantizer (or taken from the Q(W) cache) and each packed tensor is
+written through :func:`~megatron_qrl.sync.protocol.marlin.to_live` (codes repacked, scales
+transposed and permuted) into its live region; fingerprints stay those of the packed
+tensors (the read-back undoes the layout); ``weight_shape`` is the engine's own and is not
+written.
+
 Which formats: those whose :attr:`~megatron_qrl.quant.engine_facts.EngineFacts.direct_write`
-says the engine's live layout is the packed one (:func:`writer_for`).
+says the engine's live layout is the packed one or one the writer produces (:func:`writer_for`).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch
 from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import EngineLayout, EngineLayoutError, locate, view
 from megatron_qrl.sync.protocol.inplace import expert_names
+from megatron_qrl.sync.protocol.marlin import to_live
 from megatron_qrl.utils import hf_names
 
 from ...quant.into import check_finite
@@ -84,7 +93,7 @@ class EngineWriter:
         """Engine parameter -> elements written this sync."""
         self.finite: list[tuple[str, torch.Tensor]] = []
         """(weight, device bool) of every weight quantized: checked once (:meth:`write_all`)."""
-        self.quantized = self.copied = 0
+        self.quantized = self.copied = self.kept = 0
         """Weights (or expert stacks) quantized into the engine / tensors copied, this sync."""
         self.seconds = 0.0
 
@@ -92,17 +101,47 @@ class EngineWriter:
         """Quantize weight ``name`` into its engine regions, or copy tensor ``name`` into its
         region (module doc)."""
         t = t.detach().to(self.device, non_blocking=True)
-        if _high_precision_weight(self.spec, name, t):
-            written = self.spec.quantize_into(name, t, self._region, self.finite)
-            self.quantized += 1
-        else:
-            dst = self._region(name, tuple(t.shape), t.dtype)
-            src = t.contiguous()
-            dst.copy_(src, non_blocking=True)
-            written = [(name, src)]  # the fingerprint of what was sent (a cached code: the cache's)
+        if not _high_precision_weight(self.spec, name, t):
+            self._copy(name, t)
             self.copied += 1
-        for packed, dst in written:
-            self._record(packed, dst)
+            return
+        if self._marlin(name):
+            p = hf_names.parse(name)
+            units = ([(hf_names.expert_name(name, e), t[e]) for e in range(t.shape[0])]
+                     if p is not None and p.is_stacked else [(name, t)])
+            for unit, w in units:  # the reference quantizer, then the packed tensors' path
+                for packed, x in self.spec.pack_quantized(unit, self.spec.quantize_weight(
+                        w, name=unit)):
+                    self._copy(packed, x)
+        else:
+            for packed, dst in self.spec.quantize_into(name, t, self._region, self.finite):
+                self._record(packed, dst)
+        self.quantized += 1
+
+    def _copy(self, name: str, t: torch.Tensor) -> None:
+        """One packed (or high-precision) tensor into its region, through the Marlin layout
+        where the engine keeps one; fingerprinted as sent (a cached code: the cache's)."""
+        if self._kept(name):
+            self.kept += 1
+            return
+        dst = self._region(name, tuple(t.shape), t.dtype)
+        src = t.contiguous()
+        kind = self.layout.params[locate(self.layout, name).param].marlin
+        dst.copy_(to_live(kind, src) if kind else src, non_blocking=True)
+        self._record(name, src)
+
+    def _marlin(self, weight: str) -> bool:
+        """Weight ``weight``'s codes live in a Marlin-layout engine parameter."""
+        codes = f"{weight[: -len('.weight')]}.{self.spec._packed_suffixes()[0]}"
+        return bool(self.layout.params[locate(self.layout, codes).param].marlin)
+
+    def _kept(self, name: str) -> bool:
+        """``name`` is a ``weight_shape`` of a Marlin-layout weight: the engine keeps its own
+        (SGLang does not read it after loading) and the codes' region checks the shape."""
+        if not name.endswith(".weight_shape"):
+            return False
+        return bool(self.layout.params[locate(self.layout, name.removesuffix(
+            "_shape") + "_packed").param].marlin)
 
     def _region(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The engine region packed tensor ``name`` of ``shape`` occupies; it must hold

@@ -25,6 +25,7 @@ import torch
 
 from ...utils import hf_names
 from ...utils.hf_names import FUSED, STACKED
+from . import marlin
 
 __all__ = ["STORAGE", "EngineLayout", "EngineLayoutError", "ParamLayout", "Target", "locate",
            "view"]
@@ -55,6 +56,12 @@ class ParamLayout:
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Fused member (``q_proj``, ``gate_proj``, ...) -> its rows ``[start, stop)`` of the
     checkpoint view (in blocks for a block-scale tensor); empty: not fused."""
+    marlin: str = ""
+    """The engine keeps this parameter in SGLang's Marlin layout (:mod:`.marlin`): ``codes``
+    (``weight_packed`` repacked), ``scales`` / ``scales_single`` (``weight_scale`` transposed
+    and permuted in runs of 64 / 8); ``shape`` is then the checkpoint's, the tensor handed out
+    is the live one, and a member's rows ``[s, e)`` are its live columns ``[2s, 2e)`` (codes)
+    or ``[s, e)`` (scales). Empty: the tensor is a checkpoint view."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,8 @@ class EngineLayout:
     def from_json(cls, text: str) -> EngineLayout:
         d = json.loads(text)
         params = {n: ParamLayout(tuple(p["shape"]), p["dtype"], p["transposed"], p["experts"],
-                                 {k: tuple(v) for k, v in p["shards"].items()})
+                                 {k: tuple(v) for k, v in p["shards"].items()},
+                                 p.get("marlin", ""))
                   for n, p in d["params"].items()}
         return cls(params, d["fingerprint"])
 
@@ -121,6 +129,8 @@ def view(checkpoint: torch.Tensor, pl: ParamLayout, target: Target,
     """The region of ``checkpoint`` (a parameter's checkpoint view) that a tensor of
     ``shape`` at ``target`` occupies; a plain parameter longer than the tensor (a padded
     vocabulary) gives its leading rows. Raises :class:`EngineLayoutError` on a shape mismatch."""
+    if pl.marlin:
+        return _marlin_view(checkpoint, pl, target, shape)
     v = checkpoint
     dim = 0
     if pl.experts:
@@ -136,5 +146,29 @@ def view(checkpoint: torch.Tensor, pl: ParamLayout, target: Target,
         raise EngineLayoutError(
             f"direct weight sync: {target.param} region {target.rows or 'whole'} is "
             f"{tuple(v.shape)} in the engine, the trainer sends {tuple(shape)}; the engine was "
+            "started from another model shape")
+    return v
+
+
+def _marlin_view(live: torch.Tensor, pl: ParamLayout, target: Target,
+                 shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`view` of a Marlin parameter: the live region (see :attr:`ParamLayout.marlin`),
+    whose checkpoint shape must be ``shape``."""
+    v = live
+    if pl.experts and target.expert not in (None, STACKED):
+        v = v[int(target.expert)]
+    if target.rows is not None:
+        per = 2 if pl.marlin == "codes" else 1
+        if any(r % marlin.TILE_N for r in target.rows):
+            raise EngineLayoutError(
+                f"direct weight sync: {target.param} rows {target.rows} are not 64-aligned; a "
+                "member of a Marlin parameter must own whole 64-column tiles; use "
+                "--qrl-rollout-sglang-sync inplace")
+        v = v.narrow(-1, per * target.rows[0], per * (target.rows[1] - target.rows[0]))
+    got = marlin.checkpoint_shape(pl.marlin, tuple(v.shape))
+    if got != tuple(shape):
+        raise EngineLayoutError(
+            f"direct weight sync: {target.param} region {target.rows or 'whole'} is {got} in "
+            f"the engine (Marlin {pl.marlin}), the trainer sends {tuple(shape)}; the engine was "
             "started from another model shape")
     return v

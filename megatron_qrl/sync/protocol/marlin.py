@@ -27,7 +27,13 @@ import functools
 
 import torch
 
-__all__ = ["marlin_repack", "marlin_scales", "marlin_unpack", "marlin_unscales"]
+__all__ = ["MarlinUnsupported", "from_live", "marlin_from_codes", "marlin_repack", "marlin_scales",
+           "checkpoint_shape", "live_shape", "marlin_unpack", "marlin_unscales", "repacker",
+           "to_live"]
+
+
+class MarlinUnsupported(ValueError):
+    """A weight or engine setting the Marlin layout functions do not cover (names the fix)."""
 
 TILE_K, TILE_N = 16, 64
 _SHIFTS = tuple(range(0, 32, 4))
@@ -64,22 +70,41 @@ def _words(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)  # keep the bit pattern
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides, size-1 dims included (``contiguous()`` keeps a transposed
+    ``[..., N, 1]``'s stride, which byte views refuse)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _check(n: int, k: int, what: str) -> None:
     if k % TILE_K or n % TILE_N:
-        raise ValueError(f"Marlin layout: {what} has N={n}, K={k}; Marlin tiles need N % 64 == 0 "
+        raise MarlinUnsupported(f"Marlin layout: {what} has N={n}, K={k}; Marlin tiles need N % 64 == 0 "
                          "and K % 16 == 0")
+
+
+def _repack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., N, K]`` nibbles (0..15) -> ``[..., K/16, 2N]`` Marlin words."""
+    *lead, n, k = codes.shape
+    order = torch.tensor(_tile_order(), device=codes.device)
+    tiles = codes.transpose(-1, -2).reshape(*lead, k // TILE_K, TILE_K, n // TILE_N, TILE_N)
+    tiles = tiles.transpose(-3, -2).reshape(*lead, k // TILE_K, n // TILE_N, TILE_K * TILE_N)
+    return _words(tiles.index_select(-1, order)).reshape(*lead, k // TILE_K, 2 * n)
 
 
 def marlin_repack(packed: torch.Tensor) -> torch.Tensor:
     """``[..., N, K/8]`` compressed-tensors words -> ``[..., K/16, 2N]`` Marlin words."""
     *lead, n, k8 = packed.shape
-    k = 8 * k8
-    _check(n, k, "weight_packed")
-    order = torch.tensor(_tile_order(), device=packed.device)
-    codes = _nibbles(packed).transpose(-1, -2)  # [..., K, N]
-    tiles = codes.reshape(*lead, k // TILE_K, TILE_K, n // TILE_N, TILE_N).transpose(-3, -2)
-    tiles = tiles.reshape(*lead, k // TILE_K, n // TILE_N, TILE_K * TILE_N)
-    return _words(tiles.index_select(-1, order)).reshape(*lead, k // TILE_K, 2 * n)
+    _check(n, 8 * k8, "weight_packed")
+    return _repack_nibbles(_nibbles(packed).reshape(*lead, n, 8 * k8))
+
+
+def marlin_from_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Signed int4 codes ``[..., N, K]`` (in [-8, 7]) -> ``[..., K/16, 2N]`` Marlin words:
+    :func:`marlin_repack` of their compressed-tensors words (nibble = code + 8, SGLang's
+    ``uint4b8``) without making those words."""
+    *lead, n, k = codes.shape
+    _check(n, k, "int4 codes")
+    return _repack_nibbles(codes.to(torch.int64) + 8)
 
 
 def marlin_unpack(words: torch.Tensor) -> torch.Tensor:
@@ -98,12 +123,67 @@ def marlin_scales(scale: torch.Tensor, grouped: bool) -> torch.Tensor:
     ``grouped``: the group is shorter than K (SGLang's ``group_size < size_k``)."""
     t = scale.transpose(-1, -2)
     order = torch.tensor(_scale_order(grouped), device=scale.device)
+    if t.shape[-1] % len(order):
+        raise MarlinUnsupported(f"Marlin layout: scales of N={t.shape[-1]} rows; Marlin's scale "
+                                f"permutation needs N % {len(order)} == 0")
     runs = t.reshape(*t.shape[:-1], -1, len(order)).index_select(-1, order)
-    return runs.reshape(t.shape).contiguous()
+    return _dense(runs.reshape(t.shape))
 
 
 def marlin_unscales(scale: torch.Tensor, grouped: bool) -> torch.Tensor:
     """Inverse of :func:`marlin_scales`."""
     inverse = torch.argsort(torch.tensor(_scale_order(grouped), device=scale.device))
     runs = scale.reshape(*scale.shape[:-1], -1, len(inverse)).index_select(-1, inverse)
-    return runs.reshape(scale.shape).transpose(-1, -2).contiguous()
+    return _dense(runs.reshape(scale.shape).transpose(-1, -2))
+
+
+def repacker(device: torch.device):
+    """The function that turns ``[..., N, K/8]`` compressed-tensors words into Marlin words on
+    ``device``: ``sgl_kernel.gptq_marlin_repack`` (per 2-D slice, no act-order perm) where the
+    device is CUDA and sgl_kernel imports, else :func:`marlin_repack` (the same words;
+    tests/gpu/test_marlin_layout.py holds them equal)."""
+    if torch.device(device).type != "cuda":
+        return marlin_repack
+    try:
+        from sgl_kernel import gptq_marlin_repack
+    except ImportError:
+        return marlin_repack
+
+    def kernel(packed: torch.Tensor) -> torch.Tensor:
+        *lead, n, k8 = packed.shape
+        _check(n, 8 * k8, "weight_packed")
+        flat = packed.reshape(-1, n, k8)
+        perm = torch.empty(0, dtype=torch.int32, device=packed.device)
+        out = [gptq_marlin_repack(p.t().contiguous(), perm, 8 * k8, n, 4) for p in flat]
+        return torch.stack(out).reshape(*lead, 8 * k8 // TILE_K, 2 * n)
+
+    return kernel
+
+
+def to_live(kind: str, packed: torch.Tensor) -> torch.Tensor:
+    """A packed tensor in the checkpoint's layout -> what a Marlin parameter of ``kind`` holds:
+    ``codes`` (:func:`repacker`), ``scales`` / ``scales_single`` (:func:`marlin_scales`,
+    grouped or not)."""
+    if kind == "codes":
+        return repacker(packed.device)(packed)
+    return marlin_scales(packed, kind == "scales")
+
+
+def from_live(kind: str, live: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_live` (the engine's read-back)."""
+    if kind == "codes":
+        return marlin_unpack(live.contiguous())
+    return marlin_unscales(live.contiguous(), kind == "scales")
+
+
+def live_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The live shape of a packed tensor of checkpoint ``shape`` (``[..., N, K/8]`` codes ->
+    ``[..., K/16, 2N]``; ``[..., N, G]`` scales -> ``[..., G, N]``)."""
+    *lead, n, c = shape
+    return (*lead, c // 2, 2 * n) if kind == "codes" else (*lead, c, n)
+
+
+def checkpoint_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Inverse of :func:`live_shape`."""
+    *lead, r, c = shape
+    return (*lead, c // 2, 2 * r) if kind == "codes" else (*lead, c, r)

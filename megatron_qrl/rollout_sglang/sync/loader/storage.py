@@ -21,8 +21,11 @@ the checkpoint's ``[out, in]`` codes, a view of the same storage, and the fp32 `
 unchanged, run by the Triton fused-MoE kernel) and ``fp8.py`` with ``weight_block_size``
 (linear and MoE unchanged on Hopper's Triton / CUTLASS path; refused where a UE8M0
 requantization, Marlin or MXFP8 path rewrites them). ``w8a8_int8``'s CPU paths (AMX / Arm64
-VNNI repacks) never hold a CUDA engine's weights. Any other quantized method is refused with
-the fix.
+VNNI repacks) never hold a CUDA engine's weights. Compressed-tensors WNA16 (``w4a16``, read
+from ``compressed_tensors_wNa16.py`` / ``compressed_tensors_wNa16_moe.py``) keeps
+``weight_packed`` Marlin-repacked and ``weight_scale`` transposed and permuted
+(:mod:`.marlin_params`); its parameters are described in their checkpoint shape with the
+live tensor handed out. Any other quantized method is refused with the fix.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ from megatron_qrl.sync.protocol.engine_layout import (
 )
 from megatron_qrl.sync.protocol.inplace import CONTROL, decode_control, expert_names
 from megatron_qrl.sync.protocol.wire import dtype_name
+from megatron_qrl.sync.protocol.marlin import checkpoint_shape, from_live
 from megatron_qrl.utils.hf_names import FUSION_MEMBERS, STACKED
+
+from .marlin_params import marlin_kind, marlin_leaves
 
 __all__ = ["LINEAR_T", "METHODS", "describe", "handle", "serve", "storage_fingerprint"]
 
@@ -67,6 +73,9 @@ def _method_kind(module: torch.nn.Module, name: str) -> str | None:
     cls = type(qm).__name__
     if cls.endswith("KVCacheMethod"):
         return "kv"
+    marlin = marlin_kind(module, name)
+    if marlin is not None:
+        return marlin
     if cls.startswith("Unquantized"):
         return "moe" if hasattr(module, "num_local_experts") else "linear"
     kind = METHODS.get(cls)
@@ -115,11 +124,19 @@ def describe(model: torch.nn.Module) -> tuple[EngineLayout, dict[str, torch.Tens
         kind = _method_kind(module, mod_name)
         if kind == "kv":  # not synced: the engine keeps them
             continue
+        leaves = marlin_leaves(module, kind)  # {leaf: Marlin kind or None (not synced)}
         for leaf, p in module._parameters.items():
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
             full = f"{mod_name}.{leaf}" if mod_name else leaf
+            if leaves is not None and leaf not in leaves:
+                raise EngineLayoutError(f"direct weight sync: {full} is not a parameter of "
+                                        "SGLang 0.5.17's Marlin WNA16 layout; use "
+                                        "--qrl-rollout-sglang-sync inplace")
+            mk = leaves.get(leaf) if leaves is not None else ""
+            if mk is None:  # weight_shape, g_idx, sort indices: the engine keeps its own
+                continue
             if getattr(p, "format_ue8m0", False):
                 raise EngineLayoutError(f"direct weight sync: {full} holds UE8M0 scales "
                                         "(DeepGEMM requantized them); use "
@@ -128,11 +145,12 @@ def describe(model: torch.nn.Module) -> tuple[EngineLayout, dict[str, torch.Tens
             transposed = (kind == "linear" and leaf == "weight" and t.dim() == 2
                           and type(module.quant_method).__name__ in LINEAR_T)
             ck = t.t() if transposed else t
-            shards = ((_moe_shards(leaf, ck.shape[1]) if kind == "moe" and ck.dim() > 1
-                       else _linear_shards(mod_name, module, leaf, ck.shape[0]))
-                      if kind and ck.dim() else {})
-            params[full] = ParamLayout(tuple(ck.shape), dtype_name(ck.dtype), transposed,
-                                       kind == "moe", shards)
+            shape = checkpoint_shape(mk, tuple(ck.shape)) if mk else tuple(ck.shape)
+            shards = ((_moe_shards(leaf, shape[1]) if kind == "moe" and len(shape) > 1
+                       else _linear_shards(mod_name, module, leaf, shape[0]))
+                      if kind and shape else {})
+            params[full] = ParamLayout(shape, dtype_name(ck.dtype), transposed,
+                                       kind == "moe", shards, mk)
             tensors[full] = ck
     return EngineLayout(params, storage_fingerprint(tensors)), tensors
 
@@ -153,7 +171,10 @@ def read_digest(layout: EngineLayout, tensors: dict[str, torch.Tensor],
     sums = Checksums()
     for name, shape in names.items():
         target = locate(layout, name)
-        v = view(tensors[target.param], layout.params[target.param], target, tuple(shape))
+        pl = layout.params[target.param]
+        v = view(tensors[target.param], pl, target, tuple(shape))
+        if pl.marlin:  # back to the checkpoint layout the writer fingerprinted
+            v = from_live(pl.marlin, v)
         if target.expert == STACKED:
             sums.add_rows(expert_names(name, v.shape[0]), v.contiguous())
         else:
