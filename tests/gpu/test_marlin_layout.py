@@ -5,7 +5,7 @@ experts), and a fused member's repack equal to its columns of the fused paramete
 direct writer's w4a16 design writes members on their own).
 
     source .stage/recipe/setup.sh
-    python -m pytest -q tests/gpu/test_marlin_layout.py -x
+    python -m pytest -q tests/gpu/test_marlin_layout.py -x -s
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_qrl.quant.numerics import pack_int4_to_int32
 from megatron_qrl.sync.protocol.marlin import (
+    marlin_from_codes,
     marlin_repack,
     marlin_scales,
     marlin_unpack,
     marlin_unscales,
+    repacker,
 )
 from tests.gpu import skip_unless_sglang_gpu
 
@@ -91,3 +94,23 @@ def test_a_member_repacks_into_its_own_columns():
         assert torch.equal(whole[:, 2 * start: 2 * (start + m)], marlin_repack(p))
         assert torch.equal(whole_s[:, start: start + m], marlin_scales(s, True))
         start += m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768)], ids=["w13", "w2"])
+def test_the_writers_repacks_equal_sglang(n, k):
+    """The direct writer's two repacks: from the quantizer's signed int4 codes
+    (``marlin_from_codes``) and the one :func:`repacker` picks on CUDA (sgl_kernel's
+    ``gptq_marlin_repack`` where it imports), both equal to SGLang's JIT kernel per expert.
+    Catches: a +8 offset or [N, K] orientation wrong for codes, sgl_kernel's argument order."""
+    from sglang.kernels.ops.quantization.gptq_marlin_repack import gptq_marlin_repack
+
+    g = torch.Generator(device="cuda").manual_seed(k)
+    codes = torch.randint(-8, 8, (3, n, k), generator=g, device="cuda", dtype=torch.int8)
+    packed = pack_int4_to_int32(codes.reshape(-1, k)).reshape(3, n, k // 8)
+    want = torch.stack([gptq_marlin_repack(p.t().contiguous(), _empty(), k, n, 4)
+                        for p in packed])
+    assert torch.equal(marlin_from_codes(codes), want)
+    pick = repacker(torch.device("cuda"))
+    print(f"repacker on cuda: {getattr(pick, '__module__', '')}.{pick.__name__}")
+    assert torch.equal(pick(packed), want)

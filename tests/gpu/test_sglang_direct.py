@@ -1,6 +1,7 @@
 """H200: the direct sync (``sync="direct"``: the trainer's weights quantized straight into the
-engine's own tensors through CUDA IPC handles) against the in-place sync, fp8, fp8_block and
-int8.
+engine's own tensors through CUDA IPC handles) against the in-place sync, fp8, fp8_block,
+int8 and w4a16 (whose live tensors are SGLang's Marlin repack: the in-place engine's come
+from SGLang's own ``process_weights_after_loading``, the direct engine's from the writer).
 
     source .stage/recipe/setup.sh
     PYTHONUNBUFFERED=1 python -m pytest -q tests/gpu/test_sglang_direct.py -x -s

@@ -382,11 +382,11 @@ def test_moved_storage_is_taken_again():
 # ---- refusals -------------------------------------------------------------------------
 def test_formats_the_writer_does_not_serve_are_refused_naming_the_flag():
     layout, tensors = describe(engine("fp8"))
-    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct: format 'w4a16'"
-                       r".*serve \['fp8', 'fp8_block', 'int8'\]"):
-        writer_for(get_spec("w4a16"), layout, tensors)
-    with pytest.raises(ValueError, match=r"sync direct .*'w4a16'.*sync inplace"):
-        SGLangOptions(sync="direct").resolve("w4a16")
+    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct: format 'nvfp4'"
+                       r".*serve \['fp8', 'fp8_block', 'int8', 'w4a16'\]"):
+        writer_for(get_spec("nvfp4"), layout, tensors)
+    with pytest.raises(ValueError, match=r"sync direct .*'nvfp4'.*sync inplace"):
+        SGLangOptions(sync="direct").resolve("nvfp4")
     assert SGLangOptions(sync="direct").resolve("fp8_block").sync == "direct"
 
 

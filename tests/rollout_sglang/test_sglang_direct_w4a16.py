@@ -27,6 +27,7 @@ from megatron_qrl.sync.protocol.engine_layout import (
     view,
 )
 from megatron_qrl.sync.protocol.marlin import marlin_repack, marlin_scales
+from megatron_qrl.rl.sync import sync_weights
 from tests.rollout_sglang.test_sglang_direct import (
     E,
     FFN,
@@ -37,6 +38,7 @@ from tests.rollout_sglang.test_sglang_direct import (
     Q,
     SHARD,
     V,
+    _direct_engine,
     _plain,
     hf_weights,
     packed,
@@ -240,6 +242,20 @@ def test_every_marlin_region_is_written_as_a_fresh_engine_loads_it(stream):
     assert set(_marlin_params(got).values()) == {"codes", "scales", "scales_single"}
     _, want_sent = _write(engine(seed=0), packed(FMT, 1, stack=stack))
     assert sent == want_sent
+
+
+def test_sync_weights_hands_a_w4a16_direct_engine_its_weights():
+    """The driver's sync into a direct w4a16 engine, twice: the weights go unquantized, the
+    writer quantizes them into the Marlin layout, the digest is verified, the handles are
+    taken once. Catches: the driver packing for this engine, a digest not requested."""
+    m = _garbage(engine(seed=0))
+    eng = _direct_engine(m, FMT)
+    for v in (1, 2):
+        sync_weights(iter(hf_weights(v)), eng, SPEC, version=v)
+    assert eng.last_sync["verified"] == "digest" and eng.weight_version() == 2
+    assert eng.requests.count("export") == 1
+    a, b = state(engine(seed=2)), state(m)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
 
 
 def test_cached_codes_reach_the_marlin_layout_unchanged():

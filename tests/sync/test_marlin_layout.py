@@ -8,11 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_qrl.quant.numerics import pack_int4_to_int32
 from megatron_qrl.sync.protocol.marlin import (
+    MarlinUnsupported,
+    _tile_order,
+    checkpoint_shape,
+    from_live,
+    live_shape,
+    marlin_from_codes,
     marlin_repack,
     marlin_scales,
     marlin_unpack,
     marlin_unscales,
+    repacker,
+    to_live,
 )
 
 
@@ -95,3 +104,45 @@ def test_scales_equal_marlin_permute_scales_and_round_trip(grouped):
 def test_shapes_off_the_tiles_are_refused():
     with pytest.raises(ValueError, match=r"N=96, K=16; Marlin tiles need N % 64 == 0"):
         marlin_repack(_words(96, 2))
+
+
+def test_the_tile_order_is_a_permutation():
+    """Every one of a tile's 16 x 64 nibbles goes to exactly one place. Catches: a
+    transcription that drops or duplicates a position (the repack would lose codes)."""
+    assert sorted(_tile_order()) == list(range(16 * 64))
+
+
+def test_codes_repack_without_the_checkpoint_words_and_round_trip():
+    """The writer's repack from the quantizer's signed codes equals the repack of their
+    compressed-tensors words (nibble = code + 8), and unpacking gives those words back.
+    Catches: a missing +8 offset, codes taken [K, N] instead of [N, K]."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(-8, 8, (2, 192, 256), generator=g, dtype=torch.int8)
+    words = pack_int4_to_int32(codes.reshape(-1, 256)).reshape(2, 192, 32)
+    live = marlin_from_codes(codes)
+    assert live.shape == (2, 16, 384) and torch.equal(live, marlin_repack(words))
+    assert torch.equal(marlin_unpack(live), words)
+
+
+@pytest.mark.parametrize("kind,shape", [("codes", (3, 128, 16)), ("scales", (3, 128, 2)),
+                                        ("scales_single", (128, 1))])
+def test_to_live_and_back_is_the_identity(kind, shape):
+    """The writer's transform and the read-back's inverse, with the shapes the layout uses.
+    Catches: a read-back that does not undo the writer's layout."""
+    g = torch.Generator().manual_seed(9)
+    x = (_words(*shape, seed=4) if kind == "codes"
+         else torch.randn(shape, generator=g).to(torch.bfloat16))
+    live = to_live(kind, x)
+    assert tuple(live.shape) == live_shape(kind, shape)
+    assert checkpoint_shape(kind, tuple(live.shape)) == shape
+    back = from_live(kind, live)
+    assert torch.equal(back, x) and back.stride()[-1] == 1
+
+
+def test_the_cpu_repacker_is_the_torch_one():
+    assert repacker(torch.device("cpu")) is marlin_repack
+
+
+def test_scales_off_the_runs_are_refused():
+    with pytest.raises(MarlinUnsupported, match=r"N=96 rows; .*N % 64 == 0"):
+        marlin_scales(torch.zeros(96, 2, dtype=torch.bfloat16), True)
