@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.pack_stream import writer_stream
+from megatron_qrl.rl.sync import sync_weights
 from megatron_qrl.rollout_sglang.options import SGLangOptions
 from megatron_qrl.rollout_sglang.sync.loader.storage import describe, handle
 from megatron_qrl.rollout_sglang.sync.writer import _direct_formats, check_digest, writer_for
@@ -27,16 +28,16 @@ from megatron_qrl.sync.protocol.engine_layout import (
     view,
 )
 from megatron_qrl.sync.protocol.marlin import marlin_repack, marlin_scales
-from megatron_qrl.rl.sync import sync_weights
+from megatron_qrl.utils.hf_names import parse
 from tests.rollout_sglang.test_sglang_direct import (
-    E,
     FFN,
-    H,
     KV,
     LAYERS,
     MOE,
-    Q,
     SHARD,
+    E,
+    H,
+    Q,
     V,
     _direct_engine,
     _plain,
@@ -44,7 +45,6 @@ from tests.rollout_sglang.test_sglang_direct import (
     packed,
     state,
 )
-from megatron_qrl.utils.hf_names import parse
 
 FMT, GROUP = "w4a16", 128
 SPEC = get_spec(FMT)

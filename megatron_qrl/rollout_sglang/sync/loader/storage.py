@@ -45,8 +45,8 @@ from megatron_qrl.sync.protocol.engine_layout import (
     view,
 )
 from megatron_qrl.sync.protocol.inplace import CONTROL, decode_control, expert_names
-from megatron_qrl.sync.protocol.wire import dtype_name
 from megatron_qrl.sync.protocol.marlin import checkpoint_shape, from_live
+from megatron_qrl.sync.protocol.wire import dtype_name
 from megatron_qrl.utils.hf_names import FUSION_MEMBERS, STACKED
 
 from .marlin_params import marlin_kind, marlin_leaves
