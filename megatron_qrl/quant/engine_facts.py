@@ -84,10 +84,10 @@ class EngineFacts:
     (SGLang's MoE runner for this format has no LoRA)."""
     direct_write: bool = False
     """SGLang's live tensors of this format are its packed tensors (up to a transpose, in
-    fused / expert-stacked parameters): the colocated direct writer copies the packed stream
-    straight into them (``--qrl-rollout-sglang-sync direct``). Read from SGLang 0.5.17's
-    source (``w8a8_fp8.py``, ``w8a8_int8.py``, ``fp8.py`` with ``weight_block_size``), not yet
-    measured."""
+    fused / expert-stacked parameters) or their Marlin layout, which the writer produces
+    (``w4a16``): the colocated direct writer writes straight into them
+    (``--qrl-rollout-sglang-sync direct``). Read from SGLang 0.5.17's source (``w8a8_fp8.py``,
+    ``w8a8_int8.py``, ``fp8.py`` with ``weight_block_size``, compressed-tensors WNA16)."""
     lora_marlin: bool = False
     """Served expert adapters run SGLang's Marlin LoRA MoE runner (``MarlinLoraRunnerCore``:
     compute capability >= 9.0, merged below; CUDA graphs off, :attr:`LoraServing.eager_reason`)."""
