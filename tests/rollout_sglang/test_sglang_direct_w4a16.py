@@ -333,3 +333,15 @@ def test_a_member_off_the_64_column_tiles_is_refused():
     whole = view(live, ParamLayout((192, 16), "int32", marlin="codes"), Target("p", None, None),
                  (192, 16))
     assert whole.data_ptr() == live.data_ptr() and whole.shape == (8, 384)
+
+
+def test_a_non_finite_weight_fails_the_write_naming_it():
+    """The reference quantizer's finiteness check names the expert the writer quantized.
+    Catches: a Marlin path that skips the check (the engine would hold codes of an Inf)."""
+    weights = dict(hf_weights(8))
+    bad = "model.layers.1.mlp.experts.1.down_proj.weight"
+    weights[bad] = weights[bad].clone()
+    weights[bad][3, 4] = float("inf")
+    layout, tensors = describe(engine())
+    with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.weight.*(NaN|Inf|finite)"):
+        writer_for(SPEC, layout, tensors).write_all(writer_stream(SPEC, weights.items()))
