@@ -96,13 +96,20 @@ def test_gradients_equal_the_fake_path(fmt):
     _gradients_equal_the_fake_path(get_spec(fmt))
 
 
-def _gradients_equal_the_fake_path(spec):
+def _real_and_fake_grads(spec):
+    """One [256, 1024] x [512, 1024] linear's backward on the real GEMM and on the fake path,
+    the same operands and output gradient: ``(xr, wr, xf, wf, g)`` with ``.grad`` filled."""
     x, w = _operands(256, 1024, 512, seed=1)
     g = torch.randn(256, 512, device="cuda").bfloat16()
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     real_linear(xr, wr, weight_operand(spec, w), spec).backward(g)
     xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
     (spec.fake_quant_activation(xf) @ spec.fake_quant_weight(wf).t()).backward(g)
+    return xr, wr, xf, wf, g
+
+
+def _gradients_equal_the_fake_path(spec):
+    xr, wr, xf, wf, _ = _real_and_fake_grads(spec)
     assert torch.equal(xr.grad, xf.grad) and torch.equal(wr.grad, wf.grad)
 
 
@@ -285,13 +292,9 @@ def test_block_gradients_equal_the_fake_path():
     from megatron_qrl.te_quant.block_gemm import dequantize_groups
 
     _block_or_skip()
-    x, w = _operands(256, 1024, 512, seed=1)
-    g = torch.randn(256, 512, device="cuda").bfloat16()
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    real_linear(xr, wr, weight_operand(BLOCK, w), BLOCK).backward(g)
-    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (BLOCK.fake_quant_activation(xf) @ BLOCK.fake_quant_weight(wf).t()).backward(g)
+    xr, wr, xf, wf, g = _real_and_fake_grads(BLOCK)
     assert torch.equal(xr.grad, xf.grad)
+    x, w = xr.detach(), wr.detach()
     engine_x = dequantize_groups(*activation_operand(BLOCK, x), x.dtype)
     we = w.clone().requires_grad_()
     (engine_x @ BLOCK.fake_quant_weight(we).t()).backward(g)

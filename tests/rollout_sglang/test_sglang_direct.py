@@ -147,6 +147,27 @@ def _plain(shape, pad_rows=0):
     return _param(torch.zeros(shape[0] + pad_rows, *shape[1:], dtype=torch.bfloat16), load)
 
 
+def engine_skeleton(model):
+    """``model.model`` with the padded embedding and an empty layer list (the engine-like
+    models' common frame)."""
+    model.model = nn.Module()
+    model.model.embed_tokens = nn.Module()
+    model.model.embed_tokens.weight = _plain((V, H), pad_rows=4)
+    model.model.layers = nn.ModuleList()
+
+
+def add_layer(model, layer, experts):
+    """Give ``layer`` its MoE block (router gate + ``experts``) and input norm and append it to
+    ``model.model.layers``."""
+    layer.mlp = nn.Module()
+    layer.mlp.gate = nn.Module()
+    layer.mlp.gate.weight = _plain((E, H))
+    layer.mlp.experts = experts
+    layer.input_layernorm = nn.Module()
+    layer.input_layernorm.weight = _plain((H,))
+    model.model.layers.append(layer)
+
+
 class EngineModel(nn.Module):
     """Qwen3-MoE-shaped layers as SGLang builds them for ``fmt``."""
 
@@ -155,10 +176,7 @@ class EngineModel(nn.Module):
         lin = {"fp8": W8A8Fp8LinearMethod, "int8": W8A8Int8LinearMethod}.get(fmt, Fp8LinearMethod)
         moe = {"fp8": W8A8FP8MoEMethod, "int8": fake.W8A8Int8MoEMethod}.get(
             fmt, lambda: Fp8MoEMethod((BLOCK, BLOCK)))
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = _plain((V, H), pad_rows=4)
-        self.model.layers = nn.ModuleList()
+        engine_skeleton(self)
         for _ in range(LAYERS):
             layer = nn.Module()
             layer.self_attn = nn.Module()
@@ -168,18 +186,13 @@ class EngineModel(nn.Module):
                 layer.self_attn.attn = nn.Module()
                 layer.self_attn.attn.quant_method = Fp8KVCacheMethod()
                 layer.self_attn.attn.quant_method.create_weights(layer.self_attn.attn)
-            layer.mlp = nn.Module()
-            layer.mlp.gate = nn.Module()
-            layer.mlp.gate.weight = _plain((E, H))
             old = torch.get_default_dtype()
             torch.set_default_dtype(torch.bfloat16)
             try:
-                layer.mlp.experts = fake.FusedMoE(moe(), E, H, FFN)
+                experts = fake.FusedMoE(moe(), E, H, FFN)
             finally:
                 torch.set_default_dtype(old)
-            layer.input_layernorm = nn.Module()
-            layer.input_layernorm.weight = _plain((H,))
-            self.model.layers.append(layer)
+            add_layer(self, layer, experts)
 
     def load_weights(self, weights):
         params = dict(self.named_parameters())

@@ -38,9 +38,9 @@ from tests.rollout_sglang.test_sglang_direct import (
     E,
     H,
     Q,
-    V,
     _direct_engine,
-    _plain,
+    add_layer,
+    engine_skeleton,
     hf_weights,
     packed,
     state,
@@ -158,22 +158,13 @@ class W4EngineModel(nn.Module):
 
     def __init__(self, **scheme):
         super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Module()
-        self.model.embed_tokens.weight = _plain((V, H), pad_rows=4)
-        self.model.layers = nn.ModuleList()
+        engine_skeleton(self)
         for _ in range(LAYERS):
             layer = nn.Module()
             layer.self_attn = nn.Module()
             layer.self_attn.qkv_proj = Linear(H, [Q, KV, KV], ["q", "k", "v"], **scheme)
             layer.self_attn.o_proj = Linear(Q, [H], **scheme)
-            layer.mlp = nn.Module()
-            layer.mlp.gate = nn.Module()
-            layer.mlp.gate.weight = _plain((E, H))
-            layer.mlp.experts = FusedMoE(group=scheme.get("group", GROUP))
-            layer.input_layernorm = nn.Module()
-            layer.input_layernorm.weight = _plain((H,))
-            self.model.layers.append(layer)
+            add_layer(self, layer, FusedMoE(group=scheme.get("group", GROUP)))
 
     def initial_load(self, weights):
         params = dict(self.named_parameters())
