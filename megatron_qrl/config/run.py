@@ -183,6 +183,14 @@ class TrainForwardConfig:
     weight gradient stays BF16. Needs the real GEMM (--qrl-train-aligned-gemm real, or auto on
     a GPU) of a per-channel FP8 format (fp8); effect on the gradient: docs/BENCHMARKS.md."""
 
+    aligned_wgrad: Literal["bf16", "fp8"] = field(
+        default="bf16", metadata={"on_resume": "may change"})
+    """Weight-gradient GEMM of the aligned linears on the real GEMM. bf16: straight-through
+    BF16 (dW = g^T @ deq Q(x)). fp8: the gradient, with the forward's per-token activation scale
+    folded into its rows, quantized per output channel to E4M3, times the forward's saved FP8
+    activation codes in torch._scaled_mm (no second quantization of x). Needs the real GEMM of
+    a per-token FP8 format (fp8); effect on the gradient: docs/BENCHMARKS.md."""
+
     aligned_keep_dequantized: bool = field(default=False, metadata={"on_resume": "may change"})
     """The real GEMM's Q(W) cache also keeps each weight dequantized to BF16 from the first
     backward of an optimizer step to the next step, instead of dequantizing every weight again
@@ -195,12 +203,19 @@ class TrainForwardConfig:
         _choice("--qrl-train-moe-experts", self.moe_experts, MOE_EXPERTS)
         _choice("--qrl-train-aligned-gemm", self.aligned_gemm, ALIGNED_GEMMS)
         _choice("--qrl-train-aligned-backward", self.aligned_backward, ALIGNED_BACKWARDS)
+        _choice("--qrl-train-aligned-wgrad", self.aligned_wgrad, ALIGNED_BACKWARDS)
         if self.aligned_backward != "bf16" and (self.forward != "aligned"
                                                 or self.aligned_gemm == "fake"):
             raise ValueError(
                 f"--qrl-train-aligned-backward {self.aligned_backward} needs "
                 "--qrl-train-forward aligned with --qrl-train-aligned-gemm real or auto (got "
                 f"{self.forward} / {self.aligned_gemm}); use --qrl-train-aligned-backward bf16")
+        if self.aligned_wgrad != "bf16" and (self.forward != "aligned"
+                                             or self.aligned_gemm == "fake"):
+            raise ValueError(
+                f"--qrl-train-aligned-wgrad {self.aligned_wgrad} needs --qrl-train-forward "
+                "aligned with --qrl-train-aligned-gemm real or auto (got "
+                f"{self.forward} / {self.aligned_gemm}); use --qrl-train-aligned-wgrad bf16")
         if self.aligned_keep_dequantized and (self.forward != "aligned"
                                               or self.aligned_gemm == "fake"):
             raise ValueError(

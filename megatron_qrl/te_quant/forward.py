@@ -17,7 +17,7 @@ from megatron_qrl.models.hf_config import ModelArch
 from megatron_qrl.models.stacked_experts import stacked_experts_spec_hook
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.kv_cache import get_kv_format
-from megatron_qrl.te_quant.fp8_backward import BACKWARD_FLAG
+from megatron_qrl.te_quant.fp8_backward import BACKWARD_FLAG, WGRAD_FLAG
 from megatron_qrl.te_quant.kv_core_attention import KVAlignState, kv_spec_hook
 from megatron_qrl.te_quant.real_gemm import FLAG, DeviceInfo, device_info, select_gemm
 from megatron_qrl.te_quant.spec_hook import SpecHook, aligned_spec_hook, compose_hooks
@@ -83,7 +83,12 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
         if backward != "bf16" and te_recipe:
             raise ValueError(f"{BACKWARD_FLAG} {backward}: a Transformer Engine recipe runs its "
                              f"own backward GEMMs; drop the recipe or use {BACKWARD_FLAG} bf16")
-        state = AlignedForwardState(rollout_format, gemm=gemm, backward=backward)
+        if train.aligned_wgrad != "bf16" and te_recipe:
+            raise ValueError(f"{WGRAD_FLAG} {train.aligned_wgrad}: a Transformer Engine recipe "
+                             f"runs its own backward GEMMs; drop the recipe or use {WGRAD_FLAG} "
+                             "bf16")
+        state = AlignedForwardState(rollout_format, gemm=gemm, backward=backward,
+                                    wgrad=train.aligned_wgrad)
         state.keep_dequantized = train.aligned_keep_dequantized and gemm == "real"
         kv = KVAlignState(kv_cache) if get_kv_format(kv_cache).quantizes else None
         if not state.spec.quantizes_weights and kv is None:

@@ -28,6 +28,22 @@ columns (the dgrad's partial sums are all-reduced after, by Megatron's mappings)
 Which FP8 element type: :data:`GRAD_FORMAT` (E4M3), measured by ``bench/fp8_backward.py``
 against E5M2 (docs/BENCHMARKS.md): with one scale per row, E5M2's wider range is not needed
 and its one fewer mantissa bit doubles the error.
+
+The weight gradient (wgrad, ``--qrl-train-aligned-wgrad fp8``) multiplies the forward's saved
+per-token activation codes ``qx, sx = Q_a(x)`` (no second quantization of ``x``, no
+dequantization). The token scale ``sx[m]`` lies on the wgrad's contraction index ``m``, so it
+folds into the gradient's rows, and the folded gradient is quantized per output channel ``n``
+over the tokens (``Q_col``, the same quantizer as ``Q_row`` on ``h^T``):
+
+    dW[n, k] = sum_m g[m, n] * sx[m] * qx[m, k]
+             ~ (sum_m qh[m, n] * qx[m, k]) * sh[n],   qh, sh = Q_col(g * sx)
+
+one ``torch._scaled_mm`` with ``A = qh^T`` ``[N, M]`` row-major (row scales ``sh``) and
+``B = qx`` column-major (``qx^T`` ``[K, M]`` contiguous, ones as its scales); on CUDA the
+token dimension is zero-padded to a multiple of 16 (exact). Stacked experts: each expert's
+rows alone (its own ``sh``), one ``_scaled_mm`` per expert with tokens (:func:`grouped_wgrad_fp8`).
+Only formats whose forward saves per-token E4M3 activation codes have this GEMM
+(:func:`check_fp8_wgrad`).
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ from megatron_qrl.quant import QuantSpec
 
 BACKWARDS = ("bf16", "fp8")
 BACKWARD_FLAG = "--qrl-train-aligned-backward"
+WGRAD_FLAG = "--qrl-train-aligned-wgrad"
 
 GRAD_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """FP8 element types of the quantized gradient."""
@@ -60,6 +77,26 @@ def check_fp8_backward(spec: QuantSpec, gemm: str, what: str = "") -> None:
         raise ValueError(f"{BACKWARD_FLAG} fp8 needs per-channel E4M3 weight codes; "
                          f"{spec.name} has {spec.granularity} {spec.weight_format} codes{where}; "
                          f"use {BACKWARD_FLAG} bf16")
+
+
+def check_fp8_wgrad(spec: QuantSpec, gemm: str, what: str = "") -> None:
+    """Raise one clear error unless the FP8 wgrad applies: the real GEMM (the forward saves the
+    activation codes) of a format with per-token E4M3 activation codes."""
+    where = f" ({what})" if what else ""
+    if gemm != "real":
+        raise ValueError(f"{WGRAD_FLAG} fp8 multiplies the real GEMM's saved FP8 activation "
+                         f"codes, but the aligned forward runs the {gemm} GEMM{where}; use "
+                         f"--qrl-train-aligned-gemm real (or auto on a GPU) or {WGRAD_FLAG} bf16")
+    if not (spec.weight_format == "float8_e4m3fn" and spec.activation == "per_token"):
+        raise ValueError(f"{WGRAD_FLAG} fp8 needs per-token E4M3 activation codes; {spec.name} "
+                         f"has {spec.activation} activations with {spec.weight_format} codes"
+                         f"{where}; use {WGRAD_FLAG} bf16")
+
+
+def transposed_codes(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 codes ``[..., R, C]`` transposed, contiguous ``[..., C, R]``: the column-major ``B``
+    operand of ``torch._scaled_mm`` (copied as bytes: CPU float8 lacks the copy kernels)."""
+    return codes.view(torch.uint8).transpose(-1, -2).contiguous().view(codes.dtype)
 
 
 def quantize_grad_rows(g: torch.Tensor, fmt: str = GRAD_FORMAT, inplace: bool = False
@@ -114,3 +151,44 @@ def grouped_dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.
     qg, sg = quantize_grad_rows(grad2d.float() * sw, fmt, inplace=True)
     ones = torch.ones(*codes_t.shape[:2], 1, dtype=torch.float32, device=codes_t.device)
     return mm(qg, sg, codes_t, ones, counts, out_dtype=out_dtype)
+
+
+def folded_grad_t(grad2d: torch.Tensor, act_scale: torch.Tensor) -> torch.Tensor:
+    """``(g * sx)^T`` ``[N, M]`` in fp32, contiguous: the activation's per-token scale ``[M, 1]``
+    folded into the gradient's rows (the wgrad's contraction index), transposed so that
+    ``Q_row`` of it is the per-output-channel ``Q_col`` of ``g * sx``."""
+    return (grad2d.float() * act_scale.reshape(-1, 1)).t().contiguous()
+
+
+def wgrad_fp8(grad2d: torch.Tensor, act_codes: torch.Tensor, act_scale: torch.Tensor,
+              out_dtype: torch.dtype, fmt: str, mm: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``dW = g^T @ deq Q_a(x)`` ``[N, K]`` as one FP8 GEMM on the forward's saved activation
+    codes (``act_codes`` ``[M, K]``, ``act_scale`` ``sx`` ``[M, 1]``): ``Q_col(g * sx)`` times
+    the codes, see the module doc; ``mm`` as in :func:`dgrad_fp8`."""
+    qh, sh = quantize_grad_rows(folded_grad_t(grad2d, act_scale), fmt, inplace=True)
+    ones = torch.ones(act_codes.shape[1], 1, dtype=torch.float32, device=act_codes.device)
+    return mm(qh, sh, transposed_codes(act_codes), ones, out_dtype)
+
+
+def wgrad_fp8_reference(grad2d: torch.Tensor, act_codes: torch.Tensor, act_scale: torch.Tensor,
+                        out_dtype: torch.dtype, fmt: str = GRAD_FORMAT) -> torch.Tensor:
+    """The maths of :func:`wgrad_fp8` emulated: quantize, then the GEMM in fp64 rounded once to
+    ``out_dtype`` (exact sums as in :func:`dgrad_fp8_reference`)."""
+    qh, sh = quantize_grad_rows(folded_grad_t(grad2d, act_scale), fmt)
+    return ((qh.double() @ act_codes.double()) * sh.double()).to(out_dtype)
+
+
+def grouped_wgrad_fp8(grad2d: torch.Tensor, act_codes: torch.Tensor, act_scale: torch.Tensor,
+                      counts: list[int], out_dtype: torch.dtype, fmt: str,
+                      mm: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """:func:`wgrad_fp8` of every expert's rows, stacked ``[E, N, K]``: each expert's gradient
+    quantized per output channel over its own tokens; an expert without tokens gets zeros."""
+    n, k = grad2d.shape[1], act_codes.shape[1]
+    out = grad2d.new_zeros(len(counts), n, k, dtype=out_dtype)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            rows = slice(start, start + c)
+            out[e] = wgrad_fp8(grad2d[rows], act_codes[rows], act_scale[rows], out_dtype, fmt, mm)
+        start += c
+    return out

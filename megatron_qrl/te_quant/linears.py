@@ -172,7 +172,8 @@ class AlignedLinearMixin:
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group)
         y = real_linear(input, self.weight, self.quantized_weight(), self.qrl_state.spec,
-                        self._qrl_parallel_dim, self.tp_group, self.qrl_state.grad_fp8())
+                        self._qrl_parallel_dim, self.tp_group, self.qrl_state.grad_fp8(),
+                        self.qrl_state.wgrad_fp8())
         return y + bias if bias is not None else y
 
 

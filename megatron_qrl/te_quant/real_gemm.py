@@ -280,8 +280,7 @@ class RealWeight:
         column-major ``B`` operand of the FP8 input-gradient GEMM
         (:mod:`.fp8_backward`), made on first use and dropped with this cached weight
         (one byte per weight element while ``--qrl-train-aligned-backward fp8`` runs)."""
-        raw = self.codes.view(torch.uint8)  # (CPU float8 lacks the copy kernels)
-        return raw.transpose(-1, -2).contiguous().view(self.codes.dtype)
+        return fp8_backward.transposed_codes(self.codes)
 
 
 def dequantize_activation(spec: QuantSpec, codes: torch.Tensor, scale: torch.Tensor,
@@ -366,15 +365,18 @@ class RealLinearFn(torch.autograd.Function):
     reading its codes, :meth:`QuantSpec.dequantize_rows`) or once per optimizer step where the
     cache keeps it (:meth:`RealWeight.grad_weight`).
     ``grad_fp8`` (an FP8 element type of :data:`.fp8_backward.GRAD_DTYPES`): ``dx`` is the FP8
-    GEMM of :func:`.fp8_backward.dgrad_fp8` on the cached codes instead; ``dW`` stays BF16."""
+    GEMM of :func:`.fp8_backward.dgrad_fp8` on the cached codes instead; ``wgrad_fp8``: ``dW``
+    is the FP8 GEMM of :func:`.fp8_backward.wgrad_fp8` on the saved activation codes."""
 
     @staticmethod
-    def forward(ctx, x, weight, qw, spec, parallel_dim, group, grad_fp8=None):  # noqa: D401
+    def forward(ctx, x, weight, qw, spec, parallel_dim, group, grad_fp8=None,  # noqa: D401
+                wgrad_fp8=None):
         k = x.shape[-1]
         xq, xs = activation_operand(spec, x.reshape(-1, k), parallel_dim, group)
         y = kernel_for(spec)(xq, xs, qw.codes, qw.scale, x.dtype)
         ctx.save_for_backward(xq, xs)
         ctx.qw, ctx.spec, ctx.x_shape, ctx.grad_fp8 = qw, spec, x.shape, grad_fp8
+        ctx.wgrad_fp8 = wgrad_fp8
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -388,20 +390,27 @@ class RealLinearFn(torch.autograd.Function):
                                             ).view(*grad.shape[:-1], -1)
         elif ctx.needs_input_grad[0]:
             grad_x = grad.matmul(ctx.qw.grad_weight(ctx.spec, grad.dtype))
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.wgrad_fp8:
+            g2d = grad.reshape(-1, grad.shape[-1])
+            grad_w = fp8_backward.wgrad_fp8(g2d, xq, xs, grad.dtype, ctx.wgrad_fp8,
+                                            partial(scaled_mm, fast_accum=False))
+        elif ctx.needs_input_grad[1]:
             g2d = grad.reshape(-1, grad.shape[-1])
             grad_w = g2d.t().matmul(dequantize_activation(ctx.spec, xq, xs, grad.dtype))
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def real_linear(x: torch.Tensor, weight: torch.Tensor, qw: RealWeight, spec: QuantSpec,
-                parallel_dim: int = 0, group=None, grad_fp8: str | None = None) -> torch.Tensor:
+                parallel_dim: int = 0, group=None, grad_fp8: str | None = None,
+                wgrad_fp8: str | None = None) -> torch.Tensor:
     """``x @ W^T`` of the aligned forward through the real low-bit GEMM (see
     :class:`RealLinearFn`); ``grad_fp8`` (``e4m3`` / ``e5m2``; None: BF16): the input gradient
-    as an FP8 GEMM (:mod:`.fp8_backward`)."""
+    as an FP8 GEMM (:mod:`.fp8_backward`); ``wgrad_fp8``: the weight gradient likewise."""
     if grad_fp8:
         fp8_backward.check_fp8_backward(spec, "real")
-    return RealLinearFn.apply(x, weight, qw, spec, parallel_dim, group, grad_fp8)
+    if wgrad_fp8:
+        fp8_backward.check_fp8_wgrad(spec, "real")
+    return RealLinearFn.apply(x, weight, qw, spec, parallel_dim, group, grad_fp8, wgrad_fp8)
 
 
 def _scaled_grouped_ok(xq: torch.Tensor, wq: torch.Tensor) -> bool:
@@ -444,14 +453,17 @@ class GroupedRealFn(torch.autograd.Function):
     saved activation codes dequantized. The masters are one stacked ``[E, N, K]`` weight or
     one ``[N, K]`` weight per expert (the gradient is unbound into them, no stacked copy of the
     masters). ``grad_fp8``: the input gradient from :func:`.fp8_backward.grouped_dgrad_fp8`
-    instead (the weight is then not dequantized)."""
+    instead (the weight is then not dequantized); ``wgrad_fp8``: the weight gradient from
+    :func:`.fp8_backward.grouped_wgrad_fp8` on the saved codes (not dequantized)."""
 
     @staticmethod
-    def forward(ctx, x, qw, spec, counts, parallel_dim, group, grad_fp8, *masters):  # noqa: D401
+    def forward(ctx, x, qw, spec, counts, parallel_dim, group, grad_fp8, wgrad_fp8,  # noqa: D401
+                *masters):
         xq, xs = activation_operand(spec, x, parallel_dim, group)
         y = grouped_real_mm(xq, xs, qw.codes, qw.scale, counts, kernel_for(spec), x.dtype)
         ctx.save_for_backward(xq, xs)
         ctx.qw, ctx.spec, ctx.counts, ctx.grad_fp8 = qw, spec, counts, grad_fp8
+        ctx.wgrad_fp8 = wgrad_fp8
         ctx.stacked = len(masters) == 1 and masters[0].dim() == 3
         return y
 
@@ -460,9 +472,10 @@ class GroupedRealFn(torch.autograd.Function):
         from megatron_qrl.te_quant.grouped_gemm import grouped_mm_grads
 
         xq, xs = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
-        fp8_dx = bool(ctx.grad_fp8) and need_x
-        x = dequantize_activation(ctx.spec, xq, xs, grad.dtype) if need_w else None
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[8:])
+        fp8_dx, fp8_dw = bool(ctx.grad_fp8) and need_x, bool(ctx.wgrad_fp8) and need_w
+        x = dequantize_activation(ctx.spec, xq, xs, grad.dtype) if need_w and not fp8_dw \
+            else None
         w = ctx.qw.grad_weight(ctx.spec, grad.dtype) if need_x and not fp8_dx else None
         gx, gw = grouped_mm_grads(x, w, grad, ctx.counts) if x is not None or w is not None \
             else (None, None)
@@ -471,26 +484,33 @@ class GroupedRealFn(torch.autograd.Function):
                                                 grad.dtype, ctx.grad_fp8,
                                                 partial(grouped_real_mm, fast_accum=False,
                                                         fn=partial(scaled_mm, fast_accum=False)))
-        n = len(ctx.needs_input_grad) - 7
+        if fp8_dw:
+            gw = fp8_backward.grouped_wgrad_fp8(grad, xq, xs, ctx.counts, grad.dtype,
+                                                ctx.wgrad_fp8, partial(scaled_mm, fast_accum=False))
+        n = len(ctx.needs_input_grad) - 8
         gws = (gw,) if ctx.stacked else (gw.unbind(0) if gw is not None else (None,) * n)
-        return (gx, None, None, None, None, None, None, *gws)
+        return (gx, None, None, None, None, None, None, None, *gws)
 
 
 def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWeight,
                         spec: QuantSpec, counts: list[int], parallel_dim: int = 0,
-                        group=None, grad_fp8: str | None = None) -> torch.Tensor:
+                        group=None, grad_fp8: str | None = None,
+                        wgrad_fp8: str | None = None) -> torch.Tensor:
     """``cat_e(Q_a(x_e) @ Q_w(W_e)^T)`` through the real GEMM; ``masters`` (one stacked
     ``[E, N, K]`` weight or one weight per expert) receive the straight-through gradient
     (:class:`GroupedRealFn`); ``parallel_dim`` 1 with an expert-TP ``group``: the input's
     features are split, token scales taken over the gathered row; ``grad_fp8``: the input
-    gradient as FP8 GEMMs (:func:`.fp8_backward.grouped_dgrad_fp8`)."""
+    gradient as FP8 GEMMs (:func:`.fp8_backward.grouped_dgrad_fp8`); ``wgrad_fp8``: the weight
+    gradient likewise (:func:`.fp8_backward.grouped_wgrad_fp8`)."""
     gemm, why = experts_gemm(spec, "real")
     if gemm != "real":
         raise ValueError(f"{FLAG} real: {why}")
     if grad_fp8:
         fp8_backward.check_fp8_backward(spec, "real", "experts")
+    if wgrad_fp8:
+        fp8_backward.check_fp8_wgrad(spec, "real", "experts")
     return GroupedRealFn.apply(x, qw, spec, [int(c) for c in counts], parallel_dim, group,
-                               grad_fp8, *masters)
+                               grad_fp8, wgrad_fp8, *masters)
 
 
 def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor] | torch.Tensor,

@@ -22,7 +22,9 @@ from megatron_qrl.te_quant.fp8_backward import (
     BACKWARD_FLAG,
     BACKWARDS,
     GRAD_FORMAT,
+    WGRAD_FLAG,
     check_fp8_backward,
+    check_fp8_wgrad,
 )
 
 
@@ -30,7 +32,7 @@ class AlignedForwardState:
     """What the aligned linears of one model read at forward time."""
 
     def __init__(self, spec: QuantSpec | str, kinds: Iterable[str] = LAYER_KINDS,
-                 gemm: str = "fake", backward: str = "bf16") -> None:
+                 gemm: str = "fake", backward: str = "bf16", wgrad: str = "bf16") -> None:
         self.spec: QuantSpec = get_spec(spec) if isinstance(spec, str) else spec
         """The rollout format the forward is aligned to."""
         if gemm not in ("fake", "real"):
@@ -50,6 +52,14 @@ class AlignedForwardState:
         self.backward: str = backward
         """Input-gradient GEMM of the real linears: ``bf16`` (straight-through, the fake
         path's) or ``fp8`` (:mod:`megatron_qrl.te_quant.fp8_backward`; needs ``gemm`` real)."""
+        if wgrad not in BACKWARDS:
+            raise ValueError(f"{WGRAD_FLAG} must be one of {BACKWARDS}, got {wgrad!r}")
+        if wgrad != "bf16":
+            check_fp8_wgrad(self.spec, gemm)
+        self.wgrad: str = wgrad
+        """Weight-gradient GEMM of the real linears: ``bf16`` (straight-through, the fake
+        path's) or ``fp8`` (the saved activation codes in an FP8 GEMM,
+        :mod:`megatron_qrl.te_quant.fp8_backward`; needs ``gemm`` real)."""
         self.grad_format: str = GRAD_FORMAT
         """FP8 element type of the quantized gradient under ``fp8`` (a key of
         :data:`~megatron_qrl.te_quant.fp8_backward.GRAD_DTYPES`; ``e4m3``, measured)."""
@@ -94,6 +104,10 @@ class AlignedForwardState:
     def grad_fp8(self) -> str | None:
         """The FP8 element type of the real linears' input-gradient GEMM, None for BF16."""
         return self.grad_format if self.backward == "fp8" else None
+
+    def wgrad_fp8(self) -> str | None:
+        """The FP8 element type of the real linears' weight-gradient GEMM, None for BF16."""
+        return self.grad_format if self.wgrad == "fp8" else None
 
     def mark_weights_updated(self) -> None:
         """Invalidate every cached quantized weight (call after ``optimizer.step()``)."""

@@ -163,7 +163,8 @@ class AlignedGroupedGemm:
             return grouped_real_linear(x, self._real_masters(), self.real_weights(),
                                        self.qrl_state.spec, m_splits,
                                        1 if self.parallel_mode == "row" else 0,
-                                       self.tp_group, self.qrl_state.grad_fp8()), None
+                                       self.tp_group, self.qrl_state.grad_fp8(),
+                                       self.qrl_state.wgrad_fp8()), None
         if self.qrl_state.is_enabled(self.qrl_kind):
             stacked = self._masters(self.quantized_weights())
             x = quantize_input(self.qrl_state, x, 1 if self.parallel_mode == "row" else 0,
