@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 input-gradient GEMM of the aligned linears vs BF16: effect on the gradient, and speed.
+"""FP8 backward GEMMs (dgrad, wgrad) of the aligned linears vs BF16: gradient effect and speed.
 
     python bench/fp8_backward.py                          # CPU: gradients, dense + MoE
     python bench/fp8_backward.py --speed-only             # CUDA: the speed A/B alone
@@ -7,13 +7,14 @@
 1. Gradients (any device; the CPU runs ``torch._scaled_mm`` on the CPU): a tiny random Qwen3
    (dense) and Qwen3-MoE (stacked experts), BF16, the aligned forward for ``fp8`` on the real
    GEMM, one forward + backward of the next-token cross-entropy (``--batch`` x ``--seq``
-   random tokens), once per backward: ``bf16`` (``--qrl-train-aligned-backward bf16``) and
-   the FP8 dgrad with the gradient quantized to E4M3 and to E5M2. Per parameter and for the
+   random tokens), once per backward: ``bf16`` (``--qrl-train-aligned-backward bf16``), the
+   FP8 dgrad and the FP8 wgrad (``--qrl-train-aligned-wgrad fp8``) alone with the gradient
+   quantized to E4M3 and to E5M2, and both together (E4M3), :data:`VARIANTS`. Per parameter and for the
    input gradient (the embedding output's): cosine similarity and relative L2 error
    ``|g - g_bf16| / |g_bf16|`` to the BF16 backward; a summary line per model and element type.
 2. Speed (CUDA only): one aligned linear ``y = Q_a(x) Q_w(W)^T`` (fp8, real GEMM) at Qwen3-4B
    shapes, forward + backward (dgrad and wgrad), median ms over ``--reps`` of CUDA-event
-   timings, ``bf16`` vs ``fp8`` backward, and their ratio.
+   timings: BF16 backward vs FP8 dgrad, FP8 wgrad and both, and their ratios to BF16.
 
 Records: one JSON line per row with ``--out PATH`` (temp file + rename), commit included.
 """
@@ -36,6 +37,9 @@ sys.path.insert(0, str(ROOT))
 SHAPES_4B = {"qkv": (2560, 6144), "o_proj": (4096, 2560), "gate_up": (2560, 19456),
              "down": (9728, 2560)}
 """Qwen3-4B linears (in, out): hidden 2560, 32 query / 8 KV heads of 128, FFN 9728."""
+VARIANTS = (("dgrad", "e4m3"), ("dgrad", "e5m2"), ("wgrad", "e4m3"), ("wgrad", "e5m2"),
+            ("dgrad+wgrad", "e4m3"))
+"""(which backward GEMMs run in FP8, gradient element type) compared with the BF16 backward."""
 _MOE_ONLY = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
              "mlp_only_layers", "moe_intermediate_size")
 
@@ -93,10 +97,12 @@ def build(kind: str, device: str, seed: int, layers: int = 2):
     return state, model.to(device)
 
 
-def gradients(state, model, ids: torch.Tensor, backward: str, fmt: str) -> dict[str, torch.Tensor]:
+def gradients(state, model, ids: torch.Tensor, backward: str, fmt: str, wgrad: str = "bf16"
+              ) -> dict[str, torch.Tensor]:
     """Every parameter's gradient and the input gradient (``<input>``, the embedding output's)
-    after one forward + backward of the next-token cross-entropy, fp32."""
-    state.backward, state.grad_format = backward, fmt
+    after one forward + backward of the next-token cross-entropy, fp32; ``backward`` /
+    ``wgrad``: the dgrad / wgrad GEMM (``bf16`` or ``fp8`` in element type ``fmt``)."""
+    state.backward, state.wgrad, state.grad_format = backward, wgrad, fmt
     model.zero_grad(set_to_none=True)
     seen: list[torch.Tensor] = []
 
@@ -125,27 +131,26 @@ def compare(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def gradient_rows(kind: str, args: argparse.Namespace, device: str) -> list[dict]:
-    from megatron_qrl.te_quant.fp8_backward import GRAD_DTYPES
-
     state, model = build(kind, device, args.seed, args.layers)
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, model.vocab_size, (args.batch, args.seq), generator=g).to(device)
     ref = gradients(state, model, ids, "bf16", "e4m3")
     rows = []
-    for fmt in GRAD_DTYPES:
-        got = gradients(state, model, ids, "fp8", fmt)
+    for gemms, fmt in VARIANTS:
+        got = gradients(state, model, ids, "fp8" if "dgrad" in gemms else "bf16", fmt,
+                        "fp8" if "wgrad" in gemms else "bf16")
         for name, r in ref.items():
             cos, rel = compare(got[name], r)
-            rows.append({"model": kind, "layers": args.layers, "grad_fp8": fmt, "param": name, "cosine": cos,
-                         "rel_l2": rel})
+            rows.append({"model": kind, "layers": args.layers, "gemms": gemms, "grad_fp8": fmt,
+                         "param": name, "cosine": cos, "rel_l2": rel})
     return rows
 
 
 def print_gradient_rows(rows: list[dict], quiet: bool) -> None:
     by = {}
     for r in rows:
-        by.setdefault((r["model"], r["param"]), {})[r["grad_fp8"]] = r
-    fmts = sorted({r["grad_fp8"] for r in rows})
+        by.setdefault((r["model"], r["param"]), {})[f"{r['gemms']} {r['grad_fp8']}"] = r
+    fmts = list(dict.fromkeys(f"{r['gemms']} {r['grad_fp8']}" for r in rows))
     if not quiet:
         head = "".join(f" | {f} cos | {f} rel L2" for f in fmts)
         print(f"| model | gradient{head} |")
@@ -155,7 +160,7 @@ def print_gradient_rows(rows: list[dict], quiet: bool) -> None:
             print(f"| {model} | {param}{vals} |")
     for model in dict.fromkeys(r["model"] for r in rows):
         for f in fmts:
-            sel = [r for r in rows if r["model"] == model and r["grad_fp8"] == f]
+            sel = [r for r in rows if r["model"] == model and f"{r['gemms']} {r['grad_fp8']}" == f]
             inp = next(r for r in sel if r["param"] == "<input>")
             print(f"{model} {f}: input gradient cos {inp['cosine']:.6f} rel {inp['rel_l2']:.2e}; "
                   f"parameters min cos {min(r['cosine'] for r in sel):.6f} max rel "
@@ -163,7 +168,8 @@ def print_gradient_rows(rows: list[dict], quiet: bool) -> None:
                   f"{statistics.median(r['rel_l2'] for r in sel):.2e}")
 
 
-def time_linear(k: int, n: int, m: int, grad_fp8: str | None, reps: int) -> float:
+def time_linear(k: int, n: int, m: int, grad_fp8: str | None, reps: int,
+                wgrad_fp8: str | None = None) -> float:
     """Median ms of forward + backward of one aligned fp8 linear on the real GEMM."""
     from megatron_qrl.quant import get_spec
     from megatron_qrl.te_quant.real_gemm import real_linear, weight_operand
@@ -177,7 +183,7 @@ def time_linear(k: int, n: int, m: int, grad_fp8: str | None, reps: int) -> floa
     for i in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        real_linear(x, w, qw, spec, grad_fp8=grad_fp8).backward(g)
+        real_linear(x, w, qw, spec, grad_fp8=grad_fp8, wgrad_fp8=wgrad_fp8).backward(g)
         end.record()
         torch.cuda.synchronize()
         if i >= 3:
@@ -193,10 +199,15 @@ def speed_rows(args: argparse.Namespace) -> list[dict]:
     for name, (k, n) in SHAPES_4B.items():
         bf16 = time_linear(k, n, args.tokens, None, args.reps)
         fp8 = time_linear(k, n, args.tokens, GRAD_FORMAT, args.reps)
+        wgrad = time_linear(k, n, args.tokens, None, args.reps, GRAD_FORMAT)
+        both = time_linear(k, n, args.tokens, GRAD_FORMAT, args.reps, GRAD_FORMAT)
         rows.append({"linear": name, "in": k, "out": n, "tokens": args.tokens,
-                     "bf16_backward_ms": bf16, "fp8_backward_ms": fp8, "ratio": fp8 / bf16})
+                     "bf16_backward_ms": bf16, "fp8_backward_ms": fp8, "ratio": fp8 / bf16,
+                     "fp8_wgrad_ms": wgrad, "wgrad_ratio": wgrad / bf16,
+                     "fp8_dgrad_wgrad_ms": both, "dgrad_wgrad_ratio": both / bf16})
         print(f"{name} [{args.tokens} x {k}] -> {n}: fwd+bwd bf16 backward {bf16:.3f} ms, "
-              f"fp8 backward {fp8:.3f} ms, ratio {fp8 / bf16:.3f}")
+              f"fp8 dgrad {fp8:.3f} ms ({fp8 / bf16:.3f}), fp8 wgrad {wgrad:.3f} ms "
+              f"({wgrad / bf16:.3f}), fp8 dgrad+wgrad {both:.3f} ms ({both / bf16:.3f})")
     return rows
 
 
