@@ -24,7 +24,10 @@
    emulation, within the FP8 tensor-core accumulation (13 fraction bits, truncating:
    ``tests/helpers/fp8_accum.py``) and one BF16 rounding, and its distance to the BF16 dgrad
    in the band of its element type.
-5. BF16 backward of the stacked experts: two GEMMs, gradients bit-equal autograd of the fake
+5. FP8 weight gradient (``--qrl-train-aligned-wgrad fp8``): ``torch._scaled_mm`` of the
+   per-channel quantized ``g * sx`` and the forward's saved activation codes vs its fp64
+   emulation (dense; stacked experts per expert), within the same accumulation bound.
+6. BF16 backward of the stacked experts: two GEMMs, gradients bit-equal autograd of the fake
    path's grouped GEMM (torch's CUDA ``_grouped_mm`` derivative formulas, and the padded path).
 
 Run: ``pytest tests/gpu/test_real_gemm.py -s -rs`` (< 1 min).
@@ -422,6 +425,89 @@ def test_fp8_dgrad_grouped_equals_per_expert_emulation():
         assert (err <= _dgrad_bound(g[rows], qws[e].codes, qws[e].scale, "e4m3", ref)).all(), e
     if torch.cuda.get_device_capability()[0] == 9:
         assert ops.names.count("_scaled_grouped_mm") == 2  # the forward's and the dgrad's
+
+
+# ---- --qrl-train-aligned-wgrad fp8: the weight gradient as a torch._scaled_mm ----------------
+def _wgrad_bound(grad, act_codes, act_scale, fmt, exact):
+    """``|got - exact|`` of the BF16 wgrad from an FP8 tensor-core GEMM (``A = Q_col(g sx)^T``
+    with its per-output-channel scale, ``B`` the activation codes; the sum runs over the
+    tokens): :func:`tests.helpers.fp8_accum.fp8_gemm_bound`, as :func:`_dgrad_bound`."""
+    from megatron_qrl.te_quant.fp8_backward import folded_grad_t, quantize_grad_rows
+    from tests.helpers.fp8_accum import fp8_gemm_bound
+
+    qh, sh = quantize_grad_rows(folded_grad_t(grad, act_scale), fmt)
+    return fp8_gemm_bound(qh, act_codes, sh, exact)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(512, 2560, 1024), (10, 72, 40)])
+def test_fp8_wgrad_scaled_mm_equals_the_emulation(fmt, shape):
+    """``torch._scaled_mm`` of the per-channel quantized ``g * sx`` and the forward's saved
+    activation codes (column-major B; tokens, the contraction, zero-padded to 16 where needed)
+    vs the exact emulation (:func:`~megatron_qrl.te_quant.fp8_backward.wgrad_fp8_reference`):
+    within the FP8 tensor-core accumulation and the BF16 output rounding (:func:`_wgrad_bound`);
+    dx stays the BF16 backward's bit for bit. Mutations caught: the token scale not folded or
+    folded into the output channels, the gradient scale per token instead of per channel,
+    E4M3 / E5M2 swapped (the distance to the BF16 wgrad: one shape or the other leaves its
+    band)."""
+    if "fp8" not in FORMATS:
+        pytest.skip("no fp8 real GEMM on this GPU")
+    from megatron_qrl.te_quant.fp8_backward import GRAD_DTYPES, wgrad_fp8_reference
+
+    if fmt == "e5m2":
+        _e5m2_rowwise_or_skip(GRAD_DTYPES[fmt])
+    spec = get_spec("fp8")
+    x, w, g = _fp8_dgrad_operands(*shape, seed=7)
+    x = x * torch.logspace(-6, 2, x.shape[0], base=2.0, device="cuda")[:, None].bfloat16()
+    g[:, 3] = 0  # an all-zero output channel
+    qw, (qx, sx) = weight_operand(spec, w), spec.quantize_activation(x)
+    wr, wb = w.clone().requires_grad_(), w.clone().requires_grad_()
+    xr, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    real_linear(xr, wr, qw, spec, wgrad_fp8=fmt).backward(g)
+    real_linear(xb, wb, qw, spec).backward(g)
+    ref = wgrad_fp8_reference(g, qx, sx, torch.float64, fmt)
+    err = (wr.grad.double() - ref).abs()
+    ratio = (err / _wgrad_bound(g, qx, sx, fmt, ref).clamp_min(1e-30)).max().item()
+    bf16 = wb.grad.double()
+    rel = ((wr.grad.double() - bf16).norm() / bf16.norm()).item()
+    same = (wr.grad == ref.to(torch.bfloat16)).double().mean().item()
+    print(f"\nfp8 wgrad {fmt} {shape}: max err / bound {ratio:.3f}, equal to the rounded "
+          f"emulation {same:.4f}, rel L2 to the BF16 wgrad {rel:.3e}")
+    assert ratio <= 1.0 and wr.grad[3].eq(0).all() and torch.equal(xr.grad, xb.grad)
+    # emulated on the CPU (3 seeds): E4M3 1.0-1.2e-2 (small) / 2.5e-2, E5M2 2.0-2.4e-2 / 5.0e-2
+    assert {"e4m3": 2.0 ** -8 < rel < 3.5e-2, "e5m2": 1.5e-2 < rel < 7e-2}[fmt]
+
+
+def test_fp8_wgrad_grouped_equals_per_expert_emulation():
+    """Stacked experts: each expert's FP8 wgrad (one ``_scaled_mm`` per expert with tokens) vs
+    that expert's emulation over its own tokens, within :func:`_wgrad_bound`; an expert without
+    tokens gets zeros. Mutation caught: one gradient scale over all experts' tokens (the
+    experts' gradients differ by factors of 16)."""
+    if "fp8" not in FORMATS:
+        pytest.skip("no fp8 real GEMM on this GPU")
+    from megatron_qrl.te_quant.fp8_backward import wgrad_fp8_reference
+    from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear
+
+    spec, counts = get_spec("fp8"), [96, 0, 160, 30]
+    x, _, g = _fp8_dgrad_operands(sum(counts), 512, 256, seed=8)
+    g = g * torch.tensor([16.0 ** e for e, c in enumerate(counts) for _ in range(c)],
+                         device="cuda")[:, None].bfloat16()
+    ws = [_operands(8, 512, 256, seed=40 + e)[1] for e in range(len(counts))]
+    qws = [weight_operand(spec, w) for w in ws]
+    qw = RealWeight(torch.stack([q.codes for q in qws]), torch.stack([q.scale for q in qws]))
+    master = torch.stack(ws).requires_grad_()
+    grouped_real_linear(x, [master], qw, spec, counts, wgrad_fp8="e4m3").backward(g)
+    qx, sx = spec.quantize_activation(x)
+    start = 0
+    for e, c in enumerate(counts):
+        rows = slice(start, start + c)
+        start += c
+        if not c:
+            assert master.grad[e].eq(0).all()
+            continue
+        ref = wgrad_fp8_reference(g[rows], qx[rows], sx[rows], torch.float64)
+        err = (master.grad[e].double() - ref).abs()
+        assert (err <= _wgrad_bound(g[rows], qx[rows], sx[rows], "e4m3", ref)).all(), e
 
 
 @pytest.mark.parametrize("k,n", [(512, 256), (196, 72)], ids=["grouped_mm", "padded"])
