@@ -28,10 +28,19 @@ def test_fp8_backward_bench_cpu(tmp_path):
     params = {r["param"] for r in grads}
     assert "<input>" in params and "decoder.layers.0.mlp.experts.linear_fc1.weight" in params
     assert all(0.99 < r["cosine"] <= 1.0 + 1e-12 for r in grads)
+    assert {(r["gemms"], r["grad_fp8"]) for r in grads} == {
+        ("dgrad", "e4m3"), ("dgrad", "e5m2"), ("wgrad", "e4m3"), ("wgrad", "e5m2"),
+        ("dgrad+wgrad", "e4m3")}
     # E5M2 (one mantissa bit fewer) is the farther of the two at the input gradient
-    inp = {r["grad_fp8"]: r["rel_l2"] for r in grads if r["param"] == "<input>"}
+    inp = {r["grad_fp8"]: r["rel_l2"] for r in grads
+           if r["param"] == "<input>" and r["gemms"] == "dgrad"}
     assert 0 < inp["e4m3"] < inp["e5m2"]
-    assert "moe e4m3: input gradient cos" in proc.stdout
+    # the FP8 wgrad alone leaves the input gradient as it was, and changes the experts' dW
+    wgrad = {r["param"]: r["rel_l2"] for r in grads if r["gemms"] == "wgrad"
+             and r["grad_fp8"] == "e4m3"}
+    assert wgrad["<input>"] == 0 and wgrad["decoder.layers.0.mlp.experts.linear_fc1.weight"] > 0
+    assert "moe dgrad e4m3: input gradient cos" in proc.stdout
+    assert "moe wgrad e4m3: input gradient cos 1.000000" in proc.stdout
 
 
 def test_fp8_backward_bench_refusals():
