@@ -179,8 +179,8 @@ class TrainForwardConfig:
         default="bf16", metadata={"on_resume": "may change"})
     """Input-gradient GEMM of the aligned linears on the real GEMM. bf16: straight-through
     BF16 (dx = g @ deq Q(W)). fp8: the gradient quantized per token to E4M3 (the weight's
-    per-channel scale folded in) times the cached FP8 weight codes in torch._scaled_mm; the
-    weight gradient stays BF16. Needs the real GEMM (--qrl-train-aligned-gemm real, or auto on
+    per-channel scale folded in) times the cached FP8 weight codes in torch._scaled_mm (the
+    weight gradient: --qrl-train-aligned-wgrad). Needs the real GEMM (--qrl-train-aligned-gemm real, or auto on
     a GPU) of a per-channel FP8 format (fp8); effect on the gradient: docs/BENCHMARKS.md."""
 
     aligned_wgrad: Literal["bf16", "fp8"] = field(

@@ -1,11 +1,12 @@
-"""FP8 input gradient of the aligned linears (``--qrl-train-aligned-backward fp8``).
+"""FP8 backward GEMMs of the aligned linears (``--qrl-train-aligned-backward fp8``: the input
+gradient; ``--qrl-train-aligned-wgrad fp8``: the weight gradient).
 
 The straight-through backward of ``y = Q_a(x) @ Q_w(W)^T`` (Bengio et al. 2013; QaRL, Fan et
 al. 2025) is ``dx = g @ deq Q_w(W)`` and ``dW = g^T @ deq Q_a(x)``. ``bf16`` (the default)
 computes both in BF16. ``fp8`` computes the input gradient (dgrad) as an FP8 GEMM on the
 weight's cached E4M3 codes, as DeepSeek-V3 does (2024, sec. 3.3, "fine-grained
 quantization": E4M3 for all GEMM operands, fine-grained scales; Transformer Engine's HYBRID
-format takes E5M2 for gradients instead); the weight gradient stays BF16.
+format takes E5M2 for gradients instead); the weight gradient is BF16 unless ``wgrad`` (below).
 
 With per-channel weight scales ``deq Q_w(W)[n, k] = qw[n, k] * sw[n]``, the scale lies on
 the dgrad's contraction index ``n``, so it cannot be an output scale of the GEMM; it folds
