@@ -36,8 +36,8 @@
 #               GPU busy vs wall, top kernels, top host ops, once with the torch quantizers and
 #               once with the fused Triton ones (QUANT_IMPL, default torch,triton), their ratio
 #               (~35 s per format)
-#   fp8bwd      --qrl-train-aligned-backward fp8 vs bf16: its GPU tests (tests/gpu/test_real_gemm.py
-#               -k dgrad) and bench/fp8_backward.py --speed-only (4B shapes) -> fp8_backward.jsonl
+#   fp8bwd      --qrl-train-aligned-backward / -wgrad fp8 vs bf16: GPU tests (tests/gpu/test_real_gemm.py
+#               -k "dgrad or wgrad") and bench/fp8_backward.py --speed-only (4B shapes) -> fp8_backward.jsonl
 #   logprob     the fused Triton log-prob kernels (megatron_qrl/losses/triton_logprobs.py):
 #               tests/gpu/test_logprob_kernel.py, then bench/logprob_kernel.py, torch vs triton
 #               forward + backward ms, GB/s and their ratio at [${ROWS:-16384}, 151936] BF16 with
@@ -268,8 +268,8 @@ case $phase in
         --quant-impl "${QUANT_IMPL:-torch,triton}" --out "$OUT/pack_profile_$f.json" 2>&1 \
         | grep -v -i warn | head -n 100
     done ;;
-  fp8bwd)  # the FP8 input gradient of the aligned linears vs BF16 (torch only): GPU test + speed
-    python3 -m pytest -q -rs tests/gpu/test_real_gemm.py -k "dgrad or fp8_backward" 2>&1 \
+  fp8bwd)  # the FP8 input and weight gradients of the aligned linears vs BF16 (torch only): GPU tests + speed
+    python3 -m pytest -q -rs tests/gpu/test_real_gemm.py -k "dgrad or wgrad or fp8_backward" 2>&1 \
       | tee "$OUT/fp8bwd_test.log" | tail -n 8
     python3 bench/fp8_backward.py --speed-only --out "$OUT/fp8_backward.jsonl" 2>&1 | tail -n 20 ;;
   logprob)  # torch + Triton only: no SGLang, no TE

@@ -36,6 +36,8 @@ micro batches whose pi_prox is recomputed (``rl.steps.set_old_log_probs``), then
                      --qrl-train-aligned-gemm auto: the real FP8 GEMMs on a GPU) for fp8
                      rollouts; alk: also --qrl-train-aligned-keep-dequantized; alb: for
                      fp8_block rollouts (dense linears on SGLang's block GEMM, experts fake)
+    al8              al with both backward GEMMs in FP8 (--qrl-train-aligned-backward fp8
+                     --qrl-train-aligned-wgrad fp8): every GEMM of the aligned linears FP8
     rp               routing replay (--qrl-routing-replay all) of random engine experts (each
                      token's top-k drawn at random, the batch carries them as a rollout does)
                      The MoE, aligned and replay words are build-time settings: rows are built
@@ -93,6 +95,8 @@ QRL_WORDS: dict[str, tuple[str, ...]] = {
     "alk": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8",
             "--qrl-train-aligned-keep-dequantized"),
     "alb": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8_block"),
+    "al8": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8",
+            "--qrl-train-aligned-backward", "fp8", "--qrl-train-aligned-wgrad", "fp8"),
     "rp": ("--qrl-routing-replay", "all")}
 """Build-time ``--qrl-*`` words (aligned forward, routing replay) -> their flags."""
 MOE_FLAGS = {("moe_grouped_gemm", True): "--moe-grouped-gemm",
@@ -161,11 +165,11 @@ class Row:
             else:
                 raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
                                  "prox0, thd, oldlp, norope, gg, pf, rf, ag, a2a, st, al, "
-                                 "alk, alb, rp)")
+                                 "alk, alb, al8, rp)")
         if len({k for k, _ in moe}) < len(moe):
             raise ValueError(f"row {name!r}: ag and a2a exclude each other")
         if sum(w.startswith("al") for w in qrl) > 1:
-            raise ValueError(f"row {name!r}: al, alk and alb exclude each other")
+            raise ValueError(f"row {name!r}: al, alk, alb and al8 exclude each other")
         kw["moe"] = tuple(sorted(moe))
         kw["qrl"] = tuple(qrl)
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):
