@@ -158,7 +158,8 @@ def folded_grad_t(grad2d: torch.Tensor, act_scale: torch.Tensor) -> torch.Tensor
     """``(g * sx)^T`` ``[N, M]`` in fp32, contiguous: the activation's per-token scale ``[M, 1]``
     folded into the gradient's rows (the wgrad's contraction index), transposed so that
     ``Q_row`` of it is the per-output-channel ``Q_col`` of ``g * sx``."""
-    return (grad2d.float() * act_scale.reshape(-1, 1)).t().contiguous()
+    folded = grad2d.to(torch.float32, copy=True).mul_(act_scale.reshape(-1, 1))
+    return folded.t().contiguous()
 
 
 def wgrad_fp8(grad2d: torch.Tensor, act_codes: torch.Tensor, act_scale: torch.Tensor,
