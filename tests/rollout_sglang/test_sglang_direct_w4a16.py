@@ -336,3 +336,11 @@ def test_a_non_finite_weight_fails_the_write_naming_it():
     layout, tensors = describe(engine())
     with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.weight.*(NaN|Inf|finite)"):
         writer_for(SPEC, layout, tensors).write_all(writer_stream(SPEC, weights.items()))
+
+
+def test_the_engine_side_group_is_the_formats():
+    """marlin_params (inside SGLang, no trainer imports) keeps its own copy of the group size."""
+    from megatron_qrl.quant.formats import w4a16
+    from megatron_qrl.rollout_sglang.sync.loader import marlin_params
+
+    assert marlin_params.GROUP == w4a16.GROUP

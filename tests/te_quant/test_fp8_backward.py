@@ -103,21 +103,40 @@ def test_fp8_dgrad_equals_the_closed_form(fmt):
     assert 2.0 ** -8 < rel < {"e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3}[fmt]
 
 
+def experts_case(counts, weight_base=1.0, grad_base=1.0):
+    """Stacked fp8 experts with ``counts`` tokens each (expert e's weights scaled by
+    ``weight_base ** e``, its tokens' output gradient by ``grad_base ** e``): ``(x, ws, qws, qw,
+    grad)``."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(counts), 64, generator=g).bfloat16()
+    ws = [(torch.randn(32, 64, generator=g) * weight_base ** e).bfloat16()
+          for e in range(len(counts))]
+    qws = [weight_operand(FP8, w) for w in ws]
+    qw = RealWeight(torch.stack([q.codes for q in qws]), torch.stack([q.scale for q in qws]))
+    rows = torch.tensor([grad_base ** e for e, c in enumerate(counts) for _ in range(c)])
+    grad = (torch.randn(sum(counts), 32, generator=g) * rows[:, None]).bfloat16()
+    return x, ws, qws, qw, grad
+
+
+def grouped_grads(case, counts, key):
+    """``{None: (dx, dW), "e4m3": (dx, dW)}`` of the stacked experts' backward with the FP8
+    option ``key`` (``grad_fp8`` / ``wgrad_fp8``) off and on."""
+    x, ws, _, qw, grad = case
+    out = {}
+    for fp8 in (None, "e4m3"):
+        xr, master = x.clone().requires_grad_(), torch.stack(ws).requires_grad_()
+        grouped_real_linear(xr, [master], qw, FP8, counts, **{key: fp8}).backward(grad)
+        out[fp8] = xr.grad, master.grad
+    return out
+
+
 def test_grouped_fp8_dgrad_per_expert():
     """Stacked experts: each expert's rows take that expert's weight scale; an expert without
     tokens is skipped; dW stays the BF16 backward's."""
     counts = [5, 0, 11, 8]
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(sum(counts), 64, generator=g).bfloat16()
-    ws = [(torch.randn(32, 64, generator=g) * 4.0 ** e).bfloat16() for e in range(len(counts))]
-    qws = [weight_operand(FP8, w) for w in ws]
-    qw = RealWeight(torch.stack([q.codes for q in qws]), torch.stack([q.scale for q in qws]))
-    grad = torch.randn(sum(counts), 32, generator=g).bfloat16()
-    out = {}
-    for grad_fp8 in (None, "e4m3"):
-        xr, master = x.clone().requires_grad_(), torch.stack(ws).requires_grad_()
-        grouped_real_linear(xr, [master], qw, FP8, counts, grad_fp8=grad_fp8).backward(grad)
-        out[grad_fp8] = xr.grad, master.grad
+    case = experts_case(counts, weight_base=4.0)
+    _, _, qws, _, grad = case
+    out = grouped_grads(case, counts, "grad_fp8")
     start = 0
     for e, c in enumerate(counts):
         rows = slice(start, start + c)

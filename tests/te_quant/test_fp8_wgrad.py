@@ -30,14 +30,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_qrl.quant import get_spec
 from megatron_qrl.te_quant import fp8_backward
 from megatron_qrl.te_quant.real_gemm import (
-    RealWeight,
-    grouped_real_linear,
     real_linear,
     weight_operand,
 )
+from tests.te_quant.test_fp8_backward import FP8, MAX, experts_case, grouped_grads
 
-FP8 = get_spec("fp8")
-MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FLAG = "--qrl-train-aligned-wgrad"
 
 
@@ -154,20 +151,10 @@ def test_grouped_fp8_wgrad_per_expert():
     """Stacked experts: each expert's gradient is quantized over its own tokens; an expert
     without tokens gets a zero gradient; dx stays the BF16 backward's."""
     counts = [12, 0, 20, 8]
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(sum(counts), 64, generator=g).bfloat16()
-    ws = [(torch.randn(32, 64, generator=g) * 0.1).bfloat16() for _ in counts]
-    qws = [weight_operand(FP8, w) for w in ws]
-    qw = RealWeight(torch.stack([q.codes for q in qws]), torch.stack([q.scale for q in qws]))
     # experts' gradients 16x apart: one scale over all tokens would coarsen the small ones
-    grad = (torch.randn(sum(counts), 32, generator=g)
-            * torch.tensor([16.0 ** e for e, c in enumerate(counts) for _ in range(c)])[:, None]
-            ).bfloat16()
-    out = {}
-    for wgrad_fp8 in (None, "e4m3"):
-        xr, master = x.clone().requires_grad_(), torch.stack(ws).requires_grad_()
-        grouped_real_linear(xr, [master], qw, FP8, counts, wgrad_fp8=wgrad_fp8).backward(grad)
-        out[wgrad_fp8] = xr.grad, master.grad
+    case = experts_case(counts, grad_base=16.0)
+    x, _, _, _, grad = case
+    out = grouped_grads(case, counts, "wgrad_fp8")
     start = 0
     for e, c in enumerate(counts):
         rows = slice(start, start + c)

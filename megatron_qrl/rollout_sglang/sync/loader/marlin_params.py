@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_qrl.quant.formats.w4a16 import GROUP
 from megatron_qrl.sync.protocol.engine_layout import EngineLayoutError
+
+GROUP = 128
+"""The w4a16 group size the writer serves (``quant.formats.w4a16.GROUP``; this module runs
+inside SGLang and imports nothing of the trainer's side, so the number stands here and a test
+holds the two equal)."""
 
 __all__ = ["SCHEMES", "marlin_kind", "marlin_leaves"]
 
