@@ -99,7 +99,7 @@ def sync_weights(hf_stream: Iterable[tuple[str, torch.Tensor]], engine: RolloutE
         stream = apply_aqn(stream, sigma, AQNConfig.generator(seed, version))
     if engine.verifies_own_update:
         rows: dict[str, int] = {}
-        if getattr(engine, "quantizes_into", False):  # RolloutEngine.quantizes_into
+        if engine.quantizes_into:
             packed = writer_stream(spec, stream, quantized=quantized,
                                    stack_experts=engine.stacked_experts)
         else:

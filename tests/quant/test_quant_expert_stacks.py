@@ -96,6 +96,7 @@ class WireEngine:
 
     verifies_own_update = True
     stacked_experts = True
+    quantizes_into = False  # RolloutEngine's: it takes the packed stream
 
     def __init__(self, spec, bucket_bytes):
         self.spec, self.bucket_bytes = spec, bucket_bytes
