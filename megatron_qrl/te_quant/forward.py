@@ -79,15 +79,12 @@ def trainer_forward(train: Any, rollout_format: str, routing: Any, arch: ModelAr
                          "fake-quant linears (no TE recipe) or use --qrl-train-moe-experts megatron")
     if train.forward == "aligned":
         gemm = aligned_gemm(rollout_format, train.aligned_gemm, te_recipe)
-        backward = train.aligned_backward
-        if backward != "bf16" and te_recipe:
-            raise ValueError(f"{BACKWARD_FLAG} {backward}: a Transformer Engine recipe runs its "
-                             f"own backward GEMMs; drop the recipe or use {BACKWARD_FLAG} bf16")
-        if train.aligned_wgrad != "bf16" and te_recipe:
-            raise ValueError(f"{WGRAD_FLAG} {train.aligned_wgrad}: a Transformer Engine recipe "
-                             f"runs its own backward GEMMs; drop the recipe or use {WGRAD_FLAG} "
-                             "bf16")
-        state = AlignedForwardState(rollout_format, gemm=gemm, backward=backward,
+        for flag, value in ((BACKWARD_FLAG, train.aligned_backward),
+                            (WGRAD_FLAG, train.aligned_wgrad)):
+            if value != "bf16" and te_recipe:
+                raise ValueError(f"{flag} {value}: a Transformer Engine recipe runs its own "
+                                 f"backward GEMMs; drop the recipe or use {flag} bf16")
+        state = AlignedForwardState(rollout_format, gemm=gemm, backward=train.aligned_backward,
                                     wgrad=train.aligned_wgrad)
         state.keep_dequantized = train.aligned_keep_dequantized and gemm == "real"
         kv = KVAlignState(kv_cache) if get_kv_format(kv_cache).quantizes else None

@@ -45,17 +45,15 @@ class AlignedForwardState:
         """``fake``: dequantized operands in a BF16 GEMM; ``real``: the codes and scales in the
         format's low-bit GEMM (:mod:`megatron_qrl.te_quant.real_gemm`); the cache then holds
         the codes and scales, not a dequantized weight."""
-        if backward not in BACKWARDS:
-            raise ValueError(f"{BACKWARD_FLAG} must be one of {BACKWARDS}, got {backward!r}")
-        if backward != "bf16":
-            check_fp8_backward(self.spec, gemm)
+        for flag, value, check in ((BACKWARD_FLAG, backward, check_fp8_backward),
+                                   (WGRAD_FLAG, wgrad, check_fp8_wgrad)):
+            if value not in BACKWARDS:
+                raise ValueError(f"{flag} must be one of {BACKWARDS}, got {value!r}")
+            if value != "bf16":
+                check(self.spec, gemm)
         self.backward: str = backward
         """Input-gradient GEMM of the real linears: ``bf16`` (straight-through, the fake
         path's) or ``fp8`` (:mod:`megatron_qrl.te_quant.fp8_backward`; needs ``gemm`` real)."""
-        if wgrad not in BACKWARDS:
-            raise ValueError(f"{WGRAD_FLAG} must be one of {BACKWARDS}, got {wgrad!r}")
-        if wgrad != "bf16":
-            check_fp8_wgrad(self.spec, gemm)
         self.wgrad: str = wgrad
         """Weight-gradient GEMM of the real linears: ``bf16`` (straight-through, the fake
         path's) or ``fp8`` (the saved activation codes in an FP8 GEMM,
