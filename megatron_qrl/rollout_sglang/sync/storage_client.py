@@ -73,6 +73,10 @@ def storage_request(request: Callable[[str, object, str], tuple[bool, str]],
     if msg["what"] != "export":
         return json.loads(data)
     from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
+    # the engine's processes pickle CUDA tensors with SGLang's reducer (the device named by
+    # its uuid); its rebuild function needs the same patch in this process (idempotent)
+    monkey_patch_torch_reductions()
     got = MultiprocessingSerializer.deserialize(data)  # the engine we started wrote it
     return {"layout": EngineLayout.from_json(got["layout"]), "tensors": got["tensors"]}
