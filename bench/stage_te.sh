@@ -27,8 +27,8 @@
 #                                  nothing and rebuilds te0..te5 from it)
 #
 # Every file is pinned by its sha256 (pip --require-hashes; the sdist checked against the
-# digest below): a different file stops the script naming it. Measured: see the end of
-# bench/README.md's staging section.
+# digest below): a different file stops the script naming it. Measured 2026-12-03: te0 14.6 MiB,
+# te1..te4 54.4 MiB each, te5 46.3 MiB; 18 s (16 s from the download cache).
 set -euo pipefail
 VERSION=2.20.2
 CU13=transformer_engine_cu13-$VERSION-py3-none-manylinux_2_28_x86_64.whl
