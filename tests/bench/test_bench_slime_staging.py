@@ -1,6 +1,7 @@
 """The slime staging's shell side: bench/parts.sh splits a staged archive into carry-sized
 parts and joins them on the device against one SHA256SUMS list; bench/slime.sh puts the
-SGLang 0.5.15.post1 site before the 0.5.17 one on the slime phases' PYTHONPATH."""
+SGLang 0.5.15.post1 site before the 0.5.17 one on the slime phases' PYTHONPATH. Every bench/
+staging script (slime's, Transformer Engine's, Ray's) parses."""
 
 import os
 import pathlib
@@ -150,7 +151,8 @@ def test_slime_pins_come_right_after_megatron_once_installed(tmp_path, pinned):
     assert (entries[1] == str(pins)) == pinned and (str(pins) in entries) == pinned
 
 
-@pytest.mark.parametrize("script", ["parts.sh", "slime.sh", "stage_slime.sh", "stage_slime_sglang.sh"])
-def test_bench_slime_scripts_parse(script):
+@pytest.mark.parametrize("script", ["parts.sh", "slime.sh", "stage_slime.sh", "stage_slime_sglang.sh",
+                                    "stage_te.sh", "stage_ray.sh"])
+def test_bench_staging_scripts_parse(script):
     r = subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
