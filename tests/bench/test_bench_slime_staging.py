@@ -152,7 +152,7 @@ def test_slime_pins_come_right_after_megatron_once_installed(tmp_path, pinned):
 
 
 @pytest.mark.parametrize("script", ["parts.sh", "slime.sh", "stage_slime.sh", "stage_slime_sglang.sh",
-                                    "stage_te.sh", "stage_ray.sh"])
+                                    "stage_te.sh", "stage_ray.sh", "stage_site.sh"])
 def test_bench_staging_scripts_parse(script):
     r = subprocess.run(["bash", "-n", str(ROOT / "bench" / script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
