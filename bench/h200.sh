@@ -113,7 +113,9 @@
 #               MOE_EXPERTS=stacked: the stacked experts (--qrl-train-moe-experts stacked);
 #               VARIANTS may name FMT@aligned, FMT@replay, FMT@alignedreplay (the aligned forward,
 #               routing replay of every layer, both), FMT@alignedkeep (aligned, the real GEMM's
-#               dequantized weights kept per optimizer step); NO_TE=1: the local spec even with TE staged
+#               dequantized weights kept per optimizer step); NO_TE=1: the local spec even with TE staged;
+#               any model: FMT@alignedfake (the aligned forward's fake quantization: the mismatch-KL
+#               reference of the real GEMM), FMT@aligned8 (aligned, FP8 dgrad and wgrad)
 #   moe30b      bench/train_mfu.py on the Qwen3-30B-A3B slice (${LAYERS_30B:-4} layers, no engine):
 #               ROWS of MoE build settings (gg grouped GEMM, pf permute fusion, rf router fusion,
 #               ag allgather dispatcher, st stacked experts: one torch grouped GEMM per expert
@@ -468,6 +470,8 @@ case $phase in
       --variant-flags "replay=--qrl-routing-replay all" \
       --variant-flags "alignedreplay=--qrl-train-forward aligned --qrl-routing-replay all" \
       --variant-flags "alignedkeep=--qrl-train-forward aligned --qrl-train-aligned-keep-dequantized" \
+      --variant-flags "alignedfake=--qrl-train-forward aligned --qrl-train-aligned-gemm fake" \
+      --variant-flags "aligned8=--qrl-train-forward aligned --qrl-train-aligned-backward fp8 --qrl-train-aligned-wgrad fp8" \
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       ${MOE_EXPERTS:+--moe-experts "$MOE_EXPERTS"} \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
