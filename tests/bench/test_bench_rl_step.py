@@ -80,3 +80,26 @@ def test_qrl_flags_and_megatron_flags_split():
                    "--no-qrl-tensorboard"]
     assert meg == ["--use-distributed-optimizer", "--recompute-modules", "moe_act", "layernorm"]
     assert split_variant_flags("") == ([], [])
+
+
+def test_h200_rlstep_variant_flags_are_valid_qrl_flags():
+    """Every ``--variant-flags`` of bench/h200.sh's RL-step phases parses and passes the
+    combination checks on a Hopper GPU with an fp8 rollout (a device call is too scarce to
+    lose on a misspelled flag). Catches: a flag renamed in the config but not in h200.sh
+    (e.g. ``--qrl-train-aligned-wgrad`` spelled ``--qrl-train-wgrad``), a variant whose flags
+    contradict each other."""
+    import argparse
+    import re
+
+    from megatron_qrl.config.args import add_qrl_args, validate_qrl_args
+
+    named = re.findall(r'--variant-flags "(\w+)=([^"]*)"', (ROOT / "bench/h200.sh").read_text())
+    assert {"aligned", "replay", "alignedfake", "aligned8"} <= {n for n, _ in named}
+    for name, flags in named:
+        qrl, _ = split_variant_flags(flags)
+        parser = add_qrl_args(argparse.ArgumentParser(allow_abbrev=False))
+        try:
+            args = parser.parse_args(["--qrl-rollout-format", "fp8", *qrl])
+            validate_qrl_args(args, gpu_capability=(9, 0))
+        except (SystemExit, Exception) as exc:
+            raise AssertionError(f"bench/h200.sh variant {name!r} ({flags}): {exc}") from exc
