@@ -23,7 +23,11 @@ from ..session import SGLangSession
 from ..storage_client import EngineStorage
 from ..writer import check_digest, writer_for
 
-__all__ = ["DirectTransport", "check_placement"]
+__all__ = ["WRITE_RANGE", "DirectTransport", "check_placement"]
+
+WRITE_RANGE = "qrl.direct.write"
+"""The profiler range of the write step (``write_s``: producing the stream, quantizing and
+copying into the engine, fingerprints, the final device synchronize)."""
 
 
 @register_transport("sglang", "direct")
@@ -44,9 +48,10 @@ class DirectTransport(WeightTransport):
         layout, tensors = store.current()
         t1 = time.perf_counter()
         writer = writer_for(s.spec, layout, tensors, s.sent)
-        writer.write_all(stream)
-        if s.device.type == "cuda":
-            torch.cuda.synchronize(s.device)  # the engine reads what this stream wrote
+        with torch.profiler.record_function(WRITE_RANGE):
+            writer.write_all(stream)
+            if s.device.type == "cuda":
+                torch.cuda.synchronize(s.device)  # the engine reads what this stream wrote
         t2 = time.perf_counter()
         out = s.storage({"what": "digest", "names": writer.shapes, "version": version})
         if out["fingerprint"] != layout.fingerprint:
