@@ -475,6 +475,26 @@ def test_engine_direct_sync_end_to_end(fmt):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_direct_sync_times_the_wait_on_its_stream(monkeypatch):
+    """``last_sync["stream_s"]``: the part of ``write_s`` spent producing the incoming stream
+    (the trainer's weights, expert stacks), on a clock that only the stream advances. Catches:
+    the wait not recorded, or the writer's own time counted as the stream's."""
+    from megatron_qrl.rollout_sglang.sync import prefetch
+
+    now = [0.0]
+    monkeypatch.setattr(prefetch, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    eng = _direct_engine(engine("fp8"), "fp8")
+    stream = list(get_spec("fp8").pack_state_dict(hf_weights(3), stack_experts=True))
+
+    def slow():
+        for item in stream:
+            now[0] += 10.0
+            yield item
+
+    eng.update_weights(slow(), version=1)
+    assert eng.last_sync["stream_s"] == 10.0 * len(stream)
+
+
 def test_engine_direct_sync_fails_when_the_engine_holds_other_bytes():
     """Catches: an engine-side write that is lost (e.g. a stale handle) passing as synced."""
     m = engine("fp8_block")
