@@ -33,7 +33,8 @@ and the weights ``quantized`` / tensors ``copied``); ``+packed`` hands it the pa
 instead, copied into its tensors (the direct sync before it quantized in place), side by
 side; ``+qcache`` (any engine variant) sends codes and scales quantized before the clock, as
 the aligned forward's Q(W) cache holds them (copied, not quantized, by ``direct``);
-``+resident`` starts any engine without its memory saver (``release_memory=False``).
+``+resident`` starts any engine without its memory saver (``release_memory=False``; the
+direct sync always: the options refuse it with the saver, whose memory CUDA IPC cannot share).
 
 ``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
 (pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:
@@ -297,7 +298,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         flat_buckets=("flat" in opts) if inplace else None,
         direct_expert_loads=("direct" in opts) if inplace else None,
         stack_experts=("stacked" in opts) if inplace else None,  # refused without +direct
-        receipt="noreceipt" not in opts, release_memory="resident" not in opts)
+        receipt="noreceipt" not in opts,
+        release_memory="resident" not in opts and sync != "direct")  # direct: refused with it
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
