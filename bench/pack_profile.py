@@ -22,12 +22,12 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._profile import Traced  # noqa: E402
 from bench.weight_sync import _synchronize, model_config, trainer_stream  # noqa: E402
 
 IMPLS = ("auto", "torch", "triton")
@@ -57,36 +57,17 @@ def profile_pack(fmt: str, layers: int, device: str, stack_experts: bool = True,
 
 def _profile(fmt: str, layers: int, device: str, stack_experts: bool, top: int,
              experts: int | None) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
     from megatron_qrl.quant import get_spec
 
     spec, cfg = get_spec(fmt), model_config(layers, experts)
     _drain(spec, cfg, device, stack_experts)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
+    with Traced(device) as tr:
         nbytes = _drain(spec, cfg, device, stack_experts)
-        wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    on_gpu = device.startswith("cuda")
-
-    def dev_us(e) -> float:
-        return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
-
-    kernels = sorted(events, key=dev_us if on_gpu else (lambda e: e.self_cpu_time_total),
-                     reverse=True)[:top]
-    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    busy = sum(dev_us(e) for e in events) / 1e6 if on_gpu else None
-    return {
-        "format": fmt, "layers": layers, "device": device, "stack_experts": stack_experts,
-        "wall_s": round(wall, 3), "gpu_busy_s": None if busy is None else round(busy, 3),
-        "packed_gb": round(nbytes / 1e9, 3),
-        "top_time_ms": [(e.key[:90], round((dev_us(e) if on_gpu else e.self_cpu_time_total)
-                                           / 1e3, 2), e.count) for e in kernels],
-        "top_host_self_ms": [(e.key[:90], round(e.self_cpu_time_total / 1e3, 2), e.count)
-                             for e in host],
-    }
+    s = tr.summary(top)
+    return {"format": fmt, "layers": layers, "device": device, "stack_experts": stack_experts,
+            "wall_s": s["wall_s"], "gpu_busy_s": s["gpu_busy_s"],
+            "packed_gb": round(nbytes / 1e9, 3), "top_time_ms": s["top_time_ms"],
+            "top_host_self_ms": s["top_host_self_ms"], "host_syncs": s["host_syncs"]}
 
 
 def _impls(text: str, device: str) -> list[str]:

@@ -33,7 +33,8 @@ and the weights ``quantized`` / tensors ``copied``); ``+packed`` hands it the pa
 instead, copied into its tensors (the direct sync before it quantized in place), side by
 side; ``+qcache`` (any engine variant) sends codes and scales quantized before the clock, as
 the aligned forward's Q(W) cache holds them (copied, not quantized, by ``direct``);
-``+resident`` starts any engine without its memory saver (``release_memory=False``).
+``+resident`` starts any engine without its memory saver (``release_memory=False``; the
+direct sync always: the options refuse it with the saver, whose memory CUDA IPC cannot share).
 
 ``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
 (pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:
@@ -51,6 +52,13 @@ is a CPU smoke run. What the direct sync does per weight, counted on the CPU:
 bench/sync_census.py. The trainer's experts are rows of one ``[E, out, in]`` tensor per kind
 (as a stacked-experts trainer holds them), so stacking them again is a view.
 
+``--profile PATH`` traces each engine variant's second sync with ``torch.profiler``
+(bench/_profile.py): the record gets ``profile`` — wall vs GPU busy seconds of the trainer's
+process, the top kernels and host ops, the host syncs seen, and ``ranges_ms`` with the direct
+sync's write step (``qrl.direct.write``, what ``write_s`` times: producing the stream,
+quantizing / copying, fingerprints) — and the Chrome trace goes to ``PATH`` with the
+variant's name appended.
+
 Print a saved run with ``--table FILE.jsonl``; ``--plot FILE.png`` draws where each variant's
 second sync went (after a run, or with ``--table``):
 
@@ -66,12 +74,14 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._profile import Traced  # noqa: E402
 from bench._runner import child_main, run_variant  # noqa: E402
 
 MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
@@ -235,7 +245,8 @@ def engine_stream(eng, spec, cfg: dict, opts: list[str], quantized=None):
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
           pack_only: bool = False, produce_only: bool = False, device: str = "cuda",
-          layers: int | None = None, experts: int | None = None) -> dict:
+          layers: int | None = None, experts: int | None = None,
+          profile: str | None = None) -> dict:
     import torch
 
     from megatron_qrl.quant import get_spec
@@ -287,7 +298,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         flat_buckets=("flat" in opts) if inplace else None,
         direct_expert_loads=("direct" in opts) if inplace else None,
         stack_experts=("stacked" in opts) if inplace else None,  # refused without +direct
-        receipt="noreceipt" not in opts, release_memory="resident" not in opts)
+        receipt="noreceipt" not in opts,
+        release_memory="resident" not in opts and sync != "direct")  # direct: refused with it
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
@@ -298,9 +310,14 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     quantized = _qcache(spec, cfg, "cuda") if "qcache" in opts else None
     for version in (1, 2):  # the first sync also pays one-time costs (IPC setup, allocations)
         torch.cuda.synchronize()
+        traced = Traced("cuda") if profile and version == 2 else nullcontext()
         t = time.perf_counter()
-        eng.update_weights(engine_stream(eng, spec, cfg, opts, quantized), version=version)
+        with traced:
+            eng.update_weights(engine_stream(eng, spec, cfg, opts, quantized), version=version)
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
+        if isinstance(traced, Traced):
+            res["profile"] = traced.summary() | {"trace": traced.export(
+                trace_path(profile, variant))}
         res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
         for part in ("produce_s", "stream_s", "fingerprint_s", "flatten_s", "wait_s",
                      "serialize_s", "finish_s", "storage_s", "write_s", "digest_s"):
@@ -317,6 +334,15 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     res["generated_tokens"] = int(out.mask.sum())
     eng.shutdown()
     return res
+
+
+def trace_path(profile: str, variant: str) -> Path:
+    """``--profile PATH``'s Chrome trace of ``variant``: ``PATH`` with the variant's name
+    (``fp8:direct+resident`` -> ``trace-fp8-direct-resident.json`` for ``trace.json``)."""
+    p = Path(profile)
+    tag = "".join(c if c.isalnum() or c in "_." else "-" for c in variant)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p.with_name(f"{p.stem}-{tag}{p.suffix or '.json'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the trainer's quantizer: the formats' fused Triton kernels on CUDA "
                         "(auto, the default) or their torch reference (torch), for A/B runs "
                         "(sets QRL_QUANT_IMPL for the variants' processes)")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="engine variants: trace the second sync with torch.profiler; its GPU "
+                        "busy vs wall time, top kernels, top host ops, host syncs and the "
+                        "direct sync's write range go into the record (key 'profile'), the "
+                        "Chrome trace to PATH with the variant's name appended")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quant_impl:
@@ -359,12 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.child:
         return child_main(lambda: child(a.child, a.bucket_mb, a.pack_compare, a.pack_only,
-                                        a.produce_only, a.device, a.layers, a.experts))
+                                        a.produce_only, a.device, a.layers, a.experts,
+                                        a.profile))
     flags = [f for f, on in (("--pack-compare", a.pack_compare), ("--pack-only", a.pack_only),
                              ("--produce-only", a.produce_only)) if on]
     flags += ["--device", a.device]
-    flags += [x for f, v in (("--layers", a.layers), ("--experts", a.experts)) if v is not None
-              for x in (f, str(v))]
+    flags += [x for f, v in (("--layers", a.layers), ("--experts", a.experts),
+                             ("--profile", a.profile)) if v is not None for x in (f, str(v))]
+    if a.profile and (a.pack_only or a.produce_only):
+        p.error("--profile traces an engine variant's second sync; bench/pack_profile.py "
+                "traces the pack alone")
     impl = {"quant_impl": os.environ.get("QRL_QUANT_IMPL", "auto")}
     rows = [run_variant([__file__, "--child", v, "--bucket-mb", str(a.bucket_mb), *flags], v,
                         a.out, tag="sync", extra=impl) for v in a.variants.split(",")]

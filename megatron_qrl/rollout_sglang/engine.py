@@ -184,7 +184,9 @@ class SGLangEngine(RolloutEngine):
         waited on the incoming packed stream, ``fingerprint_s`` took the copies to the
         device and the fingerprints, ``flatten_s`` built flat buckets), ``wait_s`` (this
         thread waiting for a prepared bucket), ``serialize_s`` (CUDA-IPC handles) and
-        ``finish_s`` (version check, fingerprints and the receipts at the end)."""
+        ``finish_s`` (version check, fingerprints and the receipts at the end); direct syncs
+        add ``storage_s``, ``write_s`` (of which ``stream_s`` waited on the stream),
+        ``digest_s``, ``handles_taken``, ``quantized`` and ``copied``."""
 
     @property
     def uses_loader(self) -> bool:

@@ -169,7 +169,9 @@ class SGLangOptions:
     def problem(self, spec_name: str) -> str | None:
         """Why these options cannot run with format ``spec_name`` (naming the flags), or None:
         a speed option asked for (True / > 0) on a sync it does not apply to, stacked experts
-        without direct expert loads, or a (format, sync) SGLang 0.5.17 cannot update."""
+        without direct expert loads, the direct sync into an engine with its memory saver
+        (torch_memory_saver allocates with ``cuMemCreate``, which ``cudaIpcGetMemHandle``
+        cannot export), or a (format, sync) SGLang 0.5.17 cannot update."""
         resolved = self.sync_for(spec_name)
         said = self.sync if self.sync != "auto" else f"auto ({resolved} for {spec_name})"
         if self.prefetch_buckets and resolved not in OPTION_SYNCS["prefetch_buckets"]:
@@ -190,6 +192,12 @@ class SGLangOptions:
             return (f"{_flag('sync')} direct writes the packed tensors straight into the "
                     f"engine's live ones, which SGLang re-processes for {spec_name!r}; direct "
                     f"serves {ok}; use {_flag('sync')} inplace")
+        if resolved == "direct" and self.release_memory:
+            return (f"{_flag('sync')} direct with {_flag('release_memory')} (the default): the "
+                    "memory saver maps the engine's weights where CUDA IPC cannot share them; "
+                    f"add --no-{_flag('release_memory')[2:]} (and size "
+                    f"{_flag('mem_fraction')} for engine + trainer) or use {_flag('sync')} "
+                    "inplace")
         return _unsupported(spec_name, resolved)
 
     def resolve(self, spec_name: str) -> SGLangOptions:

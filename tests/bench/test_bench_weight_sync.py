@@ -160,3 +160,31 @@ def test_pack_profile_ab_runs_each_quantizer(tmp_path, capsys):
         "wall_ratio": 4.0, "gpu_busy_ratio": 9.0}
     with pytest.raises(SystemExit, match="--quant-impl 'cuda'.*auto, torch, triton"):
         profile_main(["--format", "fp8", "--device", "cpu", "--quant-impl", "cuda"])
+
+
+def test_profile_summary_names_ranges_host_syncs_and_the_trace(tmp_path):
+    """bench/_profile.py (``weight_sync.py --profile``, ``pack_profile.py``) on the CPU: the
+    direct sync's write range, a host sync (``.item()``) and the top ops reach the summary;
+    the trace is written per variant. Catches: the write range or the syncs dropped from the
+    record, two variants' traces written to one file."""
+    import torch
+
+    from bench._profile import Traced
+    from bench.weight_sync import main, trace_path
+    from megatron_qrl.rollout_sglang.sync.transports.direct import WRITE_RANGE
+
+    x = torch.randn(64, 64)
+    with Traced("cpu") as tr:
+        with torch.profiler.record_function(WRITE_RANGE):
+            (x @ x).abs().amax().item()
+    s = tr.summary(top=5)
+    assert s["gpu_busy_s"] is None and s["wall_s"] > 0
+    assert list(s["ranges_ms"]) == ["qrl.direct.write"]
+    assert s["host_syncs"] == {"aten::_local_scalar_dense": 1}
+    assert "aten::mm" in {name for name, _, _ in s["top_host_self_ms"]}
+    a, b = (trace_path(str(tmp_path / "t.json"), v) for v in ("fp8:direct+resident",
+                                                               "fp8:direct+resident+packed"))
+    assert a.name == "t-fp8-direct-resident.json" and a != b
+    assert a.exists() is False and tr.export(a) == str(a) and a.is_file()
+    with pytest.raises(SystemExit):
+        main(["--pack-only", "--profile", str(tmp_path / "t.json"), "--variants", "fp8:inplace"])

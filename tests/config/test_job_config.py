@@ -60,7 +60,7 @@ def test_parse_configs_builds_the_job(argv, want):
 def _direct():
     from megatron_qrl.rollout_sglang.options import SGLangOptions
 
-    return RolloutConfig(sglang=SGLangOptions(sync="direct"))
+    return RolloutConfig(sglang=SGLangOptions(sync="direct", release_memory=False))
 
 
 def _configs(**over):

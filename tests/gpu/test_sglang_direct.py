@@ -17,8 +17,21 @@ The parent requires the direct engine's parameters bit-equal to the in-place eng
 same greedy tokens, the second direct sync reusing the handles of the first (one export), and
 the read-back digest as its check; ``direct+packed`` (the packed stream copied) and
 ``direct+qcache`` (codes and scales quantized before the sync, as the aligned forward's Q(W)
-cache holds them: copied, none quantized) the same; then the same with the memory saver and a
-release / resume between the syncs.
+cache holds them: copied, none quantized) the same. With the memory saver (the default
+``release_memory``) the direct sync is refused by the options (CUDA IPC cannot share the
+memory ``torch_memory_saver`` maps with ``cuMemCreate``); ``inplace+saver`` checks on the real
+engine that its storage service answers that failure to an export, and that the engine lives
+on (an in-place sync after a release / resume, then the same tokens as in place).
+
+Engines at ``mem_fraction_static=0.3`` must not run in parallel streams (two pytest processes
+at once ran out of memory): run the file in ONE pytest process, whose in-place reference
+engines are then started once per format and shared. Each case starts one engine (~40 s +
+export + syncs); under a 10-minute limit per command, two runs one after the other:
+
+    PYTHONUNBUFFERED=1 python -m pytest -q -n 0 -s tests/gpu/test_sglang_direct.py \
+        -k "fp8 or memory_release"      # fp8, fp8_block (+packed, +qcache), the saver
+    PYTHONUNBUFFERED=1 python -m pytest -q -n 0 -s tests/gpu/test_sglang_direct.py \
+        -k "int8 or w4a16"              # int8, w4a16 (+packed)
 """
 
 from __future__ import annotations
@@ -37,8 +50,9 @@ FORMATS = ["fp8", "fp8_block", "int8", "w4a16"]
 
 def worker(fmt: str, sync: str, out: Path) -> None:
     """``sync``: ``inplace``, ``direct``, ``direct+packed`` (the packed stream copied),
-    ``direct+qcache`` (cached codes copied), or ``direct+saver`` (the engine with its memory
-    saver, its memory released and resumed between the two syncs, as the RL loop does)."""
+    ``direct+qcache`` (cached codes copied), or ``inplace+saver`` (the engine with its memory
+    saver, its memory released and resumed between the two syncs, as the RL loop does, and
+    asked for an export after the release: ``res["export_error"]``, no ``.pt``)."""
     from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.hf_reference import hf_tensors
@@ -64,6 +78,10 @@ def worker(fmt: str, sync: str, out: Path) -> None:
             if saver and version:
                 engine.release_memory()
                 engine.resume_memory()
+                try:  # answered by the engine's storage service, which must live on
+                    engine._storage_call({"what": "export"})
+                except Exception as exc:  # noqa: BLE001  (recorded for the parent)
+                    res["export_error"] = f"{type(exc).__name__}: {exc}"
             stream = [(n, t.cuda()) for n, t in hf_tensors(model)]
             if option == "packed":  # the packed stream, copied into the engine
                 engine.update_weights(spec.pack_state_dict(
@@ -76,9 +94,10 @@ def worker(fmt: str, sync: str, out: Path) -> None:
             res[f"sync_{tag}"] = dict(engine.last_sync, version=engine.weight_version())
         o = engine.generate(prompts(), SamplingParams(max_new_tokens=16, temperature=0))
         res["ids"], res["mask"] = o.output_ids.tolist(), o.mask.tolist()
-        held = engine._storage_call({"what": "export"})["tensors"]
-        torch.save({n: t.detach().cpu().clone() for n, t in held.items()},
-                   out.with_suffix(".pt"))
+        if not saver:
+            held = engine._storage_call({"what": "export"})["tensors"]
+            torch.save({n: t.detach().cpu().clone() for n, t in held.items()},
+                       out.with_suffix(".pt"))
     finally:
         out.write_text(json.dumps(res))
         engine.shutdown()
@@ -105,7 +124,8 @@ def _run(fmt: str, sync: str, tmp: Path) -> tuple[dict, dict]:
         run_json_worker(__file__, [fmt, sync, str(out)], out, "ids",
                         f"{fmt}: the {sync} sync worker")
         _DONE[fmt, sync] = out
-    return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
+    pt = out.with_suffix(".pt")
+    return json.loads(out.read_text()), torch.load(pt) if pt.is_file() else {}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -141,15 +161,26 @@ def test_direct_sync_equals_inplace(tmp_path, fmt, sync):
 
 @pytest.mark.gpu
 def test_direct_sync_across_a_memory_release(tmp_path):
-    """The RL loop's order with the memory saver (release after rollouts, resume before the
-    sync): the handles stay valid or are taken again, and the engine ends bit-equal to the
-    in-place one. Catches: handles that point at memory the saver unmapped and re-mapped
-    elsewhere (the engine would keep A). A failure naming
-    --no-qrl-rollout-sglang-release-memory means CUDA IPC cannot share the saver's memory:
-    then the options must refuse direct with release_memory."""
-    ref, ref_t = _run("fp8", "inplace", tmp_path)
-    got, got_t = _run("fp8", "direct+saver", tmp_path)
-    print(f"\n[direct+saver] fp8: handles taken {got['sync_b']['handles_taken']}", flush=True)
-    differ = [n for n in ref_t if not torch.equal(_bits(ref_t[n]), _bits(got_t[n]))]
-    assert not differ, f"direct + memory saver left {len(differ)} parameters unlike in place"
-    assert got["ids"] == ref["ids"]
+    """The direct sync with the memory saver (the RL loop's default: release after rollouts,
+    resume before the sync) is refused by the options, naming both flags and the fix; on the
+    real engine with the saver, an export is answered with the IPC failure as an
+    :class:`EngineLayoutError` and the engine lives on: an in-place sync and greedy decoding
+    after it give the in-place engine's tokens. Catches: the options accepting the pair (the
+    engine's export then fails at the first sync), the storage service raising inside the
+    scheduler (SGLang's watchdog kills the engine: the worker fails with EngineDiedError).
+    Should an export ever succeed here, CUDA IPC shares the saver's memory on this stack and
+    the refusal can go (the assertion says so)."""
+    from megatron_qrl.rollout_sglang import SGLangOptions
+
+    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct with "
+                       r"--qrl-rollout-sglang-release-memory .*--no-qrl-rollout-sglang-"
+                       r"release-memory"):
+        SGLangOptions(sync="direct").resolve("fp8")
+    ref, _ = _run("fp8", "inplace", tmp_path)
+    got, _ = _run("fp8", "inplace+saver", tmp_path)
+    print(f"\n[inplace+saver] fp8: export answered {got.get('export_error')!r}", flush=True)
+    assert "export_error" in got, ("an export of the saver's memory succeeded: CUDA IPC shares "
+                                   "it here; the options' refusal of direct + saver can go")
+    assert got["export_error"].startswith("EngineLayoutError: direct weight sync: the "
+                                          "engine's parameters cannot be shared by CUDA IPC")
+    assert got["sync_b"]["version"] == 1 and got["ids"] == ref["ids"]

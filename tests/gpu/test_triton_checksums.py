@@ -78,3 +78,25 @@ def test_a_bucket_of_mixed_tensors_equals_the_torch_code():
         return sums.result()
 
     assert _timed("torch", strings)[0] == _timed("triton", strings)[0]
+
+
+def test_the_kernel_does_not_wait_for_the_stream():
+    """Fingerprints are queued behind the writes they read, the host goes on. Catches: the
+    segment table copied to the GPU from pageable memory (``.to(device)``: the copy waits for
+    every kernel queued before it, one host sync per fingerprinted tensor or expert stack)."""
+    set_checksum_impl("triton")
+    try:
+        stacked = torch.randint(0, 255, (8, 64, 256), dtype=torch.uint8, device="cuda")
+        rows = [t.clone() for t in stacked.unbind(0)]
+        checksum_rows(stacked), checksum_parts_many(rows)  # compiled before the check
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)  # seconds of GPU work queued ahead
+        slept = torch.cuda.Event()
+        slept.record()
+        got_rows, got_many = checksum_rows(stacked), checksum_parts_many(rows)
+        waited = slept.query()  # True: a call above waited for the sleep on the host
+        torch.cuda.synchronize()
+    finally:
+        set_checksum_impl(None)
+    assert not waited, "a fingerprint call waited for the stream's earlier kernels"
+    assert torch.equal(got_rows, got_many)

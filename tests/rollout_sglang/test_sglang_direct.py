@@ -14,6 +14,8 @@ reference is the in-place loader (``load_packed``) fed the same packed stream in
 
 from __future__ import annotations
 
+import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -400,7 +402,7 @@ def test_formats_the_writer_does_not_serve_are_refused_naming_the_flag():
         writer_for(get_spec("nvfp4"), layout, tensors)
     with pytest.raises(ValueError, match=r"sync direct .*'nvfp4'.*sync inplace"):
         SGLangOptions(sync="direct").resolve("nvfp4")
-    assert SGLangOptions(sync="direct").resolve("fp8_block").sync == "direct"
+    assert SGLangOptions(sync="direct", release_memory=False).resolve("fp8_block").sync == "direct"
 
 
 def test_engine_methods_that_rewrite_weights_are_refused():
@@ -431,7 +433,7 @@ def _direct_engine(model, fmt="fp8"):
     from megatron_qrl.rollout_sglang import SGLangEngine
 
     eng = object.__new__(SGLangEngine)
-    eng.options = SGLangOptions(sync="direct").resolve(fmt)
+    eng.options = SGLangOptions(sync="direct", release_memory=False).resolve(fmt)
     eng.spec, eng.trainer_device = get_spec(fmt), torch.device("cpu")
     eng.bucket_bytes, eng.processes, eng.model_path = 1 << 20, 1, None
     version = [None]
@@ -471,6 +473,26 @@ def test_engine_direct_sync_end_to_end(fmt):
     assert "model.layers.1.mlp.experts.1.down_proj.weight" in eng.sent_checksums()
     a, b = state(ref), state(m)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_direct_sync_times_the_wait_on_its_stream(monkeypatch):
+    """``last_sync["stream_s"]``: the part of ``write_s`` spent producing the incoming stream
+    (the trainer's weights, expert stacks), on a clock that only the stream advances. Catches:
+    the wait not recorded, or the writer's own time counted as the stream's."""
+    from megatron_qrl.rollout_sglang.sync import prefetch
+
+    now = [0.0]
+    monkeypatch.setattr(prefetch, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    eng = _direct_engine(engine("fp8"), "fp8")
+    stream = list(get_spec("fp8").pack_state_dict(hf_weights(3), stack_experts=True))
+
+    def slow():
+        for item in stream:
+            now[0] += 10.0
+            yield item
+
+    eng.update_weights(slow(), version=1)
+    assert eng.last_sync["stream_s"] == 10.0 * len(stream)
 
 
 def test_engine_direct_sync_fails_when_the_engine_holds_other_bytes():
@@ -525,6 +547,45 @@ def test_storage_answers_travel_through_the_answer_file(tmp_path):
     got = storage_request(request, list, torch.device("cpu"), out,
                           {"what": "digest", "names": names}, version=7)
     assert list(got["digest"]) == list(names) and sent == [(False, None), (True, "7")]
+
+
+def test_storage_failures_are_answered_not_raised_in_the_engine(tmp_path, monkeypatch):
+    """A request that fails inside the scheduler (an export the memory saver's memory cannot
+    be shared for, a digest of a tensor the engine has no place for) comes back through the
+    answer file and is raised in the trainer with the engine's message; ``serve`` itself
+    returns (raising would end SGLang's scheduler). Catches: ``serve`` raising, the client
+    reading the error answer as a result, an engine-side failure losing its message."""
+    from megatron_qrl.rollout_sglang.sync.loader.storage import serve
+    from megatron_qrl.rollout_sglang.sync.storage_client import storage_request
+
+    m = engine("fp8")
+
+    def request(method, req, first):
+        try:
+            serve(m, req.serialized_named_tensors)
+        except Exception as exc:  # noqa: BLE001  (what SGLang's scheduler does with it)
+            raise AssertionError(f"the engine's scheduler would die of: {exc}") from exc
+        return True, "ok"
+
+    def unshareable(obj):
+        raise RuntimeError("CUDA error: invalid argument")  # cudaIpcGetMemHandle on VMM memory
+
+    utils = types.ModuleType("sglang.srt.utils")  # SGLang's serializer, as on a saver's memory
+    utils.MultiprocessingSerializer = SimpleNamespace(serialize=unshareable)
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils", utils)
+    out = str(tmp_path / "storage")
+    with pytest.raises(EngineLayoutError, match=r"cannot be shared by CUDA IPC \(CUDA error: "
+                       r"invalid argument\).*--no-qrl-rollout-sglang-release-memory"):
+        storage_request(request, list, torch.device("cpu"), out, {"what": "export"})
+    names = {"model.layers.7.self_attn.q_proj.weight": [Q, H]}
+    with pytest.raises(EngineLayoutError, match=r"model\.layers\.7\.self_attn.*no engine param"):
+        storage_request(request, list, torch.device("cpu"), out, {"what": "digest", "names": names})
+    with pytest.raises(WeightSyncError, match=r"failed 'bogus' \(ValueError: engine storage "
+                       r"request 'bogus'"):
+        storage_request(request, list, torch.device("cpu"), out, {"what": "bogus"})
+    assert not list(tmp_path.iterdir())  # every answer read and removed
+    fp = storage_request(request, list, torch.device("cpu"), out, {"what": "fingerprint"})
+    assert fp["fingerprint"] == describe(m)[0].fingerprint  # the service still answers
 
 
 def test_cached_codes_reach_the_engine_as_they_are():

@@ -282,7 +282,7 @@ def test_direct_write_lists_w4a16_now_that_the_writer_serves_it():
     three checkpoint-layout formats and w4a16 through the Marlin layout); nvfp4 is refused
     naming the flag."""
     assert sorted(_direct_formats()) == ["fp8", "fp8_block", "int8", "w4a16"]
-    assert SGLangOptions(sync="direct").resolve(FMT)
+    assert SGLangOptions(sync="direct", release_memory=False).resolve(FMT)
     layout, tensors = describe(engine())
     with pytest.raises(ValueError, match=r"sync direct: format 'nvfp4'.*sync inplace"):
         writer_for(get_spec("nvfp4"), layout, tensors)

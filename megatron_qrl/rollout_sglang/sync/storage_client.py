@@ -20,7 +20,12 @@ from pathlib import Path
 import torch
 
 from megatron_qrl.sync.protocol.checksums import WeightSyncError
-from megatron_qrl.sync.protocol.engine_layout import STORAGE, EngineLayout
+from megatron_qrl.sync.protocol.engine_layout import (
+    ERROR,
+    STORAGE,
+    EngineLayout,
+    EngineLayoutError,
+)
 from megatron_qrl.sync.protocol.inplace import CONTROL, encode_control
 
 __all__ = ["EngineStorage", "storage_request"]
@@ -70,6 +75,8 @@ def storage_request(request: Callable[[str, object, str], tuple[bool, str]],
                               f"({len(files)} answers, expected 1): {text}")
     data = Path(files[0]).read_bytes()
     Path(files[0]).unlink()
+    if files[0].endswith(ERROR):
+        _raise_answered(msg["what"], json.loads(data))
     if msg["what"] != "export":
         return json.loads(data)
     from sglang.srt.utils import MultiprocessingSerializer
@@ -80,3 +87,13 @@ def storage_request(request: Callable[[str, object, str], tuple[bool, str]],
     monkey_patch_torch_reductions()
     got = MultiprocessingSerializer.deserialize(data)  # the engine we started wrote it
     return {"layout": EngineLayout.from_json(got["layout"]), "tensors": got["tensors"]}
+
+
+def _raise_answered(what: str, err: dict) -> None:
+    """The failure the engine's storage service answered to request ``what``
+    (``{"error": class name, "message": ...}``), raised here: an :class:`EngineLayoutError`
+    as itself (its message names the fix), anything else as a :class:`WeightSyncError`."""
+    if err["error"] == EngineLayoutError.__name__:
+        raise EngineLayoutError(err["message"])
+    raise WeightSyncError(f"the engine's storage service failed {what!r} ({err['error']}: "
+                          f"{err['message']}); see the scheduler log")

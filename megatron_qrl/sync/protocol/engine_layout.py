@@ -13,7 +13,9 @@ functions, so what the trainer writes and what the engine reads back are the sam
 
 Requests to the engine's storage service travel as the control tensor of an
 ``update_weights_from_tensor`` call with ``load_format`` = :data:`STORAGE`:
-``{"what": "export" | "fingerprint" | "digest", "out": path, "names": {name: shape}}``.
+``{"what": "export" | "fingerprint" | "digest", "out": path, "names": {name: shape}}``;
+the answer is the file ``out.<pid>``, or ``out.<pid>`` + :data:`ERROR` where the request
+failed in the engine.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from ...utils import hf_names
 from ...utils.hf_names import FUSED, STACKED
 from . import marlin
 
-__all__ = ["STORAGE", "EngineLayout", "EngineLayoutError", "ParamLayout", "Target", "locate",
+__all__ = ["ERROR", "STORAGE", "EngineLayout", "EngineLayoutError", "ParamLayout", "Target", "locate",
            "view"]
 
 STORAGE = "megatron_qrl.rollout_sglang.sync.loader.storage.serve"
 """The ``custom_weight_loader`` / ``load_format`` entry of the engine's storage service."""
+ERROR = ".error"
+"""Suffix of a failed request's answer file: JSON ``{"error": class name, "message": ...}``
+(the engine's scheduler answers the failure instead of raising it, which would end it)."""
 
 _MOE = {"gate_proj": "w13_", "up_proj": "w13_", "down_proj": "w2_"}
 """An expert projection -> the prefix of its ``FusedMoE`` parameter (``make_expert_params_mapping``)."""

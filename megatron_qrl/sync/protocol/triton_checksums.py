@@ -52,7 +52,9 @@ def segment_sums(words: torch.Tensor, starts: list[int], lengths: list[int],
                  mod: int) -> torch.Tensor:
     """``int64[n, 2]`` on ``words``' device: both fingerprint sums of each segment
     ``words[starts[k] : starts[k] + lengths[k]]`` of the contiguous int32 buffer ``words``,
-    positions counted from each segment's start."""
+    positions counted from each segment's start. The segment table goes to the GPU from
+    pinned memory without waiting for the stream: no host sync (a sync fingerprints every
+    region it wrote; the host keeps queueing the next weight's kernels meanwhile)."""
     if words.dtype != torch.int32 or words.dim() != 1 or not words.is_contiguous():
         raise ValueError(f"segment_sums needs a contiguous 1-D int32 word buffer, got "
                          f"{words.dtype} {tuple(words.shape)}")
@@ -69,7 +71,9 @@ def segment_sums(words: torch.Tensor, starts: list[int], lengths: list[int],
     table = torch.stack([seg, (torch.arange(total, dtype=torch.int64) - first_block) * chunk], 1)
     # one host-to-device copy (each waits for the device) for the table, starts and lengths
     meta = torch.cat([table.reshape(-1), torch.tensor(starts, dtype=torch.int64), lens])
-    meta = meta.to(words.device)
+    if words.device.type == "cuda":  # queued like a kernel: a copy from pageable memory
+        meta = meta.pin_memory()      # waits for the stream (one host sync per call)
+    meta = meta.to(words.device, non_blocking=True)
     _segment_sums_kernel[(total,)](
         words, meta[:2 * total], meta[2 * total:2 * total + n], meta[2 * total + n:],
         out, BLOCK=BLOCK, ITERS=ITERS, MOD=mod)

@@ -38,6 +38,7 @@ import torch
 
 from megatron_qrl.sync.protocol.checksums import Checksums
 from megatron_qrl.sync.protocol.engine_layout import (
+    ERROR,
     EngineLayout,
     EngineLayoutError,
     ParamLayout,
@@ -213,18 +214,28 @@ def _share(obj: dict) -> bytes:
 def serve(model: torch.nn.Module, named_tensors) -> None:
     """SGLang custom weight loader: answer the control message's request into its ``out``
     file (``export``: SGLang's ``MultiprocessingSerializer``, whose CUDA tensors travel as IPC
-    handles with the device named by UUID; JSON otherwise; temp + rename)."""
+    handles with the device named by UUID; JSON otherwise; temp + rename). A request that
+    fails is answered too, as ``{"error": class name, "message": ...}`` in ``out.<pid>.error``:
+    an exception raised here would end SGLang's scheduler, and the engine with it."""
     msgs = [decode_control(t) for n, t in named_tensors if n == CONTROL]
     if len(msgs) != 1:
         raise EngineLayoutError(f"engine storage request carries {len(msgs)} control tensors, "
                                 "expected 1")
     msg = msgs[0]
-    out = handle(model, msg)
-    if msg["what"] == "export":
-        data = _share({"layout": out["layout"].to_json(), "tensors": out["tensors"]})
-    else:
-        data = json.dumps(out).encode()
     path = f"{msg['out']}.{os.getpid()}"
+    try:
+        data = _answer(model, msg)
+    except Exception as exc:  # answered to the trainer, which raises it (storage_client)
+        data = json.dumps({"error": type(exc).__name__, "message": str(exc)}).encode()
+        path += ERROR
     with open(f"{path}.tmp", "wb") as f:
         f.write(data)
     os.replace(f"{path}.tmp", path)
+
+
+def _answer(model: torch.nn.Module, msg: dict) -> bytes:
+    """The bytes of :func:`handle`'s answer to ``msg`` (:func:`serve`)."""
+    out = handle(model, msg)
+    if msg["what"] == "export":
+        return _share({"layout": out["layout"].to_json(), "tensors": out["tensors"]})
+    return json.dumps(out).encode()

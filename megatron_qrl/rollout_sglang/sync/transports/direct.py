@@ -7,7 +7,10 @@ processing; ``last_sync`` counts the weights ``quantized`` and the tensors ``cop
 small requests per sync: the storage fingerprint before writing (handles re-taken where
 SGLang moved a parameter) and the engine's read-back digest after, which also sets the
 weight version; :meth:`DirectTransport.verify` compares the digest with the fingerprints
-taken while writing, naming the layer of the first region that differs."""
+taken while writing, naming the layer of the first region that differs. ``last_sync`` times
+``storage_s`` (the fingerprint request / handles), ``write_s`` (the write, of which
+``stream_s`` waited on the incoming stream: the trainer's weights produced, expert stacks
+built) and ``digest_s``."""
 
 from __future__ import annotations
 
@@ -19,11 +22,16 @@ import torch
 from megatron_qrl.sync.protocol.checksums import WeightSyncError
 from megatron_qrl.sync.transport import WeightTransport, register_transport
 
+from ..prefetch import timed
 from ..session import SGLangSession
 from ..storage_client import EngineStorage
 from ..writer import check_digest, writer_for
 
-__all__ = ["DirectTransport", "check_placement"]
+__all__ = ["WRITE_RANGE", "DirectTransport", "check_placement"]
+
+WRITE_RANGE = "qrl.direct.write"
+"""The profiler range of the write step (``write_s``: producing the stream, quantizing and
+copying into the engine, fingerprints, the final device synchronize)."""
 
 
 @register_transport("sglang", "direct")
@@ -44,9 +52,11 @@ class DirectTransport(WeightTransport):
         layout, tensors = store.current()
         t1 = time.perf_counter()
         writer = writer_for(s.spec, layout, tensors, s.sent)
-        writer.write_all(stream)
-        if s.device.type == "cuda":
-            torch.cuda.synchronize(s.device)  # the engine reads what this stream wrote
+        parts: dict[str, float] = {}
+        with torch.profiler.record_function(WRITE_RANGE):
+            writer.write_all(timed(stream, parts, "stream_s"))
+            if s.device.type == "cuda":
+                torch.cuda.synchronize(s.device)  # the engine reads what this stream wrote
         t2 = time.perf_counter()
         out = s.storage({"what": "digest", "names": writer.shapes, "version": version})
         if out["fingerprint"] != layout.fingerprint:
@@ -54,7 +64,7 @@ class DirectTransport(WeightTransport):
             raise WeightSyncError("direct weight sync: the engine moved its parameters while "
                                   "they were written; the next sync takes new handles")
         self.held = out["digest"]
-        s.lap.update(buckets=1, storage_s=t1 - t0, write_s=t2 - t1,
+        s.lap.update(buckets=1, storage_s=t1 - t0, write_s=t2 - t1, **parts,
                      digest_s=time.perf_counter() - t2, handles_taken=store.taken,
                      quantized=writer.quantized, copied=writer.copied)
         return 1

@@ -1,0 +1,86 @@
+"""One ``torch.profiler`` trace of a piece of a bench, summed up for its JSON record: the wall
+time, the GPU's busy time (kernel and copy time, streams summed) — a piece bound by launches,
+host syncs or Python shows busy << wall — the top kernels (GPU) or ops (CPU) by time, the top
+host ops by self CPU time, and the host syncs the trace saw. Used by bench/pack_profile.py and
+bench/weight_sync.py ``--profile``::
+
+    with Traced("cuda") as tr:
+        work()
+    record["profile"] = tr.summary(top=20)
+    tr.export("trace.json")            # chrome://tracing / Perfetto
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["SYNC_CALLS", "Traced", "summarize"]
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "aten::_local_scalar_dense")
+"""Trace events where the host waits for the GPU (``cudaMemcpy``: a blocking copy;
+``_local_scalar_dense``: ``.item()`` / ``bool(t)``)."""
+
+
+def _dev_us(e) -> float:
+    return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+
+
+def summarize(events, wall: float, on_gpu: bool, top: int = 20) -> dict:
+    """``wall_s``, ``gpu_busy_s`` (None off the GPU), ``top_time_ms`` / ``top_host_self_ms``
+    (``[name, ms, calls]``), ``host_syncs`` (``{call: count}``) and ``ranges_ms`` (the
+    ``qrl.*`` ``record_function`` ranges' wall, e.g. the direct sync's write step) of
+    ``prof.key_averages()``."""
+    kernels = sorted(events, key=_dev_us if on_gpu else (lambda e: e.self_cpu_time_total),
+                     reverse=True)[:top]
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    busy = sum(_dev_us(e) for e in events) / 1e6 if on_gpu else None
+    return {
+        "wall_s": round(wall, 3), "gpu_busy_s": None if busy is None else round(busy, 3),
+        "top_time_ms": [(e.key[:90], round((_dev_us(e) if on_gpu else e.self_cpu_time_total)
+                                           / 1e3, 2), e.count) for e in kernels],
+        "top_host_self_ms": [(e.key[:90], round(e.self_cpu_time_total / 1e3, 2), e.count)
+                             for e in host],
+        "host_syncs": {e.key: e.count for e in events if e.key in SYNC_CALLS},
+        "ranges_ms": {e.key: round(e.cpu_time_total / 1e3, 2) for e in events
+                      if e.key.startswith("qrl.")},
+    }
+
+
+class Traced:
+    """``torch.profiler`` over a ``with`` block (CPU, and CUDA where ``device`` is one); the
+    wall time is the block's, the device synchronized before and after it."""
+
+    def __init__(self, device: str):
+        self.on_gpu = str(device).startswith("cuda")
+        self.prof = None
+        self.wall = 0.0
+
+    def _sync(self) -> None:
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def __enter__(self) -> Traced:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
+        self._sync()
+        self.prof = profile(activities=acts)
+        self.prof.__enter__()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sync()
+        self.wall = time.perf_counter() - self._t0
+        self.prof.__exit__(*exc)
+
+    def summary(self, top: int = 20) -> dict:
+        return summarize(self.prof.key_averages(), self.wall, self.on_gpu, top)
+
+    def export(self, path) -> str:
+        """The trace as a Chrome trace file at ``path``; returns the path."""
+        self.prof.export_chrome_trace(str(path))
+        return str(path)
