@@ -109,8 +109,9 @@
 #   rlstep-offload  the same, FP8, with --use-distributed-optimizer --optimizer-cpu-offload
 #               (its peak trainer memory next to rlstep's fp8 row)
 #   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first),
-#               micro batch 4 and the qwen3-30b-a3b preset's fast MoE path (no full recompute);
-#               MOE_EXPERTS=stacked: the stacked experts (--qrl-train-moe-experts stacked);
+#               micro batch 16 (MICRO_BATCH=4: the earlier rows) and the qwen3-30b-a3b preset's
+#               stacked experts and fast MoE path (no full recompute); MOE_EXPERTS=megatron:
+#               TE's grouped GEMM instead (--qrl-train-moe-experts megatron);
 #               VARIANTS may name FMT@aligned, FMT@replay, FMT@alignedreplay (the aligned forward,
 #               routing replay of every layer, both), FMT@alignedkeep (aligned, the real GEMM's
 #               dequantized weights kept per optimizer step); NO_TE=1: the local spec even with TE staged
@@ -455,10 +456,13 @@ case $phase in
       rlstep) model=(--model qwen3_4b); variants=${VARIANTS:-bf16,fp8}; mbs=4 ;;
       rlstep-offload) model=(--model qwen3_4b); variants=${VARIANTS:-fp8@offload}; mbs=4 ;;
       rlstep30b) model=(--model qwen3_30b_a3b --layers "${LAYERS_30B:-4}")
-                 variants=${VARIANTS:-bf16,fp8}; mbs=4
-                 # the preset's fast MoE path (grouped GEMM, fused permute / router, selective
-                 # moe_act recompute) instead of full recompute; TE's fused grouped GEMM
-                 # (13.0% vs 10.5% trainer MFU on the 4-layer slice, bench/results/moe30b_ee27c8e.jsonl)
+                 variants=${VARIANTS:-bf16,fp8}; mbs=16
+                 # micro batch 16: 4.01 s train / 13.0 s step vs 5.97 / 18.4 s at 4, 73.3 GiB peak
+                 # (stacked experts, local spec, bench/results/rlstep30b_st_local_98f7b96.jsonl);
+                 # the preset's fast MoE path (fused permute / router, selective moe_act
+                 # recompute where TE is staged) instead of full recompute; TE's fused grouped
+                 # GEMM for MOE_EXPERTS=megatron (13.0% vs 10.5% trainer MFU on the 4-layer slice,
+                 # bench/results/moe30b_ee27c8e.jsonl)
                  recompute=""
                  export NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=${NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM:-1} ;;
     esac
