@@ -123,7 +123,8 @@
 #               per train micro batch and per log-prob recompute micro batch (two tables);
 #               IMPL=local builds the local spec (no TE: st rows without pf / rf). The stacked
 #               profile rows: ROWS=none-mb16-st,none-mb16-st-al,none-mb16-st-alk,none-mb16-st-rp
-#               IMPL=local (bench/README.md)
+#               IMPL=local (bench/README.md); PROMPTS=32 UPDATES=4: the RL step's batch and
+#               its 4 optimizer steps (16 micro batches of 16 samples)
 #   teblock     bench/te_block_codes.py: TE Float8BlockQuantizer vs the fp8_block spec, codes and
 #               scales element by element, and the recipe's power-of-two setting (~1 min)
 #   rlstep-mfu  trainer MFU: bench/train_mfu.py runs the recompute + train phases of
@@ -482,8 +483,8 @@ case $phase in
     timeout --kill-after=10 "${MFU_S:-540}" python3 bench/train_mfu.py --model qwen3_30b_a3b \
       --layers "${LAYERS_30B:-4}" --rows "${ROWS:-full-mb2,none-mb2-gg,none-mb8-gg,none-mb8-gg-pf}" \
       --transformer-impl "${IMPL:-auto}" \
-      --prompts "${PROMPTS:-16}" --new-tokens "${NEW_TOKENS:-1024}" --updates 1 --breakdown \
-      --no-profile --out "$OUT/moe30b${TAG:-}.jsonl" 2>&1 \
+      --prompts "${PROMPTS:-16}" --new-tokens "${NEW_TOKENS:-1024}" --updates "${UPDATES:-1}" \
+      --breakdown --no-profile --out "$OUT/moe30b${TAG:-}.jsonl" 2>&1 \
       | grep -E "^\||train_mfu\]|Error|error" | grep -v '"breakdown"' | tail -n 100 ;;
   teblock)  # TE's FP8 block quantizer vs the fp8_block spec, codes and scales element by element
     te_env
