@@ -109,8 +109,9 @@
 #   rlstep-offload  the same, FP8, with --use-distributed-optimizer --optimizer-cpu-offload
 #               (its peak trainer memory next to rlstep's fp8 row)
 #   rlstep30b   the same on the Qwen3-30B-A3B shape with ${LAYERS_30B:-4} layers (randckpt first),
-#               micro batch 4 and the qwen3-30b-a3b preset's fast MoE path (no full recompute);
-#               MOE_EXPERTS=stacked: the stacked experts (--qrl-train-moe-experts stacked);
+#               micro batch 16 (MICRO_BATCH=4: the earlier rows) and the qwen3-30b-a3b preset's
+#               stacked experts and fast MoE path (no full recompute); MOE_EXPERTS=megatron:
+#               TE's grouped GEMM instead (--qrl-train-moe-experts megatron);
 #               VARIANTS may name FMT@aligned, FMT@replay, FMT@alignedreplay (the aligned forward,
 #               routing replay of every layer, both), FMT@alignedkeep (aligned, the real GEMM's
 #               dequantized weights kept per optimizer step); NO_TE=1: the local spec even with TE staged;
@@ -124,7 +125,8 @@
 #               per train micro batch and per log-prob recompute micro batch (two tables);
 #               IMPL=local builds the local spec (no TE: st rows without pf / rf). The stacked
 #               profile rows: ROWS=none-mb16-st,none-mb16-st-al,none-mb16-st-alk,none-mb16-st-rp
-#               IMPL=local (bench/README.md)
+#               IMPL=local (bench/README.md); PROMPTS=32 UPDATES=4: the RL step's batch and
+#               its 4 optimizer steps (16 micro batches of 16 samples)
 #   teblock     bench/te_block_codes.py: TE Float8BlockQuantizer vs the fp8_block spec, codes and
 #               scales element by element, and the recipe's power-of-two setting (~1 min)
 #   rlstep-mfu  trainer MFU: bench/train_mfu.py runs the recompute + train phases of
@@ -457,10 +459,13 @@ case $phase in
       rlstep) model=(--model qwen3_4b); variants=${VARIANTS:-bf16,fp8}; mbs=4 ;;
       rlstep-offload) model=(--model qwen3_4b); variants=${VARIANTS:-fp8@offload}; mbs=4 ;;
       rlstep30b) model=(--model qwen3_30b_a3b --layers "${LAYERS_30B:-4}")
-                 variants=${VARIANTS:-bf16,fp8}; mbs=4
-                 # the preset's fast MoE path (grouped GEMM, fused permute / router, selective
-                 # moe_act recompute) instead of full recompute; TE's fused grouped GEMM
-                 # (13.0% vs 10.5% trainer MFU on the 4-layer slice, bench/results/moe30b_ee27c8e.jsonl)
+                 variants=${VARIANTS:-bf16,fp8}; mbs=16
+                 # micro batch 16: 4.01 s train / 13.0 s step vs 5.97 / 18.4 s at 4, 73.3 GiB peak
+                 # (stacked experts, local spec, bench/results/rlstep30b_st_local_98f7b96.jsonl);
+                 # the preset's fast MoE path (fused permute / router, selective moe_act
+                 # recompute where TE is staged) instead of full recompute; TE's fused grouped
+                 # GEMM for MOE_EXPERTS=megatron (13.0% vs 10.5% trainer MFU on the 4-layer slice,
+                 # bench/results/moe30b_ee27c8e.jsonl)
                  recompute=""
                  export NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=${NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM:-1} ;;
     esac
@@ -482,8 +487,8 @@ case $phase in
     timeout --kill-after=10 "${MFU_S:-540}" python3 bench/train_mfu.py --model qwen3_30b_a3b \
       --layers "${LAYERS_30B:-4}" --rows "${ROWS:-full-mb2,none-mb2-gg,none-mb8-gg,none-mb8-gg-pf}" \
       --transformer-impl "${IMPL:-auto}" \
-      --prompts "${PROMPTS:-16}" --new-tokens "${NEW_TOKENS:-1024}" --updates 1 --breakdown \
-      --no-profile --out "$OUT/moe30b${TAG:-}.jsonl" 2>&1 \
+      --prompts "${PROMPTS:-16}" --new-tokens "${NEW_TOKENS:-1024}" --updates "${UPDATES:-1}" \
+      --breakdown --no-profile --out "$OUT/moe30b${TAG:-}.jsonl" 2>&1 \
       | grep -E "^\||train_mfu\]|Error|error" | grep -v '"breakdown"' | tail -n 100 ;;
   teblock)  # TE's FP8 block quantizer vs the fp8_block spec, codes and scales element by element
     te_env

@@ -14,7 +14,10 @@ charged to the nearest enclosing *part* on the CPU side —
 
 ``host_top_ms``: the CPU ops with the most own (self) CPU time — where the host spends a
 micro batch whose wall time is well above the GPU's busy time.
-Kernels under none of these are ``other`` (the loss, the log-prob pass, gradient clipping...).
+Kernels under none of these are ``other`` (the loss, the log-prob pass, gradient clipping...);
+kernels whose launching op the profiler did not link are ``other (no launching op)``, and the
+table says ATTRIBUTION FAILED for a row with more than half its time in these two
+(:func:`attribution_failed`).
 The aligned forward's quantizer kernels are split out of the part that launched them by their
 name (:data:`KERNEL_PARTS`): ``<part>/quantize activations``, ``<part>/dequantize`` (the
 straight-through backward's operands), ``<part>/Q(W)`` (the weight refresh, once per optimizer
@@ -157,15 +160,58 @@ def breakdown(fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, Any]:
     finally:
         for h in handles:
             h.remove()
-    parts, host, kernels = charge(prof.events(), cuda)
+    parts, host, kernels = charge(prof.events(), cuda, kineto_links(prof))
     busy = sum(parts.values())
     top = sorted(host.items(), key=lambda kv: -kv[1])[:12]
     top_k = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
     return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy, 1),
             "gpu_kernels_ms": round(sum(kernels.values()), 1),
+            "unlinked_ms": round(parts.get(UNLINKED, 0.0), 1),
             "parts_ms": {k: round(v, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
             "host_top_ms": {k[:80]: round(v, 2) for k, v in top},
             "kernels_top_ms": {f"{i:02d} {k[:100]}": round(v, 2) for i, (k, v) in enumerate(top_k)}}
+
+
+UNLINKED = "other (no launching op)"
+"""The part of a device kernel whose launching CPU op was not found: the link failed, not the
+naming (:func:`charge`)."""
+
+_CPU = torch.autograd.DeviceType.CPU
+
+
+def kineto_links(prof: Any) -> dict[tuple[int, str, bool], int]:
+    """``(id, name, on device) -> linked correlation id`` of a profile's raw Kineto events that
+    have one (kernels, memcpys, and the CUDA runtime calls that launched them).
+
+    torch's ``_KinetoEvent.linked_correlation_id()`` is the id of the CPU op a kernel or runtime
+    call belongs to; ``FunctionEvent`` exposes it only from torch 2.12 on (torch 2.11's events
+    lack the attribute, so every kernel looked unlinked). A ``FunctionEvent`` has its raw
+    event's ``correlation_id()`` as ``id`` and its name (only ``ProfilerStep#N`` is rewritten),
+    so ``(id, name, device)`` finds the raw event again: a kernel and its runtime call share the
+    CUDA correlation id but not the device; a CPU op sharing the number has another name."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    return links_of(results.events() if results is not None else [])
+
+
+def links_of(raw: Any) -> dict[tuple[int, str, bool], int]:
+    """:func:`kineto_links` of raw Kineto events (objects with ``correlation_id()``,
+    ``linked_correlation_id()``, ``name()``, ``device_type()``)."""
+    out = {}
+    for e in raw:
+        linked = e.linked_correlation_id()
+        if linked > 0:
+            out[(e.correlation_id(), e.name(), e.device_type() != _CPU)] = linked
+    return out
+
+
+def linked_id(ev: Any, links: dict[tuple[int, str, bool], int]) -> int:
+    """The correlation id of the CPU op that ``ev`` (a kernel or runtime call) belongs to; 0 for
+    a frontend op or range. The ``FunctionEvent`` attribute where torch has it, else
+    :func:`kineto_links`."""
+    linked = getattr(ev, "linked_correlation_id", None)
+    if linked is None:
+        linked = links.get((ev.id, ev.name, ev.device_type != _CPU), 0)
+    return linked
 
 
 def _is_range_span(ev: Any) -> bool:
@@ -181,16 +227,19 @@ def _depth(ev: Any) -> int:
     return d
 
 
-def charge(events: Any, cuda: bool) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+def charge(events: Any, cuda: bool, links: dict[tuple[int, str, bool], int] | None = None
+           ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """``(ms per part, own CPU ms per host op, ms per kernel name)`` of a profile's events.
 
     On CUDA each device kernel record is charged once, to the part of the CPU op that launched
-    it: the frontend event whose id is the kernel's ``linked_correlation_id`` (the link torch's
-    profiler itself uses to list an op's kernels), the deepest one if several share the id. The
-    parts then add up to the kernels' own total (``gpu_kernels_ms``). Charging each CPU event's
-    ``kernels`` list instead counted kernels more than once on the H200 (1,412 ms of parts for
-    290 ms of kernels). Without CUDA each op's own CPU time is charged (checks the attribution
-    on a CPU; not a speed measurement)."""
+    it: the frontend event whose id is the kernel's linked correlation id (:func:`linked_id`:
+    the link torch's profiler itself uses to list an op's kernels), the deepest one if several
+    share the id. The parts then add up to the kernels' own total (``gpu_kernels_ms``); a kernel
+    whose op is not found goes to :data:`UNLINKED`. Charging each CPU event's ``kernels`` list
+    instead counted kernels more than once on the H200 (1,412 ms of parts for 290 ms of
+    kernels). Without CUDA each op's own CPU time is charged (checks the attribution on a CPU;
+    not a speed measurement)."""
+    links = links or {}
     parts: dict[str, float] = {}
     host: dict[str, float] = {}
     kernels: dict[str, float] = {}
@@ -204,7 +253,7 @@ def charge(events: Any, cuda: bool) -> tuple[dict[str, float], dict[str, float],
         if not ev.name.startswith("qrl::"):
             host[ev.name] = host.get(ev.name, 0.0) + ev.self_cpu_time_total / 1e3
         if cuda:
-            if not getattr(ev, "linked_correlation_id", 0):  # a frontend op / range
+            if not linked_id(ev, links):  # a frontend op / range, not a runtime call
                 best = launchers.get(ev.id)
                 if best is None or _depth(ev) > _depth(best):
                     launchers[ev.id] = ev
@@ -214,8 +263,8 @@ def charge(events: Any, cuda: bool) -> tuple[dict[str, float], dict[str, float],
     for k in device:
         ms = (k.time_range.end - k.time_range.start) / 1e3
         kernels[k.name] = kernels.get(k.name, 0.0) + ms
-        op = launchers.get(getattr(k, "linked_correlation_id", 0) or -1)
-        part = _part_of(op) if op is not None else "other"
+        op = launchers.get(linked_id(k, links) or -1)
+        part = _part_of(op) if op is not None else UNLINKED
         sub = kernel_part(k.name)
         part = f"{part}/{sub}" if sub else part
         parts[part] = parts.get(part, 0.0) + ms
@@ -253,4 +302,20 @@ def table(rows: list[dict[str, Any]], layers: int, key: str = "breakdown") -> st
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     for stat in ("gpu_busy_ms", "wall_ms"):
         lines.append(f"| **{stat}** | " + " | ".join(str(r[key][stat]) for r in rows) + " |")
+    lines += [f"ATTRIBUTION FAILED for {r['row']}: {why}" for r in rows
+              if (why := attribution_failed(r[key]))]
     return "\n".join(lines)
+
+
+def attribution_failed(b: dict[str, Any], share: float = 0.5) -> str | None:
+    """Why a breakdown's parts cannot be read (more than ``share`` of its time in ``other``,
+    kernels whose launching op was not found counted with it), or None."""
+    parts = b["parts_ms"]
+    total = sum(parts.values())
+    other = sum(ms for p, ms in parts.items() if p.split("/")[0] in ("other", UNLINKED))
+    if not total or other <= share * total:
+        return None
+    unlinked = sum(ms for p, ms in parts.items() if p.split("/")[0] == UNLINKED)
+    return (f"{other / total:.0%} of {total:.1f} ms in `other`"
+            + (f", {unlinked:.1f} ms of kernels found no launching CPU op (the profiler's "
+               "kernel -> op link)" if unlinked else ", no part range encloses the ops"))

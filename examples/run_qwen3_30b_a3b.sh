@@ -54,6 +54,11 @@
 #   DRY_RUN=1      print every node's commands (all roles, NNODES + ENGINE_NODES nodes) and
 #                  run nothing.
 #   STEPS, SAVE_INTERVAL (-1: no checkpoint), MAX_NEW_TOKENS; extra arguments are Megatron flags.
+#   MOE_EXPERTS    the preset's routed experts are stacked (--qrl-train-moe-experts stacked: one
+#                  torch grouped GEMM per expert linear; RL step of the 4-layer slice on one H200
+#                  13.0 s vs 21 s with TE's grouped GEMM, docs/BENCHMARKS.md, measured on the
+#                  local spec only); MOE_EXPERTS=megatron: TE's grouped GEMM (the fallback).
+#                  The preset's micro batch stays 1: 48 layers at 4,096 new tokens per sample.
 # Ray is stopped by the process ids this script started (never a global `ray stop`).
 #
 # STATUS: tested on CPU only, with tiny equivalents (tests/rl/test_rl_ray_multirank.py,
@@ -144,6 +149,7 @@ trainer_command() {  # $1: node rank
     if [ -n "${STEPS:-}" ]; then QRL_ARGS+=(--qrl-steps "${STEPS}"); fi
     if [ -n "${SAVE_INTERVAL:-}" ]; then QRL_ARGS+=(--qrl-save-interval "${SAVE_INTERVAL}"); fi
     if [ -n "${MAX_NEW_TOKENS:-}" ]; then QRL_ARGS+=(--qrl-rollout-max-new-tokens "${MAX_NEW_TOKENS}"); fi
+    if [ -n "${MOE_EXPERTS:-}" ]; then QRL_ARGS+=(--qrl-train-moe-experts "${MOE_EXPERTS}"); fi
     # rank 0 joins the Ray cluster of this node (ray.init() finds it); other ranks never use Ray
     TRAIN_CMD=(torchrun --nnodes "${NNODES}" --node-rank "$1" --nproc-per-node "${GPUS_PER_NODE}"
                --master-addr "${HEAD_ADDR}" --master-port "${MASTER_PORT}"

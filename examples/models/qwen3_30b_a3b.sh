@@ -14,4 +14,6 @@ MODEL_ARGS=(
 # TE's fused grouped GEMM for the experts' GroupedLinear (one native grouped GEMM instead of
 # TE's per-GEMM path): 13.0% vs 10.5% trainer MFU on the 4-layer slice on one H200
 # (bench/results/moe30b_ee27c8e.jsonl, row none-mb8-gg-pf-rf). TE 2.20 reads it per layer build.
+# It matters with --qrl-train-moe-experts megatron only: the qwen3-30b-a3b preset's stacked
+# experts replace TE's GroupedLinear by one torch grouped GEMM per expert linear.
 export NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM="${NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM:-1}"

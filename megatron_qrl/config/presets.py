@@ -14,11 +14,14 @@ Machine / job presets:
   supervised warm-up then RL with INT8 rollouts, aligned forward and ACR.
 * ``qwen3-4b-1gpu``: Qwen3-4B on one GPU, SGLang rollouts (needs ``--qrl-checkpoint``).
 * ``qwen3-30b-a3b``: Qwen3-30B-A3B, multi-node, FP8-block SGLang rollouts, routing replay,
-  the fast MoE trainer path on a GPU with TE (``--qrl-train-moe-fast-path``: grouped GEMM,
-  alltoall, fused permute, selective recompute; config/moe_path.py; add
-  ``--qrl-train-moe-experts stacked`` for one stacked weight and one torch grouped GEMM per
-  expert linear, also without TE) (needs ``--qrl-checkpoint``; TP/EP layout are Megatron
-  flags in examples/).
+  the stacked experts (``--qrl-train-moe-experts stacked``: one stacked weight and one torch
+  grouped GEMM per expert linear, with or without TE; ``--qrl-train-moe-experts megatron`` is
+  the fallback: TE's grouped GEMM, and what a LoRA run must name) and the fast MoE trainer
+  path on a GPU with TE (``--qrl-train-moe-fast-path``: alltoall, fused permute / router,
+  selective recompute; config/moe_path.py) (needs ``--qrl-checkpoint``; TP/EP layout are
+  Megatron flags in examples/). Measured on one H200, 4-layer slice, local spec
+  (docs/BENCHMARKS.md): RL step 13.0 s at micro batch 16 vs 21 s with TE's grouped GEMM; the
+  stacked experts on the TE spec are not measured.
 
 Paper modes (docs/ALGORITHMS.md):
 
@@ -94,10 +97,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "--qrl-rollout-max-new-tokens": 4096,
         "--qrl-routing-replay": "all",
         "--qrl-train-moe-fast-path": True,
+        "--qrl-train-moe-experts": "stacked",
         "--qrl-loss-kind": "tis",
         "--qrl-steps": 300,
         "--qrl-lr": 1e-6,
         "--qrl-prompts-per-step": 64,
+        # 1 for the 48-layer model at 4,096 new tokens (the 4-layer slice's micro batch 16 at
+        # 1,024 peaked at 73 GiB on one H200; 48 layers x 4x the tokens would not fit)
         "--qrl-micro-batch-size": 1,
         "--qrl-updates-per-step": 4,
         "--qrl-save-interval": 25,

@@ -165,7 +165,8 @@ class TrainForwardConfig:
     """MoE routed experts. megatron: the spec's (TEGroupedMLP with --moe-grouped-gemm, else
     SequentialMLP). stacked: one [experts, out, in] weight per GEMM and one torch grouped GEMM
     per forward (torch._grouped_mm), no per-expert host work, no Transformer Engine needed;
-    checkpoints and HF names stay per expert (models/stacked_experts.py). Not with LoRA."""
+    checkpoints and HF names stay per expert (models/stacked_experts.py). Not with LoRA. The
+    qwen3-30b-a3b preset sets stacked (measured on the local spec only, docs/BENCHMARKS.md)."""
 
     aligned_gemm: Literal["auto", "fake", "real"] = field(
         default="auto", metadata={"on_resume": "may change"})

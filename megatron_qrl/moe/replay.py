@@ -66,6 +66,15 @@ class RoutingReplay:
             return False
         return self.mode == "all" or self.phase == "recompute"
 
+    def reads_ids(self, phase: str, record: bool) -> bool:
+        """Whether a forward of ``phase`` reads the rollout's expert ids: the routers replay
+        them (``all``; ``recompute`` in the recompute) or the forward measures the routing
+        agreement against them (``record``). Else the trainer leaves them out of the micro
+        batches (no host check, no copy to the device, no reordering)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        return record or self.mode == "all" or (self.mode == "recompute" and phase == "recompute")
+
     @contextmanager
     def use(self, expert_ids: torch.Tensor | None, phase: str,
             record: bool = True) -> Iterator[None]:

@@ -236,13 +236,16 @@ class PolicyTrainer:
         b, s = microbatches[0]["tokens"].shape if self.stage is None else \
             uniform_shape(microbatches)  # the schedule's one activation shape
         replay, pack = self.policy.plan.replay, self.pack_multiple()
-        if replay is not None:  # on the host, before the micro batches move to the device
+        phase, record = "recompute" if forward_only else "update", routing_sink is not None
+        if replay is not None and not replay.reads_ids(phase, record):
+            microbatches = [{k: v for k, v in mb.items() if k != "routed_experts"}
+                            for mb in microbatches]  # nothing reads them in this forward
+        elif replay is not None:  # on the host, before the micro batches move to the device
             for mb in microbatches:
                 if mb.get("routed_experts") is not None:  # -1: never routed (replay_ids)
                     # the largest id decides (ids below 0 become expert 0): one pass, no copy
                     replay.check_values(mb["routed_experts"].amax().clamp_min(0))
-        ctx = replay.use(None, "recompute" if forward_only else "update",
-                         record=routing_sink is not None) \
+        ctx = replay.use(None, phase, record=record) \
             if replay is not None else contextlib.nullcontext()
         with ctx:
             return get_forward_backward_func()(

@@ -136,7 +136,7 @@ def test_each_kernel_is_charged_once_to_the_op_that_launched_it():
     own span on the GPU timeline (``qrl::...``, ``Optimizer.step#...``) is not a kernel."""
     from types import SimpleNamespace as NS
 
-    from bench.layer_profile import charge
+    from bench.layer_profile import UNLINKED, charge
 
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -159,6 +159,85 @@ def test_each_kernel_is_charged_once_to_the_op_that_launched_it():
                ev("Optimizer.step#Adam.step", 103, device=gpu, linked=4, span=(6000.0, 9000.0)),
                ev("orphan", 104, device=gpu, linked=99, span=(9000.0, 9500.0))]
     parts, _host, by_name = charge([rng, linear, dup, mm, launch, opt, adam, *kernels], cuda=True)
-    assert parts == {"experts": 5.0, "optimizer": 2.0, "other": 0.5}
+    assert parts == {"experts": 5.0, "optimizer": 2.0, UNLINKED: 0.5}
     assert by_name == {"gemm": 5.0, "multi_tensor_apply": 2.0, "orphan": 0.5}
     assert sum(parts.values()) == sum(by_name.values())
+
+
+def _fake_events(with_attribute: bool):
+    """FunctionEvents as torch builds them for a CUDA profile: an expert GEMM under a
+    ``qrl::experts`` range, an optimizer kernel, the runtime calls that launched them (same
+    CUDA correlation id as their kernel, on the CPU), and one CPU op whose id collides with a
+    runtime call's. ``with_attribute=False`` is torch 2.11's ``FunctionEvent`` (no
+    ``linked_correlation_id``); the raw Kineto events then hold the link."""
+    from types import SimpleNamespace as NS
+
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    raw = []
+
+    def ev(name, id_, parent=None, device=cpu, linked=0, span=(0.0, 0.0)):
+        kw = {"linked_correlation_id": linked} if with_attribute else {}
+        raw.append(NS(correlation_id=lambda: id_, linked_correlation_id=lambda: linked,
+                      name=lambda: name, device_type=lambda: device))
+        return NS(name=name, id=id_, cpu_parent=parent, device_type=device,
+                  self_cpu_time_total=1.0, time_range=NS(start=span[0], end=span[1]),
+                  is_user_annotation=False, **kw)
+
+    rng = ev("qrl::experts", 1)
+    mm = ev("aten::mm", 2, rng)
+    opt = ev("Optimizer.step#AdamW.step", 3)
+    foreach = ev("aten::_foreach_add_", 4, opt)
+    launches = [ev("cudaLaunchKernel", 2, foreach, linked=4),  # CUDA id 2 = aten::mm's id
+                ev("cudaLaunchKernel", 7, mm, linked=2)]
+    kernels = [ev("nvjet_gemm", 7, device=gpu, linked=2, span=(0.0, 5000.0)),
+               ev("multi_tensor_apply_kernel", 2, device=gpu, linked=4, span=(6000.0, 8000.0))]
+    return [rng, mm, opt, foreach, *launches, *kernels], raw
+
+
+def test_kernels_link_through_the_raw_kineto_events_where_function_events_lack_the_id():
+    """torch 2.11 (the H200's) builds ``FunctionEvent`` without ``linked_correlation_id``: read
+    as 0, every kernel was unlinked and the H200 table put all 231.8 ms in ``other``. The link
+    is taken from the raw Kineto events instead; a runtime call sharing a CPU op's id is still
+    no launcher."""
+    from bench.layer_profile import UNLINKED, charge, links_of
+
+    for with_attribute in (True, False):
+        events, raw = _fake_events(with_attribute)
+        parts, _host, by_name = charge(events, cuda=True, links=links_of(raw))
+        assert parts == {"experts": 5.0, "optimizer": 2.0}, (with_attribute, parts)
+        assert sum(by_name.values()) == 7.0
+    events, _raw = _fake_events(with_attribute=False)
+    assert charge(events, cuda=True)[0] == {UNLINKED: 7.0}  # no link source: said, not hidden
+
+
+def test_function_events_find_their_raw_kineto_event():
+    """What :func:`kineto_links` relies on, with torch's real events: each ``FunctionEvent``'s
+    ``(id, name)`` is a raw event's ``(correlation_id(), name())``, and the raw events answer
+    the calls it makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.layer_profile import kineto_links
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("qrl::experts"):
+            torch.nn.functional.linear(torch.randn(4, 8), torch.randn(3, 8)).sum()
+    raw = prof.profiler.kineto_results.events()
+    keys = {(e.correlation_id(), e.name()) for e in raw}
+    events = [e for e in prof.events() if e.name != "[memory]"]
+    assert events and all((e.id, e.name) in keys for e in events)
+    assert kineto_links(prof) == {}  # a CPU profile: no op is linked to another
+
+
+def test_table_says_when_attribution_failed():
+    """The H200 row's table (every kernel in ``other``) says so under the table."""
+    failed = {"row": "none-mb16-st", "breakdown": {
+        "parts_ms": {"other": 231.76}, "gpu_busy_ms": 231.8, "wall_ms": 319.2}}
+    unlinked = {"row": "u", "breakdown": {
+        "parts_ms": {"other (no launching op)": 200.0, "other (no launching op)/Q(W)": 2.0,
+                     "experts": 10.0}, "gpu_busy_ms": 212.0, "wall_ms": 300.0}}
+    fine = {"row": "ok", "breakdown": {
+        "parts_ms": {"other": 40.0, "experts": 60.0}, "gpu_busy_ms": 100.0, "wall_ms": 120.0}}
+    text = table([failed, unlinked, fine], layers=4)
+    assert "ATTRIBUTION FAILED for none-mb16-st: 100% of 231.8 ms in `other`" in text
+    assert "ATTRIBUTION FAILED for u: 95% of 212.0 ms" in text and "202.0 ms of kernels" in text
+    assert "for ok" not in text

@@ -35,8 +35,9 @@ def test_30b_preset_turns_the_fast_path_on():
     configs, _, _ = parse_configs(["--qrl-preset", "tiny-cpu,qwen3-30b-a3b", "--qrl-model",
                                    "tiny-moe", "--qrl-rollout-engine", "reference"])
     assert configs["train"].moe_fast_path
+    assert configs["train"].moe_experts == "stacked"  # measured: RL step 13.0 s vs 21 s (TE GG)
     configs, _, _ = parse_configs(BASE)
-    assert not configs["train"].moe_fast_path
+    assert not configs["train"].moe_fast_path and configs["train"].moe_experts == "megatron"
 
 
 def test_fast_path_on_the_te_spec():

@@ -249,3 +249,46 @@ def test_replay_without_recording_runs_no_topk_and_same_bits():
         assert out[True][2] >= arch.num_layers and out[False][2] == 0
         assert len(out[True][3]) == arch.num_layers and out[False][3] == {}
         assert replay.record  # restored after the block
+
+
+def test_forwards_that_neither_replay_nor_measure_routing_leave_the_ids_out(monkeypatch):
+    """The engine's expert ids reach the schedule (host check, copy to the device, megatron
+    token order) only in the forwards that read them: replaying routers (``all``; ``recompute``
+    in the recompute) or a routing-agreement measurement. An RL step's later updates without
+    replay carried ``[batch, seq, layers, top_k]`` int64 ids per micro batch that nothing read
+    (bench/path_census.py). Mutation caught: the ids kept in every forward."""
+    from types import SimpleNamespace as NS
+
+    import megatron.core.pipeline_parallel as pp
+
+    from megatron_qrl.moe import RoutingReplay
+    from megatron_qrl.rl.trainer import PolicyTrainer
+
+    seen: list[list[str]] = []
+
+    def schedule(**kw):
+        seen.append(sorted(k for mb in kw["data_iterator"] for k in mb))
+        return []
+
+    monkeypatch.setattr(pp, "get_forward_backward_func", lambda: schedule)
+    mb = {"tokens": torch.zeros(1, 2, dtype=torch.long),
+          "routed_experts": torch.tensor([[[[0, 1]], [[5, 1]]]])}  # 5: out of range for 4
+    cases = (("off", False, None, False), ("off", True, None, False),
+             ("recompute", False, None, False), ("recompute", True, [], True),
+             ("all", False, None, True), ("off", False, [], True))
+    for mode, forward_only, sink, reads in cases:
+        trainer = NS(stage=None, pack_multiple=lambda: None,
+                     policy=NS(plan=NS(replay=RoutingReplay(mode, num_experts=4, top_k=2),
+                                       kv=None), config=None, ddp=None))
+        assert trainer.policy.plan.replay.reads_ids(
+            "recompute" if forward_only else "update", sink is not None) == reads
+        if reads:  # read, so range-checked on the host
+            with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+                PolicyTrainer._run(trainer, [mb], None, forward_only, sink)
+            PolicyTrainer._run(trainer, [{**mb, "routed_experts": mb["routed_experts"] % 4}],
+                               None, forward_only, sink)
+            assert "routed_experts" in seen[-1], (mode, forward_only, sink)
+        else:
+            PolicyTrainer._run(trainer, [mb], None, forward_only, sink)
+            assert seen[-1] == ["tokens"], (mode, forward_only, sink)
+    assert "routed_experts" in mb  # the caller's micro batch is left as it was
