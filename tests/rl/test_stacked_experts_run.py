@@ -54,7 +54,13 @@ def test_stacked_run_equals_sequential_run_and_resumes(hf, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[experts] = read_records(tmp_path / experts)
     assert len(runs["stacked"]) == 4
-    assert_records_close(runs["megatron"], runs["stacked"], COMPARED, skip_missing=True)
+    # the two warm-up steps to 1e-5; the RL steps to 1e-3: the gradient norm is summed per
+    # stacked tensor here, per expert there, so the clip coefficient differs in its 7th digit
+    # and Adam and sampling carry that forward (3.6e-4 relative in step 3's rollout NLL on
+    # the AMD EPYC CI machine, bit-equal on an earlier one)
+    assert_records_close(runs["megatron"][:2], runs["stacked"][:2], COMPARED, skip_missing=True)
+    assert_records_close(runs["megatron"], runs["stacked"], COMPARED, tol=1e-3,
+                         skip_missing=True)
     other = _run(hf, tmp_path / "stacked", "megatron", 3, "--qrl-resume")
     assert other.returncode != 0
     assert "--qrl-train-moe-experts 'stacked' -> 'megatron'" in other.stderr
