@@ -38,6 +38,8 @@ micro batches whose pi_prox is recomputed (``rl.steps.set_old_log_probs``), then
                      fp8_block rollouts (dense linears on SGLang's block GEMM, experts fake)
     al8              al with both backward GEMMs in FP8 (--qrl-train-aligned-backward fp8
                      --qrl-train-aligned-wgrad fp8): every GEMM of the aligned linears FP8
+    alw              the aligned forward for w4a16 rollouts (Q(W): int4 codes dequantized
+                     once per optimizer step, BF16 GEMMs; no low-bit GEMM on Hopper)
     rp               routing replay (--qrl-routing-replay all) of random engine experts (each
                      token's top-k drawn at random, the batch carries them as a rollout does)
                      The MoE, aligned and replay words are build-time settings: rows are built
@@ -97,6 +99,7 @@ QRL_WORDS: dict[str, tuple[str, ...]] = {
     "alb": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8_block"),
     "al8": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "fp8",
             "--qrl-train-aligned-backward", "fp8", "--qrl-train-aligned-wgrad", "fp8"),
+    "alw": ("--qrl-train-forward", "aligned", "--qrl-rollout-format", "w4a16"),
     "rp": ("--qrl-routing-replay", "all")}
 """Build-time ``--qrl-*`` words (aligned forward, routing replay) -> their flags."""
 MOE_FLAGS = {("moe_grouped_gemm", True): "--moe-grouped-gemm",
@@ -124,7 +127,7 @@ class Row:
     """Build-time settings of the MoE words: ``TransformerConfig`` overrides (gg, pf, rf, ag,
     a2a) and :data:`STACKED` (st)."""
     qrl: tuple[str, ...] = ()
-    """Build-time ``--qrl-*`` words (:data:`QRL_WORDS`: al, alk, alb, rp), in the order given."""
+    """Build-time ``--qrl-*`` words (:data:`QRL_WORDS`: al, alk, alb, al8, alw, rp), in the order given."""
 
     @property
     def build(self) -> tuple:
@@ -165,11 +168,11 @@ class Row:
             else:
                 raise ValueError(f"row {name!r}: unknown word {w!r} (mbN, tokN, lpN, prox1, "
                                  "prox0, thd, oldlp, norope, gg, pf, rf, ag, a2a, st, al, "
-                                 "alk, alb, al8, rp)")
+                                 "alk, alb, al8, alw, rp)")
         if len({k for k, _ in moe}) < len(moe):
             raise ValueError(f"row {name!r}: ag and a2a exclude each other")
         if sum(w.startswith("al") for w in qrl) > 1:
-            raise ValueError(f"row {name!r}: al, alk, alb and al8 exclude each other")
+            raise ValueError(f"row {name!r}: al, alk, alb, al8 and alw exclude each other")
         kw["moe"] = tuple(sorted(moe))
         kw["qrl"] = tuple(qrl)
         if bool(kw.get("micro_batch")) == bool(kw.get("max_tokens")):

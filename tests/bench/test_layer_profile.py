@@ -42,7 +42,7 @@ def test_moe_row_words():
 
 
 def test_aligned_and_replay_row_words():
-    """``al`` / ``alk`` / ``alb`` / ``al8`` / ``rp``: build-time ``--qrl-*`` words (a policy per distinct
+    """``al`` / ``alk`` / ``alb`` / ``al8`` / ``alw`` / ``rp``: build-time ``--qrl-*`` words (a policy per distinct
     set, with the MoE words), passed on to rl_step.py; two aligned formats in one row refused."""
     r = Row.parse("none-mb16-st-al-rp")
     assert r.qrl == ("al", "rp") and r.replays and dict(r.moe) == {"qrl_stacked_experts": True}
@@ -53,6 +53,10 @@ def test_aligned_and_replay_row_words():
     assert Row.parse("none-mb8-st-al").build == Row.parse("none-mb16-st-al").build
     assert "--qrl-train-aligned-keep-dequantized" in Row.parse("none-mb4-st-alk").rl_step_args()[2]
     assert not Row.parse("none-mb4-st-alb").replays
+    assert Row.parse("none-mb16-st-alw").qrl_flags()[2:] == [
+        "--qrl-train-forward", "aligned", "--qrl-rollout-format", "w4a16"]
+    with pytest.raises(ValueError, match="exclude each other"):
+        Row.parse("none-mb16-st-alw-al")
     flags = Row.parse("none-mb4-al8").rl_step_args()[2]
     assert "--qrl-train-aligned-backward fp8 --qrl-train-aligned-wgrad fp8" in flags
     with pytest.raises(ValueError, match="exclude each other"):
