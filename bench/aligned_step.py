@@ -28,6 +28,9 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
   its operands (per-token activation codes, the backward's dequantized operands) and the
   once-per-step weight codes come from the fused Triton kernels where they run
   (``QRL_QUANT_IMPL`` auto: CUDA);
+- ``aligned:FMT:real:bwd8``: the real GEMM with both backward GEMMs in FP8 as well
+  (``--qrl-train-aligned-backward fp8 --qrl-train-aligned-wgrad fp8``, ``te_quant.fp8_backward``;
+  ``--real-fp8-backward``, fp8 only): every GEMM of the aligned linears FP8;
 - ``aligned:FMT:real:torch``: the same with ``QRL_QUANT_IMPL=torch`` for the step (the torch
   reference ops instead of the fused kernels; ``--real-torch-operands``), side by side;
   (the fake-quant variants' per-token activations take the same kernels under auto);
@@ -94,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real-torch-operands", action="store_true",
                    help="also time each --real format with the torch operand code instead of "
                         "the fused Triton kernels (aligned:FMT:real:torch, QRL_QUANT_IMPL=torch)")
+    p.add_argument("--real-fp8-backward", action="store_true",
+                   help="also time --real fp8 with the FP8 input and weight gradients "
+                        "(aligned:fp8:real:bwd8: --qrl-train-aligned-backward fp8 "
+                        "--qrl-train-aligned-wgrad fp8)")
     p.add_argument("--no-te-variants", action="store_true",
                    help="skip the te:FMT recipe models (each is one more model in GPU memory)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per micro batch (4; tiny: 2)")
@@ -213,6 +220,10 @@ class Variant:
     """``AlignedForwardState.gemm`` during the step: fake or real (aligned model only)."""
     quant_impl: str | None = None
     """``QRL_QUANT_IMPL`` during the step (None: the process's setting)."""
+    backward: str = "bf16"
+    """``AlignedForwardState.backward`` and ``.wgrad`` during the step (real GEMM only)."""
+    ran_backward: str = "bf16"
+    """What the state held during the last step (``backward/wgrad``), for the record."""
     times: list[float] = field(default_factory=list)
     peaks: list[float] = field(default_factory=list)
     step_mem: list[float] = field(default_factory=list)
@@ -225,6 +236,8 @@ class Variant:
             set_quant_impl(self.quant_impl)
         try:
             with self._switch():
+                if self.state is not None:
+                    self.ran_backward = f"{self.state.backward}/{self.state.wgrad}"
                 yield
         finally:
             if self.quant_impl is not None:
@@ -238,6 +251,7 @@ class Variant:
         for m in self.trainer.module.modules():
             if isinstance(m, AlignedSequentialMLP):
                 m.batched = self.batched
+        self.state.backward = self.state.wgrad = self.backward
         if self.fmt == "bf16":
             return self.state.only(())
         from megatron_qrl.quant import get_spec
@@ -337,6 +351,9 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
     for f in args.real:
         variants.append(Variant(f"aligned:{f}:real", "real GEMM", aligned, f, plan.aligned,
                                 gemm="real"))
+        if args.real_fp8_backward and f == "fp8":
+            variants.append(Variant(f"aligned:{f}:real:bwd8", "real GEMM, FP8 backward",
+                                    aligned, f, plan.aligned, gemm="real", backward="fp8"))
         if args.real_torch_operands:
             variants.append(Variant(f"aligned:{f}:real:torch", "real GEMM, torch operands",
                                     aligned, f, plan.aligned, gemm="real", quant_impl="torch"))
@@ -435,7 +452,7 @@ def records(variants: list[Variant], meta: dict[str, Any], flops: float = 0.0
     for v in variants:
         med = statistics.median(v.times)
         out.append({**meta, "variant": v.name, "format": v.fmt, "path": v.path,
-                    "quant_impl": v.quant_impl or quant_impl(),
+                    "quant_impl": v.quant_impl or quant_impl(), "backward": v.ran_backward,
                     "median_step_s": med, "ratio_to_baseline": med / base_med,
                     "mfu": round(flops / med / PEAK_FLOPS, 4),
                     "baseline": base.name, "times_s": v.times,
@@ -486,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{[f for f in list_specs() if f != 'bf16']}")
     args.real = [f for f in args.real.split(",") if f]
     check_real(args.real, formats, cuda)
+    if args.real_fp8_backward and "fp8" not in args.real:
+        raise SystemExit("--real-fp8-backward times --real fp8 with FP8 gradients: add fp8 to "
+                         "--real")
     if args.rounds < 1 or args.warmup < 0:
         raise SystemExit("--rounds must be >= 1 and --warmup >= 0")
     cfg = load_config(args)

@@ -16,17 +16,21 @@ def test_aligned_step_tiny_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "aligned_step.py"), "--tiny", "--warmup", "1",
          "--rounds", "2", "--formats", "int8,fp8,fp8_block,nvfp4", "--per-expert", "int8", "--real", "fp8,int8",
-         "--real-torch-operands", "--out", str(out)],
+         "--real-torch-operands", "--real-fp8-backward", "--out", str(out)],
         capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     names = [r["variant"] for r in recs]
     # hidden 64 is not a multiple of fp8_block's 128-wide activation groups: skipped, said so
     assert names == ["bf16", "bf16:off", "aligned:int8", "aligned:fp8", "aligned:nvfp4",
-                     "aligned:int8:per-expert", "aligned:fp8:real", "aligned:fp8:real:torch",
-                     "aligned:int8:real", "aligned:int8:real:torch"]
-    assert [r["path"] for r in recs][-4:] == ["real GEMM", "real GEMM, torch operands"] * 2
-    assert [r["quant_impl"] for r in recs][-4:] == ["auto", "torch"] * 2
+                     "aligned:int8:per-expert", "aligned:fp8:real", "aligned:fp8:real:bwd8",
+                     "aligned:fp8:real:torch", "aligned:int8:real", "aligned:int8:real:torch"]
+    assert [r["path"] for r in recs][-5:] == ["real GEMM", "real GEMM, FP8 backward",
+                                              "real GEMM, torch operands", "real GEMM",
+                                              "real GEMM, torch operands"]
+    assert [r["quant_impl"] for r in recs][-5:] == ["auto", "auto", "torch", "auto", "torch"]
+    assert [r["backward"] for r in recs][-5:] == ["bf16/bf16", "fp8/fp8", "bf16/bf16",
+                                                  "bf16/bf16", "bf16/bf16"]
     assert any("aligned:fp8_block skipped" in n for n in recs[0]["notes"])
     for r in recs:
         assert len(r["times_s"]) == 2
