@@ -62,9 +62,12 @@ class RoutingReplay:
     @property
     def active(self) -> bool:
         """True if the routers must use the replayed experts in this forward."""
-        if self.expert_ids is None or self.mode == "off":
-            return False
-        return self.mode == "all" or self.phase == "recompute"
+        return self.expert_ids is not None and self._replays(self.phase)
+
+    def _replays(self, phase: str | None) -> bool:
+        """The routers replay the rollout's experts in a forward of ``phase``: every forward
+        under ``all``, the log-prob recompute under ``recompute``, none under ``off``."""
+        return self.mode == "all" or (self.mode != "off" and phase == "recompute")
 
     def reads_ids(self, phase: str, record: bool) -> bool:
         """Whether a forward of ``phase`` reads the rollout's expert ids: the routers replay
@@ -73,7 +76,7 @@ class RoutingReplay:
         batches (no host check, no copy to the device, no reordering)."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        return record or self.mode == "all" or (self.mode == "recompute" and phase == "recompute")
+        return record or self._replays(phase)
 
     @contextmanager
     def use(self, expert_ids: torch.Tensor | None, phase: str,
