@@ -19,7 +19,10 @@
 # transformers / tokenizers / huggingface_hub versions sglang 0.5.17 pins; it is used only by
 # that test's subprocess (PYTHONPATH=site first), never by the project's venv. sglang,
 # sglang-router and wandb come --no-deps, with the modules their import chain needs (measured
-# by importing until nothing is missing). Measured on the CPU machine: 6.0 GB, 3.5 min.
+# by importing until nothing is missing). kernels is pinned here because transformers imports it
+# when it is importable at all: the project's venv holds the newest (transformers >= 5.2x pulls
+# 0.19, whose LayerRepository needs a revision that 5.12.1 does not pass -> ValueError at import).
+# Measured on the CPU machine: 6.0 GB, 3.5 min.
 #
 # Megatron-LM's megatron/{training,legacy,rl} at the commit slime's Dockerfile pins, with
 # slime's two Megatron patches applied, comes from (first found):
@@ -46,7 +49,7 @@ NODEPS="sglang==0.5.17 sglang-router==0.3.2 wandb==0.31.0 transformers==5.12.1
   opentelemetry-api==1.45.2 ipython==9.18.1 traitlets==5.16.1 msgspec==0.23.0 pyzmq==27.3.0
   sniffio==1.3.1 partial_json_parser==0.2.1.1.post7 xgrammar==0.2.9 sentencepiece==0.2.3
   setproctitle==1.3.8 xxhash==4.1.0 six==1.17.0 dill==0.4.1 distro==1.9.0
-  platformdirs==4.14.9"
+  platformdirs==4.14.9 kernels==0.12.3"
 SPEC="$MEGATRON_COMMIT $TORCH $NODEPS"
 
 unavailable() { echo "slime_cpu_site: $*" >&2; exit 3; }
