@@ -15,6 +15,10 @@ from megatron_qrl.rl.cli import main  # noqa: E402
 from tests.helpers.rl_engine_double import tiny_engine_factory  # noqa: E402
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack on stderr
     argv = sys.argv[1:]
     factory = None
     if argv[:1] == ["--double"]:

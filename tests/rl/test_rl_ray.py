@@ -20,8 +20,10 @@ scales) weights cross the object store.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,9 +86,19 @@ def _records(out: Path) -> list[dict]:
 def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py",
          metrics: bool = True) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=cluster)
-    proc = subprocess.run([sys.executable, str(HELPERS / helper), *TINY, "--qrl-output-dir",
-                           str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, str(HELPERS / helper), *TINY, "--qrl-output-dir",
+                             str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # a hang: every thread's stack (the helpers register
+        proc.send_signal(signal.SIGUSR1)  # faulthandler on SIGUSR1) before it is killed
+        time.sleep(3)
+        proc.kill()
+        _, stderr = proc.communicate()
+        pytest.fail(f"{helper} {' '.join(extra)} ran past 300 s; its stacks and stderr:\n"
+                    + stderr[-12000:])
+    assert proc.returncode == 0, stderr[-3000:]
     return _records(out) if metrics else []
 
 
