@@ -83,6 +83,11 @@ def _records(out: Path) -> list[dict]:
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+JOB_TIMEOUT_S = 600
+"""A job's limit: alone one takes ~1 min; beside the other xdist worker on 2 cores one ran past
+300 s (three actor restarts, each a fresh Ray worker importing torch)."""
+
+
 def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py",
          metrics: bool = True) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_ADDRESS=cluster)
@@ -90,13 +95,13 @@ def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py",
                              str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     try:
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:  # a hang: every thread's stack (the helpers register
         proc.send_signal(signal.SIGUSR1)  # faulthandler on SIGUSR1) before it is killed
         time.sleep(3)
         proc.kill()
         _, stderr = proc.communicate()
-        pytest.fail(f"{helper} {' '.join(extra)} ran past 300 s; its stacks and stderr:\n"
+        pytest.fail(f"{helper} {' '.join(extra)} ran past {JOB_TIMEOUT_S} s; its stacks and stderr:\n"
                     + stderr[-12000:])
     assert proc.returncode == 0, stderr[-3000:]
     return _records(out) if metrics else []
