@@ -1,6 +1,8 @@
 """The fingerprint kernel compiled for sm_90 (Hopper) without a GPU: it compiles (the
 interpreter tests cannot see compile-only errors such as an unsupported 64-bit atomic) and adds
-both sums of a program with exactly two 64-bit atomics. Needs Triton (skipped in CPU CI);
+both sums of a program with exactly two 64-bit atomics, and its per-word position maths is
+32-bit (no 64-bit multiply per word: the int64 ``%`` compiled to one multiply-high and one
+multiply per word). Needs Triton (skipped in CPU CI);
 compiled in a fresh process by tests/sync/checksums_ptx.py."""
 
 from __future__ import annotations
@@ -22,3 +24,14 @@ def test_two_64_bit_atomics_per_program():
     assert sum(atomics.values()) == 2, ptx
     assert any("64" in k for k in atomics), ptx
     assert ptx.get("ld.global.b32", 0) > 0, ptx
+
+
+def test_no_64_bit_multiply_per_word():
+    """The weight ``i mod 1,000,003 + 1`` is taken from the program's one residue: 64-bit
+    multiplies only for that residue (at most two), while each of the loaded words is
+    multiplied by its int32 weight in one widening 32 x 32 -> 64 multiply(-add)."""
+    ptx = run_ptx_script("tests/sync/checksums_ptx.py")
+    wide = sum(v for k, v in ptx.items() if k.endswith("wide.s32"))
+    long = sum(v for k, v in ptx.items() if k.endswith(("lo.s64", "hi.s64")))
+    loads = ptx.get("ld.global.b32", 0)
+    assert loads > 2 and long <= 2 and wide >= loads, ptx
