@@ -17,14 +17,15 @@ The position weight ``i mod 1,000,003 + 1`` takes no per-word division. A progra
 ``BLOCK * ITERS <= 1,000,003`` consecutive positions ``i = f + l`` (``f`` its first, ``l`` in
 ``[0, BLOCK * ITERS)``), so with the scalar ``r = f mod 1,000,003`` taken once per program,
 
-    i mod 1,000,003 = r + l          if r + l < 1,000,003
+    i mod 1,000,003 = r + l               if r + l < 1,000,003
                       r + l - 1,000,003   otherwise
 
 (``r + l < 2 * 1,000,003``: one conditional subtraction). ``l``, ``r + l`` and the weight fit
 int32 (:func:`segment_sums` refuses a modulus or a program span where they would not); only the
 segment's base address, the word, the product ``w_i * weight`` (up to 2^51) and the sums are
-64-bit. The int64 ``%`` per word it replaces compiled to a 64-bit multiply-high, a 64-bit
-multiply and shifts per word (an emulated sequence of 32-bit instructions each on the GPU).
+64-bit. (An int64 ``%`` per word compiles to a 64-bit multiply-high, a 64-bit multiply and
+shifts per word, each an emulated sequence of 32-bit instructions on the GPU;
+``tests/sync/test_checksums_ptx.py`` counts the kernel's 64-bit multiplies.)
 """
 
 from __future__ import annotations
