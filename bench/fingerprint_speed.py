@@ -31,6 +31,10 @@ busiest kernel's summed time, for ``kernel`` and ``copy`` that kernel's own band
   (:func:`megatron_qrl.rollout_sglang.sync.loader.storage.read_digest`: each region copied
   contiguous, then :class:`Checksums`).
 
+``--configs 2048x8x8,1024x8x4`` times the ``kernel`` path again per block size x steps x warps
+of :mod:`~megatron_qrl.sync.protocol.triton_checksums` (``BLOCK``, ``ITERS``, ``NUM_WARPS``;
+rows ``kernel BxIxW``), to choose them.
+
 Per path one JSON row (``--out``, appended; the commit in each) and a markdown row: median ms,
 GB/s of the fingerprinted bytes, the time over the copy's, GPU busy ms, ``top_kernel_gbs``;
 the fingerprints of every path must equal the first one's
@@ -292,8 +296,23 @@ def _profiled(fn: Callable[[], object], device: torch.device, nbytes: int) -> di
     return rec
 
 
+def with_config(kern, config: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with kernel module ``kern``'s ``BLOCK``, ``ITERS``, ``NUM_WARPS`` set to
+    ``config`` (``BxIxW``) and restored after."""
+    values = tuple(int(v) for v in config.split("x"))
+
+    def run():
+        saved = kern.BLOCK, kern.ITERS, kern.NUM_WARPS
+        kern.BLOCK, kern.ITERS, kern.NUM_WARPS = values
+        try:
+            return fn()
+        finally:
+            kern.BLOCK, kern.ITERS, kern.NUM_WARPS = saved
+    return run
+
+
 def bench(cfg: dict, fmt: str, device: str, paths: list[str], repeats: int, warmup: int,
-          profile: bool = True) -> tuple[int, list[dict]]:
+          profile: bool = True, configs: list[str] = ()) -> tuple[int, list[dict]]:
     """``(bytes fingerprinted, one row per path)`` (module docstring); the first path that
     fingerprints is the others' reference."""
     from megatron_qrl.sync.protocol import checksums
@@ -313,9 +332,10 @@ def bench(cfg: dict, fmt: str, device: str, paths: list[str], repeats: int, warm
         "checksums": lambda: run_checksums(regs),
         "readback": lambda: run_readback(layout, tensors, regs)}
     rows, ref, copy_ms = [], None, None
-    for path in paths:
+    runs = list(paths) + ([f"kernel {c}" for c in configs] if "kernel" in paths else [])
+    for path in runs:
         row = {"path": path}
-        why = _why_not(path, dev)
+        why = _why_not(path.split()[0], dev)
         if why:
             rows.append(row | {"skipped": why})
             continue
@@ -323,6 +343,8 @@ def bench(cfg: dict, fmt: str, device: str, paths: list[str], repeats: int, warm
             plan = kernel_plan(regs, tensors)
             kern = checksums._triton_module()
             fns["kernel"] = lambda plan=plan, kern=kern: run_kernel(plan, kern, checksums._MOD)
+        elif path.startswith("kernel "):
+            fns[path] = with_config(kern, path.split()[1], fns["kernel"])
         checksums.set_checksum_impl(path if path in ("triton", "torch") else None)
         try:
             ms, wall, res = timed(fns[path], dev, repeats, warmup)
@@ -330,7 +352,7 @@ def bench(cfg: dict, fmt: str, device: str, paths: list[str], repeats: int, warm
             if path in ("checksums", "readback"):
                 row["impl"] = "triton" if checksums._kernels(dev) is not None else "torch"
             elif path != "copy":
-                row["impl"] = "triton" if path == "kernel" else path
+                row["impl"] = "triton" if path.startswith("kernel") else path
         finally:
             checksums.set_checksum_impl(None)
         med = statistics.median(ms)
@@ -374,6 +396,20 @@ def _paths(text: str) -> list[str]:
     return paths
 
 
+def _configs(text: str) -> list[str]:
+    """``BxIxW`` kernel configurations: power-of-two block and warps, ``B * I`` at most the
+    fingerprint's position modulus (the kernel's one residue per program)."""
+    configs = [s.strip() for s in text.split(",") if s.strip()]
+    for cfg in configs:
+        parts = cfg.split("x")
+        ok = len(parts) == 3 and all(p.isdigit() and int(p) > 0 for p in parts)
+        b, i, w = (int(p) for p in parts) if ok else (0, 0, 0)
+        if not (ok and b & (b - 1) == 0 and w in (1, 2, 4, 8, 16, 32) and b * i <= 1_000_003):
+            raise SystemExit(f"--configs {text!r}: each is BLOCKxITERSxWARPS, a power-of-two "
+                             "block, 1-32 warps, BLOCK * ITERS <= 1,000,003 (e.g. 2048x8x8)")
+    return configs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--format", default="fp8", help="a format the direct sync writes")
@@ -386,9 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled pass")
+    p.add_argument("--configs", default="",
+                   help="kernel BLOCKxITERSxWARPS to time as well, e.g. 2048x8x8,1024x8x4")
     p.add_argument("--out", type=Path, default=None, help="JSONL file the rows are appended to")
     a = p.parse_args(argv)
-    paths = _paths(a.paths)
+    paths, configs = _paths(a.paths), _configs(a.configs)
     cfg = (tiny_config if a.tiny else model_config)(a.layers, a.experts)
     dev = torch.device(a.device)
     head = {"bench": "fingerprint_speed", "commit": commit(), "device":
@@ -397,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             "experts": cfg["num_experts"], "tiny": a.tiny, "repeats": a.repeats,
             "warmup": a.warmup}
     nbytes, rows = bench(cfg, a.format, a.device, paths, a.repeats, a.warmup,
-                         not a.no_profile)
+                         not a.no_profile, configs)
     head["bytes"] = nbytes
     rows = [head | r for r in rows]
     if a.out:

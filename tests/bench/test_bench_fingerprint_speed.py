@@ -27,7 +27,7 @@ def _segment_sums(words, starts, lengths, mod):
 @pytest.fixture
 def standin(monkeypatch):
     """The kernel module replaced by :func:`_segment_sums`, allowed on CPU tensors."""
-    kern = SimpleNamespace(segment_sums=_segment_sums)
+    kern = SimpleNamespace(segment_sums=_segment_sums, BLOCK=1024, ITERS=16, NUM_WARPS=4)
     monkeypatch.setattr(checksums, "_triton_module", lambda: kern)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return kern
@@ -113,7 +113,32 @@ def test_the_regions_are_those_the_direct_writer_fingerprints():
     assert sorted(got) == sorted(want) and got == want
 
 
-def test_bad_paths_are_one_line():
+def test_kernel_configs_are_rows_run_under_their_constants(tmp_path, monkeypatch, standin):
+    """``--configs``: one more kernel row per ``BLOCKxITERSxWARPS``, run with the kernel
+    module's constants set to it (seen by the stand-in) and restored after."""
+    kern = standin
+    seen, defaults = set(), (kern.BLOCK, kern.ITERS, kern.NUM_WARPS)
+
+    def noting(words, starts, lengths, mod):
+        seen.add((kern.BLOCK, kern.ITERS, kern.NUM_WARPS))
+        return _segment_sums(words, starts, lengths, mod)
+
+    monkeypatch.setattr(standin, "segment_sums", noting)
+    out = tmp_path / "fp.jsonl"
+    assert main(["--device", "cpu", "--tiny", "--layers", "1", "--experts", "2",
+                 "--paths", "torch,kernel", "--configs", "16x4x1,2048x8x8", "--repeats", "1",
+                 "--warmup", "0", "--no-profile", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert list(rows) == ["torch", "kernel", "kernel 16x4x1", "kernel 2048x8x8"]
+    assert all(r["agree"] and r["impl"] == "triton" for p, r in rows.items() if p != "torch")
+    assert seen == {defaults, (16, 4, 1), (2048, 8, 8)}
+    assert (kern.BLOCK, kern.ITERS, kern.NUM_WARPS) == defaults
+
+
+def test_bad_paths_and_configs_are_one_line():
     for bad in ("gpu", "copy,copy", ""):
         with pytest.raises(SystemExit, match="--paths .*copy, kernel"):
             main(["--device", "cpu", "--paths", bad])
+    for bad in ("1024x16", "3000x8x4", "1024x8x3", "65536x16x4", "ax8x4"):
+        with pytest.raises(SystemExit, match="--configs .*BLOCKxITERSxWARPS"):
+            main(["--device", "cpu", "--configs", bad])

@@ -34,12 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "ITERS", "segment_sums"]
+__all__ = ["BLOCK", "ITERS", "NUM_WARPS", "segment_sums"]
 
 BLOCK = 1024
 """Words one program reads per step."""
 ITERS = 16
 """Steps per program: a program covers ``BLOCK * ITERS`` words of one segment."""
+NUM_WARPS = 4
+"""Warps per program (Triton's default; ``bench/fingerprint_speed.py --configs`` times
+others)."""
 
 
 @triton.jit
@@ -97,5 +100,5 @@ def segment_sums(words: torch.Tensor, starts: list[int], lengths: list[int],
     meta = meta.to(words.device, non_blocking=True)
     _segment_sums_kernel[(total,)](
         words, meta[:2 * total], meta[2 * total:2 * total + n], meta[2 * total + n:],
-        out, BLOCK=BLOCK, ITERS=ITERS, MOD=mod)
+        out, BLOCK=BLOCK, ITERS=ITERS, MOD=mod, num_warps=NUM_WARPS)
     return out
