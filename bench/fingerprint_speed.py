@@ -240,6 +240,17 @@ def fingerprints(res) -> dict[str, str] | None:
     return out
 
 
+def agreement(ref: tuple[str, dict[str, str]], got: dict[str, str]) -> dict:
+    """``got``'s fingerprints against the reference path's: equal name for name, or the first
+    name that differs (or is missing on either side)."""
+    path, want = ref
+    bad = next((n for n in want if got.get(n) != want[n]), None)
+    if bad is None:
+        bad = next((n for n in got if n not in want), None)
+    row = {"fingerprints": len(got), "same_as": path, "agree": bad is None}
+    return row if bad is None else row | {"first_difference": bad}
+
+
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int
           ) -> tuple[list[float], list[float], object]:
     """``(event ms, wall ms, last result)`` of ``repeats`` passes after ``warmup``; on a CPU
@@ -363,12 +374,7 @@ def bench(cfg: dict, fmt: str, device: str, paths: list[str], repeats: int, warm
         got = fingerprints(res)
         if got is not None:
             ref = ref or (path, got)
-            bad = next((n for n in ref[1] if got.get(n) != ref[1][n]), None)
-            if bad is None and len(got) != len(ref[1]):
-                bad = next(n for n in got if n not in ref[1])
-            row |= {"fingerprints": len(got), "same_as": ref[0], "agree": bad is None}
-            if bad is not None:
-                row["first_difference"] = bad
+            row |= agreement(ref, got)
         rows.append(row)
     return nbytes, rows
 
