@@ -53,10 +53,10 @@ from bench.weight_sync import _qcache, model_config, trainer_stream  # noqa: E40
 VARIANTS = ("direct", "direct+packed", "direct+qcache")
 
 
-def engine_storage(cfg: dict, spec) -> tuple:
+def engine_storage(cfg: dict, spec, device: str = "cpu") -> tuple:
     """``(EngineLayout, tensors)`` of an SGLang engine holding ``cfg`` in ``spec``'s direct
     layout (what its storage service exports, :func:`~megatron_qrl.rollout_sglang.sync.loader.
-    storage.describe`), zero-filled on the CPU."""
+    storage.describe`), zero-filled on ``device``."""
     from megatron_qrl.sync.protocol.engine_layout import EngineLayout, ParamLayout
     from megatron_qrl.sync.protocol.wire import dtype_name
 
@@ -69,7 +69,7 @@ def engine_storage(cfg: dict, spec) -> tuple:
     tensors: dict[str, torch.Tensor] = {}
 
     def add(name, shape, dtype, experts=False, shards=None):
-        tensors[name] = torch.zeros(shape, dtype=dtype)
+        tensors[name] = torch.zeros(shape, dtype=dtype, device=device)
         params[name] = ParamLayout(tuple(shape), dtype_name(dtype), False, experts, shards or {})
 
     def linear(mod, out, k, members=None):

@@ -33,11 +33,10 @@ def require_triton_interpreter(gpu_test: str) -> None:
                     allow_module_level=True)
 
 
-def sm90_ptx_counts(fn, sig: dict[str, str], values: tuple, pattern: str, num_warps: int = 4,
-                    divisible: tuple[str, ...] = ()) -> dict[str, int]:
-    """Compile kernel ``fn`` for sm_90 (signature ``sig``; ``values`` of its constexprs in
+def _sm90(fn, sig: dict[str, str], values: tuple, num_warps: int, divisible: tuple[str, ...]):
+    """Kernel ``fn`` compiled for sm_90 (signature ``sig``; ``values`` of its constexprs in
     order; the arguments named in ``divisible`` specialized as divisible by 16, as Triton's JIT
-    specializes such pointers and integers) and count the PTX instructions ``pattern`` finds."""
+    specializes such pointers and integers)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -46,10 +45,31 @@ def sm90_ptx_counts(fn, sig: dict[str, str], values: tuple, pattern: str, num_wa
     first = names.index(next(k for k, v in sig.items() if v == "constexpr"))
     consts = {(first + i,): v for i, v in enumerate(values)}
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in divisible}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    ops = re.findall(pattern, k.asm["ptx"])
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def _counts(ops: list[str]) -> dict[str, int]:
     return {op: ops.count(op) for op in sorted(set(ops))}
+
+
+def sm90_ptx_counts(fn, sig: dict[str, str], values: tuple, pattern: str, num_warps: int = 4,
+                    divisible: tuple[str, ...] = ()) -> dict[str, int]:
+    """Compile kernel ``fn`` for sm_90 (:func:`_sm90`) and count the PTX instructions
+    ``pattern`` finds."""
+    k = _sm90(fn, sig, values, num_warps, divisible)
+    return _counts(re.findall(pattern, k.asm["ptx"]))
+
+
+def sm90_sass_counts(fn, sig: dict[str, str], values: tuple, num_warps: int = 4,
+                     divisible: tuple[str, ...] = ()) -> dict[str, int]:
+    """Compile kernel ``fn`` for sm_90 (:func:`_sm90`) and count its machine instructions
+    (SASS, disassembled by the tools Triton ships, no GPU needed) by opcode without modifiers
+    (``LDL`` for ``LDL.LU``: a local-memory load, i.e. a spilled register read back)."""
+    k = _sm90(fn, sig, values, num_warps, divisible)
+    # Triton's listing: "<control codes>\t[@predicate ]OPCODE[.modifiers] operands;"
+    return _counts(re.findall(r"^\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", k.asm["sass"],
+                              re.M))
 
 
 def run_ptx_script(script: str) -> dict:

@@ -2,7 +2,9 @@
 (megatron_qrl/sync/protocol/triton_checksums.py) equal the torch code's bit for bit, run by
 Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set here before Triton loads):
 many tensors of mixed dtypes and odd byte counts, empty ones, stacked rows, segments longer
-than one program, and words whose weighted sums wrap modulo 2^64 past position 1,000,003.
+than one program, words whose weighted sums wrap modulo 2^64 past position 1,000,003, and
+programs whose span of positions straddles a multiple of the modulus (the kernel's one
+conditional subtraction instead of a per-word ``%``).
 The compiled kernel at a 30B sync's sizes: tests/gpu/test_triton_checksums.py.
 
 Run: ``PYTHONPATH=/tmp/triton_site:$PWD pytest tests/sync/test_triton_checksums.py`` (Triton
@@ -76,6 +78,53 @@ def test_wrapping_sums_past_the_position_modulus():
     exact = [sum(range(1, 1_000_004)) + sum(range(1, 8)), 1_000_010]
     want_b = ((2**31 - 1) * exact[0] + 2**63) % 2**64 - 2**63
     assert int(got[0, 1]) == want_b and int(got[0, 0]) == (2**31 - 1) * exact[1]
+
+
+def test_a_program_straddling_the_position_modulus():
+    """Random words in a segment of 1,030,000 words: the program of positions
+    [61 * 16384, 62 * 16384) holds position 1,000,003, where the weight restarts at 1 in the
+    middle of the program (random words: every position's weight counts)."""
+    chunk = triton_checksums.BLOCK * triton_checksums.ITERS
+    mod = 1_000_003
+    assert mod % chunk and (mod // chunk + 1) * chunk < 1_030_000  # the straddle is inside
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(-2**31, 2**31, (1_030_000,), generator=g, dtype=torch.int64)
+    ts = [long.to(torch.int32), torch.randint(-2**31, 2**31, (5,), generator=g).to(torch.int32)]
+    ref, got = _both(checksum_parts_many, ts)
+    assert torch.equal(ref, got)
+
+
+def _equation(words: torch.Tensor, starts: list[int], lengths: list[int], mod: int):
+    """The module docstring's sums, one segment at a time, modulo 2^64."""
+    rows = []
+    for s, n in zip(starts, lengths):
+        w = [int(x) for x in words[s:s + n]]
+        rows.append([sum(w), sum(x * (i % mod + 1) for i, x in enumerate(w))])
+    return torch.tensor([[(v + 2**63) % 2**64 - 2**63 for v in r] for r in rows],
+                        dtype=torch.int64)
+
+
+@pytest.mark.parametrize("block,iters,mod", [(16, 2, 61), (8, 4, 32)])
+def test_small_modulus_wraps_inside_programs(monkeypatch, block, iters, mod):
+    """A modulus of a few programs' spans: the programs' first residues take many values, so
+    positions wrap at every offset inside a program (61) and at a span equal to the modulus
+    (32, the largest the kernel takes); segments at odd starts with gaps between them."""
+    monkeypatch.setattr(triton_checksums, "BLOCK", block)
+    monkeypatch.setattr(triton_checksums, "ITERS", iters)
+    g = torch.Generator().manual_seed(4)
+    words = torch.randint(-2**31, 2**31, (1200,), generator=g, dtype=torch.int64).to(torch.int32)
+    starts, lengths = [3, 200, 210, 420], [190, 0, 205, 777]
+    got = triton_checksums.segment_sums(words, starts, lengths, mod)
+    assert torch.equal(got, _equation(words, starts, lengths, mod))
+
+
+@pytest.mark.parametrize("mod", [7, 16383, 2**30 + 1])
+def test_the_kernel_refuses_a_modulus_its_int32_positions_cannot_take(mod):
+    """A program's span of 16,384 positions longer than the modulus (two wraps in a program),
+    or a modulus past 2^30 (``residue + offset`` past int32: 2^30 is the largest taken)."""
+    words = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="BLOCK \\* ITERS"):
+        triton_checksums.segment_sums(words, [0], [4], mod)
 
 
 @pytest.mark.parametrize("shape,dtype", [((5, 3, 7), torch.float32), ((4, 2050), torch.bfloat16),

@@ -12,6 +12,20 @@ keeps both partial sums in registers and adds them to the segment's row with two
 atomics. Integer addition modulo 2^64 is exact and order-free, so the result equals the torch
 code bit for bit whatever order the atomics land in (``tests/sync/test_triton_checksums.py``
 under Triton's interpreter, ``tests/gpu/test_triton_checksums.py`` compiled).
+
+The position weight ``i mod 1,000,003 + 1`` takes no per-word division. A program covers the
+``BLOCK * ITERS <= 1,000,003`` consecutive positions ``i = f + l`` (``f`` its first, ``l`` in
+``[0, BLOCK * ITERS)``), so with the scalar ``r = f mod 1,000,003`` taken once per program,
+
+    i mod 1,000,003 = r + l               if r + l < 1,000,003
+                      r + l - 1,000,003   otherwise
+
+(``r + l < 2 * 1,000,003``: one conditional subtraction). ``l``, ``r + l`` and the weight fit
+int32 (:func:`segment_sums` refuses a modulus or a program span where they would not); only the
+segment's base address, the word, the product ``w_i * weight`` (up to 2^51) and the sums are
+64-bit. (An int64 ``%`` per word compiles to a 64-bit multiply-high, a 64-bit multiply and
+shifts per word, each an emulated sequence of 32-bit instructions on the GPU;
+``tests/sync/test_checksums_ptx.py`` counts the kernel's 64-bit multiplies.)
 """
 
 from __future__ import annotations
@@ -20,12 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "ITERS", "segment_sums"]
+__all__ = ["BLOCK", "ITERS", "NUM_WARPS", "segment_sums"]
 
 BLOCK = 1024
 """Words one program reads per step."""
 ITERS = 16
 """Steps per program: a program covers ``BLOCK * ITERS`` words of one segment."""
+NUM_WARPS = 4
+"""Warps per program (Triton's default; ``bench/fingerprint_speed.py --configs`` times
+others)."""
 
 
 @triton.jit
@@ -36,14 +53,18 @@ def _segment_sums_kernel(words_ptr, table_ptr, starts_ptr, lens_ptr, out_ptr,
     first = tl.load(table_ptr + 2 * pid + 1)  # this program's first word in the segment
     start = tl.load(starts_ptr + seg)
     n = tl.load(lens_ptr + seg)
+    base = (first % MOD).to(tl.int32)  # once per program: the first position's residue
+    left = tl.minimum(n - first, BLOCK * ITERS).to(tl.int32)  # words of the segment left here
+    ptr = words_ptr + (start + first)  # 64-bit base address; the offsets below are int32
     a = tl.zeros([BLOCK], dtype=tl.int64)
     b = tl.zeros([BLOCK], dtype=tl.int64)
     for i in tl.static_range(ITERS):
-        pos = first + i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        inside = pos < n
-        w = tl.load(words_ptr + start + pos, mask=inside, other=0).to(tl.int64)
+        local = i * BLOCK + tl.arange(0, BLOCK)
+        w = tl.load(ptr + local, mask=local < left, other=0).to(tl.int64)
+        p = base + local  # < 2 * MOD: one wrap at most
+        p = tl.where(p >= MOD, p - MOD, p)
         a += w
-        b += w * (pos % MOD + 1)
+        b += w * (p + 1).to(tl.int64)
     tl.atomic_add(out_ptr + 2 * seg, tl.sum(a, axis=0))
     tl.atomic_add(out_ptr + 2 * seg + 1, tl.sum(b, axis=0))
 
@@ -58,9 +79,12 @@ def segment_sums(words: torch.Tensor, starts: list[int], lengths: list[int],
     if words.dtype != torch.int32 or words.dim() != 1 or not words.is_contiguous():
         raise ValueError(f"segment_sums needs a contiguous 1-D int32 word buffer, got "
                          f"{words.dtype} {tuple(words.shape)}")
+    chunk = BLOCK * ITERS
+    if not 0 < mod <= 2**30 or chunk > mod:
+        raise ValueError(f"segment_sums takes one residue per program: it needs "
+                         f"BLOCK * ITERS = {chunk} <= mod = {mod} <= 2^30 (int32 positions)")
     n = len(lengths)
     out = torch.zeros(n, 2, dtype=torch.int64, device=words.device)
-    chunk = BLOCK * ITERS
     lens = torch.tensor(lengths, dtype=torch.int64)
     blocks = (lens + chunk - 1) // chunk
     total = int(blocks.sum())
@@ -76,5 +100,5 @@ def segment_sums(words: torch.Tensor, starts: list[int], lengths: list[int],
     meta = meta.to(words.device, non_blocking=True)
     _segment_sums_kernel[(total,)](
         words, meta[:2 * total], meta[2 * total:2 * total + n], meta[2 * total + n:],
-        out, BLOCK=BLOCK, ITERS=ITERS, MOD=mod)
+        out, BLOCK=BLOCK, ITERS=ITERS, MOD=mod, num_warps=NUM_WARPS)
     return out
