@@ -1,8 +1,9 @@
 """Quantize many weights of one shape in one call, bit for bit as if one at a time.
 
 A Qwen3-30B-A3B sync quantizes 48 x 128 x 3 expert tensors and the aligned forward re-quantizes
-the same after every optimizer step. Quantized one by one, each is a dozen small kernels and
-one device sync (the finiteness check); the count, not the bytes, sets the time on a GPU.
+the same after every optimizer step. Quantized one by one, each is a dozen small kernels (and,
+unless a stream defers it, one device sync: the finiteness check); the count, not the bytes,
+sets the time on a GPU.
 
 Row-concatenating ``[W_1; ...; W_n]`` and quantizing once gives exactly the rows each ``W_i``
 would get alone when no scale spans two weights:
