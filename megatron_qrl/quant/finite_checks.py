@@ -7,10 +7,11 @@ drains the queue: the host cannot queue the next weight's kernels while the devi
 A stream (the weight sync's :func:`~megatron_qrl.quant.pack_stream.pack_state_dict`, the
 direct writer's :meth:`~megatron_qrl.quant.spec_core.SpecCore.quantize_into`) hands its
 quantizers one :class:`FiniteChecks` instead: each weight adds a device bool per row (or
-per block row) of its amaxes, and :meth:`FiniteChecks.check` reads them all with one host
-sync (one per device), raising :class:`~megatron_qrl.utils.finite.NonFiniteError` naming the
-first weight added that held a NaN / Inf. A caller that quantizes one weight passes none and
-is checked at once.
+per block row) of its amaxes (of the weight itself where the torch reference quantizes), and
+:meth:`FiniteChecks.check` reads them all with one host sync (one per device), raising
+:class:`~megatron_qrl.utils.finite.NonFiniteError` naming the first weight that held a NaN /
+Inf (the first added, or the first in the stream's order where that differs). A caller that
+quantizes one weight passes none and is checked at once.
 """
 
 from __future__ import annotations

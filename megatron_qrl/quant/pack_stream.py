@@ -21,7 +21,7 @@ Each emitted tensor owns its storage (pickling a view would send the whole stack
 ``stack_experts``, whose expert stacks are made of the views.
 
 A NaN / Inf weight raises :class:`~megatron_qrl.utils.finite.NonFiniteError` naming it (the
-first one quantized) when the consumer asks for the item after the last — before a transport
+first such in stream order) when the consumer asks for the item after the last — before a transport
 can mark its last bucket (:func:`megatron_qrl.sync.protocol.wire.buckets` marks it only once
 the stream is exhausted), so the engine never gets the sync's weight version; the buckets
 before, the bad weight's among them, may have been loaded (a partial update, as when any
