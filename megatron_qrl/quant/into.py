@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..utils import hf_names
-from ..utils.finite import NonFiniteError
+from .finite_checks import FiniteChecks
 
-__all__ = ["CHUNK_ELEMENTS", "Region", "check_finite", "quantize_into", "row_chunks"]
+__all__ = ["CHUNK_ELEMENTS", "Region", "quantize_into", "row_chunks"]
 
 Region = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 """``(packed name, shape, dtype) -> `` the tensor that packed tensor is written into (raises
@@ -41,14 +41,15 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def quantize_into(spec, hf_name: str, w: torch.Tensor, region: Region,
-                  finite: list | None = None) -> list[tuple[str, torch.Tensor]]:
+                  finite: FiniteChecks | None = None) -> list[tuple[str, torch.Tensor]]:
     """Quantize weight ``hf_name`` (or an expert stack) into ``region``'s tensors (module
     docstring); returns ``(packed name, region written)`` for the codes, then the scales.
 
     The weight's finiteness is checked on the amaxes the format reduced anyway, after the
     write: now (a non-finite weight raises naming it; its regions hold what it gave), or,
-    with ``finite``, appended there as ``(name, device bool)`` for :func:`check_finite` to
-    check all at once (one host sync per sync instead of one per weight)."""
+    with ``finite``, recorded there under ``hf_name`` as device bools for
+    :meth:`FiniteChecks.check <.finite_checks.FiniteChecks.check>` to check all at once (one
+    host sync per sync instead of one per weight; the same error)."""
     p = hf_names.parse(hf_name)
     stacked = p is not None and p.is_stacked
     unit = hf_names.expert_name(hf_name, 0) if stacked else hf_name
@@ -72,21 +73,8 @@ def quantize_into(spec, hf_name: str, w: torch.Tensor, region: Region,
     c3, s3 = (codes, scale) if stacked else (codes.unsqueeze(0), scale.unsqueeze(0))
     with torch.no_grad():
         a = spec._quantize_into(w3, c3, s3)
-    if finite is None:
-        spec._check_finite_amax(a, w, hf_name)
-    else:
-        finite.append((hf_name, torch.isfinite(a).all()))
+    spec._check_finite_amax(a, w, hf_name, finite)
     return [(codes_name, codes), (scale_name, scale)]
-
-
-def check_finite(spec, finite: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise :class:`~megatron_qrl.utils.finite.NonFiniteError` naming the first weight of
-    ``finite`` (:func:`quantize_into`'s list) that held a NaN / Inf (one host sync)."""
-    if not finite or bool(torch.stack([ok for _, ok in finite]).all()):
-        return
-    bad = next(name for name, ok in finite if not bool(ok))
-    raise NonFiniteError(f"{spec.name}: {bad} holds NaN / Inf values; the checkpoint or the "
-                         "last optimizer step is broken")
 
 
 def row_chunks(shape: torch.Size | tuple[int, ...], limit: int = CHUNK_ELEMENTS

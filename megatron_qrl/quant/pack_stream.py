@@ -2,8 +2,10 @@
 
 The weight sync of Qwen3-30B-A3B packs ~18k HF tensors (48 layers x 128 experts x
 gate/up/down, plus attention). One :meth:`~megatron_qrl.quant.spec_core.SpecCore.pack` per
-tensor costs a dozen small kernels and one device sync (the finiteness check), so on a GPU the
-tensor count, not the bytes, sets the time. :func:`pack_stream` reads the stream in windows (one
+tensor costs a dozen small kernels, so on a GPU the tensor count, not the bytes, sets the
+time; the finiteness of every weight is checked once, at the end of the stream (one host
+sync, :class:`~megatron_qrl.quant.finite_checks.FiniteChecks`), not with a device sync per
+weight that would drain the GPU's queue. :func:`pack_stream` reads the stream in windows (one
 decoder layer, at most ``window_bytes`` of input), quantizes each window's weights of one kind
 (``model.layers.3.mlp.experts.*.gate_proj.weight``, same width/dtype/device) with ONE call of
 :func:`~megatron_qrl.quant.stacked.quantize_stacks` where that is bit-identical
@@ -17,6 +19,14 @@ where the format's packing is row-local
 (:meth:`~megatron_qrl.quant.spec_core.SpecCore.pack_stacked`).
 Each emitted tensor owns its storage (pickling a view would send the whole stack), except with
 ``stack_experts``, whose expert stacks are made of the views.
+
+A NaN / Inf weight raises :class:`~megatron_qrl.utils.finite.NonFiniteError` naming it (the
+first such in stream order) when the consumer asks for the item after the last — before a transport
+can mark its last bucket (:func:`megatron_qrl.sync.protocol.wire.buckets` marks it only once
+the stream is exhausted), so the engine never gets the sync's weight version; the buckets
+before, the bad weight's among them, may have been loaded (a partial update, as when any
+step of a sync fails). An error of the stream itself is preceded by the non-finite weight
+quantized before it, if any.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch
 from ..utils.hf_names import layer_prefix
 from ..utils.hf_names import stacked_name as tensor_kind
 from .expert_stacks import stack_experts as stack_expert_stream
+from .finite_checks import FiniteChecks
 from .spec_core import SpecCore
 from .stacked import (
     MAX_STACK_ELEMENTS,
@@ -83,6 +94,10 @@ def pack_state_dict(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Ten
     ``quantized``: where it gives a weight's quantization (the trainer's aligned-forward
     cache), that is packed and the weight is not quantized again; the stream then goes one
     tensor at a time (only the weights it lacks are quantized, there).
+
+    A NaN / Inf weight raises :class:`~megatron_qrl.utils.finite.NonFiniteError` naming it
+    at the end of the stream (module docstring): one host sync per stream, not one per
+    weight.
     """
     if quantized is not None:
         packed = pack_one_at_a_time(spec, named_tensors, quantized)
@@ -127,32 +142,73 @@ def pack_one_at_a_time(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.
     """The reference stream: :meth:`SpecCore.pack` per tensor, in stream order.
 
     For formats with a per-tensor scale, members of a fused group (q/k/v, gate/up) are held
-    back until the group is complete and packed with one shared amax. ``quantized``: see
-    :func:`pack_state_dict` (:meth:`SpecCore.pack_quantized` of what it gives).
+    back until the group is complete and packed with one shared amax (the max of the
+    members', :func:`~megatron_qrl.quant.stacked.fused_amax`: no host sync). ``quantized``:
+    see :func:`pack_state_dict` (:meth:`SpecCore.pack_quantized` of what it gives). A NaN /
+    Inf weight: :class:`~megatron_qrl.utils.finite.NonFiniteError` at the end of the stream.
     """
+    finite = FiniteChecks()
+    return _checked(spec, _one_at_a_time(spec, named_tensors, quantized, finite), finite)
+
+
+def _checked(spec: SpecCore, packed: Iterator[tuple[str, torch.Tensor]], finite: FiniteChecks,
+             order: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``packed``, then the finiteness of every weight it quantized (one host sync): a
+    non-finite weight raises :class:`~megatron_qrl.utils.finite.NonFiniteError` naming the
+    first one in stream order (``order``: HF name -> position, where quantizing is not in
+    stream order; else the first quantized). An error of ``packed`` itself comes after such
+    a weight quantized before it (module docstring)."""
+    try:
+        yield from packed
+    except Exception:
+        finite.check(spec, order)
+        raise
+    finite.check(spec, order)
+
+
+def _one_at_a_time(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   quantized: Quantized | None, finite: FiniteChecks
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`pack_one_at_a_time`'s stream; the weights' finiteness goes to ``finite``."""
     pending: Pending = {}
     group: Pairs = []
     given = quantized or (lambda _name: None)
     for name, w, size in _fused_order(spec, named_tensors, pending):
         if not size:
-            yield from _pack_given(spec, name, w, given(name) if spec.is_quantized(name) else None)
+            q = given(name) if spec.is_quantized(name) else None
+            yield from _pack_given(spec, name, w, q, finite)
             continue
         group.append((name, w))
         if len(group) == size:
             qs = [given(m) for m, _ in group]
-            shared = spec.shared_amax(name, dict(group)) if any(q is None for q in qs) else None
+            shared = _group_amax(spec, group) if any(q is None for q in qs) else None
             for (m, t), q in zip(group, qs):
-                yield from _pack_given(spec, m, t, q, shared)
+                yield from _pack_given(spec, m, t, q, finite, shared)
             group = []
     _check_complete(spec, pending)
 
 
 def _pack_given(spec: SpecCore, name: str, w: torch.Tensor, q: QuantizedWeight | None,
-                global_amax: torch.Tensor | float | None = None) -> Pairs:
+                finite: FiniteChecks, global_amax: torch.Tensor | float | None = None) -> Pairs:
     """:meth:`SpecCore.pack_quantized` of a given quantization, else :meth:`SpecCore.pack`."""
     if q is not None:
         return spec.pack_quantized(name, q)
-    return spec.pack(name, w, global_amax=global_amax)
+    return spec.pack(name, w, global_amax=global_amax, finite=finite)
+
+
+def _require_weights(spec: SpecCore, pairs: Pairs) -> None:
+    """A clear error naming the first of ``pairs`` that is no ``[out, in]`` float weight
+    (before an amax of it is taken)."""
+    for name, w in pairs:
+        if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _FLOATS):
+            spec.quantize_weight(w, name=name)
+
+
+def _group_amax(spec: SpecCore, group: Pairs) -> torch.Tensor:
+    """The shared amax of one complete fused group (an fp32 scalar on its device): the max
+    of its members' amaxes, exactly :meth:`SpecCore.shared_amax`'s value, no host sync."""
+    _require_weights(spec, group)
+    return fused_amax([w for _, w in group], [len(group)])[0]
 
 
 def _fused_order(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -205,27 +261,32 @@ def pack_stream(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]
     if not spec.quantizes_weights:
         packed = pack_one_at_a_time(spec, named_tensors)
     else:
-        packed = _by_device(spec, iter(named_tensors), window_bytes, stack_cpu or stack_experts,
-                            own=not stack_experts)
+        finite, order = FiniteChecks(), {}
+        packed = _checked(spec, _by_device(spec, iter(named_tensors), window_bytes,
+                                           stack_cpu or stack_experts, not stack_experts,
+                                           finite, order), finite, order)
     return stack_expert_stream(packed) if stack_experts else packed
 
 
 def _by_device(spec: SpecCore, pairs: Iterator[tuple[str, torch.Tensor]], window_bytes: int,
-               stack_cpu: bool, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
+               stack_cpu: bool, own: bool, finite: FiniteChecks, order: dict[str, int]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
     first = next(pairs, None)
     if first is None:
         return
     pairs = itertools.chain([first], pairs)
     on_cpu = not isinstance(first[1], torch.Tensor) or first[1].device.type == "cpu"
     if on_cpu and not stack_cpu:
-        yield from pack_one_at_a_time(spec, pairs)
+        yield from _one_at_a_time(spec, pairs, None, finite)
     else:
-        yield from _windows(spec, pairs, window_bytes, own)
+        yield from _windows(spec, pairs, window_bytes, own, finite, order)
 
 
 def _windows(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             window_bytes: int, own: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Cut the stream (in the reference's order) into windows, never inside a fused group."""
+             window_bytes: int, own: bool, finite: FiniteChecks, order: dict[str, int]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cut the stream (in the reference's order) into windows, never inside a fused group;
+    ``order``: each tensor's position in that order (a window quantizes kind by kind)."""
     pending: Pending = {}
     window: Pairs = []
     sizes: list[int] = []
@@ -233,26 +294,27 @@ def _windows(spec: SpecCore, named_tensors: Iterable[tuple[str, torch.Tensor]],
     for name, w, size in _fused_order(spec, named_tensors, pending):
         key = layer_prefix(name)
         if window and key != layer and not inside:
-            yield from _pack_window(spec, window, sizes, own)
+            yield from _pack_window(spec, window, sizes, own, finite)
             window, sizes, nbytes = [], [], 0
         layer = key
+        order[name] = len(order)
         window.append((name, w))
         sizes.append(size)
         inside = (inside + 1) % size if size else 0  # members of this group still to come
         nbytes += w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
         if nbytes >= window_bytes and not inside:
-            yield from _pack_window(spec, window, sizes, own)
+            yield from _pack_window(spec, window, sizes, own, finite)
             window, sizes, nbytes = [], [], 0
     if window:
-        yield from _pack_window(spec, window, sizes, own)
+        yield from _pack_window(spec, window, sizes, own, finite)
     _check_complete(spec, pending)
 
 
-def _pack_window(spec: SpecCore, window: Pairs, sizes: list[int], own: bool
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def _pack_window(spec: SpecCore, window: Pairs, sizes: list[int], own: bool,
+                 finite: FiniteChecks) -> Iterator[tuple[str, torch.Tensor]]:
     """Quantize the window's groups, then emit in stream order (dropping what was sent).
     ``own``: each packed tensor owns its storage (else splits of a stack stay views)."""
-    packed = _quantize_window(spec, window, _window_amax(spec, window, sizes), own)
+    packed = _quantize_window(spec, window, _window_amax(spec, window, sizes), own, finite)
     for i in range(len(window)):
         name, w = window[i]
         window[i] = ("", None)
@@ -263,10 +325,7 @@ def _window_amax(spec: SpecCore, window: Pairs, sizes: list[int]) -> dict[int, t
     """The shared amax (fp32 scalar tensor) of every fused member of ``window``, by index;
     members of one group are consecutive there (:func:`_fused_order`)."""
     idx = [i for i, size in enumerate(sizes) if size]
-    for i in idx:  # a clear error naming the tensor, before amax() of a non-weight
-        name, w = window[i]
-        if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in _FLOATS):
-            spec.quantize_weight(w, name=name)
+    _require_weights(spec, [window[i] for i in idx])
     groups, j = [], 0
     while j < len(idx):
         groups.append(sizes[idx[j]])
@@ -277,8 +336,8 @@ def _window_amax(spec: SpecCore, window: Pairs, sizes: list[int]) -> dict[int, t
     return dict(zip(idx, shared.unbind(0)))
 
 
-def _quantize_window(spec: SpecCore, window: Pairs, amax: dict[int, torch.Tensor], own: bool
-                     ) -> dict[int, Pairs]:
+def _quantize_window(spec: SpecCore, window: Pairs, amax: dict[int, torch.Tensor], own: bool,
+                     finite: FiniteChecks) -> dict[int, Pairs]:
     """Packed tensors of every quantized weight of ``window``, by its index there."""
     groups: dict[tuple, list[int]] = {}
     for i, (name, w) in enumerate(window):
@@ -292,7 +351,8 @@ def _quantize_window(spec: SpecCore, window: Pairs, amax: dict[int, torch.Tensor
         weights = [window[i][1] for i in idx]
         amaxes = [amax.get(i) for i in idx]
         stacked = can_stack(spec, weights)
-        for i, pairs in zip(idx, _pack_group(spec, kind, names, weights, amaxes, stacked)):
+        for i, pairs in zip(idx, _pack_group(spec, kind, names, weights, amaxes, stacked,
+                                             finite)):
             out[i] = pairs
         if stacked and own:
             _own_storage([out[i] for i in idx])
@@ -300,23 +360,25 @@ def _quantize_window(spec: SpecCore, window: Pairs, amax: dict[int, torch.Tensor
 
 
 def _pack_group(spec: SpecCore, kind: str, names: Sequence[str],
-                weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool
-                ) -> list[Pairs]:
+                weights: Sequence[torch.Tensor], amaxes: list[Amax], stacked: bool,
+                finite: FiniteChecks) -> list[Pairs]:
     """The packed tensors of each weight of one kind; a stack's as views of its packing
-    (:meth:`SpecCore.pack_stacked`) or of its quantization's split."""
+    (:meth:`SpecCore.pack_stacked`) or of its quantization's split. Each weight's
+    finiteness goes to ``finite`` under its own name (a stack's per row)."""
     if not stacked:
-        return [spec.pack_quantized(n, spec.quantize_weight(w, global_amax=a, name=n))
+        return [spec.pack_quantized(n, spec.quantize_weight(w, global_amax=a, name=n,
+                                                            finite=finite))
                 for n, w, a in zip(names, weights, amaxes)]
     limit = CPU_STACK_ELEMENTS if weights[0].device.type == "cpu" else MAX_STACK_ELEMENTS
     out: list[Pairs] = []
     try:
         for q, rows in quantize_stacks(spec, weights, global_amax=amaxes, name=kind,
-                                       max_elements=limit):
+                                       max_elements=limit, finite=finite, names=names):
             part = names[len(out):len(out) + len(rows)]
             out += spec.pack_stacked(part, q, rows) or [
                 spec.pack_quantized(n, w) for n, w in zip(part, split_stack(spec, q, rows))]
     except (ValueError, TypeError):
-        # the stack is bad (non-finite values, say): name the exact tensor, as unstacked
+        # the stack is bad (a shape the format cannot take, say): name the exact tensor
         for n, w in zip(names, weights):
             spec.quantize_weight(w, name=n)
         raise

@@ -17,6 +17,7 @@ import torch
 
 from ..utils.finite import require_finite
 from . import targets
+from .finite_checks import FiniteChecks
 from .fused import fused_kernel as select_fused_kernel
 from .into import Region
 from .into import quantize_into as _quantize_into_regions
@@ -99,6 +100,7 @@ class SpecCore:
         *,
         global_amax: torch.Tensor | float | None = None,
         name: str = "weight",
+        finite: FiniteChecks | None = None,
     ) -> QuantizedWeight:
         """Quantize a [out, in] weight exactly as the rollout engine will hold it.
 
@@ -107,16 +109,22 @@ class SpecCore:
         also be ``[out, 1]``, one per row: ``w`` is then a row-stack of weights, each row
         quantized with its weight's amax (:mod:`megatron_qrl.quant.stacked`), and the result's
         ``global_scale`` is ``[out, 1]``.
+
+        A NaN / Inf in ``w`` raises :class:`~megatron_qrl.utils.finite.NonFiniteError` naming
+        ``name`` (a host sync); with ``finite`` (a stream's, :mod:`.finite_checks`) it is
+        recorded there instead, for one check at the stream's end.
         """
         kernel = (select_fused_kernel(self, w.device) if isinstance(w, torch.Tensor) and w.numel()
                   else None)  # an empty weight: the reference's own checks and result
-        self._check_weight(w, name, finite=kernel is None)
+        self._check_weight(w, name, finite=kernel is None and finite is None)
         ga = self._global_amax(w, global_amax, name)
         with torch.no_grad():
             if kernel is None:
+                if finite is not None:
+                    finite.add(name, torch.isfinite(w.detach()))
                 return self._quantize(w.detach(), ga)
             q, tile_amax = kernel(self, w.detach(), *self._fused_args(w.detach(), ga))
-        self._check_finite_amax(tile_amax, w, name)
+        self._check_finite_amax(tile_amax, w, name, finite)
         return q
 
     def quantize_dequantize(
@@ -204,26 +212,28 @@ class SpecCore:
             return (codes.float() * scale).to(dtype)
 
     def pack(
-        self, hf_name: str, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None
+        self, hf_name: str, w: torch.Tensor, *, global_amax: torch.Tensor | float | None = None,
+        finite: FiniteChecks | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """The tensors SGLang's loader expects for HF tensor ``hf_name`` (names, dtypes, layout).
 
-        Tensors this format leaves in high precision come back unchanged.
+        Tensors this format leaves in high precision come back unchanged. ``finite``: as
+        :meth:`quantize_weight`'s.
         """
         if not self.is_quantized(hf_name):
             return [(hf_name, w)]
         return self.pack_quantized(hf_name, self.quantize_weight(w, global_amax=global_amax,
-                                                                 name=hf_name))
+                                                                 name=hf_name, finite=finite))
 
     def quantize_into(self, hf_name: str, w: torch.Tensor, region: Region,
-                      finite: list | None = None) -> list[tuple[str, torch.Tensor]]:
+                      finite: FiniteChecks | None = None) -> list[tuple[str, torch.Tensor]]:
         """:meth:`pack`'s codes and scales of weight ``hf_name`` (``[out, in]``, or an expert
         stack ``[E, out, in]`` under its stacked name) written straight into the tensors
         ``region(packed_name, shape, dtype)`` gives (views of an engine's storage, any
         strides), bit for bit, without a packed copy (:mod:`.into`); returns ``(packed name,
-        tensor written)``. ``finite``: a list the weight's finiteness goes to (checked later,
-        :func:`.into.check_finite`) instead of a host sync now. Formats without
-        ``_quantize_into`` raise NotImplementedError."""
+        tensor written)``. ``finite``: where the weight's finiteness goes (checked once at the
+        end of the stream, :meth:`.finite_checks.FiniteChecks.check`) instead of a host sync
+        now. Formats without ``_quantize_into`` raise NotImplementedError."""
         return _quantize_into_regions(self, hf_name, w, region, finite)
 
     def pack_quantized(self, hf_name: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
@@ -365,13 +375,19 @@ class SpecCore:
     def _check_finite(self, w: torch.Tensor, name: str) -> None:
         require_finite(w, f"{self.name}: {name}", "the checkpoint or the last optimizer step is broken")
 
-    def _check_finite_amax(self, a: torch.Tensor, w: torch.Tensor, name: str) -> None:
+    def _check_finite_amax(self, a: torch.Tensor, w: torch.Tensor, name: str,
+                           finite: FiniteChecks | None = None) -> None:
         """The finite check of :meth:`_check_weight` from an amax ``a`` reduced over all of
         ``w`` (a max propagates NaN and Inf: ATen ``SharedReduceOps.h`` ``AbsMaxOps``, the
         inf-norm's reduction, uses ``max_propagate_nan`` on CUDA and ``max_impl`` on CPU): one
         small kernel instead of ``isfinite`` (four full passes: ``==``, ``abs``, ``!=``, ``*``)
-        and ``all``."""
-        if not bool(torch.isfinite(a).all()):
+        and ``all``. Without ``finite`` it reads the result on the host now (one device->host
+        sync, which drains a GPU's queue: right for one weight); a stream passes its
+        :class:`~.finite_checks.FiniteChecks` (``a``'s first dimension along ``w``'s rows or
+        block rows) and checks all its weights at its end with one sync."""
+        if finite is not None:
+            finite.add(name, torch.isfinite(a))
+        elif not bool(torch.isfinite(a).all()):
             self._check_finite(w, name)
 
     def _global_amax(self, w: torch.Tensor, global_amax: torch.Tensor | float | None,

@@ -1,8 +1,9 @@
 """Quantize many weights of one shape in one call, bit for bit as if one at a time.
 
 A Qwen3-30B-A3B sync quantizes 48 x 128 x 3 expert tensors and the aligned forward re-quantizes
-the same after every optimizer step. Quantized one by one, each is a dozen small kernels and
-one device sync (the finiteness check); the count, not the bytes, sets the time on a GPU.
+the same after every optimizer step. Quantized one by one, each is a dozen small kernels (and,
+unless a stream defers it, one device sync: the finiteness check); the count, not the bytes,
+sets the time on a GPU.
 
 Row-concatenating ``[W_1; ...; W_n]`` and quantizing once gives exactly the rows each ``W_i``
 would get alone when no scale spans two weights:
@@ -30,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .finite_checks import FiniteChecks
 from .spec_core import SpecCore
 from .weight import QuantizedWeight
 
@@ -139,11 +141,12 @@ def _stacks(weights: Sequence[torch.Tensor], amaxes: list[Amax], name: str, max_
 
 
 def _quantize_stack(spec: SpecCore, stacked: torch.Tensor, rows: list[int],
-                    amaxes: list[Amax], label: str) -> QuantizedWeight:
+                    amaxes: list[Amax], label: str, finite: FiniteChecks | None = None
+                    ) -> QuantizedWeight:
     """One quantizer call on the stack; formats with a per-tensor scale get it per row."""
     with torch.no_grad():
         ga = _row_amax(stacked, rows, amaxes) if spec.shares_tensor_scale else None
-        return spec.quantize_weight(stacked, global_amax=ga, name=label)
+        return spec.quantize_weight(stacked, global_amax=ga, name=label, finite=finite)
 
 
 def _fake_quant_stack(spec: SpecCore, stacked: torch.Tensor, rows: list[int],
@@ -178,17 +181,26 @@ def quantize_many(spec: SpecCore, weights: Sequence[torch.Tensor], *,
 
 def quantize_stacks(spec: SpecCore, weights: Sequence[torch.Tensor], *,
                     global_amax: Sequence[Amax] | torch.Tensor | None = None,
-                    name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
+                    name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS,
+                    finite: FiniteChecks | None = None, names: Sequence[str] | None = None
                     ) -> Iterator[tuple[QuantizedWeight, list[int]]]:
     """:func:`quantize_many` before the split, for weights that :func:`can_stack`: per run of at
     most ``max_elements``, the :class:`QuantizedWeight` of its row-concatenation and its
     weights' row counts (:func:`split_stack` gives the weights; :meth:`SpecCore.pack_stacked`
-    packs them in one go)."""
+    packs them in one go).
+
+    ``finite``: a stream's :class:`~.finite_checks.FiniteChecks`, where each stack's
+    finiteness goes under the names of its weights (``names``, default ``name[i]``) instead
+    of a host sync per stack (:meth:`SpecCore.quantize_weight`)."""
     if not can_stack(spec, weights):
         raise ValueError(f"{name}: these weights cannot be quantized as one stack (can_stack)")
     amaxes = _amax_list(global_amax, len(weights))
+    names = [f"{name}[{i}]" for i in range(len(weights))] if names is None else list(names)
+    done = 0
     for stacked, rows, amx, label in _stacks(weights, amaxes, name, max_elements):
-        yield _quantize_stack(spec, stacked, rows, amx, label), rows
+        checks = None if finite is None else finite.stack(names[done:done + len(rows)], rows)
+        yield _quantize_stack(spec, stacked, rows, amx, label, checks), rows
+        done += len(rows)
 
 
 def fake_quant_many(spec: SpecCore, weights: Sequence[torch.Tensor], *,

@@ -9,6 +9,8 @@ Run: ``PYTHONPATH=/tmp/triton_site:$PWD TRITON_INTERPRET=1 pytest tests/quant/te
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -16,7 +18,9 @@ from tests.helpers.triton_cpu import require_triton_interpreter
 
 require_triton_interpreter("tests/gpu/test_fused_quant.py")
 
-from megatron_qrl.quant import triton_quant  # noqa: E402
+from megatron_qrl.quant import get_spec, triton_quant  # noqa: E402
+from megatron_qrl.quant.fused import set_quant_impl  # noqa: E402
+from megatron_qrl.utils.finite import NonFiniteError  # noqa: E402
 from tests.quant.e4m3_cast import e4m3_codes  # noqa: E402
 from tests.quant.fused_cases import (  # noqa: E402
     FORMATS,
@@ -66,3 +70,19 @@ def test_non_finite_weight_named():
         w[11, 7] = float("nan")
         with pytest.raises(ValueError, match="non-finite|finite|NaN|nan"):
             quantize(fmt, w, "triton")
+
+
+def test_pack_stream_through_the_kernels_names_the_nonfinite_weight():
+    """The stream's one check reads the kernels' tile amaxes (fp8_block: one row per 128 weight
+    rows) and names the expert that held the NaN, not its stack. Fails with
+    ``FiniteChecks.bad_weights`` taking one weight row per element of a stack's ``ok``."""
+    stream = moe_stream(layers=1, experts=4, hidden=256, inter=128, with_down=False)
+    bad = "model.layers.0.mlp.experts.2.up_proj.weight"
+    dict(stream)[bad][100, 7] = float("nan")
+    for fmt in FORMATS:
+        set_quant_impl("triton")
+        try:
+            with pytest.raises(NonFiniteError, match=rf"^{fmt}: {re.escape(bad)} holds"):
+                list(get_spec(fmt).pack_state_dict(iter(stream), stack_experts=True))
+        finally:
+            set_quant_impl(None)

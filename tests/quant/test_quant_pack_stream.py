@@ -9,6 +9,7 @@ import torch
 
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.pack_stream import layer_prefix, pack_stream, tensor_kind
+from megatron_qrl.utils.finite import NonFiniteError
 
 FORMATS = ["bf16", "int8", "fp8", "fp8_block", "w4a16", "nvfp4"]
 
@@ -201,11 +202,13 @@ def test_window_bytes_bounds_the_buffer():
 
 
 def test_nonfinite_names_the_exact_tensor():
+    """The stacked stream names the weight, not its stack (tests/quant/test_pack_stream_finite.py:
+    where and when, for every path)."""
     stream = moe_stream()
     bad = "model.layers.1.mlp.experts.5.up_proj.weight"
     dict(stream)[bad][2, 3] = float("nan")
     for fmt in ("int8", "fp8_block", "w4a16", "nvfp4"):
-        with pytest.raises(ValueError, match=rf"{fmt}: {bad} has 1 non-finite"):
+        with pytest.raises(NonFiniteError, match=rf"{fmt}: {bad} holds NaN / Inf"):
             list(pack_stream(get_spec(fmt), stream, stack_cpu=True))
 
 

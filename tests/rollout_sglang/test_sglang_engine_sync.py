@@ -252,3 +252,28 @@ def test_the_receipt_reads_views_at_any_byte_offset_of_a_flat_bucket():
     assert got == {"model.layers.0.mlp.experts.0.up_proj.weight": tensor_checksum(stack[0].clone()),
                    "model.layers.0.mlp.experts.1.up_proj.weight": tensor_checksum(stack[1].clone()),
                    NORM: tensor_checksum(norm.clone())}
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_nonfinite_weight_fails_a_packed_sync_before_its_version(prefetch):
+    """``pack_state_dict`` checks its weights' finiteness once, at the end of its stream: the
+    sync raises NonFiniteError naming the weight before the last bucket (the one carrying the
+    weight version) goes out, so the engine keeps its version; the buckets before it were
+    loaded (a partial update, as after any failed sync). Fails without the check at the
+    stream's end (a check left to the caller, after ``update_weights``: version 8 is set)."""
+    from megatron_qrl.utils.finite import NonFiniteError
+
+    spec = get_spec("int8")
+    hf = [(n, t) for n, t in weights(1) if not n.endswith(".weight_scale")]
+    eng = _engine(FakeModel(), bucket_bytes=300, flatten=False, prefetch=prefetch)
+    eng.update_weights(spec.pack_state_dict(iter(hf)), version=7)
+    manager = eng.engine.tokenizer_manager
+    assert eng.weight_version() == 7 and manager.version == "7"
+    bad = "model.layers.0.mlp.experts.1.up_proj.weight"
+    broken = [(n, t.clone()) for n, t in hf]
+    dict(broken)[bad][0, 0] = float("nan")
+    before = manager.requests
+    with pytest.raises(NonFiniteError, match=rf"^int8: {bad} holds NaN / Inf"):
+        eng.update_weights(spec.pack_state_dict(iter(broken)), version=8)
+    assert eng.weight_version() == 7 and manager.version == "7"
+    assert manager.requests > before + 1  # the buckets up to the end of the stream went out

@@ -52,7 +52,7 @@ from megatron_qrl.sync.protocol.inplace import expert_names
 from megatron_qrl.sync.protocol.marlin import to_live
 from megatron_qrl.utils import hf_names
 
-from ...quant.into import check_finite
+from ...quant.finite_checks import FiniteChecks
 from ...quant.spec import QuantSpec
 
 __all__ = ["EngineWriter", "check_digest", "writer_for"]
@@ -91,8 +91,9 @@ class EngineWriter:
         """Packed name -> shape of every tensor written (the read-back's request)."""
         self.written: dict[str, int] = {}
         """Engine parameter -> elements written this sync."""
-        self.finite: list[tuple[str, torch.Tensor]] = []
-        """(weight, device bool) of every weight quantized: checked once (:meth:`write_all`)."""
+        self.finite = FiniteChecks()
+        """The finiteness of every weight quantized, as device bools: checked once
+        (:meth:`write_all`)."""
         self.quantized = self.copied = self.kept = 0
         """Weights (or expert stacks) quantized into the engine / tensors copied, this sync."""
         self.seconds = 0.0
@@ -111,7 +112,7 @@ class EngineWriter:
                      if p is not None and p.is_stacked else [(name, t)])
             for unit, w in units:  # the reference quantizer, then the packed tensors' path
                 for packed, x in self.spec.pack_quantized(unit, self.spec.quantize_weight(
-                        w, name=unit)):
+                        w, name=unit, finite=self.finite)):
                     self._copy(packed, x)
         else:
             for packed, dst in self.spec.quantize_into(name, t, self._region, self.finite):
@@ -177,7 +178,7 @@ class EngineWriter:
         for name, t in stream:
             self.write(name, t)
             n += 1
-        check_finite(self.spec, self.finite)  # (the driver refused non-finite weights before)
+        self.finite.check(self.spec)  # (the driver refused non-finite weights before)
         self.check_complete()
         self.seconds += time.perf_counter() - t0
         return n
