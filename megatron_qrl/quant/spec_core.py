@@ -133,17 +133,19 @@ class SpecCore:
         *,
         global_amax: torch.Tensor | float | None = None,
         name: str = "weight",
+        finite: FiniteChecks | None = None,
     ) -> torch.Tensor:
         """``dequantize(quantize_weight(w, global_amax=...))`` in ``w``'s dtype, bit for bit,
         without autograd, through the format's fake-quant fast path (:meth:`_fake_quant`: the
         dequantized value computed directly, no integer codes, few elementwise passes).
-        Same arguments and errors as :meth:`quantize_weight`."""
+        Same arguments and errors as :meth:`quantize_weight` (``finite`` included: the
+        aligned forward's once-per-step refresh records its weights there)."""
         if not self.quantizes_weights:
             return w.detach()
         self._check_weight(w, name, finite=False)  # the format checks finiteness on its amax
         ga = self._global_amax(w, global_amax, name)
         with torch.no_grad():
-            return self._fake_quant(w.detach(), ga, name).to(w.dtype)
+            return self._fake_quant(w.detach(), ga, name, finite).to(w.dtype)
 
     def dequantize(self, q: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the rollout engine computes with, in ``dtype`` (default: the original)."""
@@ -307,15 +309,19 @@ class SpecCore:
         """Arguments of the fused quantizer after ``(spec, w)`` (nvfp4: its tensor scale)."""
         return ()
 
-    def _fake_quant(self, w: torch.Tensor, global_amax: torch.Tensor | None, name: str
-                    ) -> torch.Tensor:
+    def _fake_quant(self, w: torch.Tensor, global_amax: torch.Tensor | None, name: str,
+                    finite: FiniteChecks | None = None) -> torch.Tensor:
         """``_dequantize(_quantize(w))`` (any float dtype; the caller casts to ``w``'s).
 
         Formats override it with a direct computation of the same bits (no codes); an
         override must check finiteness itself (:meth:`_check_finite_amax` on an amax it
-        reduces anyway). ``w`` has passed :meth:`_check_weight` without the finite check.
+        reduces anyway; ``finite`` as :meth:`quantize_weight`'s). ``w`` has passed
+        :meth:`_check_weight` without the finite check.
         """
-        self._check_finite(w, name)
+        if finite is not None:
+            finite.add(name, torch.isfinite(w))
+        else:
+            self._check_finite(w, name)
         return self._dequantize(self._quantize(w, global_amax))
 
     def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:

@@ -150,32 +150,35 @@ def _quantize_stack(spec: SpecCore, stacked: torch.Tensor, rows: list[int],
 
 
 def _fake_quant_stack(spec: SpecCore, stacked: torch.Tensor, rows: list[int],
-                      amaxes: list[Amax], label: str) -> torch.Tensor:
+                      amaxes: list[Amax], label: str, finite: FiniteChecks | None = None
+                      ) -> torch.Tensor:
     """:func:`_quantize_stack` then dequantize, through the format's fake-quant fast path
     (:meth:`SpecCore.quantize_dequantize`, the same bits)."""
     with torch.no_grad():
         ga = _row_amax(stacked, rows, amaxes) if spec.shares_tensor_scale else None
-        return spec.quantize_dequantize(stacked, global_amax=ga, name=label)
+        return spec.quantize_dequantize(stacked, global_amax=ga, name=label, finite=finite)
 
 
 def quantize_many(spec: SpecCore, weights: Sequence[torch.Tensor], *,
                   global_amax: Sequence[Amax] | torch.Tensor | None = None,
-                  name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
-                  ) -> list[QuantizedWeight]:
+                  name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS,
+                  finite: FiniteChecks | None = None) -> list[QuantizedWeight]:
     """``[spec.quantize_weight(w, global_amax=a) for w, a in zip(weights, global_amax)]``,
     stacked where that is bit-identical.
 
     ``global_amax``: per weight, the amax of its per-tensor scale (formats like ``nvfp4``; a
     fused group's shared amax, see :func:`fused_amax`), None for its own; a ``[n]`` tensor or
     a sequence; ignored by formats without a per-tensor scale. ``name`` names the group in
-    errors (a non-finite value, a shape the format cannot take).
+    errors (a non-finite value, a shape the format cannot take); weight ``i`` is
+    ``name[i]``. ``finite``: where the weights' finiteness goes instead of a host sync per
+    call (:func:`quantize_stacks`).
     """
     if not can_stack(spec, weights):
         amaxes = _amax_list(global_amax, len(weights))
-        return [spec.quantize_weight(w, global_amax=a, name=f"{name}[{i}]")
+        return [spec.quantize_weight(w, global_amax=a, name=f"{name}[{i}]", finite=finite)
                 for i, (w, a) in enumerate(zip(weights, amaxes))]
     return [w for q, rows in quantize_stacks(spec, weights, global_amax=global_amax, name=name,
-                                             max_elements=max_elements)
+                                             max_elements=max_elements, finite=finite)
             for w in split_stack(spec, q, rows)]
 
 
@@ -205,16 +208,24 @@ def quantize_stacks(spec: SpecCore, weights: Sequence[torch.Tensor], *,
 
 def fake_quant_many(spec: SpecCore, weights: Sequence[torch.Tensor], *,
                     global_amax: Sequence[Amax] | torch.Tensor | None = None,
-                    name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS
+                    name: str = "weights", max_elements: int = MAX_STACK_ELEMENTS,
+                    finite: FiniteChecks | None = None, names: Sequence[str] | None = None
                     ) -> list[torch.Tensor]:
     """``[spec.dequantize(spec.quantize_weight(w, global_amax=a)) for ...]`` (no autograd),
     stacked where that is bit-identical; each result has its weight's dtype. Computed with
-    :meth:`SpecCore.quantize_dequantize` (the format's fake-quant fast path, same bits)."""
+    :meth:`SpecCore.quantize_dequantize` (the format's fake-quant fast path, same bits).
+    ``finite``: as :func:`quantize_many`'s, weight ``i`` recorded as ``names[i]`` (default
+    ``name[i]``)."""
     amaxes = _amax_list(global_amax, len(weights))
+    names = [f"{name}[{i}]" for i in range(len(weights))] if names is None else list(names)
     if not can_stack(spec, weights):
-        return [spec.quantize_dequantize(w, global_amax=a, name=f"{name}[{i}]")
-                for i, (w, a) in enumerate(zip(weights, amaxes))]
+        return [spec.quantize_dequantize(w, global_amax=a, name=n, finite=finite)
+                for n, w, a in zip(names, weights, amaxes)]
     out: list[torch.Tensor] = []
+    done = 0
     for stacked, rows, amx, label in _stacks(weights, amaxes, name, max_elements):
-        out.extend(torch.split(_fake_quant_stack(spec, stacked, rows, amx, label), rows, dim=0))
+        checks = None if finite is None else finite.stack(names[done:done + len(rows)], rows)
+        out.extend(torch.split(_fake_quant_stack(spec, stacked, rows, amx, label, checks), rows,
+                               dim=0))
+        done += len(rows)
     return out

@@ -119,6 +119,7 @@ class QCacheSync:
         if not self.reuses:
             return None
         codes = cached_codes(model, arch)
+        self.aligned.check_finite()  # what a refresh here (or the forward's) quantized
 
         def get(name: str) -> QuantizedWeight | None:
             q = codes.pop(name, None)  # (sent once: the reference goes with it)

@@ -141,6 +141,8 @@ def build_policy(arch: ModelArch, lr: float, plan: ForwardPlan | None = None,
                         stage=None if groups is None else groups.stage, **overrides)
     if plan.prepare_model is not None:
         plan.prepare_model(model)
+    if plan.aligned is not None:  # errors of the Q(W) refresh name the weight
+        plan.aligned.name_modules(model)
     config = model.config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=bf16, use_distributed_optimizer=options.distributed_optimizer)
@@ -229,6 +231,9 @@ class PolicyTrainer:
 
     def _run(self, microbatches: Sequence[dict], loss_fn: Callable, forward_only: bool,
              routing_sink: list | None = None) -> list:
+        """Megatron's schedule over ``microbatches``; then the aligned forward's Q(W) refresh
+        of this step, if it ran here, is checked for NaN / Inf (one host sync, before the
+        step's reads of the results: ``te_quant.state``)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not microbatches:
@@ -248,7 +253,7 @@ class PolicyTrainer:
         ctx = replay.use(None, phase, record=record) \
             if replay is not None else contextlib.nullcontext()
         with ctx:
-            return get_forward_backward_func()(
+            store = get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, replay=replay,
                                           routing_sink=routing_sink, kv=self.policy.plan.kv,
                                           pack=pack, group=None if pack is None else
@@ -256,6 +261,9 @@ class PolicyTrainer:
                 data_iterator=iter(microbatches), model=[self.policy.ddp],
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                 forward_only=forward_only, collect_non_loss_data=forward_only)
+        if self.policy.plan.aligned is not None:  # before anything reads the results
+            self.policy.plan.aligned.check_finite()  # the Q(W) refresh's: one sync, if any
+        return store
 
     @torch.no_grad()
     def log_probs(self, microbatches: Sequence[dict], loss_fn: Callable) -> list[torch.Tensor]:

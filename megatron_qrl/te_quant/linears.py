@@ -125,20 +125,24 @@ class AlignedLinearMixin:
 
     def quantized_weight(self) -> Any:
         """``Q_w(W)`` of this rank's shard, recomputed only after the weights changed: the
-        dequantized weight (fake GEMM) or its codes and scales (:class:`RealWeight`)."""
-        if self.qrl_stale() and self.qrl_state.gemm_for(self.qrl_kind) == "real":
-            rw = weight_operand(self.qrl_state.spec, self.weight, self._qrl_parallel_dim,
-                                self.tp_group, name=f"{self.qrl_kind} {type(self).__name__}",
-                                layout=self.qrl_layout)
-            self.qrl_store(replace(rw, keep_dequantized=self.qrl_state.keep_dequantized))
-        elif self.qrl_stale() and self.qrl_state.keep_codes and _tp_size(self) == 1:
-            codes = component_codes(self.qrl_state.spec, [self.weight], self.qrl_layout,
-                                    f"{self.qrl_kind} {type(self).__name__}")[0]
-            self.qrl_store(fused_dequantized(self.qrl_state.spec, codes, self.qrl_layout), codes)
-        elif self.qrl_stale():
-            self.qrl_store(quantize_shard(
-                self.qrl_state.spec, self.weight, self.qrl_layout, self._qrl_parallel_dim,
-                self.tp_group, name=f"{self.qrl_kind} {type(self).__name__}"))
+        dequantized weight (fake GEMM) or its codes and scales (:class:`RealWeight`). The
+        weight's finiteness goes to the state's refresh checks, read once per refresh
+        (:meth:`~.state.AlignedForwardState.check_finite`), not here."""
+        if not self.qrl_stale():
+            return self._qrl_cache[1]
+        state, name = self.qrl_state, qrl_label(self)
+        finite = state.finite_checks()
+        if state.gemm_for(self.qrl_kind) == "real":
+            rw = weight_operand(state.spec, self.weight, self._qrl_parallel_dim, self.tp_group,
+                                name=name, layout=self.qrl_layout, finite=finite)
+            self.qrl_store(replace(rw, keep_dequantized=state.keep_dequantized))
+        elif state.keep_codes and _tp_size(self) == 1:
+            codes = component_codes(state.spec, [self.weight], self.qrl_layout, name,
+                                    finite)[0]
+            self.qrl_store(fused_dequantized(state.spec, codes, self.qrl_layout), codes)
+        else:
+            self.qrl_store(quantize_shard(state.spec, self.weight, self.qrl_layout,
+                                          self._qrl_parallel_dim, self.tp_group, name, finite))
         return self._qrl_cache[1]
 
     def _qrl_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,6 +201,12 @@ class AlignedRowParallelLinear(AlignedLinearMixin, RowParallelLinear):
                  qrl_layout: FusionLayout = _PLAIN, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._qrl_setup(qrl_state, qrl_kind, qrl_layout)
+
+
+def qrl_label(module: Any) -> str:
+    """How errors name an aligned module's weight: its parameter name where
+    :meth:`~.state.AlignedForwardState.name_modules` gave it one, else layer kind and class."""
+    return getattr(module, "qrl_name", None) or f"{module.qrl_kind} {type(module).__name__}"
 
 
 def _tp_size(linear: Any) -> int:
@@ -259,7 +269,9 @@ class AlignedSequentialMLP(SequentialMLP):
                 continue
             qs = quantize_shards_stacked(self.qrl_state.spec, [lin.weight for lin in linears],
                                          [lin.qrl_layout for lin in linears],
-                                         name=f"experts {attr}")
+                                         name=f"experts {attr}",
+                                         finite=self.qrl_state.finite_checks(),
+                                         names=[qrl_label(lin) for lin in linears])
             for lin, q in zip(linears, qs or ()):
                 lin.qrl_store(q)
 

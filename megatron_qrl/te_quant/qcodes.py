@@ -18,21 +18,23 @@ import dataclasses
 import torch
 
 from megatron_qrl.quant import QuantizedWeight, QuantSpec
+from megatron_qrl.quant.finite_checks import FiniteChecks
 from megatron_qrl.quant.stacked import fused_amax, quantize_many
 from megatron_qrl.te_quant.real_gemm import RealWeight
 from megatron_qrl.te_quant.shard_quant import FusionLayout
 
 
 def component_codes(spec: QuantSpec, weights: list[torch.Tensor], layout: FusionLayout,
-                    name: str = "weight") -> list[list[QuantizedWeight]]:
+                    name: str = "weight", finite: FiniteChecks | None = None
+                    ) -> list[list[QuantizedWeight]]:
     """``spec.quantize_weight`` of each HF component of each unsharded weight (the
     quantization :func:`~.shard_quant.quantize_shard` dequantizes, kept as codes), in few
     stacked quantizer calls where bit-identical (:func:`~megatron_qrl.quant.stacked.
-    quantize_many`); each result owns its storage."""
+    quantize_many`); each result owns its storage. ``finite``: as ``quantize_many``'s."""
     splits = [layout.split(w.detach()) for w in weights]
     parts = [p for split in splits for p in split]
     amax = fused_amax(parts, [len(s) for s in splits]) if spec.shares_tensor_scale else None
-    flat = iter(quantize_many(spec, parts, global_amax=amax, name=name))
+    flat = iter(quantize_many(spec, parts, global_amax=amax, name=name, finite=finite))
     return [[_owned(next(flat)) for _ in split] for split in splits]
 
 

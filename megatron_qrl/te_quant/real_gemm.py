@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_qrl.quant import QuantizedWeight, QuantSpec
+from megatron_qrl.quant.finite_checks import FiniteChecks
 from megatron_qrl.te_quant import fp8_backward
 from megatron_qrl.te_quant.block_gemm import (
     block_scaled_mm,
@@ -323,17 +324,20 @@ def check_block_layout(spec: QuantSpec, n: int, layout, name: str) -> None:
 
 
 def weight_operand(spec: QuantSpec, w: torch.Tensor, parallel_dim: int = 0, group=None,
-                   name: str = "weight", layout=None) -> RealWeight:
+                   name: str = "weight", layout=None, finite: FiniteChecks | None = None
+                   ) -> RealWeight:
     """Codes and scales of this rank's shard: rows are whole on a column-parallel shard; a
     row-parallel shard's per-channel scale spans all ranks (gathered once, codes narrowed);
-    blocks lie inside a shard (``layout``: the fused HF components, checked for blocks)."""
+    blocks lie inside a shard (``layout``: the fused HF components, checked for blocks).
+    ``finite``: where the weight's finiteness goes (the refresh's
+    :class:`~megatron_qrl.quant.finite_checks.FiniteChecks`) instead of a host sync now."""
     check_block_layout(spec, w.shape[0], layout, name)
     if _split_dim(group, parallel_dim, spec):
         full, rank = _gather_last(w.detach(), group)
-        q = spec.quantize_weight(full, name=name)
+        q = spec.quantize_weight(full, name=name, finite=finite)
         k = w.shape[1]
         return RealWeight(q.codes.narrow(1, rank * k, k).contiguous(), q.scale)
-    q = spec.quantize_weight(w, name=name)
+    q = spec.quantize_weight(w, name=name, finite=finite)
     return RealWeight(q.codes, q.scale)
 
 
@@ -514,16 +518,18 @@ def grouped_real_linear(x: torch.Tensor, masters: list[torch.Tensor], qw: RealWe
 
 
 def stacked_weight_operand(spec: QuantSpec, weights: list[torch.Tensor] | torch.Tensor,
-                           parallel_dim: int, group, name: str) -> RealWeight:
+                           parallel_dim: int, group, name: str,
+                           finite: FiniteChecks | None = None) -> RealWeight:
     """:func:`weight_operand` of every expert, stacked ``[E, N, K]`` / ``[E, N, 1]`` (one
     quantizer call over the row stack without tensor parallelism: per-row scales).
     ``weights``: one weight per expert, or the stacked ``[E, N, K]`` weight itself, whose rows
-    the quantizer then reads in place (no concatenated copy)."""
+    the quantizer then reads in place (no concatenated copy). ``finite``: as
+    :func:`weight_operand`'s."""
     if not _split_dim(group, parallel_dim):
         e, (n, k) = len(weights), weights[0].shape
         rows = (weights.detach().reshape(e * n, k) if isinstance(weights, torch.Tensor)
                 else torch.cat([w.detach() for w in weights]))
-        q = weight_operand(spec, rows, name=name)
+        q = weight_operand(spec, rows, name=name, finite=finite)
         return RealWeight(q.codes.view(e, n, k), q.scale.view(e, n, 1))
-    qs = [weight_operand(spec, w, parallel_dim, group, name) for w in weights]
+    qs = [weight_operand(spec, w, parallel_dim, group, name, finite=finite) for w in weights]
     return RealWeight(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]))

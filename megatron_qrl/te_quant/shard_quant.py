@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_qrl.models.layout import fuse_qkv, split_qkv
 from megatron_qrl.quant import QuantSpec
+from megatron_qrl.quant.finite_checks import FiniteChecks
 
 
 @dataclass(frozen=True)
@@ -107,11 +108,14 @@ def _gather_cols(w: torch.Tensor, group) -> tuple[torch.Tensor, int]:
 
 
 def quantize_shard(spec: QuantSpec, w: torch.Tensor, layout: FusionLayout = FusionLayout(),
-                   parallel_dim: int = 0, group=None, name: str = "weight") -> torch.Tensor:
+                   parallel_dim: int = 0, group=None, name: str = "weight",
+                   finite: FiniteChecks | None = None) -> torch.Tensor:
     """``dequantize(quantize(.))`` of this rank's shard of the HF tensors (no autograd).
 
     ``parallel_dim``: 0 for column-parallel (output rows split), 1 for row-parallel (input
-    columns split); ``group``: the tensor-parallel group the weight is split over (None: 1).
+    columns split); ``group``: the tensor-parallel group the weight is split over (None: 1);
+    ``finite``: where the weight's finiteness goes (the refresh's
+    :class:`~megatron_qrl.quant.finite_checks.FiniteChecks`) instead of a host sync now.
     """
     w = w.detach()
     parts = layout.split(w)
@@ -121,16 +125,18 @@ def quantize_shard(spec: QuantSpec, w: torch.Tensor, layout: FusionLayout = Fusi
         _check_blocks(spec, parts, parallel_dim, name)
     if gather:  # per-row scales need the whole row: quantize the full weight, keep our columns
         full, rank = _gather_cols(w, group)
-        q = quantize_shard(spec, full, layout, 0, None, name)
+        q = quantize_shard(spec, full, layout, 0, None, name, finite)
         return q.narrow(1, rank * w.shape[1], w.shape[1]).contiguous()
     amax = _shared_amax(spec, parts, group)
-    out = [spec.quantize_dequantize(p, global_amax=amax, name=name) for p in parts]
+    out = [spec.quantize_dequantize(p, global_amax=amax, name=name, finite=finite)
+           for p in parts]
     return layout.fuse(out)
 
 
 def quantize_shards_stacked(spec: QuantSpec, weights: list[torch.Tensor],
-                            layouts: list[FusionLayout], name: str = "weights"
-                            ) -> list[torch.Tensor] | None:
+                            layouts: list[FusionLayout], name: str = "weights",
+                            finite: FiniteChecks | None = None,
+                            names: list[str] | None = None) -> list[torch.Tensor] | None:
     """:func:`quantize_shard` of many unsharded weights (tensor-parallel size 1) in few calls.
 
     The HF components of every weight are quantized as one row-stack
@@ -139,6 +145,8 @@ def quantize_shards_stacked(spec: QuantSpec, weights: list[torch.Tensor],
     components (:func:`megatron_qrl.quant.stacked.fused_amax`), what :func:`_shared_amax`
     gives without tensor parallelism. Returns None when the stack would not be identical (a
     block straddling two components); the caller then quantizes one weight at a time.
+    ``finite``: as :func:`quantize_shard`'s, every HF component of weight ``j`` recorded as
+    ``names[j]`` (default: component ``i`` as ``name[i]``).
     """
     from megatron_qrl.quant.stacked import can_stack, fake_quant_many, fused_amax
 
@@ -147,12 +155,15 @@ def quantize_shards_stacked(spec: QuantSpec, weights: list[torch.Tensor],
     if not can_stack(spec, parts):
         return None
     amax = fused_amax(parts, [len(s) for s in splits]) if spec.shares_tensor_scale else None
-    flat = iter(fake_quant_many(spec, parts, global_amax=amax, name=name))
+    part_names = None if names is None else [n for n, s in zip(names, splits) for _ in s]
+    flat = iter(fake_quant_many(spec, parts, global_amax=amax, name=name, finite=finite,
+                                names=part_names))
     return [layout.fuse([next(flat) for _ in split]) for split, layout in zip(splits, layouts)]
 
 
 def fake_quant_stack_in_place(spec: QuantSpec, stack: torch.Tensor, layout: FusionLayout,
-                              name: str = "experts") -> torch.Tensor | None:
+                              name: str = "experts", finite: FiniteChecks | None = None
+                              ) -> torch.Tensor | None:
     """``Q_w`` of every expert of a stacked ``[E, out, in]`` weight (tensor-parallel size 1),
     read where its rows lie: :func:`quantize_shards_stacked` of the unbound experts then
     stacked, bit for bit, without its three copies of the stack (the components' concatenation,
@@ -161,7 +172,8 @@ def fake_quant_stack_in_place(spec: QuantSpec, stack: torch.Tensor, layout: Fusi
     and every component spans whole blocks (``quant.stacked.can_stack``); the components of a
     ``gate_up`` / ``plain`` layout lie in the weight's own row order. None where that does not
     hold (the caller takes :func:`quantize_shards_stacked`). Quantized in runs of whole experts
-    of at most ``quant.stacked.MAX_STACK_ELEMENTS`` (the quantizer's fp32 temporaries)."""
+    of at most ``quant.stacked.MAX_STACK_ELEMENTS`` (the quantizer's fp32 temporaries).
+    ``finite``: as :func:`quantize_shard`'s (each run under the label errors name)."""
     from megatron_qrl.quant.stacked import MAX_STACK_ELEMENTS, can_stack
 
     e, n, k = stack.shape
@@ -171,10 +183,11 @@ def fake_quant_stack_in_place(spec: QuantSpec, stack: torch.Tensor, layout: Fusi
     w = stack.detach()
     per = max(1, MAX_STACK_ELEMENTS // max(n * k, 1))
     if per >= e:
-        return spec.quantize_dequantize(w.reshape(e * n, k), name=f"{name} (stacked)").view(e, n, k)
+        return spec.quantize_dequantize(w.reshape(e * n, k), name=f"{name} (stacked)",
+                                        finite=finite).view(e, n, k)
     out = torch.empty_like(w)
     for s in range(0, e, per):
         rows = w[s:s + per].reshape(-1, k)
-        out[s:s + per] = spec.quantize_dequantize(rows, name=f"{name}[{s}..] (stacked)").view(
-            -1, n, k)
+        out[s:s + per] = spec.quantize_dequantize(rows, name=f"{name}[{s}..] (stacked)",
+                                                  finite=finite).view(-1, n, k)
     return out

@@ -8,6 +8,24 @@ bumped by :meth:`AlignedForwardState.mark_weights_updated` (called automatically
 ``optimizer.step()`` once :meth:`AlignedForwardState.attach_to_optimizer` hooked the
 optimizer), and a parameter's own ``torch`` version counter also invalidates the cache when
 the weight was changed in place through autograd-visible ops (``param.add_``).
+
+The refresh is lazy: each linear quantizes its weight when the first forward after a change
+reaches it. Its finiteness is not read on the host there (one device->host sync per linear,
+six per layer of Qwen3-30B-A3B, each draining the GPU's queue mid-forward); the refresh
+records it in the state's one :class:`~megatron_qrl.quant.finite_checks.FiniteChecks`
+(:meth:`AlignedForwardState.finite_checks`) and :meth:`AlignedForwardState.check_finite`
+reads it with one sync, raising :class:`~megatron_qrl.utils.finite.NonFiniteError` naming
+the first non-finite weight in forward order (what the immediate check raised, later in the
+same step). Where it is read: at the end of the forward (and backward) of the micro batches
+that refreshed (``rl.trainer.PolicyTrainer._run``: before the step's loss / gradient-norm
+reads, which drain the queue anyway, and before the non-finite-loss guard could count the
+step as merely skipped), and, for callers that drive the model themselves, before the
+attached optimizer applies an update (a step pre-hook), in :meth:`mark_weights_updated`,
+before the weight sync hands out cached codes (``rl.qcache_sync``) and when the next refresh
+starts with the last one unread. So a result computed from a NaN weight is never used
+silently: the step that computed it stops with the error, as before. The end of the first
+forward rather than the optimizer step: a forward-only pass (the log-prob recompute) has no
+step, and under the guard a NaN loss skips the step without ever reaching the optimizer.
 """
 
 from __future__ import annotations
@@ -17,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from megatron_qrl.quant import QuantSpec, get_spec
+from megatron_qrl.quant.finite_checks import FiniteChecks
 from megatron_qrl.quant.targets import LAYER_KINDS
 from megatron_qrl.te_quant.fp8_backward import (
     BACKWARD_FLAG,
@@ -80,6 +99,8 @@ class AlignedForwardState:
         """True while a caller feeds the linears inputs it already quantized (see
         :meth:`inputs_prequantized`)."""
         self._hooks: list[Any] = []
+        self._finite: tuple[FiniteChecks, int, QuantSpec] | None = None
+        """The checks the refresh of weight version ``[1]`` recorded, not read yet."""
 
     @staticmethod
     def _check_kinds(kinds: Iterable[str]) -> frozenset[str]:
@@ -108,8 +129,38 @@ class AlignedForwardState:
         return self.grad_format if self.wgrad == "fp8" else None
 
     def mark_weights_updated(self) -> None:
-        """Invalidate every cached quantized weight (call after ``optimizer.step()``)."""
+        """Invalidate every cached quantized weight (call after ``optimizer.step()``); the
+        refresh of the weights before, if unread, is checked first (:meth:`check_finite`)."""
+        self.check_finite()
         self.version += 1
+
+    def finite_checks(self) -> FiniteChecks:
+        """Where a refresh of ``Q_w(W)`` records its weights' finiteness (device bools, no
+        host sync): one :class:`~megatron_qrl.quant.finite_checks.FiniteChecks` per weight
+        version; a refresh of a newer version first checks the older one's
+        (:meth:`check_finite`)."""
+        if self._finite is not None and self._finite[1] != self.version:
+            self.check_finite()
+        if self._finite is None:
+            self._finite = (FiniteChecks(), self.version, self.spec)
+        return self._finite[0]
+
+    def check_finite(self) -> None:
+        """Read the unread refresh's finiteness: one host sync per device (none when nothing
+        was refreshed since the last read); raises
+        :class:`~megatron_qrl.utils.finite.NonFiniteError` naming the first weight, in
+        refresh order, that held a NaN / Inf (module doc: where it is called)."""
+        pending, self._finite = self._finite, None
+        if pending is not None:
+            pending[0].check(pending[2])
+
+    def name_modules(self, model: Any) -> None:
+        """Name the weight of each aligned module of ``model`` (those reading this state) by
+        its parameter name, ``decoder.layers.1.self_attention.linear_proj.weight``, in the
+        errors of its refresh (:meth:`check_finite`); unnamed: layer kind and class."""
+        for name, module in model.named_modules():
+            if getattr(module, "qrl_state", None) is self and hasattr(module, "qrl_kind"):
+                module.qrl_name = f"{name}.weight"
 
     def is_enabled(self, kind: str) -> bool:
         """True if linears of layer kind ``kind`` run quantized now."""
@@ -140,7 +191,8 @@ class AlignedForwardState:
             self.inputs_quantized = saved
 
     def attach_to_optimizer(self, optimizer: Any) -> None:
-        """Bump the version after every step of ``optimizer``.
+        """Bump the version after every step of ``optimizer``, and check the unread refresh
+        (:meth:`check_finite`) before it applies an update.
 
         Accepts a ``torch.optim.Optimizer`` or a megatron-core ``MegatronOptimizer`` /
         ``ChainedOptimizer`` (the hook goes on the inner torch optimizers; the cache is only
@@ -153,6 +205,8 @@ class AlignedForwardState:
                 f"attach_to_optimizer: {type(optimizer).__name__} holds no torch.optim.Optimizer; "
                 "call state.mark_weights_updated() after each step instead")
         for opt in found:
+            self._hooks.append(opt.register_step_pre_hook(
+                lambda *_args, **_kw: self.check_finite()))
             self._hooks.append(opt.register_step_post_hook(
                 lambda *_args, **_kw: self.mark_weights_updated()))
 

@@ -42,7 +42,7 @@ from megatron_qrl.models.stacked_experts import (
 )
 from megatron_qrl.quant import QuantizedWeight
 from megatron_qrl.te_quant.grouped_gemm import stacked_ste
-from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, quantize_input
+from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, qrl_label, quantize_input
 from megatron_qrl.te_quant.qcodes import component_codes, fused_dequantized, real_codes
 from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear, stacked_weight_operand
 from megatron_qrl.te_quant.shard_quant import (
@@ -104,24 +104,28 @@ class AlignedGroupedGemm:
     def quantized_weights(self) -> torch.Tensor:
         """``Q_w(W_e)`` of every local expert's shard stacked ``[num_gemms, out, in]``,
         recomputed only after the weights changed (once per optimizer step): one stacked
-        quantizer call where the stack is bit-identical, else one call per expert."""
+        quantizer call where the stack is bit-identical, else one call per expert. The
+        finiteness goes to the state's refresh checks (:meth:`~.state.AlignedForwardState.
+        check_finite`)."""
         key = self._qrl_key()
         if self._qrl_cache is None or self._qrl_cache[0] != key:
             spec, weights = self.qrl_state.spec, self.weights()
-            name = f"experts {type(self).__name__}"
+            name, finite = qrl_label(self), self.qrl_state.finite_checks()
             tp, _ = _pg_size_rank(self.tp_group)
             if tp == 1 and self.qrl_state.keep_codes:
-                codes = component_codes(spec, weights, self.qrl_layout, name)
+                codes = component_codes(spec, weights, self.qrl_layout, name, finite)
                 deq = [fused_dequantized(spec, c, self.qrl_layout) for c in codes]
                 self._qrl_cache, self._qrl_codes = (key, torch.stack(deq)), codes
                 self.qrl_recomputes += 1
                 return self._qrl_cache[1]
-            qs = (quantize_shards_stacked(spec, weights, [self.qrl_layout] * len(weights), name)
-                  if tp == 1 and len(weights) > 1 else None)
+            names = [f"{name}[{e}]" for e in range(len(weights))]  # expert e
+            qs = (quantize_shards_stacked(spec, weights, [self.qrl_layout] * len(weights), name,
+                                          finite, names) if tp == 1 and len(weights) > 1
+                  else None)
             if qs is None:
                 dim = 1 if self.parallel_mode == "row" else 0
-                qs = [quantize_shard(spec, w, self.qrl_layout, dim, self.tp_group, name)
-                      for w in weights]
+                qs = [quantize_shard(spec, w, self.qrl_layout, dim, self.tp_group, n, finite)
+                      for n, w in zip(names, weights)]
             self._qrl_cache, self._qrl_codes = (key, torch.stack(qs)), None
             self.qrl_recomputes += 1
         return self._qrl_cache[1]
@@ -133,7 +137,7 @@ class AlignedGroupedGemm:
         if self._qrl_cache is None or self._qrl_cache[0] != key:
             dim = 1 if self.parallel_mode == "row" else 0
             rw = stacked_weight_operand(self.qrl_state.spec, self._stack(), dim, self.tp_group,
-                                        f"experts {type(self).__name__}")
+                                        qrl_label(self), self.qrl_state.finite_checks())
             self._qrl_cache = (key, replace(rw, keep_dequantized=self.qrl_state.keep_dequantized))
             self.qrl_recomputes += 1
         return self._qrl_cache[1]
@@ -327,7 +331,7 @@ class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
         if ((self._qrl_cache is None or self._qrl_cache[0] != key)
                 and not self.qrl_state.keep_codes and _pg_size_rank(self.tp_group)[0] == 1):
             q = fake_quant_stack_in_place(self.qrl_state.spec, self.weight, self.qrl_layout,
-                                          f"experts {type(self).__name__}")
+                                          qrl_label(self), self.qrl_state.finite_checks())
             if q is not None:
                 self._qrl_cache, self._qrl_codes = (key, q), None
                 self.qrl_recomputes += 1

@@ -135,7 +135,7 @@ class Int8Spec(_PerChannelSpec):
             t = torch.mul(w[e, r], s[e, r])
             out[e, r].copy_(t.round_())
 
-    def _fake_quant(self, w, global_amax, name):
+    def _fake_quant(self, w, global_amax, name, finite=None):
         """``0 + round(w * s) * (1 / s)`` per row: three passes over the weight (multiply,
         round, multiply-add) after one for the row amaxes, no int8 codes.
 
@@ -146,7 +146,7 @@ class Int8Spec(_PerChannelSpec):
         ``round(-0.3)`` into the ``+0.0`` the int8 code 0 dequantizes to.
         """
         a = torch.linalg.vector_norm(w, float("inf"), dim=1, keepdim=True).float()
-        self._check_finite_amax(a, w, name)
+        self._check_finite_amax(a, w, name, finite)
         s, zero = self._row_scale(w, a)
         scale = torch.where(zero, 1.0, 1.0 / s)
         return torch.addcmul(constant((0.0,), w.device), torch.mul(w, s).round_(), scale)
@@ -198,12 +198,12 @@ class FP8Spec(_PerChannelSpec):
         code."""
         torch.mul(w, s, out=out)
 
-    def _fake_quant(self, w, global_amax, name):
+    def _fake_quant(self, w, global_amax, name, finite=None):
         """``e4m3(w * s) * (1 / s)`` per row, the same ops as ``_dequantize(_quantize(w))``
         minus the passes around them: the row amax in one pass in ``w``'s dtype (an inf-norm,
         exact), the finite check on it, no ``w.float()`` copy (``w * s`` promotes to fp32)."""
         a = torch.linalg.vector_norm(w, float("inf"), dim=1, keepdim=True).float()
-        self._check_finite_amax(a, w, name)
+        self._check_finite_amax(a, w, name, finite)
         s, _ = self._row_scale(w, a)
         return cast_e4m3(torch.mul(w, s)).float().mul_(1.0 / s)
 

@@ -83,14 +83,14 @@ class FP8BlockSpec(QuantSpec):
         blocks, shape = to_blocks_2d(q.codes.float(), BLOCK, BLOCK)
         return from_blocks_2d(blocks * q.scale[:, None, :, None], shape)
 
-    def _fake_quant(self, w, global_amax, name):
+    def _fake_quant(self, w, global_amax, name, finite=None):
         """``e4m3(w * s) * (1 / s)`` per 128x128 block, the same ops as
         ``_dequantize(_quantize(w))`` minus the passes around them: one zero-pad (none for
         whole blocks) instead of two, the block amax in one pass in ``w``'s dtype (an
         inf-norm, exact), the finite check on it, no ``w.float()`` copy."""
         blocks, shape = to_blocks_2d(w, BLOCK, BLOCK)
         a = torch.linalg.vector_norm(blocks, float("inf"), dim=(1, 3), keepdim=True).float()
-        self._check_finite_amax(a, w, name)
+        self._check_finite_amax(a, w, name, finite)
         s = _block_scale(a)
         return from_blocks_2d(cast_e4m3(blocks * s).float().mul_(1.0 / s), shape)
 

@@ -95,11 +95,11 @@ class NVFP4Spec(QuantSpec):
               else global_amax)
         return (tensor_scale(ga),)
 
-    def _fake_quant(self, w, global_amax, name):
+    def _fake_quant(self, w, global_amax, name, finite=None):
         """``dequantize_rows(*quantize_rows(w))`` without codes (:func:`fake_quant_rows`); the
         block amaxes give the tensor amax (a max of maxes) and the finite check."""
         a_blk = block_amax(w)
-        self._check_finite_amax(a_blk, w, name)
+        self._check_finite_amax(a_blk, w, name, finite)
         ga = a_blk.amax() if global_amax is None else global_amax
         return fake_quant_rows(w, tensor_scale(ga), a_blk)
 

@@ -81,7 +81,7 @@ class W4A16Spec(QuantSpec):
         q = torch.clamp(torch.round(g / s.float()), -8, 7).to(torch.int8).reshape(out, k)
         return QuantizedWeight(self.name, q, s.squeeze(-1), None, (out, k), w.dtype)
 
-    def _fake_quant(self, w, global_amax, name):
+    def _fake_quant(self, w, global_amax, name, finite=None):
         """``q * s`` with ``q = round(w / s)`` in fp32, no int8 codes: three passes over the
         weight (divide, round, multiply) after one for the group amaxes.
 
@@ -96,7 +96,7 @@ class W4A16Spec(QuantSpec):
         out, k = w.shape
         g = w.reshape(out, k // GROUP, GROUP)
         a = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True).float()
-        self._check_finite_amax(a, w, name)
+        self._check_finite_amax(a, w, name, finite)
         s = group_scale(a).float()
         q = torch.div(g, s).round_()
         return torch.addcmul(_zero(w.device), q, s).reshape(out, k)
