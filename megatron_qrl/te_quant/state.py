@@ -99,6 +99,7 @@ class AlignedForwardState:
         """True while a caller feeds the linears inputs it already quantized (see
         :meth:`inputs_prequantized`)."""
         self._hooks: list[Any] = []
+        self._checked_optimizers: set[int] = set()
         self._finite: tuple[FiniteChecks, int, QuantSpec] | None = None
         """The checks the refresh of weight version ``[1]`` recorded, not read yet."""
 
@@ -204,11 +205,20 @@ class AlignedForwardState:
             raise TypeError(
                 f"attach_to_optimizer: {type(optimizer).__name__} holds no torch.optim.Optimizer; "
                 "call state.mark_weights_updated() after each step instead")
+        self.check_before_steps(optimizer)
         for opt in found:
-            self._hooks.append(opt.register_step_pre_hook(
-                lambda *_args, **_kw: self.check_finite()))
             self._hooks.append(opt.register_step_post_hook(
                 lambda *_args, **_kw: self.mark_weights_updated()))
+
+    def check_before_steps(self, optimizer: Any) -> None:
+        """Check the unread refresh (:meth:`check_finite`) before every step of ``optimizer``
+        (its inner torch optimizers) applies an update; once per optimizer, however often
+        called (for hosts that bump the version themselves: slime's hooks)."""
+        for opt in {id(o): o for o in _torch_optimizers(optimizer)}.values():
+            if id(opt) not in self._checked_optimizers:
+                self._checked_optimizers.add(id(opt))
+                self._hooks.append(opt.register_step_pre_hook(
+                    lambda *_args, **_kw: self.check_finite()))
 
 
 def _torch_optimizers(optimizer: Any) -> Iterator[Any]:

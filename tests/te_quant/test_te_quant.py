@@ -241,8 +241,9 @@ def test_stacked_experts_equal_per_expert_path(megatron, fmt, monkeypatch):
     assert all(lin.qrl_recomputes == 2 and not lin.qrl_stale() for lin in experts)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_block", "nvfp4"])
-def test_nan_weight_stops_the_step_naming_it(megatron, fmt):
+@pytest.mark.parametrize("fmt,gemm", [("fp8", "fake"), ("fp8_block", "fake"),
+                                      ("nvfp4", "fake"), ("fp8", "real")])
+def test_nan_weight_stops_the_step_naming_it(megatron, fmt, gemm):
     """A NaN in one weight (layer 1's attention output projection) is read once per refresh,
     not in the forward: the forward and backward run, then the optimizer's pre-step hook
     raises NonFiniteError naming the parameter before the update is applied. Fails on the
@@ -252,6 +253,7 @@ def test_nan_weight_stops_the_step_naming_it(megatron, fmt):
     from megatron_qrl.utils.finite import NonFiniteError
 
     _, _, state, model = _aligned("moe", fmt)
+    state.gemm = gemm  # real: the codes and scales the real GEMM caches (CPU: torch's)
     state.name_modules(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state.attach_to_optimizer(opt)
@@ -263,6 +265,8 @@ def test_nan_weight_stops_the_step_naming_it(megatron, fmt):
     pos = torch.arange(x.shape[1])[None].expand_as(x)
     model.train()
     model(x, pos, attention_mask=None).float().pow(2).mean().backward()
+    cached = model.decoder.layers[0].self_attention.linear_qkv._qrl_cache[1]
+    assert type(cached).__name__ == ("RealWeight" if gemm == "real" else "Tensor")
     assert qkv.grad.isnan().any()  # a result computed from the NaN weight ...
     name = r"decoder\.layers\.1\.self_attention\.linear_proj\.weight holds NaN"
     with pytest.raises(NonFiniteError, match=name):

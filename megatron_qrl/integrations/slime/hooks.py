@@ -74,7 +74,9 @@ def qrl_megatron_init(args: Any) -> None:
 def _drive_aligned(args: Any, model: Any) -> None:
     """Every aligned linear recomputes Q(W) at its next forward (weights were switched or
     stepped since); a run that asked for the aligned forward without the spec fails here.
-    The first call on a model (no state marked yet) says what was swapped, on rank 0."""
+    The first call on a model (no state marked yet) says what was swapped, on rank 0, and
+    names the aligned weights in the Q(W) refresh's errors; each call reads the finiteness of
+    the refresh before (``AlignedForwardState.mark_weights_updated``)."""
     opts = slime_options(args)
     states = aligned_states(model)
     if opts.train.forward == "aligned" and not states:
@@ -82,6 +84,9 @@ def _drive_aligned(args: Any, model: Any) -> None:
                                f"linears: add --spec {' '.join(SPEC)}")
     if states and all(state.version == 0 for state in states):
         say(aligned_line(model, states))
+        for state in states:  # errors of the Q(W) refresh name the parameter
+            for chunk in model if isinstance(model, (list, tuple)) else [model]:
+                state.name_modules(chunk)
     for state in states:
         state.mark_weights_updated()
 
@@ -98,6 +103,8 @@ def qrl_before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, 
     from megatron_qrl.integrations.slime.quantizer import installed_quantizer
 
     _drive_aligned(args, model)
+    for state in aligned_states(model):  # a NaN weight's error before this step's update
+        state.check_before_steps(optimizer)
     quantizer = installed_quantizer()
     if quantizer is not None:
         quantizer.step = rollout_id + 1
