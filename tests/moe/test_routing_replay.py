@@ -279,7 +279,7 @@ def test_forwards_that_neither_replay_nor_measure_routing_leave_the_ids_out(monk
     for mode, forward_only, sink, reads in cases:
         trainer = NS(stage=None, pack_multiple=lambda: None,
                      policy=NS(plan=NS(replay=RoutingReplay(mode, num_experts=4, top_k=2),
-                                       kv=None), config=None, ddp=None))
+                                       kv=None, aligned=None), config=None, ddp=None))
         assert trainer.policy.plan.replay.reads_ids(
             "recompute" if forward_only else "update", sink is not None) == reads
         if reads:  # read, so range-checked on the host
