@@ -318,10 +318,7 @@ class SpecCore:
         reduces anyway; ``finite`` as :meth:`quantize_weight`'s). ``w`` has passed
         :meth:`_check_weight` without the finite check.
         """
-        if finite is not None:
-            finite.add(name, torch.isfinite(w))
-        else:
-            self._check_finite(w, name)
+        self._check_finite_amax(w, w, name, finite)  # (w bounds its own amax)
         return self._dequantize(self._quantize(w, global_amax))
 
     def _pack(self, module: str, q: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
