@@ -28,8 +28,8 @@ def commit() -> str:
 def run_variant(argv: list[str], variant: str, out: Path | None = None,
                 env: dict | None = None, tag: str = "bench", extra: dict | None = None) -> dict:
     """``python argv...``; its last ``RESULT`` record (or ``{"error": ...}``) plus ``extra``
-    (run-wide fields), appended to ``out`` (JSONL) when given. The child's stderr tail is
-    echoed on failure."""
+    (run-wide fields) and the checkout's :func:`commit` (unless the child gave one), appended
+    to ``out`` (JSONL) when given. The child's stderr tail is echoed on failure."""
     t = time.time()
     proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -37,6 +37,7 @@ def run_variant(argv: list[str], variant: str, out: Path | None = None,
         "variant": variant, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
     res["total_s"] = round(time.time() - t, 1)
     res.update(extra or {})
+    res.setdefault("commit", commit())
     print(f"[{tag}] {variant}: {json.dumps(res)}", flush=True)
     if "error" in res:
         sys.stderr.write(proc.stderr[-3000:])
