@@ -125,6 +125,14 @@ class SGLangOptions:
     GEMM kernels (int8 / fp8 / Marlin) are SGLang's own and not among the batch-invariant ops.
     Costs decode speed; off by default (the sampled distribution is the same either way)."""
 
+    sleep_on_idle: bool = True
+    """Start SGLang with sleep_on_idle: an idle scheduler waits on its request sockets (a
+    request wakes it at once) instead of polling them in a loop at 100% of a CPU core. SGLang's
+    default (off) spins through every training phase of the RL loop, beside the trainer: a
+    torch CPU op that runs an OpenMP region over every core then waits for the thread sharing
+    the spinning core (torch's CPU ``repeat_interleave``: ~7 ms per call beside an idle
+    engine on the H200). --no-qrl-rollout-sglang-sleep-on-idle keeps SGLang's polling."""
+
     def __post_init__(self) -> None:
         get_kv_format(self.kv_cache)  # an unknown format: one error naming the flag
         if self.sync not in ("auto", *SYNC_MODES):
@@ -149,10 +157,11 @@ class SGLangOptions:
     @property
     def engine_kwargs(self) -> dict:
         """The ``sglang.Engine`` arguments these options set: ``mem_fraction_static``, the KV
-        cache's (:attr:`kv_engine_kwargs`) and ``enable_deterministic_inference`` where
-        :attr:`deterministic`."""
+        cache's (:attr:`kv_engine_kwargs`), ``enable_deterministic_inference`` where
+        :attr:`deterministic` and ``sleep_on_idle`` where :attr:`sleep_on_idle`."""
         det = {"enable_deterministic_inference": True} if self.deterministic else {}
-        return {"mem_fraction_static": self.mem_fraction} | self.kv_engine_kwargs | det
+        idle = {"sleep_on_idle": True} if self.sleep_on_idle else {}
+        return {"mem_fraction_static": self.mem_fraction} | self.kv_engine_kwargs | det | idle
 
     def replace(self, **changes) -> SGLangOptions:
         """A copy with ``changes`` (checked again)."""

@@ -87,7 +87,7 @@ def test_the_flag_reaches_sglang_through_the_options_object(sglang_stand_in):
         assert kw["mem_fraction_static"] == cfg.sglang.mem_fraction
     assert SGLangOptions(deterministic=True).engine_kwargs == {
         "mem_fraction_static": 0.5, "kv_cache_dtype": "bf16",
-        "enable_deterministic_inference": True}
+        "enable_deterministic_inference": True, "sleep_on_idle": True}
     assert "enable_deterministic_inference" not in SGLangOptions().engine_kwargs
 
 
