@@ -12,11 +12,10 @@ import pickle
 from megatron_qrl.config import qrl_configs_from_args
 from megatron_qrl.rollout_sglang.factory import build_engine, engine_spec
 from megatron_qrl.rollout_sglang.options import SGLangOptions
-from tests.rollout_sglang.test_sglang_deterministic import (  # noqa: F401  (the fixture)
-    _Engine,
-    _parse,
-    sglang_stand_in,
-)
+from tests.rollout_sglang.test_sglang_deterministic import _Engine, _parse
+from tests.rollout_sglang.test_sglang_deterministic import sglang_stand_in as _stand_in
+
+sglang_stand_in = _stand_in  # the recording sglang.Engine, as a fixture of this module
 
 FLAG = "--qrl-rollout-sglang-sleep-on-idle"
 
