@@ -26,15 +26,26 @@ def _dev_us(e) -> float:
     return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
 
 
+def _on_device(e) -> bool:
+    """A kernel or copy on the GPU's timeline: not the CPU op that launched it (its
+    ``self_device_time_total`` is the same kernels' time again) and not a ``record_function``
+    range's GPU-side annotation (the time of every kernel under it)."""
+    return (str(getattr(e, "device_type", "")).endswith("CUDA")
+            and not getattr(e, "is_user_annotation", False))
+
+
 def summarize(events, wall: float, on_gpu: bool, top: int = 20) -> dict:
-    """``wall_s``, ``gpu_busy_s`` (None off the GPU), ``top_time_ms`` / ``top_host_self_ms``
+    """``wall_s``, ``gpu_busy_s`` (None off the GPU: each kernel and copy counted once),
+    ``top_time_ms`` (the GPU's kernels, or the CPU's ops off the GPU) / ``top_host_self_ms``
     (``[name, ms, calls]``), ``host_syncs`` (``{call: count}``) and ``ranges_ms`` (the
     ``qrl.*`` ``record_function`` ranges' wall, e.g. the direct sync's write step) of
     ``prof.key_averages()``."""
-    kernels = sorted(events, key=_dev_us if on_gpu else (lambda e: e.self_cpu_time_total),
-                     reverse=True)[:top]
+    if on_gpu:
+        kernels = sorted((e for e in events if _on_device(e)), key=_dev_us, reverse=True)[:top]
+    else:
+        kernels = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    busy = sum(_dev_us(e) for e in events) / 1e6 if on_gpu else None
+    busy = sum(_dev_us(e) for e in events if _on_device(e)) / 1e6 if on_gpu else None
     return {
         "wall_s": round(wall, 3), "gpu_busy_s": None if busy is None else round(busy, 3),
         "top_time_ms": [(e.key[:90], round((_dev_us(e) if on_gpu else e.self_cpu_time_total)

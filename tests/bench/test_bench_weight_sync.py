@@ -162,6 +162,33 @@ def test_pack_profile_ab_runs_each_quantizer(tmp_path, capsys):
         profile_main(["--format", "fp8", "--device", "cpu", "--quant-impl", "cuda"])
 
 
+def test_gpu_busy_counts_each_kernel_once():
+    """bench/_profile.py's ``gpu_busy_s`` on a GPU trace's averages: the kernel's own time only,
+    not again as its launching op's ``self_device_time_total`` nor as the ``record_function``
+    range's GPU annotation around it; the top list names kernels. Catches: the sum over every
+    event (the 30B direct sync's write read 1.11 s busy where its kernels took ~0.2 s)."""
+    from types import SimpleNamespace as E
+
+    from bench._profile import summarize
+
+    cpu, cuda = "DeviceType.CPU", "DeviceType.CUDA"
+    events = [
+        E(key="aten::mul", device_type=cpu, is_user_annotation=False, self_device_time_total=150e3,
+          self_cpu_time_total=20e3, cpu_time_total=20e3, count=3),
+        E(key="elementwise_kernel", device_type=cuda, is_user_annotation=False,
+          self_device_time_total=150e3, self_cpu_time_total=0.0, cpu_time_total=0.0, count=3),
+        E(key="Memcpy DtoD", device_type=cuda, is_user_annotation=False,
+          self_device_time_total=10e3, self_cpu_time_total=0.0, cpu_time_total=0.0, count=1),
+        E(key="qrl.direct.write", device_type=cuda, is_user_annotation=True,
+          self_device_time_total=160e3, self_cpu_time_total=0.0, cpu_time_total=0.0, count=1),
+        E(key="qrl.direct.write", device_type=cpu, is_user_annotation=True,
+          self_device_time_total=0.0, self_cpu_time_total=400e3, cpu_time_total=900e3, count=1),
+    ]
+    s = summarize(events, 1.2, on_gpu=True, top=5)
+    assert s["gpu_busy_s"] == 0.16
+    assert [name for name, _, _ in s["top_time_ms"]] == ["elementwise_kernel", "Memcpy DtoD"]
+
+
 def test_profile_summary_names_ranges_host_syncs_and_the_trace(tmp_path):
     """bench/_profile.py (``weight_sync.py --profile``, ``pack_profile.py``) on the CPU: the
     direct sync's write range, a host sync (``.item()``) and the top ops reach the summary;
