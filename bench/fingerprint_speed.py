@@ -12,7 +12,7 @@ fingerprints in it: per layer the expert stacks' gate / up halves of ``w13`` and
 q / k / v rows of ``qkv_proj``, ``o_proj`` and their scales, the norms and the router; the
 embeddings and the output layer. Each path below runs over all of them, ``--warmup`` passes
 then ``--repeats`` timed ones (CUDA events around each pass, and the host's wall clock after
-a synchronize), then one more under ``torch.profiler`` (:class:`bench._profile.Traced`: GPU
+a synchronize), then one more under ``torch.profiler`` (:class:`megatron_qrl.utils.profile.Traced`: GPU
 busy time, top kernels, host syncs; ``top_kernel_gbs``: the fingerprinted bytes over the
 busiest kernel's summed time, for ``kernel`` and ``copy`` that kernel's own bandwidth):
 
@@ -59,10 +59,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._profile import Traced  # noqa: E402
 from bench._runner import commit  # noqa: E402
 from bench.sync_census import engine_storage, tiny_config  # noqa: E402
 from bench.weight_sync import model_config  # noqa: E402
+from megatron_qrl.utils.profile import Traced  # noqa: E402
 
 PATHS = ("copy", "kernel", "triton", "torch", "checksums", "readback")
 

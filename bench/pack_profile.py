@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._profile import Traced  # noqa: E402
 from bench.weight_sync import _synchronize, model_config, trainer_stream  # noqa: E402
+from megatron_qrl.utils.profile import Traced  # noqa: E402
 
 IMPLS = ("auto", "torch", "triton")
 

@@ -102,6 +102,8 @@ def _job(args: argparse.Namespace, ckpt: Path, fmt: str, flags: str, out_dir: Pa
            "--no-qrl-tensorboard", "--qrl-save-interval", "-1"]
     if args.max_tokens_per_micro_batch:
         qrl += ["--qrl-max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch)]
+    if args.profile:  # the last RL step (no SFT: steps 0 .. steps - 1)
+        qrl += ["--qrl-profile-step", str(args.steps - 1)]
     if args.device == "cpu":
         qrl += ["--qrl-rollout-engine", "reference"]
     else:
@@ -164,6 +166,9 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
         trainer_reserved_gib=rec.get("trainer_reserved_gib"),
         alloc_retries=rec.get("alloc_retries"), response_len=rec.get("response_len"),
         reward_mean=rec.get("reward_mean"), mismatch_kl=rec.get("mismatch_kl"))
+    if rec.get("profile_summary"):  # --profile: the trainer phases' profile of that step
+        res["profile"] = json.loads(Path(rec["profile_summary"]).read_text())
+        res.update({k: rec[k] for k in rec if k.startswith("profile_") and k != "profile_summary"})
     return res
 
 
@@ -203,6 +208,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-experts", default=None, choices=("megatron", "stacked"),
                    help="--qrl-train-moe-experts of every variant (default: the preset's; "
                    "stacked: one grouped GEMM per expert linear, no Transformer Engine needed)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the last RL step's trainer phases (--qrl-profile-step): GPU "
+                        "kernel time vs wall, top kernels and host ops, host syncs, cudaMalloc "
+                        "/ cudaFree; the summary goes into the record as 'profile'")
     p.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang mem_fraction_static")
     p.add_argument("--megatron", default="", help="Megatron flags for every variant")
     p.add_argument("--preset", default=None, help="qrl-train --qrl-preset of every variant "

@@ -53,7 +53,7 @@ bench/sync_census.py. The trainer's experts are rows of one ``[E, out, in]`` ten
 (as a stacked-experts trainer holds them), so stacking them again is a view.
 
 ``--profile PATH`` traces each engine variant's second sync with ``torch.profiler``
-(bench/_profile.py): the record gets ``profile`` — wall vs GPU busy seconds of the trainer's
+(megatron_qrl/utils/profile.py): the record gets ``profile`` — wall vs GPU busy seconds of the trainer's
 process, the top kernels and host ops, the host syncs seen, and ``ranges_ms`` with the direct
 sync's write step (``qrl.direct.write``, what ``write_s`` times: producing the stream,
 quantizing / copying, fingerprints) — and the Chrome trace goes to ``PATH`` with the
@@ -81,8 +81,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._profile import Traced  # noqa: E402
 from bench._runner import child_main, run_variant  # noqa: E402
+from megatron_qrl.utils.profile import Traced  # noqa: E402
 
 MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
 

@@ -444,6 +444,18 @@ class RunConfig:
     memory); not with --qrl-mode disaggregated. Costs a copy of the trainer's state each way
     per step (time_sleep_s / time_wake_s in metrics.jsonl)."""
 
+    profile_step: int = field(default=-1, metadata={"on_resume": "may change"})
+    """The RL step (its ``step`` in metrics.jsonl) whose trainer phases — wake, pi_prox
+    recompute, updates — run under torch.profiler; its record gets ``profile``: wall vs GPU
+    kernel time, the top kernels and host ops, the host syncs, the caching allocator's
+    cudaMalloc / cudaFree (each a host stall), the wall of ``qrl.recompute`` / ``qrl.train``.
+    Costs that step's speed (the profiler's overhead); -1 = none."""
+
+    profile_trace: bool = field(default=False, metadata={"on_resume": "may change"})
+    """With --qrl-profile-step: also write that step's Chrome trace to
+    <output-dir>/profile_step<N>.json (chrome://tracing, Perfetto; large: tens of MB per
+    micro batch of a big model)."""
+
     def __post_init__(self) -> None:
         if self.preset is not None:
             preset_names(self.preset)  # raises naming the unknown preset
@@ -464,7 +476,8 @@ class RunConfig:
                                  ("--qrl-seed", self.seed, 0),
                                  ("--qrl-save-interval", self.save_interval, -1),
                                  ("--qrl-engine-max-restarts", self.engine_max_restarts, 0),
-                                 ("--qrl-max-bad-steps", self.max_bad_steps, 0)):
+                                 ("--qrl-max-bad-steps", self.max_bad_steps, 0),
+                                 ("--qrl-profile-step", self.profile_step, -1)):
             _int(flag, value, low)
         if self.seed > MAX_SEED:
             raise ValueError(f"--qrl-seed must be at most 2**63 - 1 = {MAX_SEED} (torch's "

@@ -14,13 +14,16 @@ trains on its share of every optimizer step's micro batches (``RankWorld.local``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from megatron_qrl.config import QrlArgumentError, prox_from_first_update
 from megatron_qrl.config.configs import QrlConfigs
@@ -36,6 +39,8 @@ from megatron_qrl.rl.micro_forward import positions_run
 from megatron_qrl.rl.trainer import PolicyTrainer
 from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
 from megatron_qrl.rollout.capacity import capacity_record
+from megatron_qrl.utils.io import atomic_write_json
+from megatron_qrl.utils.profile import Traced
 
 __all__ = ["StepContext", "micro_batches", "recompute_log_probs", "rl_step", "sample_indices",
            "set_old_log_probs", "sft_step", "step_seed"]
@@ -213,20 +218,24 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     batch, rewards, texts, over_budget, concurrency = ctx.world.from_main(lambda: _rollout(ctx, step))
     batch = ctx.check_length(batch)
     ctx.engine_memory(release=True)  # the trainer's recompute + update run next
+    profiled = _profiler(ctx, step)
     t1 = time.perf_counter()
-    woke = ctx.wake_trainer()
-    t1 += woke
-    groups = micro_batches(ctx, batch)
-    mbs = [mb for group in groups for mb in group]
-    first = prox_from_first_update(ctx.configs)
-    recompute = set_old_log_probs(ctx, groups, first)
-    counts = [ctx.trainer.last_routing_counts] if recompute else []
-    t2 = time.perf_counter()
-    updates = [ctx.trainer.train_step(group, ctx.loss_fn, routing=first and i == 0)
-               for i, group in enumerate(groups)]  # routing: of the forwards that gave pi_prox
-    if first:
-        counts.append(ctx.trainer.last_routing_counts)
-    t3 = time.perf_counter()
+    with profiled:
+        woke = ctx.wake_trainer()
+        t1 += woke
+        groups = micro_batches(ctx, batch)
+        mbs = [mb for group in groups for mb in group]
+        first = prox_from_first_update(ctx.configs)
+        with record_function("qrl.recompute"):
+            recompute = set_old_log_probs(ctx, groups, first)
+        counts = [ctx.trainer.last_routing_counts] if recompute else []
+        t2 = time.perf_counter()
+        with record_function("qrl.train"):  # routing: of the forwards that gave pi_prox
+            updates = [ctx.trainer.train_step(group, ctx.loss_fn, routing=first and i == 0)
+                       for i, group in enumerate(groups)]
+        if first:
+            counts.append(ctx.trainer.last_routing_counts)
+        t3 = time.perf_counter()
     slept_state = ctx.before_sync()
     t3 += slept_state
     synced = ctx.sync(step + 1)
@@ -249,9 +258,45 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     # cudaFree + retry of the caching allocator this step: the GPU was full (a slow step)
     rec["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries \
         if cuda else None
+    if isinstance(profiled, Traced):
+        rec.update(_profile_record(ctx, step, profiled))
     fleet = getattr(ctx.engine, "metrics", None)  # a rollout fleet's per-engine metrics
     return {**rec, "routing_agreement": _agreement(counts), "reward_over_budget": over_budget,
             **(fleet() if callable(fleet) else {})}
+
+
+def _profiler(ctx: StepContext, step: int) -> Traced | contextlib.nullcontext:
+    """torch.profiler over the trainer's phases of RL step ``step`` where it is
+    ``--qrl-profile-step``, else nothing."""
+    if ctx.configs.run.profile_step != step:
+        return contextlib.nullcontext()
+    return Traced("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _profile_record(ctx: StepContext, step: int, traced: Traced) -> dict[str, Any]:
+    """The profiled phases' summary (:meth:`Traced.summary`) written to
+    <output-dir>/profile_step<N>.summary.json (with ``--qrl-profile-trace`` the Chrome trace
+    beside it); the step's metrics get its scalars: ``profile_wall_s``,
+    ``profile_gpu_busy_s``, ``profile_recompute_s`` / ``profile_train_s`` (the ranges' wall),
+    ``profile_host_syncs``, ``profile_device_allocs`` and ``profile_device_alloc_ms`` (the
+    caching allocator's cudaMalloc / cudaFree / VMM calls and their host time), and
+    ``profile_summary`` (the file)."""
+    out = traced.summary(top=25)
+    rank = f"_rank{ctx.world.rank}" if ctx.world.world_size > 1 else ""
+    stem = Path(ctx.configs.run.resolved_output_dir()) / f"profile_step{step}{rank}"
+    if ctx.configs.run.profile_trace:
+        out["trace"] = traced.export(stem.with_suffix(".json"))
+    summary = atomic_write_json(stem.with_suffix(".summary.json"), out)
+    ranges = out["ranges_ms"]
+    return {
+        "profile_wall_s": out["wall_s"], "profile_gpu_busy_s": out["gpu_busy_s"],
+        "profile_recompute_s": ranges.get("qrl.recompute", 0.0) / 1e3,
+        "profile_train_s": ranges.get("qrl.train", 0.0) / 1e3,
+        "profile_host_syncs": sum(out["host_syncs"].values()),
+        "profile_device_allocs": sum(n for n, _ in out["allocator"].values()),
+        "profile_device_alloc_ms": sum(ms for _, ms in out["allocator"].values()),
+        "profile_summary": str(summary),
+    }
 
 
 def set_old_log_probs(ctx: StepContext, groups: list[list[dict]], first: bool) -> list[dict]:

@@ -39,10 +39,13 @@ def test_cpu_smoke_one_rl_step(tmp_path):
          "--steps", "1", "--formats", "bf16,bf16@budget",
          "--variant-flags", "budget=--recompute-granularity selective",
          "--qrl", "--qrl-max-tokens-per-micro-batch 64", "--ckpt-root", str(tmp_path / "ck"),
-         "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+         "--profile", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["bf16", "bf16@budget"]
+    for r in rows:  # --profile: the last step's trainer phases (catches: the flag not passed)
+        assert set(r["profile"]["ranges_ms"]) == {"qrl.recompute", "qrl.train"}
+        assert 0 < r["profile_train_s"] <= r["profile_wall_s"]
     for r in rows:
         assert all(r[k] > 0 for k in ("time_rollout_s", "time_recompute_s", "time_train_s",
                                       "time_sync_s", "trained_tokens"))

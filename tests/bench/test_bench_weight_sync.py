@@ -163,13 +163,13 @@ def test_pack_profile_ab_runs_each_quantizer(tmp_path, capsys):
 
 
 def test_gpu_busy_counts_each_kernel_once():
-    """bench/_profile.py's ``gpu_busy_s`` on a GPU trace's averages: the kernel's own time only,
+    """megatron_qrl/utils/profile.py's ``gpu_busy_s`` on a GPU trace's averages: the kernel's own time only,
     not again as its launching op's ``self_device_time_total`` nor as the ``record_function``
     range's GPU annotation around it; the top list names kernels. Catches: the sum over every
     event (the 30B direct sync's write read 1.11 s busy where its kernels took ~0.2 s)."""
     from types import SimpleNamespace as E
 
-    from bench._profile import summarize
+    from megatron_qrl.utils.profile import summarize
 
     cpu, cuda = "DeviceType.CPU", "DeviceType.CUDA"
     events = [
@@ -190,7 +190,7 @@ def test_gpu_busy_counts_each_kernel_once():
 
 
 def test_profile_summary_names_ranges_host_syncs_and_the_trace(tmp_path):
-    """bench/_profile.py (``weight_sync.py --profile``, ``pack_profile.py``) on the CPU: the
+    """megatron_qrl/utils/profile.py (``weight_sync.py --profile``, ``pack_profile.py``) on the CPU: the
     direct sync's write range, a host sync (``.item()``) and the top ops reach the summary;
     the trace is written per variant. Catches: the write range or the syncs dropped from the
     record, two variants' traces written to one file."""
@@ -198,9 +198,9 @@ def test_profile_summary_names_ranges_host_syncs_and_the_trace(tmp_path):
 
     import torch
 
-    from bench._profile import Traced
     from bench.weight_sync import main, trace_path
     from megatron_qrl.rollout_sglang.sync.transports.direct import WRITE_RANGE
+    from megatron_qrl.utils.profile import Traced
 
     x = torch.randn(64, 64)
     with Traced("cpu") as tr:

@@ -1,8 +1,9 @@
-"""One ``torch.profiler`` trace of a piece of a bench, summed up for its JSON record: the wall
-time, the GPU's busy time (kernel and copy time, streams summed) — a piece bound by launches,
-host syncs or Python shows busy << wall — the top kernels (GPU) or ops (CPU) by time, the top
-host ops by self CPU time, and the host syncs the trace saw. Used by bench/pack_profile.py and
-bench/weight_sync.py ``--profile``::
+"""One ``torch.profiler`` trace of a piece of work, summed up for a JSON record: the wall time,
+the GPU's busy time (kernel and copy time, streams summed) — a piece bound by launches, host
+syncs or Python shows busy << wall — the top kernels (GPU) or ops (CPU) by time, the top host
+ops by self CPU time, the host syncs and the caching allocator's device allocations
+(``cudaMalloc`` / ``cudaFree``: each a host stall) the trace saw. Used by qrl-train's
+``--qrl-profile-step``, bench/pack_profile.py and bench/weight_sync.py ``--profile``::
 
     with Traced("cuda") as tr:
         work()
@@ -14,12 +15,16 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["SYNC_CALLS", "Traced", "summarize"]
+__all__ = ["ALLOC_CALLS", "SYNC_CALLS", "Traced", "summarize"]
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "aten::_local_scalar_dense")
 """Trace events where the host waits for the GPU (``cudaMemcpy``: a blocking copy;
 ``_local_scalar_dense``: ``.item()`` / ``bool(t)``)."""
+ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cuMemCreate",
+               "cuMemMap", "cuMemUnmap", "cuMemRelease")
+"""Runtime / driver calls of the caching allocator growing or shrinking its device memory
+(each synchronizes or stalls the host; a warm allocator makes none)."""
 
 
 def _dev_us(e) -> float:
@@ -37,8 +42,9 @@ def _on_device(e) -> bool:
 def summarize(events, wall: float, on_gpu: bool, top: int = 20) -> dict:
     """``wall_s``, ``gpu_busy_s`` (None off the GPU: each kernel and copy counted once),
     ``top_time_ms`` (the GPU's kernels, or the CPU's ops off the GPU) / ``top_host_self_ms``
-    (``[name, ms, calls]``), ``host_syncs`` (``{call: count}``) and ``ranges_ms`` (the
-    ``qrl.*`` ``record_function`` ranges' wall, e.g. the direct sync's write step) of
+    (``[name, ms, calls]``), ``host_syncs`` (``{call: count}``), ``allocator`` (``{call:
+    [count, host ms]}`` of :data:`ALLOC_CALLS`) and ``ranges_ms`` (the ``qrl.*``
+    ``record_function`` ranges' wall, e.g. the direct sync's write step) of
     ``prof.key_averages()``."""
     if on_gpu:
         kernels = sorted((e for e in events if _on_device(e)), key=_dev_us, reverse=True)[:top]
@@ -53,6 +59,8 @@ def summarize(events, wall: float, on_gpu: bool, top: int = 20) -> dict:
         "top_host_self_ms": [(e.key[:90], round(e.self_cpu_time_total / 1e3, 2), e.count)
                              for e in host],
         "host_syncs": {e.key: e.count for e in events if e.key in SYNC_CALLS},
+        "allocator": {e.key: [e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in events
+                      if e.key in ALLOC_CALLS},
         "ranges_ms": {e.key: round(e.cpu_time_total / 1e3, 2) for e in events
                       if e.key.startswith("qrl.")},
     }
