@@ -42,6 +42,39 @@ class _UseQuantized(torch.autograd.Function):
         return grad, None
 
 
+class _GateOutput(torch.autograd.Function):
+    """``(out * p).to(out.dtype)`` of a low-precision ``out`` and fp32 gates ``p`` ``[T, 1]``,
+    forward and backward bit for bit as autograd computes that expression, without its fp32
+    copies of ``out`` and of the incoming gradient: each product is computed in fp32 and
+    rounded once into a tensor of ``out``'s dtype (``torch.mul(..., out=)``)."""
+
+    @staticmethod
+    def forward(ctx, out, p):  # noqa: D401
+        ctx.save_for_backward(out, p)
+        return torch.mul(out, p, out=torch.empty_like(out))
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, p = ctx.saved_tensors
+        d_out = (torch.mul(grad, p, out=torch.empty_like(out))
+                 if ctx.needs_input_grad[0] else None)
+        d_p = (grad.float() * out).sum(-1, keepdim=True) if ctx.needs_input_grad[1] else None
+        return d_out, d_p
+
+
+def gate_output(out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Each routed token's expert output ``[T, H]`` times its gate ``probs`` ``[T]`` in
+    ``out``'s dtype: SGLang's fused-MoE order (the gate after the down projection; see
+    :class:`AlignedSequentialMLP`). Equal, forward and backward, to
+    ``(out * probs.unsqueeze(-1)).to(out.dtype)``; for BF16 / FP16 outputs and fp32 gates
+    (the router's) without that expression's fp32 ``[T, H]`` copies in the forward and in the
+    output's gradient (the gate's own gradient still reduces an fp32 product)."""
+    p = probs.unsqueeze(-1)
+    if out.dtype in (torch.bfloat16, torch.float16) and p.dtype == torch.float32:
+        return _GateOutput.apply(out, p)
+    return (out * p).to(out.dtype)
+
+
 class _ShardedActQuant(torch.autograd.Function):
     """Per-token activation quantization of an input split along its last dim over TP (STE)."""
 
@@ -287,10 +320,10 @@ class AlignedSequentialMLP(SequentialMLP):
                              "moe_apply_probs_on_input=False (Qwen3-MoE)")
         if self._stacked() and state.gemm_for("experts") == "fake":
             out = self._w8a8_stacked(permuted_local_hidden_states, tokens_per_expert)
-            return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
+            return gate_output(out, permuted_probs), None
         ones = torch.ones_like(permuted_probs)
         out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert, ones)
-        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), bias
+        return gate_output(out, permuted_probs), bias
 
     def _w8a8_stacked(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``fc2(Q_a(act(fc1(Q_a(x)))))`` per expert, each ``Q_a`` one call over all experts.

@@ -42,7 +42,13 @@ from megatron_qrl.models.stacked_experts import (
 )
 from megatron_qrl.quant import QuantizedWeight
 from megatron_qrl.te_quant.grouped_gemm import stacked_ste
-from megatron_qrl.te_quant.linears import _PLAIN, _UseQuantized, qrl_label, quantize_input
+from megatron_qrl.te_quant.linears import (
+    _PLAIN,
+    _UseQuantized,
+    gate_output,
+    qrl_label,
+    quantize_input,
+)
 from megatron_qrl.te_quant.qcodes import component_codes, fused_dequantized, real_codes
 from megatron_qrl.te_quant.real_gemm import RealWeight, grouped_real_linear, stacked_weight_operand
 from megatron_qrl.te_quant.shard_quant import (
@@ -299,7 +305,7 @@ class AlignedTEGroupedMLP(TEGroupedMLP):
                              "moe_apply_probs_on_input=False (Qwen3-MoE)")
         out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert,
                                     torch.ones_like(permuted_probs))
-        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), bias
+        return gate_output(out, permuted_probs), bias
 
 
 class AlignedStackedGroupedLinear(AlignedGroupedGemm, StackedGroupedLinear):
