@@ -56,8 +56,9 @@
 #   STEPS, SAVE_INTERVAL (-1: no checkpoint), MAX_NEW_TOKENS; extra arguments are Megatron flags.
 #   MOE_EXPERTS    the preset's routed experts are stacked (--qrl-train-moe-experts stacked: one
 #                  torch grouped GEMM per expert linear; RL step of the 4-layer slice on one H200
-#                  13.0 s vs 21 s with TE's grouped GEMM, docs/BENCHMARKS.md, measured on the
-#                  local spec only); MOE_EXPERTS=megatron: TE's grouped GEMM (the fallback).
+#                  9.7-13.0 s (trainer MFU 21.5-22.7%; train-only 30.4%) vs 21 s with TE's
+#                  grouped GEMM, docs/BENCHMARKS.md, measured on the local spec only through
+#                  bench/rl_step.py, not this script); MOE_EXPERTS=megatron: TE's grouped GEMM.
 #                  The preset's micro batch stays 1: 48 layers at 4,096 new tokens per sample.
 # Ray is stopped by the process ids this script started (never a global `ray stop`).
 #
