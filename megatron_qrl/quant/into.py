@@ -85,7 +85,10 @@ def quantize_into(spec, hf_name: str, w: torch.Tensor, region: Region,
             a = kernel(spec, w3, c3, s3)
         else:
             a = spec._quantize_into(w3, c3, s3)
-    spec._check_finite_amax(a, w, hf_name, finite)
+    if finite is not None:  # (``a`` is this call's own: checked with the stream's others)
+        finite.add_amax(hf_name, a)
+    else:
+        spec._check_finite_amax(a, w, hf_name)
     return [(codes_name, codes), (scale_name, scale)]
 
 

@@ -37,7 +37,8 @@ _MOD = 1_000_003
 
 ENV = "QRL_CHECKSUM_IMPL"
 """``auto`` / ``torch`` / ``triton`` (:mod:`megatron_qrl.utils.kernel_choice`): who takes the
-batched fingerprints (:func:`checksum_parts_many`, :func:`checksum_rows`) — the one-launch
+batched fingerprints (:func:`checksum_parts_many`, :func:`checksum_rows`, :class:`Checksums`'
+batches) — the one-launch
 Triton kernel of :mod:`.triton_checksums` (auto: for CUDA tensors when Triton imports) or the
 torch code below. Both give the same bits. Read in each process (the SGLang scheduler's too)."""
 

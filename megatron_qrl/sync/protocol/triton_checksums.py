@@ -1,5 +1,7 @@
 """The sync's content fingerprints as one Triton kernel: both wrapping sums of many segments
-of a flat 32-bit word buffer in one launch.
+of a flat 32-bit word buffer in one launch (:func:`segment_sums`), or of segments anywhere in
+the device's memory, given by byte address (:func:`address_sums`: every region of a sync, in
+many tensors, in one launch; :class:`~.checksums.Checksums` takes its batches so).
 
 :func:`~.checksums.checksum_parts` defines a tensor's fingerprint sums over its 32-bit words
 ``w_i`` (zero-padded, sign-extended to int64), modulo 2^64:
