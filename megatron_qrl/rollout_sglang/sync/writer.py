@@ -230,6 +230,7 @@ class EngineWriter:
         for name, t in stream:
             self.write(name, t)
             n += 1
+        self.sent.flush()  # the regions' fingerprints now (one launch), before the engine reads
         self.finite.check(self.spec)  # (the driver refused non-finite weights before)
         self.check_complete()
         self.seconds += time.perf_counter() - t0
