@@ -21,15 +21,18 @@ busiest kernel's summed time, for ``kernel`` and ``copy`` that kernel's own band
 - ``kernel``: the Triton kernel alone
   (:func:`megatron_qrl.sync.protocol.triton_checksums.segment_sums`), one launch per engine
   parameter, one segment per fingerprinted row of its regions, no copies;
+- ``addresses``: the Triton kernel that reads segments anywhere in memory
+  (:func:`~megatron_qrl.sync.protocol.triton_checksums.address_sums`), one launch for every
+  region of every parameter (what :class:`Checksums` launches per batch);
 - ``triton`` / ``torch``: :func:`~megatron_qrl.sync.protocol.checksums.checksum_rows` per
   expert stack and :func:`~megatron_qrl.sync.protocol.checksums.checksum_parts_many` of a
   layer's other regions, under ``set_checksum_impl`` of that name;
 - ``checksums``: :class:`~megatron_qrl.sync.protocol.checksums.Checksums` as the direct
-  writer takes them (``add_rows`` per stack, ``add`` per region, then ``result()``; the
-  default implementation);
+  writer takes them (``add_rows`` per stack, ``add`` per region, all ``kept``, then
+  ``result()``; the default implementation);
 - ``readback``: the engine's read-back digest
-  (:func:`megatron_qrl.rollout_sglang.sync.loader.storage.read_digest`: each region copied
-  contiguous, then :class:`Checksums`).
+  (:func:`megatron_qrl.rollout_sglang.sync.loader.storage.read_digest`: each region located
+  and viewed, then :class:`Checksums`).
 
 ``--configs 2048x8x8,1024x8x4`` times the ``kernel`` path again per block size x steps x warps
 of :mod:`~megatron_qrl.sync.protocol.triton_checksums` (``BLOCK``, ``ITERS``, ``NUM_WARPS``;
@@ -39,7 +42,7 @@ Per path one JSON row (``--out``, appended; the commit in each) and a markdown r
 GB/s of the fingerprinted bytes, the time over the copy's, GPU busy ms, ``top_kernel_gbs``;
 the fingerprints of every path must equal the first one's
 (the row says where they differ; any difference: exit status 1). A path that cannot run here
-(``kernel`` / ``triton`` without Triton, or on CPU tensors without ``TRITON_INTERPRET=1``) is a
+(``kernel`` / ``addresses`` / ``triton`` without Triton, or on CPU tensors without ``TRITON_INTERPRET=1``) is a
 row with ``skipped``. On a CPU the numbers are CPU numbers: they say that the script works.
 """
 
@@ -64,7 +67,7 @@ from bench.sync_census import engine_storage, tiny_config  # noqa: E402
 from bench.weight_sync import model_config  # noqa: E402
 from megatron_qrl.utils.profile import Traced  # noqa: E402
 
-PATHS = ("copy", "kernel", "triton", "torch", "checksums", "readback")
+PATHS = ("copy", "kernel", "addresses", "triton", "torch", "checksums", "readback")
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,29 @@ def kernel_plan(regs: list[Region], tensors: dict[str, torch.Tensor]) -> list[tu
     return plan
 
 
+def address_plan(regs: list[Region]) -> tuple:
+    """``(byte addresses, word counts, entries)`` of every fingerprinted row of ``regs``: the
+    one launch of ``address_sums`` (the table made here, outside the timing)."""
+    import numpy as np
+
+    addrs, lengths = [], []
+    for r in regs:
+        for row in (r.view.unbind(0) if r.stacked else [r.view]):
+            nbytes = row.numel() * row.element_size()
+            if not row.is_contiguous() or row.data_ptr() % 4 or nbytes % 4:
+                raise ValueError(f"{r.name}: a row that is not whole aligned 32-bit words; "
+                                 "the addresses path reads words in place")
+            addrs.append(row.data_ptr())
+            lengths.append(nbytes // 4)
+    return (np.asarray(addrs, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+            [e for r in regs for e in r.entries()])
+
+
+def run_addresses(plan: tuple, kernels, mod: int, device: torch.device) -> Sums:
+    addrs, lengths, entries = plan
+    return [(entries, kernels.address_sums(addrs, lengths, mod, device))]
+
+
 def run_copy(tensors: dict[str, torch.Tensor], scratch: torch.Tensor) -> None:
     for t in tensors.values():
         flat = t.reshape(-1).view(torch.uint8)
@@ -215,9 +241,9 @@ def run_checksums(regs: list[Region]) -> dict[str, str]:
     sums = Checksums()
     for r in regs:
         if r.stacked:
-            sums.add_rows(expert_names(r.name, r.view.shape[0]), r.view)
+            sums.add_rows(expert_names(r.name, r.view.shape[0]), r.view, kept=True)
         else:
-            sums.add(r.name, r.view)
+            sums.add(r.name, r.view, kept=True)
     return sums.result()
 
 
@@ -281,7 +307,7 @@ def _why_not(path: str, device: torch.device) -> str | None:
 
     from megatron_qrl.sync.protocol import checksums
 
-    if path not in ("kernel", "triton"):
+    if path not in ("kernel", "addresses", "triton"):
         return None
     if checksums._triton_module() is None:
         return "Triton is not installed"
@@ -354,6 +380,10 @@ def bench(cfg: dict, fmt: str, device: str, paths: list[str], repeats: int, warm
             plan = kernel_plan(regs, tensors)
             kern = checksums._triton_module()
             fns["kernel"] = lambda plan=plan, kern=kern: run_kernel(plan, kern, checksums._MOD)
+        elif path == "addresses":
+            aplan, kern = address_plan(regs), checksums._triton_module()
+            fns[path] = lambda aplan=aplan, kern=kern: run_addresses(aplan, kern,
+                                                                      checksums._MOD, dev)
         elif path.startswith("kernel "):
             fns[path] = with_config(kern, path.split()[1], fns["kernel"])
         checksums.set_checksum_impl(path if path in ("triton", "torch") else None)
@@ -363,7 +393,7 @@ def bench(cfg: dict, fmt: str, device: str, paths: list[str], repeats: int, warm
             if path in ("checksums", "readback"):
                 row["impl"] = "triton" if checksums._kernels(dev) is not None else "torch"
             elif path != "copy":
-                row["impl"] = "triton" if path.startswith("kernel") else path
+                row["impl"] = "triton" if path.startswith(("kernel", "addresses")) else path
         finally:
             checksums.set_checksum_impl(None)
         med = statistics.median(ms)

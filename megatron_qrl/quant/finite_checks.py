@@ -43,9 +43,15 @@ class FiniteChecks:
     def add(self, name: str, ok: torch.Tensor) -> None:
         """Weight ``name`` is finite where ``ok`` (a bool tensor whose first dimension runs
         along the weight's rows or block rows, or a scalar) is all True. No host sync."""
-        ok = ok.reshape(1) if ok.dim() == 0 else ok.flatten(1).all(dim=1) if ok.dim() > 1 else ok
         names, rows = self._stack or ((name,), None)
-        self.entries.append((names, rows, ok))
+        self.entries.append((names, rows, _along_rows(ok)))
+
+    def add_amax(self, name: str, a: torch.Tensor) -> None:
+        """Weight ``name`` is finite where its amaxes ``a`` (a float tensor reduced over all of
+        it, made for this record: held, unchanged, until :meth:`check`) are: no op now — the
+        amaxes of all weights are checked by one ``isfinite`` in :meth:`check`."""
+        names, rows = self._stack or ((name,), None)
+        self.entries.append((names, rows, a))
 
     def stack(self, names: Sequence[str], rows: Sequence[int]) -> FiniteChecks:
         """The checks of one row-stack of weights ``names`` (``rows[i]`` rows each; every
@@ -58,10 +64,11 @@ class FiniteChecks:
         (``"{spec.name}: {weight} holds NaN / Inf values; ..."``): the first added, or with
         ``order`` (weight -> position in the stream) the first in the stream. One host sync
         per device the weights were on (none without entries)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for *_, ok in self.entries:
-            by_device.setdefault(ok.device, []).append(ok)
-        if all(bool(torch.cat(oks).all()) for oks in by_device.values()):
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for *_, ok in self.entries:  # (bools, amaxes) per device, amaxes: one isfinite
+            by_device.setdefault(ok.device, ([], []))[ok.dtype != torch.bool].append(
+                ok.reshape(-1))
+        if all(_all_finite(flags, amaxes) for flags, amaxes in by_device.values()):
             return
         bad = self.bad_weights()
         first = bad[0] if order is None else min(bad, key=lambda n: order.get(n, -1))
@@ -72,6 +79,7 @@ class FiniteChecks:
         path)."""
         bad: list[str] = []
         for names, rows, ok in self.entries:
+            ok = ok if ok.dtype == torch.bool else _along_rows(torch.isfinite(ok))
             if bool(ok.all()):
                 continue
             if rows is None:
@@ -82,3 +90,15 @@ class FiniteChecks:
             at = torch.searchsorted(ends, (~ok).nonzero()[:, 0].cpu() * unit, right=True)
             bad += [names[i] for i in at.unique().tolist()]
         return bad
+
+
+def _along_rows(ok: torch.Tensor) -> torch.Tensor:
+    """``ok`` 1-D along its first dimension (all True across the others); a scalar as one."""
+    return ok.reshape(1) if ok.dim() == 0 else ok.flatten(1).all(dim=1) if ok.dim() > 1 else ok
+
+
+def _all_finite(flags: list[torch.Tensor], amaxes: list[torch.Tensor]) -> bool:
+    """All ``flags`` True and all ``amaxes`` finite (1-D tensors of one device): one host sync."""
+    parts = ([torch.cat(flags)] if flags else []) + (
+        [torch.isfinite(torch.cat(amaxes))] if amaxes else [])
+    return bool(torch.cat(parts).all())

@@ -27,7 +27,8 @@ from megatron_qrl.utils import kernel_choice
 ENV = "QRL_QUANT_IMPL"
 IMPLS = kernel_choice.IMPLS
 
-KERNEL_MODULES = {"fused_kernel": "triton_quant", "fused_act_kernel": "triton_act",
+KERNEL_MODULES = {"fused_kernel": "triton_quant", "fused_into_kernel": "triton_quant",
+                  "fused_act_kernel": "triton_act",
                   "fused_dequant_kernel": "triton_act", "fused_group_act_kernel": "triton_act"}
 """A format's kernel attribute -> the module (in this package) holding the kernels it names."""
 

@@ -17,6 +17,13 @@ codes by one ``torch.mul(w, s, out=codes)`` (the fp32 product cast to E4M3 on st
 scales come from the same expressions as the format's ``_quantize`` (its helpers), the
 products are the same fp32 products, and a cast or round of the same fp32 value is the same
 code: bit for bit :meth:`pack`'s tensors (``tests/quant/test_quantize_into.py``).
+
+Where the format names a fused kernel for it (``fused_into_kernel``: fp8 / int8,
+:func:`~megatron_qrl.quant.triton_quant.quantize_channel_into`) and it runs
+(:func:`~megatron_qrl.quant.fused.fused_kernel`: CUDA tensors with Triton), one launch per
+weight or expert stack computes the amaxes, writes the scales and the codes into their regions
+(any row strides; the codes' rows contiguous, as every engine region is), the same bits
+(``tests/quant/test_fused_into.py``); the torch code above stays the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from ..utils import hf_names
 from .finite_checks import FiniteChecks
+from .fused import fused_kernel
 
 __all__ = ["CHUNK_ELEMENTS", "Region", "quantize_into", "row_chunks"]
 
@@ -71,9 +79,16 @@ def quantize_into(spec, hf_name: str, w: torch.Tensor, region: Region,
     scale = region(scale_name, scale_shape, torch.float32)
     w3 = w.detach() if stacked else w.detach().unsqueeze(0)
     c3, s3 = (codes, scale) if stacked else (codes.unsqueeze(0), scale.unsqueeze(0))
+    kernel = fused_kernel(spec, w.device, "fused_into_kernel") if w.numel() else None
     with torch.no_grad():
-        a = spec._quantize_into(w3, c3, s3)
-    spec._check_finite_amax(a, w, hf_name, finite)
+        if kernel is not None and (c3.stride(-1) == 1 or c3.shape[-1] == 1):
+            a = kernel(spec, w3, c3, s3)
+        else:
+            a = spec._quantize_into(w3, c3, s3)
+    if finite is not None:  # (``a`` is this call's own: checked with the stream's others)
+        finite.add_amax(hf_name, a)
+    else:
+        spec._check_finite_amax(a, w, hf_name)
     return [(codes_name, codes), (scale_name, scale)]
 
 

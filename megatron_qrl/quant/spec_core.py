@@ -80,6 +80,10 @@ class SpecCore:
     """The format's fused quantizer, a function of :mod:`.triton_quant` giving
     :meth:`_quantize`'s bits, or None; :meth:`quantize_weight` asks
     :func:`.fused.fused_kernel` whether it runs."""
+    fused_into_kernel: ClassVar[str | None] = None
+    """The fused :meth:`_quantize_into` (codes and scales of an expert stack written into
+    strided regions), a function of :mod:`.triton_quant`, or None; :meth:`quantize_into` asks
+    :func:`.fused.fused_kernel` whether it runs."""
 
     # ---- public API -------------------------------------------------------------------
     @property

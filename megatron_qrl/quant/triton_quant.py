@@ -130,6 +130,46 @@ def _channel_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n_rows, k, stride_w,
 
 
 @triton.jit
+def _channel_into_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n_rows, k, sw_e, sw_r,
+                         sc_e, sc_r, ss_e, ss_r, MAXV: tl.constexpr, INT8: tl.constexpr,
+                         EPS: tl.constexpr, SOFT: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """:func:`_channel_kernel` (the same operations, the same bits) for expert ``program_id(1)``
+    of an ``[E, rows, k]`` stack, with codes and scales written into strided regions of
+    another tensor (an expert stack's half of every expert's ``w13``, a fused ``qkv``'s rows):
+    element ``[e, r, c]`` of the weight / codes at ``e * s_e + r * s_r + c``, scale ``[e, r]``
+    at ``e * ss_e + r * ss_r``; the row amaxes go to ``amax[e, r]`` (contiguous)."""
+    e = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    cols = tl.arange(0, BLOCK_K)
+    r64 = rows[:, None].to(tl.int64)
+    src = w_ptr + e * sw_e + r64 * sw_r
+    dst = codes_ptr + e * sc_e + r64 * sc_r
+    a = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        m = rmask[:, None] & (k0 + cols < k)[None, :]
+        x = tl.load(src + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        a = tl.maximum(a, tl.max(_nan_abs(x), axis=1))
+    zero = a <= EPS
+    s = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.where(zero, 1.0, a)) * MAXV
+    inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s)
+    for k0 in range(0, k, BLOCK_K):
+        m = rmask[:, None] & (k0 + cols < k)[None, :]
+        x = tl.load(src + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32) * s[:, None]
+        if INT8:
+            q = tl.minimum(tl.maximum(_rne(x), -127.0), 127.0)
+            q = tl.where(zero[:, None], 0.0, q).to(tl.int8)
+        else:
+            q, _ = _e4m3(tl.minimum(tl.maximum(x, -MAXV), MAXV), SOFT)
+        tl.store(dst + k0 + cols[None, :], q, mask=m)
+    if INT8:
+        inv = tl.where(zero, 1.0, inv)
+    tl.store(scale_ptr + e * ss_e + rows.to(tl.int64) * ss_r, inv, mask=rmask)
+    tl.store(amax_ptr + e * n_rows + rows, a, mask=rmask)
+
+
+@triton.jit
 def _fp8_block_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n, k, stride_w, kb,
                       EPS: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr):
     """One 128x128 block (fp8_block ``_quantize``, DeepSeek-V3's layout; ModelOpt
@@ -246,6 +286,29 @@ def quantize_channel(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Tens
             MAXV=127.0 if int8 else FP8_E4M3_MAX, INT8=int8, EPS=ZERO_AMAX_EPS, SOFT=_SOFT,
             BLOCK_R=br, BLOCK_K=bk, num_warps=8)
     return QuantizedWeight(spec.name, codes, scale, None, (n, k), w.dtype), amax
+
+
+def quantize_channel_into(spec, w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
+                          ) -> torch.Tensor:
+    """fp8 / int8 per output channel of the expert stack ``w`` ``[E, n, k]`` written into
+    ``codes`` ``[E, n, k]`` and ``scale`` ``[E, n, 1]``, views of another tensor with any
+    strides but a contiguous last dimension of ``codes`` (:meth:`~.spec_core.SpecCore.
+    quantize_into`): :func:`quantize_channel`'s codes and scales, in one launch; returns the
+    row amaxes ``[E, n]``."""
+    e, n, k = w.shape
+    if codes.stride(-1) != 1 and k > 1:
+        raise ValueError(f"quantize_channel_into writes rows of codes; got strides {codes.stride()}")
+    w = w if w.stride(-1) == 1 or k == 1 else w.contiguous()
+    int8 = spec.weight_format == "int8"
+    amax = _f32((e, n), w.device)
+    br, bk = _rows_block(k)
+    with _on(w):
+        _channel_into_kernel[(triton.cdiv(n, br), e)](
+            w, codes.view(torch.int8 if int8 else torch.uint8), scale, amax, n, k,
+            w.stride(0), w.stride(1), codes.stride(0), codes.stride(1), scale.stride(0),
+            scale.stride(1), MAXV=127.0 if int8 else FP8_E4M3_MAX, INT8=int8,
+            EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK_R=br, BLOCK_K=bk, num_warps=8)
+    return amax
 
 
 def quantize_fp8_block(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:

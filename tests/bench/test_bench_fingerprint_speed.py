@@ -6,6 +6,7 @@ the regions the bench fingerprints are the ones the direct writer fingerprints."
 
 from __future__ import annotations
 
+import ctypes
 import json
 from types import SimpleNamespace
 
@@ -24,10 +25,21 @@ def _segment_sums(words, starts, lengths, mod):
                         for s, n in zip(starts, lengths)])
 
 
+def _address_sums(addrs, lengths, mod, device):
+    """``address_sums``' contract in torch: each segment's :func:`checksum_parts`, its words
+    read from host memory at the address."""
+    assert mod == checksums._MOD and device.type == "cpu"
+    return torch.stack([checksums.checksum_parts(torch.frombuffer(
+        (ctypes.c_int32 * int(n)).from_address(int(a)), dtype=torch.int32)) if n else
+        torch.zeros(2, dtype=torch.int64) for a, n in zip(addrs, lengths)])
+
+
 @pytest.fixture
 def standin(monkeypatch):
-    """The kernel module replaced by :func:`_segment_sums`, allowed on CPU tensors."""
-    kern = SimpleNamespace(segment_sums=_segment_sums, BLOCK=1024, ITERS=16, NUM_WARPS=4)
+    """The kernel module replaced by :func:`_segment_sums` and :func:`_address_sums`, allowed
+    on CPU tensors."""
+    kern = SimpleNamespace(segment_sums=_segment_sums, address_sums=_address_sums, BLOCK=1024,
+                           ITERS=16, NUM_WARPS=4)
     monkeypatch.setattr(checksums, "_triton_module", lambda: kern)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return kern
@@ -59,6 +71,7 @@ def test_every_path_gives_a_row_and_the_same_fingerprints(tmp_path, capsys, stan
             assert r["agree"] is True and r["same_as"] == "kernel"
             assert r["fingerprints"] == 6 * 4 + 8 + 4 + 1 + 3
     assert rows["checksums"]["impl"] == "torch" and rows["kernel"]["impl"] == "triton"
+    assert rows["addresses"]["impl"] == "triton"
     printed = capsys.readouterr().out
     assert "CPU numbers" in printed and "DIFFER" not in printed and "| readback |" in printed
 
@@ -87,10 +100,11 @@ def test_without_a_kernel_the_triton_paths_are_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(checksums, "_triton_module", lambda: None)
     out = tmp_path / "fp.jsonl"
     assert main(["--device", "cpu", "--tiny", "--layers", "1", "--experts", "2",
-                 "--paths", "kernel,triton,checksums", "--repeats", "1", "--warmup", "0",
-                 "--no-profile", "--out", str(out)]) == 0
+                 "--paths", "kernel,addresses,triton,checksums", "--repeats", "1", "--warmup",
+                 "0", "--no-profile", "--out", str(out)]) == 0
     rows = _rows(out)
     assert rows["kernel"]["skipped"] == rows["triton"]["skipped"] == "Triton is not installed"
+    assert rows["addresses"]["skipped"] == "Triton is not installed"
     assert rows["checksums"]["agree"] is True and rows["checksums"]["same_as"] == "checksums"
 
 

@@ -100,3 +100,41 @@ def test_the_kernel_does_not_wait_for_the_stream():
         set_checksum_impl(None)
     assert not waited, "a fingerprint call waited for the stream's earlier kernels"
     assert torch.equal(got_rows, got_many)
+
+
+def test_one_launch_over_kept_regions_of_many_tensors():
+    """The direct sync's fingerprints on the GPU: regions of many engine tensors (fused rows,
+    a strided half of every expert's w13, an unaligned byte run: copied) ``kept`` and read in
+    place by one ``address_sums`` launch; the torch code's strings, and no wait for the
+    stream (the table from pinned memory)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w13 = torch.randn(64, 2 * 768, 2048, generator=g, device="cuda").to(torch.float8_e4m3fn)
+    qkv = torch.randn(4096 + 1024, 2048, generator=g, device="cuda").to(torch.float8_e4m3fn)
+    raw = torch.randint(0, 256, (4099,), generator=g, device="cuda", dtype=torch.uint8)
+
+    def strings():
+        sums = Checksums()
+        sums.add_rows([f"gate{e}" for e in range(64)], w13[:, :768], kept=True)
+        sums.add_rows([f"up{e}" for e in range(64)], w13[:, 768:], kept=True)
+        sums.add("q", qkv[:4096], kept=True)
+        sums.add("k", qkv[4096:], kept=True)
+        sums.add("odd", raw[1:], kept=True)
+        return sums.result()
+
+    assert _timed("torch", strings)[0] == _timed("triton", strings)[0]
+    set_checksum_impl("triton")
+    try:
+        sums = Checksums()
+        sums.add_rows([f"up{e}" for e in range(64)], w13[:, 768:], kept=True)
+        sums.flush()  # compiled before the check
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)
+        slept = torch.cuda.Event()
+        slept.record()
+        sums.add_rows([f"gate{e}" for e in range(64)], w13[:, :768], kept=True)
+        sums.flush()
+        waited = slept.query()
+        torch.cuda.synchronize()
+    finally:
+        set_checksum_impl(None)
+    assert not waited, "the one-launch fingerprints waited for the stream's earlier kernels"

@@ -606,3 +606,30 @@ def test_cached_codes_reach_the_engine_as_they_are():
     qkv = m.model.layers[1].self_attn.qkv_proj
     assert torch.equal(qkv.weight[Q + KV:].view(torch.uint8), cached.codes.view(torch.uint8))
     assert torch.equal(qkv.weight_scale_inv[3:], cached.scale)
+
+
+def test_regions_are_looked_up_once_per_opened_storage(monkeypatch):
+    """The writer's regions (``writer.Places``) are kept across syncs while the engine's
+    handles hold and dropped with them. Catches: every name located again on every sync;
+    the regions of the old storage written after SGLang re-created a parameter (the engine
+    would keep its old weights: the digest fails)."""
+    from megatron_qrl.quant.pack_stream import writer_stream
+    from megatron_qrl.rollout_sglang.sync import writer as writer_module
+
+    spec, m = get_spec("fp8"), engine("fp8")
+    eng = _direct_engine(m, "fp8")
+    located = []
+    real = writer_module.locate
+    monkeypatch.setattr(writer_module, "locate", lambda lay, n: located.append(n) or real(lay, n))
+    counts = []
+    for v in (1, 2, 3):
+        if v == 3:  # re-created, as a re-processed module would be
+            o = m.model.layers[0].self_attn.o_proj
+            o.weight_scale = nn.Parameter(o.weight_scale.detach().clone(), requires_grad=False)
+        located.clear()
+        eng.update_weights(writer_stream(spec, hf_weights(v), stack_experts=True), version=v)
+        counts.append(len(located))
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] == counts[0], counts
+    assert eng.last_sync["handles_taken"] == 2 and eng.held_checksums() == eng.sent_checksums()
+    want = dict(packed("fp8", 3))["model.layers.0.self_attn.o_proj.weight_scale"]
+    assert torch.equal(m.model.layers[0].self_attn.o_proj.weight_scale, want)

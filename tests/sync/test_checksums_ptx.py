@@ -45,3 +45,18 @@ def test_the_words_stay_in_registers():
     loads = ptx.get("sass LDG", 0)
     local = ptx.get("sass LDL", 0) + ptx.get("sass STL", 0)
     assert loads >= ptx.get("ld.global.b32", 0) > 2 and local < loads, ptx
+
+
+def test_the_address_kernel_reads_words_as_the_segment_kernel_does():
+    """The kernel that reads segments at byte addresses (one launch over a sync's regions in
+    many tensors) compiles (an int64 turned into a pointer), adds each program's sums with two
+    64-bit atomics, multiplies each word by its int32 weight in one widening multiply, and
+    keeps its words in registers."""
+    ptx = run_ptx_script("tests/sync/checksums_ptx.py")["address"]
+    atomics = {k: v for k, v in ptx.items() if k.startswith("atom.global")}
+    assert sum(atomics.values()) == 2 and any("64" in k for k in atomics), ptx
+    loads = ptx.get("ld.global.b32", 0)
+    wide = sum(v for k, v in ptx.items() if k.endswith("wide.s32"))
+    long = sum(v for k, v in ptx.items() if k.endswith(("lo.s64", "hi.s64")))
+    assert loads > 2 and long <= 2 and wide >= loads, ptx
+    assert ptx.get("sass LDL", 0) + ptx.get("sass STL", 0) < ptx.get("sass LDG", 0), ptx

@@ -13,6 +13,7 @@ installed aside; the shared venv has none, and there the module skips).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from megatron_qrl.sync.protocol.checksums import (  # noqa: E402
     checksum_parts_many,
     checksum_rows,
     set_checksum_impl,
+    tensor_checksum,
 )
 
 
@@ -183,3 +185,58 @@ def test_the_program_table_takes_no_torch_repeat_interleave(monkeypatch):
     monkeypatch.setattr(torch, "repeat_interleave", refuse)
     got = triton_checksums.segment_sums(words, [0, 40], [40, 60], 1_000_003)
     assert torch.equal(got, want)
+
+
+def _regions(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Regions of engine-like tensors as the direct sync fingerprints them: whole tensors,
+    member rows of a fused parameter, a strided half of every expert's ``w13`` (stacked),
+    a column slice (not contiguous: copied), odd byte counts and an address that is not
+    4-byte aligned (copied, zero-padded), an empty tensor."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randint(-128, 128, (40, 24), generator=g, dtype=torch.int8)
+    w13 = torch.randn(3, 16, 12, generator=g).to(torch.float8_e4m3fn)
+    raw = torch.randint(0, 256, (64,), generator=g, dtype=torch.uint8)
+    return [("q", qkv[:16]), ("k", qkv[16:28]), ("gate*", w13[:, :8]), ("up*", w13[:, 8:]),
+            ("cols", qkv[:, 5:9]), ("odd", raw[1:8]), ("unaligned", raw[2:34]),
+            ("scale", torch.randn(40, 1, generator=g)), ("empty", torch.empty(0)),
+            ("ragged*", raw[:15].view(3, 5)), ("norm", torch.randn(6, generator=g).half())]
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_one_launch_over_regions_of_many_tensors(monkeypatch, kept):
+    """:class:`Checksums` on the Triton path reads every region where it lies, in one launch
+    of ``address_sums`` per batch (kept regions: one for the whole sync), and gives the torch
+    code's strings. Catches: a row address that ignores the stride between rows, a copy of an
+    unaligned or ragged tensor placed at another offset, the sums of a batch assigned out of
+    order, kept regions counted towards the batch bound (more launches)."""
+    monkeypatch.setattr(triton_checksums, "BLOCK", 16)
+    monkeypatch.setattr(triton_checksums, "ITERS", 2)
+    calls = []
+    real = triton_checksums.address_sums
+    monkeypatch.setattr(triton_checksums, "address_sums",
+                        lambda *a: calls.append(len(a[1])) or real(*a))
+
+    def run():
+        sums = Checksums(batch_bytes=64, batch_host=True)
+        for name, t in _regions(3):
+            if name.endswith("*"):
+                sums.add_rows([f"{name}{e}" for e in range(t.shape[0])], t, kept=kept)
+            else:
+                sums.add(name, t, kept=kept)
+        return sums.result()
+
+    ref, got = _both(run)
+    assert ref == got and len(got) == 17
+    want = {n: tensor_checksum(t) for n, t in _regions(3) if not n.endswith("*")}
+    assert {n: got[n] for n in want} == want
+    assert got["up*2"] == tensor_checksum(_regions(3)[3][1][2].clone())
+    assert calls == [17] if kept else len(calls) > 2
+
+
+def test_address_sums_equal_segment_sums():
+    words = torch.randint(-2**31, 2**31 - 1, (5000,), dtype=torch.int32)
+    starts, lens = [0, 7, 4000, 4999], [7, 3993, 999, 1]
+    addrs = [words.data_ptr() + 4 * s for s in starts]
+    got = triton_checksums.address_sums(np.asarray(addrs), np.asarray(lens), 1_000_003,
+                                        words.device)
+    assert torch.equal(got, triton_checksums.segment_sums(words, starts, lens, 1_000_003))

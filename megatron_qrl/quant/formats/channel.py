@@ -39,6 +39,7 @@ class _PerChannelSpec(QuantSpec):
     activation: str = "per_token"
     bits_per_weight: float = 8.0
     fused_kernel: ClassVar[str | None] = "quantize_channel"
+    fused_into_kernel: ClassVar[str | None] = "quantize_channel_into"
     fused_act_kernel: ClassVar[str | None] = "quantize_act_per_token"
     fused_dequant_kernel: ClassVar[str | None] = "dequantize_rows"
     _max: ClassVar[float]

@@ -40,6 +40,9 @@ class EngineStorage:
         self.tensors: dict[str, torch.Tensor] = {}
         self.taken = 0
         """Times the handles were taken (the first sync, then after every move)."""
+        self.derived: dict = {}
+        """What callers derived from the tensors (the writer's regions,
+        :class:`~.writer.Places`), dropped with the handles."""
 
     def current(self) -> tuple[EngineLayout, dict[str, torch.Tensor]]:
         """The layout and tensors, re-taken where the engine's fingerprint changed."""
@@ -47,6 +50,7 @@ class EngineStorage:
             if self.call({"what": "fingerprint"})["fingerprint"] == self.layout.fingerprint:
                 return self.layout, self.tensors
         self.layout = self.tensors = None  # the old handles go before the new are opened
+        self.derived = {}
         out = self.call({"what": "export"})
         self.layout, self.tensors = out["layout"], out["tensors"]
         self.taken += 1

@@ -43,6 +43,7 @@ import math
 import re
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -55,22 +56,54 @@ from megatron_qrl.utils import hf_names
 from ...quant.finite_checks import FiniteChecks
 from ...quant.spec import QuantSpec
 
-__all__ = ["EngineWriter", "check_digest", "writer_for"]
+__all__ = ["EngineWriter", "Places", "check_digest", "writer_for"]
 
 FLAG = "--qrl-rollout-sglang-sync direct"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def writer_for(spec: QuantSpec, layout: EngineLayout, tensors: dict[str, torch.Tensor],
-               sent: Checksums | None = None) -> EngineWriter:
+               sent: Checksums | None = None, places: Places | None = None) -> EngineWriter:
     """The direct writer of format ``spec`` into one engine's storage; a format whose engine
-    layout is not its packed layout is one error naming the flag."""
+    layout is not its packed layout is one error naming the flag. ``places``: the regions of
+    earlier syncs into the same storage (:class:`Places`), or None (looked up anew)."""
     if not spec.engine.direct_write:
         ok = sorted(_direct_formats())
         raise ValueError(f"{FLAG}: format {spec.name!r} is re-processed by the engine after "
                          f"loading (its live layout is not the packed one); direct writes "
                          f"serve {ok}; use --qrl-rollout-sglang-sync inplace")
-    return EngineWriter(spec, layout, tensors, Checksums() if sent is None else sent)
+    return EngineWriter(spec, layout, tensors, Checksums() if sent is None else sent,
+                        Places() if places is None else places)
+
+
+class Places:
+    """What the writer looked up by name in one engine storage, kept across syncs (the
+    layout and the tensors do not change while the handles hold: the caller drops it with
+    them, :class:`~.storage_client.EngineStorage`): per packed tensor its region
+    (:func:`~megatron_qrl.sync.protocol.engine_layout.locate` + ``view``, the names of a
+    stack's experts), per stream name how it is written. A sync then costs a dict look-up per
+    tensor instead of parsing its name."""
+
+    def __init__(self) -> None:
+        self.owner: tuple[object, object, str] | None = None
+        self.regions: dict[tuple[str, tuple[int, ...]], _Region] = {}
+        self.kinds: dict[str, str] = {}
+        """Stream name -> ``quantize`` / ``marlin`` / ``copy`` (a float tensor's)."""
+
+    def of(self, spec: QuantSpec, layout: EngineLayout, tensors: dict) -> Places:
+        """These places, emptied where they were looked up in another storage or format."""
+        owner = (layout, tensors, spec.name)
+        if self.owner is None or any(a is not b for a, b in zip(self.owner, owner)):
+            self.owner, self.regions, self.kinds = owner, {}, {}
+        return self
+
+
+class _Region(NamedTuple):
+    param: str
+    dst: torch.Tensor
+    experts: list[str] | None
+    """A stack's experts' names (fingerprinted one by one), or None."""
 
 
 def _direct_formats() -> list[str]:
@@ -84,8 +117,9 @@ class EngineWriter:
     (module doc)."""
 
     def __init__(self, spec: QuantSpec, layout: EngineLayout, tensors: dict[str, torch.Tensor],
-                 sent: Checksums):
+                 sent: Checksums, places: Places | None = None):
         self.spec, self.layout, self.tensors, self.sent = spec, layout, tensors, sent
+        self.places = (places or Places()).of(spec, layout, tensors)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         self.shapes: dict[str, list[int]] = {}
         """Packed name -> shape of every tensor written (the read-back's request)."""
@@ -102,11 +136,14 @@ class EngineWriter:
         """Quantize weight ``name`` into its engine regions, or copy tensor ``name`` into its
         region (module doc)."""
         t = t.detach().to(self.device, non_blocking=True)
-        if not _high_precision_weight(self.spec, name, t):
+        kind = self.places.kinds.get(name) if t.dtype in _FLOATS else "copy"
+        if kind is None:
+            kind = self.places.kinds[name] = self._kind(name)
+        if kind == "copy":
             self._copy(name, t)
             self.copied += 1
             return
-        if self._marlin(name):
+        if kind == "marlin":
             p = hf_names.parse(name)
             units = ([(hf_names.expert_name(name, e), t[e]) for e in range(t.shape[0])]
                      if p is not None and p.is_stacked else [(name, t)])
@@ -116,8 +153,17 @@ class EngineWriter:
                     self._copy(packed, x)
         else:
             for packed, dst in self.spec.quantize_into(name, t, self._region, self.finite):
-                self._record(packed, dst)
+                self._record(packed, dst, kept=True)
         self.quantized += 1
+
+    def _kind(self, name: str) -> str:
+        """How float tensor ``name`` is written: ``quantize`` (into its regions), ``marlin``
+        (quantized, then its packed tensors through the Marlin layout) or ``copy``."""
+        if not _quantized_weight(self.spec, name):
+            return "copy"
+        codes = f"{name[: -len('.weight')]}.{self.spec._packed_suffixes()[0]}"
+        return "marlin" if self.layout.params[locate(self.layout, codes).param].marlin \
+            else "quantize"
 
     def _copy(self, name: str, t: torch.Tensor) -> None:
         """One packed (or high-precision) tensor into its region, through the Marlin layout
@@ -127,14 +173,9 @@ class EngineWriter:
             return
         dst = self._region(name, tuple(t.shape), t.dtype)
         src = t.contiguous()
-        kind = self.layout.params[locate(self.layout, name).param].marlin
+        kind = self.layout.params[self.places.regions[name, tuple(t.shape)].param].marlin
         dst.copy_(to_live(kind, src) if kind else src, non_blocking=True)
         self._record(name, src)
-
-    def _marlin(self, weight: str) -> bool:
-        """Weight ``weight``'s codes live in a Marlin-layout engine parameter."""
-        codes = f"{weight[: -len('.weight')]}.{self.spec._packed_suffixes()[0]}"
-        return bool(self.layout.params[locate(self.layout, codes).param].marlin)
 
     def _kept(self, name: str) -> bool:
         """``name`` is a ``weight_shape`` of a Marlin-layout weight: the engine keeps its own
@@ -149,24 +190,35 @@ class EngineWriter:
         ``dtype`` and must not have been written before in this sync."""
         if name in self.shapes:
             raise WeightSyncError(f"tensor {name!r} was sent twice in one weight sync")
-        target = locate(self.layout, name)
-        pl = self.layout.params[target.param]
-        dst = view(self.tensors[target.param], pl, target, shape)
-        if dst.dtype != dtype:
+        r = self.places.regions.get((name, shape))
+        if r is None:
+            r = self._look_up(name, shape)
+        if r.dst.dtype != dtype:
             raise EngineLayoutError(f"direct weight sync: {name} is {dtype}, the engine holds "
-                                    f"{target.param} as {dst.dtype}; the engine was started "
+                                    f"{r.param} as {r.dst.dtype}; the engine was started "
                                     "for another format")
         self.shapes[name] = list(shape)
-        self.written[target.param] = self.written.get(target.param, 0) + dst.numel()
-        return dst
+        self.written[r.param] = self.written.get(r.param, 0) + r.dst.numel()
+        return r.dst
 
-    def _record(self, name: str, dst: torch.Tensor) -> None:
-        """Fingerprint ``dst`` (an expert stack per expert)."""
+    def _look_up(self, name: str, shape: tuple[int, ...]) -> _Region:
+        """:class:`_Region` of packed tensor ``name`` (raises where the engine has none),
+        remembered in :attr:`places`."""
+        target = locate(self.layout, name)
+        dst = view(self.tensors[target.param], self.layout.params[target.param], target, shape)
         p = hf_names.parse(name)
-        if p is not None and p.is_stacked:
-            self.sent.add_rows(expert_names(name, dst.shape[0]), dst)
+        experts = expert_names(name, dst.shape[0]) if p is not None and p.is_stacked else None
+        r = self.places.regions[name, shape] = _Region(target.param, dst, experts)
+        return r
+
+    def _record(self, name: str, t: torch.Tensor, kept: bool = False) -> None:
+        """Fingerprint ``t`` (an expert stack per expert); ``kept``: ``t`` is its engine
+        region (held by the fingerprints at no cost until they are taken)."""
+        r = self.places.regions[name, tuple(t.shape)]
+        if r.experts is not None:
+            self.sent.add_rows(r.experts, t, kept=kept)
         else:
-            self.sent.add(name, dst)
+            self.sent.add(name, t, kept=kept)
 
     def write_all(self, stream: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Write every tensor of ``stream``; then every engine parameter must have been
@@ -178,6 +230,7 @@ class EngineWriter:
         for name, t in stream:
             self.write(name, t)
             n += 1
+        self.sent.flush()  # the regions' fingerprints now (one launch), before the engine reads
         self.finite.check(self.spec)  # (the driver refused non-finite weights before)
         self.check_complete()
         self.seconds += time.perf_counter() - t0
@@ -194,10 +247,8 @@ class EngineWriter:
                     "now holds a partial update — sync again")
 
 
-def _high_precision_weight(spec: QuantSpec, name: str, t: torch.Tensor) -> bool:
-    """``name`` is a weight (or expert stack) the format quantizes, sent unquantized."""
-    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
+def _quantized_weight(spec: QuantSpec, name: str) -> bool:
+    """``name`` is a weight (or expert stack) the format quantizes."""
     p = hf_names.parse(name)
     return spec.is_quantized(hf_names.expert_name(name, 0) if p is not None and p.is_stacked
                              else name)

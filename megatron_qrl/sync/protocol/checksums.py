@@ -8,7 +8,7 @@ sync (:class:`WeightManifest`)::
 
 ``manifest.record`` passes the stream through lazily while fingerprinting each tensor, so
 nothing is materialised twice on the sender. Imported on both sides of the process boundary
-(the SGLang loader fingerprints what it received the same way); imports only torch.
+(the SGLang loader fingerprints what it received the same way); imports only torch (and numpy).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from megatron_qrl.utils import kernel_choice
@@ -36,7 +37,8 @@ _MOD = 1_000_003
 
 ENV = "QRL_CHECKSUM_IMPL"
 """``auto`` / ``torch`` / ``triton`` (:mod:`megatron_qrl.utils.kernel_choice`): who takes the
-batched fingerprints (:func:`checksum_parts_many`, :func:`checksum_rows`) — the one-launch
+batched fingerprints (:func:`checksum_parts_many`, :func:`checksum_rows`, :class:`Checksums`'
+batches) — the one-launch
 Triton kernel of :mod:`.triton_checksums` (auto: for CUDA tensors when Triton imports) or the
 torch code below. Both give the same bits. Read in each process (the SGLang scheduler's too)."""
 
@@ -67,7 +69,7 @@ def checksum_parts(t: torch.Tensor) -> torch.Tensor:
         return out
     raw = t.contiguous().reshape(-1).view(torch.uint8)
     pad = (-raw.numel()) % 4
-    if pad:
+    if pad or raw.storage_offset() % 4:  # (a view at an odd byte offset: copied to view words)
         raw = torch.cat([raw, raw.new_zeros(pad)])
     words = raw.view(torch.int32)
     for start in range(0, words.numel(), _CHUNK):
@@ -81,7 +83,7 @@ def checksum_parts(t: torch.Tensor) -> torch.Tensor:
 def format_checksum(dtype: torch.dtype, shape: Iterable[int], parts: Iterable[int]) -> str:
     """The fingerprint string of a tensor from its host-side :func:`checksum_parts`."""
     a, b = (int(x) & (2**64 - 1) for x in parts)
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}:{a:016x}{b:016x}"
+    return f"{_head(dtype, shape)}{a:016x}{b:016x}"
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -191,49 +193,62 @@ def _row_words(t: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
 class Checksums:
     """:func:`tensor_checksum` of many tensors with one host transfer per device.
 
-    ``add`` queues a device tensor; every ``batch_bytes`` of queued tensors are fingerprinted
-    together (:func:`checksum_parts_many`) and :meth:`result` fetches all sums at once. Host
-    tensors are fingerprinted one by one as they come (no launches to save there, and large
-    fresh temporaries cost more than they gain; ``batch_host=True`` batches them too). A
-    queued tensor is held until its batch is done and must not change before then.
+    ``add`` queues a device tensor, ``add_rows`` an expert stack; every ``batch_bytes`` of
+    queued tensors are fingerprinted together and :meth:`result` fetches all sums at once.
+    Where the Triton kernel runs (:data:`ENV`), a batch is one launch reading every tensor
+    where it lies (:func:`~.triton_checksums.address_sums`; only a tensor that is not one
+    4-byte aligned run of whole words is copied first); the torch code takes the tensors
+    together (:func:`checksum_parts_many`) and each stack on its own (:func:`checksum_rows`).
+    Host tensors are fingerprinted one by one as they come (no launches to save there, and
+    large fresh temporaries cost more than they gain; ``batch_host=True`` batches them too).
+    A queued tensor is held until its batch is done and must not change before then;
+    ``kept=True`` says it is a view of storage its owner keeps anyway (an engine's live
+    parameter): it is held without counting towards ``batch_bytes``.
     """
 
     def __init__(self, batch_bytes: int = 256 << 20, batch_host: bool = False) -> None:
         self.batch_bytes = batch_bytes
         self.batch_host = batch_host
-        self._meta: list[tuple[str, torch.dtype, tuple[int, ...], torch.device]] = []
-        self._queued: list[torch.Tensor] = []
+        self._meta: list[tuple[tuple[str, ...] | list[str], torch.dtype, tuple[int, ...],
+                               torch.device]] = []
+        self._queued: list[tuple[torch.Tensor, bool]] = []
+        """``(tensor, rows)`` in the order added: ``rows`` for a stack (:meth:`add_rows`)."""
         self._queued_bytes = 0
         self._rows: dict[torch.device, list[torch.Tensor]] = {}
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        self._meta.append((name, t.dtype, tuple(t.shape), t.device))
+    def add(self, name: str, t: torch.Tensor, kept: bool = False) -> None:
+        self._meta.append(((name,), t.dtype, tuple(t.shape), t.device))
         if t.device.type == "cpu" and not self.batch_host:
             self._rows.setdefault(t.device, []).append(checksum_parts(t)[None])
             return
-        self._queued.append(t.detach())
-        self._queued_bytes += t.numel() * t.element_size()
-        if self._queued_bytes >= self.batch_bytes:
-            self.flush()
+        self._queue(t.detach(), False, kept)
 
-    def add_rows(self, names: list[str], stacked: torch.Tensor) -> None:
+    def add_rows(self, names: list[str], stacked: torch.Tensor, kept: bool = False) -> None:
         """Add ``stacked[e]`` under ``names[e]``: fingerprints equal to adding each row on its
         own, taken in a few kernels (:func:`checksum_rows`) instead of per row."""
         if stacked.dim() == 0 or len(names) != stacked.shape[0]:
             raise ValueError(f"add_rows: {len(names)} names for a tensor of shape "
                              f"{tuple(stacked.shape)}; one name per row of dim 0")
-        self.flush()  # the queue's rows first: rows stay in the order of the names
-        shape = tuple(stacked.shape[1:])
-        self._meta += [(n, stacked.dtype, shape, stacked.device) for n in names]
-        self._rows.setdefault(stacked.device, []).append(checksum_rows(stacked))
+        self._meta.append((names, stacked.dtype, tuple(stacked.shape[1:]), stacked.device))
+        if stacked.device.type == "cpu" and not self.batch_host:
+            self._rows.setdefault(stacked.device, []).append(checksum_rows(stacked))
+            return
+        self._queue(stacked.detach(), True, kept)
+
+    def _queue(self, t: torch.Tensor, rows: bool, kept: bool) -> None:
+        self._queued.append((t, rows))
+        if not kept:
+            self._queued_bytes += t.numel() * t.element_size()
+            if self._queued_bytes >= self.batch_bytes:
+                self.flush()
 
     def flush(self) -> None:
         """Fingerprint the queued tensors now (sums stay on their devices)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in self._queued:
-            by_device.setdefault(t.device, []).append(t)
-        for dev, ts in by_device.items():
-            self._rows.setdefault(dev, []).append(checksum_parts_many(ts))
+        by_device: dict[torch.device, list[tuple[torch.Tensor, bool]]] = {}
+        for item in self._queued:
+            by_device.setdefault(item[0].device, []).append(item)
+        for dev, items in by_device.items():
+            self._rows.setdefault(dev, []).append(_queued_sums(items, _kernels(dev)))
         self._queued, self._queued_bytes = [], 0
 
     def passing(self, stream: Iterable[tuple[str, torch.Tensor]]
@@ -244,11 +259,102 @@ class Checksums:
             yield name, t
 
     def result(self) -> dict[str, str]:
-        """``name -> fingerprint`` of every added tensor, in order."""
+        """``name -> fingerprint`` of every added tensor, in order (:func:`format_checksum`'s
+        strings, the hex digits of all sums formatted at once)."""
         self.flush()
-        it = {dev: iter(torch.cat(rows).cpu().tolist()) for dev, rows in self._rows.items()}
-        return {name: format_checksum(dt, shape, next(it[dev]))
-                for name, dt, shape, dev in self._meta}
+        hexes = {dev: _hex_rows(torch.cat(rows)) for dev, rows in self._rows.items()}
+        at = dict.fromkeys(hexes, 0)
+        out: dict[str, str] = {}
+        for names, dt, shape, dev in self._meta:
+            head, i = _head(dt, shape), at[dev]
+            at[dev] = i + len(names)
+            out.update(zip(names, [head + h for h in hexes[dev][i:i + len(names)]]))
+        return out
+
+
+def _queued_sums(items: list[tuple[torch.Tensor, bool]], kernels: ModuleType | None
+                 ) -> torch.Tensor:
+    """``int64[n, 2]``: the sums of ``items`` (:attr:`Checksums._queued` of one device; a
+    stack gives one row per ``t[e]``), in order."""
+    if kernels is not None:
+        addrs, lens, copies = _word_runs(items)  # (copies: alive until the kernel is queued)
+        return kernels.address_sums(addrs, lens, _MOD, items[0][0].device)
+    parts, singles = [], []
+    for t, rows in items:
+        if rows:
+            if singles:
+                parts.append(checksum_parts_many(singles))
+                singles = []
+            parts.append(checksum_rows(t))
+        else:
+            singles.append(t)
+    if singles:
+        parts.append(checksum_parts_many(singles))
+    return torch.cat(parts)
+
+
+def _word_runs(items: list[tuple[torch.Tensor, bool]]
+               ) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
+    """``(byte addresses, word counts, tensors to hold)``: the run of 32-bit words each
+    fingerprint sums over (a tensor, or each row of a stack), as
+    :func:`~.triton_checksums.address_sums` takes them. A tensor that is one contiguous,
+    4-byte aligned run of whole words, and each row of a stack whose rows are
+    (:func:`_row_words`), is read where it lies; the others are copied, zero-padded to whole
+    words as :func:`checksum_parts` pads, into one buffer (the last of the tensors to hold)."""
+    addrs: list[np.ndarray | int] = []
+    lens: list[np.ndarray | int] = []
+    keep: list[torch.Tensor] = []
+    copies: list[tuple[int, torch.Tensor]] = []  # (index into addrs, padded bytes)
+    for t, rows in items:
+        if rows:
+            n = t.shape[0]
+            row_bytes = t[0].numel() * t.element_size() if n else 0
+            if row_bytes and row_bytes % 4 == 0:
+                words = _row_words(t, n, row_bytes)
+                keep.append(words)
+                addrs.append(words.data_ptr() + 4 * words.stride(0) * np.arange(n, dtype=np.int64))
+                lens.append(np.full(n, words.shape[1], dtype=np.int64))
+                continue
+            units = list(t.unbind(0)) if row_bytes else []
+            if not units:
+                addrs.append(np.zeros(n, dtype=np.int64))
+                lens.append(np.zeros(n, dtype=np.int64))
+                continue
+        else:
+            nbytes = t.numel() * t.element_size()
+            if t.is_contiguous() and nbytes % 4 == 0 and t.data_ptr() % 4 == 0:
+                addrs.append(t.data_ptr())
+                lens.append(nbytes // 4)
+                continue
+            units = [t]
+        for u in units:
+            raw = u.contiguous().reshape(-1).view(torch.uint8)
+            pad = (-raw.numel()) % 4
+            copies.append((len(addrs), torch.cat([raw, raw.new_zeros(pad)]) if pad else raw))
+            addrs.append(0)
+            lens.append(copies[-1][1].numel() // 4)
+    if copies:
+        buf = torch.cat([raw for _, raw in copies])
+        keep.append(buf)
+        off = buf.data_ptr()
+        for i, raw in copies:
+            addrs[i] = off
+            off += raw.numel()
+    return (np.concatenate([np.atleast_1d(np.asarray(a, dtype=np.int64)) for a in addrs]),
+            np.concatenate([np.atleast_1d(np.asarray(n, dtype=np.int64)) for n in lens]), keep)
+
+
+def _head(dtype: torch.dtype, shape: Iterable[int]) -> str:
+    """The part of a fingerprint string before its sums."""
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}:"
+
+
+def _hex_rows(parts: torch.Tensor) -> list[str]:
+    """Each row of ``int64[n, 2]`` sums as :func:`format_checksum` writes them (both sums
+    modulo 2^64 in 16 hex digits), all at once: the big-endian bytes of the two's complement
+    are the digits of the unsigned value."""
+    h = parts.cpu().numpy().astype(">i8").tobytes().hex()
+    return [h[i:i + 32] for i in range(0, len(h), 32)]
 
 
 def once_each(stream: Iterable[tuple[str, torch.Tensor]], seen: set[str] | None = None

@@ -176,12 +176,13 @@ def read_digest(layout: EngineLayout, tensors: dict[str, torch.Tensor],
         v = view(tensors[target.param], pl, target, tuple(shape))
         if pl.marlin:  # back to the checkpoint layout the writer fingerprinted
             v = from_live(pl.marlin, v)
-        # views as held: the fingerprints read strided rows in place (an expert's half of
-        # its w13 is one contiguous run) and copy only what is not contiguous
+        # views as held (kept: no batch bound, one launch where the Triton kernel reads them
+        # in place); strided rows are read in place (an expert's half of its w13 is one
+        # contiguous run), only what is not contiguous is copied
         if target.expert == STACKED:
-            sums.add_rows(expert_names(name, v.shape[0]), v)
+            sums.add_rows(expert_names(name, v.shape[0]), v, kept=not pl.marlin)
         else:
-            sums.add(name, v)
+            sums.add(name, v, kept=not pl.marlin)
     return sums.result()
 
 

@@ -25,7 +25,7 @@ from megatron_qrl.sync.transport import WeightTransport, register_transport
 from ..prefetch import timed
 from ..session import SGLangSession
 from ..storage_client import EngineStorage
-from ..writer import check_digest, writer_for
+from ..writer import Places, check_digest, writer_for
 
 __all__ = ["WRITE_RANGE", "DirectTransport", "check_placement"]
 
@@ -51,7 +51,8 @@ class DirectTransport(WeightTransport):
         store = s.state.setdefault("storage", EngineStorage(s.storage))
         layout, tensors = store.current()
         t1 = time.perf_counter()
-        writer = writer_for(s.spec, layout, tensors, s.sent)
+        writer = writer_for(s.spec, layout, tensors, s.sent,
+                            store.derived.setdefault("places", Places()))
         parts: dict[str, float] = {}
         with torch.profiler.record_function(WRITE_RANGE):
             writer.write_all(timed(stream, parts, "stream_s"))
