@@ -161,7 +161,7 @@
 #               its own timeout (default 300 s), so a hung phase cannot eat the call and its
 #               output still comes back (the first restart run hung past the 600 s call)
 set -uo pipefail
-phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|logprob|fp8bwd|train|aligned|fp8train|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
+phase=${1:?usage: bash bench/h200.sh setup|tune|throughput|inplace|restart|dist|sync|produce|packprof|fakeq|logprob|fp8bwd|train|aligned|fp8train|lora-mem|lora|loratrain|te-part N|te-build|te-test|marlin-save|marlin-load|cuda-cases|gpu-tests|fa3-part N|fa3-install|randckpt|tespec|rlstep|rlstep-offload|rlstep30b|rlstep-mfu|example4b|mg-*|slime-*|run PHASE[:SECONDS]...}
 if [ "$phase" = run ]; then
   shift
   for item in "$@"; do
@@ -280,6 +280,11 @@ case $phase in
     python3 -m pytest -q -rs tests/gpu/test_real_gemm.py -k "dgrad or wgrad or fp8_backward" 2>&1 \
       | tee "$OUT/fp8bwd_test.log" | tail -n 8
     python3 bench/fp8_backward.py --speed-only --out "$OUT/fp8_backward.jsonl" 2>&1 | tail -n 20 ;;
+  fakeq)  # the aligned experts' Q(W) refresh, torch vs fused Triton fake quantization (no SGLang, no TE)
+    python3 -m pytest -q -rs tests/gpu/test_fused_quant.py -k "fake or stacked_refresh" 2>&1 \
+      | tee "$OUT/fakeq_test.log" | tail -n 8
+    python3 bench/fake_quant_speed.py --out "$OUT/fake_quant_speed.jsonl" 2>&1 \
+      | grep -E "^\||fake_quant_speed\]|Error|error" ;;
   logprob)  # torch + Triton only: no SGLang, no TE
     python3 -m pytest -q -rs tests/gpu/test_logprob_kernel.py 2>&1 | tee "$OUT/logprob_test.log" \
       | tail -n 15

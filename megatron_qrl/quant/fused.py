@@ -6,7 +6,9 @@ A format names its fused kernels on its class, beside its reference code: ``fuse
 first), and for the W8A8 per-token formats ``fused_act_kernel`` (``quantize_activation``) and
 ``fused_dequant_kernel`` (the per-row dequantization of the aligned forward's operands),
 for per-token-group formats ``fused_group_act_kernel`` (the fake path's activation groups),
-functions of :mod:`.triton_act`; None where it has none. Both give the same bits
+functions of :mod:`.triton_act`; ``fused_fake_kernel`` (the weight's fake quantization,
+:meth:`~megatron_qrl.quant.spec_core.SpecCore.quantize_dequantize`: the aligned forward's
+refresh), a function of :mod:`.triton_fake`; None where it has none. Both give the same bits
 (``tests/gpu/test_fused_quant.py``). One choice covers all of them:
 
 ``auto`` / ``torch`` / ``triton`` (:mod:`megatron_qrl.utils.kernel_choice`; A/B benchmarks:
@@ -29,7 +31,8 @@ IMPLS = kernel_choice.IMPLS
 
 KERNEL_MODULES = {"fused_kernel": "triton_quant", "fused_into_kernel": "triton_quant",
                   "fused_act_kernel": "triton_act",
-                  "fused_dequant_kernel": "triton_act", "fused_group_act_kernel": "triton_act"}
+                  "fused_dequant_kernel": "triton_act", "fused_group_act_kernel": "triton_act",
+                  "fused_fake_kernel": "triton_fake"}
 """A format's kernel attribute -> the module (in this package) holding the kernels it names."""
 
 _SETTING = kernel_choice.ImplSetting(ENV, "quantizer")

@@ -84,6 +84,10 @@ class SpecCore:
     """The fused :meth:`_quantize_into` (codes and scales of an expert stack written into
     strided regions), a function of :mod:`.triton_quant`, or None; :meth:`quantize_into` asks
     :func:`.fused.fused_kernel` whether it runs."""
+    fused_fake_kernel: ClassVar[str | None] = None
+    """The format's fused fake quantizer, a function of :mod:`.triton_fake` giving
+    :meth:`quantize_dequantize`'s bits in one kernel (no fp32 temporaries), or None; chosen by
+    :func:`.fused.fused_kernel` as the weight quantizer is."""
 
     # ---- public API -------------------------------------------------------------------
     @property
@@ -140,16 +144,29 @@ class SpecCore:
         finite: FiniteChecks | None = None,
     ) -> torch.Tensor:
         """``dequantize(quantize_weight(w, global_amax=...))`` in ``w``'s dtype, bit for bit,
-        without autograd, through the format's fake-quant fast path (:meth:`_fake_quant`: the
-        dequantized value computed directly, no integer codes, few elementwise passes).
+        without autograd, through the format's fused fake-quant kernel where
+        :meth:`fused_fake` picks one (one read and one write of the weight), else its torch
+        fast path (:meth:`_fake_quant`: the dequantized value computed directly, no integer
+        codes, few elementwise passes).
         Same arguments and errors as :meth:`quantize_weight` (``finite`` included: the
         aligned forward's once-per-step refresh records its weights there)."""
         if not self.quantizes_weights:
             return w.detach()
         self._check_weight(w, name, finite=False)  # the format checks finiteness on its amax
         ga = self._global_amax(w, global_amax, name)
+        kernel = self.fused_fake(w.device) if w.numel() else None
         with torch.no_grad():
-            return self._fake_quant(w.detach(), ga, name, finite).to(w.dtype)
+            if kernel is None:
+                return self._fake_quant(w.detach(), ga, name, finite).to(w.dtype)
+            out, tile_amax = kernel(self, w.detach(), *self._fused_args(w.detach(), ga))
+        self._check_finite_amax(tile_amax, w, name, finite)
+        return out
+
+    def fused_fake(self, device: torch.device):
+        """The fused fake quantizer :meth:`quantize_dequantize` runs on ``device`` (a function
+        of :mod:`.triton_fake`), or None: the torch ``_fake_quant`` (:func:`.fused.fused_kernel`
+        decides, as for :meth:`quantize_weight`)."""
+        return select_fused_kernel(self, device, "fused_fake_kernel")
 
     def dequantize(self, q: QuantizedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the rollout engine computes with, in ``dtype`` (default: the original)."""

@@ -171,9 +171,11 @@ def fake_quant_stack_in_place(spec: QuantSpec, stack: torch.Tensor, layout: Fusi
     quantizing each HF component alone when no component shares a per-tensor scale (NVFP4)
     and every component spans whole blocks (``quant.stacked.can_stack``); the components of a
     ``gate_up`` / ``plain`` layout lie in the weight's own row order. None where that does not
-    hold (the caller takes :func:`quantize_shards_stacked`). Quantized in runs of whole experts
-    of at most ``quant.stacked.MAX_STACK_ELEMENTS`` (the quantizer's fp32 temporaries).
-    ``finite``: as :func:`quantize_shard`'s (each run under the label errors name)."""
+    hold (the caller takes :func:`quantize_shards_stacked`). The torch fake quantizer runs in
+    runs of whole experts of at most ``quant.stacked.MAX_STACK_ELEMENTS`` (its fp32
+    temporaries); the fused one (``spec.fused_fake``: one read and one write, no temporaries)
+    takes the whole stack in one kernel. ``finite``: as :func:`quantize_shard`'s (each run
+    under the label errors name)."""
     from megatron_qrl.quant.stacked import MAX_STACK_ELEMENTS, can_stack
 
     e, n, k = stack.shape
@@ -181,7 +183,7 @@ def fake_quant_stack_in_place(spec: QuantSpec, stack: torch.Tensor, layout: Fusi
             or not can_stack(spec, layout.split(stack[0]) + layout.split(stack[1]))):
         return None
     w = stack.detach()
-    per = max(1, MAX_STACK_ELEMENTS // max(n * k, 1))
+    per = e if spec.fused_fake(w.device) else max(1, MAX_STACK_ELEMENTS // max(n * k, 1))
     if per >= e:
         return spec.quantize_dequantize(w.reshape(e * n, k), name=f"{name} (stacked)",
                                         finite=finite).view(e, n, k)

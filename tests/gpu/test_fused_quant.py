@@ -15,6 +15,11 @@ fp8_block's 1x128 activation groups (the aligned experts' fake-path input quanti
 kernel's codes and scales equal CUDA torch's reference and the fake activation through the
 kernels equals ``_act`` on edge groups and a Qwen3-30B-A3B-sized permuted input.
 
+The fused fake quantizers (megatron_qrl/quant/triton_fake.py: ``quantize_dequantize``, the
+aligned forward's once-per-step refresh): the weight in its dtype equals CUDA torch's and the
+CPU's fake quantization on the edge cases of ``fused_cases.fake_weights`` and on the 30B-A3B
+expert stacks, and the stacked refresh takes them in one call.
+
 Run: ``pytest tests/gpu/test_fused_quant.py`` (bench/h200.sh ``gpu-tests FILES=...``; < 1 min).
 """
 
@@ -43,6 +48,8 @@ from tests.quant.fused_cases import (  # noqa: E402
     dequant_cases,
     e4m3_probe,
     fake_act,
+    fake_quant,
+    fake_weights,
     group_activations,
     group_reference,
     quantize,
@@ -166,3 +173,59 @@ def test_activation_group_kernel_equals_cuda_torch():
         assert_bits_equal(s, rs, f"{label} scale")
         assert_bits_equal(fake_act(spec, x, "triton"), fake_act(spec, x, "torch"),
                           f"{label} fake quant")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fake_kernel_equals_torch(fmt):
+    """Fused fake quant on the GPU == torch's on the GPU == torch's on the CPU, bit for bit,
+    in the weight's dtype (fp32, bf16, fp16: subnormal outputs, signed zeros, ragged and zero
+    blocks, strided weights); ``auto`` picks the kernel on CUDA."""
+    assert get_spec(fmt).fused_fake(torch.device(CUDA)) is not None
+    for label, w in fake_weights(fmt, CUDA):
+        got = fake_quant(fmt, w, "triton")
+        assert_bits_equal(got, fake_quant(fmt, w, "torch"), f"{fmt} {label} (cuda)")
+        assert_bits_equal(got.cpu(), fake_quant(fmt, w.cpu(), "torch"),
+                          f"{fmt} {label} (cpu reference)")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(128 * 1536, 2048), (128 * 2048, 768)])
+def test_fake_30b_expert_stacks_equal_torch(fmt, shape):
+    """One 30B-A3B layer's expert stacks as the aligned refresh quantizes them (fc1
+    ``[128 x 1536, 2048]``, fc2 ``[128 x 2048, 768]``, bf16), outliers every 97 rows; nvfp4
+    with a tensor amax per 256 rows, given per row (as a stack is quantized)."""
+    g = torch.Generator(device=CUDA).manual_seed(sum(shape))
+    w = (torch.randn(shape, device=CUDA, generator=g) * 0.02).to(torch.bfloat16)
+    w[::97] *= 300.0
+    ga = None
+    if fmt == "nvfp4":
+        ga = w.float().abs().amax(dim=1, keepdim=True).view(-1, 256, 1).amax(1, keepdim=True)
+        ga = ga.expand(-1, 256, 1).reshape(-1, 1).contiguous()
+    assert_bits_equal(fake_quant(fmt, w, "triton", ga), fake_quant(fmt, w, "torch", ga),
+                      f"{fmt} {shape}")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "w4a16", "fp8", "int8"])
+def test_stacked_refresh_on_cuda_takes_the_kernel(fmt, monkeypatch):
+    """``fake_quant_stack_in_place`` of a 30B fc1 stack ``[128, 1536, 2048]`` under ``auto``:
+    one fused call over the whole stack, the torch path's bits."""
+    from megatron_qrl.quant import triton_fake
+    from megatron_qrl.quant.finite_checks import FiniteChecks
+    from megatron_qrl.te_quant.shard_quant import FusionLayout, fake_quant_stack_in_place
+
+    name = get_spec(fmt).fused_fake_kernel
+    real, calls = getattr(triton_fake, name), []
+    monkeypatch.setattr(triton_fake, name,
+                        lambda spec, w, *a: calls.append(w.shape) or real(spec, w, *a))
+    g = torch.Generator(device=CUDA).manual_seed(7)
+    w = (torch.randn(128, 1536, 2048, device=CUDA, generator=g) * 0.02).bfloat16()
+    finite = FiniteChecks()
+    got = fake_quant_stack_in_place(get_spec(fmt), w, FusionLayout("gate_up"), "fc1", finite)
+    assert calls == [torch.Size([128 * 1536, 2048])]
+    finite.check(get_spec(fmt))
+    set_quant_impl("torch")
+    try:
+        want = fake_quant_stack_in_place(get_spec(fmt), w, FusionLayout("gate_up"), "fc1")
+    finally:
+        set_quant_impl(None)
+    assert_bits_equal(got, want, f"{fmt} stacked refresh")

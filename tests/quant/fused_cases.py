@@ -35,6 +35,45 @@ def weights(fmt: str, device: str = "cpu", seed: int = 0):
     return out
 
 
+def fake_weights(fmt: str, device: str = "cpu", seed: int = 0):
+    """:func:`weights` and the cases of the fake quantizer's own output rounding: fp16 rows
+    spread over 9 decades (dequantized values below fp16's smallest normal 2^-14, some below
+    its smallest subnormal: subnormal outputs and their rounding), fp16's max and subnormal
+    inputs; bf16 subnormal inputs (codes 0 of either sign) beside normal values of their
+    row, block and group; zero blocks / groups, one of them a ragged edge; a weight read
+    through a row stride (a column slice of a wider tensor) and a transposed one."""
+    g = torch.Generator().manual_seed(seed + 1)
+    cols = weights(fmt)[0][1].shape[1]
+    out = list(weights(fmt, device, seed))
+    h = torch.randn(130, cols, generator=g) * torch.logspace(2, -7, 130)[:, None]
+    h[3] = 0.0
+    h[4, : cols // 2] = -0.0
+    h[5] = 65504.0 * torch.sign(torch.randn(cols, generator=g))
+    h[6] = 2.0**-24 * torch.randint(-1000, 1000, (cols,), generator=g)  # fp16 subnormals
+    h[128:, :128] = 0.0  # a zero ragged edge block (fp8_block), zero groups
+    out.append((f"fp16 130x{cols}", h.half().to(device)))
+    b = torch.randn(130, cols, generator=g) * 1e-3
+    tiny = torch.finfo(torch.bfloat16).tiny
+    b[10:20] = tiny * torch.rand(10, cols, generator=g) * torch.sign(torch.randn(10, cols,
+                                                                                 generator=g))
+    b[10:20, ::16] = 1e-3  # one normal value per row and per group of 16
+    b[128:, :128] = 0.0
+    out.append((f"bf16 subnormals 130x{cols}", b.bfloat16().to(device)))
+    wide = torch.randn(96, cols + 256, generator=g).bfloat16().to(device)
+    out.append(("row-strided", wide[:, 128:128 + cols]))
+    out.append(("transposed", torch.randn(cols, 128, generator=g).to(device).t()))
+    return out
+
+
+def fake_quant(fmt: str, w: torch.Tensor, impl: str, global_amax=None, **kw) -> torch.Tensor:
+    """``get_spec(fmt).quantize_dequantize(w)`` through ``impl`` (``torch`` / ``triton``)."""
+    set_quant_impl(impl)
+    try:
+        return get_spec(fmt).quantize_dequantize(w, global_amax=global_amax, **kw)
+    finally:
+        set_quant_impl(None)
+
+
 def ties(fmt: str, cols: int) -> torch.Tensor:
     """128 rows whose scale is exactly 1 (amax 127 for int8, 448 for fp8 / fp8_block: torch's
     ``reciprocal(amax) * MAX`` is 1 there; group amax 7 for w4a16) and whose other values sit

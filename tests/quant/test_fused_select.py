@@ -154,3 +154,62 @@ def test_activation_and_dequant_kernels_follow_the_same_switch(monkeypatch, fmt)
     assert block.fused_group_act_kernel == "quantize_act_per_token_group"
     assert fused_kernel(block, torch.device("cuda", 0), "fused_group_act_kernel") is not None
     assert fused_kernel(block, torch.device("cpu"), "fused_group_act_kernel") is None
+
+
+FAKE = {"int8": "fake_quant_channel", "fp8": "fake_quant_channel",
+        "fp8_block": "fake_quant_fp8_block", "w4a16": "fake_quant_w4a16",
+        "nvfp4": "fake_quant_nvfp4"}
+
+
+def test_registry_names_its_fake_kernels():
+    """Every weight format names its fused fake quantizer, a function of triton_fake."""
+    tree = ast.parse((ROOT / "megatron_qrl/quant/triton_fake.py").read_text())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for name in list_specs():
+        assert get_spec(name).fused_fake_kernel == FAKE.get(name), name
+        assert get_spec(name).fused_fake_kernel in defined | {None}, name
+    assert fused.KERNEL_MODULES["fused_fake_kernel"] == "triton_fake"
+
+
+@pytest.mark.parametrize("fmt", list(FAKE))
+def test_quantize_dequantize_dispatches_and_checks_the_tile_amax(monkeypatch, fmt):
+    """``quantize_dequantize`` takes the fused fake quantizer by the weight quantizer's rule
+    (CUDA + Triton under auto, forced ``triton``; the CPU under auto and ``torch`` keep the
+    torch ``_fake_quant``), hands it the weight (nvfp4: and its tensor scale), returns its
+    result as is, and checks finiteness on its tile amax: a non-finite amax names the weight,
+    at once or in the stream's :class:`FiniteChecks`. Mutations caught: the routing dropped
+    (no call), nvfp4's tensor scale not passed, the tile amax not checked."""
+    from megatron_qrl.quant.finite_checks import FiniteChecks
+    from megatron_qrl.utils.finite import NonFiniteError
+
+    calls, amax = [], [torch.zeros(1)]
+
+    def kernel(spec, w, *args):
+        calls.append(args)
+        return spec._fake_quant(w, None, "x", FiniteChecks()).to(w.dtype), amax[0]
+
+    monkeypatch.setattr(fused, "kernels", lambda *_: SimpleNamespace(**{FAKE[fmt]: kernel}))
+    spec = get_spec(fmt)
+    assert spec.fused_fake(torch.device("cuda", 0)) is kernel
+    w = torch.randn(128, 256).bfloat16()
+    want = spec.quantize_dequantize(w)  # auto on the CPU: torch
+    assert calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    set_quant_impl("triton")
+    got = spec.quantize_dequantize(w, name="layers.0.w")
+    assert len(calls) == 1 and torch.equal(bits(got), bits(want))
+    if fmt == "nvfp4":
+        assert torch.equal(calls[0][0], spec._quantize(w, None).global_scale)
+    else:
+        assert calls[0] == ()
+    amax[0] = torch.full((4,), float("inf"))  # only the kernel's amax says non-finite
+    finite = FiniteChecks()
+    spec.quantize_dequantize(w, name="layers.0.w", finite=finite)
+    with pytest.raises(NonFiniteError, match=f"^{fmt}: layers.0.w holds"):
+        finite.check(spec)
+    w[1, 2] = float("nan")  # at once: a non-finite amax sends the weight to the full check
+    with pytest.raises(NonFiniteError, match=f"^{fmt}: layers.0.w has 1 non-finite"):
+        spec.quantize_dequantize(w, name="layers.0.w")
+    set_quant_impl("torch")
+    spec.quantize_dequantize(w.nan_to_num())
+    assert len(calls) == 3

@@ -40,6 +40,7 @@ class _PerChannelSpec(QuantSpec):
     bits_per_weight: float = 8.0
     fused_kernel: ClassVar[str | None] = "quantize_channel"
     fused_into_kernel: ClassVar[str | None] = "quantize_channel_into"
+    fused_fake_kernel: ClassVar[str | None] = "fake_quant_channel"
     fused_act_kernel: ClassVar[str | None] = "quantize_act_per_token"
     fused_dequant_kernel: ClassVar[str | None] = "dequantize_rows"
     _max: ClassVar[float]

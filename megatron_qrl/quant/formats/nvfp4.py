@@ -63,6 +63,7 @@ class NVFP4Spec(QuantSpec):
     shares_tensor_scale: bool = True
     bits_per_weight: float = 4.0 + 8.0 / BLOCK
     fused_kernel: ClassVar[str | None] = "quantize_nvfp4"
+    fused_fake_kernel: ClassVar[str | None] = "fake_quant_nvfp4"
     # ModelOpt NVFP4 MoE: Marlin on sm90 (adapters served), FlashInfer TRT-LLM on sm100+ (merged)
     engine = EngineFacts(
         sglang_syncs={"inplace": True},

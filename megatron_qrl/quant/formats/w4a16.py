@@ -58,6 +58,7 @@ class W4A16Spec(QuantSpec):
     sglang_quantization: str | None = "compressed-tensors"
     bits_per_weight: float = 4.0 + 16.0 / GROUP
     fused_kernel: ClassVar[str | None] = "quantize_w4a16"
+    fused_fake_kernel: ClassVar[str | None] = "fake_quant_w4a16"
     # compressed-tensors WNA16 MoE runs Marlin; expert adapters on Marlin with
     # moe_runner_backend=marlin
     engine = EngineFacts(
