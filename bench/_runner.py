@@ -25,6 +25,15 @@ def commit() -> str:
         return "unknown"
 
 
+def append_records(out: Path | None, records: list[dict]) -> None:
+    """Append ``records`` to the JSONL file ``out`` (its folder made), if ``out`` is given."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
 def run_variant(argv: list[str], variant: str, out: Path | None = None,
                 env: dict | None = None, tag: str = "bench", extra: dict | None = None) -> dict:
     """``python argv...``; its last ``RESULT`` record (or ``{"error": ...}``) plus ``extra``
@@ -41,10 +50,7 @@ def run_variant(argv: list[str], variant: str, out: Path | None = None,
     print(f"[{tag}] {variant}: {json.dumps(res)}", flush=True)
     if "error" in res:
         sys.stderr.write(proc.stderr[-3000:])
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            f.write(json.dumps(res) + "\n")
+    append_records(out, [res])
     return res
 
 

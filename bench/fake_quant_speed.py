@@ -29,7 +29,6 @@ say that the script works.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._runner import commit  # noqa: E402
+from bench._runner import append_records, commit  # noqa: E402
 from megatron_qrl.quant import fused, get_spec  # noqa: E402
 from megatron_qrl.quant.finite_checks import FiniteChecks  # noqa: E402
 from megatron_qrl.te_quant.shard_quant import (  # noqa: E402
@@ -203,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             "tiny": a.tiny, "repeats": a.repeats, "warmup": a.warmup}
     rows = [head | r for fmt in formats
             for r in bench_format(fmt, stacks, impls, dev, a.repeats, a.warmup)]
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with a.out.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    append_records(a.out, rows)
     print(f"[fake_quant_speed] {a.layers} layers x {a.experts} experts"
           f"{' (tiny widths)' if a.tiny else ''}: {rows[0]['bytes'] / 1e9:.3f} GB of bf16 "
           f"expert weights on {head['device']} (commit {head['commit']}, median of "

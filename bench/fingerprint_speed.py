@@ -49,7 +49,6 @@ row with ``skipped``. On a CPU the numbers are CPU numbers: they say that the sc
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -62,7 +61,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._runner import commit  # noqa: E402
+from bench._runner import append_records, commit  # noqa: E402
 from bench.sync_census import engine_storage, tiny_config  # noqa: E402
 from bench.weight_sync import model_config  # noqa: E402
 from megatron_qrl.utils.profile import Traced  # noqa: E402
@@ -474,10 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                          not a.no_profile, configs)
     head["bytes"] = nbytes
     rows = [head | r for r in rows]
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with a.out.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    append_records(a.out, rows)
     print(f"[fingerprint_speed] {a.format}, {a.layers} layers x {cfg['num_experts']} experts"
           f"{' (tiny widths)' if a.tiny else ''}: {head['bytes'] / 1e9:.3f} GB fingerprinted "
           f"on {head['device']} (commit {head['commit']}, median of {a.repeats})")

@@ -69,7 +69,7 @@ KERNEL_PARTS: tuple[tuple[str, str], ...] = (
     (r"_act_token_kernel|_act_group_kernel|per_token_group_quant|per_token_quant",
      "quantize activations"),
     (r"_dequant_rows_kernel", "dequantize"),
-    (r"_channel_kernel|_fp8_block_kernel|_w4a16_kernel|_nvfp4_kernel", "Q(W)"),
+    (r"_channel_(into_|fake_)?kernel|_(fp8_block|w4a16|nvfp4)(_fake)?_kernel", "Q(W)"),
 )
 """GPU kernel name -> aligned-forward sub-part (our Triton quantizers, SGLang's activation
 quantizers), charged as ``<part>/<sub-part>``."""

@@ -20,7 +20,6 @@ only under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._runner import commit  # noqa: E402
+from bench._runner import append_records, commit  # noqa: E402
 
 IMPLS = ("torch", "triton")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -185,10 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = run(a.rows, a.vocab, a.dtype, a.temperature, impls, a.device, a.repeats, a.warmup,
               configs=configs)
     _print(rec, impls)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with a.out.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+    append_records(a.out, [rec])
     return 0
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from torch.utils._pytree import tree_flatten
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._runner import commit  # noqa: E402
+from bench._runner import append_records, commit  # noqa: E402
 from bench.weight_sync import _qcache, model_config, trainer_stream  # noqa: E402
 
 VARIANTS = ("direct", "direct+packed", "direct+qcache")
@@ -225,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = (tiny_config if a.tiny else model_config)(a.layers, a.experts)
     head = {"commit": commit(), "device": "cpu", "tiny": a.tiny}
     rows = [head | census(f, v, cfg) for f in a.formats.split(",") for v in a.variants.split(",")]
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with a.out.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    append_records(a.out, rows)
     print(f"commit {head['commit']}, CPU op census (counts, not speed)\n{table(rows)}")
     return 0 if all(r["engine_sha"] == rows[i - i % len(a.variants.split(","))]["engine_sha"]
                     for i, r in enumerate(rows)) else 1

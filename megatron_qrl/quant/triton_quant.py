@@ -95,50 +95,18 @@ def _bf16_rne(x):
 
 
 @triton.jit
-def _channel_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n_rows, k, stride_w,
-                    MAXV: tl.constexpr, INT8: tl.constexpr, EPS: tl.constexpr,
-                    SOFT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per output channel (fp8 / int8 ``_quantize``; ModelOpt ``tensor_quant._tensor_quant``
-    / ``_fp8_eager``): ``s = MAX / amax_row`` (as torch: ``reciprocal(amax) * MAX``),
-    ``codes = e4m3(w * s)`` or ``clamp(rne(w * s), -127, 127)``, ``scale = 1 / s``."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    cols = tl.arange(0, BLOCK_K)
-    src = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    dst = codes_ptr + rows[:, None].to(tl.int64) * k
-    a = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        m = rmask[:, None] & (k0 + cols < k)[None, :]
-        x = tl.load(src + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        a = tl.maximum(a, tl.max(_nan_abs(x), axis=1))
-    zero = a <= EPS
-    s = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.where(zero, 1.0, a)) * MAXV
-    inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s)
-    for k0 in range(0, k, BLOCK_K):
-        m = rmask[:, None] & (k0 + cols < k)[None, :]
-        x = tl.load(src + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32) * s[:, None]
-        if INT8:
-            q = tl.minimum(tl.maximum(_rne(x), -127.0), 127.0)
-            q = tl.where(zero[:, None], 0.0, q).to(tl.int8)
-        else:
-            q, _ = _e4m3(tl.minimum(tl.maximum(x, -MAXV), MAXV), SOFT)
-        tl.store(dst + k0 + cols[None, :], q, mask=m)
-    if INT8:
-        inv = tl.where(zero, 1.0, inv)
-    tl.store(scale_ptr + rows, inv, mask=rmask)
-    tl.store(amax_ptr + rows, a, mask=rmask)
-
-
-@triton.jit
 def _channel_into_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n_rows, k, sw_e, sw_r,
                          sc_e, sc_r, ss_e, ss_r, MAXV: tl.constexpr, INT8: tl.constexpr,
                          EPS: tl.constexpr, SOFT: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-    """:func:`_channel_kernel` (the same operations, the same bits) for expert ``program_id(1)``
-    of an ``[E, rows, k]`` stack, with codes and scales written into strided regions of
-    another tensor (an expert stack's half of every expert's ``w13``, a fused ``qkv``'s rows):
-    element ``[e, r, c]`` of the weight / codes at ``e * s_e + r * s_r + c``, scale ``[e, r]``
-    at ``e * ss_e + r * ss_r``; the row amaxes go to ``amax[e, r]`` (contiguous)."""
+    """Per output channel (fp8 / int8 ``_quantize``; ModelOpt ``tensor_quant._tensor_quant``
+    / ``_fp8_eager``): ``s = MAX / amax_row`` (as torch: ``reciprocal(amax) * MAX``),
+    ``codes = e4m3(w * s)`` or ``clamp(rne(w * s), -127, 127)``, ``scale = 1 / s``; for
+    expert ``program_id(1)`` of an ``[E, rows, k]`` stack (one weight: ``E = 1``), with codes
+    and scales written into strided regions (their own tensors, or another's: an expert
+    stack's half of every expert's ``w13``, a fused ``qkv``'s rows): element ``[e, r, c]`` of
+    the weight / codes at ``e * s_e + r * s_r + c``, scale ``[e, r]`` at ``e * ss_e + r *
+    ss_r``; the row amaxes go to ``amax[e, r]`` (contiguous)."""
     e = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
@@ -281,10 +249,10 @@ def quantize_channel(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Tens
     scale, amax = _f32((n, 1), w.device), _f32((n,), w.device)
     br, bk = _rows_block(k)
     with _on(w):
-        _channel_kernel[(triton.cdiv(n, br),)](
-            w, codes.view(torch.int8 if int8 else torch.uint8), scale, amax, n, k, w.stride(0),
-            MAXV=127.0 if int8 else FP8_E4M3_MAX, INT8=int8, EPS=ZERO_AMAX_EPS, SOFT=_SOFT,
-            BLOCK_R=br, BLOCK_K=bk, num_warps=8)
+        _channel_into_kernel[(triton.cdiv(n, br), 1)](
+            w, codes.view(torch.int8 if int8 else torch.uint8), scale, amax, n, k, 0,
+            w.stride(0), 0, k, 0, 1, MAXV=127.0 if int8 else FP8_E4M3_MAX, INT8=int8,
+            EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK_R=br, BLOCK_K=bk, num_warps=8)
     return QuantizedWeight(spec.name, codes, scale, None, (n, k), w.dtype), amax
 
 

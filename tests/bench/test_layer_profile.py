@@ -73,6 +73,9 @@ def test_quantizer_kernels_are_their_own_sub_parts():
     assert kernel_part("_per_token_group_quant_fp8") == "quantize activations"
     assert kernel_part("_dequant_rows_kernel") == "dequantize"
     assert kernel_part("_channel_kernel") == "Q(W)"
+    for name in ("_channel_into_kernel", "_channel_fake_kernel", "_fp8_block_fake_kernel",
+                 "_w4a16_fake_kernel", "_nvfp4_fake_kernel"):  # the fused and fake refreshes
+        assert kernel_part(name) == "Q(W)", name
     assert kernel_part("void cutlass::Kernel2<sm90_gemm>") is None
     assert backward_part("GroupedRealFnBackward") == "experts"
     rows = [{"row": "a", "breakdown": {"parts_ms": {"experts/quantize activations": 1.0},

@@ -13,12 +13,13 @@ from tests.helpers.triton_cpu import sm90_ptx_counts
 
 EPS = 2.0**-24
 _OUT = {"codes_ptr": "*u8", "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
-_CHANNEL = {"w_ptr": "*bf16", **_OUT, "n_rows": "i32", "k": "i32", "stride_w": "i32",
+_CHANNEL = {"w_ptr": "*bf16", **_OUT, "n_rows": "i32", "k": "i32",
+            **{s: "i32" for s in ("sw_e", "sw_r", "sc_e", "sc_r", "ss_e", "ss_r")},
             "MAXV": "constexpr", "INT8": "constexpr", "EPS": "constexpr", "SOFT": "constexpr",
             "BLOCK_R": "constexpr", "BLOCK_K": "constexpr"}
 KERNELS = {
-    "fp8": (tq._channel_kernel, _CHANNEL, (448.0, False, EPS, False, 4, 2048)),
-    "int8": (tq._channel_kernel, {**_CHANNEL, "codes_ptr": "*i8"},
+    "fp8": (tq._channel_into_kernel, _CHANNEL, (448.0, False, EPS, False, 4, 2048)),
+    "int8": (tq._channel_into_kernel, {**_CHANNEL, "codes_ptr": "*i8"},
              (127.0, True, EPS, False, 4, 2048)),
     "fp8_block": (tq._fp8_block_kernel, {"w_ptr": "*bf16", **_OUT, "n": "i32", "k": "i32",
                                          "stride_w": "i32", "kb": "i32", "EPS": "constexpr",
