@@ -60,7 +60,7 @@ def rl_job(args: argparse.Namespace, cfg: dict, work: Path, measure) -> tuple[di
         preset=None, model="qwen3_30b_a3b", steps=1, prompts=args.prompts, n=args.n,
         max_new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
         train_forward="bf16", moe_experts=None, max_tokens_per_micro_batch=0, device="cpu",
-        qrl="", megatron="", mem_fraction=0.5)
+        qrl="", megatron="", mem_fraction=0.5, profile=False)
     cmd = rl_step._job(job, ckpt, "fp8", "", work / "run")
     argv = cmd[cmd.index("megatron_qrl.rl.cli") + 1:]
     updates = parse_configs(argv)[0].run.updates_per_step
