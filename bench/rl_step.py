@@ -16,7 +16,8 @@ selective recompute of the experts' activation unless ``--megatron`` names a rec
 ``--qrl "--no-qrl-train-moe-fast-path"`` measures the sequential experts, ``--moe-experts
 stacked`` the stacked experts of ``models.stacked_experts``, also where TE is not installed);
 the LAST step's
-record (``metrics.jsonl``) is reported: the four phase times, the trainer's peak memory
+record (``metrics.jsonl``) is reported: the four phase times (disjoint; a sleeping trainer's
+``time_sleep_s`` / ``time_wake_s`` apart, the step ``time_step_s`` covering all), the trainer's peak memory
 (``torch.cuda.max_memory_allocated`` of the trainer process; SGLang's memory lives in its own
 processes) and
 
@@ -54,6 +55,7 @@ PRESETS = {"qwen3_4b": "qwen3-4b-1gpu", "qwen3_30b_a3b": "qwen3-30b-a3b"}
 Without it the 4B step would run under ``tiny-cpu``'s two updates per step (half the micro
 batches' pi_prox recomputed), not the example's one."""
 PHASES = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+SLEEP = ("time_sleep_s", "time_wake_s")
 
 
 def active_params(cfg: dict) -> int:
@@ -154,7 +156,9 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
     n = active_params(cfg)
     tokens = rec.get("trained_tokens") or 0
     res.update({k: round(rec[k], 3) for k in PHASES})
-    step = sum(rec[k] for k in PHASES)
+    # the trainer's sleep / wake (--qrl-trainer-sleep) lie outside the four phases
+    res.update({k: round(rec[k], 3) for k in SLEEP if k in rec})
+    step = rec.get("time_step_s") or sum(rec[k] for k in (*PHASES, *SLEEP) if k in rec)
     res.update(
         step_s=round(step, 3), active_params=n, trained_tokens=tokens,
         real_tokens=int(args.prompts * args.n * (rec.get("response_len") or 0)),

@@ -221,6 +221,8 @@ def _build(configs: QrlConfigs, data: JobData, engine_factory: EngineFactory,
                if serving is not None and serving.engine == "sglang" else {})
     sleeper = TrainerSleep.of_policy(trainer.policy) if trainer_sleep_on(configs) else None
     engine = _start_engine(configs, data, engine_factory, lora_kw, world, sleeper)
+    if sleeper is not None:  # the RL step wakes the optimizer state behind the weights
+        trainer.before_step.append(sleeper.state_ready)
     spec, aqn = configs.rollout.spec, configs.aqn
     # a Ray engine under torchrun: its restarts re-sync through every rank (rank_resync)
     ray_ranks = world.world_size > 1 and world.broadcast(hasattr(engine, "bind_resync"))

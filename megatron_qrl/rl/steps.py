@@ -114,9 +114,11 @@ class StepContext:
         weight sync); 0.0 without a sleeper."""
         return 0.0 if self.sleeper is None else self.sleeper.sleep(keep_params).seconds
 
-    def wake_trainer(self) -> float:
-        """Seconds the trainer took to wake (its state back on its device); 0.0 when awake."""
-        return self.sleeper.wake().seconds if self.sleeper is not None and \
+    def wake_trainer(self, defer_state: bool = False) -> float:
+        """Seconds the trainer took to wake (its state back on its device); 0.0 when awake.
+        ``defer_state``: the optimizer state comes back behind the weights, ready before the
+        optimizer step (``rl.trainer_sleep``; the trainer's ``before_step`` hook)."""
+        return self.sleeper.wake(defer_state).seconds if self.sleeper is not None and \
             self.sleeper.asleep else 0.0
 
     def before_sync(self) -> float:
@@ -212,6 +214,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    start = time.perf_counter()
     slept = ctx.sleep_trainer()  # the engine gets the GPU while it decodes
     asleep_gib = torch.cuda.memory_allocated() / 2**30 if cuda and ctx.sleeper else None
     t0 = time.perf_counter()
@@ -219,10 +222,11 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     batch = ctx.check_length(batch)
     ctx.engine_memory(release=True)  # the trainer's recompute + update run next
     profiled = _profiler(ctx, step)
-    t1 = time.perf_counter()
+    t_rollout = time.perf_counter()
     with profiled:
-        woke = ctx.wake_trainer()
-        t1 += woke
+        # the optimizer state follows the weights, overlapping the recompute + forward / backward
+        woke = ctx.wake_trainer(defer_state=True)
+        t1 = time.perf_counter()
         groups = micro_batches(ctx, batch)
         mbs = [mb for group in groups for mb in group]
         first = prox_from_first_update(ctx.configs)
@@ -237,10 +241,13 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
             counts.append(ctx.trainer.last_routing_counts)
         t3 = time.perf_counter()
     slept_state = ctx.before_sync()
-    t3 += slept_state
+    t_sync = time.perf_counter()
     synced = ctx.sync(step + 1)
     t4 = time.perf_counter()
-    rec = _record(step, rewards, texts, batch, updates, (t0, t1, t2, t3, t4))
+    # the phases are disjoint: rollout, recompute, train, sync, and sleep / wake apart
+    rec = _record(step, rewards, texts, batch, updates,
+                  (t0, t_rollout, t1, t2, t3, t_sync, t4))
+    rec["time_step_s"] = t4 - start
     if ctx.sleeper is not None:  # the trainer slept through the rollout (rl.trainer_sleep)
         rec.update(time_sleep_s=slept + slept_state, time_wake_s=woke,
                    trainer_gpu_gib_asleep=asleep_gib)
@@ -356,6 +363,9 @@ def _nonneg(v: float | None) -> float | None:
 
 def _record(step: int, rewards: torch.Tensor, texts: list[str], batch: dict,
             updates: list[tuple[dict, float]], t: tuple[float, ...]) -> dict[str, Any]:
+    """The step's metrics; ``t``: the rollout's start and end, the recompute's start and end,
+    the train's end, the sync's start and end (a sleeping trainer's wake lies between the
+    rollout and the recompute, its sleep before the sync: ``time_wake_s`` / ``time_sleep_s``)."""
     first = updates[0][0]  # the first update sees pi_theta == pi_prox: its KL is the mismatch
     keys = {k for m, _ in updates for k in m}
     agg = {k: (max if k.endswith("_max") else _mean)([m[k] for m, _ in updates if k in m])
@@ -370,8 +380,8 @@ def _record(step: int, rewards: torch.Tensor, texts: list[str], batch: dict,
         "response_len": float(mask.sum(1).float().mean()),
         # -log pi_behav of the sampled tokens: a Monte-Carlo estimate of the rollout entropy
         "rollout_nll": float(-(batch["rollout_log_probs"] * mask).sum() / mask.sum().clamp_min(1)),
-        "time_rollout_s": t[1] - t[0], "time_recompute_s": t[2] - t[1],
-        "time_train_s": t[3] - t[2], "time_sync_s": t[4] - t[3],
+        "time_rollout_s": t[1] - t[0], "time_recompute_s": t[3] - t[2],
+        "time_train_s": t[4] - t[3], "time_sync_s": t[6] - t[5],
         "grad_norm": _mean([g for _, g in updates]), "sample": texts[0],
         **{k: v for k, v in agg.items() if k not in ("loss",)},
     }

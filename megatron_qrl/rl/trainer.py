@@ -211,6 +211,10 @@ class PolicyTrainer:
         :meth:`train_step` with ``routing=True`` (over every rank); None: nothing measured."""
         self.guard: BadStepGuard | None = None
         """Skips updates with a non-finite loss / grad norm (``rl.guard``; None: plain steps)."""
+        self.before_step: list[Callable[[], Any]] = []
+        """Called before every optimizer step, after the forward / backward: a sleeping
+        trainer's ``rl.trainer_sleep.TrainerSleep.state_ready`` (its optimizer state woken
+        behind the weights, overlapping the forward / backward)."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -332,6 +336,8 @@ class PolicyTrainer:
             config.calculate_per_token_loss = saved
         if sink is not None:
             self._routing_totals(sink)
+        for hook in self.before_step:
+            hook()
         grad_norm = guarded_step(optimizer, store, self.guard,  # NaN: update skipped / undone
                                  model_params=ddp.module.parameters())
         metrics = average_metrics(store)

@@ -27,6 +27,16 @@ asleep. Not the trainer's and left alone: the process's cuBLAS workspaces (one p
 stream, 32 MiB each on Hopper, counted by ``torch.cuda.memory_allocated``) and class-level
 loss scales of megatron-core's auxiliary-loss autoscalers (one scalar each).
 
+``wake(defer_state=True)`` brings the optimizer state back behind the weights: an RL step
+needs its weights at once (recompute, forward / backward) and the fp32 main parameters and
+Adam moments only at the optimizer step. On CUDA the weights' copies and the gradients' zeroing
+come first on the side stream and the compute stream waits for them on the GPU (no host
+wait); the state's copies follow on the same side stream and overlap the recompute and the
+forward / backward; :meth:`TrainerSleep.state_ready` (``PolicyTrainer``'s hook before every
+optimizer step) makes the compute stream wait for them. On the CPU the state stays asleep
+until :meth:`TrainerSleep.state_ready` copies it in, so a step that read it earlier would
+fail the CPU tests instead of reading stale bytes.
+
 The offload target is host memory; on a CPU-only job the device is the CPU too, and the same
 code path runs (a real copy into another host buffer and a real release of the storage), so
 the CPU tests exercise it end to end. Tensors on another device than the trainer's (the CPU
@@ -112,6 +122,13 @@ class TrainerSleep:
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._state_event: Any = None
+        """CUDA: the event after the deferred state's copies (:meth:`state_ready` waits)."""
+        self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []
+        """CUDA: host buffers still read by copies behind an event (back to the pool once
+        it completed: :meth:`_settle`)."""
+        self._deferred = False
+        """CPU: the state a deferred wake left asleep, for :meth:`state_ready`."""
 
     @classmethod
     def of_policy(cls, policy: Any, device: torch.device | str | None = None) -> TrainerSleep:
@@ -123,8 +140,14 @@ class TrainerSleep:
 
     @property
     def asleep(self) -> bool:
-        """Whether any storage is asleep."""
+        """Whether any storage is asleep (the state a deferred wake left is, on the CPU)."""
         return bool(self._slots)
+
+    @property
+    def state_pending(self) -> bool:
+        """Whether a ``wake(defer_state=True)`` left the optimizer state to
+        :meth:`state_ready`."""
+        return self._state_event is not None or self._deferred
 
     def asleep_roles(self) -> set[str]:
         return {s.role for s in self._slots.values()}
@@ -176,10 +199,20 @@ class TrainerSleep:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             self._stream.synchronize()
 
+    def _settle(self) -> None:
+        """Wait for every copy still in flight and give its host buffers back to the pool."""
+        for event, hosts in self._in_flight:
+            event.synchronize()
+            for h in hosts:
+                self._pool.setdefault(h.numel(), []).append(h)
+        self._in_flight.clear()
+
     def sleep(self, keep_params: bool = False) -> SleepStats:
         """Move the state (and the weights unless ``keep_params``) off the device; storages
-        already asleep are left as they are."""
+        already asleep are left as they are (a deferred state is first made ready)."""
         t0 = time.perf_counter()
+        self.state_ready()
+        self._settle()
         roles = ("grads", "state") if keep_params else ROLES
         if not keep_params and self._drop_caches is not None:
             self._drop_caches()
@@ -201,30 +234,84 @@ class TrainerSleep:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def wake(self) -> SleepStats:
-        """Restore every storage asleep, bit for bit (gradients as zeros)."""
+    def _restore(self, slots: list[_Slot], stats: SleepStats) -> None:
+        """Resize ``slots`` back and queue their copies (zeros for gradients) on the current
+        stream (the side stream inside :meth:`_on_side_stream`)."""
+        for slot in slots:
+            dev = self._bytes(slot)
+            if slot.host is None:
+                dev.zero_()
+            else:
+                dev.copy_(slot.host, non_blocking=True)
+                stats.bytes_copied += slot.nbytes
+
+    def _forget(self, slots: list[_Slot], event: Any = None) -> None:
+        """``slots`` are awake: their host buffers go back to the pool (behind ``event``
+        on CUDA, :meth:`_settle`)."""
+        hosts = [s.host for s in slots if s.host is not None]
+        for slot in slots:
+            slot.host = None
+            del self._slots[slot.storage._cdata]
+        if event is None:
+            for h in hosts:
+                self._pool.setdefault(h.numel(), []).append(h)
+        else:
+            self._in_flight.append((event, hosts))
+
+    def wake(self, defer_state: bool = False) -> SleepStats:
+        """Restore every storage asleep, bit for bit (gradients as zeros). ``defer_state``:
+        the optimizer state comes back behind the weights (module docstring) and
+        :meth:`state_ready` must run before anything reads it; ``seconds`` is then the host
+        time of the wake, the copies overlapping what the GPU runs next."""
         t0 = time.perf_counter()
         stats = SleepStats()
         slots = list(self._slots.values())
-        for slot in slots:
-            slot.storage.resize_(slot.nbytes)
-        with self._on_side_stream():
+        later = [s for s in slots if defer_state and s.role == "state"]
+        now = [s for s in slots if not (defer_state and s.role == "state")]
+        if not self._cuda:
+            for slot in now:
+                slot.storage.resize_(slot.nbytes)
+            self._restore(now, stats)
+            self._forget(now)
+            self._deferred = bool(later)
+        elif not later:
+            for slot in now:
+                slot.storage.resize_(slot.nbytes)
+            with self._on_side_stream():
+                self._restore(now, stats)
+            self._join()
+            self._forget(now)
+        else:
             for slot in slots:
-                dev = self._bytes(slot)
-                if slot.host is None:
-                    dev.zero_()
-                else:
-                    dev.copy_(slot.host, non_blocking=True)
-                    stats.bytes_copied += slot.nbytes
-        self._join()
-        for slot in slots:
-            if slot.host is not None:
-                self._pool.setdefault(slot.nbytes, []).append(slot.host)
-                slot.host = None
-        self._slots.clear()
+                slot.storage.resize_(slot.nbytes)
+            with self._on_side_stream():
+                self._restore(now, stats)
+                weights = torch.cuda.Event()
+                weights.record()
+                self._restore(later, stats)
+                self._state_event = torch.cuda.Event()
+                self._state_event.record()
+            torch.cuda.current_stream(self.device).wait_event(weights)
+            self._forget(now, weights)
+            self._forget(later, self._state_event)
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    def state_ready(self) -> float:
+        """Make the optimizer state a deferred wake left usable (a no-op otherwise): CUDA,
+        the current stream waits for its copies; CPU, they run now. Returns the seconds."""
+        t0 = time.perf_counter()
+        if self._state_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._state_event)
+            self._state_event = None
+        elif self._deferred:
+            later = [s for s in self._slots.values() if s.role == "state"]
+            for slot in later:
+                slot.storage.resize_(slot.nbytes)
+            self._restore(later, SleepStats())
+            self._forget(later)
+            self._deferred = False
+        return time.perf_counter() - t0
 
 
 def trainer_sleep_on(configs: Any) -> bool:

@@ -265,7 +265,7 @@ def test_seq_length_tensorboard_dir_and_bf16_act(tmp_path):
                              resume=True)
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
-    timing = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+    timing = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s", "time_step_s")
     assert {k: v for k, v in resumed[-1].items() if k not in timing} == \
         {k: v for k, v in rl[-1].items() if k not in timing}
     state = torch.load(part / "checkpoints" / "step_000003.pt", weights_only=False)

@@ -108,3 +108,33 @@ def test_sleep_frees_the_trainer_and_wake_restores_it(megatron, distributed):
     assert m1 == m2 and g1 == g2
     for p, q in zip(trainer.module.parameters(), twin.module.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_deferred_wake_overlaps_and_the_step_equals_a_twin(megatron, distributed):
+    """``wake(defer_state=True)`` with ``state_ready`` as the trainer's hook before the
+    optimizer step (as an RL step runs it): the step after the wake equals a never-slept
+    twin's, bit for bit, and the wake's host time is below the copies' (they overlap the
+    forward / backward). Prints both."""
+    tok, twin = _policy(distributed)
+    _step(tok, twin)
+    _, trainer = _policy(distributed)
+    _step(tok, trainer)
+    sleeper = TrainerSleep.of_policy(trainer.policy)
+    trainer.before_step.append(sleeper.state_ready)
+    sleeper.sleep()
+    torch.cuda.synchronize()
+    full = TrainerSleep.of_policy(trainer.policy)
+    woke = sleeper.wake(defer_state=True)
+    assert sleeper.state_pending
+    (m1, g1), (m2, g2) = _step(tok, trainer), _step(tok, twin)
+    assert not sleeper.state_pending
+    assert m1 == m2 and g1 == g2
+    for p, q in zip(trainer.module.parameters(), twin.module.parameters()):
+        assert torch.equal(p, q)
+    full.sleep()
+    torch.cuda.synchronize()
+    whole = full.wake()
+    print(f"\n[deferred wake] distributed={distributed}: host {woke.seconds * 1e3:.1f} ms "
+          f"of {woke.bytes_copied / 2**20:.0f} MiB vs a joined wake {whole.seconds * 1e3:.1f} ms")
+    assert woke.bytes_copied == whole.bytes_copied

@@ -22,7 +22,7 @@ SMALL = ["--qrl-sft-steps", "4", "--qrl-prompts-per-step", "2",
          "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
          "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
          "--qrl-lr", "1e-3", "--qrl-no-progress"]
-TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s", "time_step_s")
 
 
 def _run(out: Path, preset: str, *extra: str) -> list[dict]:

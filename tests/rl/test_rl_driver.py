@@ -24,7 +24,7 @@ TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-s
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
         "--qrl-lr", "1e-3", "--qrl-no-progress"]
-TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s", "time_step_s")
 
 
 def _run(out: Path, *extra: str) -> list[dict]:

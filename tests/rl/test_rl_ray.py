@@ -61,7 +61,7 @@ TINY = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "4", "--qrl-prompts-per-s
         "--qrl-rollout-n-samples-per-prompt", "4", "--qrl-rollout-max-new-tokens", "4",
         "--qrl-micro-batch-size", "4", "--qrl-updates-per-step", "2", "--qrl-save-interval", "0",
         "--qrl-lr", "1e-3", "--qrl-no-progress", "--qrl-steps", "2"]
-TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s", "time_step_s")
 BUCKET = 128 * 1024
 """Bucket size of the in-process syncs: about 10 buckets of the tiny MoE's 1.1 MB of int8
 weights (its largest tensor is 64 KiB)."""

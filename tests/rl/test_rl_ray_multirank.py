@@ -39,7 +39,7 @@ JOB = ["--qrl-preset", "tiny-cpu", "--qrl-sft-steps", "2", "--qrl-prompts-per-st
        "--qrl-lr", "1e-3", "--qrl-no-progress", "--qrl-steps", "2"]
 TP2 = ["--", "--tensor-model-parallel-size", "2", "--sequence-parallel",
        "--group-query-attention", "--num-query-groups", "2"]
-TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s")
+TIMING = ("time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s", "time_step_s")
 
 
 def _records(out: Path) -> list[dict]:

@@ -81,6 +81,38 @@ def test_sleep_releases_every_storage_and_wake_restores_bits_and_identities(bf16
         _assert_same(policy.optimizer.state_dict(), opt_state)
 
 
+@pytest.mark.parametrize("bf16,distributed", [(True, False), (True, True)])
+def test_deferred_wake_leaves_the_state_to_state_ready(bf16, distributed):
+    """``wake(defer_state=True)``: weights and gradients back at once, the optimizer state
+    (fp32 masters, Adam moments) still asleep on the CPU until ``state_ready``; then every
+    bit and identity as before. A ``sleep`` right after a deferred wake (no optimizer step
+    between) keeps the state too."""
+    from megatron_qrl.models.runtime import single_process_megatron
+
+    with single_process_megatron():
+        trainer = _policy_after_a_step(bf16, distributed)
+        policy = trainer.policy
+        before = trainer_tensors(policy.ddp, policy.optimizer)
+        kept = {role: [_bits(t) for t in ts] for role, ts in before.items() if role != "grads"}
+        opt_state = policy.optimizer.state_dict()
+        sleeper = TrainerSleep.of_policy(policy)
+        for rounds in (1, 2):
+            sleeper.sleep()
+            sleeper.wake(defer_state=True)
+            assert sleeper.state_pending and sleeper.asleep_roles() == {"state"}
+            assert all(p.untyped_storage().nbytes() > 0 for p in policy.ddp.module.parameters())
+            if rounds == 1:  # to sleep again before anything read the state
+                continue
+            sleeper.state_ready()
+            assert not sleeper.state_pending and not sleeper.asleep
+            sleeper.state_ready()  # a no-op once ready
+        after = trainer_tensors(policy.ddp, policy.optimizer)
+        for role, bits in kept.items():
+            for t, b in zip(after[role], bits):
+                assert torch.equal(_bits(t), b), role
+        _assert_same(policy.optimizer.state_dict(), opt_state)
+
+
 def _assert_same(a, b) -> None:
     if torch.is_tensor(a):
         assert torch.equal(a, b)
@@ -102,6 +134,7 @@ JOB = ["--qrl-preset", "tiny-cpu", "--qrl-model", "tiny-dense", "--qrl-train-for
        "--qrl-rollout-max-new-tokens", "3", "--qrl-micro-batch-size", "2",
        "--qrl-save-interval", "2", "--qrl-no-progress"]
 TIMES = {"time_rollout_s", "time_recompute_s", "time_train_s", "time_sync_s", "time_sleep_s",
+         "time_step_s",
          "time_wake_s", "trainer_gpu_gib_asleep"}
 
 
@@ -123,6 +156,40 @@ def test_run_with_sleep_equals_run_without_bit_for_bit(tmp_path):
     _assert_same(a["trainer"], b["trainer"])  # saved after a wake: the full state
 
 
+def test_step_phases_are_disjoint_and_cover_the_step(tmp_path, monkeypatch):
+    """rollout + recompute + train + sync + sleep + wake == ``time_step_s``: a slow sleep of
+    the optimizer state before the sync (made 0.4 s here) and a slow wake land in
+    ``time_sleep_s`` / ``time_wake_s`` only, never in the train or rollout time."""
+    import time as _time
+
+    sleep, wake = TrainerSleep.sleep, TrainerSleep.wake
+
+    def slow_sleep(self, keep_params=False):
+        stats = sleep(self, keep_params)
+        if keep_params:
+            _time.sleep(0.4)
+            stats.seconds += 0.4
+        return stats
+
+    def slow_wake(self, defer_state=False):
+        stats = wake(self, defer_state)
+        _time.sleep(0.4)
+        stats.seconds += 0.4
+        return stats
+
+    monkeypatch.setattr(TrainerSleep, "sleep", slow_sleep)
+    monkeypatch.setattr(TrainerSleep, "wake", slow_wake)
+    assert main([*JOB, "--qrl-trainer-sleep", "on", "--qrl-output-dir", str(tmp_path)]) == 0
+    rl = [r for r in read_records(tmp_path) if r["phase"] == "rl"]
+    assert rl
+    for r in rl:
+        parts = sum(r[k] for k in ("time_rollout_s", "time_recompute_s", "time_train_s",
+                                   "time_sync_s", "time_sleep_s", "time_wake_s"))
+        assert r["time_sleep_s"] >= 0.4 and r["time_wake_s"] >= 0.4
+        assert abs(parts - r["time_step_s"]) < 0.05, r
+        assert r["time_train_s"] < r["time_step_s"] - 0.8
+
+
 def test_driver_order_engine_never_beside_the_whole_trainer(tmp_path, monkeypatch):
     """The engine starts beside a sleeping trainer and releases; the optimizer state sleeps
     before each engine resume + weight sync, the weights before each rollout, and the wake
@@ -137,9 +204,9 @@ def test_driver_order_engine_never_beside_the_whole_trainer(tmp_path, monkeypatc
         calls.append("sleep-state" if keep_params else "sleep")
         return sleep(self, keep_params)
 
-    def logged_wake(self):
+    def logged_wake(self, defer_state=False):
         calls.append("wake")
-        return wake(self)
+        return wake(self, defer_state)
 
     monkeypatch.setattr(TrainerSleep, "sleep", logged_sleep)
     monkeypatch.setattr(TrainerSleep, "wake", logged_wake)
