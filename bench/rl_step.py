@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -153,6 +154,8 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
         sys.stderr.write(proc.stdout[-1500:] + proc.stderr[-4000:])
         return res
     rec = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
+    said = re.search(r"SGLang attention backend: (\S+)", proc.stdout)  # the engine's choice
+    res["attention_backend"] = said.group(1) if said else None
     n = active_params(cfg)
     tokens = rec.get("trained_tokens") or 0
     res.update({k: round(rec[k], 3) for k in PHASES})

@@ -113,8 +113,8 @@ def _count(module: Any) -> tuple[int, int]:
 
 def describe_run(ctx: Any, configs: QrlConfigs, log: Callable[[str], None]) -> None:
     """Log the LoRA setup, how the weight sync quantizes, how the engine serves a step's
-    requests and, where the engine reports it, how many it decodes at once (rank 0's
-    ``log``)."""
+    requests and, where the engine reports them, its attention backend and how many requests
+    it decodes at once (rank 0's ``log``)."""
     lora = configs.lora
     if lora.enabled:
         adapters, total = _count(ctx.trainer.module)
@@ -140,6 +140,9 @@ def describe_run(ctx: Any, configs: QrlConfigs, log: Callable[[str], None]) -> N
                                               f"all {requests} requests of a step in one call"))
     log(f"[qrl-train] rollout: {requests} requests per step ({run.prompts_per_step} prompts x "
         f"{ro.n_samples_per_prompt} samples); {how}")
+    attention = getattr(ctx.engine, "attention", None)  # an in-process SGLang engine's choice
+    if attention is not None:
+        log(f"[qrl-train] {attention.describe()}")
     capacity = ctx.engine.capacity()
     if capacity is not None:  # the longest prompt of the task plus every new token
         longest = max((len(ctx.prompt_ids(r)) for r in ctx.records), default=0)

@@ -54,6 +54,7 @@ from ..sync.transport import WeightTransport, transport_class
 from ..utils.optional import require
 from . import crash
 from .kernels.moe_configs import config_dir_for_engine
+from .attention import choose_attention, fa3_kernel
 from .options import SGLangOptions
 from .sync import transports as _transports  # noqa: F401  (registers the sync paths)
 from .sync.session import SGLangSession
@@ -76,7 +77,7 @@ def engine_args_for(spec_name: str, is_moe: bool) -> dict:
         "skip_tokenizer_init": True,
         "grammar_backend": "none",
         "sampling_backend": "pytorch",
-        "attention_backend": "triton",
+        "attention_backend": "triton",  # the engine's choice replaces it (rollout_sglang.attention)
         "mem_fraction_static": 0.5,
         "enable_return_routed_experts": is_moe,
     }
@@ -84,6 +85,13 @@ def engine_args_for(spec_name: str, is_moe: bool) -> dict:
         # capture fewer decode graphs for quantized kernels (graph capture 107 s -> 8 s measured)
         args["cuda_graph_bs_decode"] = [1, 8, 32, 64, 128, 192, 256]
     return args
+
+
+def _capability(gpu: int) -> tuple[int, int] | None:
+    """Compute capability of CUDA device ``gpu`` (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(gpu)
 
 
 class SGLangEngine(RolloutEngine):
@@ -141,6 +149,10 @@ class SGLangEngine(RolloutEngine):
         self.top_k = int(cfg.get("num_experts_per_tok", 0))
         args = engine_args_for(spec_name, self.is_moe) | self._placement() \
             | self.options.engine_kwargs
+        self.attention = choose_attention(self.options.attention_backend, self.options.kv_cache,
+                                          _capability(args.get("base_gpu_id", 0)), fa3_kernel())
+        """The attention backend SGLang runs and why (rollout_sglang.attention)."""
+        args["attention_backend"] = self.attention.backend
         if self.options.release_memory:  # release_memory_occupation frees memory only so
             args["enable_memory_saver"] = True
         if engine_kwargs.get("disable_cuda_graph"):
