@@ -53,8 +53,8 @@ from ..sync.protocol.inplace import LOADER
 from ..sync.transport import WeightTransport, transport_class
 from ..utils.optional import require
 from . import crash
-from .kernels.moe_configs import config_dir_for_engine
 from .attention import choose_attention, fa3_kernel
+from .kernels.moe_configs import config_dir_for_engine
 from .options import SGLangOptions
 from .sync import transports as _transports  # noqa: F401  (registers the sync paths)
 from .sync.session import SGLangSession
