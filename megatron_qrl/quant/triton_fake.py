@@ -9,7 +9,8 @@ same scale arithmetic: ``s = reciprocal(amax) * MAX``, ``tl.div_rn``, :func:`_rn
 cast), then the reference's dequantization in fp32 (``codes * (1 / s)``, ``q * s``,
 ``e2m1 * (s_blk * s2)``) and one round-to-nearest-even cast to the weight's dtype. Signed
 zeros follow the reference: the integer formats' ``0 + q * s`` gives ``+0.0`` (here: the code
-through int32), the float formats keep the code's sign.
+through int32), the float formats keep the code's sign, set as a bit (:func:`_signed`: a value
+``-0.0`` where a negative rounds to zero, on every Triton version).
 
 bf16 is read and written as its int16 bits (:func:`_load_f32`; :func:`_store_out` rounds with
 :func:`_bf16_rne`): the interpreter's own bf16 conversions flush subnormals and truncate, and
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from .numerics import FP8_E4M3_MAX, ZERO_AMAX_EPS
 from .triton_act import _load_f32
-from .triton_quant import _SOFT, _bf16_rne, _e4m3, _f32, _nan_abs, _on, _rne, _rows_block
+from .triton_quant import _SOFT, _bf16_rne, _e4m3, _f32, _nan_abs, _on, _rne, _rows_block, _signed
 
 
 @triton.jit
@@ -119,7 +120,7 @@ def _nvfp4_fake_kernel(w_ptr, s2_ptr, s2_stride, out_ptr, amax_ptr, n_rows, k, s
                        NB: tl.constexpr, BLOCK: tl.constexpr):
     """``NB`` blocks of 16 in ``BLOCK_R`` rows (nvfp4 ``fake_quant_rows``; QeRL seed 002 /
     docs/ALGORITHMS.md sec. 3): ``d = e4m3(clamp(amax_blk / (6 s2), 2^-9, 448)) * s2``
-    (0 -> 1), ``W_hat = e2m1(W / d) * d``, the E2M1 value keeping the sign of ``W / d``."""
+    (0 -> 1), ``W_hat = e2m1(W / d) * d``, the E2M1 value with the sign bit of ``W / d < 0``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     cols = tl.program_id(1) * (NB * BLOCK) + tl.arange(0, NB * BLOCK)
@@ -140,7 +141,7 @@ def _nvfp4_fake_kernel(w_ptr, s2_ptr, s2_stride, out_ptr, amax_ptr, n_rows, k, s
          + (mag > 2.5).to(tl.float32) + (mag > 3.5).to(tl.float32) + (mag > 5.0).to(tl.float32)
          + ((mag == 0.75) | (mag == 1.75) | (mag == 3.5)).to(tl.float32))
     val = tl.where(o < 4.0, o * 0.5, tl.where(o == 7.0, 6.0, o - 2.0))  # E2M1 by ordinal
-    val = tl.where(y < 0, -val, val) * d
+    val = _signed(val, y < 0) * d
     _store_out(out_ptr + r64 * k + cols[None, :], tl.reshape(val, [BLOCK_R, NB * BLOCK]), cmask,
                BF16_BITS)
     bcols = tl.program_id(1) * NB + tl.arange(0, NB)

@@ -57,6 +57,14 @@ def _pow2(e):
 
 
 @triton.jit
+def _signed(mag, neg):
+    """fp32 ``mag`` (``>= +0``) with its sign bit set where ``neg``, ``-0.0`` for a zero: Triton
+    before 3.8 builds a float's unary minus as ``0 - x``, which gives ``+0.0`` for ``x = +0.0``."""
+    return (mag.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32,
+                                                                           bitcast=True)
+
+
+@triton.jit
 def _e4m3_soft(v):
     """(E4M3 code as int32, its fp32 value) of fp32 ``|v| <= 448`` rounded to nearest even
     (OCP FP8 E4M3: bias 7, subnormal step 2^-9): ``rne(|v| * 2^(3-e))`` mantissa steps past
@@ -70,7 +78,7 @@ def _e4m3_soft(v):
     steps = _rne(mag * _pow2(3 - e))
     code = tl.where(normal, (e + 6) * 8 + steps.to(tl.int32), steps.to(tl.int32))
     val = steps * _pow2(e - 3)
-    return code | (sign << 7), tl.where(sign == 1, -val, val)
+    return code | (sign << 7), _signed(val, sign == 1)
 
 
 @triton.jit

@@ -4,7 +4,9 @@
 when they are selected. Compiled on a GPU: tests/gpu/test_fused_quant.py.
 
 Run: ``PYTHONPATH=/tmp/triton_site:$PWD pytest tests/quant/test_fused_fake_quant.py``
-(Triton installed aside; the shared venv has none, and there the module skips).
+(Triton installed aside; the shared venv has none, and there the module skips). Triton 3.7 or
+later: the interpreters of 3.5 and 3.6 stop on the per-channel kernels' loop bound (``int()`` of
+a one-element array, which NumPy 2.4 refuses).
 """
 
 from __future__ import annotations
@@ -118,3 +120,53 @@ def test_stacked_refresh_takes_the_fused_kernel_in_one_call(monkeypatch, fmt):
     assert calls == [(5 * 256, 128)]
     assert out["triton"].shape == w.shape and out["triton"].dtype == w.dtype
     assert torch.equal(bits(out["triton"]), bits(out["torch"]))
+
+
+def _minus_as_zero_minus(self, x):
+    """A unary minus as Triton before 3.8 builds it, floats included: ``0 - x`` (``+0.0`` for
+    ``x = +0.0``)."""
+    return self.sub(self.scalar_constant(0, x.type.scalar), x, True)
+
+
+def expert_stack_in_miniature() -> tuple[torch.Tensor, list]:
+    """bench/fake_quant_speed.py's fc1 stacks (``randn * 0.02`` in bf16, an outlier row every
+    97 at ``x 300``) at its ``--tiny`` width: 4 experts of gate/up ``[256, 256]``, and their
+    layouts."""
+    from megatron_qrl.te_quant.shard_quant import FusionLayout
+
+    w = torch.randn(4, 256, 256, generator=torch.Generator().manual_seed(0)).mul_(0.02)
+    w.view(-1, 256)[::97] *= 300.0
+    return w.bfloat16(), [FusionLayout("gate_up")] * 4
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_block", "nvfp4"])
+def test_negative_values_rounding_to_zero_stay_negative_zero(monkeypatch, fmt):
+    """A negative value that quantizes to zero dequantizes to ``-0.0`` (the reference keeps the
+    code's sign) also where Triton builds a float's unary minus as ``0 - x`` (before 3.8: the
+    H200's Triton compiles ``-x`` so, and its interpreter runs it so): the edge cases, and for
+    nvfp4 the miniature of a 30B-A3B fc1 stack through the stacked refresh (gate and up with
+    their expert's tensor scale), ~3.4% of whose values are such zeros. Mutations caught:
+    ``tl.where(y < 0, -val, val)`` for ``_signed`` in ``_nvfp4_fake_kernel`` (nvfp4: 3.4% of
+    the stack, the count the H200 showed) and in ``_e4m3_soft`` (fp8, fp8_block: the
+    interpreter's E4M3 values)."""
+    from triton.language.semantic import TritonSemantic
+
+    from megatron_qrl.te_quant.shard_quant import quantize_shards_stacked
+
+    monkeypatch.setattr(TritonSemantic, "minus", _minus_as_zero_minus)
+    for label, w in fake_weights(fmt)[:4]:
+        assert_fake_same(fmt, w, f"{label}, unary minus 0 - x")
+    if fmt != "nvfp4":
+        return
+    w, layouts = expert_stack_in_miniature()
+    out = {}
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        try:
+            out[impl] = torch.stack(quantize_shards_stacked(get_spec(fmt), list(w.unbind(0)),
+                                                            layouts, "fc1"))
+        finally:
+            set_quant_impl(None)
+    diff = (bits(out["triton"]) != bits(out["torch"])).sum().item()
+    assert diff == 0, f"nvfp4 fc1 stack: {diff} of {w.numel()} values differ"
+    assert ((w < 0) & (out["torch"] == 0)).float().mean().item() > 0.03
