@@ -215,7 +215,9 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     start = time.perf_counter()
-    slept = ctx.sleep_trainer()  # the engine gets the GPU while it decodes
+    # the engine decodes beside the trainer's weights only: its state slept before the last
+    # sync (the weights, which the sync read, stay: the engine's memory was resumed before it)
+    slept = ctx.sleep_trainer(keep_params=True)
     asleep_gib = torch.cuda.memory_allocated() / 2**30 if cuda and ctx.sleeper else None
     t0 = time.perf_counter()
     batch, rewards, texts, over_budget, concurrency = ctx.world.from_main(lambda: _rollout(ctx, step))
@@ -241,7 +243,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
             counts.append(ctx.trainer.last_routing_counts)
         t3 = time.perf_counter()
     slept_state = ctx.before_sync()
-    t_sync = time.perf_counter()
+    t_sync = t3 + slept_state  # the engine's resume counts in the sync, as it always did
     synced = ctx.sync(step + 1)
     t4 = time.perf_counter()
     # the phases are disjoint: rollout, recompute, train, sync, and sleep / wake apart

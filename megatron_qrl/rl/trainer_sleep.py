@@ -31,9 +31,13 @@ loss scales of megatron-core's auxiliary-loss autoscalers (one scalar each).
 needs its weights at once (recompute, forward / backward) and the fp32 main parameters and
 Adam moments only at the optimizer step. On CUDA the weights' copies and the gradients' zeroing
 come first on the side stream and the compute stream waits for them on the GPU (no host
-wait); the state's copies follow on the same side stream and overlap the recompute and the
-forward / backward; :meth:`TrainerSleep.state_ready` (``PolicyTrainer``'s hook before every
-optimizer step) makes the compute stream wait for them. On the CPU the state stays asleep
+wait); the state's copies follow from a host thread in chunks of :data:`CHUNK_BYTES`, each
+issued once the one before has landed, so that the trainer's own small host-to-device copies
+(each micro batch's tensors) queue behind one chunk, not behind the whole state — issued at
+once, the state's copies held the recompute's first micro batch until all of them had landed
+(measured on the H200: recompute 0.80 -> 1.67 s on the 30B-A3B slice, ~39 GB of state).
+:meth:`TrainerSleep.state_ready` (``PolicyTrainer``'s hook before every optimizer step) waits
+for the thread and makes the compute stream wait for the last chunk. On the CPU the state stays asleep
 until :meth:`TrainerSleep.state_ready` copies it in, so a step that read it earlier would
 fail the CPU tests instead of reading stale bytes.
 
@@ -46,6 +50,7 @@ part of ``--optimizer-cpu-offload``'s HybridDeviceOptimizer on a GPU job) stay w
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -122,8 +127,8 @@ class TrainerSleep:
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._state_event: Any = None
-        """CUDA: the event after the deferred state's copies (:meth:`state_ready` waits)."""
+        self._feeder: _ChunkFeeder | None = None
+        """CUDA: the thread copying a deferred state in (:meth:`state_ready` waits for it)."""
         self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []
         """CUDA: host buffers still read by copies behind an event (back to the pool once
         it completed: :meth:`_settle`)."""
@@ -147,7 +152,7 @@ class TrainerSleep:
     def state_pending(self) -> bool:
         """Whether a ``wake(defer_state=True)`` left the optimizer state to
         :meth:`state_ready`."""
-        return self._state_event is not None or self._deferred
+        return self._feeder is not None or self._deferred
 
     def asleep_roles(self) -> set[str]:
         return {s.role for s in self._slots.values()}
@@ -264,6 +269,7 @@ class TrainerSleep:
         :meth:`state_ready` must run before anything reads it; ``seconds`` is then the host
         time of the wake, the copies overlapping what the GPU runs next."""
         t0 = time.perf_counter()
+        self.state_ready()  # a deferred state still on its way first
         stats = SleepStats()
         slots = list(self._slots.values())
         later = [s for s in slots if defer_state and s.role == "state"]
@@ -288,12 +294,10 @@ class TrainerSleep:
                 self._restore(now, stats)
                 weights = torch.cuda.Event()
                 weights.record()
-                self._restore(later, stats)
-                self._state_event = torch.cuda.Event()
-                self._state_event.record()
             torch.cuda.current_stream(self.device).wait_event(weights)
             self._forget(now, weights)
-            self._forget(later, self._state_event)
+            stats.bytes_copied += sum(s.nbytes for s in later)
+            self._feeder = _ChunkFeeder(self, later)
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -301,9 +305,10 @@ class TrainerSleep:
         """Make the optimizer state a deferred wake left usable (a no-op otherwise): CUDA,
         the current stream waits for its copies; CPU, they run now. Returns the seconds."""
         t0 = time.perf_counter()
-        if self._state_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._state_event)
-            self._state_event = None
+        if self._feeder is not None:
+            last = self._feeder.finish()
+            self._feeder = None
+            torch.cuda.current_stream(self.device).wait_event(last)
         elif self._deferred:
             later = [s for s in self._slots.values() if s.role == "state"]
             for slot in later:
@@ -312,6 +317,48 @@ class TrainerSleep:
             self._forget(later)
             self._deferred = False
         return time.perf_counter() - t0
+
+
+CHUNK_BYTES = 64 * 2**20
+"""Bytes per copy of a deferred state wake (~2 ms over PCIe 5: the longest a micro batch's own
+host-to-device copy waits behind it)."""
+
+
+class _ChunkFeeder:
+    """A host thread copying ``slots`` in from their host buffers, one :data:`CHUNK_BYTES`
+    chunk at a time on the sleeper's side stream (each issued once the previous one landed:
+    the copy engine never holds more than one). :meth:`finish` joins it and returns the event
+    after the last copy; the host buffers go back to the sleeper's pool behind it."""
+
+    def __init__(self, sleeper: TrainerSleep, slots: list[_Slot]) -> None:
+        self._sleeper, self._slots = sleeper, slots
+        self._error: BaseException | None = None
+        self._last = torch.cuda.Event()
+        self._thread = threading.Thread(target=self._run, name="qrl-trainer-wake", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sl = self._sleeper
+        try:
+            with torch.cuda.device(sl.device), torch.cuda.stream(sl._stream):
+                landed = torch.cuda.Event()
+                for slot in self._slots:
+                    dev = sl._bytes(slot)
+                    for a in range(0, slot.nbytes, CHUNK_BYTES):
+                        b = min(a + CHUNK_BYTES, slot.nbytes)
+                        dev[a:b].copy_(slot.host[a:b], non_blocking=True)
+                        landed.record()
+                        landed.synchronize()  # releases the GIL while the chunk lands
+                self._last.record()
+        except BaseException as e:  # noqa: BLE001  (re-raised by finish)
+            self._error = e
+
+    def finish(self) -> torch.cuda.Event:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("waking the trainer's optimizer state failed") from self._error
+        self._sleeper._forget(self._slots, self._last)
+        return self._last
 
 
 def trainer_sleep_on(configs: Any) -> bool:

@@ -192,8 +192,9 @@ def test_step_phases_are_disjoint_and_cover_the_step(tmp_path, monkeypatch):
 
 def test_driver_order_engine_never_beside_the_whole_trainer(tmp_path, monkeypatch):
     """The engine starts beside a sleeping trainer and releases; the optimizer state sleeps
-    before each engine resume + weight sync, the weights before each rollout, and the wake
-    comes after the engine's release."""
+    before each engine resume + weight sync and stays asleep through the rollout (the weights
+    stay: the engine's memory was resumed beside them), and the wake comes after the engine's
+    release."""
     from megatron_qrl.models.runtime import single_process_megatron
     from megatron_qrl.rl.driver import run_job
 
@@ -223,7 +224,7 @@ def test_driver_order_engine_never_beside_the_whole_trainer(tmp_path, monkeypatc
     with single_process_megatron():
         run_job(configs, flags, progress=False, log=lambda _m: None,
                 engine_factory=lambda ro, hf, seed: Engine(hf, ro.format, seed))
-    step = ["sleep", "generate", "release", "wake", "sleep-state", "resume"]
+    step = ["sleep-state", "generate", "release", "wake", "sleep-state", "resume"]
     assert calls == ["sleep", "release", "wake",  # the engine's start
                      "sleep-state", "resume", "update1", *step, "update2", *step, "update3",
                      "wake"]
