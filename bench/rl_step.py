@@ -50,6 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._runner import commit  # noqa: E402
+
 PEAK_FLOPS = 989e12
 PRESETS = {"qwen3_4b": "qwen3-4b-1gpu", "qwen3_30b_a3b": "qwen3-30b-a3b"}
 """The ``--qrl-preset`` of each model's job (any other model: ``tiny-cpu``, qrl-train's default).
@@ -245,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         res = run_variant(args, ckpt, cfg, variant, named.get(name, ""))
-        res.update(model=args.model, layers=cfg["num_hidden_layers"], device=args.device)
+        res.update(model=args.model, layers=cfg["num_hidden_layers"], device=args.device,
+                   commit=commit())
         print("[rl_step] " + json.dumps(res), flush=True)
         rows.append(res)
         if args.out:

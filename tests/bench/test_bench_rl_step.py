@@ -32,6 +32,8 @@ def test_active_params_closed_form():
 
 
 def test_cpu_smoke_one_rl_step(tmp_path):
+    from bench._runner import commit
+
     out = tmp_path / "rl_step.jsonl"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench/rl_step.py"), "--device", "cpu", "--model", "tiny",
@@ -43,6 +45,10 @@ def test_cpu_smoke_one_rl_step(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["bf16", "bf16@budget"]
+    assert all(r["commit"] == commit() for r in rows)  # every benchmark row records its commit
+    for r in rows:  # the step is the whole step: the four phases and nothing between them
+        assert r["step_s"] >= sum(r[k] for k in ("time_rollout_s", "time_recompute_s",
+                                                 "time_train_s", "time_sync_s"))
     for r in rows:  # --profile: the last step's trainer phases (catches: the flag not passed)
         assert set(r["profile"]["ranges_ms"]) == {"qrl.recompute", "qrl.train"}
         assert 0 < r["profile_train_s"] <= r["profile_wall_s"]
