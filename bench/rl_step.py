@@ -174,6 +174,11 @@ def run_variant(args: argparse.Namespace, ckpt: Path, cfg: dict, variant: str,
         trainer_peak_gib=rec.get("trainer_peak_gib"),
         trainer_reserved_gib=rec.get("trainer_reserved_gib"),
         alloc_retries=rec.get("alloc_retries"), response_len=rec.get("response_len"),
+        # the engine's memory release (in the rollout) / resume (in the sync), its KV pool and
+        # the waves its samples decoded in (rollout.capacity)
+        **{k: rec.get(k) for k in ("time_engine_release_s", "time_engine_resume_s",
+                                   "engine_kv_pool_tokens", "engine_max_running_requests",
+                                   "rollout_waves")},
         reward_mean=rec.get("reward_mean"), mismatch_kl=rec.get("mismatch_kl"))
     if rec.get("profile_summary"):  # --profile: the trainer phases' profile of that step
         res["profile"] = json.loads(Path(rec["profile_summary"]).read_text())

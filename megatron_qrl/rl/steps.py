@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -94,20 +94,28 @@ class StepContext:
     engine_released: bool = False
     """Whether the engine's memory is released now (``engine_memory``)."""
 
+    engine_memory_s: dict = field(default_factory=dict)
+    """Seconds of the engine's last memory release (key True) and resume (key False)."""
+
     sync_quantization: str = ""
     """How the weight sync quantizes (``rl.qcache_sync.QCacheSync.describe``), for the log."""
 
-    def engine_memory(self, release: bool) -> None:
+    def engine_memory(self, release: bool) -> float:
         """Release (or resume) the engine's GPU memory when ``release_engine_memory`` and it
         is not so already. Before a resume the trainer's cached free blocks go back to the
         driver (``torch.cuda.empty_cache``): the activations of recompute + train, freed but
-        still reserved by the caching allocator, would otherwise leave the engine too little."""
+        still reserved by the caching allocator, would otherwise leave the engine too little.
+        Returns the seconds it took (0.0: nothing to do)."""
         if self.release_engine_memory and self.world.is_main and self.engine is not None \
                 and release != self.engine_released:
+            t0 = time.perf_counter()
             if not release and torch.cuda.is_available():
                 torch.cuda.empty_cache()
             (self.engine.release_memory if release else self.engine.resume_memory)()
             self.engine_released = release
+            self.engine_memory_s[release] = time.perf_counter() - t0
+            return self.engine_memory_s[release]
+        return 0.0
 
     def sleep_trainer(self, keep_params: bool = False) -> float:
         """Seconds the trainer took to fall asleep (``keep_params``: its weights stay for the
@@ -215,6 +223,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     start = time.perf_counter()
+    ctx.engine_memory_s.clear()
     # the engine decodes beside the trainer's weights only: its state slept before the last
     # sync (the weights, which the sync read, stay: the engine's memory was resumed before it)
     slept = ctx.sleep_trainer(keep_params=True)
@@ -222,7 +231,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     batch, rewards, texts, over_budget, concurrency = ctx.world.from_main(lambda: _rollout(ctx, step))
     batch = ctx.check_length(batch)
-    ctx.engine_memory(release=True)  # the trainer's recompute + update run next
+    released = ctx.engine_memory(release=True)  # the trainer's recompute + update run next
     profiled = _profiler(ctx, step)
     t_rollout = time.perf_counter()
     with profiled:
@@ -250,6 +259,9 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     rec = _record(step, rewards, texts, batch, updates,
                   (t0, t_rollout, t1, t2, t3, t_sync, t4))
     rec["time_step_s"] = t4 - start
+    if ctx.release_engine_memory:  # inside time_rollout_s / time_sync_s: the engine's memory
+        rec.update(time_engine_release_s=released,
+                   time_engine_resume_s=ctx.engine_memory_s.get(False, 0.0))
     if ctx.sleeper is not None:  # the trainer slept through the rollout (rl.trainer_sleep)
         rec.update(time_sleep_s=slept + slept_state, time_wake_s=woke,
                    trainer_gpu_gib_asleep=asleep_gib)

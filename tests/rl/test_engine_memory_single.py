@@ -4,10 +4,13 @@ does; with --no-qrl-rollout-sglang-release-memory (or the reference engine) neve
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from megatron_qrl.rl.cli import parse_configs
 from tests.helpers.rl_engine_double import TinyEngine
+from tests.rl.run_records import read_records
 
 
 class RecordingEngine(TinyEngine):
@@ -31,10 +34,15 @@ class RecordingEngine(TinyEngine):
     def release_memory(self) -> None:
         self.calls.append("release")
         self.released = True
+        time.sleep(self.delay)
 
     def resume_memory(self) -> None:
         self.calls.append("resume")
         self.released = False
+        time.sleep(self.delay)
+
+    delay = 0.0
+    """Seconds each release / resume takes (the step's record must report them)."""
 
 
 def _run(tmp_path, *extra: str) -> list[str]:
@@ -62,8 +70,14 @@ def _run(tmp_path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_release_after_rollout_resume_before_sync(tmp_path):
+def test_release_after_rollout_resume_before_sync(tmp_path, monkeypatch):
+    monkeypatch.setattr(RecordingEngine, "delay", 0.3)
     assert _run(tmp_path / "on") == ["update1", "generate", "release", "resume", "update2",
                                      "generate", "release", "resume", "update3"]
+    rl = [r for r in read_records(tmp_path / "on") if r["phase"] == "rl"]
+    for r in rl:  # the release in the rollout's time, the resume in the sync's, each reported
+        assert 0.3 <= r["time_engine_release_s"] <= r["time_rollout_s"]
+        assert 0.3 <= r["time_engine_resume_s"] <= r["time_sync_s"]
+    monkeypatch.setattr(RecordingEngine, "delay", 0.0)
     assert _run(tmp_path / "off", "--no-qrl-rollout-sglang-release-memory") == [
         "update1", "generate", "update2", "generate", "update3"]
