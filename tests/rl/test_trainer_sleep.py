@@ -186,7 +186,7 @@ def test_step_phases_are_disjoint_and_cover_the_step(tmp_path, monkeypatch):
         parts = sum(r[k] for k in ("time_rollout_s", "time_recompute_s", "time_train_s",
                                    "time_sync_s", "time_sleep_s", "time_wake_s"))
         assert r["time_sleep_s"] >= 0.4 and r["time_wake_s"] >= 0.4
-        assert abs(parts - r["time_step_s"]) < 0.05, r
+        assert abs(parts - r["time_step_s"]) < 0.15, r  # a double count would be >= 0.4
         assert r["time_train_s"] < r["time_step_s"] - 0.8
 
 
