@@ -22,10 +22,11 @@
 # RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
 # SLEEP=on|off|auto (--qrl-trainer-sleep; default off, as the preset): on puts the trainer to
-# sleep while the engine decodes (weights, fp32 masters and Adam state in pinned host memory,
-# grad buffers released; docs/LAUNCH.md "The trainer asleep during rollout"), so the engine
-# starts beside a sleeping trainer with MEM_FRACTION default 0.6 instead of 0.3 (its KV pool
-# for all 256 samples at once); the sync then runs beside the trainer's BF16 weights only.
+# sleep while the engine decodes (fp32 masters and Adam state in pinned host memory, grad
+# buffers released, the BF16 weights kept; docs/LAUNCH.md "The trainer asleep during rollout"),
+# so the engine starts beside a sleeping trainer with MEM_FRACTION default 0.6 instead of 0.3
+# (its KV pool for all 256 samples at once); the sync then runs beside the trainer's BF16 weights
+# only. Not yet run with SLEEP=on on the H200.
 # Not with RELEASE=0. metrics.jsonl: time_sleep_s, time_wake_s, trainer_gpu_gib_asleep.
 # STATUS: RAN AS SHIPPED on one H200 (2026-12-02, commit 3b72f6b, `bash bench/h200.sh example4b`
 # and `MODE=colocated bash bench/h200.sh example4b`: default flags, random Qwen3-4B from

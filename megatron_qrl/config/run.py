@@ -434,14 +434,15 @@ class RunConfig:
 
     trainer_sleep: Literal["auto", "on", "off"] = field(default="auto",
                                                        metadata={"on_resume": "may change"})
-    """Put the trainer to sleep while the engine decodes (rl.trainer_sleep): its weights,
-    fp32 main parameters and optimizer state copied to (pinned) host memory and its gradient
-    buffers released before each rollout, restored bit for bit after it (the optimizer state
-    goes to sleep again before the weight sync, the weights after it), so an engine on the
-    trainer's GPU can be given a larger --qrl-rollout-sglang-mem-fraction. auto: on for an
+    """Put the trainer to sleep while the engine decodes (rl.trainer_sleep): its fp32 main
+    parameters and optimizer state copied to (pinned) host memory and its gradient buffers
+    released before each weight sync (the engine resumes beside the BF16 weights, which the
+    sync reads) and through the rollout, restored bit for bit after it (the state behind the
+    weights, overlapping the recompute and forward / backward), so an engine on the trainer's
+    GPU can be given a larger --qrl-rollout-sglang-mem-fraction. auto: on for an
     SGLang engine on a GPU in --qrl-mode single (with its memory release) or colocated, off
     otherwise. on: also with the reference engine or on CPU (the same copies, into host
-    memory); not with --qrl-mode disaggregated. Costs a copy of the trainer's state each way
+    memory); not with --qrl-mode disaggregated. Costs a copy of the optimizer state each way
     per step (time_sleep_s / time_wake_s in metrics.jsonl)."""
 
     profile_step: int = field(default=-1, metadata={"on_resume": "may change"})
