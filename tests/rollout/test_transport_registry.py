@@ -99,6 +99,7 @@ def _auto_tests() -> set[tuple[str, str]]:
 
 def test_auto_is_resolved_in_one_place_per_side():
     other_autos = {"config/args.py",  # --qrl-gpu-capability auto: not a sync choice
-                   "rl/trainer_sleep.py"}  # --qrl-trainer-sleep auto: nor this
+                   "rl/trainer_sleep.py",  # --qrl-trainer-sleep auto: nor this
+                   "rollout_sglang/attention.py"}  # --qrl-rollout-sglang-attention-backend auto
     sync_auto = {f for f in _auto_tests() if f[0] not in other_autos}
     assert sync_auto - NOT_RESOLVING == RESOLVERS
