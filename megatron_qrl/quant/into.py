@@ -19,7 +19,8 @@ products are the same fp32 products, and a cast or round of the same fp32 value 
 code: bit for bit :meth:`pack`'s tensors (``tests/quant/test_quantize_into.py``).
 
 Where the format names a fused kernel for it (``fused_into_kernel``: fp8 / int8,
-:func:`~megatron_qrl.quant.triton_quant.quantize_channel_into`) and it runs
+:func:`~megatron_qrl.quant.triton_quant.quantize_channel_into`; fp8_block,
+:func:`~megatron_qrl.quant.triton_quant.quantize_fp8_block_into`) and it runs
 (:func:`~megatron_qrl.quant.fused.fused_kernel`: CUDA tensors with Triton), one launch per
 weight or expert stack computes the amaxes, writes the scales and the codes into their regions
 (any row strides; the codes' rows contiguous, as every engine region is), the same bits

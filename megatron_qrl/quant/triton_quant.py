@@ -146,23 +146,58 @@ def _channel_into_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n_rows, k, sw_e,
 
 
 @triton.jit
+def _fp8_block_tile(x, EPS: tl.constexpr, SOFT: tl.constexpr):
+    """(E4M3 codes, ``weight_scale_inv``, amax) of one 128x128 block ``x`` (fp32; masked
+    edges loaded as 0: zero padding never changes an amax): fp8_block ``_quantize``,
+    DeepSeek-V3's layout, ModelOpt ``_fp8_eager`` per block: ``s = 448 / amax_block`` (as
+    torch: ``reciprocal(amax) * 448``; an amax ``<= EPS`` counts as 1),
+    ``codes = e4m3(w * s)``, ``weight_scale_inv = 1 / s``; the amax with NaN read as +inf."""
+    a = tl.max(tl.max(_nan_abs(x), axis=1), axis=0)
+    s = tl.div_rn(1.0, tl.where(a <= EPS, 1.0, a)) * 448.0
+    q, _ = _e4m3(tl.minimum(tl.maximum(x * s, -448.0), 448.0), SOFT)
+    return q, tl.div_rn(1.0, s), a
+
+
+@triton.jit
 def _fp8_block_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n, k, stride_w, kb,
                       EPS: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr):
-    """One 128x128 block (fp8_block ``_quantize``, DeepSeek-V3's layout; ModelOpt
-    ``_fp8_eager`` per block): ``s = 448 / amax_block``, ``codes = e4m3(w * s)``,
-    ``weight_scale_inv = 1 / s``; edges masked (zero padding never changes an amax)."""
+    """One 128x128 block (:func:`_fp8_block_tile`) of an ``[n, k]`` weight into new
+    contiguous codes ``[n, k]``, scales and amaxes ``[nb, kb]``; edges masked."""
     bn, bk = tl.program_id(0), tl.program_id(1)
     rows = bn * BLOCK + tl.arange(0, BLOCK)
     cols = bk * BLOCK + tl.arange(0, BLOCK)
     m = (rows < n)[:, None] & (cols < k)[None, :]
     x = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=m,
                 other=0.0).to(tl.float32)
-    a = tl.max(tl.max(_nan_abs(x), axis=1), axis=0)
-    s = tl.div_rn(1.0, tl.where(a <= EPS, 1.0, a)) * 448.0
-    q, _ = _e4m3(tl.minimum(tl.maximum(x * s, -448.0), 448.0), SOFT)
+    q, inv, a = _fp8_block_tile(x, EPS, SOFT)
     tl.store(codes_ptr + rows[:, None].to(tl.int64) * k + cols[None, :], q, mask=m)
-    tl.store(scale_ptr + bn * kb + bk, tl.div_rn(1.0, s))
+    tl.store(scale_ptr + bn * kb + bk, inv)
     tl.store(amax_ptr + bn * kb + bk, a)
+
+
+@triton.jit
+def _fp8_block_into_kernel(w_ptr, codes_ptr, scale_ptr, amax_ptr, n, k, kb, sw_e, sw_r,
+                           sc_e, sc_r, ss_e, ss_r, ss_c, EPS: tl.constexpr,
+                           SOFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``(program_id(0), program_id(1))`` (:func:`_fp8_block_tile`) of expert
+    ``program_id(2)`` of an ``[E, n, k]`` stack (one weight: ``E = 1``), codes and scales
+    written into strided regions (an expert stack's half of every expert's ``w13`` and of
+    its ``w13_weight_scale_inv``, a fused ``qkv``'s rows and block rows): element
+    ``[e, r, c]`` of the weight / codes at ``e * s_e + r * s_r + c``, scale ``[e, i, j]`` at
+    ``e * ss_e + i * ss_r + j * ss_c``; the block amaxes go to ``amax[e, i, j]``
+    (contiguous); edges masked."""
+    bn, bk = tl.program_id(0), tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    rows = bn * BLOCK + tl.arange(0, BLOCK)
+    cols = bk * BLOCK + tl.arange(0, BLOCK)
+    m = (rows < n)[:, None] & (cols < k)[None, :]
+    r64 = rows[:, None].to(tl.int64)
+    x = tl.load(w_ptr + e * sw_e + r64 * sw_r + cols[None, :], mask=m,
+                other=0.0).to(tl.float32)
+    q, inv, a = _fp8_block_tile(x, EPS, SOFT)
+    tl.store(codes_ptr + e * sc_e + r64 * sc_r + cols[None, :], q, mask=m)
+    tl.store(scale_ptr + e * ss_e + bn * ss_r + bk * ss_c, inv)
+    tl.store(amax_ptr + (e * tl.num_programs(0) + bn) * kb + bk, a)
 
 
 @triton.jit
@@ -299,6 +334,29 @@ def quantize_fp8_block(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Te
         _fp8_block_kernel[(nb, kb)](w, codes.view(torch.uint8), scale, amax, n, k, w.stride(0),
                                     kb, EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK=bs, num_warps=16)
     return QuantizedWeight(spec.name, codes, scale, None, (n, k), w.dtype), amax
+
+
+def quantize_fp8_block_into(spec, w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
+                            ) -> torch.Tensor:
+    """fp8_block (128x128 blocks) of the expert stack ``w`` ``[E, n, k]`` written into
+    ``codes`` ``[E, n, k]`` and ``scale`` (``weight_scale_inv``) ``[E, ceil(n/128),
+    ceil(k/128)]``, views of another tensor with any strides but a contiguous last dimension
+    of ``codes`` (:meth:`~.spec_core.SpecCore.quantize_into`): :func:`quantize_fp8_block`'s
+    codes and scales per expert, in one launch; returns the block amaxes ``[E, nb, kb]``."""
+    e, n, k = w.shape
+    if codes.stride(-1) != 1 and k > 1:
+        raise ValueError(f"quantize_fp8_block_into writes rows of codes; got strides "
+                         f"{codes.stride()}")
+    w = w if w.stride(-1) == 1 or k == 1 else w.contiguous()
+    bs = spec.block[0]
+    nb, kb = triton.cdiv(n, bs), triton.cdiv(k, bs)
+    amax = _f32((e, nb, kb), w.device)
+    with _on(w):
+        _fp8_block_into_kernel[(nb, kb, e)](
+            w, codes.view(torch.uint8), scale, amax, n, k, kb, w.stride(0), w.stride(1),
+            codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+            scale.stride(2), EPS=ZERO_AMAX_EPS, SOFT=_SOFT, BLOCK=bs, num_warps=16)
+    return amax
 
 
 def quantize_w4a16(spec, w: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:

@@ -15,6 +15,11 @@ fp8_block's 1x128 activation groups (the aligned experts' fake-path input quanti
 kernel's codes and scales equal CUDA torch's reference and the fake activation through the
 kernels equals ``_act`` on edge groups and a Qwen3-30B-A3B-sized permuted input.
 
+The fused writes into an engine's regions (``quantize_channel_into`` / ``quantize_fp8_block_into``,
+the direct sync's ``QuantSpec.quantize_into``): the same bits as CUDA torch's and the CPU's
+write on the edge cases and on 30B-A3B expert stacks written into one half of a ``w13``-like
+region; fp8_block's equals its pack kernel per expert, non-finite blocks included.
+
 The fused fake quantizers (megatron_qrl/quant/triton_fake.py: ``quantize_dequantize``, the
 aligned forward's once-per-step refresh): the weight in its dtype equals CUDA torch's and the
 CPU's fake quantization on the edge cases of ``fused_cases.fake_weights`` and on the 30B-A3B
@@ -57,6 +62,7 @@ from tests.quant.fused_cases import (  # noqa: E402
     weights,
 )
 from tests.quant.test_quant_pack_stream import moe_stream  # noqa: E402
+from tests.quant.test_quantize_into import Engine  # noqa: E402
 
 CUDA = "cuda"
 
@@ -229,3 +235,69 @@ def test_stacked_refresh_on_cuda_takes_the_kernel(fmt, monkeypatch):
     finally:
         set_quant_impl(None)
     assert_bits_equal(got, want, f"{fmt} stacked refresh")
+
+
+INTO = ["fp8", "int8", "fp8_block"]
+
+
+def _write_into(fmt, name, w, impl, start):
+    """``quantize_into`` of ``w`` into an :class:`Engine`'s regions through ``impl``: the
+    bits written (the rest of each region's tensor checked untouched)."""
+    set_quant_impl(impl)
+    try:
+        eng = Engine(start=start, device=w.device)
+        written = dict(get_spec(fmt).quantize_into(name, w, eng.region))
+        assert all(eng.untouched(k, t.shape) for k, t in written.items()), (fmt, impl)
+        return {k: bits(t) for k, t in written.items()}
+    finally:
+        set_quant_impl(None)
+
+
+@pytest.mark.parametrize("fmt", INTO)
+def test_fused_into_equals_the_torch_write(fmt, monkeypatch):
+    """The direct sync's write on CUDA under ``auto`` takes the fused kernel (one call per
+    weight or stack) and gives CUDA torch's bits, and the CPU's on the edge weights: a 30B-A3B
+    layer's gate / up stack ``[128, 768, 2048]`` into one half of a ``w13``-like region, its
+    down stack ``[128, 2048, 768]``, a q/k/v-sized weight whose rows are not a multiple of
+    128 (bf16, outliers every 97 rows), and fused_cases' edge weights."""
+    spec = get_spec(fmt)
+    name = spec.fused_into_kernel
+    assert fused_kernel(spec, torch.device(CUDA), "fused_into_kernel") is not None
+    real, calls = getattr(triton_quant, name), []
+    monkeypatch.setattr(triton_quant, name,
+                        lambda spec, w, *a: calls.append(w.shape) or real(spec, w, *a))
+    stack = "model.layers.4.mlp.experts.*.up_proj.weight"
+    one = "model.layers.4.self_attn.k_proj.weight"
+    g = torch.Generator(device=CUDA).manual_seed(8)
+    big = []
+    for shape, start in (((128, 768, 2048), 768), ((128, 2048, 768), 0), ((4196, 2048), 3)):
+        w = (torch.randn(shape, device=CUDA, generator=g) * 0.02).to(torch.bfloat16)
+        w.view(-1, shape[-1])[::97] *= 300.0
+        big.append((stack if len(shape) == 3 else one, w, start))
+    edge = [(one, w, 128) for _, w in weights(fmt, CUDA)]
+    for i, (wname, w, start) in enumerate(big + edge):
+        got = _write_into(fmt, wname, w, "auto", start)
+        want = _write_into(fmt, wname, w, "torch", start)
+        if i >= len(big):
+            cpu = _write_into(fmt, wname, w.cpu(), "torch", start)
+            assert all(torch.equal(want[k].cpu(), cpu[k]) for k in want), (fmt, i)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (fmt, tuple(w.shape), k)
+    assert len(calls) == len(big) + len(edge)
+
+
+def test_fp8_block_into_kernel_is_the_pack_kernel_per_expert_on_cuda():
+    """Compiled: ``quantize_fp8_block_into`` on a stack equals ``quantize_fp8_block`` on each
+    expert (codes, scales, block amaxes), NaN / Inf blocks included (the kernels' one tile)."""
+    spec = get_spec("fp8_block")
+    g = torch.Generator(device=CUDA).manual_seed(9)
+    w = (torch.randn(4, 300, 512, device=CUDA, generator=g) * 0.02).to(torch.bfloat16)
+    w[0, 5, 6], w[1, 200, 300], w[3, 0, 0] = float("nan"), float("inf"), float("-inf")
+    codes = torch.empty(4, 300, 512, dtype=torch.float8_e4m3fn, device=CUDA)
+    scale = torch.empty(4, 3, 4, device=CUDA)
+    amax = triton_quant.quantize_fp8_block_into(spec, w, codes, scale)
+    for e in range(4):
+        q, a = triton_quant.quantize_fp8_block(spec, w[e])
+        assert torch.equal(bits(codes[e]), bits(q.codes)), e
+        assert torch.equal(bits(scale[e]), bits(q.scale)), e
+        assert torch.equal(bits(amax[e]), bits(a)), e

@@ -33,7 +33,7 @@ def test_no_fma_and_ieee_division(ptx):
 
 
 def test_native_round_to_nearest_casts(ptx):
-    for name in ("fp8", "fp8_block", "nvfp4", "act_fp8"):
+    for name in ("fp8", "fp8_block", "fp8_block_into", "nvfp4", "act_fp8"):
         assert ptx[name].get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0, (name, ptx[name])
     for name in ("w4a16", "dequant_fp8", "dequant_int8"):
         assert any(op.startswith("cvt.rn.bf16") for op in ptx[name]), (name, ptx[name])

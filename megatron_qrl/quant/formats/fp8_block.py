@@ -46,6 +46,7 @@ class FP8BlockSpec(QuantSpec):
     sglang_quantization: str | None = "fp8"
     bits_per_weight: float = 8.0 + 32.0 / (BLOCK * BLOCK)
     fused_kernel: ClassVar[str | None] = "quantize_fp8_block"
+    fused_into_kernel: ClassVar[str | None] = "quantize_fp8_block_into"
     fused_fake_kernel: ClassVar[str | None] = "fake_quant_fp8_block"
     fused_group_act_kernel: ClassVar[str | None] = "quantize_act_per_token_group"
     fused_dequant_kernel: ClassVar[str | None] = "dequantize_rows"
