@@ -240,8 +240,8 @@ class TrainerSleep:
         return stats
 
     def _restore(self, slots: list[_Slot], stats: SleepStats) -> None:
-        """Resize ``slots`` back and queue their copies (zeros for gradients) on the current
-        stream (the side stream inside :meth:`_on_side_stream`)."""
+        """Queue the copies of ``slots`` (already resized back; zeros for gradients) on the
+        current stream (the side stream inside :meth:`_on_side_stream`)."""
         for slot in slots:
             dev = self._bytes(slot)
             if slot.host is None:
@@ -274,19 +274,14 @@ class TrainerSleep:
         slots = list(self._slots.values())
         later = [s for s in slots if defer_state and s.role == "state"]
         now = [s for s in slots if not (defer_state and s.role == "state")]
-        if not self._cuda:
-            for slot in now:
-                slot.storage.resize_(slot.nbytes)
-            self._restore(now, stats)
-            self._forget(now)
-            self._deferred = bool(later)
-        elif not later:
+        if not self._cuda or not later:  # the CPU leaves a deferred state asleep
             for slot in now:
                 slot.storage.resize_(slot.nbytes)
             with self._on_side_stream():
                 self._restore(now, stats)
             self._join()
             self._forget(now)
+            self._deferred = bool(later)
         else:
             for slot in slots:
                 slot.storage.resize_(slot.nbytes)
