@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -94,9 +94,6 @@ class StepContext:
     engine_released: bool = False
     """Whether the engine's memory is released now (``engine_memory``)."""
 
-    engine_memory_s: dict = field(default_factory=dict)
-    """Seconds of the engine's last memory release (key True) and resume (key False)."""
-
     sync_quantization: str = ""
     """How the weight sync quantizes (``rl.qcache_sync.QCacheSync.describe``), for the log."""
 
@@ -113,8 +110,7 @@ class StepContext:
                 torch.cuda.empty_cache()
             (self.engine.release_memory if release else self.engine.resume_memory)()
             self.engine_released = release
-            self.engine_memory_s[release] = time.perf_counter() - t0
-            return self.engine_memory_s[release]
+            return time.perf_counter() - t0
         return 0.0
 
     def sleep_trainer(self, keep_params: bool = False) -> float:
@@ -129,12 +125,12 @@ class StepContext:
         return self.sleeper.wake(defer_state).seconds if self.sleeper is not None and \
             self.sleeper.asleep else 0.0
 
-    def before_sync(self) -> float:
+    def before_sync(self) -> tuple[float, float]:
         """Make room for the weight sync: the trainer's optimizer state to sleep (weights
-        stay), the engine's memory resumed. Returns the seconds of the sleep."""
+        stay), the engine's memory resumed. Returns the seconds of the sleep and of the
+        resume."""
         slept = self.sleep_trainer(keep_params=True)
-        self.engine_memory(release=False)
-        return slept
+        return slept, self.engine_memory(release=False)
 
     def check_length(self, batch: dict) -> dict:
         """``batch`` padded to ``seq_multiple``; raise naming ``--seq-length`` when longer."""
@@ -223,7 +219,6 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     start = time.perf_counter()
-    ctx.engine_memory_s.clear()
     # the engine decodes beside the trainer's weights only: its state slept before the last
     # sync (the weights, which the sync read, stay: the engine's memory was resumed before it)
     slept = ctx.sleep_trainer(keep_params=True)
@@ -251,7 +246,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         if first:
             counts.append(ctx.trainer.last_routing_counts)
         t3 = time.perf_counter()
-    slept_state = ctx.before_sync()
+    slept_state, resumed = ctx.before_sync()
     t_sync = t3 + slept_state  # the engine's resume counts in the sync, as it always did
     synced = ctx.sync(step + 1)
     t4 = time.perf_counter()
@@ -261,7 +256,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
     rec["time_step_s"] = t4 - start
     if ctx.release_engine_memory:  # inside time_rollout_s / time_sync_s: the engine's memory
         rec.update(time_engine_release_s=released,
-                   time_engine_resume_s=ctx.engine_memory_s.get(False, 0.0))
+                   time_engine_resume_s=resumed)
     if ctx.sleeper is not None:  # the trainer slept through the rollout (rl.trainer_sleep)
         rec.update(time_sleep_s=slept + slept_state, time_wake_s=woke,
                    trainer_gpu_gib_asleep=asleep_gib)
