@@ -55,7 +55,7 @@ def _sync(device: str) -> None:
 
 def _write_layer(spec, ws: dict, regions: Regions) -> list[torch.Tensor]:
     out = []
-    for proj, shape, start in STACKS:
+    for proj, _, start in STACKS:
         rows = 2 * 768 if proj != "down_proj" else None
         name = f"model.layers.0.mlp.experts.*.{proj}.weight"
         out += [t for _, t in spec.quantize_into(
