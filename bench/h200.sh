@@ -150,7 +150,7 @@
 #   example4b   examples/run_qwen3_4b_1gpu.sh as shipped (MODE=single; MODE=colocated: the engine
 #               in a Ray actor, needs ray-install), 3 RL steps on the random Qwen3-4B, no checkpoint
 #               written; SLEEP=on: the trainer asleep during rollout (engine mem fraction 0.6
-#               unless MEM_FRACTION); the metrics go to $OUT/example4b_${MODE}_sleep${SLEEP}_metrics.jsonl
+#               unless MEM_FRACTION; SYNC=direct: the direct sync); the metrics go to $OUT/example4b_${MODE}_sleep${SLEEP}[_${SYNC}]_metrics.jsonl
 #   slime-part N, slime-sg-part N, slime-sg-install, slime-install, slime-env, slime-ckpt,
 #               slime-run   slime 0.3.1 (on SGLang 0.5.15.post1 with slime's patches) staged and
 #               run with and without our flags on one GPU: bench/slime.sh, sourced here, lists
@@ -526,7 +526,7 @@ case $phase in
     CKPT=/tmp/qrl_random_ckpt/qwen3_4b-allL STEPS=${STEPS:-3} SAVE_INTERVAL=-1 \
       OUT=/tmp/qrl_example4b bash examples/run_qwen3_4b_1gpu.sh 2>&1 \
       | grep -v Warning | tail -n 25
-    m="$OUT/example4b_${MODE:-single}_sleep${SLEEP:-off}_metrics.jsonl"
+    m="$OUT/example4b_${MODE:-single}_sleep${SLEEP:-off}${SYNC:+_$SYNC}_metrics.jsonl"
     cp /tmp/qrl_example4b/metrics.jsonl "$m" 2>/dev/null && rm -rf /tmp/qrl_example4b
     python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'time_sleep_s', 'time_wake_s', 'trainer_gpu_gib_asleep', 'rollout_waves', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
   fleet)

@@ -33,8 +33,11 @@ and the weights ``quantized`` / tensors ``copied``); ``+packed`` hands it the pa
 instead, copied into its tensors (the direct sync before it quantized in place), side by
 side; ``+qcache`` (any engine variant) sends codes and scales quantized before the clock, as
 the aligned forward's Q(W) cache holds them (copied, not quantized, by ``direct``);
-``+resident`` starts any engine without its memory saver (``release_memory=False``; the
-direct sync always: the options refuse it with the saver, whose memory CUDA IPC cannot share).
+``+resident`` starts any engine without its memory saver (``release_memory=False``); with
+the saver (the default) the engine's memory is released and resumed before each sync, outside
+the clock, as the RL loop does (``released_before_sync``), and ``direct`` is written by the
+engine from the trainer's tensors (the saver's memory cannot be handed out by CUDA IPC:
+``engine_writes``), ``direct+resident`` by the trainer into the engine's tensors.
 
 ``--produce-only`` times just the trainer's side of the in-place sync, no engine and no SGLang
 (pure torch: pack, fingerprints, expert stacking, flat buckets, as the engine's sender:
@@ -299,7 +302,7 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         direct_expert_loads=("direct" in opts) if inplace else None,
         stack_experts=("stacked" in opts) if inplace else None,  # refused without +direct
         receipt="noreceipt" not in opts,
-        release_memory="resident" not in opts and sync != "direct")  # direct: refused with it
+        release_memory="resident" not in opts)
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
@@ -308,7 +311,11 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     eng = SGLangEngine(d, fmt, options, **kw)
     res["startup_s"] = round(time.perf_counter() - t, 1)
     quantized = _qcache(spec, cfg, "cuda") if "qcache" in opts else None
+    res["released_before_sync"] = options.release_memory
     for version in (1, 2):  # the first sync also pays one-time costs (IPC setup, allocations)
+        if options.release_memory:  # as the RL loop: released after a rollout, resumed for
+            eng.release_memory()    # the sync (outside the clock)
+            eng.resume_memory()
         torch.cuda.synchronize()
         traced = Traced("cuda") if profile and version == 2 else nullcontext()
         t = time.perf_counter()
@@ -324,7 +331,7 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
             if part in eng.last_sync:
                 res[f"{part.removesuffix('_s')}_s_v{version}"] = round(eng.last_sync[part], 2)
         res[f"buckets_v{version}"] = eng.last_sync.get("buckets")
-        for key in ("handles_taken", "quantized", "copied"):
+        for key in ("handles_taken", "quantized", "copied", "engine_writes"):
             if key in eng.last_sync:
                 res[f"{key}_v{version}"] = eng.last_sync[key]
     from megatron_qrl.rollout.base import SamplingParams

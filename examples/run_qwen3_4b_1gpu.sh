@@ -19,7 +19,10 @@
 # RECOMPUTE=1 (full activation recompute, one layer at a time: ~10 GB less, 33% instead of 43%
 # trainer MFU; use it without Transformer Engine or with RELEASE=0),
 # OFFLOAD=1 (--use-distributed-optimizer --optimizer-cpu-offload: masters + Adam on the CPU),
-# RELEASE=0 (keep the engine resident: no torch_memory_saver), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
+# RELEASE=0 (keep the engine resident: no torch_memory_saver), SYNC (--qrl-rollout-sglang-sync;
+# unset: inplace for quantized formats; direct: the trainer's weights quantized straight into
+# the engine's tensors — by the engine from the trainer's CUDA IPC handles while its memory
+# saver is on, by the trainer with RELEASE=0; not yet run in this script), STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
 # SLEEP=on|off|auto (--qrl-trainer-sleep; default off, as the preset): on puts the trainer to
 # sleep while the engine decodes (fp32 masters and Adam state in pinned host memory, grad
@@ -53,6 +56,7 @@ fi
 if [ -n "${TIMPL:-}" ]; then MEMORY_ARGS+=(--transformer-impl "${TIMPL}"); fi
 RELEASE_ARGS=()
 if [ "${RELEASE:-1}" = 0 ]; then RELEASE_ARGS+=(--no-qrl-rollout-sglang-release-memory); fi
+if [ -n "${SYNC:-}" ]; then RELEASE_ARGS+=(--qrl-rollout-sglang-sync "${SYNC}"); fi
 SLEEP=${SLEEP:-off}
 if [ "${SLEEP}" = on ]; then MEM_FRACTION=${MEM_FRACTION:-0.6}; fi
 QRL_ARGS=(

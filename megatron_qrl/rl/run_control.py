@@ -143,6 +143,7 @@ def describe_run(ctx: Any, configs: QrlConfigs, log: Callable[[str], None]) -> N
     attention = getattr(ctx.engine, "attention", None)  # an in-process SGLang engine's choice
     if attention is not None:
         log(f"[qrl-train] {attention.describe()}")
+        log(f"[qrl-train] {ctx.engine.options.describe_sync()}")
     capacity = ctx.engine.capacity()
     if capacity is not None:  # the longest prompt of the task plus every new token
         longest = max((len(ctx.prompt_ids(r)) for r in ctx.records), default=0)

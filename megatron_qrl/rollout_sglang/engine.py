@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -268,8 +268,10 @@ class SGLangEngine(RolloutEngine):
         coro = getattr(self.engine.tokenizer_manager, method)(req, None)
         return tuple(self.engine.loop.run_until_complete(coro)[:2])
 
-    def _storage_call(self, msg: dict) -> dict:
-        """One request to the engine's storage service (``sync="direct"``)."""
+    def _storage_call(self, msg: dict, tensors: Sequence[tuple[str, torch.Tensor]] = ()
+                      ) -> dict:
+        """One request to the engine's storage service (``sync="direct"``), ``tensors`` with
+        it."""
         from .sync.storage_client import storage_request
 
         msg = dict(msg)
@@ -279,7 +281,7 @@ class SGLangEngine(RolloutEngine):
         return storage_request(self.request,
                                lambda items: self.engine._serialize_tensors_per_rank(items, None),
                                self.trainer_device, str(Path(self._receipts) / "storage"), msg,
-                               version)
+                               version, tensors)
 
     def weight_group(self):
         """The weight-update group of ``sync="distributed"`` (created on first use)."""

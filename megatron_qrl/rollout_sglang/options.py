@@ -53,8 +53,10 @@ class SGLangOptions:
     (tensor buckets re-processed into the engine's live quantized layout), distributed
     (--qrl-mode single, engine on other GPUs of the node: every bucket broadcast from the
     trainer's GPU over NCCL, --qrl-rollout-sglang-base-gpu), direct (colocated, one engine
-    process: the packed weights are copied straight into the engine's own tensors through
-    CUDA IPC handles; the formats whose EngineFacts.direct_write is set), auto (the engine's
+    process, the formats whose EngineFacts.direct_write is set: the trainer's weights
+    quantized straight into the engine's own tensors, by the trainer through their CUDA IPC
+    handles, or, with --qrl-rollout-sglang-release-memory, whose memory saver's tensors CUDA
+    IPC cannot export, by the engine from the trainer's tensors' handles), auto (the engine's
     choice per format)."""
 
     base_gpu: int = field(default=0, metadata={"on_resume": "may change"})
@@ -188,9 +190,7 @@ class SGLangOptions:
     def problem(self, spec_name: str) -> str | None:
         """Why these options cannot run with format ``spec_name`` (naming the flags), or None:
         a speed option asked for (True / > 0) on a sync it does not apply to, stacked experts
-        without direct expert loads, the direct sync into an engine with its memory saver
-        (torch_memory_saver allocates with ``cuMemCreate``, which ``cudaIpcGetMemHandle``
-        cannot export), or a (format, sync) SGLang 0.5.17 cannot update."""
+        without direct expert loads, or a (format, sync) SGLang 0.5.17 cannot update."""
         resolved = self.sync_for(spec_name)
         said = self.sync if self.sync != "auto" else f"auto ({resolved} for {spec_name})"
         if self.prefetch_buckets and resolved not in OPTION_SYNCS["prefetch_buckets"]:
@@ -211,13 +211,23 @@ class SGLangOptions:
             return (f"{_flag('sync')} direct writes the packed tensors straight into the "
                     f"engine's live ones, which SGLang re-processes for {spec_name!r}; direct "
                     f"serves {ok}; use {_flag('sync')} inplace")
-        if resolved == "direct" and self.release_memory:
-            return (f"{_flag('sync')} direct with {_flag('release_memory')} (the default): the "
-                    "memory saver maps the engine's weights where CUDA IPC cannot share them; "
-                    f"add --no-{_flag('release_memory')[2:]} (and size "
-                    f"{_flag('mem_fraction')} for engine + trainer) or use {_flag('sync')} "
-                    "inplace")
         return _unsupported(spec_name, resolved)
+
+    def describe_sync(self) -> str:
+        """One line for the run's log: the weight transport of these (resolved) options."""
+        how = {"tensor": "update_weights_from_tensor, the packed stream in buckets",
+               "disk": f"safetensors in {self.sync_dir}, then update_weights_from_disk",
+               "inplace": "packed buckets re-processed into the engine's live layout",
+               "distributed": "buckets broadcast over the weight-update group"}
+        if self.sync == "direct":
+            text = ("quantized straight into the engine's tensors by the engine, from the "
+                    "trainer's CUDA IPC handles (its memory saver's tensors cannot be handed "
+                    "out)" if self.release_memory else "quantized straight into the engine's "
+                    "tensors by the trainer, through their CUDA IPC handles")
+        else:
+            text = how.get(self.sync, self.sync)
+        saver = "memory saver on" if self.release_memory else "engine resident"
+        return f"SGLang weight sync: {self.sync} ({text}; {saver})"
 
     def resolve(self, spec_name: str) -> SGLangOptions:
         """These options for format ``spec_name`` with every choice made: ``sync`` auto ->

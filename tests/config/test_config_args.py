@@ -360,17 +360,12 @@ def test_sglang_sync_option_checks():
               r"cannot update 'fp8' weights in place with sync='disk' \(measured on H200")
     _rejected(p, fp8 + ["--qrl-rollout-sglang-sync", "disk"] + both,
               "stack-experts apply to the in-place sync.*syncs with disk")
-    # the direct sync cannot share memory the engine's memory saver maps (the default)
+    # the direct sync with the engine's memory saver (the default: the engine writes) and
+    # without it (the trainer writes into the engine's storage)
     direct = fp8 + ["--qrl-rollout-sglang-sync", "direct"]
-    with pytest.raises(QrlArgumentError) as info:
-        validate_qrl_args(p.parse_args(direct), gpu_capability=HOPPER)
-    head, line = str(info.value).split("\n")  # one problem, on one line
-    assert line.startswith("  - --qrl-rollout-sglang-sync direct with "
-                           "--qrl-rollout-sglang-release-memory (the default)")
-    fix = "--no-qrl-rollout-sglang-release-memory"
-    assert fix in line
-    ok = validate_qrl_args(p.parse_args(direct + [fix]), gpu_capability=HOPPER)["rollout"]
-    assert ok.sglang.sync == "direct" and not ok.sglang.release_memory
+    for extra, release in (([], True), (["--no-qrl-rollout-sglang-release-memory"], False)):
+        ok = validate_qrl_args(p.parse_args(direct + extra), gpu_capability=HOPPER)["rollout"]
+        assert ok.sglang.sync == "direct" and ok.sglang.release_memory is release
 
 
 def test_aligned_forward_needs_a_quantized_format():

@@ -63,3 +63,17 @@ def test_sleep_knob_sets_the_flag_and_the_engine_fraction(tmp_path, env, sleep, 
     qrl, _ = _split(_captured_args(tmp_path, SCRIPT, {"CKPT": str(tmp_path), **env}))
     assert qrl[qrl.index("--qrl-trainer-sleep") + 1] == sleep
     assert qrl[qrl.index("--qrl-rollout-sglang-mem-fraction") + 1] == fraction
+
+
+def test_sync_knob_passes_the_sync_path_and_the_defaults_keep_the_preset(tmp_path):
+    """SYNC=direct passes --qrl-rollout-sglang-sync direct with the memory saver on (the
+    engine writes); unset passes nothing (the preset's choice)."""
+    import argparse
+
+    qrl, _ = _split(_captured_args(tmp_path, SCRIPT, {"CKPT": str(tmp_path), "SYNC": "direct"}))
+    assert qrl[qrl.index("--qrl-rollout-sglang-sync") + 1] == "direct"
+    v = effective_values(add_qrl_args(argparse.ArgumentParser(allow_abbrev=False)).parse_args(
+        qrl[2:]))
+    assert v["qrl_rollout_sglang_sync"] == "direct" and v["qrl_rollout_sglang_release_memory"]
+    plain, _ = _split(_captured_args(tmp_path, SCRIPT, {"CKPT": str(tmp_path)}))
+    assert "--qrl-rollout-sglang-sync" not in plain

@@ -18,10 +18,11 @@ same greedy tokens, the second direct sync reusing the handles of the first (one
 the read-back digest as its check; ``direct+packed`` (the packed stream copied) and
 ``direct+qcache`` (codes and scales quantized before the sync, as the aligned forward's Q(W)
 cache holds them: copied, none quantized) the same. With the memory saver (the default
-``release_memory``) the direct sync is refused by the options (CUDA IPC cannot share the
-memory ``torch_memory_saver`` maps with ``cuMemCreate``); ``inplace+saver`` checks on the real
-engine that its storage service answers that failure to an export, and that the engine lives
-on (an in-place sync after a release / resume, then the same tokens as in place).
+``release_memory``) CUDA IPC cannot share the memory ``torch_memory_saver`` maps with
+``cuMemCreate``: ``inplace+saver`` checks on the real engine that its storage service answers
+that failure to an export, and that the engine lives on (an in-place sync after a release /
+resume, then the same tokens as in place); ``direct+saver`` is the direct sync written by the
+engine from the trainer's tensors, across a release / resume.
 
 Engines at ``mem_fraction_static=0.3`` must not run in parallel streams (two pytest processes
 at once ran out of memory): run the file in ONE pytest process, whose in-place reference
@@ -78,6 +79,7 @@ def worker(fmt: str, sync: str, out: Path) -> None:
             if saver and version:
                 engine.release_memory()
                 engine.resume_memory()
+            if saver and version and sync == "inplace":
                 try:  # answered by the engine's storage service, which must live on
                     engine._storage_call({"what": "export"})
                 except Exception as exc:  # noqa: BLE001  (recorded for the parent)
@@ -94,6 +96,8 @@ def worker(fmt: str, sync: str, out: Path) -> None:
             res[f"sync_{tag}"] = dict(engine.last_sync, version=engine.weight_version())
         o = engine.generate(prompts(), SamplingParams(max_new_tokens=16, temperature=0))
         res["ids"], res["mask"] = o.output_ids.tolist(), o.mask.tolist()
+        if sync == "direct":  # fingerprints of every region written (the engine's, saver)
+            res["sent"] = engine.sent_checksums()
         if not saver:
             held = engine._storage_call({"what": "export"})["tensors"]
             torch.save({n: t.detach().cpu().clone() for n, t in held.items()},
@@ -162,25 +166,27 @@ def test_direct_sync_equals_inplace(tmp_path, fmt, sync):
 @pytest.mark.gpu
 def test_direct_sync_across_a_memory_release(tmp_path):
     """The direct sync with the memory saver (the RL loop's default: release after rollouts,
-    resume before the sync) is refused by the options, naming both flags and the fix; on the
-    real engine with the saver, an export is answered with the IPC failure as an
-    :class:`EngineLayoutError` and the engine lives on: an in-place sync and greedy decoding
-    after it give the in-place engine's tokens. Catches: the options accepting the pair (the
-    engine's export then fails at the first sync), the storage service raising inside the
-    scheduler (SGLang's watchdog kills the engine: the worker fails with EngineDiedError).
-    Should an export ever succeed here, CUDA IPC shares the saver's memory on this stack and
-    the refusal can go (the assertion says so)."""
-    from megatron_qrl.rollout_sglang import SGLangOptions
-
-    with pytest.raises(ValueError, match=r"--qrl-rollout-sglang-sync direct with "
-                       r"--qrl-rollout-sglang-release-memory .*--no-qrl-rollout-sglang-"
-                       r"release-memory"):
-        SGLangOptions(sync="direct").resolve("fp8")
+    resume before the sync): the saver's memory cannot be exported (on the real engine an
+    export is answered with the IPC failure as an :class:`EngineLayoutError` and the engine
+    lives on: an in-place sync after it gives the in-place tokens), so the engine writes the
+    trainer's tensors itself (``engine_writes``); after a release / resume its written regions
+    hold the bits the trainer-side direct write leaves (fingerprints equal) and it decodes the
+    in-place engine's tokens. Catches: the engine-side write missing a region after a resume
+    (garbage in the re-mapped pages: tokens differ), its writer's kernels differing from the
+    trainer's on CUDA, the storage service raising inside the scheduler (SGLang's watchdog
+    kills the engine: the worker fails with EngineDiedError)."""
     ref, _ = _run("fp8", "inplace", tmp_path)
-    got, _ = _run("fp8", "inplace+saver", tmp_path)
-    print(f"\n[inplace+saver] fp8: export answered {got.get('export_error')!r}", flush=True)
-    assert "export_error" in got, ("an export of the saver's memory succeeded: CUDA IPC shares "
-                                   "it here; the options' refusal of direct + saver can go")
-    assert got["export_error"].startswith("EngineLayoutError: direct weight sync: the "
-                                          "engine's parameters cannot be shared by CUDA IPC")
-    assert got["sync_b"]["version"] == 1 and got["ids"] == ref["ids"]
+    saved, _ = _run("fp8", "inplace+saver", tmp_path)
+    print(f"\n[inplace+saver] fp8: export answered {saved.get('export_error')!r}", flush=True)
+    assert saved["export_error"].startswith("EngineLayoutError: direct weight sync: the "
+                                            "engine's parameters cannot be shared by CUDA IPC")
+    assert saved["sync_b"]["version"] == 1 and saved["ids"] == ref["ids"]
+    trainer_side, _ = _run("fp8", "direct", tmp_path)
+    got, _ = _run("fp8", "direct+saver", tmp_path)
+    sb = got["sync_b"]
+    print(f"[direct+saver] fp8: sync B {sb['seconds']:.3f} s (write {sb['write_s']:.3f}, "
+          f"{sb['buckets']} requests; quantized {sb['quantized']}, copied {sb['copied']}); "
+          f"trainer-side direct {trainer_side['sync_b']['seconds']:.3f} s", flush=True)
+    assert sb["verified"] == "digest" and sb["version"] == 1 and sb["engine_writes"], sb
+    assert sb["quantized"] > 0 and got["sent"] == trainer_side["sent"]
+    assert got["ids"] == ref["ids"] and got["mask"] == ref["mask"]

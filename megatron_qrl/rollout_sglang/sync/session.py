@@ -49,8 +49,9 @@ class SGLangSession:
     """The same call without the request bookkeeping (the disk sync's load)."""
     weight_group: Callable[[], WeightGroup]
     """The engine's weight-update group (formed on first use)."""
-    storage: Callable[[dict], dict] | None = None
-    """A request to the engine's storage service (``{"what": ..., "version": ...}`` ->
-    answer; :func:`~.storage_client.storage_request`), None where the engine has none."""
+    storage: Callable[..., dict] | None = None
+    """A request to the engine's storage service (``({"what": ..., "version": ...}[,
+    tensors])`` -> answer; :func:`~.storage_client.storage_request`), None where the engine
+    has none."""
     state: dict = field(default_factory=dict)
     """What a transport keeps for this engine across syncs (the direct sync's open storage)."""

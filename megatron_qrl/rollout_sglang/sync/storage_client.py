@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import glob
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -59,17 +59,19 @@ class EngineStorage:
 
 def storage_request(request: Callable[[str, object, str], tuple[bool, str]],
                     serialize: Callable[[list], object], device: torch.device, out: str,
-                    msg: dict, version: int | None = None) -> dict:
+                    msg: dict, version: int | None = None,
+                    tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> dict:
     """Send ``msg`` to the engine's storage service and read the answer written to ``out``
     (one engine process); ``version`` (the digest after a sync) becomes the engine's weight
-    version and flushes its cache."""
+    version and flushes its cache; ``tensors`` travel with the request (a ``write``'s, as
+    CUDA IPC handles)."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
     for old in glob.glob(f"{glob.escape(out)}.*"):
         Path(old).unlink(missing_ok=True)
     ctl = encode_control({**msg, "out": out}).to(device)
     req = UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=serialize([(CONTROL, ctl)]), load_format=STORAGE,
+        serialized_named_tensors=serialize([(CONTROL, ctl), *tensors]), load_format=STORAGE,
         flush_cache=version is not None,
         weight_version=str(version) if version is not None else None)
     ok, text = request("update_weights_from_tensor", req, f"storage {msg['what']}")

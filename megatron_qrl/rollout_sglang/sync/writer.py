@@ -1,8 +1,10 @@
 """The direct writer: the trainer's weights quantized straight into the engine's own tensors.
 
-Runs in the trainer's process. The engine's storage (:mod:`.loader.storage`: its live
-parameters in their checkpoint views, in this process or through CUDA IPC handles) and its
-layout (:mod:`megatron_qrl.sync.protocol.engine_layout`) say where each packed tensor of
+Runs where the writes are made: in the trainer's process, into the engine's storage
+(:mod:`.loader.storage`: its live parameters in their checkpoint views, through CUDA IPC
+handles), or, where the engine's storage cannot be shared (its memory saver), inside the
+engine's scheduler from the trainer's weights opened there (:mod:`.loader.storage_write`).
+The engine's storage and its layout (:mod:`megatron_qrl.sync.protocol.engine_layout`) say where each packed tensor of
 ``QuantSpec.pack_state_dict`` goes: q/k/v into their rows of ``qkv_proj``, gate/up into
 ``gate_up_proj`` and into the halves of ``w13_*``, experts (one by one or stacked
 ``[E, ...]``) into their index of the stacked parameter, block scales into their block rows.
@@ -230,11 +232,16 @@ class EngineWriter:
         for name, t in stream:
             self.write(name, t)
             n += 1
-        self.sent.flush()  # the regions' fingerprints now (one launch), before the engine reads
-        self.finite.check(self.spec)  # (the driver refused non-finite weights before)
-        self.check_complete()
+        self.finish()
         self.seconds += time.perf_counter() - t0
         return n
+
+    def finish(self) -> None:
+        """The end of a sync's writes: the regions' fingerprints taken (one launch, before the
+        engine reads), every weight finite (one host sync), every parameter written."""
+        self.sent.flush()
+        self.finite.check(self.spec)  # (the driver refused non-finite weights before)
+        self.check_complete()
 
     def check_complete(self) -> None:
         for param, pl in self.layout.params.items():

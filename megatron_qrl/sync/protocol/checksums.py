@@ -215,6 +215,13 @@ class Checksums:
         """``(tensor, rows)`` in the order added: ``rows`` for a stack (:meth:`add_rows`)."""
         self._queued_bytes = 0
         self._rows: dict[torch.device, list[torch.Tensor]] = {}
+        self._taken: dict[str, str] = {}
+        """Fingerprints taken elsewhere (:meth:`include`)."""
+
+    def include(self, taken: dict[str, str]) -> None:
+        """Add fingerprints another :class:`Checksums` took (e.g. in the engine's process, of
+        what it wrote there): :meth:`result` gives them after this one's own."""
+        self._taken.update(taken)
 
     def add(self, name: str, t: torch.Tensor, kept: bool = False) -> None:
         self._meta.append(((name,), t.dtype, tuple(t.shape), t.device))
@@ -269,6 +276,7 @@ class Checksums:
             head, i = _head(dt, shape), at[dev]
             at[dev] = i + len(names)
             out.update(zip(names, [head + h for h in hexes[dev][i:i + len(names)]]))
+        out.update(self._taken)
         return out
 
 

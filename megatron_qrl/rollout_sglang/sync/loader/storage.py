@@ -12,7 +12,9 @@ Runs inside SGLang's scheduler process, reached like the in-place loader: an
 * ``fingerprint``: the storage addresses now (:func:`storage_fingerprint`), to see whether
   SGLang moved a parameter since the handles were taken;
 * ``digest``: the fingerprints of the regions the trainer wrote (``names``: packed name ->
-  shape), read back from the live tensors, and the storage fingerprint.
+  shape), read back from the live tensors, and the storage fingerprint;
+* ``write``: the trainer's tensors that came with the request written here instead
+  (:mod:`.storage_write`: where the memory saver's parameters cannot be handed out).
 
 Which layouts are plain copies of the checkpoint's was read from SGLang 0.5.17's
 ``layers/quantization/w8a8_fp8.py`` and ``w8a8_int8.py`` (linear on CUDA: ``weight.t()`` of
@@ -33,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -186,11 +189,17 @@ def read_digest(layout: EngineLayout, tensors: dict[str, torch.Tensor],
     return sums.result()
 
 
-def handle(model: torch.nn.Module, msg: dict) -> dict:
+def handle(model: torch.nn.Module, msg: dict,
+           items: Sequence[tuple[str, torch.Tensor]] = ()) -> dict:
     """One storage request (module docstring), answered in this process; ``export`` gives the
-    tensors themselves (``serve`` turns them into handles)."""
-    layout, tensors = describe(model)
+    tensors themselves (``serve`` turns them into handles); ``items``: the tensors that came
+    with a ``write`` request."""
     what = msg["what"]
+    if what == "write":
+        from .storage_write import write
+
+        return write(model, msg, items)
+    layout, tensors = describe(model)
     if what == "export":
         return {"layout": layout, "tensors": tensors}
     if what == "fingerprint":
@@ -198,7 +207,8 @@ def handle(model: torch.nn.Module, msg: dict) -> dict:
     if what == "digest":
         return {"fingerprint": layout.fingerprint,
                 "digest": read_digest(layout, tensors, msg["names"])}
-    raise ValueError(f"engine storage request {what!r}: expected export, fingerprint or digest")
+    raise ValueError(f"engine storage request {what!r}: expected export, fingerprint, digest "
+                     "or write")
 
 
 def _share(obj: dict) -> bytes:
@@ -227,7 +237,7 @@ def serve(model: torch.nn.Module, named_tensors) -> None:
     msg = msgs[0]
     path = f"{msg['out']}.{os.getpid()}"
     try:
-        data = _answer(model, msg)
+        data = _answer(model, msg, [(n, t) for n, t in named_tensors if n != CONTROL])
     except Exception as exc:  # answered to the trainer, which raises it (storage_client)
         data = json.dumps({"error": type(exc).__name__, "message": str(exc)}).encode()
         path += ERROR
@@ -236,9 +246,10 @@ def serve(model: torch.nn.Module, named_tensors) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def _answer(model: torch.nn.Module, msg: dict) -> bytes:
+def _answer(model: torch.nn.Module, msg: dict,
+            items: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     """The bytes of :func:`handle`'s answer to ``msg`` (:func:`serve`)."""
-    out = handle(model, msg)
+    out = handle(model, msg, items)
     if msg["what"] == "export":
         return _share({"layout": out["layout"].to_json(), "tensors": out["tensors"]})
     return json.dumps(out).encode()

@@ -7,7 +7,10 @@ processing; ``last_sync`` counts the weights ``quantized`` and the tensors ``cop
 small requests per sync: the storage fingerprint before writing (handles re-taken where
 SGLang moved a parameter) and the engine's read-back digest after, which also sets the
 weight version; :meth:`DirectTransport.verify` compares the digest with the fingerprints
-taken while writing, naming the layer of the first region that differs. ``last_sync`` times
+taken while writing, naming the layer of the first region that differs. An engine started
+with its memory saver (``release_memory``) cannot hand its storage out: it is sent the stream
+and writes it itself (:mod:`.direct_pull`; ``last_sync``: ``engine_writes``, ``buckets``
+requests, ``write_s`` of which ``stream_s``). ``last_sync`` times
 ``storage_s`` (the fingerprint request / handles), ``write_s`` (the write, of which
 ``stream_s`` waited on the incoming stream: the trainer's weights produced, expert stacks
 built) and ``digest_s``."""
@@ -26,6 +29,7 @@ from ..prefetch import timed
 from ..session import SGLangSession
 from ..storage_client import EngineStorage
 from ..writer import Places, check_digest, writer_for
+from .direct_pull import send_pulled
 
 __all__ = ["WRITE_RANGE", "DirectTransport", "check_placement"]
 
@@ -47,6 +51,9 @@ class DirectTransport(WeightTransport):
         if s.storage is None:
             raise WeightSyncError("sync='direct' needs the engine's storage service "
                                   "(SGLangSession.storage)")
+        if s.options.release_memory:  # the memory saver's storage: the engine writes it
+            self.held = send_pulled(s, stream, version)
+            return s.lap["buckets"]
         t0 = time.perf_counter()
         store = s.state.setdefault("storage", EngineStorage(s.storage))
         layout, tensors = store.current()

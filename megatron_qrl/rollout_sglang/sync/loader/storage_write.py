@@ -1,0 +1,86 @@
+"""The direct sync written inside the engine: the trainer's weights, opened here from their
+CUDA IPC handles, quantized straight into this engine's live parameters by the direct writer
+(:mod:`..writer`).
+
+Runs inside SGLang's scheduler process: the storage service's ``write`` request
+(:mod:`.storage`). The direct sync takes this end where the engine's parameters cannot be
+handed out: SGLang's memory saver (torch_memory_saver) maps them with ``cuMemCreate``, which
+``cudaIpcGetMemHandle`` cannot export, while the trainer's tensors (PyTorch's caching
+allocator) can be. The saver keeps each parameter's address across a release / resume, so
+the engine's CUDA graphs stay valid and the regions looked up in one sync serve the next.
+
+One sync is one or more ``write`` requests, each carrying up to a bucket of the trainer's
+stream: the first (``first``) describes the storage (the regions of earlier syncs kept while
+the storage fingerprint holds) and starts a writer; each writes its tensors and waits for
+the writes to end (the trainer frees its temporaries after the answer); the last (``last``)
+checks that every parameter was written and every weight is finite, and answers the
+fingerprints of what was written (``sent``) with the read-back digest of the same regions
+(``digest``), which the trainer compares (:func:`..writer.check_digest`). A request that
+fails ends the sync: the next must start with ``first``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_qrl.sync.protocol.checksums import WeightSyncError
+from megatron_qrl.sync.protocol.engine_layout import EngineLayout
+
+from ..writer import EngineWriter, Places, writer_for
+
+__all__ = ["write"]
+
+
+@dataclass
+class _Storage:
+    """One engine's storage as described for a sync, and what the writers looked up in it."""
+
+    layout: EngineLayout
+    tensors: dict[str, torch.Tensor]
+    places: Places = field(default_factory=Places)
+    writer: EngineWriter | None = None
+    """The writer of the sync in progress (None between syncs)."""
+
+
+_OPEN: dict[int, _Storage] = {}
+"""Per engine model (its ``id``; one per scheduler process)."""
+
+
+def write(model: torch.nn.Module, msg: dict,
+          items: Sequence[tuple[str, torch.Tensor]]) -> dict:
+    """One ``write`` request (module docstring): ``msg`` has ``format``, ``first`` and
+    ``last``; ``items`` are the trainer's tensors of this request, in stream order."""
+    from megatron_qrl.quant import get_spec
+
+    from .storage import describe, read_digest
+
+    st = _OPEN.get(id(model))
+    if msg["first"]:
+        layout, tensors = describe(model)
+        if st is None or st.layout.fingerprint != layout.fingerprint:
+            st = _OPEN[id(model)] = _Storage(layout, tensors)
+        st.writer = writer_for(get_spec(msg["format"]), st.layout, st.tensors, None, st.places)
+    elif st is None or st.writer is None:
+        raise WeightSyncError("direct weight sync: a write request that does not start a sync "
+                              "came after a failed or finished one; sync again")
+    w = st.writer
+    try:
+        for name, t in items:
+            w.write(name, t)
+        if w.device.type == "cuda":  # the trainer frees these tensors after the answer
+            torch.cuda.synchronize(w.device)
+        if not msg["last"]:
+            return {"written": len(items)}
+        w.finish()
+        return {"fingerprint": st.layout.fingerprint, "sent": w.sent.result(),
+                "digest": read_digest(st.layout, st.tensors, w.shapes),
+                "quantized": w.quantized, "copied": w.copied}
+    except BaseException:
+        st.writer = None
+        raise
+    finally:
+        if msg["last"]:
+            st.writer = None

@@ -1,0 +1,178 @@
+"""CPU tests of the direct sync written inside the engine (an engine started with its memory
+saver, whose parameters CUDA IPC cannot hand out): the trainer's stream sent in ``write``
+requests of the storage service (sync.transports.direct_pull), written by the direct writer in
+the scheduler (sync.loader.storage_write). The reference is the trainer-side direct write
+(tests/rollout_sglang/test_sglang_direct.py's engine stand-in and helpers), which itself
+equals the in-place loader bit for bit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_qrl.quant import get_spec
+from megatron_qrl.rollout_sglang.options import SGLangOptions
+from megatron_qrl.rollout_sglang.sync.loader import storage, storage_write
+from megatron_qrl.rollout_sglang.sync.loader.storage import handle
+from megatron_qrl.rollout_sglang.sync.transports.direct_pull import requests_of
+from megatron_qrl.sync.protocol.checksums import WeightSyncError
+from megatron_qrl.sync.protocol.engine_layout import EngineLayoutError
+from tests.rollout_sglang.test_sglang_direct import (
+    direct_sync,
+    engine,
+    hf_weights,
+    packed,
+    state,
+)
+
+
+def pulled_engine(model, fmt="fp8", bucket_bytes=1 << 20):
+    """SGLangEngine without sglang.Engine, started with its memory saver (the default
+    options): its storage requests, tensors included, answered in this process."""
+    from megatron_qrl.rollout_sglang import SGLangEngine
+
+    eng = object.__new__(SGLangEngine)
+    eng.options = SGLangOptions(sync="direct").resolve(fmt)
+    assert eng.options.release_memory
+    eng.spec, eng.trainer_device = get_spec(fmt), torch.device("cpu")
+    eng.bucket_bytes, eng.processes, eng.model_path = bucket_bytes, 1, None
+    version = [None]
+    eng.engine = SimpleNamespace(get_server_info=lambda: {"weight_version": version[0]})
+    eng.requests = []
+
+    def call(msg, tensors=()):
+        msg = dict(msg)
+        v = msg.pop("version", None)
+        eng.requests.append((msg["what"], msg.get("first"), msg.get("last"), len(tensors)))
+        out = handle(model, msg, list(tensors))
+        if v is not None:
+            version[0] = str(v)
+        return out
+
+    eng._storage_call = call
+    eng._reset_sync_state()
+    return eng
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_block", "int8"])
+def test_engine_side_write_leaves_the_bits_of_the_trainer_side_write(fmt):
+    """Catches: a write request's tensors dropped or written twice, the regions of one
+    request's writer lost for the next (a fused member half-written), the weight version not
+    set by the last request."""
+    ref, m = engine(fmt, seed=0), engine(fmt, seed=0)
+    sent = direct_sync(ref, fmt, packed(fmt, 1))
+    eng = pulled_engine(m, fmt, bucket_bytes=64 << 10)
+    stream = list(get_spec(fmt).pack_state_dict(hf_weights(1), stack_experts=True))
+    eng.update_weights(iter(stream), version=7)
+    assert eng.weight_version() == 7 and eng.last_sync["verified"] == "digest"
+    a, b = state(ref), state(m)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert eng.sent_checksums() == eng.held_checksums() == sent
+    writes = eng.requests
+    assert len(writes) == eng.last_sync["buckets"] > 2
+    assert [w[:3] for w in writes] == [("write", True, False)] + [("write", False, False)] * (
+        len(writes) - 2) + [("write", False, True)]
+    assert sum(w[3] for w in writes) == len(stream)
+    assert eng.last_sync["engine_writes"] is True
+    assert eng.last_sync["copied"] == len(stream) and eng.last_sync["quantized"] == 0
+
+
+def test_quantized_weights_reach_the_engine_in_high_precision_and_regions_are_kept():
+    """The stream a writer takes (weights the format quantizes still in BF16) is quantized
+    in the engine, and the second sync reuses the regions the first looked up (the storage
+    fingerprint unchanged). Catches: the engine-side storage described anew each sync."""
+    m = engine("fp8")
+    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
+    stream = [(n, t) for n, t in hf_weights(2)]
+    eng.update_weights(iter(stream), version=1)
+    opened = storage_write._OPEN[id(m)]
+    regions = dict(opened.places.regions)
+    assert regions and eng.last_sync["quantized"] > 0 and eng.last_sync["buckets"] == 1
+    eng.update_weights(iter([(n, t) for n, t in hf_weights(3)]), version=2)
+    assert storage_write._OPEN[id(m)] is opened
+    assert all(opened.places.regions[k] is r for k, r in regions.items())
+    ref = engine("fp8")
+    direct_sync(ref, "fp8", hf_weights(3))
+    a, b = state(ref), state(m)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_digest_that_differs_fails_the_sync_naming_the_layer(monkeypatch):
+    real = storage.read_digest
+
+    def lost_write(layout, tensors, names):
+        out = real(layout, tensors, names)
+        name = "model.layers.1.self_attn.k_proj.weight"
+        out[name] = out[name][:-1] + ("0" if out[name][-1] != "0" else "1")
+        return out
+
+    monkeypatch.setattr(storage, "read_digest", lost_write)
+    eng = pulled_engine(engine("fp8"), "fp8")
+    with pytest.raises(WeightSyncError, match=r"k_proj\.weight' \(layer 1\)"):
+        eng.update_weights(iter(packed("fp8", 4)), version=1)
+
+
+def test_a_failed_write_ends_the_sync_and_the_next_starts_over():
+    """A stream missing a tensor fails at its last request (the parameter named); a request
+    that does not start a sync after it is refused; a full sync then succeeds. Catches: a
+    writer kept after a failure (its regions marked written: the next sync would raise
+    "sent twice" or pass with stale rows)."""
+    m = engine("fp8")
+    eng = pulled_engine(m, "fp8")
+    stream = [(n, t) for n, t in packed("fp8", 5) if "layers.0.self_attn.q_proj" not in n]
+    with pytest.raises(WeightSyncError, match=r"layers\.0\.self_attn\.qkv_proj\.weight got"):
+        eng.update_weights(iter(stream), version=1)
+    with pytest.raises(WeightSyncError, match="does not start a sync"):
+        handle(m, {"what": "write", "format": "fp8", "first": False, "last": True}, [])
+    # a failure in a request before the last ends the sync too
+    bad = [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3, dtype=torch.uint8))]
+    with pytest.raises(EngineLayoutError):
+        handle(m, {"what": "write", "format": "fp8", "first": True, "last": False}, bad)
+    with pytest.raises(WeightSyncError, match="does not start a sync"):
+        handle(m, {"what": "write", "format": "fp8", "first": False, "last": True}, [])
+    eng.update_weights(iter(packed("fp8", 5)), version=2)
+    assert eng.weight_version() == 2
+
+
+def test_requests_hold_at_most_bucket_bytes_of_what_the_trainer_made():
+    """Views into a larger storage (parameters in Megatron's buffer) count nothing; tensors
+    that fill their own storage cut the requests; an empty stream is one empty last
+    request."""
+    param = torch.zeros(4, 256)  # 4 KiB
+    views = [(f"v{i}", param[i]) for i in range(4)]
+    fresh = [(f"f{i}", torch.zeros(256)) for i in range(4)]  # 1 KiB each
+    got = [([n for n, _ in items], last) for items, last in
+           requests_of(views + fresh, 2048, torch.device("cpu"))]
+    assert got == [(["v0", "v1", "v2", "v3", "f0", "f1"], False), (["f2", "f3"], True)]
+    assert list(requests_of([], 1, torch.device("cpu"))) == [([], True)]
+
+
+def test_the_run_log_says_which_end_writes():
+    """The run's log line for the sync path (rl.run_control.describe_run)."""
+    saver = SGLangOptions(sync="direct").resolve("fp8").describe_sync()
+    resident = SGLangOptions(sync="direct", release_memory=False).resolve("fp8").describe_sync()
+    assert saver.startswith("SGLang weight sync: direct (quantized straight into the engine's "
+                            "tensors by the engine, from the trainer's CUDA IPC handles")
+    assert saver.endswith("memory saver on)") and resident.endswith("engine resident)")
+    assert "by the trainer, through their CUDA IPC handles" in resident
+    assert SGLangOptions().resolve("fp8").describe_sync().startswith(
+        "SGLang weight sync: inplace (packed buckets re-processed")
+
+
+def test_w4a16_marlin_regions_written_by_the_engine_over_garbage():
+    """After a resume the saver's pages hold anything: from an engine whose every synced
+    tensor is garbage, one engine-side sync of weights B in BF16 (the writer's stream, experts
+    stacked) leaves every parameter bit-equal to an engine loaded from B's packed checkpoint,
+    through SGLang's Marlin layout (tests/rollout_sglang/test_sglang_direct_w4a16.py's stand-
+    in). Catches: a region one request's writer reaches and the engine-side write misses."""
+    from megatron_qrl.quant.pack_stream import writer_stream
+    from tests.rollout_sglang import test_sglang_direct_w4a16 as w4
+
+    want, got = w4.engine(seed=1), w4._garbage(w4.engine(seed=0))
+    eng = pulled_engine(got, "w4a16", bucket_bytes=32 << 10)
+    eng.update_weights(writer_stream(w4.SPEC, hf_weights(1), stack_experts=True), version=1)
+    a, b = state(want), state(got)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
+    assert eng.last_sync["quantized"] > 0 and eng.last_sync["buckets"] > 1
