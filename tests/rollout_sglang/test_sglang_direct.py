@@ -427,24 +427,28 @@ def test_a_tensor_of_another_model_is_refused():
 
 
 # ---- the engine's direct sync end to end (the storage service in process) --------------
-def _direct_engine(model, fmt="fp8"):
-    """SGLangEngine without sglang.Engine: its storage requests answered in this process
-    (what the scheduler's ``serve`` computes, without the answer file and the IPC hop)."""
+def _direct_engine(model, fmt="fp8", release_memory=False, bucket_bytes=1 << 20):
+    """SGLangEngine without sglang.Engine: its storage requests (and the tensors of a
+    ``write``) answered in this process (what the scheduler's ``serve`` computes, without the
+    answer file and the IPC hop); ``requests``: each request's ``what``, ``writes``: each
+    write's ``(first, last, tensors)``."""
     from megatron_qrl.rollout_sglang import SGLangEngine
 
     eng = object.__new__(SGLangEngine)
-    eng.options = SGLangOptions(sync="direct", release_memory=False).resolve(fmt)
+    eng.options = SGLangOptions(sync="direct", release_memory=release_memory).resolve(fmt)
     eng.spec, eng.trainer_device = get_spec(fmt), torch.device("cpu")
-    eng.bucket_bytes, eng.processes, eng.model_path = 1 << 20, 1, None
+    eng.bucket_bytes, eng.processes, eng.model_path = bucket_bytes, 1, None
     version = [None]
     eng.engine = SimpleNamespace(get_server_info=lambda: {"weight_version": version[0]})
-    eng.requests = []
+    eng.requests, eng.writes = [], []
 
-    def call(msg):
+    def call(msg, tensors=()):
         msg = dict(msg)
         v = msg.pop("version", None)
         eng.requests.append(msg["what"])
-        out = handle(model, msg)
+        if msg["what"] == "write":
+            eng.writes.append((msg["first"], msg["last"], len(tensors)))
+        out = handle(model, msg, list(tensors))
         if v is not None:
             version[0] = str(v)
         return out

@@ -7,8 +7,6 @@ equals the in-place loader bit for bit."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from megatron_qrl.rollout_sglang.sync.transports.direct_pull import requests_of
 from megatron_qrl.sync.protocol.checksums import WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import EngineLayoutError
 from tests.rollout_sglang.test_sglang_direct import (
+    _direct_engine,
     direct_sync,
     engine,
     hf_weights,
@@ -29,30 +28,10 @@ from tests.rollout_sglang.test_sglang_direct import (
 
 
 def pulled_engine(model, fmt="fp8", bucket_bytes=1 << 20):
-    """SGLangEngine without sglang.Engine, started with its memory saver (the default
-    options): its storage requests, tensors included, answered in this process."""
-    from megatron_qrl.rollout_sglang import SGLangEngine
-
-    eng = object.__new__(SGLangEngine)
-    eng.options = SGLangOptions(sync="direct").resolve(fmt)
+    """The stand-in SGLangEngine of test_sglang_direct started with its memory saver (the
+    default options)."""
+    eng = _direct_engine(model, fmt, release_memory=True, bucket_bytes=bucket_bytes)
     assert eng.options.release_memory
-    eng.spec, eng.trainer_device = get_spec(fmt), torch.device("cpu")
-    eng.bucket_bytes, eng.processes, eng.model_path = bucket_bytes, 1, None
-    version = [None]
-    eng.engine = SimpleNamespace(get_server_info=lambda: {"weight_version": version[0]})
-    eng.requests = []
-
-    def call(msg, tensors=()):
-        msg = dict(msg)
-        v = msg.pop("version", None)
-        eng.requests.append((msg["what"], msg.get("first"), msg.get("last"), len(tensors)))
-        out = handle(model, msg, list(tensors))
-        if v is not None:
-            version[0] = str(v)
-        return out
-
-    eng._storage_call = call
-    eng._reset_sync_state()
     return eng
 
 
@@ -70,11 +49,11 @@ def test_engine_side_write_leaves_the_bits_of_the_trainer_side_write(fmt):
     a, b = state(ref), state(m)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert eng.sent_checksums() == eng.held_checksums() == sent
-    writes = eng.requests
-    assert len(writes) == eng.last_sync["buckets"] > 2
-    assert [w[:3] for w in writes] == [("write", True, False)] + [("write", False, False)] * (
-        len(writes) - 2) + [("write", False, True)]
-    assert sum(w[3] for w in writes) == len(stream)
+    writes = eng.writes
+    assert eng.requests == ["write"] * len(writes) and len(writes) == eng.last_sync["buckets"] > 2
+    assert [w[:2] for w in writes] == [(True, False)] + [(False, False)] * (len(writes) - 2) + [
+        (False, True)]
+    assert sum(w[2] for w in writes) == len(stream)
     assert eng.last_sync["engine_writes"] is True
     assert eng.last_sync["copied"] == len(stream) and eng.last_sync["quantized"] == 0
 
