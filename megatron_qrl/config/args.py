@@ -22,6 +22,7 @@ from typing import Any
 from ..losses import ErrorTokenConfig, PolicyLossConfig
 from ..models.lora_config import LoraConfig, base_format_choices
 from ..quant.aqn import AQNConfig
+from ..utils.devices import gpu_capability as _gpu_capability
 from .checkpoint_info import read_checkpoint_info
 from .checks import CheckEnv, combination_problems, combination_warnings
 from .configs import QrlConfigs
@@ -181,14 +182,6 @@ def qrl_configs_from_args(args: argparse.Namespace,
     specs = specs_by_flag(groups).values()
     return QrlConfigs.of({g.key: _build(g, [s for s in specs if s.group == g.key], values)
                           for g in groups})
-
-
-def _gpu_capability() -> tuple[int, int] | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
 
 
 def _check_env(configs: Mapping[str, Any], gpu_capability: Any, checkpoint_metadata: Any,

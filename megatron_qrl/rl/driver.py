@@ -298,9 +298,10 @@ def _start_engine(configs: QrlConfigs, data: JobData, engine_factory: EngineFact
 def _lora_serving(configs: QrlConfigs, arch: ModelArch) -> Any:
     """Which of the run's adapters the engine serves and which are merged into its base."""
     from megatron_qrl.rollout.lora_serving import resolve_lora_serving
+    from megatron_qrl.utils.devices import gpu_capability
 
     lora, rollout = configs.lora, configs.rollout
-    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    cap = gpu_capability()
     return resolve_lora_serving(rollout.engine, rollout.format, lora.targets,
                                 is_moe=arch.is_moe, experts=lora.experts, capability=cap)
 

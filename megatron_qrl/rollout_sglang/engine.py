@@ -51,6 +51,7 @@ from ..rollout.supervisor import EngineDiedError
 from ..sync.protocol.engine_layout import STORAGE
 from ..sync.protocol.inplace import LOADER
 from ..sync.transport import WeightTransport, transport_class
+from ..utils.devices import gpu_capability as _capability
 from ..utils.optional import require
 from . import crash
 from .attention import choose_attention, fa3_kernel
@@ -85,13 +86,6 @@ def engine_args_for(spec_name: str, is_moe: bool) -> dict:
         # capture fewer decode graphs for quantized kernels (graph capture 107 s -> 8 s measured)
         args["cuda_graph_bs_decode"] = [1, 8, 32, 64, 128, 192, 256]
     return args
-
-
-def _capability(gpu: int) -> tuple[int, int] | None:
-    """Compute capability of CUDA device ``gpu`` (None without CUDA)."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(gpu)
 
 
 class SGLangEngine(RolloutEngine):
