@@ -31,7 +31,7 @@ busiest kernel's summed time, for ``kernel`` and ``copy`` that kernel's own band
   writer takes them (``add_rows`` per stack, ``add`` per region, all ``kept``, then
   ``result()``; the default implementation);
 - ``readback``: the engine's read-back digest
-  (:func:`megatron_qrl.rollout_sglang.sync.loader.storage.read_digest`: each region located
+  (:func:`megatron_qrl.rollout_sglang.sync.loader.live_storage.read_digest`: each region located
   and viewed, then :class:`Checksums`).
 
 ``--configs 2048x8x8,1024x8x4`` times the ``kernel`` path again per block size x steps x warps
@@ -247,7 +247,7 @@ def run_checksums(regs: list[Region]) -> dict[str, str]:
 
 
 def run_readback(layout, tensors: dict[str, torch.Tensor], regs: list[Region]) -> dict[str, str]:
-    from megatron_qrl.rollout_sglang.sync.loader.storage import read_digest
+    from megatron_qrl.rollout_sglang.sync.loader.live_storage import read_digest
 
     return read_digest(layout, tensors, {r.name: list(r.view.shape) for r in regs})
 

@@ -6,6 +6,8 @@ engine process. A fresh interpreter imports the module and reports which of the 
 modules got loaded: the loader must load none of the trainer's side (sender, transports, engine,
 supervisor, the RL driver, the quantization registry), and the protocol both sides share
 (and the transports' interface on it) nothing of the package but the one HF-name parser.
+(The storage service loads the direct writer and the format registry only when an
+engine-side write is asked for: sync.loader.storage_write.)
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def test_direct_writer_takes_the_fused_write(fmt, launches):
     write named, no launch), a format whose ``fused_into_kernel`` names no kernel of
     :mod:`triton_quant` (an AttributeError), the writer bypassing ``quantize_into``."""
     from megatron_qrl.quant.pack_stream import writer_stream
-    from megatron_qrl.rollout_sglang.sync.loader.storage import describe
+    from megatron_qrl.rollout_sglang.sync.loader.live_storage import describe
     from megatron_qrl.rollout_sglang.sync.writer import writer_for
     from tests.rollout_sglang.test_sglang_direct import engine, hf_weights, state
 

@@ -1,5 +1,5 @@
 """CPU tests of the direct sync (``sync="direct"``): the engine's storage described in its own
-layout (megatron_qrl.rollout_sglang.sync.loader.storage), the trainer's writer into it
+layout (megatron_qrl.rollout_sglang.sync.loader.live_storage), the trainer's writer into it
 (sync.writer), the read-back digest, re-taking moved storage, and the refusals.
 
 SGLang cannot be imported here. The engine-like model follows SGLang 0.5.17 for the three
@@ -25,7 +25,8 @@ from torch import nn
 from megatron_qrl.quant import get_spec
 from megatron_qrl.rollout_sglang.options import SGLangOptions
 from megatron_qrl.rollout_sglang.sync.loader import load_packed
-from megatron_qrl.rollout_sglang.sync.loader.storage import describe, handle
+from megatron_qrl.rollout_sglang.sync.loader.live_storage import describe
+from megatron_qrl.rollout_sglang.sync.loader.storage import handle
 from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, packed_suffixes
 from megatron_qrl.rollout_sglang.sync.storage_client import EngineStorage
 from megatron_qrl.rollout_sglang.sync.writer import check_digest, writer_for

@@ -13,7 +13,8 @@ import torch
 from megatron_qrl.quant import get_spec
 from megatron_qrl.quant.pack_stream import writer_stream
 from megatron_qrl.rl.sync import sync_weights
-from megatron_qrl.rollout_sglang.sync.loader.storage import describe, handle
+from megatron_qrl.rollout_sglang.sync.loader.live_storage import describe
+from megatron_qrl.rollout_sglang.sync.loader.storage import handle
 from megatron_qrl.rollout_sglang.sync.writer import check_digest, writer_for
 from megatron_qrl.sync.protocol.checksums import WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import locate, view

@@ -12,7 +12,7 @@ import torch
 
 from megatron_qrl.quant import get_spec
 from megatron_qrl.rollout_sglang.options import SGLangOptions
-from megatron_qrl.rollout_sglang.sync.loader import storage, storage_write
+from megatron_qrl.rollout_sglang.sync.loader import storage_write
 from megatron_qrl.rollout_sglang.sync.loader.storage import handle
 from megatron_qrl.rollout_sglang.sync.transports.direct_pull import requests_of
 from megatron_qrl.sync.protocol.checksums import WeightSyncError
@@ -79,7 +79,7 @@ def test_quantized_weights_reach_the_engine_in_high_precision_and_regions_are_ke
 
 
 def test_a_digest_that_differs_fails_the_sync_naming_the_layer(monkeypatch):
-    real = storage.read_digest
+    real = storage_write.read_digest
 
     def lost_write(layout, tensors, names):
         out = real(layout, tensors, names)
@@ -87,7 +87,7 @@ def test_a_digest_that_differs_fails_the_sync_naming_the_layer(monkeypatch):
         out[name] = out[name][:-1] + ("0" if out[name][-1] != "0" else "1")
         return out
 
-    monkeypatch.setattr(storage, "read_digest", lost_write)
+    monkeypatch.setattr(storage_write, "read_digest", lost_write)
     eng = pulled_engine(engine("fp8"), "fp8")
     with pytest.raises(WeightSyncError, match=r"k_proj\.weight' \(layer 1\)"):
         eng.update_weights(iter(packed("fp8", 4)), version=1)

@@ -1,7 +1,7 @@
 """The direct writer: the trainer's weights quantized straight into the engine's own tensors.
 
 Runs where the writes are made: in the trainer's process, into the engine's storage
-(:mod:`.loader.storage`: its live parameters in their checkpoint views, through CUDA IPC
+(:mod:`.loader.live_storage`: its live parameters in their checkpoint views, through CUDA IPC
 handles), or, where the engine's storage cannot be shared (its memory saver), inside the
 engine's scheduler from the trainer's weights opened there (:mod:`.loader.storage_write`).
 The engine's storage and its layout (:mod:`megatron_qrl.sync.protocol.engine_layout`) say where each packed tensor of

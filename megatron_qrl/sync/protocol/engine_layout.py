@@ -76,7 +76,7 @@ class EngineLayout:
     params: dict[str, ParamLayout]
     fingerprint: str
     """Storage addresses of the parameters (:func:`~megatron_qrl.rollout_sglang.sync.
-    loader.storage.storage_fingerprint`): a change means the handles are stale."""
+    loader.live_storage.storage_fingerprint`): a change means the handles are stale."""
 
     def to_json(self) -> str:
         return json.dumps({"fingerprint": self.fingerprint,

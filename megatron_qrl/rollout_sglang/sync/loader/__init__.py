@@ -6,7 +6,8 @@ bucket, :mod:`.module_state` swaps a module between its live and checkpoint layo
 :mod:`.experts` and :mod:`.expert_batch` load expert tensors, :mod:`.receipt` fingerprints
 what arrived. :mod:`.storage` is the direct sync's storage service (``load_format`` =
 :data:`~megatron_qrl.sync.protocol.engine_layout.STORAGE`): the live parameters described
-in the engine's layout, handed out as CUDA IPC handles, read back as a digest.
+in the engine's layout (:mod:`.live_storage`), handed out as CUDA IPC handles or written here
+from the trainer's (:mod:`.storage_write`), read back as a digest.
 """
 
 from .packed import load_packed

@@ -16,7 +16,9 @@ the writes to end (the trainer frees its temporaries after the answer); the last
 checks that every parameter was written and every weight is finite, and answers the
 fingerprints of what was written (``sent``) with the read-back digest of the same regions
 (``digest``), which the trainer compares (:func:`..writer.check_digest`). A request that
-fails ends the sync: the next must start with ``first``.
+fails ends the sync: the next must start with ``first``. Importing this module loads the
+writer and the format registry into the engine's process (the storage service imports it at
+the first ``write`` request, not at start).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron_qrl.sync.protocol.checksums import WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import EngineLayout
 
 from ..writer import EngineWriter, Places, writer_for
+from .live_storage import describe, read_digest
 
 __all__ = ["write"]
 
@@ -54,8 +57,6 @@ def write(model: torch.nn.Module, msg: dict,
     """One ``write`` request (module docstring): ``msg`` has ``format``, ``first`` and
     ``last``; ``items`` are the trainer's tensors of this request, in stream order."""
     from megatron_qrl.quant import get_spec
-
-    from .storage import describe, read_digest
 
     st = _OPEN.get(id(model))
     if msg["first"]:
