@@ -104,7 +104,19 @@ def _job(cluster: str, out: Path, *extra: str, helper: str = "rl_ray_helper.py",
         pytest.fail(f"{helper} {' '.join(extra)} ran past {JOB_TIMEOUT_S} s; its stacks and stderr:\n"
                     + stderr[-12000:])
     assert proc.returncode == 0, stderr[-3000:]
+    _LAST["stderr"] = stderr
     return _records(out) if metrics else []
+
+
+_LAST: dict[str, str] = {}
+"""The last job's stderr (:func:`_job`)."""
+
+
+def _deaths() -> str:
+    """The supervisor's restart warnings of the last job: why each restart happened (the
+    message of an assertion on the restart count)."""
+    return "\n".join(line for line in _LAST.get("stderr", "").splitlines()
+                     if "rollout engine died" in line) or "(no restart warnings)"
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +422,7 @@ def test_actor_death_during_weight_sync_restarts_and_reproduces_the_run(cluster,
     assert killed == single_run
     (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
     # the last actor is fresh: it only served the re-sync of v6
-    assert log == {"calls": ["update_weights"], "restarts": 3}
+    assert log == {"calls": ["update_weights"], "restarts": 3}, _deaths()
 
 
 @pytest.mark.slow
@@ -423,7 +435,7 @@ def test_actor_process_exit_mid_update_colocated(cluster, single_run, tmp_path, 
               "--calls", str(calls), "--qrl-ray-weight-transport", transport)
     assert co == single_run
     (log,) = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert log == {"calls": ["update_weights"], "restarts": 2}
+    assert log == {"calls": ["update_weights"], "restarts": 2}, _deaths()
 
 
 @pytest.mark.slow
