@@ -229,7 +229,8 @@ def test_every_marlin_region_is_written_as_a_fresh_engine_loads_it(stream):
     a, b = state(want), state(got)
     assert [n for n in a if not torch.equal(a[n], b[n])] == []
     assert (writer.quantized > 0) == stream.startswith("bf16")
-    stacks = 1 if stream == "packed_stacked" else E  # weight_shape tensors per expert kind
+    # weight_shape tensors per expert kind (a BF16 stack is quantized and packed as a stack)
+    stacks = 1 if stream.endswith("stacked") else E
     assert writer.kept == (4 + 3 * stacks) * LAYERS  # not written: the engine keeps its own
     assert set(_marlin_params(got).values()) == {"codes", "scales", "scales_single"}
     _, want_sent = _write(engine(seed=0), packed(FMT, 1, stack=stack))
@@ -345,3 +346,21 @@ def test_the_engine_side_group_is_the_formats():
     from megatron_qrl.rollout_sglang.sync.loader import marlin_params
 
     assert marlin_params.GROUP == w4a16.GROUP
+
+
+def test_a_bf16_expert_stack_is_quantized_as_a_stack(monkeypatch):
+    """A layer's BF16 expert stack costs one quantizer call per run of experts (here the whole
+    stack), not one per expert, and leaves the per-expert bits. Catches: the writer
+    quantizing, packing and changing the layout of each expert of a stack on its own (~18k
+    calls per 30B-A3B sync)."""
+    want, got = engine(seed=1), _garbage(engine(seed=0))
+    calls = []
+    real = type(SPEC).quantize_weight
+    monkeypatch.setattr(type(SPEC), "quantize_weight", lambda self, w, **kw: calls.append(
+        (kw.get("name", ""), w.shape[0])) or real(self, w, **kw))
+    _write(got, writer_stream(SPEC, hf_weights(1), stack_experts=True))
+    a, b = state(want), state(got)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
+    experts = [(n, rows) for n, rows in calls if ".experts." in n]
+    assert len(experts) == 3 * LAYERS, experts
+    assert all(".experts.*." in n and rows in (E * FFN, E * H) for n, rows in experts), experts

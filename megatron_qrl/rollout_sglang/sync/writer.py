@@ -55,8 +55,10 @@ from megatron_qrl.sync.protocol.inplace import expert_names
 from megatron_qrl.sync.protocol.marlin import to_live
 from megatron_qrl.utils import hf_names
 
+from ...quant.expert_stacks import stack_rows
 from ...quant.finite_checks import FiniteChecks
 from ...quant.spec import QuantSpec
+from ...quant.stacked import can_stack, quantize_stacks, split_stack
 
 __all__ = ["EngineWriter", "Places", "check_digest", "writer_for"]
 
@@ -145,18 +147,40 @@ class EngineWriter:
             self._copy(name, t)
             self.copied += 1
             return
-        if kind == "marlin":
+        if kind == "marlin":  # the format's quantizer, then the packed tensors' path
             p = hf_names.parse(name)
-            units = ([(hf_names.expert_name(name, e), t[e]) for e in range(t.shape[0])]
-                     if p is not None and p.is_stacked else [(name, t)])
-            for unit, w in units:  # the reference quantizer, then the packed tensors' path
-                for packed, x in self.spec.pack_quantized(unit, self.spec.quantize_weight(
-                        w, name=unit, finite=self.finite)):
+            if p is not None and p.is_stacked:
+                self._marlin_stack(name, t)
+            else:
+                for packed, x in self.spec.pack_quantized(name, self.spec.quantize_weight(
+                        t, name=name, finite=self.finite)):
                     self._copy(packed, x)
         else:
             for packed, dst in self.spec.quantize_into(name, t, self._region, self.finite):
                 self._record(packed, dst, kept=True)
         self.quantized += 1
+
+    def _marlin_stack(self, name: str, t: torch.Tensor) -> None:
+        """Expert stack ``name`` ``[E, out, in]`` into a Marlin-layout parameter: quantized as
+        row-concatenated runs of experts (:func:`~megatron_qrl.quant.stacked.quantize_stacks`,
+        each expert's bits as if alone), each packed kind written as one stack (one layout
+        change and one fingerprint launch per kind, not one per expert)."""
+        names = [hf_names.expert_name(name, e) for e in range(t.shape[0])]
+        experts = list(t.unbind(0))
+        spec = self.spec
+        packed: list[list[tuple[str, torch.Tensor]]] = []
+        if can_stack(spec, experts):
+            for q, rows in quantize_stacks(spec, experts, name=name, finite=self.finite,
+                                           names=names):
+                chunk = names[len(packed):len(packed) + len(rows)]
+                packed += spec.pack_stacked(chunk, q, rows) or [
+                    spec.pack_quantized(n, w) for n, w in zip(chunk, split_stack(spec, q, rows))]
+        else:  # (a stack of one expert)
+            packed = [spec.pack_quantized(n, spec.quantize_weight(w, name=n, finite=self.finite))
+                      for n, w in zip(names, experts)]
+        for j, (first, _) in enumerate(packed[0]):
+            stacked = str(hf_names.parse(first)._replace(expert=hf_names.STACKED))
+            self._copy(stacked, stack_rows([tensors[j][1] for tensors in packed]))
 
     def _kind(self, name: str) -> str:
         """How float tensor ``name`` is written: ``quantize`` (into its regions), ``marlin``
