@@ -102,7 +102,8 @@ def test_the_writers_repacks_equal_sglang(n, k):
     """The direct writer's two repacks: from the quantizer's signed int4 codes
     (``marlin_from_codes``) and the one :func:`repacker` picks on CUDA (sgl_kernel's
     ``gptq_marlin_repack`` where it imports), both equal to SGLang's JIT kernel per expert.
-    Catches: a +8 offset or [N, K] orientation wrong for codes, sgl_kernel's argument order."""
+    Catches: a +8 offset or [N, K] orientation wrong for codes, sgl_kernel's argument order,
+    the repacker's one call for the whole stack (``repack_rows``) not giving each expert's."""
     from sglang.kernels.ops.quantization.gptq_marlin_repack import gptq_marlin_repack
 
     g = torch.Generator(device="cuda").manual_seed(k)

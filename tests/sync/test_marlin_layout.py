@@ -5,6 +5,8 @@ them with SGLang's own kernels."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from megatron_qrl.sync.protocol.marlin import (
     marlin_scales,
     marlin_unpack,
     marlin_unscales,
+    repack_rows,
     repacker,
     to_live,
 )
@@ -85,6 +88,26 @@ def test_experts_repack_one_by_one_and_round_trip():
     for e in range(3):
         assert torch.equal(got[e], _kernel(packed[e].t().contiguous(), 32, 128))
     assert torch.equal(marlin_unpack(got), packed)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 2)])
+def test_a_stack_repacks_in_one_call_of_the_kernel(lead):
+    """``repack_rows``: the kernel (its transcription) called once on the slices' rows
+    concatenated gives each slice's own repack (the CUDA repacker's way with an expert
+    stack). Catches: slices taken from the wrong columns of the one result (``2N e``), a
+    missing transpose of the result's slice axis."""
+    n, k = 128, 32
+    packed = _words(*lead, n, k // 8, seed=11)
+    calls = []
+
+    def kernel_2d(words):
+        calls.append(tuple(words.shape))
+        return _kernel(words.t().contiguous(), k, words.shape[0])
+
+    got = repack_rows(kernel_2d, packed)
+    assert calls == [(math.prod(lead) * n, k // 8)]
+    assert got.shape == (*lead, k // 16, 2 * n)
+    assert torch.equal(got, marlin_repack(packed))
 
 
 @pytest.mark.parametrize("grouped", [True, False])

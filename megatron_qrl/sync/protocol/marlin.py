@@ -24,12 +24,13 @@ SGLang's own kernels.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 __all__ = ["MarlinUnsupported", "from_live", "marlin_from_codes", "marlin_repack", "marlin_scales",
-           "checkpoint_shape", "live_shape", "marlin_unpack", "marlin_unscales", "repacker",
-           "to_live"]
+           "checkpoint_shape", "live_shape", "marlin_unpack", "marlin_unscales", "repack_rows",
+           "repacker", "to_live"]
 
 
 class MarlinUnsupported(ValueError):
@@ -137,11 +138,28 @@ def marlin_unscales(scale: torch.Tensor, grouped: bool) -> torch.Tensor:
     return _dense(runs.reshape(scale.shape).transpose(-1, -2))
 
 
+def repack_rows(repack_2d, packed: torch.Tensor) -> torch.Tensor:
+    """``[..., N, K/8]`` words -> ``[..., K/16, 2N]`` Marlin words through ONE call of
+    ``repack_2d`` (``[N', K/8]`` -> ``[K/16, 2N']``) on the leading slices' rows concatenated:
+    a Marlin tile spans 64 rows (N) and never two slices (N % 64 == 0), and the words of
+    output tile ``nt`` are columns ``[128 nt, 128 nt + 128)``, so slice ``e``'s words are
+    columns ``[2N e, 2N (e + 1))`` of the concatenation's. Returns a view of that one
+    ``[K/16, 2N']`` result (strided: a copy into the engine's stack places it)."""
+    *lead, n, k8 = packed.shape
+    _check(n, 8 * k8, "weight_packed")
+    slices = math.prod(lead)
+    out = repack_2d(packed.reshape(slices * n, k8))  # [K/16, 2 N slices]
+    if not lead:
+        return out
+    return out.view(out.shape[0], slices, 2 * n).transpose(0, 1).unflatten(0, tuple(lead))
+
+
 def repacker(device: torch.device):
     """The function that turns ``[..., N, K/8]`` compressed-tensors words into Marlin words on
-    ``device``: ``sgl_kernel.gptq_marlin_repack`` (per 2-D slice, no act-order perm) where the
-    device is CUDA and sgl_kernel imports, else :func:`marlin_repack` (the same words;
-    tests/gpu/test_marlin_layout.py holds them equal)."""
+    ``device``: ``sgl_kernel.gptq_marlin_repack`` (no act-order perm; an expert stack in one
+    call, :func:`repack_rows`) where the device is CUDA and sgl_kernel imports, else
+    :func:`marlin_repack` (the same words; tests/gpu/test_marlin_layout.py holds them
+    equal)."""
     if torch.device(device).type != "cuda":
         return marlin_repack
     try:
@@ -149,15 +167,12 @@ def repacker(device: torch.device):
     except ImportError:
         return marlin_repack
 
-    def kernel(packed: torch.Tensor) -> torch.Tensor:
-        *lead, n, k8 = packed.shape
-        _check(n, 8 * k8, "weight_packed")
-        flat = packed.reshape(-1, n, k8)
-        perm = torch.empty(0, dtype=torch.int32, device=packed.device)
-        out = [gptq_marlin_repack(p.t().contiguous(), perm, 8 * k8, n, 4) for p in flat]
-        return torch.stack(out).reshape(*lead, 8 * k8 // TILE_K, 2 * n)
+    def kernel_2d(words: torch.Tensor) -> torch.Tensor:
+        n, k8 = words.shape
+        perm = torch.empty(0, dtype=torch.int32, device=words.device)
+        return gptq_marlin_repack(words.t().contiguous(), perm, 8 * k8, n, 4)
 
-    return kernel
+    return lambda packed: repack_rows(kernel_2d, packed)
 
 
 def to_live(kind: str, packed: torch.Tensor) -> torch.Tensor:
