@@ -449,9 +449,11 @@ def _direct_engine(model, fmt="fp8", release_memory=False, bucket_bytes=1 << 20)
         eng.requests.append(msg["what"])
         if msg["what"] == "write":
             eng.writes.append((msg["first"], msg["last"], len(tensors)))
-        out = handle(model, msg, list(tensors))
-        if v is not None:
-            version[0] = str(v)
+        try:
+            out = handle(model, msg, list(tensors))
+        finally:  # SGLang applies a request's version whatever the loader answered
+            if v is not None:
+                version[0] = str(v)
         return out
 
     eng._storage_call = call

@@ -50,7 +50,8 @@ def test_engine_side_write_leaves_the_bits_of_the_trainer_side_write(fmt):
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert eng.sent_checksums() == eng.held_checksums() == sent
     writes = eng.writes
-    assert eng.requests == ["write"] * len(writes) and len(writes) == eng.last_sync["buckets"] > 2
+    assert eng.requests == ["write"] * len(writes) + ["fingerprint"]
+    assert len(writes) == eng.last_sync["buckets"] > 2
     assert [w[:2] for w in writes] == [(True, False)] + [(False, False)] * (len(writes) - 2) + [
         (False, True)]
     assert sum(w[2] for w in writes) == len(stream)
@@ -94,15 +95,21 @@ def test_a_digest_that_differs_fails_the_sync_naming_the_layer(monkeypatch):
 
 
 def test_a_failed_write_ends_the_sync_and_the_next_starts_over():
-    """A stream missing a tensor fails at its last request (the parameter named); a request
-    that does not start a sync after it is refused; a full sync then succeeds. Catches: a
-    writer kept after a failure (its regions marked written: the next sync would raise
-    "sent twice" or pass with stale rows)."""
+    """A stream missing a tensor fails at its last request (the parameter named) and leaves
+    the engine's weight version at its last complete sync; a request that does not start a
+    sync after it is refused; a full sync then succeeds. Catches: the version sent with the
+    last write (SGLang applies it though the write failed), a writer kept after a failure
+    (its regions marked written: the next sync would raise "sent twice" or pass with stale
+    rows)."""
     m = engine("fp8")
     eng = pulled_engine(m, "fp8")
+    eng.update_weights(iter(packed("fp8", 4)), version=1)
     stream = [(n, t) for n, t in packed("fp8", 5) if "layers.0.self_attn.q_proj" not in n]
     with pytest.raises(WeightSyncError, match=r"layers\.0\.self_attn\.qkv_proj\.weight got"):
-        eng.update_weights(iter(stream), version=1)
+        eng.update_weights(iter(stream), version=2)
+    # the engine keeps the version of its last complete sync (SGLang takes a request's
+    # version even where the loader answered a failure: none rides on a write)
+    assert eng.engine.get_server_info()["weight_version"] == "1"
     with pytest.raises(WeightSyncError, match="does not start a sync"):
         handle(m, {"what": "write", "format": "fp8", "first": False, "last": True}, [])
     # a failure in a request before the last ends the sync too
@@ -111,8 +118,8 @@ def test_a_failed_write_ends_the_sync_and_the_next_starts_over():
         handle(m, {"what": "write", "format": "fp8", "first": True, "last": False}, bad)
     with pytest.raises(WeightSyncError, match="does not start a sync"):
         handle(m, {"what": "write", "format": "fp8", "first": False, "last": True}, [])
-    eng.update_weights(iter(packed("fp8", 5)), version=2)
-    assert eng.weight_version() == 2
+    eng.update_weights(iter(packed("fp8", 5)), version=3)
+    assert eng.weight_version() == 3
 
 
 def test_requests_hold_at_most_bucket_bytes_of_what_the_trainer_made():

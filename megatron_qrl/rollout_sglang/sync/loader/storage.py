@@ -3,14 +3,15 @@
 Runs inside SGLang's scheduler process, reached like the in-place loader: an
 ``update_weights_from_tensor`` call whose ``load_format`` is
 :data:`~megatron_qrl.sync.protocol.engine_layout.STORAGE` (registered with
-``custom_weight_loader``) and whose one tensor is the control message
-(:mod:`megatron_qrl.sync.protocol.engine_layout`). Three requests:
+``custom_weight_loader``) and whose first tensor is the control message
+(:mod:`megatron_qrl.sync.protocol.engine_layout`; a ``write``'s tensors follow it). Four
+requests:
 
-* ``export``: :func:`~.live_storage.describe` the live parameters and write ``{"layout", "tensors"}`` to
-  ``out`` through SGLang's own ``MultiprocessingSerializer`` (each parameter as its CUDA IPC
-  handle), so the trainer writes into them;
-* ``fingerprint``: the storage addresses now (:func:`~.live_storage.storage_fingerprint`), to see whether
-  SGLang moved a parameter since the handles were taken;
+* ``export``: :func:`~.live_storage.describe` the live parameters and write ``{"layout",
+  "tensors"}`` to ``out`` through SGLang's own ``MultiprocessingSerializer`` (each parameter
+  as its CUDA IPC handle), so the trainer writes into them;
+* ``fingerprint``: the storage addresses now (:func:`~.live_storage.storage_fingerprint`), to
+  see whether SGLang moved a parameter since the handles were taken;
 * ``digest``: the fingerprints of the regions the trainer wrote (``names``: packed name ->
   shape), read back from the live tensors, and the storage fingerprint;
 * ``write``: the trainer's tensors that came with the request written here instead

@@ -10,7 +10,8 @@ regions), a packed or high-precision tensor (copied). A request holds at most
 ``bucket_bytes`` of tensors that fill their own storage (views into a larger one — the
 parameters in Megatron's contiguous buffer — count nothing), so the temporaries made for the
 sync (expert stacks, gathered shards) live for one request. The last request answers the fingerprints of what the engine wrote and its
-read-back digest of the same regions, and sets the weight version."""
+read-back digest of the same regions; one more (``fingerprint``) then sets the weight
+version."""
 
 from __future__ import annotations
 
@@ -56,9 +57,12 @@ def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
                                    s.device):
         if s.device.type == "cuda":  # the engine's process reads what this one wrote
             torch.cuda.synchronize(s.device)
-        msg = {"what": "write", "format": s.spec.name, "first": n == 0, "last": last}
-        out = s.storage(msg | ({"version": version} if last else {}), items)
+        out = s.storage({"what": "write", "format": s.spec.name, "first": n == 0,
+                         "last": last}, items)
         n += 1
+    # the version (and the cache flush) only after the last write succeeded: a request that
+    # fails is answered, not raised, so SGLang would take a version sent with it
+    s.storage({"what": "fingerprint", "version": version})
     s.sent.include(out["sent"])
     s.lap.update(buckets=n, write_s=time.perf_counter() - t0, **parts, engine_writes=True,
                  quantized=out["quantized"], copied=out["copied"])
