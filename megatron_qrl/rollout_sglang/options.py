@@ -215,7 +215,7 @@ class SGLangOptions:
 
     def describe_sync(self) -> str:
         """One line for the run's log: the weight transport of these (resolved) options."""
-        how = {"tensor": "update_weights_from_tensor, the packed stream in buckets",
+        how = {"tensor": "update_weights_from_tensor, the stream in buckets",
                "disk": f"safetensors in {self.sync_dir}, then update_weights_from_disk",
                "inplace": "packed buckets re-processed into the engine's live layout",
                "distributed": "buckets broadcast over the weight-update group"}

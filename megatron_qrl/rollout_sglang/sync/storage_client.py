@@ -62,8 +62,9 @@ def storage_request(request: Callable[[str, object, str], tuple[bool, str]],
                     msg: dict, version: int | None = None,
                     tensors: Sequence[tuple[str, torch.Tensor]] = ()) -> dict:
     """Send ``msg`` to the engine's storage service and read the answer written to ``out``
-    (one engine process); ``version`` (the digest after a sync) becomes the engine's weight
-    version and flushes its cache; ``tensors`` travel with the request (a ``write``'s, as
+    (one engine process); ``version`` (with the digest after a trainer-side write, the
+    fingerprint after an engine-side one) becomes the engine's weight version and flushes its
+    cache; ``tensors`` travel with the request (a ``write``'s, as
     CUDA IPC handles)."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
