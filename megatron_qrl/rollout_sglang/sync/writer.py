@@ -4,8 +4,8 @@ Runs where the writes are made: in the trainer's process, into the engine's stor
 (:mod:`.loader.live_storage`: its live parameters in their checkpoint views, through CUDA IPC
 handles), or, where the engine's storage cannot be shared (its memory saver), inside the
 engine's scheduler from the trainer's weights opened there (:mod:`.loader.storage_write`).
-The engine's storage and its layout (:mod:`megatron_qrl.sync.protocol.engine_layout`) say where each packed tensor of
-``QuantSpec.pack_state_dict`` goes: q/k/v into their rows of ``qkv_proj``, gate/up into
+The engine's storage and its layout (:mod:`megatron_qrl.sync.protocol.engine_layout`) say
+where each packed tensor of ``QuantSpec.pack_state_dict`` goes: q/k/v into their rows of ``qkv_proj``, gate/up into
 ``gate_up_proj`` and into the halves of ``w13_*``, experts (one by one or stacked
 ``[E, ...]``) into their index of the stacked parameter, block scales into their block rows.
 
