@@ -120,7 +120,9 @@
 #               reference of the real GEMM), FMT@aligned8 (aligned, FP8 dgrad and wgrad),
 #               FMT@spin (the engine without sleep_on_idle: its scheduler polls a core throughout),
 #               FMT@awake (--qrl-trainer-sleep off: the trainer keeps its GPU state through the
-#               rollout); PROFILE=1: the last step's trainer phases profiled (--qrl-profile-step)
+#               rollout), FMT@direct (--qrl-rollout-sglang-sync direct: with the memory saver,
+#               the engine writes the trainer's weights into its tensors); PROFILE=1: the last
+#               step's trainer phases profiled (--qrl-profile-step)
 #   moe30b      bench/train_mfu.py on the Qwen3-30B-A3B slice (${LAYERS_30B:-4} layers, no engine):
 #               ROWS of MoE build settings (gg grouped GEMM, pf permute fusion, rf router fusion,
 #               ag allgather dispatcher, st stacked experts: one torch grouped GEMM per expert
@@ -487,7 +489,8 @@ case $phase in
       --variant-flags "alignedfake=--qrl-train-forward aligned --qrl-train-aligned-gemm fake" \
       --variant-flags "aligned8=--qrl-train-forward aligned --qrl-train-aligned-backward fp8 --qrl-train-aligned-wgrad fp8" \
       --variant-flags "spin=--no-qrl-rollout-sglang-sleep-on-idle" \
-      --variant-flags "awake=--qrl-trainer-sleep off" ${PROFILE:+--profile} \
+      --variant-flags "awake=--qrl-trainer-sleep off" \
+      --variant-flags "direct=--qrl-rollout-sglang-sync direct" ${PROFILE:+--profile} \
       --megatron "${RLSTEP_MEGATRON:-$recompute}" --micro-batch-size "${MICRO_BATCH:-$mbs}" \
       ${MOE_EXPERTS:+--moe-experts "$MOE_EXPERTS"} \
       --prompts "${PROMPTS:-32}" --n 8 --max-new-tokens "${NEW_TOKENS:-1024}" --steps 2 \
