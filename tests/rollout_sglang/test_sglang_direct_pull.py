@@ -25,6 +25,7 @@ from tests.rollout_sglang.test_sglang_direct import (
     packed,
     state,
 )
+from tests.rollout_sglang.test_sglang_engine_sync import fake_io_struct  # noqa: F401  (io_struct stub)
 
 
 def pulled_engine(model, fmt="fp8", bucket_bytes=1 << 20):
@@ -162,3 +163,34 @@ def test_w4a16_marlin_regions_written_by_the_engine_over_garbage():
     a, b = state(want), state(got)
     assert [n for n in a if not torch.equal(a[n], b[n])] == []
     assert eng.last_sync["quantized"] > 0 and eng.last_sync["buckets"] > 1
+
+
+def test_write_requests_travel_with_their_tensors_through_serve(tmp_path):
+    """The scheduler side (``serve``: the control tensor, then the trainer's tensors; the
+    answer file) and the trainer side (``storage_request`` with ``tensors``) of a sync in two
+    write requests; a failed write is answered as an error, which the trainer raises.
+    Catches: ``serve`` dropping the tensors that follow the control message, or taking the
+    control tensor for a weight."""
+    from megatron_qrl.rollout_sglang.sync.loader.storage import serve
+    from megatron_qrl.rollout_sglang.sync.storage_client import storage_request
+
+    m, ref = engine("fp8"), engine("fp8")
+    direct_sync(ref, "fp8", packed("fp8", 6))
+
+    def request(method, req, first):
+        serve(m, req.serialized_named_tensors)
+        return True, "ok"
+
+    out, stream = str(tmp_path / "storage"), packed("fp8", 6)
+    half = len(stream) // 2
+    for i, items in enumerate((stream[:half], stream[half:])):
+        got = storage_request(request, list, torch.device("cpu"), out,
+                              {"what": "write", "format": "fp8", "first": i == 0,
+                               "last": i == 1}, tensors=items)
+    assert got["sent"] == got["digest"] and len(got["sent"]) == len(stream)
+    a, b = state(ref), state(m)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    with pytest.raises(WeightSyncError, match=r"failed 'write' \(WeightSyncError: .*got 0 of"):
+        storage_request(request, list, torch.device("cpu"), out,
+                        {"what": "write", "format": "fp8", "first": True, "last": True},
+                        tensors=stream[:1])
