@@ -113,6 +113,13 @@ class RolloutEngine(ABC):
     cached quantizations packed, experts stacked with :attr:`stacked_experts`) instead of
     the packed stream. Only read where :attr:`verifies_own_update`."""
 
+    reshares_stream: bool = False
+    """True for an engine that hands the stream's tensors on to another process by CUDA IPC
+    (the SGLang direct sync written by the engine, under its memory saver). PyTorch refuses
+    to share a tensor its process itself received by CUDA IPC ("Attempted to send CUDA tensor
+    received from another process"), so a Ray actor that receives the stream over the ipc
+    transport hands such an engine copies of its own."""
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the packed ``(hf_name, tensor)`` stream; afterwards ``weight_version() == version``."""

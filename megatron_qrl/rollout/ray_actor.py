@@ -133,7 +133,8 @@ class EngineActor:
         (:func:`~megatron_qrl.rollout.ipc.receive_ipc_stream`) as ``version``."""
         if self.weight_group is None:
             raise RuntimeError("update_weights_ipc before join_weight_group")
-        self._load_from_group(receive_ipc_stream(self.weight_group), version)
+        self._load_from_group(receive_ipc_stream(self.weight_group), version,
+                              own=getattr(self.engine, "reshares_stream", False))
 
     def ipc_peer(self) -> tuple[str, list[str]]:
         """``(Ray node id, UUIDs of the CUDA devices this actor sees)``: where the ipc
@@ -142,10 +143,15 @@ class EngineActor:
 
         return ray.get_runtime_context().get_node_id(), visible_devices()
 
-    def _load_from_group(self, stream: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+    def _load_from_group(self, stream: Iterator[tuple[str, torch.Tensor]], version: int,
+                         own: bool = False) -> None:
+        """``own``: the engine gets copies this process owns (an engine that shares the
+        stream's tensors on by CUDA IPC cannot share tensors this process received by CUDA
+        IPC: :attr:`~.base.RolloutEngine.reshares_stream`)."""
         self.calls.append("update_weights")
+        feed = ((name, t.clone()) for name, t in stream) if own else stream
         try:
-            self.engine.update_weights(stream, version)
+            self.engine.update_weights(feed, version)
         except Exception:
             _drain(stream)  # the driver's sends complete; the engine's error reaches it
             raise

@@ -123,6 +123,10 @@ class EngineSupervisor(RolloutEngine):
     def quantizes_into(self) -> bool:  # the inner engine's (see RolloutEngine)
         return self.engine.quantizes_into
 
+    @property
+    def reshares_stream(self) -> bool:  # the inner engine's (see RolloutEngine)
+        return self.engine.reshares_stream
+
     def held_checksums(self) -> dict[str, str]:
         return self._supervised("held_checksums", lambda: self.engine.held_checksums())
 

@@ -113,6 +113,12 @@ class SGLangEngine(RolloutEngine):
         """The direct sync quantizes the weights into the engine's tensors (RolloutEngine)."""
         return self.options.sync == "direct"
 
+    @property
+    def reshares_stream(self) -> bool:
+        """The direct sync under the memory saver sends the stream's tensors to the engine's
+        scheduler by CUDA IPC (RolloutEngine)."""
+        return self.options.sync == "direct" and self.options.release_memory
+
     def __init__(self, model_path: str | Path, spec_name: str,
                  options: SGLangOptions | None = None, *, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",

@@ -194,3 +194,38 @@ def test_write_requests_travel_with_their_tensors_through_serve(tmp_path):
         storage_request(request, list, torch.device("cpu"), out,
                         {"what": "write", "format": "fp8", "first": True, "last": True},
                         tensors=stream[:1])
+
+
+@pytest.mark.parametrize("reshares", [False, True])
+def test_a_ray_actor_hands_a_resharing_engine_copies_of_what_it_received(monkeypatch,
+                                                                        reshares):
+    """A Ray actor that received the stream over the ipc transport (tensors opened from the
+    trainer's CUDA IPC handles, which PyTorch will not share on) hands an engine that shares
+    the stream on (the engine-side direct write) copies of its own, the same values; other
+    engines get the received tensors themselves. Catches: the actor passing received tensors
+    to the engine-side write (on the GPU: "Attempted to send CUDA tensor received from
+    another process")."""
+    from megatron_qrl.rollout import ray_actor
+    from megatron_qrl.rollout.ray_actor import EngineActor
+
+    received = [("a.weight", torch.arange(6.0).view(2, 3)), ("b.weight", torch.ones(4))]
+    monkeypatch.setattr(ray_actor, "receive_ipc_stream", lambda group: iter(received))
+    got = []
+
+    class Engine:
+        reshares_stream = reshares
+
+        def update_weights(self, stream, version):
+            got.extend(stream)
+
+    actor = EngineActor(None, lambda spec: Engine())
+    actor.weight_group = object()
+    actor.update_weights_ipc(version=1)
+    assert [n for n, _ in got] == ["a.weight", "b.weight"]
+    for (_, want), (_, t) in zip(received, got):
+        assert torch.equal(t, want)
+        same = t.untyped_storage().data_ptr() == want.untyped_storage().data_ptr()
+        assert same is not reshares
+    # the SGLang engine says so exactly where it writes on the engine's side
+    m = engine("fp8")
+    assert pulled_engine(m).reshares_stream and not _direct_engine(m).reshares_stream
