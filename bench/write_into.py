@@ -6,7 +6,8 @@ into-kernel on CUDA), side by side in one run.
 
     python bench/write_into.py --formats fp8,int8,fp8_block --out bench/results/write_into.jsonl
 
-One row per (format, implementation): median ms per layer over ``--repeats`` (CUDA events),
+One row per (format, implementation): median ms per layer over ``--repeats`` (host clock
+around the writes and a device synchronize),
 the bytes read + written, GB/s, the 48-layer projection, and ``vs_torch`` (torch ms / this
 ms); every row records the commit. The bits written by both implementations are compared
 (``same_bits``). ``--device cpu`` checks the script (CPU numbers)."""

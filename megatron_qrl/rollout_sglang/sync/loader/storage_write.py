@@ -76,7 +76,7 @@ def write(model: torch.nn.Module, msg: dict,
         if not msg["last"]:
             return {"written": len(items)}
         w.finish()
-        return {"fingerprint": st.layout.fingerprint, "sent": w.sent.result(),
+        return {"sent": w.sent.result(),
                 "digest": read_digest(st.layout, st.tensors, w.shapes),
                 "quantized": w.quantized, "copied": w.copied}
     except BaseException:

@@ -9,9 +9,9 @@ handle per tensor: a weight still in high precision (the engine quantizes it int
 regions), a packed or high-precision tensor (copied). A request holds at most
 ``bucket_bytes`` of tensors that fill their own storage (views into a larger one — the
 parameters in Megatron's contiguous buffer — count nothing), so the temporaries made for the
-sync (expert stacks, gathered shards) live for one request. The last request answers the fingerprints of what the engine wrote and its
-read-back digest of the same regions; one more (``fingerprint``) then sets the weight
-version."""
+sync (expert stacks, gathered shards) live for one request. The last request answers the
+fingerprints of what the engine wrote and its read-back digest of the same regions; one more
+(``fingerprint``) then sets the weight version."""
 
 from __future__ import annotations
 
