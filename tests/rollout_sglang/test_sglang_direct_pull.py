@@ -136,6 +136,39 @@ def test_requests_hold_at_most_bucket_bytes_of_what_the_trainer_made():
     assert list(requests_of([], 1, torch.device("cpu"))) == [([], True)]
 
 
+def test_requests_cut_by_the_memory_made_for_the_sync():
+    """With the allocator's count (CUDA), the trainer's parameters cost no request however
+    they are allocated (the local spec's are one allocation each) and the temporaries made
+    for the sync cut the requests once dropped by the caller; here the count is the live
+    temporaries' bytes. Catches: the storage rule used where the count is given (the four
+    parameters would cut two requests of their own), the count taken from each request's
+    start (the first request's temporaries would count twice)."""
+    import weakref
+
+    live = [0]
+
+    def made(n: int) -> torch.Tensor:  # a temporary of the sync: counted while alive
+        t = torch.zeros(256)  # 1 KiB
+        live[0] += 1024
+        weakref.finalize(t.untyped_storage(), lambda: live.__setitem__(0, live[0] - 1024))
+        return t
+
+    params = [(f"p{i}", torch.zeros(256)) for i in range(4)]  # one allocation each
+
+    def stream():
+        yield from params
+        for i in range(5):
+            yield f"f{i}", made(i)
+
+    got = []
+    for items, last in requests_of(stream(), 2048, torch.device("cpu"), lambda: live[0]):
+        got.append(([n for n, _ in items], last))
+        del items
+    assert got == [(["p0", "p1", "p2", "p3", "f0", "f1"], False), (["f2", "f3"], False),
+                   (["f4"], True)]
+    assert live[0] == 0
+
+
 def test_the_run_log_says_which_end_writes():
     """The run's log line for the sync path (rl.run_control.describe_run)."""
     saver = SGLangOptions(sync="direct").resolve("fp8").describe_sync()

@@ -7,43 +7,58 @@ Runs in the trainer's process. The stream (the same one :class:`.direct.DirectTr
 writes itself) goes in ``write`` requests of the engine's storage service, each one CUDA IPC
 handle per tensor: a weight still in high precision (the engine quantizes it into its
 regions), a packed or high-precision tensor (copied). A request holds at most
-``bucket_bytes`` of tensors that fill their own storage (views into a larger one — the
-parameters in Megatron's contiguous buffer — count nothing), so the temporaries made for the
-sync (expert stacks, gathered shards) live for one request. The last request answers the
+``bucket_bytes`` of memory made for the sync (expert stacks, gathered shards, split fused
+weights), so such temporaries live for one request while the trainer's parameters, however
+they are allocated, cost no request: on CUDA the caching allocator's growth since the
+request began; elsewhere the tensors that fill their own storage (views into a larger one,
+such as the parameters in Megatron's contiguous buffer, count nothing). The last request answers the
 fingerprints of what the engine wrote and its read-back digest of the same regions; one more
 (``fingerprint``) then sets the weight version."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from ..prefetch import timed
 from ..session import SGLangSession
 
-__all__ = ["requests_of", "send_pulled"]
+__all__ = ["allocated", "requests_of", "send_pulled"]
 
 
 def requests_of(stream: Iterable[tuple[str, torch.Tensor]], held_bytes: int,
-                device: torch.device) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+                device: torch.device, in_use: Callable[[], int] | None = None
+                ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
     """``(items, last)`` per request: ``stream``'s tensors on ``device``, cut where the
-    tensors that may have been made for the sync (those that fill their own storage; a view
-    into a larger one, such as a parameter in Megatron's contiguous buffer, is kept by its
-    owner) reach ``held_bytes``; one empty last request for an empty stream."""
+    memory made for the sync reaches ``held_bytes``: ``in_use()`` (bytes allocated now)
+    above its value when the stream began; without ``in_use`` the bytes of the tensors that
+    fill their own storage (perhaps made for the sync; a view into a larger one, such as a
+    parameter in Megatron's contiguous buffer, is kept by its owner). One empty last request
+    for an empty stream. The caller drops a request's items before asking for the next."""
     items: list[tuple[str, torch.Tensor]] = []
     held = 0
+    base = in_use() if in_use is not None else 0
     for name, t in stream:
         if held >= held_bytes:
             yield items, False
             items, held = [], 0
         t = t.detach().to(device, non_blocking=True)
-        nbytes = t.numel() * t.element_size()
-        if t.untyped_storage().nbytes() <= nbytes:  # its own storage: perhaps made for the sync
+        if in_use is not None:
+            held = in_use() - base
+        elif t.untyped_storage().nbytes() <= (nbytes := t.numel() * t.element_size()):
             held += nbytes
         items.append((name, t))
     yield items, True
+
+
+def allocated(device: torch.device) -> Callable[[], int] | None:
+    """:func:`requests_of`'s ``in_use`` on ``device``: the CUDA caching allocator's bytes in
+    use (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.memory_allocated(device)
 
 
 def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
@@ -54,11 +69,14 @@ def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
     t0 = time.perf_counter()
     n, out = 0, {}
     for items, last in requests_of(timed(stream, parts, "stream_s"), s.bucket_bytes,
-                                   s.device):
+                                   s.device, allocated(s.device)):
         if s.device.type == "cuda":  # the engine's process reads what this one wrote
             torch.cuda.synchronize(s.device)
         out = s.storage({"what": "write", "format": s.spec.name, "first": n == 0,
                          "last": last}, items)
+        del items  # the engine wrote and dropped them: their memory goes back now
+        if s.device.type == "cuda":  # blocks the engine held past our del (PyTorch's IPC limbo)
+            torch.cuda.ipc_collect()
         n += 1
     # the version (and the cache flush) only after the last write succeeded: a request that
     # fails is answered, not raised, so SGLang would take a version sent with it
