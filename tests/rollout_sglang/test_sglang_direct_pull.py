@@ -141,8 +141,8 @@ def test_requests_cut_by_the_memory_made_for_the_sync():
     they are allocated (the local spec's are one allocation each) and the temporaries made
     for the sync cut the requests once dropped by the caller; here the count is the live
     temporaries' bytes. Catches: the storage rule used where the count is given (the four
-    parameters would cut two requests of their own), the count taken from each request's
-    start (the first request's temporaries would count twice)."""
+    parameters would cut two requests of their own), the count restarted at each request
+    (the tensor the stream already made for the next request would go uncounted)."""
     import weakref
 
     live = [0]
