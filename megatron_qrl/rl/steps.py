@@ -37,7 +37,7 @@ from megatron_qrl.rl.batch import pack_samples, pad_to_multiple, sft_batch, spli
 from megatron_qrl.rl.forward import ForwardPlan
 from megatron_qrl.rl.micro_forward import positions_run
 from megatron_qrl.rl.trainer import PolicyTrainer
-from megatron_qrl.rollout.base import RolloutEngine, SamplingParams
+from megatron_qrl.rollout.base import RolloutEngine, SamplingParams, sync_record
 from megatron_qrl.rollout.capacity import capacity_record
 from megatron_qrl.utils.io import atomic_write_json
 from megatron_qrl.utils.profile import Traced
@@ -261,6 +261,7 @@ def rl_step(ctx: StepContext, step: int, rl_index: int) -> dict[str, Any]:
         rec.update(time_sleep_s=slept + slept_state, time_wake_s=woke,
                    trainer_gpu_gib_asleep=asleep_gib)
     rec.update(concurrency)  # the engine's limits and the waves (rollout.capacity), if reported
+    rec.update(sync_record(ctx.engine))  # the engine's account of the sync, if it keeps one
     if getattr(synced, "adapter_bytes", None) is not None:  # LoRA: adapters over the wire
         rec["sync_adapter_bytes"] = synced.adapter_bytes
     if getattr(synced, "cached", None) is not None:  # quantized once, in the trainer's cache

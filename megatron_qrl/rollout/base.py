@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -120,6 +121,11 @@ class RolloutEngine(ABC):
     received from another process"), so a Ray actor that receives the stream over the ipc
     transport hands such an engine copies of its own."""
 
+    last_sync: dict | None = None
+    """The engine's account of its last :meth:`update_weights`, where it keeps one (the
+    in-process SGLang engine: requests sent, seconds per part, what it quantized and copied,
+    how the result was verified); the RL step logs it (:func:`sync_record`)."""
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the packed ``(hf_name, tensor)`` stream; afterwards ``weight_version() == version``."""
@@ -154,3 +160,14 @@ class RolloutEngine(ABC):
 
     def shutdown(self) -> None:
         """Stop the engine; no-op by default."""
+
+
+def sync_record(engine: object) -> dict[str, Any]:
+    """``engine``'s :attr:`RolloutEngine.last_sync` as step metrics ``sync_<key>``: its
+    numbers (``sync_buckets``, ``sync_request_s``, ``sync_write_s``, ...) and how the sync was
+    verified (``sync_verified``); nothing for an engine that keeps no account."""
+    last = getattr(engine, "last_sync", None)
+    if not isinstance(last, dict):
+        return {}
+    return {f"sync_{k}": v for k, v in last.items()
+            if k == "verified" or (isinstance(v, (int, float)) and not isinstance(v, bool))}

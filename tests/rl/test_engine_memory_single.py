@@ -25,6 +25,8 @@ class RecordingEngine(TinyEngine):
         assert not self.released, "weights sent to a released engine"
         self.calls.append(f"update{version}")
         super().update_weights(named_tensors, version)
+        self.last_sync = {"buckets": version, "write_s": 0.25, "engine_writes": True,
+                          "verified": "digest"}  # as the SGLang engine keeps it
 
     def generate(self, prompts, sampling):
         assert not self.released, "generate on a released engine"
@@ -78,6 +80,10 @@ def test_release_after_rollout_resume_before_sync(tmp_path, monkeypatch):
     for r in rl:  # the release in the rollout's time, the resume in the sync's, each reported
         assert 0.3 <= r["time_engine_release_s"] <= r["time_rollout_s"]
         assert 0.3 <= r["time_engine_resume_s"] <= r["time_sync_s"]
+    # the engine's account of each step's sync, its numbers and how it was verified
+    assert [(r["sync_buckets"], r["sync_write_s"], r["sync_verified"]) for r in rl] == [
+        (2, 0.25, "digest"), (3, 0.25, "digest")]
+    assert not any("sync_engine_writes" in r for r in rl)
     monkeypatch.setattr(RecordingEngine, "delay", 0.0)
     assert _run(tmp_path / "off", "--no-qrl-rollout-sglang-release-memory") == [
         "update1", "generate", "update2", "generate", "update3"]
