@@ -198,6 +198,15 @@ te_env() {  # TE on PYTHONPATH once its background build (te-build) has finished
     export PYTHONPATH=$PYTHONPATH:/tmp/te_site; echo "TE: /tmp/te_site"
   else echo "TE does not import from /tmp/te_site: local spec"; fi
 }
+prewarm_start() {  # the Marlin JIT prewarm in the background (~6.5 min of nvcc uncached)
+  setsid nohup python3 tools/prewarm_sglang_kernels.py > /tmp/prewarm.log 2>&1 < /dev/null &
+  echo $! > /tmp/prewarm.pid; rm -f /tmp/prewarm.asked
+}
+# the prewarm imports sglang, whose utils need the recipe's stand-in IPython (.stage/stub):
+# setup carries no stub (64 MiB limit), so it asks and the first phase that has it starts it
+# (started without, every kernel failed at its import: "No module named 'IPython'")
+if [ -f /tmp/prewarm.asked ] && [ -d .stage/stub/IPython ]; then
+  prewarm_start; echo "Marlin prewarm started (asked by setup)"; fi
 marlin_wait() {  # block until the background prewarm (setup phase) has finished, when
   # the phase's VARIANTS / PYTEST_K (unset: every format) name a Marlin format
   case "${VARIANTS:-}${PYTEST_K:-}" in ""|*w4a16*|*nvfp4*) ;; *) return 0 ;; esac
@@ -209,8 +218,8 @@ case $phase in
     nvidia-smi --query-gpu=name,memory.used --format=csv
     [ "${PREWARM:-1}" = 0 ] && { echo "no Marlin prewarm (PREWARM=0)"; exit 0; }
     [ -d .stage/marlin ] && bash "$0" marlin-load  # the prewarm below then loads in seconds
-    setsid nohup python3 tools/prewarm_sglang_kernels.py > /tmp/prewarm.log 2>&1 < /dev/null &
-    echo $! > /tmp/prewarm.pid ;;
+    if [ -d .stage/stub/IPython ]; then prewarm_start
+    else touch /tmp/prewarm.asked; echo "Marlin prewarm: starts with the next phase that carries .stage/stub"; fi ;;
   tune)
     pids=""
     for f in fp8_block fp8 int8; do
@@ -531,7 +540,7 @@ case $phase in
       | grep -v Warning | tail -n 25
     m="$OUT/example4b_${MODE:-single}_sleep${SLEEP:-off}${SYNC:+_$SYNC}_metrics.jsonl"
     cp /tmp/qrl_example4b/metrics.jsonl "$m" 2>/dev/null && rm -rf /tmp/qrl_example4b
-    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'time_sleep_s', 'time_wake_s', 'trainer_gpu_gib_asleep', 'rollout_waves', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
+    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'time_engine_resume_s', 'sync_buckets', 'sync_request_s', 'sync_stream_s', 'sync_write_s', 'time_sleep_s', 'time_wake_s', 'trainer_gpu_gib_asleep', 'rollout_waves', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
   fleet)
     python3 -c "import ray; print('ray', ray.__version__)" || echo "Ray is not in the site: the fleet test skips"
     python3 -m pytest -q tests/gpu/test_sglang_fleet.py -s 2>&1 \
