@@ -10,9 +10,9 @@ regions), a packed or high-precision tensor (copied). A request holds at most
 ``bucket_bytes`` of memory made for the sync (expert stacks, gathered shards, split fused
 weights), so such temporaries live for one request while the trainer's parameters, however
 they are allocated, cost no request: on CUDA the caching allocator's growth since the
-request began; elsewhere the tensors that fill their own storage (views into a larger one,
-such as the parameters in Megatron's contiguous buffer, count nothing). The last request answers the
-fingerprints of what the engine wrote and its read-back digest of the same regions; one more
+stream began; elsewhere the tensors that fill their own storage (views into a larger one,
+such as the parameters in Megatron's contiguous buffer, count nothing). The last request
+answers the fingerprints of what the engine wrote and its read-back digest of the same regions; one more
 (``fingerprint``) then sets the weight version."""
 
 from __future__ import annotations
