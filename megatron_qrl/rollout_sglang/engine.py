@@ -198,7 +198,10 @@ class SGLangEngine(RolloutEngine):
         thread waiting for a prepared bucket), ``serialize_s`` (CUDA-IPC handles) and
         ``finish_s`` (version check, fingerprints and the receipts at the end); direct syncs
         add ``storage_s``, ``write_s`` (of which ``stream_s`` waited on the stream),
-        ``digest_s``, ``handles_taken``, ``quantized`` and ``copied``."""
+        ``digest_s``, ``handles_taken``, ``quantized`` and ``copied``; written by the engine
+        (its memory saver on) ``engine_writes``, ``buckets`` requests and ``loader_s`` (their
+        time in the engine's writer: the rest of ``request_s`` is SGLang's way there and the
+        handles opened)."""
 
     @property
     def uses_loader(self) -> bool:

@@ -58,6 +58,24 @@ def test_engine_side_write_leaves_the_bits_of_the_trainer_side_write(fmt):
     assert sum(w[2] for w in writes) == len(stream)
     assert eng.last_sync["engine_writes"] is True
     assert eng.last_sync["copied"] == len(stream) and eng.last_sync["quantized"] == 0
+    # the engine's own time, summed over the requests, inside the sync's write
+    assert 0 < eng.last_sync["loader_s"] <= eng.last_sync["write_s"]
+
+
+def test_the_engines_time_is_summed_over_the_requests(monkeypatch):
+    """``loader_s``: every request's time in the engine's writer, from entry to answer (a
+    clock that ticks once per reading: one second per request). Catches: the last request's
+    time alone, a sync's time carried into the next."""
+    import types
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(storage_write, "time",
+                        types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    eng = pulled_engine(engine("fp8"), "fp8", bucket_bytes=64 << 10)
+    for version in (1, 2):
+        eng.update_weights(iter(packed("fp8", version)), version=version)
+        assert eng.last_sync["buckets"] > 2
+        assert eng.last_sync["loader_s"] == eng.last_sync["buckets"]
 
 
 def test_quantized_weights_reach_the_engine_in_high_precision_and_regions_are_kept():

@@ -15,7 +15,9 @@ the storage fingerprint holds) and starts a writer; each writes its tensors and 
 the writes to end (the trainer frees its temporaries after the answer); the last (``last``)
 checks that every parameter was written and every weight is finite, and answers the
 fingerprints of what was written (``sent``) with the read-back digest of the same regions
-(``digest``), which the trainer compares (:func:`..writer.check_digest`). A request that
+(``digest``), which the trainer compares (:func:`..writer.check_digest`), and the seconds the
+sync's requests spent here (``loader_s``: the rest of a request's round trip is SGLang's —
+the request's way to the scheduler, the trainer's tensors opened from their handles). A request that
 fails ends the sync: the next must start with ``first``. Importing this module loads the
 writer and the format registry into the engine's process (the storage service imports it at
 the first ``write`` request, not at start).
@@ -23,6 +25,7 @@ the first ``write`` request, not at start).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +49,8 @@ class _Storage:
     places: Places = field(default_factory=Places)
     writer: EngineWriter | None = None
     """The writer of the sync in progress (None between syncs)."""
+    seconds: float = 0.0
+    """Time spent in this module by the sync in progress (answered by its last request)."""
 
 
 _OPEN: dict[int, _Storage] = {}
@@ -58,12 +63,14 @@ def write(model: torch.nn.Module, msg: dict,
     ``last``; ``items`` are the trainer's tensors of this request, in stream order."""
     from megatron_qrl.quant import get_spec
 
+    t0 = time.perf_counter()
     st = _OPEN.get(id(model))
     if msg["first"]:
         layout, tensors = describe(model)
         if st is None or st.layout.fingerprint != layout.fingerprint:
             st = _OPEN[id(model)] = _Storage(layout, tensors)
         st.writer = writer_for(get_spec(msg["format"]), st.layout, st.tensors, None, st.places)
+        st.seconds = 0.0
     elif st is None or st.writer is None:
         raise WeightSyncError("direct weight sync: a write request that does not start a sync "
                               "came after a failed or finished one; sync again")
@@ -74,11 +81,12 @@ def write(model: torch.nn.Module, msg: dict,
         if w.device.type == "cuda":  # the trainer frees these tensors after the answer
             torch.cuda.synchronize(w.device)
         if not msg["last"]:
+            st.seconds += time.perf_counter() - t0
             return {"written": len(items)}
         w.finish()
-        return {"sent": w.sent.result(),
-                "digest": read_digest(st.layout, st.tensors, w.shapes),
-                "quantized": w.quantized, "copied": w.copied}
+        out = {"sent": w.sent.result(), "digest": read_digest(st.layout, st.tensors, w.shapes),
+               "quantized": w.quantized, "copied": w.copied}
+        return {**out, "loader_s": st.seconds + time.perf_counter() - t0}
     except BaseException:
         st.writer = None
         raise

@@ -83,5 +83,5 @@ def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
     s.storage({"what": "fingerprint", "version": version})
     s.sent.include(out["sent"])
     s.lap.update(buckets=n, write_s=time.perf_counter() - t0, **parts, engine_writes=True,
-                 quantized=out["quantized"], copied=out["copied"])
+                 quantized=out["quantized"], copied=out["copied"], loader_s=out["loader_s"])
     return out["digest"]
