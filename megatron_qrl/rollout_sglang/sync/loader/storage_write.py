@@ -15,10 +15,10 @@ the storage fingerprint holds) and starts a writer; each writes its tensors and 
 the writes to end (the trainer frees its temporaries after the answer); the last (``last``)
 checks that every parameter was written and every weight is finite, and answers the
 fingerprints of what was written (``sent``) with the read-back digest of the same regions
-(``digest``), which the trainer compares (:func:`..writer.check_digest`), and the seconds the
-sync's requests spent here (``loader_s``: the rest of a request's round trip is SGLang's —
-the request's way to the scheduler, the trainer's tensors opened from their handles). A request that
-fails ends the sync: the next must start with ``first``. Importing this module loads the
+(``digest``), which the trainer compares (:func:`..writer.check_digest`), and the seconds
+the sync's requests spent here (``loader_s``: the rest of a request's round trip is SGLang's,
+the request's way to the scheduler and the trainer's tensors opened from their handles). A
+request that fails ends the sync: the next must start with ``first``. Importing this module loads the
 writer and the format registry into the engine's process (the storage service imports it at
 the first ``write`` request, not at start).
 """
