@@ -278,7 +278,8 @@ case $phase in
       --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
       --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
-    [ -f "$OUT/inplace_phases.jsonl" ] && python3 -m megatron_qrl.rollout_sglang.sync.debug "$OUT/inplace_phases.jsonl" ;;
+    if [ -f "$OUT/inplace_phases.jsonl" ]; then  # (none from direct variants: rc 0 then too)
+      python3 -m megatron_qrl.rollout_sglang.sync.debug "$OUT/inplace_phases.jsonl"; fi ;;
   packprof)  # bench/pack_profile.py: traced packs (FORMATS, default fp8 fp8_block w4a16) of
     # LAYERS (default 8) 30B-A3B layers, one per quantizer of QUANT_IMPL (default torch,triton)
     # -> $OUT/pack_profile_FMT.json (GPU busy vs wall, top kernels, top host ops, torch / triton)
