@@ -300,8 +300,8 @@ def test_qrl_train_packed_equals_padded(tmp_path):
             if isinstance(value, float) and not key.startswith("time_") and "gib" not in key:
                 # fp32 sums in another order (per-segment attention, no padding) compound
                 # over six updates at lr 1e-3: measured up to 9e-5 relative (grad_norm) on
-                # one CPU, 7.5e-4 at the last step on an AMD EPYC (AVX-512) one; the first
-                # RL step stays at 3e-4 (a leak between packed segments moves it by > 1e-2)
+                # one CPU, 7.5e-4 at the last step on an AMD EPYC (AVX-512) one; steps 0-1
+                # stay at 3e-4 (attention across packed segments: step 0's grad norm +2.6%)
                 rel = 3e-4 if a["step"] <= 1 else 2e-3
                 assert b[key] == pytest.approx(value, rel=rel, abs=1e-6), (a["step"], key)
         if a["phase"] == "rl":
