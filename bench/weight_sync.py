@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Weight sync time trainer -> SGLang for a Qwen3-30B-A3B-shaped model, per format.
+"""Weight sync time trainer -> SGLang for a Qwen3-30B-A3B-shaped model (``--model qwen3_4b``:
+the dense Qwen3-4B of the 1-GPU example), per format.
 
     python bench/weight_sync.py --variants bf16:tensor,fp8_block:disk,int8:inplace \
         --out bench/results/weight_sync.jsonl
@@ -87,19 +88,25 @@ sys.path.insert(0, str(ROOT))
 from bench._runner import child_main, run_variant  # noqa: E402
 from megatron_qrl.utils.profile import Traced  # noqa: E402
 
-MODEL_CONFIG = ROOT / "megatron_qrl" / "data" / "configs" / "qwen3_30b_a3b.json"
+CONFIGS = ROOT / "megatron_qrl" / "data" / "configs"
+MODELS = ("qwen3_30b_a3b", "qwen3_4b")
+"""``--model``: the shapes the sync is timed at (configs in megatron_qrl/data/configs)."""
 
 
 def layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor names (without the ``model.layers.{i}.`` prefix) -> shape of one layer."""
     h, d = cfg["hidden_size"], cfg["head_dim"]
-    q, kv, e, f = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, \
-        cfg["num_experts"], cfg["moe_intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     out = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-           "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-           "mlp.gate.weight": (e, h)}
+           "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    if "num_experts" not in cfg:  # dense
+        f = cfg["intermediate_size"]
+        return out | {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+                      "mlp.down_proj.weight": (h, f)}
+    e, f = cfg["num_experts"], cfg["moe_intermediate_size"]
+    out["mlp.gate.weight"] = (e, h)
     for j in range(e):
         out |= {f"mlp.experts.{j}.gate_proj.weight": (f, h), f"mlp.experts.{j}.up_proj.weight": (f, h),
                 f"mlp.experts.{j}.down_proj.weight": (h, f)}
@@ -120,7 +127,7 @@ def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]
 
     shapes = layer_shapes(cfg)
     stacks = {proj: rand((cfg["num_experts"], *shapes[f"mlp.experts.0.{proj}.weight"]))
-              for proj in ("gate_proj", "up_proj", "down_proj")}
+              for proj in ("gate_proj", "up_proj", "down_proj")} if "num_experts" in cfg else {}
     layer = {k: stacks[k.split(".")[3]][int(k.split(".")[2])] if k.startswith("mlp.experts.")
              else rand(s) for k, s in shapes.items()}
     v, h = cfg["vocab_size"], cfg["hidden_size"]
@@ -130,7 +137,8 @@ def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]
         for k, t in layer.items():
             yield f"model.layers.{i}.{k}", t
     yield "model.norm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
-    yield "lm_head.weight", emb
+    if not cfg.get("tie_word_embeddings", False):
+        yield "lm_head.weight", emb
 
 
 def _synchronize(device: str) -> None:
@@ -151,16 +159,23 @@ def time_pack(spec, cfg: dict, stacked: bool = True, device: str = "cuda") -> tu
     return time.perf_counter() - t, nbytes
 
 
-def model_config(layers: int | None = None, experts: int | None = None) -> dict:
-    """The 30B-A3B config, optionally cut to ``layers`` decoder layers / ``experts`` experts
-    (``--layers`` / ``--experts``: a CPU smoke run or a quick look at one layer's costs)."""
-    cfg = json.loads(MODEL_CONFIG.read_text())
+def model_config(layers: int | None = None, experts: int | None = None,
+                 model: str = "qwen3_30b_a3b") -> dict:
+    """``model``'s config (the 30B-A3B by default), optionally cut to ``layers`` decoder
+    layers / ``experts`` experts (``--layers`` / ``--experts``: a CPU smoke run or a quick look
+    at one layer's costs)."""
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: one of {', '.join(MODELS)}")
+    cfg = json.loads((CONFIGS / f"{model}.json").read_text())
+    if experts is not None and "num_experts" not in cfg:
+        raise ValueError(f"--experts: --model {model} is dense")
     for key, value in (("num_hidden_layers", layers), ("num_experts", experts)):
         if value is not None:
             if value < 1:
                 raise ValueError(f"--{key.split('_')[-1]} must be >= 1, got {value}")
             cfg[key] = value
-    cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], cfg["num_experts"])
+    if "num_experts" in cfg:
+        cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], cfg["num_experts"])
     return cfg
 
 
@@ -249,7 +264,7 @@ def engine_stream(eng, spec, cfg: dict, opts: list[str], quantized=None):
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
           pack_only: bool = False, produce_only: bool = False, device: str = "cuda",
           layers: int | None = None, experts: int | None = None,
-          profile: str | None = None) -> dict:
+          profile: str | None = None, model: str = "qwen3_30b_a3b") -> dict:
     import torch
 
     from megatron_qrl.quant import get_spec
@@ -268,15 +283,15 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     engine = not (pack_only or produce_only)
     if engine and (device != "cuda" or layers or experts):
         raise ValueError("--device / --layers / --experts apply to --pack-only and "
-                         "--produce-only (an engine variant runs the whole 30B-A3B on the GPU)")
+                         "--produce-only (an engine variant runs the whole model on the GPU)")
     for opt in sorted({"fpeach"} & set(opts) if engine else ()):
         raise ValueError(f"variant {variant!r}: {opt} is a --produce-only option")
     if "packed" in opts and sync != "direct":
         raise ValueError(f"variant {variant!r}: +packed (the packed stream copied) is an "
                          "option of FMT:direct")
-    cfg = model_config(layers, experts)
+    cfg = model_config(layers, experts, model)
     spec = get_spec(fmt)
-    res: dict = {"variant": variant}
+    res: dict = {"variant": variant, "model": model}
     seconds, nbytes = time_pack(spec, cfg, device=device)
     res["pack_s"] = round(seconds, 2)
     res["packed_gb"] = round(nbytes / 1e9, 2)
@@ -355,6 +370,8 @@ def trace_path(profile: str, variant: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="bf16:tensor,fp8_block:disk")
+    p.add_argument("--model", choices=MODELS, default="qwen3_30b_a3b",
+                   help="the shapes (default the 30B-A3B; qwen3_4b: the 1-GPU example's)")
     p.add_argument("--bucket-mb", type=int, default=1024)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--pack-compare", action="store_true",
@@ -398,10 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         return child_main(lambda: child(a.child, a.bucket_mb, a.pack_compare, a.pack_only,
                                         a.produce_only, a.device, a.layers, a.experts,
-                                        a.profile))
+                                        a.profile, a.model))
     flags = [f for f, on in (("--pack-compare", a.pack_compare), ("--pack-only", a.pack_only),
                              ("--produce-only", a.produce_only)) if on]
-    flags += ["--device", a.device]
+    flags += ["--device", a.device, "--model", a.model]
     flags += [x for f, v in (("--layers", a.layers), ("--experts", a.experts),
                              ("--profile", a.profile)) if v is not None for x in (f, str(v))]
     if a.profile and (a.pack_only or a.produce_only):
@@ -502,7 +519,8 @@ def plot_sync(rows: list[dict], path: Path) -> Path:
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=7)
     ax.set_xlabel("seconds (second sync)")
-    ax.set_title("Weight sync, Qwen3-30B-A3B shape, colocated (trainer preparation overlaps "
+    shape = {"qwen3_4b": "Qwen3-4B"}.get(ok[0].get("model"), "Qwen3-30B-A3B")
+    ax.set_title(f"Weight sync, {shape} shape, colocated (trainer preparation overlaps "
                  "the engine)", fontsize=9)
     ax.set_ylim(-0.7, len(ok) * (len(bars) + 1) - 0.6)
     ax.legend(title="buckets prepared", fontsize=7, title_fontsize=8, loc="upper left",

@@ -99,6 +99,26 @@ def test_produce_only_variants_leave_the_same_fingerprints(fmt):
     assert "FINGERPRINTS DIFFER between variants" in bad
 
 
+def test_the_dense_4b_shape_streams_every_tensor_of_its_checkpoint():
+    """``--model qwen3_4b``: the stream holds exactly the HF tensors of the example's model
+    (dense MLP, tied embeddings: no lm_head) with their shapes, and the trainer side of a
+    sync runs on it. Catches: MoE names or an lm_head streamed for the dense model (the
+    engine would refuse the sync)."""
+    from bench.weight_sync import model_config, produce, trainer_stream
+    from megatron_qrl.models.hf_config import arch_from_dict
+    from megatron_qrl.models.mapping import expected_hf_shapes
+    from megatron_qrl.quant import get_spec
+
+    cfg = model_config(layers=1, model="qwen3_4b")
+    got = {n: tuple(t.shape) for n, t in trainer_stream(cfg, "cpu")}
+    assert got == expected_hf_shapes(arch_from_dict(cfg))
+    assert produce(get_spec("fp8"), cfg, ["flat", "direct"], 64, "cpu")["buckets_v2"] >= 1
+    with pytest.raises(ValueError, match="--experts: --model qwen3_4b is dense"):
+        model_config(experts=4, model="qwen3_4b")
+    with pytest.raises(ValueError, match="--model 'llama'"):
+        model_config(model="llama")
+
+
 def test_produce_only_refuses_what_it_cannot_time():
     from bench.weight_sync import child, model_config
 
