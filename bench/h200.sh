@@ -25,7 +25,8 @@
 #               prefetch, the older default) vs the defaults (+ direct loads of the
 #               expert-stacked wire) for fp8, w4a16, nvfp4 (~90 s per variant: each starts a 30B engine);
 #               the direct sync: VARIANTS=fp8:direct+resident,fp8:direct+resident+packed,... (quantized
-#               into the engine's tensors vs the packed stream copied; +qcache: cached codes copied)
+#               into the engine's tensors vs the packed stream copied; +qcache: cached codes copied);
+#               MODEL=qwen3_4b: the 1-GPU example's dense shapes instead of the 30B-A3B's
 #   produce     bench/weight_sync.py --produce-only: the trainer side of the 30B in-place sync
 #               without an engine (pack, fingerprints, expert stacking, flat buckets), stacked
 #               experts fingerprinted as rows vs one by one (+fpeach) vs per expert (~1 min);
@@ -275,7 +276,7 @@ case $phase in
   sync)  # engine-side phase times of every in-place bucket: $OUT/inplace_phases.jsonl
     marlin_wait
     QRL_INPLACE_PROFILE="$OUT/inplace_phases.jsonl" python3 bench/weight_sync.py \
-      --out "$OUT/weight_sync.jsonl" ${SYNC_ARGS:-} \
+      --out "$OUT/weight_sync.jsonl" ${MODEL:+--model "$MODEL"} ${SYNC_ARGS:-} \
       --variants "${VARIANTS:-fp8:inplace+flat+prefetch,fp8:inplace+flat+prefetch+direct+stacked,w4a16:inplace+flat+prefetch+direct+stacked,nvfp4:inplace+flat+prefetch+direct+stacked}" 2>&1 \
       | grep -E "^\||sync\]|Error"
     if [ -f "$OUT/inplace_phases.jsonl" ]; then  # (none from direct variants: rc 0 then too)
