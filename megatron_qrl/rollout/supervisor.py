@@ -127,6 +127,10 @@ class EngineSupervisor(RolloutEngine):
     def reshares_stream(self) -> bool:  # the inner engine's (see RolloutEngine)
         return self.engine.reshares_stream
 
+    @property
+    def last_sync(self) -> dict | None:  # the inner engine's account (see RolloutEngine)
+        return getattr(self.engine, "last_sync", None)
+
     def held_checksums(self) -> dict[str, str]:
         return self._supervised("held_checksums", lambda: self.engine.held_checksums())
 

@@ -165,3 +165,21 @@ def test_a_resync_that_keeps_dying_gives_up_listing_every_failure(weights):
                        r"attempt 3 \(re-sync of version 6\)"):
         sync(6)
     assert sup.restarts == 2 and len(created) == 3  # no nested restarts: one per failure
+
+
+def test_the_sync_account_is_the_inner_engines(weights):
+    """The RL step logs the supervised engine's account of its sync (rollout.base.sync_record),
+    the engine of the moment after a restart. Catches: the supervisor's own (empty) account."""
+    from megatron_qrl.rollout.base import sync_record
+
+    engines = []
+
+    def factory():
+        engines.append(ReferenceEngine(CFG, "int8"))
+        engines[-1].last_sync = {"buckets": len(engines), "verified": "receipt"}
+        return engines[-1]
+
+    sup = EngineSupervisor(factory, resync=lambda engine, version: None)
+    assert sync_record(sup) == {"sync_buckets": 1, "sync_verified": "receipt"}
+    sup.engine = factory()  # as a restart leaves it
+    assert sync_record(sup)["sync_buckets"] == 2
