@@ -90,6 +90,14 @@ class SGLangOptions:
     Unset: on wherever direct expert loads are; --no-qrl-rollout-sglang-stack-experts turns
     it off."""
 
+    hold_trainer_tensors: bool = field(default=True, metadata={"on_resume": "may change"})
+    """Direct sync written by the engine (with --qrl-rollout-sglang-release-memory): the
+    engine keeps the trainer's parameters it opened from their CUDA IPC handles (each
+    ``cudaIpcOpenMemHandle`` costs ~0.4 ms, one per parameter allocation) and the trainer
+    sends their names only while their storage is the one the engine opened (a parameter
+    that kept its storage for a whole sync; temporaries made for a sync never are);
+    --no-qrl-rollout-sglang-hold-trainer-tensors sends every tensor's handle each sync."""
+
     receipt: bool = field(default=True, metadata={"on_resume": "may change"})
     """In-place (and quantized distributed) syncs: each engine process fingerprints what it
     received, and the parameters it holds in the received layout, and the engine compares

@@ -7,6 +7,8 @@ equals the in-place loader bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -280,3 +282,96 @@ def test_a_ray_actor_hands_a_resharing_engine_copies_of_what_it_received(monkeyp
     # the SGLang engine says so exactly where it writes on the engine's side
     m = engine("fp8")
     assert pulled_engine(m).reshares_stream and not _direct_engine(m).reshares_stream
+
+
+# ---- the trainer's parameters held by the engine across syncs -----------------------------
+def _updated(params, step):
+    """The trainer's optimizer step: every parameter changed in place (its storage kept)."""
+    g = torch.Generator().manual_seed(100 + step)
+    for _, t in params:
+        t.add_((0.01 * torch.randn(t.shape, generator=g)).to(t.dtype))
+
+
+def test_parameters_are_held_by_the_engine_and_sent_by_name():
+    """The trainer's parameters (the same storages every sync, changed in place between
+    them): the first sync sends every handle, the second asks the engine to hold them, from
+    the third on only their names go; every sync leaves the bits of a trainer-side write of
+    the current weights. Catches: a held tensor read stale (the engine copying instead of
+    holding the trainer's own), a name sent for a tensor the engine does not hold, a
+    temporary (a new storage each sync) ever held."""
+    m = engine("fp8")
+    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
+    params = hf_weights(2)
+    temp = params[-1][0]  # this one is made anew for every sync (a stacked or split copy)
+    sent = []
+    for version in range(1, 5):
+        stream = params[:-1] + [(temp, params[-1][1].clone())]
+        eng.writes.clear()
+        eng.update_weights(iter(stream), version=version)
+        ref = engine("fp8")
+        direct_sync(ref, "fp8", [(n, t.clone()) for n, t in stream])
+        a, b = state(ref), state(m)
+        assert all(torch.equal(a[n], b[n]) for n in a), version
+        sent.append((sum(w[2] for w in eng.writes), eng.last_sync["held_refs"]))
+        _updated(params[:-1], version)
+    n = len(params)
+    assert sent == [(n, 0), (n, 0), (1, n - 1), (1, n - 1)]
+    held = storage_write._HELD[id(m)].tensors
+    assert temp not in held and len(held) == n - 1
+    assert all(held[k].data_ptr() == t.data_ptr() for k, t in params[:-1])  # not copies
+
+
+def test_a_replaced_parameter_is_sent_again_and_the_old_one_let_go():
+    """A parameter given a new storage (a reload, ``param.data = ...``) is sent with its
+    handle; the engine drops what it held under that name and holds the new one from the
+    sync after. Catches: the storage compared by name or shape only (the engine would keep
+    writing the old tensor)."""
+    m = engine("fp8")
+    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
+    params = hf_weights(2)
+    for version in (1, 2):
+        eng.update_weights(iter(params), version=version)
+    name, old = params[0]
+    params[0] = (name, old.clone().add_(0.5))  # same name and shape, a new storage
+    eng.writes.clear()
+    eng.update_weights(iter(params), version=3)
+    assert sum(w[2] for w in eng.writes) == 1 and eng.last_sync["held_refs"] == len(params) - 1
+    assert name not in storage_write._HELD[id(m)].tensors
+    ref = engine("fp8")
+    direct_sync(ref, "fp8", params)
+    a, b = state(ref), state(m)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    eng.update_weights(iter(params), version=4)
+    assert storage_write._HELD[id(m)].tensors[name].data_ptr() == params[0][1].data_ptr()
+
+
+def test_an_engine_that_lost_what_it_held_fails_one_sync_and_the_next_sends_everything():
+    """An engine that no longer holds a tensor the trainer names (it lost them) fails that
+    sync before writing anything, naming the tensor, and keeps its weight version; the
+    trainer then forgets what it thought held, so the next sync sends every handle and
+    succeeds. Catches: the trainer's belief kept after a failed sync (every later sync would
+    fail the same way)."""
+    m = engine("fp8")
+    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
+    params = hf_weights(2)
+    for version in (1, 2):
+        eng.update_weights(iter(params), version=version)
+    storage_write._HELD[id(m)].tensors.clear()
+    with pytest.raises(WeightSyncError, match="the engine holds no tensor for"):
+        eng.update_weights(iter(params), version=3)
+    assert eng.weight_version() == 2
+    eng.writes.clear()
+    eng.update_weights(iter(params), version=4)
+    assert sum(w[2] for w in eng.writes) == len(params) and eng.weight_version() == 4
+
+
+def test_holding_can_be_turned_off():
+    m = engine("fp8")
+    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
+    eng.options = dataclasses.replace(eng.options, hold_trainer_tensors=False)
+    params = hf_weights(2)
+    for version in (1, 2, 3):
+        eng.writes.clear()
+        eng.update_weights(iter(params), version=version)
+        assert sum(w[2] for w in eng.writes) == len(params)
+        assert eng.last_sync["held_refs"] == 0

@@ -18,9 +18,11 @@ fingerprints of what was written (``sent``) with the read-back digest of the sam
 (``digest``), which the trainer compares (:func:`..writer.check_digest`), and the seconds
 the sync's requests spent here (``loader_s``: the rest of a request's round trip is SGLang's,
 the request's way to the scheduler and the trainer's tensors opened from their handles). A
-request that fails ends the sync: the next must start with ``first``. Importing this module loads the
-writer and the format registry into the engine's process (the storage service imports it at
-the first ``write`` request, not at start).
+request that fails ends the sync: the next must start with ``first``. The trainer's
+parameters opened here are kept across syncs where the trainer asks (``keep``) and then sent
+by name (``refs``): each handle opened costs ~0.4 ms (:class:`_Held`). Importing this module
+loads the writer and the format registry into the engine's process (the storage service
+imports it at the first ``write`` request, not at start).
 """
 
 from __future__ import annotations
@@ -57,6 +59,55 @@ _OPEN: dict[int, _Storage] = {}
 """Per engine model (its ``id``; one per scheduler process)."""
 
 
+@dataclass
+class _Held:
+    """The trainer's tensors this engine keeps across syncs (opened once from their CUDA IPC
+    handles; the trainer then sends their names, ``refs``, while their storage is unchanged:
+    :class:`~..transports.direct_pull.HeldTensors` decides)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    used: set[str] = field(default_factory=set)
+    """Names held or taken to hold by the sync in progress; the rest are dropped at its end."""
+
+    def complete(self, msg: dict, items: Sequence[tuple[str, torch.Tensor]]
+                 ) -> list[tuple[str, torch.Tensor]]:
+        """The request's items in stream order: ``items`` with the held tensors of
+        ``msg["refs"]`` (``[position, name]``, ascending) put back; the received tensors of
+        ``msg["keep"]`` held from now on, every other received name dropped. A reference to a
+        tensor not held (an engine that lost them) fails the request before anything is
+        written, dropping every held tensor (the trainer's next sync sends every handle)."""
+        if msg["first"]:
+            self.used = set()
+            if msg.get("drop_held"):  # the trainer relies on none: let them go now
+                self.tensors.clear()
+        refs = msg.get("refs", [])
+        missing = [n for _, n in refs if n not in self.tensors]
+        if missing:
+            self.tensors.clear()
+            raise WeightSyncError(
+                f"direct weight sync: the engine holds no tensor for {missing[0]} "
+                f"({len(missing)} sent by name); the trainer's next sync sends every tensor")
+        keep = set(msg.get("keep", []))
+        for name, t in items:
+            if name in keep:
+                self.tensors[name] = t
+            else:
+                self.tensors.pop(name, None)
+        full = list(items)
+        for i, name in refs:
+            full.insert(i, (name, self.tensors[name]))
+        self.used |= keep | {n for _, n in refs}
+        return full
+
+    def prune(self) -> None:
+        """The end of a sync: drop what it neither referenced nor took to hold."""
+        self.tensors = {n: t for n, t in self.tensors.items() if n in self.used}
+
+
+_HELD: dict[int, _Held] = {}
+"""Per engine model, apart from :data:`_OPEN` (a storage described anew keeps them)."""
+
+
 def write(model: torch.nn.Module, msg: dict,
           items: Sequence[tuple[str, torch.Tensor]]) -> dict:
     """One ``write`` request (module docstring): ``msg`` has ``format``, ``first`` and
@@ -75,8 +126,9 @@ def write(model: torch.nn.Module, msg: dict,
         raise WeightSyncError("direct weight sync: a write request that does not start a sync "
                               "came after a failed or finished one; sync again")
     w = st.writer
+    held = _HELD.setdefault(id(model), _Held())
     try:
-        for name, t in items:
+        for name, t in held.complete(msg, items):
             w.write(name, t)
         if w.device.type == "cuda":  # the trainer frees these tensors after the answer
             torch.cuda.synchronize(w.device)
@@ -84,6 +136,7 @@ def write(model: torch.nn.Module, msg: dict,
             st.seconds += time.perf_counter() - t0
             return {"written": len(items)}
         w.finish()
+        held.prune()
         out = {"sent": w.sent.result(), "digest": read_digest(st.layout, st.tensors, w.shapes),
                "quantized": w.quantized, "copied": w.copied}
         return {**out, "loader_s": st.seconds + time.perf_counter() - t0}

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..prefetch import timed
 from ..session import SGLangSession
 
-__all__ = ["allocated", "requests_of", "send_pulled"]
+__all__ = ["HeldTensors", "allocated", "requests_of", "send_pulled"]
 
 
 def requests_of(stream: Iterable[tuple[str, torch.Tensor]], held_bytes: int,
@@ -61,27 +63,101 @@ def allocated(device: torch.device) -> Callable[[], int] | None:
     return lambda: torch.cuda.memory_allocated(device)
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """A stream tensor as a sync sent it: its storage, held weakly (so that its identity
+    cannot pass to another storage while this lives), the storage's address and the view."""
+
+    ref: Any
+    address: int
+    view: tuple
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Seen:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        st = t.untyped_storage()
+        return cls(StorageWeakRef(st), st.data_ptr(),
+                   (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
+
+    def same(self, now: _Seen) -> bool:
+        """``now`` is this tensor still: the same storage (alive since), at the same address,
+        the same view of it."""
+        return (not self.ref.expired() and self.ref.cdata == now.ref.cdata
+                and self.address == now.address and self.view == now.view)
+
+
+class HeldTensors:
+    """The trainer's side of the tensors the engine holds across syncs
+    (``SGLangOptions.hold_trainer_tensors``; the engine's side:
+    :class:`~..loader.storage_write._Held`). A tensor whose storage lived through a whole
+    sync at the same address with the same view (a parameter; a temporary made for a sync
+    never does) is sent once more with ``keep``, after which the engine holds what it opened
+    and the trainer sends its name only (``refs``) while that stays true; a sync that fails
+    forgets everything, so the next sends every handle (``drop_held`` lets the engine's go)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, _Seen] = {}
+        """What the engine holds after the last sync that succeeded."""
+        self.seen: dict[str, _Seen] = {}
+        """Every tensor of the last sync that succeeded."""
+        self._kept: dict[str, _Seen] = {}
+        self._seen: dict[str, _Seen] = {}
+
+    def split(self, items: list[tuple[str, torch.Tensor]], first: bool
+              ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """A request's tensors to send and its message fields: ``refs`` (``[position, name]``
+        of the tensors the engine holds), ``keep`` (names it holds from now on)."""
+        send, refs, keep = [], [], []
+        for i, (name, t) in enumerate(items):
+            now = self._seen[name] = _Seen.of(t)
+            held, before = self.kept.get(name), self.seen.get(name)
+            if held is not None and held.same(now):
+                refs.append([i, name])
+                self._kept[name] = held
+                continue
+            send.append((name, t))
+            if before is not None and before.same(now):
+                keep.append(name)
+                self._kept[name] = now
+        fields: dict[str, Any] = {"refs": refs, "keep": keep}
+        if first and not self.kept:
+            fields["drop_held"] = True
+        return send, fields
+
+    def commit(self) -> None:
+        """The sync succeeded: the engine holds what it was told to."""
+        self.kept, self.seen, self._kept, self._seen = self._kept, self._seen, {}, {}
+
+
 def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
                 version: int) -> dict[str, str]:
     """Send ``stream`` to be written by the engine (module docstring); the engine's
     fingerprints of what it wrote go to ``s.sent``; returns its read-back digest."""
     parts: dict[str, float] = {}
     t0 = time.perf_counter()
-    n, out = 0, {}
+    n, out, referenced = 0, {}, 0
+    held = s.state.pop("held", None) or HeldTensors()  # back only once the sync succeeded
     for items, last in requests_of(timed(stream, parts, "stream_s"), s.bucket_bytes,
                                    s.device, allocated(s.device)):
         if s.device.type == "cuda":  # the engine's process reads what this one wrote
             torch.cuda.synchronize(s.device)
+        send, fields = (held.split(items, n == 0) if s.options.hold_trainer_tensors
+                        else (items, {}))
+        referenced += len(fields.get("refs", ()))
         out = s.storage({"what": "write", "format": s.spec.name, "first": n == 0,
-                         "last": last}, items)
-        del items  # the engine wrote and dropped them: their memory goes back now
+                         "last": last, **fields}, send)
+        del items, send  # the engine wrote them: memory made for them goes back now
         if s.device.type == "cuda":  # blocks the engine held past our del (PyTorch's IPC limbo)
             torch.cuda.ipc_collect()
         n += 1
     # the version (and the cache flush) only after the last write succeeded: a request that
     # fails is answered, not raised, so SGLang would take a version sent with it
     s.storage({"what": "fingerprint", "version": version})
+    held.commit()
+    s.state["held"] = held
     s.sent.include(out["sent"])
     s.lap.update(buckets=n, write_s=time.perf_counter() - t0, **parts, engine_writes=True,
-                 quantized=out["quantized"], copied=out["copied"], loader_s=out["loader_s"])
+                 quantized=out["quantized"], copied=out["copied"], loader_s=out["loader_s"],
+                 held_refs=referenced)
     return out["digest"]
