@@ -34,6 +34,10 @@ and the weights ``quantized`` / tensors ``copied``); ``+packed`` hands it the pa
 instead, copied into its tensors (the direct sync before it quantized in place), side by
 side; ``+qcache`` (any engine variant) sends codes and scales quantized before the clock, as
 the aligned forward's Q(W) cache holds them (copied, not quantized, by ``direct``);
+``+params`` streams the trainer's weights as a trainer holds them (every layer its own
+tensors, made before the clock, the same every sync; three syncs, ``_v3`` the third) and
+``+nohold`` turns off ``SGLangOptions.hold_trainer_tensors`` (the engine-side write's held
+parameters, sent by name from the third sync on: ``held_refs``).
 ``+resident`` starts any engine without its memory saver (``release_memory=False``); with
 the saver (the default) the engine's memory is released and resumed before each sync, outside
 the clock, as the RL loop does (``released_before_sync``), and ``direct`` is written by the
@@ -113,10 +117,11 @@ def layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]:
+def trainer_stream(cfg: dict, device: str = "cuda",
+                   distinct: bool = False) -> Iterator[tuple[str, Any]]:
     """Every HF tensor of the model, BF16 on ``device`` (one layer's random values reused;
-    each expert projection a row of one ``[E, out, in]`` tensor, as a stacked-experts trainer
-    streams them)."""
+    ``distinct``: each layer its own, as a trainer's parameters are; each expert projection a
+    row of one ``[E, out, in]`` tensor, as a stacked-experts trainer streams them)."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -126,14 +131,20 @@ def trainer_stream(cfg: dict, device: str = "cuda") -> Iterator[tuple[str, Any]]
                 + (0 if len(shape) > 1 else 1.0)).bfloat16()
 
     shapes = layer_shapes(cfg)
-    stacks = {proj: rand((cfg["num_experts"], *shapes[f"mlp.experts.0.{proj}.weight"]))
-              for proj in ("gate_proj", "up_proj", "down_proj")} if "num_experts" in cfg else {}
-    layer = {k: stacks[k.split(".")[3]][int(k.split(".")[2])] if k.startswith("mlp.experts.")
-             else rand(s) for k, s in shapes.items()}
+
+    def new_layer() -> dict[str, Any]:
+        stacks = {proj: rand((cfg["num_experts"], *shapes[f"mlp.experts.0.{proj}.weight"]))
+                  for proj in ("gate_proj", "up_proj", "down_proj")} if "num_experts" in cfg else {}
+        return {k: stacks[k.split(".")[3]][int(k.split(".")[2])] if k.startswith("mlp.experts.")
+                else rand(s) for k, s in shapes.items()}
+
+    layer = new_layer()
     v, h = cfg["vocab_size"], cfg["hidden_size"]
     emb = (torch.randn(v, h, generator=g, device=device) * 0.02).bfloat16()
     yield "model.embed_tokens.weight", emb
     for i in range(cfg["num_hidden_layers"]):
+        if distinct and i:
+            layer = new_layer()
         for k, t in layer.items():
             yield f"model.layers.{i}.{k}", t
     yield "model.norm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
@@ -244,21 +255,23 @@ def _qcache(spec, cfg: dict, device: str):
 
 
 OPTIONS = ("flat", "prefetch", "direct", "stacked", "fpeach", "packeach", "noreceipt", "qcache",
-           "resident", "packed")
+           "resident", "packed", "params", "nohold")
 
 
-def engine_stream(eng, spec, cfg: dict, opts: list[str], quantized=None):
+def engine_stream(eng, spec, cfg: dict, opts: list[str], quantized=None, source=None):
     """What the driver's sync (:func:`megatron_qrl.rl.sync.sync_weights`) hands engine
     ``eng``: the weights for an engine that quantizes them into its storage (``direct``;
     ``+packed``: the packed stream, copied), else the packed stream (``+packeach``: experts
-    packed one by one and stacked in the sender); ``quantized``: the ``+qcache`` codes."""
+    packed one by one and stacked in the sender); ``quantized``: the ``+qcache`` codes;
+    ``source``: the trainer's tensors (``+params``), else a new :func:`trainer_stream`."""
     from megatron_qrl.quant.pack_stream import writer_stream
+
+    weights = iter(source) if source is not None else trainer_stream(cfg)
 
     stacked = eng.stacked_experts and "packeach" not in opts
     if eng.quantizes_into and "packed" not in opts:
-        return writer_stream(spec, trainer_stream(cfg), quantized=quantized,
-                             stack_experts=stacked)
-    return spec.pack_state_dict(trainer_stream(cfg), stack_experts=stacked, quantized=quantized)
+        return writer_stream(spec, weights, quantized=quantized, stack_experts=stacked)
+    return spec.pack_state_dict(weights, stack_experts=stacked, quantized=quantized)
 
 
 def child(variant: str, bucket_mb: int, pack_compare: bool = False,
@@ -286,6 +299,9 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
                          "--produce-only (an engine variant runs the whole model on the GPU)")
     for opt in sorted({"fpeach"} & set(opts) if engine else ()):
         raise ValueError(f"variant {variant!r}: {opt} is a --produce-only option")
+    if {"params", "qcache"} <= set(opts):
+        raise ValueError(f"variant {variant!r}: +qcache repeats one layer's codes, +params "
+                         "gives every layer its own weights; use one of them")
     if "packed" in opts and sync != "direct":
         raise ValueError(f"variant {variant!r}: +packed (the packed stream copied) is an "
                          "option of FMT:direct")
@@ -317,7 +333,7 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         direct_expert_loads=("direct" in opts) if inplace else None,
         stack_experts=("stacked" in opts) if inplace else None,  # refused without +direct
         receipt="noreceipt" not in opts,
-        release_memory="resident" not in opts)
+        release_memory="resident" not in opts, hold_trainer_tensors="nohold" not in opts)
     if sync == "distributed":
         kw |= ({"base_gpu_id": 1, "trainer_device": "cuda:0"} if torch.cuda.device_count() > 1
                else {"trainer_device": "cuda:0", "group_backend": "gloo"})
@@ -326,8 +342,12 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     eng = SGLangEngine(d, fmt, options, **kw)
     res["startup_s"] = round(time.perf_counter() - t, 1)
     quantized = _qcache(spec, cfg, "cuda") if "qcache" in opts else None
+    # +params: the trainer's weights made once, every layer its own, the same tensors every
+    # sync (what the engine-side write holds from the third sync on)
+    source = list(trainer_stream(cfg, distinct=True)) if "params" in opts else None
     res["released_before_sync"] = options.release_memory
-    for version in (1, 2):  # the first sync also pays one-time costs (IPC setup, allocations)
+    # the first sync also pays one-time costs (IPC setup, allocations)
+    for version in (1, 2, 3) if "params" in opts else (1, 2):
         if options.release_memory:  # as the RL loop: released after a rollout, resumed for
             eng.release_memory()    # the sync (outside the clock)
             eng.resume_memory()
@@ -335,7 +355,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
         traced = Traced("cuda") if profile and version == 2 else nullcontext()
         t = time.perf_counter()
         with traced:
-            eng.update_weights(engine_stream(eng, spec, cfg, opts, quantized), version=version)
+            eng.update_weights(engine_stream(eng, spec, cfg, opts, quantized, source),
+                               version=version)
         res[f"sync_s_v{version}"] = round(time.perf_counter() - t, 2)
         if isinstance(traced, Traced):
             res["profile"] = traced.summary() | {"trace": traced.export(
@@ -346,7 +367,7 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
             if part in eng.last_sync:
                 res[f"{part.removesuffix('_s')}_s_v{version}"] = round(eng.last_sync[part], 2)
         res[f"buckets_v{version}"] = eng.last_sync.get("buckets")
-        for key in ("handles_taken", "quantized", "copied", "engine_writes"):
+        for key in ("handles_taken", "quantized", "copied", "engine_writes", "held_refs"):
             if key in eng.last_sync:
                 res[f"{key}_v{version}"] = eng.last_sync[key]
     from megatron_qrl.rollout.base import SamplingParams

@@ -119,6 +119,27 @@ def test_the_dense_4b_shape_streams_every_tensor_of_its_checkpoint():
         model_config(model="llama")
 
 
+def test_params_streams_every_layer_from_its_own_tensors():
+    """``+params``: the stream a trainer's parameters give (each layer its own storages, the
+    same names and shapes as the one-layer stream); +qcache with it is refused (its codes are
+    one layer's). Catches: layers sharing storage under +params (the engine would open one
+    layer's handles where a trainer has one per layer)."""
+    from bench.weight_sync import child, model_config, trainer_stream
+
+    cfg = model_config(layers=2, experts=4)
+    shared, own = dict(trainer_stream(cfg, "cpu")), dict(trainer_stream(cfg, "cpu", distinct=True))
+    assert {n: t.shape for n, t in shared.items()} == {n: t.shape for n, t in own.items()}
+
+    def storages(named, layer):
+        return {t.untyped_storage().data_ptr() for n, t in named.items()
+                if n.startswith(f"model.layers.{layer}.")}
+
+    assert storages(shared, 0) == storages(shared, 1)
+    assert not storages(own, 0) & storages(own, 1)
+    with pytest.raises(ValueError, match=r"\+qcache repeats one layer's codes"):
+        child("fp8:direct+params+qcache", 1)
+
+
 def test_produce_only_refuses_what_it_cannot_time():
     from bench.weight_sync import child, model_config
 
