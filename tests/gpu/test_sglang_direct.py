@@ -53,7 +53,10 @@ def worker(fmt: str, sync: str, out: Path) -> None:
     """``sync``: ``inplace``, ``direct``, ``direct+packed`` (the packed stream copied),
     ``direct+qcache`` (cached codes copied), or ``inplace+saver`` (the engine with its memory
     saver, its memory released and resumed between the two syncs, as the RL loop does, and
-    asked for an export after the release: ``res["export_error"]``, no ``.pt``)."""
+    asked for an export after the release: ``res["export_error"]``, no ``.pt``);
+    ``direct+saver`` syncs a trainer's parameters: the same CUDA tensors every sync, updated in
+    place — A, A again (the engine then holds them), B (sent by name: the engine reads B
+    through what it holds) — and ``sync_b`` is the third."""
     from megatron_qrl.models.export import export_quantized
     from megatron_qrl.quant import get_spec
     from megatron_qrl.quant.hf_reference import hf_tensors
@@ -74,8 +77,11 @@ def worker(fmt: str, sync: str, out: Path) -> None:
     engine = SGLangEngine(work / fmt, fmt, SGLangOptions(sync=sync, release_memory=saver),
                           mem_fraction_static=0.3, random_seed=0)
     res["startup_s"] = round(time.time() - t0, 1)
+    held = sync == "direct" and saver  # the trainer's parameters, held by the engine
+    steps = (("a", a, 0), ("a2", a, 1), ("b", b, 2)) if held else (("a", a, 0), ("b", b, 1))
+    params: list | None = None
     try:
-        for tag, model, version in (("a", a, 0), ("b", b, 1)):
+        for tag, model, version in steps:
             if saver and version:
                 engine.release_memory()
                 engine.resume_memory()
@@ -85,6 +91,14 @@ def worker(fmt: str, sync: str, out: Path) -> None:
                 except Exception as exc:  # noqa: BLE001  (recorded for the parent)
                     res["export_error"] = f"{type(exc).__name__}: {exc}"
             stream = [(n, t.cuda()) for n, t in hf_tensors(model)]
+            if held:  # the same tensors every sync, their values changed in place
+                if params is None:
+                    params = stream
+                else:
+                    new = dict(stream)
+                    for n, t in params:
+                        t.copy_(new[n])
+                stream = params
             if option == "packed":  # the packed stream, copied into the engine
                 engine.update_weights(spec.pack_state_dict(
                     iter(stream), stack_experts=engine.stacked_experts), version)
@@ -174,7 +188,8 @@ def test_direct_sync_across_a_memory_release(tmp_path):
     in-place engine's tokens. Catches: the engine-side write missing a region after a resume
     (garbage in the re-mapped pages: tokens differ), its writer's kernels differing from the
     trainer's on CUDA, the storage service raising inside the scheduler (SGLang's watchdog
-    kills the engine: the worker fails with EngineDiedError)."""
+    kills the engine: the worker fails with EngineDiedError), a held parameter read stale
+    through the engine's mapping (the third sync sends B by name: tokens would be A's)."""
     ref, _ = _run("fp8", "inplace", tmp_path)
     saved, _ = _run("fp8", "inplace+saver", tmp_path)
     print(f"\n[inplace+saver] fp8: export answered {saved.get('export_error')!r}", flush=True)
@@ -183,10 +198,12 @@ def test_direct_sync_across_a_memory_release(tmp_path):
     assert saved["sync_b"]["version"] == 1 and saved["ids"] == ref["ids"]
     trainer_side, _ = _run("fp8", "direct", tmp_path)
     got, _ = _run("fp8", "direct+saver", tmp_path)
-    sb = got["sync_b"]
+    sb = got["sync_b"]  # the third sync: the held parameters sent by name
     print(f"[direct+saver] fp8: sync B {sb['seconds']:.3f} s (write {sb['write_s']:.3f}, "
-          f"{sb['buckets']} requests; quantized {sb['quantized']}, copied {sb['copied']}); "
-          f"trainer-side direct {trainer_side['sync_b']['seconds']:.3f} s", flush=True)
-    assert sb["verified"] == "digest" and sb["version"] == 1 and sb["engine_writes"], sb
+          f"{sb['buckets']} requests, {sb['held_refs']} tensors by name; quantized "
+          f"{sb['quantized']}, copied {sb['copied']}); trainer-side direct "
+          f"{trainer_side['sync_b']['seconds']:.3f} s", flush=True)
+    assert sb["verified"] == "digest" and sb["version"] == 2 and sb["engine_writes"], sb
+    assert sb["held_refs"] > 0 and got["sync_a2"]["held_refs"] == 0
     assert sb["quantized"] > 0 and got["sent"] == trainer_side["sent"]
     assert got["ids"] == ref["ids"] and got["mask"] == ref["mask"]
