@@ -292,6 +292,25 @@ def _updated(params, step):
         t.add_((0.01 * torch.randn(t.shape, generator=g)).to(t.dtype))
 
 
+def _as_trainer_side(m, stream):
+    """Engine model ``m`` holds the bits the trainer-side write of ``stream`` leaves."""
+    ref = engine("fp8")
+    direct_sync(ref, "fp8", [(n, t.clone()) for n, t in stream])
+    a, b = state(ref), state(m)
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _holding():
+    """An engine model, its engine-side-writing engine and the trainer's parameters, after
+    the two syncs that make the engine hold them."""
+    m = engine("fp8")
+    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
+    params = hf_weights(2)
+    for version in (1, 2):
+        eng.update_weights(iter(params), version=version)
+    return m, eng, params
+
+
 def test_parameters_are_held_by_the_engine_and_sent_by_name():
     """The trainer's parameters (the same storages every sync, changed in place between
     them): the first sync sends every handle, the second asks the engine to hold them, from
@@ -308,10 +327,7 @@ def test_parameters_are_held_by_the_engine_and_sent_by_name():
         stream = params[:-1] + [(temp, params[-1][1].clone())]
         eng.writes.clear()
         eng.update_weights(iter(stream), version=version)
-        ref = engine("fp8")
-        direct_sync(ref, "fp8", [(n, t.clone()) for n, t in stream])
-        a, b = state(ref), state(m)
-        assert all(torch.equal(a[n], b[n]) for n in a), version
+        assert _as_trainer_side(m, stream), version
         sent.append((sum(w[2] for w in eng.writes), eng.last_sync["held_refs"]))
         _updated(params[:-1], version)
     n = len(params)
@@ -326,21 +342,13 @@ def test_a_replaced_parameter_is_sent_again_and_the_old_one_let_go():
     handle; the engine drops what it held under that name and holds the new one from the
     sync after. Catches: the storage compared by name or shape only (the engine would keep
     writing the old tensor)."""
-    m = engine("fp8")
-    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
-    params = hf_weights(2)
-    for version in (1, 2):
-        eng.update_weights(iter(params), version=version)
+    m, eng, params = _holding()
     name, old = params[0]
     params[0] = (name, old.clone().add_(0.5))  # same name and shape, a new storage
     eng.writes.clear()
     eng.update_weights(iter(params), version=3)
     assert sum(w[2] for w in eng.writes) == 1 and eng.last_sync["held_refs"] == len(params) - 1
-    assert name not in storage_write._HELD[id(m)].tensors
-    ref = engine("fp8")
-    direct_sync(ref, "fp8", params)
-    a, b = state(ref), state(m)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert name not in storage_write._HELD[id(m)].tensors and _as_trainer_side(m, params)
     eng.update_weights(iter(params), version=4)
     assert storage_write._HELD[id(m)].tensors[name].data_ptr() == params[0][1].data_ptr()
 
@@ -351,11 +359,7 @@ def test_an_engine_that_lost_what_it_held_fails_one_sync_and_the_next_sends_ever
     trainer then forgets what it thought held, so the next sync sends every handle and
     succeeds. Catches: the trainer's belief kept after a failed sync (every later sync would
     fail the same way)."""
-    m = engine("fp8")
-    eng = pulled_engine(m, "fp8", bucket_bytes=1 << 30)
-    params = hf_weights(2)
-    for version in (1, 2):
-        eng.update_weights(iter(params), version=version)
+    m, eng, params = _holding()
     storage_write._HELD[id(m)].tensors.clear()
     with pytest.raises(WeightSyncError, match="the engine holds no tensor for"):
         eng.update_weights(iter(params), version=3)
