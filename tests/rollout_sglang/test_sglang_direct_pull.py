@@ -379,3 +379,22 @@ def test_holding_can_be_turned_off():
         eng.update_weights(iter(params), version=version)
         assert sum(w[2] for w in eng.writes) == len(params)
         assert eng.last_sync["held_refs"] == 0
+
+
+def test_a_held_copy_that_no_longer_reads_the_trainers_memory_fails_the_sync():
+    """What the engine holds must be the trainer's memory itself: a copy (as an engine that
+    copied what it received would hold) reads old values after the trainer's update, and the
+    engine-side digest, which compares the engine's writes with its own read-back, would not
+    see it; the trainer's fingerprints of the named tensors do, before anything is written.
+    Catches: the named tensors written without that check (the engine would serve stale
+    weights)."""
+    m, eng, params = _holding()
+    held = storage_write._HELD[id(m)].tensors
+    name = params[0][0]
+    held[name] = held[name].clone()  # a copy of the value the engine received
+    _updated(params, 0)
+    with pytest.raises(WeightSyncError, match=f"the engine's held {name} no longer reads"):
+        eng.update_weights(iter(params), version=3)
+    assert eng.weight_version() == 2 and not held
+    eng.update_weights(iter(params), version=4)  # every handle again
+    assert _as_trainer_side(m, params)

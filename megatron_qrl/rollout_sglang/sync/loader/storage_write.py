@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_qrl.sync.protocol.checksums import WeightSyncError
+from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
 from megatron_qrl.sync.protocol.engine_layout import EngineLayout
 
 from ..writer import EngineWriter, Places, writer_for
@@ -74,8 +74,10 @@ class _Held:
         """The request's items in stream order: ``items`` with the held tensors of
         ``msg["refs"]`` (``[position, name]``, ascending) put back; the received tensors of
         ``msg["keep"]`` held from now on, every other received name dropped. A reference to a
-        tensor not held (an engine that lost them) fails the request before anything is
-        written, dropping every held tensor (the trainer's next sync sends every handle)."""
+        tensor not held (an engine that lost them), or to one whose fingerprint differs from
+        the trainer's (``msg["ref_sums"]``: what is held is not the trainer's memory, e.g. a
+        copy), fails the request before anything is written, dropping every held tensor (the
+        trainer's next sync sends every handle)."""
         if msg["first"]:
             self.used = set()
             if msg.get("drop_held"):  # the trainer relies on none: let them go now
@@ -87,6 +89,16 @@ class _Held:
             raise WeightSyncError(
                 f"direct weight sync: the engine holds no tensor for {missing[0]} "
                 f"({len(missing)} sent by name); the trainer's next sync sends every tensor")
+        now = Checksums()
+        for _, name in refs:
+            now.add(name, self.tensors[name])
+        stale = [n for n, fp in now.result().items() if msg["ref_sums"].get(n) != fp] if refs else []
+        if stale:  # a copy, not the trainer's memory: what it holds reads old values
+            self.tensors.clear()
+            raise WeightSyncError(
+                f"direct weight sync: the engine's held {stale[0]} no longer reads the trainer's "
+                f"tensor ({len(stale)} differ from the trainer's fingerprints); run with "
+                "--no-qrl-rollout-sglang-hold-trainer-tensors")
         keep = set(msg.get("keep", []))
         for name, t in items:
             if name in keep:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from megatron_qrl.sync.protocol.checksums import Checksums
+
 from ..prefetch import timed
 from ..session import SGLangSession
 
@@ -107,20 +109,24 @@ class HeldTensors:
     def split(self, items: list[tuple[str, torch.Tensor]], first: bool
               ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         """A request's tensors to send and its message fields: ``refs`` (``[position, name]``
-        of the tensors the engine holds), ``keep`` (names it holds from now on)."""
-        send, refs, keep = [], [], []
+        of the tensors the engine holds), ``ref_sums`` (their fingerprints now: the engine
+        checks that what it holds still reads this memory), ``keep`` (names it holds from now
+        on)."""
+        send, refs, keep, sums = [], [], [], Checksums()
         for i, (name, t) in enumerate(items):
             now = self._seen[name] = _Seen.of(t)
             held, before = self.kept.get(name), self.seen.get(name)
             if held is not None and held.same(now):
                 refs.append([i, name])
+                sums.add(name, t)
                 self._kept[name] = held
                 continue
             send.append((name, t))
             if before is not None and before.same(now):
                 keep.append(name)
                 self._kept[name] = now
-        fields: dict[str, Any] = {"refs": refs, "keep": keep}
+        fields: dict[str, Any] = {"refs": refs, "keep": keep,
+                                  "ref_sums": sums.result() if refs else {}}
         if first and not self.kept:
             fields["drop_held"] = True
         return send, fields
