@@ -25,6 +25,7 @@ from megatron_qrl.sync.protocol.engine_layout import (
     STORAGE,
     EngineLayout,
     EngineLayoutError,
+    HeldTensorError,
 )
 from megatron_qrl.sync.protocol.inplace import CONTROL, encode_control
 
@@ -99,8 +100,11 @@ def storage_request(request: Callable[[str, object, str], tuple[bool, str]],
 def _raise_answered(what: str, err: dict) -> None:
     """The failure the engine's storage service answered to request ``what``
     (``{"error": class name, "message": ...}``), raised here: an :class:`EngineLayoutError`
-    as itself (its message names the fix), anything else as a :class:`WeightSyncError`."""
-    if err["error"] == EngineLayoutError.__name__:
-        raise EngineLayoutError(err["message"])
+    or :class:`HeldTensorError` as itself (the message names the fix; the second, that the
+    request can be sent again with every handle), anything else as a
+    :class:`WeightSyncError`."""
+    for cls in (EngineLayoutError, HeldTensorError):
+        if err["error"] == cls.__name__:
+            raise cls(err["message"])
     raise WeightSyncError(f"the engine's storage service failed {what!r} ({err['error']}: "
                           f"{err['message']}); see the scheduler log")

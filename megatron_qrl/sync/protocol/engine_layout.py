@@ -46,6 +46,13 @@ class EngineLayoutError(ValueError):
     """A packed tensor has no place in the engine's storage (names the tensor and the fix)."""
 
 
+class HeldTensorError(RuntimeError):
+    """The direct sync written by the engine named a trainer tensor the engine does not hold,
+    or holds as something other than the trainer's memory (its fingerprint differs): answered
+    before anything of the request was written, so the trainer can send it again with every
+    handle."""
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     """One live engine parameter, seen in its checkpoint layout."""

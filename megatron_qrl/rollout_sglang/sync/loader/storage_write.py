@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
-from megatron_qrl.sync.protocol.engine_layout import EngineLayout
+from megatron_qrl.sync.protocol.engine_layout import EngineLayout, HeldTensorError
 
 from ..writer import EngineWriter, Places, writer_for
 from .live_storage import describe, read_digest
@@ -76,8 +76,9 @@ class _Held:
         ``msg["keep"]`` held from now on, every other received name dropped. A reference to a
         tensor not held (an engine that lost them), or to one whose fingerprint differs from
         the trainer's (``msg["ref_sums"]``: what is held is not the trainer's memory, e.g. a
-        copy), fails the request before anything is written, dropping every held tensor (the
-        trainer's next sync sends every handle)."""
+        copy), fails the request before anything is written (:class:`HeldTensorError`: the
+        sync stays open for the same request sent again with every handle), dropping every
+        held tensor."""
         if msg["first"]:
             self.used = set()
             if msg.get("drop_held"):  # the trainer relies on none: let them go now
@@ -86,19 +87,18 @@ class _Held:
         missing = [n for _, n in refs if n not in self.tensors]
         if missing:
             self.tensors.clear()
-            raise WeightSyncError(
+            raise HeldTensorError(
                 f"direct weight sync: the engine holds no tensor for {missing[0]} "
-                f"({len(missing)} sent by name); the trainer's next sync sends every tensor")
+                f"({len(missing)} sent by name)")
         now = Checksums()
         for _, name in refs:
             now.add(name, self.tensors[name])
         stale = [n for n, fp in now.result().items() if msg["ref_sums"].get(n) != fp] if refs else []
         if stale:  # a copy, not the trainer's memory: what it holds reads old values
             self.tensors.clear()
-            raise WeightSyncError(
+            raise HeldTensorError(
                 f"direct weight sync: the engine's held {stale[0]} no longer reads the trainer's "
-                f"tensor ({len(stale)} differ from the trainer's fingerprints); run with "
-                "--no-qrl-rollout-sglang-hold-trainer-tensors")
+                f"tensor ({len(stale)} differ from the trainer's fingerprints)")
         keep = set(msg.get("keep", []))
         for name, t in items:
             if name in keep:
@@ -138,9 +138,11 @@ def write(model: torch.nn.Module, msg: dict,
         raise WeightSyncError("direct weight sync: a write request that does not start a sync "
                               "came after a failed or finished one; sync again")
     w = st.writer
-    held = _HELD.setdefault(id(model), _Held())
+    # before the writer is touched: a HeldTensorError leaves the sync open for the same
+    # request sent again with every handle
+    items = _HELD.setdefault(id(model), _Held()).complete(msg, items)
     try:
-        for name, t in held.complete(msg, items):
+        for name, t in items:
             w.write(name, t)
         if w.device.type == "cuda":  # the trainer frees these tensors after the answer
             torch.cuda.synchronize(w.device)
@@ -148,7 +150,7 @@ def write(model: torch.nn.Module, msg: dict,
             st.seconds += time.perf_counter() - t0
             return {"written": len(items)}
         w.finish()
-        held.prune()
+        _HELD[id(model)].prune()
         out = {"sent": w.sent.result(), "digest": read_digest(st.layout, st.tensors, w.shapes),
                "quantized": w.quantized, "copied": w.copied}
         return {**out, "loader_s": st.seconds + time.perf_counter() - t0}

@@ -17,6 +17,7 @@ answers the fingerprints of what the engine wrote and its read-back digest of th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -25,11 +26,14 @@ from typing import Any
 import torch
 
 from megatron_qrl.sync.protocol.checksums import Checksums
+from megatron_qrl.sync.protocol.engine_layout import HeldTensorError
 
 from ..prefetch import timed
 from ..session import SGLangSession
 
 __all__ = ["HeldTensors", "allocated", "requests_of", "send_pulled"]
+
+log = logging.getLogger(__name__)
 
 
 def requests_of(stream: Iterable[tuple[str, torch.Tensor]], held_bytes: int,
@@ -144,15 +148,22 @@ def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
     t0 = time.perf_counter()
     n, out, referenced = 0, {}, 0
     held = s.state.pop("held", None) or HeldTensors()  # back only once the sync succeeded
+    hold = s.options.hold_trainer_tensors and "held_off" not in s.state
     for items, last in requests_of(timed(stream, parts, "stream_s"), s.bucket_bytes,
                                    s.device, allocated(s.device)):
         if s.device.type == "cuda":  # the engine's process reads what this one wrote
             torch.cuda.synchronize(s.device)
-        send, fields = (held.split(items, n == 0) if s.options.hold_trainer_tensors
-                        else (items, {}))
-        referenced += len(fields.get("refs", ()))
-        out = s.storage({"what": "write", "format": s.spec.name, "first": n == 0,
-                         "last": last, **fields}, send)
+        msg = {"what": "write", "format": s.spec.name, "first": n == 0, "last": last}
+        send, fields = held.split(items, n == 0) if hold else (items, {})
+        try:
+            out = s.storage({**msg, **fields}, send)
+            referenced += len(fields.get("refs", ()))
+        except HeldTensorError as exc:  # answered before any write: the same request again
+            s.state["held_off"] = str(exc)
+            hold, held = False, HeldTensors()
+            log.warning("%s; this engine gets every tensor's CUDA IPC handle from now on "
+                        "(--no-qrl-rollout-sglang-hold-trainer-tensors says so at start)", exc)
+            out = s.storage({**msg, "drop_held": True}, items)
         del items, send  # the engine wrote them: memory made for them goes back now
         if s.device.type == "cuda":  # blocks the engine held past our del (PyTorch's IPC limbo)
             torch.cuda.ipc_collect()
@@ -160,8 +171,9 @@ def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
     # the version (and the cache flush) only after the last write succeeded: a request that
     # fails is answered, not raised, so SGLang would take a version sent with it
     s.storage({"what": "fingerprint", "version": version})
-    held.commit()
-    s.state["held"] = held
+    if hold:
+        held.commit()
+        s.state["held"] = held
     s.sent.include(out["sent"])
     s.lap.update(buckets=n, write_s=time.perf_counter() - t0, **parts, engine_writes=True,
                  quantized=out["quantized"], copied=out["copied"], loader_s=out["loader_s"],
