@@ -31,7 +31,7 @@ from megatron_qrl.rollout_sglang.sync.sender import StreamTracker, packed_suffix
 from megatron_qrl.rollout_sglang.sync.storage_client import EngineStorage
 from megatron_qrl.rollout_sglang.sync.writer import check_digest, writer_for
 from megatron_qrl.sync.protocol.checksums import Checksums, WeightSyncError
-from megatron_qrl.sync.protocol.engine_layout import EngineLayoutError
+from megatron_qrl.sync.protocol.engine_layout import EngineLayoutError, HeldTensorError
 from megatron_qrl.sync.protocol.inplace import CONTROL
 from megatron_qrl.utils.hf_names import parse
 from tests.rollout_sglang import sglang_fused_moe_fake as fake
@@ -590,6 +590,10 @@ def test_storage_failures_are_answered_not_raised_in_the_engine(tmp_path, monkey
     with pytest.raises(WeightSyncError, match=r"failed 'bogus' \(ValueError: engine storage "
                        r"request 'bogus'"):
         storage_request(request, list, torch.device("cpu"), out, {"what": "bogus"})
+    held = {"what": "write", "format": "fp8", "first": True, "last": True,
+            "refs": [[0, "model.norm.weight"]], "ref_sums": {}}  # a tensor it does not hold
+    with pytest.raises(HeldTensorError, match=r"holds no tensor for model\.norm\.weight"):
+        storage_request(request, list, torch.device("cpu"), out, held)
     assert not list(tmp_path.iterdir())  # every answer read and removed
     fp = storage_request(request, list, torch.device("cpu"), out, {"what": "fingerprint"})
     assert fp["fingerprint"] == describe(m)[0].fingerprint  # the service still answers
