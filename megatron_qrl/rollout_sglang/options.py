@@ -95,8 +95,11 @@ class SGLangOptions:
     engine keeps the trainer's parameters it opened from their CUDA IPC handles (each
     ``cudaIpcOpenMemHandle`` costs ~0.4 ms, one per parameter allocation) and the trainer
     sends their names only while their storage is the one the engine opened (a parameter
-    that kept its storage for a whole sync; temporaries made for a sync never are);
-    --no-qrl-rollout-sglang-hold-trainer-tensors sends every tensor's handle each sync."""
+    that kept its storage for a whole sync; temporaries made for a sync never are), the
+    engine checking what it holds against the trainer's fingerprints before writing (an
+    engine that lost them or holds a copy gets the request again with every handle, and
+    every handle from then on); --no-qrl-rollout-sglang-hold-trainer-tensors sends every
+    tensor's handle each sync."""
 
     receipt: bool = field(default=True, metadata={"on_resume": "may change"})
     """In-place (and quantized distributed) syncs: each engine process fingerprints what it
