@@ -11,9 +11,10 @@ regions), a packed or high-precision tensor (copied). A request holds at most
 weights), so such temporaries live for one request while the trainer's parameters, however
 they are allocated, cost no request: on CUDA the caching allocator's growth since the
 stream began; elsewhere the tensors that fill their own storage (views into a larger one,
-such as the parameters in Megatron's contiguous buffer, count nothing). The last request
-answers the fingerprints of what the engine wrote and its read-back digest of the same regions; one more
-(``fingerprint``) then sets the weight version."""
+such as the parameters in Megatron's contiguous buffer, count nothing). A parameter the
+engine opened in an earlier sync goes by name, with its fingerprint (:class:`HeldTensors`).
+The last request answers the fingerprints of what the engine wrote and its read-back digest
+of the same regions; one more (``fingerprint``) then sets the weight version."""
 
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
             s.state["held_off"] = str(exc)
             hold, held = False, HeldTensors()
             log.warning("%s; this engine gets every tensor's CUDA IPC handle from now on "
-                        "(--no-qrl-rollout-sglang-hold-trainer-tensors says so at start)", exc)
+                        "(from the start: --no-qrl-rollout-sglang-hold-trainer-tensors)", exc)
             out = s.storage({**msg, "drop_held": True}, items)
         del items, send  # the engine wrote them: memory made for them goes back now
         if s.device.type == "cuda":  # blocks the engine held past our del (PyTorch's IPC limbo)
