@@ -90,10 +90,12 @@ class _Held:
             raise HeldTensorError(
                 f"direct weight sync: the engine holds no tensor for {missing[0]} "
                 f"({len(missing)} sent by name)")
-        now = Checksums()
-        for _, name in refs:
-            now.add(name, self.tensors[name])
-        stale = [n for n, fp in now.result().items() if msg["ref_sums"].get(n) != fp] if refs else []
+        stale: list[str] = []
+        if refs:  # what is held must read what the trainer fingerprinted
+            now = Checksums()
+            for _, name in refs:
+                now.add(name, self.tensors[name])
+            stale = [n for n, fp in now.result().items() if msg["ref_sums"].get(n) != fp]
         if stale:  # a copy, not the trainer's memory: what it holds reads old values
             self.tensors.clear()
             raise HeldTensorError(
