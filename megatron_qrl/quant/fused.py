@@ -61,6 +61,13 @@ def fused_kernel(spec, device: torch.device, attr: str = "fused_kernel") -> Call
     name = getattr(spec, attr, None)
     if name is None:
         return None
-    mod = kernel_choice.select_kernels(quant_impl(), kernels(KERNEL_MODULES[attr]), device, ENV,
-                                       "the tensor is on {device}")
+    mod = module_kernels(KERNEL_MODULES[attr], device, "the tensor is on {device}")
     return None if mod is None else getattr(mod, name)
+
+
+def module_kernels(module: str, device: torch.device, where: str) -> ModuleType | None:
+    """The fused kernels' module ``module`` of this package for tensors on ``device`` under the
+    choice in force, or None (the torch code); ``where`` as in
+    :func:`~megatron_qrl.utils.kernel_choice.select_kernels`. For kernels no format names (the
+    FP8 backward's gradient quantizers, :mod:`.triton_grad`)."""
+    return kernel_choice.select_kernels(quant_impl(), kernels(module), device, ENV, where)

@@ -26,6 +26,10 @@ own expert's ``sw``, then one ``torch._scaled_grouped_mm`` (:func:`grouped_dgrad
 tensor parallelism a column-parallel shard quantizes the gradient over its own output
 columns (the dgrad's partial sums are all-reduced after, by Megatron's mappings).
 
+On CUDA both gradient quantizations (fold, amax, scale, codes; the wgrad's transposed) are
+one fused kernel each (:mod:`megatron_qrl.quant.triton_grad`, :func:`grad_kernels`), bit for
+bit the torch code here, which reads and writes the gradient in fp32 eight to ten times.
+
 Which FP8 element type: :data:`GRAD_FORMAT` (E4M3), measured by ``bench/fp8_backward.py``
 against E5M2 (docs/BENCHMARKS.md): with one scale per row, E5M2's wider range is not needed
 and its one fewer mantissa bit doubles the error.
@@ -114,6 +118,28 @@ def quantize_grad_rows(g: torch.Tensor, fmt: str = GRAD_FORMAT, inplace: bool = 
     return q.clamp_(-maxv, maxv).to(dtype), scale
 
 
+def grad_kernels(device: torch.device, fmt: str):
+    """:mod:`megatron_qrl.quant.triton_grad` where its fused gradient quantizers run for a
+    gradient on ``device`` (CUDA, or the interpreter when forced; ``QRL_QUANT_IMPL``, as the
+    other fused quantizers), bit for bit :func:`quantize_grad_rows` of the folded gradient;
+    None for the torch code (also for E5M2: the kernels write E4M3)."""
+    if fmt != "e4m3":
+        return None
+    from megatron_qrl.quant.fused import module_kernels
+
+    return module_kernels("triton_grad", device, "the gradient is on {device}")
+
+
+def dgrad_operand(grad2d: torch.Tensor, scale: torch.Tensor, fmt: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Q_row(g * sw^T)``: the FP8 input gradient's ``A`` operand (codes ``[M, N]``, scales
+    ``[M, 1]``), in one fused kernel where :func:`grad_kernels` gives one."""
+    kernels = grad_kernels(grad2d.device, fmt)
+    if kernels is not None:
+        return kernels.quantize_grad_rows(grad2d, scale.reshape(-1))
+    return quantize_grad_rows(folded_grad(grad2d, scale), fmt, inplace=True)
+
+
 def folded_grad(grad2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``g * sw^T`` in fp32: the weight's per-channel scale ``[N, 1]`` folded into the
     gradient's columns (the dgrad's contraction index)."""
@@ -126,7 +152,7 @@ def dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.Tensor,
     (``codes_t``: ``qw^T`` ``[K, N]`` contiguous, ``scale``: ``sw`` ``[N, 1]``), see the
     module doc; ``mm(xq, xs, wq, ws, out_dtype)`` = ``(xq @ wq^T) * xs * ws^T``
     (:func:`.real_gemm.scaled_mm`: ``torch._scaled_mm``, on CUDA and on the CPU)."""
-    qg, sg = quantize_grad_rows(folded_grad(grad2d, scale), fmt, inplace=True)
+    qg, sg = dgrad_operand(grad2d, scale, fmt)
     ones = torch.ones(codes_t.shape[0], 1, dtype=torch.float32, device=codes_t.device)
     return mm(qg, sg, codes_t, ones, out_dtype)
 
@@ -148,8 +174,15 @@ def grouped_dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.
     ``mm(xq, xs, wq, ws, counts, out_dtype=)`` (:func:`.real_gemm.grouped_real_mm`: one
     ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert)."""
     rows = torch.tensor(counts, device=scale.device)
-    sw = scale.reshape(scale.shape[0], -1).repeat_interleave(rows, dim=0, output_size=sum(counts))
-    qg, sg = quantize_grad_rows(grad2d.float() * sw, fmt, inplace=True)
+    sw = scale.reshape(scale.shape[0], -1)
+    kernels = grad_kernels(grad2d.device, fmt)
+    if kernels is not None:
+        group = torch.arange(len(counts), device=grad2d.device, dtype=torch.int32)
+        qg, sg = kernels.quantize_grad_rows(grad2d, sw, group.repeat_interleave(
+            rows, output_size=sum(counts)))
+    else:
+        sw = sw.repeat_interleave(rows, dim=0, output_size=sum(counts))
+        qg, sg = quantize_grad_rows(grad2d.float() * sw, fmt, inplace=True)
     ones = torch.ones(*codes_t.shape[:2], 1, dtype=torch.float32, device=codes_t.device)
     return mm(qg, sg, codes_t, ones, counts, out_dtype=out_dtype)
 
@@ -167,7 +200,11 @@ def wgrad_fp8(grad2d: torch.Tensor, act_codes: torch.Tensor, act_scale: torch.Te
     """``dW = g^T @ deq Q_a(x)`` ``[N, K]`` as one FP8 GEMM on the forward's saved activation
     codes (``act_codes`` ``[M, K]``, ``act_scale`` ``sx`` ``[M, 1]``): ``Q_col(g * sx)`` times
     the codes, see the module doc; ``mm`` as in :func:`dgrad_fp8`."""
-    qh, sh = quantize_grad_rows(folded_grad_t(grad2d, act_scale), fmt, inplace=True)
+    kernels = grad_kernels(grad2d.device, fmt)
+    if kernels is not None:
+        qh, sh = kernels.quantize_grad_cols_t(grad2d, act_scale)
+    else:
+        qh, sh = quantize_grad_rows(folded_grad_t(grad2d, act_scale), fmt, inplace=True)
     ones = torch.ones(act_codes.shape[1], 1, dtype=torch.float32, device=act_codes.device)
     return mm(qh, sh, transposed_codes(act_codes), ones, out_dtype)
 

@@ -305,3 +305,83 @@ def act_through_real_linear(fmt: str, device: str) -> None:
             set_quant_impl(None)
     for i, (a, b) in enumerate(zip(out["triton"], out["torch"])):
         assert_bits_equal(a.detach(), b.detach(), f"{fmt} real linear tensor {i}")
+
+
+def grad_cases(device: str = "cpu", seed: int = 0):
+    """``(label, g, sw, sx)`` inputs of the FP8 backward's gradient quantizers: BF16 and fp32
+    gradients ``[M, N]`` whose rows span 12 decades, with per-channel weight scales ``sw``
+    ``[N]`` and per-token activation scales ``sx`` ``[M, 1]``; an all-zero row and column, rows
+    and columns on E4M3 rounding ties (amax 448, scales 1), a NaN and an inf element (bit-exact
+    there too), a strided gradient (row stride > N)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, n in ((67, 200), (130, 72)):
+            x = torch.randn(m, n, generator=g) * torch.logspace(4, -8, m)[:, None]
+            sw = torch.rand(n, generator=g) * 1e-2 + 1e-4
+            sx = torch.rand(m, 1, generator=g) * 1e-1 + 1e-3
+            x[3] = 0.0
+            x[:, 5] = 0.0
+            x[7] = ties("fp8", n)[0]
+            sw[:] = torch.where(torch.arange(n) % 3 == 0, 1.0, sw)
+            sx[7] = 1.0
+            x[8, : n // 2] = -0.0
+            x[9, 6] = float("nan")
+            x[10, 8] = float("-inf")
+            out.append((f"{dtype}-{m}x{n}", x.to(dtype).to(device), sw.to(device), sx.to(device)))
+    wide = torch.randn(40, 160, generator=g).bfloat16().to(device)
+    out.append(("strided", wide[:, :150], (torch.rand(150, generator=g) * 1e-2).to(device),
+                torch.rand(40, 1, generator=g).to(device)))
+    return out
+
+
+def fp8_backward_through_real_linear(device: str) -> dict[str, int]:
+    """The real linear and the grouped real linear (fp8) with the FP8 input and weight gradients
+    give the same outputs and gradients bit for bit through the fused gradient quantizers
+    (``triton``) as through the torch code; returns how often each kernel ran."""
+    from megatron_qrl.quant import triton_grad
+    from megatron_qrl.te_quant.real_gemm import (
+        grouped_real_linear,
+        real_linear,
+        stacked_weight_operand,
+        weight_operand,
+    )
+
+    spec = get_spec("fp8")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, 96, generator=g).bfloat16().to(device)
+    w = (torch.randn(3, 48, 96, generator=g) * 0.05).bfloat16().to(device)
+    gy = torch.randn(2, 24, 48, generator=g).bfloat16().to(device)
+    counts = [20, 0, 28]
+    calls = {"quantize_grad_rows": 0, "quantize_grad_cols_t": 0}
+    originals = {name: getattr(triton_grad, name) for name in calls}
+
+    def counted(name):
+        def run(*a, **kw):
+            calls[name] += 1
+            return originals[name](*a, **kw)
+        return run
+
+    out = {}
+    for impl in ("torch", "triton"):
+        set_quant_impl(impl)
+        for name in calls:
+            setattr(triton_grad, name, counted(name))
+        try:
+            xd, wd = x.clone().requires_grad_(), w[0].clone().requires_grad_()
+            y = real_linear(xd, wd, weight_operand(spec, w[0]), spec, grad_fp8="e4m3",
+                            wgrad_fp8="e4m3")
+            y.backward(gy)
+            xg, wg = x.reshape(48, 96).clone().requires_grad_(), w.clone().requires_grad_()
+            qw = stacked_weight_operand(spec, list(w), 0, None, "w")
+            yg = grouped_real_linear(xg, [wg], qw, spec, counts, grad_fp8="e4m3",
+                                     wgrad_fp8="e4m3")
+            yg.backward(gy.reshape(48, 48))
+            out[impl] = [y, xd.grad, wd.grad, yg, xg.grad, wg.grad]
+        finally:
+            set_quant_impl(None)
+            for name, fn in originals.items():
+                setattr(triton_grad, name, fn)
+    for i, (a, b) in enumerate(zip(out["triton"], out["torch"])):
+        assert_bits_equal(a.detach(), b.detach(), f"fp8 backward tensor {i}")
+    return calls
