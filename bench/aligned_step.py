@@ -32,7 +32,9 @@ Variants (all timed in the same process, interleaved ABC..CBA.. per round):
   (``--qrl-train-aligned-backward fp8 --qrl-train-aligned-wgrad fp8``, ``te_quant.fp8_backward``;
   ``--real-fp8-backward``, fp8 only): every GEMM of the aligned linears FP8;
 - ``aligned:FMT:real:torch``: the same with ``QRL_QUANT_IMPL=torch`` for the step (the torch
-  reference ops instead of the fused kernels; ``--real-torch-operands``), side by side;
+  reference ops instead of the fused kernels; ``--real-torch-operands``), side by side; with
+  ``--real-fp8-backward`` also ``aligned:fp8:real:bwd8:torch`` (the gradients' quantization in
+  torch instead of ``quant/triton_grad.py``);
   (the fake-quant variants' per-token activations take the same kernels under auto);
 - ``te:FMT``: the Transformer Engine recipe path (``te_quant.te_recipes``), only when TE
   imports and a recipe reproduces FMT on this GPU, or differs only by rounding (path "te
@@ -354,6 +356,11 @@ def build_variants(arch: Any, args: argparse.Namespace, cuda: bool, formats: lis
         if args.real_fp8_backward and f == "fp8":
             variants.append(Variant(f"aligned:{f}:real:bwd8", "real GEMM, FP8 backward",
                                     aligned, f, plan.aligned, gemm="real", backward="fp8"))
+            if args.real_torch_operands:
+                variants.append(Variant(f"aligned:{f}:real:bwd8:torch",
+                                        "real GEMM, FP8 backward, torch operands", aligned, f,
+                                        plan.aligned, gemm="real", backward="fp8",
+                                        quant_impl="torch"))
         if args.real_torch_operands:
             variants.append(Variant(f"aligned:{f}:real:torch", "real GEMM, torch operands",
                                     aligned, f, plan.aligned, gemm="real", quant_impl="torch"))

@@ -60,7 +60,8 @@ is a CPU smoke run. What the direct sync does per weight, counted on the CPU:
 bench/sync_census.py. The trainer's experts are rows of one ``[E, out, in]`` tensor per kind
 (as a stacked-experts trainer holds them), so stacking them again is a view.
 
-``--profile PATH`` traces each engine variant's second sync with ``torch.profiler``
+``--profile PATH`` traces each engine variant's last sync (the second; the third with
+``+params``, when the engine holds the parameters) with ``torch.profiler``
 (megatron_qrl/utils/profile.py): the record gets ``profile`` — wall vs GPU busy seconds of the trainer's
 process, the top kernels and host ops, the host syncs seen, and ``ranges_ms`` with the direct
 sync's write step (``qrl.direct.write``, what ``write_s`` times: producing the stream,
@@ -347,12 +348,13 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
     source = list(trainer_stream(cfg, distinct=True)) if "params" in opts else None
     res["released_before_sync"] = options.release_memory
     # the first sync also pays one-time costs (IPC setup, allocations)
-    for version in (1, 2, 3) if "params" in opts else (1, 2):
+    versions = (1, 2, 3) if "params" in opts else (1, 2)
+    for version in versions:
         if options.release_memory:  # as the RL loop: released after a rollout, resumed for
             eng.release_memory()    # the sync (outside the clock)
             eng.resume_memory()
         torch.cuda.synchronize()
-        traced = Traced("cuda") if profile and version == 2 else nullcontext()
+        traced = Traced("cuda") if profile and version == versions[-1] else nullcontext()
         t = time.perf_counter()
         with traced:
             eng.update_weights(engine_stream(eng, spec, cfg, opts, quantized, source),
@@ -417,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(auto, the default) or their torch reference (torch), for A/B runs "
                         "(sets QRL_QUANT_IMPL for the variants' processes)")
     p.add_argument("--profile", default=None, metavar="PATH",
-                   help="engine variants: trace the second sync with torch.profiler; its GPU "
+                   help="engine variants: trace the last sync (second; third with +params) "
+                        "with torch.profiler; its GPU "
                         "busy vs wall time, top kernels, top host ops, host syncs and the "
                         "direct sync's write range go into the record (key 'profile'), the "
                         "Chrome trace to PATH with the variant's name appended")

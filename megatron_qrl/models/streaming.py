@@ -72,15 +72,17 @@ def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
 
 
 def _unshard(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
-    """Full HF tensors (in ``rule.hf_names`` order) from all ranks' shards of one parameter."""
+    """Full HF tensors (in ``rule.hf_names`` order) from all ranks' shards of one parameter;
+    a single shard's (no tensor parallelism) are views of it where the layout allows (all but
+    the query / key / value split out of the fused ``linear_qkv``)."""
     if rule.kind == "replicated":
         return [shards[0]]
-    if rule.kind == "column":
-        return [torch.cat(shards, dim=0)]
-    if rule.kind == "row":
-        return [torch.cat(shards, dim=1)]
+    if rule.kind in ("column", "row"):
+        return [shards[0] if len(shards) == 1 else torch.cat(shards, dim=int(rule.kind == "row"))]
     if rule.kind == "qkv":
         return list(layout.unshard_qkv(shards, arch.num_heads, arch.num_kv_heads, arch.head_dim))
+    if len(shards) == 1:
+        return list(shards[0].chunk(2, dim=0))
     return list(layout.unshard_gate_up(shards))
 
 
@@ -112,11 +114,15 @@ def _num_local_experts(arch: ModelArch, groups: ShardGroups) -> int:
 def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
                     groups: ShardGroups | None = None,
                     named: Iterable[tuple[str, torch.Tensor]] | None = None,
-                    gather_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                    gather_experts: bool = True, copy: bool = True
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every HF tensor of ``model``, one parameter at a time.
 
     Collective: all ranks of ``groups`` must consume the generator in lockstep. Tensors are
-    detached copies in the parameter dtype; experts come in (local index, EP rank) order.
+    detached copies in the parameter dtype; ``copy=False``: a tensor that is a view of the
+    parameter's own memory (no tensor parallelism; everything but query / key / value) is
+    yielded as that view, for a consumer that only reads it before the parameter changes
+    next (the direct sync's writer); experts come in (local index, EP rank) order.
     ``named``: the ``(megatron name, local tensor)`` pairs to stream instead of
     ``model.named_parameters()`` (a LoRA model's frozen bases, ``models.lora_io``).
     ``gather_experts`` False: no gather over the expert-parallel group; this rank yields
@@ -137,7 +143,7 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
             param.detach(), shard_group)
         full = _unshard(rule, shards, arch)
         if not rule.expert or ep_size == 1 or not gather_experts:
-            yield from zip(rule.hf_names, (t.clone() for t in full))
+            yield from zip(rule.hf_names, (t.clone() if copy else t for t in full))
             continue
         per_rank = [_all_gather(t, groups.ep) for t in full]
         for r in range(ep_size):

@@ -72,8 +72,13 @@ class SyncPlan:
             return self.sharded.send(self.engine, version, **self.aqn_at(version))
         quantized = None if self.qcache is None else self.qcache.lookup(
             self.trainer.module, self.trainer.policy.arch)
-        result = sync_weights(self.trainer.hf_tensors(), self.engine, self.spec, version,
-                              self.aqn, self.seed, **self.aqn_at(version), quantized=quantized)
+        # an engine that quantizes into its own memory reads each tensor during the sync and
+        # keeps none: the parameters go as themselves (no copy per sync; the SGLang engine
+        # then holds them across syncs, SGLangOptions.hold_trainer_tensors)
+        views = self.engine.quantizes_into and self.engine.verifies_own_update
+        result = sync_weights(self.trainer.hf_tensors(views=views), self.engine, self.spec,
+                              version, self.aqn, self.seed, **self.aqn_at(version),
+                              quantized=quantized)
         if quantized is None:
             return result
         return dataclasses.replace(result, cached=self.qcache.reused)

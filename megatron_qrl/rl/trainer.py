@@ -347,14 +347,17 @@ class PolicyTrainer:
             metrics = _data_parallel_mean(metrics)
         return metrics, grad_norm
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` of the current weights. One process: no collectives;
         multi-rank: shards gathered over TP / EP, every rank must consume it in lockstep;
         pipeline parallel: the whole model on rank 0 only, each stage streaming its own
-        tensors there (``rl.pipeline.stream_to_main``)."""
+        tensors there (``rl.pipeline.stream_to_main``). ``views``: the parameters' own memory
+        where a tensor is a view of it (``iter_hf_tensors(copy=False)``): for a consumer that
+        reads each tensor before the next optimizer step and keeps none."""
         from megatron_qrl.models.streaming import iter_hf_tensors
 
-        local = iter_hf_tensors(self.module, self.policy.arch, self.policy.groups)
+        local = iter_hf_tensors(self.module, self.policy.arch, self.policy.groups,
+                                copy=not views)
         return local if self.stage is None else stream_to_main(self.stage, local)
 
     def state_dict(self) -> dict[str, Any]:

@@ -24,13 +24,16 @@ def test_aligned_step_tiny_cpu(tmp_path):
     # hidden 64 is not a multiple of fp8_block's 128-wide activation groups: skipped, said so
     assert names == ["bf16", "bf16:off", "aligned:int8", "aligned:fp8", "aligned:nvfp4",
                      "aligned:int8:per-expert", "aligned:fp8:real", "aligned:fp8:real:bwd8",
-                     "aligned:fp8:real:torch", "aligned:int8:real", "aligned:int8:real:torch"]
-    assert [r["path"] for r in recs][-5:] == ["real GEMM", "real GEMM, FP8 backward",
+                     "aligned:fp8:real:bwd8:torch", "aligned:fp8:real:torch",
+                     "aligned:int8:real", "aligned:int8:real:torch"]
+    assert [r["path"] for r in recs][-6:] == ["real GEMM", "real GEMM, FP8 backward",
+                                              "real GEMM, FP8 backward, torch operands",
                                               "real GEMM, torch operands", "real GEMM",
                                               "real GEMM, torch operands"]
-    assert [r["quant_impl"] for r in recs][-5:] == ["auto", "auto", "torch", "auto", "torch"]
-    assert [r["backward"] for r in recs][-5:] == ["bf16/bf16", "fp8/fp8", "bf16/bf16",
-                                                  "bf16/bf16", "bf16/bf16"]
+    assert [r["quant_impl"] for r in recs][-6:] == ["auto", "auto", "torch", "torch", "auto",
+                                                    "torch"]
+    assert [r["backward"] for r in recs][-6:] == ["bf16/bf16", "fp8/fp8", "fp8/fp8",
+                                                  "bf16/bf16", "bf16/bf16", "bf16/bf16"]
     assert any("aligned:fp8_block skipped" in n for n in recs[0]["notes"])
     for r in recs:
         assert len(r["times_s"]) == 2

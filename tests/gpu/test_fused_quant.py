@@ -25,6 +25,10 @@ aligned forward's once-per-step refresh): the weight in its dtype equals CUDA to
 CPU's fake quantization on the edge cases of ``fused_cases.fake_weights`` and on the 30B-A3B
 expert stacks, and the stacked refresh takes them in one call.
 
+The FP8 backward's gradient quantizers (megatron_qrl/quant/triton_grad.py): the dgrad's rows
+and the wgrad's transposed columns equal CUDA torch's ``fp8_backward.quantize_grad_rows`` of
+the folded gradient, and the real linear's FP8 gradients are the same bits with them.
+
 Run: ``pytest tests/gpu/test_fused_quant.py`` (bench/h200.sh ``gpu-tests FILES=...``; < 1 min).
 """
 
@@ -55,6 +59,8 @@ from tests.quant.fused_cases import (  # noqa: E402
     fake_act,
     fake_quant,
     fake_weights,
+    fp8_backward_through_real_linear,
+    grad_cases,
     group_activations,
     group_reference,
     quantize,
@@ -160,6 +166,34 @@ def test_dequantize_rows_kernel_equals_torch(dtype):
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_real_linear_same_bits_with_the_kernels(fmt):
     act_through_real_linear(fmt, CUDA)
+
+
+def test_grad_kernels_equal_cuda_torch():
+    """The FP8 backward's gradient quantizers (quant/triton_grad.py) against CUDA torch's
+    ``quantize_grad_rows`` of the folded gradient: the edge cases and a Qwen3-4B fc1 gradient
+    (4096 tokens x 19456, bf16), the dgrad's rows and the wgrad's transposed columns."""
+    from megatron_qrl.quant import triton_grad
+    from megatron_qrl.te_quant import fp8_backward as fb
+
+    g = torch.Generator(device=CUDA).manual_seed(6)
+    big = (torch.randn(4096, 19456, device=CUDA, generator=g) * 1e-3).bfloat16()
+    sw = torch.rand(19456, device=CUDA, generator=g) * 1e-2 + 1e-4
+    sx = torch.rand(4096, 1, device=CUDA, generator=g) * 1e-1 + 1e-3
+    for label, grad, w, x in grad_cases(CUDA) + [("4096x19456", big, sw, sx)]:
+        q, s = triton_grad.quantize_grad_rows(grad, w)
+        rq, rs = fb.quantize_grad_rows(fb.folded_grad(grad, w), "e4m3")
+        assert_bits_equal(q, rq, f"{label} dgrad codes")
+        assert_bits_equal(s, rs, f"{label} dgrad scale")
+        q, s = triton_grad.quantize_grad_cols_t(grad, x)
+        rq, rs = fb.quantize_grad_rows(fb.folded_grad_t(grad, x), "e4m3")
+        assert_bits_equal(q, rq, f"{label} wgrad codes")
+        assert_bits_equal(s, rs, f"{label} wgrad scale")
+    assert fb.grad_kernels(big.device, "e4m3") is triton_grad
+
+
+def test_fp8_backward_same_bits_with_the_grad_kernels():
+    calls = fp8_backward_through_real_linear(CUDA)
+    assert calls["quantize_grad_rows"] >= 2 and calls["quantize_grad_cols_t"] >= 2, calls
 
 
 def test_activation_group_kernel_equals_cuda_torch():

@@ -153,6 +153,31 @@ def test_hf_export_and_state_dict_keep_per_expert_names(tiny):
     assert all(torch.equal(again[k], tensors[k]) for k in tensors)
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_hf_stream_as_views_of_the_parameters(tiny, stacked):
+    """``iter_hf_tensors(copy=False)`` (the direct sync's stream): the same tensors, each a view
+    of its parameter's memory except query / key / value (split out of the fused
+    ``linear_qkv``); the default stream shares no memory with the model. Mutations caught:
+    the clone kept for ``copy=False``; a single shard concatenated (a copy) before it goes."""
+    from megatron_qrl.models.streaming import iter_hf_tensors
+
+    arch, tensors = tiny
+    _, model = _model(arch, tensors, stacked)
+    spans = [(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())
+             for p in model.parameters()]
+
+    def shares(t):
+        at = t.untyped_storage().data_ptr()
+        return any(lo <= at < lo + n for lo, n in spans)
+
+    views, copies = list(iter_hf_tensors(model, arch, copy=False)), list(iter_hf_tensors(model, arch))
+    assert [n for n, _ in views] == [n for n, _ in copies]
+    for (name, v), (_, c) in zip(views, copies):
+        assert torch.equal(v, c), name
+        assert not shares(c), name
+        assert shares(v) == (name.split(".")[-2] not in ("q_proj", "k_proj", "v_proj")), name
+
+
 def test_torch_dist_checkpoint_is_the_sequential_one(tiny, tmp_path):
     """A torch_dist checkpoint of the stacked model loads into the sequential model (and the
     other way round): the sharded keys are per global expert on both."""
