@@ -43,3 +43,28 @@ def test_a_restarted_engine_gets_the_lora_base_again():
     plan.lora.base_sent = True
     plan.engine_restarted()
     assert plan.lora.base_sent is False
+
+
+def test_an_engine_writing_into_itself_gets_the_parameters_as_views(monkeypatch):
+    """The gathered sync streams views of the trainer's parameters (no copy per sync) only to
+    an engine that quantizes into its own memory and checks its own update (it reads each
+    tensor during the sync and keeps none); any other engine gets copies. Mutation caught:
+    views for every engine (the reference engine would then hold the live parameters)."""
+    from megatron_qrl.rl import sync_plan
+
+    asked = []
+
+    class Trainer:
+        def hf_tensors(self, views=False):
+            asked.append(views)
+            return iter(())
+
+    class Engine:
+        def __init__(self, into, own):
+            self.quantizes_into, self.verifies_own_update = into, own
+
+    monkeypatch.setattr(sync_plan, "sync_weights", lambda *a, **k: None)
+    for into, own in ((False, False), (False, True), (True, True)):
+        SyncPlan(Trainer(), Engine(into, own), get_spec("fp8"), None, 0, sft_steps=0,
+                 steps=1).send(1)
+    assert asked == [False, False, True]

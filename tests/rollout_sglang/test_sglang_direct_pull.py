@@ -53,7 +53,7 @@ def test_engine_side_write_leaves_the_bits_of_the_trainer_side_write(fmt):
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert eng.sent_checksums() == eng.held_checksums() == sent
     writes = eng.writes
-    assert eng.requests == ["write"] * len(writes) + ["fingerprint"]
+    assert eng.requests == ["write"] * len(writes)  # the version rides the last write
     assert len(writes) == eng.last_sync["buckets"] > 2
     assert [w[:2] for w in writes] == [(True, False)] + [(False, False)] * (len(writes) - 2) + [
         (False, True)]
@@ -118,8 +118,9 @@ def test_a_digest_that_differs_fails_the_sync_naming_the_layer(monkeypatch):
 def test_a_failed_write_ends_the_sync_and_the_next_starts_over():
     """A stream missing a tensor fails at its last request (the parameter named) and leaves
     the engine's weight version at its last complete sync; a request that does not start a
-    sync after it is refused; a full sync then succeeds. Catches: the version sent with the
-    last write (SGLang applies it though the write failed), a writer kept after a failure
+    sync after it is refused; a full sync then succeeds. Catches: the failed last write's
+    version left in SGLang's record (SGLang applies a request's version though the loader
+    answered a failure: the last complete sync's is sent back), a writer kept after a failure
     (its regions marked written: the next sync would raise "sent twice" or pass with stale
     rows)."""
     m = engine("fp8")
@@ -129,7 +130,7 @@ def test_a_failed_write_ends_the_sync_and_the_next_starts_over():
     with pytest.raises(WeightSyncError, match=r"layers\.0\.self_attn\.qkv_proj\.weight got"):
         eng.update_weights(iter(stream), version=2)
     # the engine keeps the version of its last complete sync (SGLang takes a request's
-    # version even where the loader answered a failure: none rides on a write)
+    # version even where the loader answered a failure: the last one's is put back)
     assert eng.engine.get_server_info()["weight_version"] == "1"
     with pytest.raises(WeightSyncError, match="does not start a sync"):
         handle(m, {"what": "write", "format": "fp8", "first": False, "last": True}, [])
@@ -402,3 +403,22 @@ def test_a_held_copy_that_no_longer_reads_the_trainers_memory_is_not_written():
     eng.update_weights(iter(params), version=3)
     assert eng.weight_version() == 3 and _as_trainer_side(m, params)
     assert eng.last_sync["held_refs"] == 0 and not storage_write._HELD[id(m)].tensors
+
+
+def test_the_allocator_is_read_per_share_of_a_request_not_per_tensor():
+    """``in_use`` (the CUDA allocator's statistics, ~0.1 ms a reading) is read once per
+    ``held_bytes / CHECKS_PER_REQUEST`` bytes of streamed tensors: 64 parameters of 1 KiB
+    with 64 KiB per request -> 1 + 16 readings, not 65. Mutation caught: a reading per
+    tensor."""
+    from megatron_qrl.rollout_sglang.sync.transports import direct_pull
+
+    reads = [0]
+
+    def in_use():
+        reads[0] += 1
+        return 0
+
+    params = [(f"p{i}", torch.zeros(256)) for i in range(64)]
+    got = list(requests_of(params, 64 << 10, torch.device("cpu"), in_use))
+    assert len(got) == 1 and len(got[0][0]) == 64
+    assert reads[0] == 1 + 64 * 1024 // ((64 << 10) // direct_pull.CHECKS_PER_REQUEST)
