@@ -56,8 +56,7 @@ def refuse_non_finite(named_params: Iterable[tuple[str, torch.Tensor]], version:
     """Raise :class:`NonFiniteWeightsError` before the sync of ``version`` when a parameter
     holds a NaN / inf. ``agree(local_name_or_None)``: the first bad name over every rank
     (a multi-rank job; None: this process alone)."""
-    bad = next((n for n, t in named_params if not bool(torch.isfinite(t.detach()).all())),
-               None)
+    bad = first_non_finite(named_params)
     if agree is not None:
         bad = agree(bad)
     if bad is not None:
@@ -65,6 +64,23 @@ def refuse_non_finite(named_params: Iterable[tuple[str, torch.Tensor]], version:
             f"weight sync of version {version} refused: the trainer's parameter {bad} holds "
             "NaN / inf values, the engine keeps its last weights; lower --qrl-lr / "
             "--qrl-sft-lr, or check --qrl-max-update-ratio and the start checkpoint")
+
+
+def first_non_finite(named_params: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The first of ``named_params`` holding a NaN / inf, or None: each parameter's max ``|x|``
+    (``vector_norm`` of order inf, which propagates NaN and inf) read back together, one host
+    sync per device and dtype instead of one per parameter (~400 for a 4B model)."""
+    names: list[str] = []
+    amaxes: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    for name, t in named_params:
+        if t.numel() and t.is_floating_point():  # integers are finite
+            amaxes.setdefault((t.device, t.dtype), []).append(
+                (len(names), torch.linalg.vector_norm(t.detach(), ord=float("inf"))))
+            names.append(name)
+    bad = [i for group in amaxes.values()
+           for (i, _), ok in zip(group, torch.isfinite(torch.stack([a for _, a in group])).tolist())
+           if not ok]
+    return names[min(bad)] if bad else None
 
 
 @dataclass(frozen=True)

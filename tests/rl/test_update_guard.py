@@ -75,6 +75,26 @@ def test_refuse_non_finite_names_the_parameter():
         refuse_non_finite([("a", torch.ones(3)), ("b", torch.tensor([1.0, math.inf]))], 4)
 
 
+def test_the_first_non_finite_parameter_in_order_across_dtypes():
+    """NaN and inf found in BF16 and fp32 parameters alike, the first in the given order named
+    (the amaxes are read per dtype); empty and integer tensors are finite. Mutation caught:
+    the first of each dtype's group named instead of the first in order."""
+    from megatron_qrl.rl.sync import first_non_finite
+
+    big = torch.ones(1000, dtype=torch.bfloat16)
+    params = [("e", torch.empty(0)), ("i", torch.zeros(3, dtype=torch.int32)),
+              ("a", torch.ones(4)), ("b", big.clone()), ("c", torch.tensor([1.0, math.nan])),
+              ("d", big.clone())]
+    assert first_non_finite(params) == "c"
+    params[5][1][7] = -math.inf
+    assert first_non_finite(params) == "c"
+    params[4][1][1] = 0.0
+    assert first_non_finite(params) == "d"
+    params[3][1][999] = math.nan
+    assert first_non_finite(params) == "b"
+    assert first_non_finite(params[:3]) is None
+
+
 @pytest.mark.slow
 def test_the_sync_refuses_nan_weights_and_leaves_the_engine_untouched(tmp_path):
     from megatron_qrl.rl.cli import error_line, parse_configs
