@@ -56,7 +56,8 @@
 #   fp8train    bench/aligned_step.py on Qwen3-4B (LAYERS, default all 36): bf16 vs aligned
 #               fake-quant vs aligned real low-bit GEMM (fp8 torch._scaled_mm, int8 torch._int_mm),
 #               its operands from the fused Triton kernels and from torch (:real:torch), fp8 with FP8
-#               dgrad + wgrad too (:real:bwd8),
+#               dgrad + wgrad too (:real:bwd8, :real:bwd8:torch); PROFILE=N: one profiled step
+#               per variant, its N costliest ops,
 #               side by side, times / MFU / ratio, commit in each record; local spec (TE=1:
 #               the TE spec where TE is built, te_env); ~3 min -> $OUT/fp8_trainer.jsonl
 #   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
@@ -344,7 +345,8 @@ case $phase in
     [ "${TE:-0}" = 1 ] && te_env
     python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
       ${LAYERS:+--layers $LAYERS} --formats fp8,int8 --real fp8,int8 --real-torch-operands --real-fp8-backward --plain-model no --no-te-variants \
-      --warmup 2 --rounds 5 --out "$OUT/fp8_trainer.jsonl" 2>&1 | grep -E "^\||note|device|Error"
+      --warmup 2 --rounds 5 ${PROFILE:+--profile $PROFILE} --out "$OUT/fp8_trainer.jsonl" 2>&1 \
+      | grep -E "^\||note|device|Error|^profile"
     # fp8_block's real GEMM is SGLang's own (its site must import): its own run, so that a
     # missing SGLang costs only these rows
     python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
