@@ -544,7 +544,7 @@ case $phase in
       | grep -v Warning | tail -n 25
     m="$OUT/example4b_${MODE:-single}_sleep${SLEEP:-off}${SYNC:+_$SYNC}_metrics.jsonl"
     cp /tmp/qrl_example4b/metrics.jsonl "$m" 2>/dev/null && rm -rf /tmp/qrl_example4b
-    python3 -c "import json; [print({k: r.get(k) for k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'time_engine_resume_s', 'sync_buckets', 'sync_request_s', 'sync_loader_s', 'sync_stream_s', 'sync_write_s', 'sync_held_refs', 'sync_seconds', 'time_sleep_s', 'time_wake_s', 'trainer_gpu_gib_asleep', 'rollout_waves', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
+    python3 -c "import json; [print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k.startswith('sync_') or k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'time_engine_resume_s', 'time_sleep_s', 'time_wake_s', 'trainer_gpu_gib_asleep', 'rollout_waves', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
   fleet)
     python3 -c "import ray; print('ray', ray.__version__)" || echo "Ray is not in the site: the fleet test skips"
     python3 -m pytest -q tests/gpu/test_sglang_fleet.py -s 2>&1 \

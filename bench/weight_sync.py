@@ -365,7 +365,8 @@ def child(variant: str, bucket_mb: int, pack_compare: bool = False,
                 trace_path(profile, variant))}
         res[f"engine_s_v{version}"] = round(eng.last_sync.get("request_s", 0.0), 2)
         for part in ("produce_s", "stream_s", "fingerprint_s", "flatten_s", "wait_s",
-                     "serialize_s", "finish_s", "storage_s", "write_s", "digest_s", "loader_s"):
+                     "serialize_s", "finish_s", "storage_s", "write_s", "digest_s", "loader_s",
+                     *sorted(k for k in eng.last_sync if k.startswith("loader_") and k != "loader_s")):
             if part in eng.last_sync:
                 res[f"{part.removesuffix('_s')}_s_v{version}"] = round(eng.last_sync[part], 2)
         res[f"buckets_v{version}"] = eng.last_sync.get("buckets")

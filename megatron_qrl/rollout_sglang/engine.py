@@ -199,9 +199,10 @@ class SGLangEngine(RolloutEngine):
         ``finish_s`` (version check, fingerprints and the receipts at the end); direct syncs
         add ``storage_s``, ``write_s`` (of which ``stream_s`` waited on the stream),
         ``digest_s``, ``handles_taken``, ``quantized`` and ``copied``; written by the engine
-        (its memory saver on) ``engine_writes``, ``buckets`` requests and ``loader_s`` (their
+        (its memory saver on) ``engine_writes``, ``buckets`` requests, ``loader_s`` (their
         time in the engine's writer: the rest of ``request_s`` is SGLang's way there and the
-        handles opened)."""
+        handles opened) split by phase into ``loader_<phase>_s``
+        (``loader.storage_write.PHASES``) and ``held_refs`` (tensors sent by name)."""
 
     @property
     def uses_loader(self) -> bool:

@@ -65,9 +65,12 @@ def test_engine_side_write_leaves_the_bits_of_the_trainer_side_write(fmt):
 
 
 def test_the_engines_time_is_summed_over_the_requests(monkeypatch):
-    """``loader_s``: every request's time in the engine's writer, from entry to answer (a
-    clock that ticks once per reading: one second per request). Catches: the last request's
-    time alone, a sync's time carried into the next."""
+    """``loader_s``: every request's time in the engine's writer, from entry to answer, and
+    its split by phase (``loader_<phase>_s``, storage_write.PHASES), summed over the requests
+    (a clock that ticks once per reading: a request's phases tick once each — ``describe``
+    on the first request only, ``finish`` / ``sent`` / ``digest`` on the last). Catches: the
+    last request's time alone, a sync's time carried into the next, a phase left out of the
+    split."""
     import types
 
     ticks = iter(range(10**6))
@@ -76,8 +79,12 @@ def test_the_engines_time_is_summed_over_the_requests(monkeypatch):
     eng = pulled_engine(engine("fp8"), "fp8", bucket_bytes=64 << 10)
     for version in (1, 2):
         eng.update_weights(iter(packed("fp8", version)), version=version)
-        assert eng.last_sync["buckets"] > 2
-        assert eng.last_sync["loader_s"] == eng.last_sync["buckets"]
+        n = eng.last_sync["buckets"]
+        assert n > 2
+        parts = {p: eng.last_sync[f"loader_{p}_s"] for p in storage_write.PHASES}
+        assert parts == {"describe": 1, "held": n, "writes": n, "finish": 1, "sent": 1,
+                         "digest": 1}
+        assert eng.last_sync["loader_s"] == sum(parts.values()) == 2 * n + 4
 
 
 def test_quantized_weights_reach_the_engine_in_high_precision_and_regions_are_kept():

@@ -17,7 +17,8 @@ checks that every parameter was written and every weight is finite, and answers 
 fingerprints of what was written (``sent``) with the read-back digest of the same regions
 (``digest``), which the trainer compares (:func:`..writer.check_digest`), and the seconds
 the sync's requests spent here (``loader_s``: the rest of a request's round trip is SGLang's,
-the request's way to the scheduler and the trainer's tensors opened from their handles). A
+the request's way to the scheduler and the trainer's tensors opened from their handles) and
+their split by phase (``loader_parts``, :data:`PHASES`). A
 request that fails ends the sync: the next must start with ``first``. The trainer's
 parameters opened here are kept across syncs where the trainer asks (``keep``) and then sent
 by name (``refs``): each handle opened costs ~0.4 ms (:class:`_Held`). Importing this module
@@ -53,6 +54,31 @@ class _Storage:
     """The writer of the sync in progress (None between syncs)."""
     seconds: float = 0.0
     """Time spent in this module by the sync in progress (answered by its last request)."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """``seconds`` by phase (:data:`PHASES`), summed over the sync's requests."""
+
+
+PHASES = ("describe", "held", "writes", "finish", "sent", "digest")
+"""The phases of the engine-side write whose seconds the last request answers
+(``loader_parts``): the storage described and a writer made (first request), the held tensors
+put back and checked against the trainer's fingerprints, the writes (waited for), the
+completeness and finiteness check, the fingerprints of what was written, the read-back
+digest. Each ends where the host waits for the device, so a phase holds its GPU time."""
+
+
+class _Clock:
+    """One request's seconds by phase, one reading per phase boundary."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def lap(self, parts: dict[str, float], phase: str) -> float:
+        """Add the seconds since the last boundary to ``parts[phase]``; the request's seconds
+        so far."""
+        now = time.perf_counter()
+        parts[phase] = parts.get(phase, 0.0) + now - self.last
+        self.last = now
+        return now - self.start
 
 
 _OPEN: dict[int, _Storage] = {}
@@ -128,14 +154,15 @@ def write(model: torch.nn.Module, msg: dict,
     ``last``; ``items`` are the trainer's tensors of this request, in stream order."""
     from megatron_qrl.quant import get_spec
 
-    t0 = time.perf_counter()
+    clock = _Clock()
     st = _OPEN.get(id(model))
     if msg["first"]:
         layout, tensors = describe(model)
         if st is None or st.layout.fingerprint != layout.fingerprint:
             st = _OPEN[id(model)] = _Storage(layout, tensors)
         st.writer = writer_for(get_spec(msg["format"]), st.layout, st.tensors, None, st.places)
-        st.seconds = 0.0
+        st.seconds, st.parts = 0.0, {}
+        clock.lap(st.parts, "describe")
     elif st is None or st.writer is None:
         raise WeightSyncError("direct weight sync: a write request that does not start a sync "
                               "came after a failed or finished one; sync again")
@@ -143,19 +170,25 @@ def write(model: torch.nn.Module, msg: dict,
     # before the writer is touched: a HeldTensorError leaves the sync open for the same
     # request sent again with every handle
     items = _HELD.setdefault(id(model), _Held()).complete(msg, items)
+    clock.lap(st.parts, "held")
     try:
         for name, t in items:
             w.write(name, t)
         if w.device.type == "cuda":  # the trainer frees these tensors after the answer
             torch.cuda.synchronize(w.device)
         if not msg["last"]:
-            st.seconds += time.perf_counter() - t0
+            st.seconds += clock.lap(st.parts, "writes")
             return {"written": len(items)}
+        clock.lap(st.parts, "writes")
         w.finish()
         _HELD[id(model)].prune()
-        out = {"sent": w.sent.result(), "digest": read_digest(st.layout, st.tensors, w.shapes),
+        clock.lap(st.parts, "finish")
+        sent = w.sent.result()
+        clock.lap(st.parts, "sent")
+        out = {"sent": sent, "digest": read_digest(st.layout, st.tensors, w.shapes),
                "quantized": w.quantized, "copied": w.copied}
-        return {**out, "loader_s": st.seconds + time.perf_counter() - t0}
+        seconds = st.seconds + clock.lap(st.parts, "digest")
+        return {**out, "loader_s": seconds, "loader_parts": dict(st.parts)}
     except BaseException:
         st.writer = None
         raise

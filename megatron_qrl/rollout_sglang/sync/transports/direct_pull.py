@@ -202,5 +202,6 @@ def send_pulled(s: SGLangSession, stream: Iterable[tuple[str, torch.Tensor]],
     s.sent.include(out["sent"])
     s.lap.update(buckets=n, write_s=time.perf_counter() - t0, **parts, engine_writes=True,
                  quantized=out["quantized"], copied=out["copied"], loader_s=out["loader_s"],
-                 held_refs=referenced)
+                 held_refs=referenced,
+                 **{f"loader_{k}_s": v for k, v in out.get("loader_parts", {}).items()})
     return out["digest"]
