@@ -29,15 +29,23 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
     return torch.cat([qg, kg, vg], dim=1).reshape(-1, hidden)
 
 
+def qkv_parts(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of the query, key and value rows of a fused ``linear_qkv`` weight, each
+    ``[query groups, rows per group, hidden]`` (strided: the groups interleave them)."""
+    per_group = num_heads // num_kv_heads
+    grouped = qkv.reshape(num_kv_heads, (per_group + 2) * head_dim, qkv.shape[-1])
+    q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
+    return q, k, v
+
+
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_qkv`; works on a TP shard when given the shard's head counts."""
     hidden = qkv.shape[-1]
-    per_group = num_heads // num_kv_heads
-    grouped = qkv.reshape(num_kv_heads, (per_group + 2) * head_dim, hidden)
-    q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
-    return (q.reshape(-1, hidden).contiguous(), k.reshape(-1, hidden).contiguous(),
-            v.reshape(-1, hidden).contiguous())
+    q, k, v = (p.reshape(-1, hidden).contiguous()
+               for p in qkv_parts(qkv, num_heads, num_kv_heads, head_dim))
+    return q, k, v
 
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, size: int, what: str = "tensor") -> torch.Tensor:

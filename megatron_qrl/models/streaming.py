@@ -86,6 +86,25 @@ def _unshard(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch) -> li
     return list(layout.unshard_gate_up(shards))
 
 
+def _qkv_into(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch,
+              buffers: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_unshard` of a fused ``linear_qkv``: its query / key / value written into
+    ``buffers`` (by HF name, made on first use) and returned from there, the same memory every
+    time."""
+    qkv = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
+    out = []
+    for name, part in zip(rule.hf_names, layout.qkv_parts(qkv, arch.num_heads,
+                                                          arch.num_kv_heads, arch.head_dim)):
+        shape = (part.shape[0] * part.shape[1], qkv.shape[-1])
+        buf = buffers.get(name)
+        if buf is None or (tuple(buf.shape), buf.dtype, buf.device) != (shape, part.dtype,
+                                                                          part.device):
+            buf = buffers[name] = torch.empty(shape, dtype=part.dtype, device=part.device)
+        buf.view(part.shape).copy_(part)
+        out.append(buf)
+    return out
+
+
 def _shard(rule: ParamRule, full: list[torch.Tensor], arch: ModelArch, rank: int,
            size: int) -> torch.Tensor:
     """This rank's shard of one parameter from its full HF tensors."""
@@ -114,7 +133,8 @@ def _num_local_experts(arch: ModelArch, groups: ShardGroups) -> int:
 def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
                     groups: ShardGroups | None = None,
                     named: Iterable[tuple[str, torch.Tensor]] | None = None,
-                    gather_experts: bool = True, copy: bool = True
+                    gather_experts: bool = True, copy: bool = True,
+                    buffers: dict[str, torch.Tensor] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every HF tensor of ``model``, one parameter at a time.
 
@@ -122,7 +142,11 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
     detached copies in the parameter dtype; ``copy=False``: a tensor that is a view of the
     parameter's own memory (no tensor parallelism; everything but query / key / value) is
     yielded as that view, for a consumer that only reads it before the parameter changes
-    next (the direct sync's writer); experts come in (local index, EP rank) order.
+    next (the direct sync's writer), and with ``buffers`` (a dict the caller keeps) the
+    query / key / value are written into persistent buffers kept there and yielded from them,
+    the same memory every stream (one more copy of those weights, held by the caller: for a
+    consumer that holds the tensors across streams, the SGLang engine's held parameters);
+    experts come in (local index, EP rank) order.
     ``named``: the ``(megatron name, local tensor)`` pairs to stream instead of
     ``model.named_parameters()`` (a LoRA model's frozen bases, ``models.lora_io``).
     ``gather_experts`` False: no gather over the expert-parallel group; this rank yields
@@ -141,7 +165,8 @@ def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch,
         shard_group = groups.etp if rule.expert else groups.tp
         shards = [param.detach()] if rule.kind == "replicated" else _all_gather(
             param.detach(), shard_group)
-        full = _unshard(rule, shards, arch)
+        into = not copy and buffers is not None and rule.kind == "qkv"
+        full = _qkv_into(rule, shards, arch, buffers) if into else _unshard(rule, shards, arch)
         if not rule.expert or ep_size == 1 or not gather_experts:
             yield from zip(rule.hf_names, (t.clone() if copy else t for t in full))
             continue

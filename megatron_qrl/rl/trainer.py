@@ -215,6 +215,11 @@ class PolicyTrainer:
         """Called before every optimizer step, after the forward / backward: a sleeping
         trainer's ``rl.trainer_sleep.TrainerSleep.state_ready`` (its optimizer state woken
         behind the weights, overlapping the forward / backward)."""
+        self.stream_buffers: dict[str, torch.Tensor] = {}
+        """The query / key / value split out of each fused ``linear_qkv`` for
+        :meth:`hf_tensors` with ``views`` (made at its first use, rewritten by every stream):
+        the same memory every sync, so an engine that holds the trainer's tensors across
+        syncs holds these too (one more copy of those weights: ~1.1 GB for Qwen3-4B)."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -353,11 +358,12 @@ class PolicyTrainer:
         pipeline parallel: the whole model on rank 0 only, each stage streaming its own
         tensors there (``rl.pipeline.stream_to_main``). ``views``: the parameters' own memory
         where a tensor is a view of it (``iter_hf_tensors(copy=False)``): for a consumer that
-        reads each tensor before the next optimizer step and keeps none."""
+        reads each tensor before the next optimizer step; the query / key / value then come
+        from :attr:`stream_buffers`."""
         from megatron_qrl.models.streaming import iter_hf_tensors
 
         local = iter_hf_tensors(self.module, self.policy.arch, self.policy.groups,
-                                copy=not views)
+                                copy=not views, buffers=self.stream_buffers if views else None)
         return local if self.stage is None else stream_to_main(self.stage, local)
 
     def state_dict(self) -> dict[str, Any]:

@@ -178,6 +178,33 @@ def test_hf_stream_as_views_of_the_parameters(tiny, stacked):
         assert shares(v) == (name.split(".")[-2] not in ("q_proj", "k_proj", "v_proj")), name
 
 
+def test_hf_stream_query_key_value_from_persistent_buffers(tiny):
+    """``iter_hf_tensors(copy=False, buffers=d)``: the query / key / value come from ``d``'s
+    buffers, the same memory in every stream, holding the current weights (the parameter
+    changed between two streams); every other tensor is still a view of its parameter.
+    Mutations caught: a fresh buffer per stream; the buffer left with the first stream's
+    values."""
+    from megatron_qrl.models.streaming import iter_hf_tensors
+
+    arch, tensors = tiny
+    _, model = _model(arch, tensors, False)
+    buffers: dict = {}
+    first = dict(iter_hf_tensors(model, arch, copy=False, buffers=buffers))
+    qkv = [n for n in first if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj")]
+    assert sorted(buffers) == sorted(qkv) and qkv
+    ptrs = {n: first[n].data_ptr() for n in first}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    second = dict(iter_hf_tensors(model, arch, copy=False, buffers=buffers))
+    want = dict(iter_hf_tensors(model, arch))
+    for n in want:
+        assert torch.equal(second[n], want[n]), n
+        assert second[n].data_ptr() == ptrs[n], n
+    for n in qkv:
+        assert second[n] is buffers[n]
+
+
 def test_torch_dist_checkpoint_is_the_sequential_one(tiny, tmp_path):
     """A torch_dist checkpoint of the stacked model loads into the sequential model (and the
     other way round): the sharded keys are per global expert on both."""
