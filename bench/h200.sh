@@ -57,7 +57,7 @@
 #               fake-quant vs aligned real low-bit GEMM (fp8 torch._scaled_mm, int8 torch._int_mm),
 #               its operands from the fused Triton kernels and from torch (:real:torch), fp8 with FP8
 #               dgrad + wgrad too (:real:bwd8, :real:bwd8:torch); PROFILE=N: one profiled step
-#               per variant, its N costliest ops,
+#               per variant, its N costliest ops; NMB=N: N micro batches per optimizer step,
 #               side by side, times / MFU / ratio, commit in each record; local spec (TE=1:
 #               the TE spec where TE is built, te_env); ~3 min -> $OUT/fp8_trainer.jsonl
 #   lora-mem    bench/lora_memory.py: Qwen3-4B trainer memory, full vs LoRA / QLoRA-NF4 / NVFP4 base
@@ -345,13 +345,14 @@ case $phase in
     [ "${TE:-0}" = 1 ] && te_env
     python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
       ${LAYERS:+--layers $LAYERS} --formats fp8,int8 --real fp8,int8 --real-torch-operands --real-fp8-backward --plain-model no --no-te-variants \
-      --warmup 2 --rounds 5 ${PROFILE:+--profile $PROFILE} --out "$OUT/fp8_trainer.jsonl" 2>&1 \
+      --warmup 2 --rounds 5 ${PROFILE:+--profile $PROFILE} ${NMB:+--num-micro-batches $NMB} \
+      --out "$OUT/fp8_trainer.jsonl" 2>&1 \
       | grep -E "^\||note|device|Error|^profile"
     # fp8_block's real GEMM is SGLang's own (its site must import): its own run, so that a
     # missing SGLang costs only these rows
     python3 bench/aligned_step.py --config megatron_qrl/data/configs/qwen3_4b.json \
       ${LAYERS:+--layers $LAYERS} --formats fp8_block --real fp8_block --plain-model no --no-te-variants \
-      --warmup 2 --rounds 5 --out "$OUT/fp8_trainer_block.jsonl" 2>&1 | grep -E "^\||note|device|Error" ;;
+      --warmup 2 --rounds 5 ${NMB:+--num-micro-batches $NMB} --out "$OUT/fp8_trainer_block.jsonl" 2>&1 | grep -E "^\||note|device|Error" ;;
   te-part)
     mkdir -p /tmp/te && cp .stage/te${2:?part number}/part* /tmp/te/ && ls -la /tmp/te ;;
   te-build)
