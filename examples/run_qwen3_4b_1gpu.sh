@@ -23,8 +23,9 @@
 # unset: inplace for quantized formats; direct: the trainer's weights quantized straight into
 # the engine's tensors — by the engine from the trainer's CUDA IPC handles while its memory
 # saver is on, by the trainer with RELEASE=0; SYNC=direct RECOMPUTE=1 ran on one H200 at
-# c5849b0, local spec: sync 0.31-0.38 s vs 0.80-0.89 s in place,
-# bench/results/example4b_single_direct_c5849b0.jsonl; RELEASE=0 SYNC=direct not run here),
+# 9676a5c, local spec: sync 0.23-0.24 s in 3 requests, the trainer's parameters held by the
+# engine (c5849b0: 0.31-0.38 s; in place 0.80-0.89 s),
+# bench/results/example4b_single_direct_9676a5c.jsonl; RELEASE=0 SYNC=direct not run here),
 # STEPS, SAVE_INTERVAL (-1: no checkpoint; a checkpoint with Adam state is ~70 GB), TIMPL
 # (--transformer-impl local|transformer_engine; unset: TE where it imports).
 # SLEEP=on|off|auto (--qrl-trainer-sleep; default off, as the preset): on puts the trainer to
