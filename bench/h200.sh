@@ -543,7 +543,7 @@ case $phase in
     CKPT=/tmp/qrl_random_ckpt/qwen3_4b-allL STEPS=${STEPS:-3} SAVE_INTERVAL=-1 \
       OUT=/tmp/qrl_example4b bash examples/run_qwen3_4b_1gpu.sh 2>&1 \
       | grep -v Warning | tail -n 25
-    m="$OUT/example4b_${MODE:-single}_sleep${SLEEP:-off}${SYNC:+_$SYNC}_metrics.jsonl"
+    m="$OUT/example4b_${MODE:-single}_sleep${SLEEP:-off}${SYNC:+_$SYNC}${RELEASE:+_release$RELEASE}_metrics.jsonl"
     cp /tmp/qrl_example4b/metrics.jsonl "$m" 2>/dev/null && rm -rf /tmp/qrl_example4b
     python3 -c "import json; [print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k.startswith('sync_') or k in ('step', 'time_rollout_s', 'time_recompute_s', 'time_train_s', 'time_sync_s', 'time_engine_resume_s', 'time_sleep_s', 'time_wake_s', 'trainer_gpu_gib_asleep', 'rollout_waves', 'trainer_peak_gib', 'trained_tokens')}) for r in map(json.loads, open('$m'))]" ;;
   fleet)
