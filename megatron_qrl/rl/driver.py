@@ -21,6 +21,7 @@ A checkpoint holds every rank's model / optimizer state in one atomically writte
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -286,13 +287,27 @@ def _start_engine(configs: QrlConfigs, data: JobData, engine_factory: EngineFact
     the engine has released its memory again (the first weight sync resumes it)."""
     if sleeper is not None:
         sleeper.sleep()
-    engine = engine_factory(configs.rollout, data.hf_config, configs.run.seed, **lora_kw) \
+    engine = engine_factory(engine_rollout_config(configs.rollout, sleeper is not None),
+                            data.hf_config, configs.run.seed, **lora_kw) \
         if world.is_main else None
     if sleeper is not None:
         if engine is not None:
             engine.release_memory()
         sleeper.wake()
     return engine
+
+
+def engine_rollout_config(rollout: Any, trainer_sleeps: bool) -> Any:
+    """``rollout`` as the engine is built from it: a trainer that sleeps during rollout
+    (``rl.trainer_sleep``) moves its weights off the GPU, and memory PyTorch shared by CUDA IPC
+    stays allocated until the importer lets go, so an SGLang engine that held the trainer's
+    tensors across syncs (``SGLangOptions.hold_trainer_tensors``) would keep them on the GPU
+    through the sleep: it opens them anew each sync instead (the run log's sync line says
+    so)."""
+    if not (trainer_sleeps and rollout.engine == "sglang" and rollout.sglang.hold_trainer_tensors):
+        return rollout
+    return dataclasses.replace(rollout, sglang=dataclasses.replace(rollout.sglang,
+                                                                   hold_trainer_tensors=False))
 
 
 def _lora_serving(configs: QrlConfigs, arch: ModelArch) -> Any:

@@ -99,7 +99,10 @@ class SGLangOptions:
     engine checking what it holds against the trainer's fingerprints before writing (an
     engine that lost them or holds a copy gets the request again with every handle, and
     every handle from then on); --no-qrl-rollout-sglang-hold-trainer-tensors sends every
-    tensor's handle each sync."""
+    tensor's handle each sync. Off where the trainer sleeps during rollout
+    (``rl.driver.engine_rollout_config``): PyTorch keeps memory it shared by CUDA IPC until
+    the importer lets go, so weights the engine held would stay on the GPU through the
+    trainer's sleep."""
 
     receipt: bool = field(default=True, metadata={"on_resume": "may change"})
     """In-place (and quantized distributed) syncs: each engine process fingerprints what it
@@ -231,10 +234,12 @@ class SGLangOptions:
                "inplace": "packed buckets re-processed into the engine's live layout",
                "distributed": "buckets broadcast over the weight-update group"}
         if self.sync == "direct":
+            held = ("the trainer's tensors held across syncs" if self.hold_trainer_tensors
+                    else "every handle opened anew each sync")
             text = ("quantized straight into the engine's tensors by the engine, from the "
-                    "trainer's CUDA IPC handles (its memory saver's tensors cannot be handed "
-                    "out)" if self.release_memory else "quantized straight into the engine's "
-                    "tensors by the trainer, through their CUDA IPC handles")
+                    f"trainer's CUDA IPC handles, {held} (its memory saver's tensors cannot be "
+                    "handed out)" if self.release_memory else "quantized straight into the "
+                    "engine's tensors by the trainer, through their CUDA IPC handles")
         else:
             text = how.get(self.sync, self.sync)
         saver = "memory saver on" if self.release_memory else "engine resident"

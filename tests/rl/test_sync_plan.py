@@ -68,3 +68,25 @@ def test_an_engine_writing_into_itself_gets_the_parameters_as_views(monkeypatch)
         SyncPlan(Trainer(), Engine(into, own), get_spec("fp8"), None, 0, sft_steps=0,
                  steps=1).send(1)
     assert asked == [False, False, True]
+
+
+def test_a_sleeping_trainer_keeps_no_tensor_held_by_the_engine():
+    """The trainer's weights leave the GPU during a sleep, and memory shared by CUDA IPC stays
+    allocated while the importer holds it: an SGLang engine beside a sleeping trainer opens
+    the trainer's tensors anew each sync (the run log says so); without the sleep, or for
+    another engine, the rollout config is the one given. Mutation caught: the config passed
+    through unchanged for a sleeping trainer."""
+    from megatron_qrl.config.run import RolloutConfig
+    from megatron_qrl.rl.driver import engine_rollout_config
+
+    ro = RolloutConfig(format="fp8", engine="sglang")
+    assert ro.sglang.hold_trainer_tensors
+    asleep = engine_rollout_config(ro, trainer_sleeps=True)
+    assert not asleep.sglang.hold_trainer_tensors and ro.sglang.hold_trainer_tensors
+    assert asleep.format == ro.format and asleep.sglang.sync == ro.sglang.sync
+    assert engine_rollout_config(ro, trainer_sleeps=False) is ro
+    ref = RolloutConfig(format="fp8")
+    assert engine_rollout_config(ref, trainer_sleeps=True) is ref
+    line = asleep.sglang.__class__(sync="direct", hold_trainer_tensors=False).resolve(
+        "fp8").describe_sync()
+    assert "every handle opened anew each sync" in line

@@ -204,6 +204,7 @@ def test_the_run_log_says_which_end_writes():
     assert saver.startswith("SGLang weight sync: direct (quantized straight into the engine's "
                             "tensors by the engine, from the trainer's CUDA IPC handles")
     assert saver.endswith("memory saver on)") and resident.endswith("engine resident)")
+    assert "the trainer's tensors held across syncs" in saver
     assert "by the trainer, through their CUDA IPC handles" in resident
     assert SGLangOptions().resolve("fp8").describe_sync().startswith(
         "SGLang weight sync: inplace (packed buckets re-processed")
