@@ -64,15 +64,21 @@ class FiniteChecks:
         (``"{spec.name}: {weight} holds NaN / Inf values; ..."``): the first added, or with
         ``order`` (weight -> position in the stream) the first in the stream. One host sync
         per device the weights were on (none without entries)."""
+        first = self.first_bad(order)
+        if first is not None:
+            raise NonFiniteError(f"{spec.name}: {first} holds NaN / Inf values; {FIX}")
+
+    def first_bad(self, order: Mapping[str, int] | None = None) -> str | None:
+        """The first weight that held a NaN / Inf (as :meth:`check` names it), or None: one
+        host sync per device the weights were on (none without entries)."""
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for *_, ok in self.entries:  # (bools, amaxes) per device, amaxes: one isfinite
             by_device.setdefault(ok.device, ([], []))[ok.dtype != torch.bool].append(
                 ok.reshape(-1))
         if all(_all_finite(flags, amaxes) for flags, amaxes in by_device.values()):
-            return
+            return None
         bad = self.bad_weights()
-        first = bad[0] if order is None else min(bad, key=lambda n: order.get(n, -1))
-        raise NonFiniteError(f"{spec.name}: {first} holds NaN / Inf values; {FIX}")
+        return bad[0] if order is None else min(bad, key=lambda n: order.get(n, -1))
 
     def bad_weights(self) -> list[str]:
         """The weights that held a NaN / Inf, in the order added (host syncs: the error
