@@ -76,9 +76,9 @@ def test_refuse_non_finite_names_the_parameter():
 
 
 def test_the_first_non_finite_parameter_in_order_across_dtypes():
-    """NaN and inf found in BF16 and fp32 parameters alike, the first in the given order named
-    (the amaxes are read per dtype); empty and integer tensors are finite. Mutation caught:
-    the first of each dtype's group named instead of the first in order."""
+    """NaN and inf found in BF16 and fp32 parameters alike, the first in the given order named;
+    empty and integer tensors are finite. Mutation caught: the last bad parameter named
+    instead of the first."""
     from megatron_qrl.rl.sync import first_non_finite
 
     big = torch.ones(1000, dtype=torch.bfloat16)
