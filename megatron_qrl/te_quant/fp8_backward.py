@@ -130,14 +130,18 @@ def grad_kernels(device: torch.device, fmt: str):
     return module_kernels("triton_grad", device, "the gradient is on {device}")
 
 
-def dgrad_operand(grad2d: torch.Tensor, scale: torch.Tensor, fmt: str
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def dgrad_operand(grad2d: torch.Tensor, scale: torch.Tensor, fmt: str,
+                  row_group: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``Q_row(g * sw^T)``: the FP8 input gradient's ``A`` operand (codes ``[M, N]``, scales
-    ``[M, 1]``), in one fused kernel where :func:`grad_kernels` gives one."""
+    ``[M, 1]``), in one fused kernel where :func:`grad_kernels` gives one; ``row_group``
+    (``[M]``, each row's expert): ``scale`` is ``[E, N]`` and each row folds its expert's."""
     kernels = grad_kernels(grad2d.device, fmt)
     if kernels is not None:
-        return kernels.quantize_grad_rows(grad2d, scale.reshape(-1))
-    return quantize_grad_rows(folded_grad(grad2d, scale), fmt, inplace=True)
+        return kernels.quantize_grad_rows(
+            grad2d, scale.reshape(-1) if row_group is None else scale, row_group)
+    folded = folded_grad(grad2d, scale) if row_group is None else \
+        grad2d.float() * scale[row_group]
+    return quantize_grad_rows(folded, fmt, inplace=True)
 
 
 def folded_grad(grad2d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -173,16 +177,9 @@ def grouped_dgrad_fp8(grad2d: torch.Tensor, codes_t: torch.Tensor, scale: torch.
     ``[E, N, 1]``; each row's gradient takes its expert's weight scale, then
     ``mm(xq, xs, wq, ws, counts, out_dtype=)`` (:func:`.real_gemm.grouped_real_mm`: one
     ``torch._scaled_grouped_mm`` where it runs, else one ``_scaled_mm`` per expert)."""
-    rows = torch.tensor(counts, device=scale.device)
-    sw = scale.reshape(scale.shape[0], -1)
-    kernels = grad_kernels(grad2d.device, fmt)
-    if kernels is not None:
-        group = torch.arange(len(counts), device=grad2d.device, dtype=torch.int32)
-        qg, sg = kernels.quantize_grad_rows(grad2d, sw, group.repeat_interleave(
-            rows, output_size=sum(counts)))
-    else:
-        sw = sw.repeat_interleave(rows, dim=0, output_size=sum(counts))
-        qg, sg = quantize_grad_rows(grad2d.float() * sw, fmt, inplace=True)
+    group = torch.arange(len(counts), device=grad2d.device).repeat_interleave(
+        torch.tensor(counts, device=grad2d.device), output_size=sum(counts))
+    qg, sg = dgrad_operand(grad2d, scale.reshape(scale.shape[0], -1), fmt, group)
     ones = torch.ones(*codes_t.shape[:2], 1, dtype=torch.float32, device=codes_t.device)
     return mm(qg, sg, codes_t, ones, counts, out_dtype=out_dtype)
 
