@@ -73,10 +73,12 @@ class SyncPlan:
         quantized = None if self.qcache is None else self.qcache.lookup(
             self.trainer.module, self.trainer.policy.arch)
         # an engine that quantizes into its own memory reads each tensor during the sync and
-        # keeps none: the parameters go as themselves (no copy per sync; the SGLang engine
-        # then holds them across syncs, SGLangOptions.hold_trainer_tensors)
+        # keeps none: the parameters go as themselves (no copy per sync); one that holds them
+        # across syncs gets the query / key / value from persistent buffers too
         views = self.engine.quantizes_into and self.engine.verifies_own_update
-        result = sync_weights(self.trainer.hf_tensors(views=views), self.engine, self.spec,
+        stream = self.trainer.hf_tensors(
+            views=views, persistent=views and self.engine.holds_stream_tensors)
+        result = sync_weights(stream, self.engine, self.spec,
                               version, self.aqn, self.seed, **self.aqn_at(version),
                               quantized=quantized)
         if quantized is None:

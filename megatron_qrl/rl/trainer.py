@@ -217,7 +217,7 @@ class PolicyTrainer:
         behind the weights, overlapping the forward / backward)."""
         self.stream_buffers: dict[str, torch.Tensor] = {}
         """The query / key / value split out of each fused ``linear_qkv`` for
-        :meth:`hf_tensors` with ``views`` (made at its first use, rewritten by every stream):
+        :meth:`hf_tensors` with ``persistent`` (made at its first use, rewritten by every stream):
         the same memory every sync, so an engine that holds the trainer's tensors across
         syncs holds these too (one more copy of those weights: ~1.1 GB for Qwen3-4B)."""
 
@@ -352,18 +352,21 @@ class PolicyTrainer:
             metrics = _data_parallel_mean(metrics)
         return metrics, grad_norm
 
-    def hf_tensors(self, views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(self, views: bool = False, persistent: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` of the current weights. One process: no collectives;
         multi-rank: shards gathered over TP / EP, every rank must consume it in lockstep;
         pipeline parallel: the whole model on rank 0 only, each stage streaming its own
         tensors there (``rl.pipeline.stream_to_main``). ``views``: the parameters' own memory
         where a tensor is a view of it (``iter_hf_tensors(copy=False)``): for a consumer that
-        reads each tensor before the next optimizer step; the query / key / value then come
-        from :attr:`stream_buffers`."""
+        reads each tensor before the next optimizer step; ``persistent`` (with ``views``): the
+        query / key / value from :attr:`stream_buffers`, for a consumer that holds the tensors
+        across streams."""
         from megatron_qrl.models.streaming import iter_hf_tensors
 
         local = iter_hf_tensors(self.module, self.policy.arch, self.policy.groups,
-                                copy=not views, buffers=self.stream_buffers if views else None)
+                                copy=not views,
+                                buffers=self.stream_buffers if views and persistent else None)
         return local if self.stage is None else stream_to_main(self.stage, local)
 
     def state_dict(self) -> dict[str, Any]:

@@ -121,6 +121,13 @@ class RolloutEngine(ABC):
     received from another process"), so a Ray actor that receives the stream over the ipc
     transport hands such an engine copies of its own."""
 
+    holds_stream_tensors: bool = False
+    """True for an engine that keeps the stream's tensors across syncs where they are the
+    same memory each time (the SGLang direct sync written by the engine with
+    ``SGLangOptions.hold_trainer_tensors``): the driver's sync then streams the query / key /
+    value split out of ``linear_qkv`` from persistent buffers (``PolicyTrainer.stream_buffers``)
+    so that those are held too; for any other engine the buffers would be memory for nothing."""
+
     last_sync: dict | None = None
     """The engine's account of its last :meth:`update_weights`, where it keeps one (the
     in-process SGLang engine: requests sent, seconds per part, what it quantized and copied,

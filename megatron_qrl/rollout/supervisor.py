@@ -128,6 +128,10 @@ class EngineSupervisor(RolloutEngine):
         return self.engine.reshares_stream
 
     @property
+    def holds_stream_tensors(self) -> bool:  # the inner engine's (see RolloutEngine)
+        return self.engine.holds_stream_tensors
+
+    @property
     def last_sync(self) -> dict | None:  # the inner engine's account (see RolloutEngine)
         return getattr(self.engine, "last_sync", None)
 

@@ -119,6 +119,11 @@ class SGLangEngine(RolloutEngine):
         scheduler by CUDA IPC (RolloutEngine)."""
         return self.options.sync == "direct" and self.options.release_memory
 
+    @property
+    def holds_stream_tensors(self) -> bool:
+        """The engine-side direct write keeps the trainer's tensors (RolloutEngine)."""
+        return self.reshares_stream and self.options.hold_trainer_tensors
+
     def __init__(self, model_path: str | Path, spec_name: str,
                  options: SGLangOptions | None = None, *, bucket_bytes: int = 512 * 2**20,
                  trainer_device: str | torch.device | None = None, group_backend: str = "nccl",

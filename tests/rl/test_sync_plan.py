@@ -55,19 +55,23 @@ def test_an_engine_writing_into_itself_gets_the_parameters_as_views(monkeypatch)
     asked = []
 
     class Trainer:
-        def hf_tensors(self, views=False):
-            asked.append(views)
+        def hf_tensors(self, views=False, persistent=False):
+            asked.append((views, persistent))
             return iter(())
 
     class Engine:
-        def __init__(self, into, own):
+        def __init__(self, into, own, holds=False):
             self.quantizes_into, self.verifies_own_update = into, own
+            self.holds_stream_tensors = holds
 
     monkeypatch.setattr(sync_plan, "sync_weights", lambda *a, **k: None)
-    for into, own in ((False, False), (False, True), (True, True)):
-        SyncPlan(Trainer(), Engine(into, own), get_spec("fp8"), None, 0, sft_steps=0,
-                 steps=1).send(1)
-    assert asked == [False, False, True]
+    for engine in (Engine(False, False), Engine(False, True), Engine(True, True),
+                   Engine(True, True, holds=True), Engine(False, False, holds=True)):
+        SyncPlan(Trainer(), engine, get_spec("fp8"), None, 0, sft_steps=0, steps=1).send(1)
+    # persistent q / k / v buffers only for an engine that holds the stream's tensors
+    # (mutation caught: buffers for every engine given views: memory for nothing)
+    assert asked == [(False, False), (False, False), (True, False), (True, True),
+                     (False, False)]
 
 
 def test_a_sleeping_trainer_keeps_no_tensor_held_by_the_engine():

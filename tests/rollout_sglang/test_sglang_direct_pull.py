@@ -430,3 +430,16 @@ def test_the_allocator_is_read_per_share_of_a_request_not_per_tensor():
     got = list(requests_of(params, 64 << 10, torch.device("cpu"), in_use))
     assert len(got) == 1 and len(got[0][0]) == 64
     assert reads[0] == 1 + 64 * 1024 // ((64 << 10) // direct_pull.CHECKS_PER_REQUEST)
+
+
+def test_the_engine_says_whether_it_holds_the_streams_tensors():
+    """``holds_stream_tensors`` (the driver then streams the query / key / value from persistent
+    buffers): the engine-side write with holding on only. Mutation caught: true for the
+    trainer-side write or with holding off."""
+    eng = pulled_engine(engine("fp8"), "fp8")
+    assert eng.holds_stream_tensors
+    eng.options = SGLangOptions(sync="direct", hold_trainer_tensors=False).resolve("fp8")
+    assert not eng.holds_stream_tensors
+    from tests.rollout_sglang.test_sglang_direct import _direct_engine
+
+    assert not _direct_engine(engine("fp8"), "fp8", release_memory=False).holds_stream_tensors
